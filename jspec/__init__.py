@@ -1,0 +1,1 @@
+"""jspec: speculative-decoding LLM inference on JAX/Pallas."""

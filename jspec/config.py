@@ -1,0 +1,147 @@
+"""Configuration dataclasses.
+
+`ModelConfig` describes a Llama-family decoder (the shapes and the few switches
+that tell Llama, Mistral, Qwen2 and Qwen3 apart). It is frozen and hashable so
+it can be a static argument of jitted functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+# HF `architectures[0]` -> jspec family name.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+class UnsupportedArchitectureError(ValueError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency-dependent RoPE scaling ("rope_type": "llama3")."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    family: str  # "llama" | "mistral" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2
+    qk_norm: bool = False  # Qwen3: RMSNorm on each q and k head before RoPE
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """Builds a config from a HF `config.json` dict; raises on anything unsupported."""
+        archs = hf.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedArchitectureError(
+                f"unsupported architecture {arch!r} (config.json 'architectures' = {archs!r}); "
+                f"jspec supports {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        family = SUPPORTED_ARCHITECTURES[arch]
+        num_heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        rope_scaling = None
+        rs = hf.get("rope_scaling") or None
+        if rs is None and isinstance(hf.get("rope_parameters"), dict):
+            rs = hf["rope_parameters"]  # transformers >= 5 folds rope_theta and scaling here
+        if rs is not None:
+            rope_type = rs.get("rope_type", rs.get("type", "default"))
+            if rope_type == "llama3":
+                rope_scaling = RopeScaling(
+                    factor=float(rs["factor"]),
+                    low_freq_factor=float(rs["low_freq_factor"]),
+                    high_freq_factor=float(rs["high_freq_factor"]),
+                    original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
+                )
+            elif rope_type != "default":
+                raise UnsupportedArchitectureError(
+                    f"unsupported rope_scaling type {rope_type!r}; jspec supports 'llama3' and none"
+                )
+        rope_theta = hf.get("rope_theta")
+        if rope_theta is None and isinstance(hf.get("rope_parameters"), dict):
+            rope_theta = hf["rope_parameters"].get("rope_theta")
+        max_pos = int(hf.get("max_position_embeddings", 4096))
+        # Sliding-window attention equals full attention while the context fits
+        # in the window, so a window is honoured by capping the context.
+        window = hf.get("sliding_window")
+        use_window = hf.get("use_sliding_window", family == "mistral")
+        if window and use_window:
+            max_pos = min(max_pos, int(window))
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        if hf.get("attention_bias") and family != "qwen2":
+            raise UnsupportedArchitectureError("attention_bias=true is supported only for Qwen2 (q/k/v bias)")
+        if hf.get("mlp_bias"):
+            raise UnsupportedArchitectureError("mlp_bias=true is not supported")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise UnsupportedArchitectureError(f"unsupported hidden_act {hf['hidden_act']!r}; only 'silu'")
+        return cls(
+            family=family,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=int(num_heads),
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=family == "qwen2",
+            qk_norm=family == "qwen3",
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> "ModelConfig":
+        cfg_path = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise FileNotFoundError(f"no config.json in model directory {os.fspath(path)!r}")
+        with open(cfg_path) as f:
+            return cls.from_hf(json.load(f))
