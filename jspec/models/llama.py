@@ -1,0 +1,215 @@
+"""Pure-functional Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over paged KV.
+
+`forward` runs one ragged token batch (see models/batch.py) through all layers,
+writes the new tokens' K/V into the pool, and returns logits only for the rows
+asked for, plus the residual stream entering chosen layers (EAGLE-3 drafts
+read three of them). Layers are stacked on a leading axis and run under
+lax.scan, so compile time does not grow with depth.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.config import ModelConfig
+from jspec.models.attention import paged_attention
+from jspec.models.batch import AttentionMode, ForwardBatch
+from jspec.paged_kv.pool import KVPool, write_kv
+
+
+class ForwardOutput(NamedTuple):
+    logits: jax.Array  # [N, V] float32, for batch.logits_indices
+    hidden: jax.Array  # [N, H] final-normed hidden state of those rows (EAGLE-1 input)
+    captured: jax.Array | None  # [C, T, H] residual stream entering each capture layer
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies, with Llama-3's smooth long-context rescaling when configured."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv_freq.astype(np.float32)
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x: [T, heads, D]; cos/sin: [T, D/2]. Half-split rotation (HF's rotate_half convention)."""
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    return out.astype(x.dtype)
+
+
+def _linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _decoder_layer(cfg: ModelConfig, mode: AttentionMode, batch, cos, sin, x, kv, lp, layer):
+    T = x.shape[0]
+    k_cache, v_cache = kv
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    qkv = jnp.dot(h, lp["wqkv"], preferred_element_type=jnp.float32)
+    if cfg.qkv_bias:
+        qkv = qkv + lp["bqkv"].astype(jnp.float32)
+    qkv = qkv.astype(x.dtype)
+    q = qkv[:, : cfg.q_size].reshape(T, cfg.num_heads, cfg.head_dim)
+    k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].reshape(T, cfg.num_kv_heads, cfg.head_dim)
+    v = qkv[:, cfg.q_size + cfg.kv_size :].reshape(T, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+    q = apply_rope(q, cos, sin)
+    k = apply_rope(k, cos, sin)
+    k_cache = write_kv(k_cache, layer, batch.slots, k)
+    v_cache = write_kv(v_cache, layer, batch.slots, v)
+    attn = paged_attention(
+        q, k_cache, v_cache, layer, batch, mode, sm_scale=1.0 / math.sqrt(cfg.head_dim)
+    )
+    x = x + _linear(attn.reshape(T, cfg.q_size), lp["wo"])
+    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    gate_up = jnp.dot(h, lp["w_gate_up"], preferred_element_type=jnp.float32)
+    gate, up = gate_up[:, : cfg.intermediate_size], gate_up[:, cfg.intermediate_size :]
+    x = x + _linear((jax.nn.silu(gate) * up).astype(x.dtype), lp["w_down"])
+    return x, (k_cache, v_cache)
+
+
+def lm_head_weight(params) -> jax.Array:
+    return params["lm_head"] if "lm_head" in params else params["embed"].T
+
+
+def compute_logits(params, cfg: ModelConfig, hidden_normed: jax.Array) -> jax.Array:
+    return jnp.dot(hidden_normed, lm_head_weight(params), preferred_element_type=jnp.float32)
+
+
+def forward(
+    params,
+    cfg: ModelConfig,
+    kv: KVPool,
+    batch: ForwardBatch,
+    mode: AttentionMode,
+    capture_layers: tuple[int, ...] = (),
+    unroll_layers: bool = False,
+) -> tuple[KVPool, ForwardOutput]:
+    """One forward pass over a ragged batch; returns the updated pool and the outputs.
+
+    unroll_layers=True unrolls the layer scan (static weight slices), which can
+    spare XLA a per-layer copy of the weights on some backends; bench_decode.py
+    measures both.
+    """
+    dtype = params["embed"].dtype
+    x = params["embed"][batch.tokens].astype(dtype)
+    T = x.shape[0]
+    angles = batch.positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(cfg))[None]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    capture = jnp.asarray(capture_layers if capture_layers else (-1,), jnp.int32)
+    captured0 = jnp.zeros((len(capture_layers), T, cfg.hidden_size), dtype) if capture_layers else None
+
+    def body(carry, xs):
+        x, k_cache, v_cache, captured = carry
+        lp, layer = xs
+        if captured is not None:
+            # Residual stream entering this layer, stored only when it is a capture layer.
+            hit = capture == layer
+            captured = jax.lax.cond(
+                jnp.any(hit),
+                lambda c: c.at[jnp.argmax(hit)].set(x),
+                lambda c: c,
+                captured,
+            )
+        x, (k_cache, v_cache) = _decoder_layer(cfg, mode, batch, cos, sin, x, (k_cache, v_cache), lp, layer)
+        return (x, k_cache, v_cache, captured), None
+
+    layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (x, k_cache, v_cache, captured), _ = jax.lax.scan(
+        body, (x, kv.k, kv.v, captured0), (params["layers"], layers), unroll=cfg.num_layers if unroll_layers else 1
+    )
+    if captured is not None and cfg.num_layers in capture_layers:
+        captured = captured.at[capture_layers.index(cfg.num_layers)].set(x)
+    h = rms_norm(x[batch.logits_indices], params["final_norm"], cfg.rms_norm_eps)
+    logits = compute_logits(params, cfg, h)
+    return KVPool(k_cache, v_cache), ForwardOutput(logits, h, captured)
+
+
+def dense_forward(params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """No-cache full-sequence forward for one sequence: the test oracle for the paged path.
+
+    tokens: [T] -> logits [T, V] float32. Causal attention recomputed from scratch.
+    """
+    T = tokens.shape[0]
+    x = params["embed"][tokens]
+    angles = jnp.arange(T, dtype=jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(cfg))[None]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    group = cfg.num_heads // cfg.num_kv_heads
+    causal = jnp.tril(jnp.ones((T, T), bool))
+
+    def body(x, lp):
+        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+        qkv = jnp.dot(h, lp["wqkv"], preferred_element_type=jnp.float32)
+        if cfg.qkv_bias:
+            qkv = qkv + lp["bqkv"].astype(jnp.float32)
+        qkv = qkv.astype(x.dtype)
+        q = qkv[:, : cfg.q_size].reshape(T, cfg.num_heads, cfg.head_dim)
+        k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].reshape(T, cfg.num_kv_heads, cfg.head_dim)
+        v = qkv[:, cfg.q_size + cfg.kv_size :].reshape(T, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+            k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
+        s = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k.astype(jnp.float32))
+        s = jnp.where(causal[None], s / math.sqrt(cfg.head_dim), -jnp.inf)
+        p = jax.nn.softmax(s, axis=-1)
+        attn = jnp.einsum("hqk,khd->qhd", p, v.astype(jnp.float32)).astype(x.dtype)
+        x = x + _linear(attn.reshape(T, cfg.q_size), lp["wo"])
+        h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+        gu = jnp.dot(h, lp["w_gate_up"], preferred_element_type=jnp.float32)
+        g, u = gu[:, : cfg.intermediate_size], gu[:, cfg.intermediate_size :]
+        return x + _linear((jax.nn.silu(g) * u).astype(x.dtype), lp["w_down"]), None
+
+    x, _ = jax.lax.scan(body, x, params["layers"])
+    return compute_logits(params, cfg, rms_norm(x, params["final_norm"], cfg.rms_norm_eps))
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    """The param pytree's shapes ([in, out] weights, layers stacked on axis 0)."""
+    L, H, I, V, D = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
+    qkv = cfg.q_size + 2 * cfg.kv_size
+    layers = {
+        "attn_norm": (L, H),
+        "wqkv": (L, H, qkv),
+        "wo": (L, cfg.q_size, H),
+        "mlp_norm": (L, H),
+        "w_gate_up": (L, H, 2 * I),
+        "w_down": (L, I, H),
+    }
+    if cfg.qkv_bias:
+        layers["bqkv"] = (L, qkv)
+    if cfg.qk_norm:
+        layers["q_norm"] = (L, D)
+        layers["k_norm"] = (L, D)
+    shapes = {"embed": (V, H), "layers": layers, "final_norm": (H,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (H, V)
+    return shapes

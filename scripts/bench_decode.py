@@ -1,0 +1,181 @@
+"""Decode-step time on the GPU against the weight + KV bandwidth floor.
+
+A Llama-3.1-8B-shaped model with random bf16 weights (made on the device) runs
+one decode token per sequence through the paged KV pool: the jitted
+forward+sample step with the pool donated, exactly what generation runs.
+Floors: bytes that must be read (all weights but the embedding table, plus the
+KV of every sequence) over the copy bandwidth measured in the same run, and
+for big batches the matmul FLOPs over the measured bf16 matmul rate.
+
+    python scripts/bench_decode.py [--quick] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.config import ModelConfig
+from jspec.models.llama import param_shapes
+from jspec.paged_kv.pool import KVPool
+from jspec.runner import forward_sample_step
+from jspec.scheduler.batch_builder import SeqChunk, build_forward_batch
+
+LLAMA_8B = ModelConfig(
+    family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+    num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+    max_position_embeddings=131072,
+)
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return os.environ.get("JSPEC_COMMIT", "unknown")
+
+
+def random_params(cfg: ModelConfig, dtype, seed=0):
+    shapes = param_shapes(cfg)
+    leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+
+    @jax.jit
+    def make(keys):
+        out = []
+        for k, shape in zip(keys, leaves):
+            is_norm = len(shape) <= 2 and shape[-1] in (cfg.hidden_size, cfg.head_dim) and not (len(shape) == 2 and shape[0] == cfg.vocab_size)
+            x = jax.random.normal(k, shape, jnp.float32) * (0.1 if is_norm else 0.02) + (1.0 if is_norm else 0.0)
+            out.append(x.astype(dtype))
+        return out
+
+    return jax.tree.unflatten(treedef, make(keys))
+
+
+def timed(fn, iters: int, repeats: int) -> float:
+    """Median seconds per call over `repeats` runs of `iters` back-to-back calls."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(iters):
+            out = fn()
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / iters)
+    return float(np.median(times))
+
+
+def measure_copy_bandwidth() -> float:
+    """Bytes read + written per second by an elementwise pass over 4 GiB of bf16."""
+    x = jax.random.normal(jax.random.key(1), (1 << 31,), jnp.bfloat16)
+    f = jax.jit(lambda a: a * 1.0001)
+    jax.block_until_ready(f(x))
+    t = timed(lambda: f(x), 10, 5)
+    return 2 * x.nbytes / t
+
+
+def measure_matmul_flops() -> float:
+    n = 8192
+    a = jax.random.normal(jax.random.key(2), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(3), (n, n), jnp.bfloat16)
+    f = jax.jit(lambda a, b: a @ b)
+    jax.block_until_ready(f(a, b))
+    return 2 * n**3 / timed(lambda: f(a, b), 10, 5)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer cases and iterations")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--page-size", type=int, default=16)
+    args = ap.parse_args()
+
+    cfg, dtype, S = LLAMA_8B, jnp.bfloat16, args.page_size
+    dev = jax.devices()[0]
+    print(f"device {dev.device_kind}, jax {jax.__version__}", flush=True)
+    copy_bw = measure_copy_bandwidth()
+    mm_rate = measure_matmul_flops()
+    print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s, bf16 matmul {mm_rate / 1e12:.0f} TFLOP/s", flush=True)
+
+    params = random_params(cfg, dtype)
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params)) - params["embed"].nbytes
+    matmul_params = weight_bytes // 2 - cfg.hidden_size * (2 * cfg.num_layers + 1)
+
+    batches = [1, 8, 32, 128]
+    contexts = [1024, 4096]
+    if args.quick:
+        batches, contexts = [1, 32], [1024]
+    max_tokens = max(batches) * max(contexts)
+    num_pages = max_tokens // S + 2
+    kv_shape = (cfg.num_layers, num_pages, S, cfg.num_kv_heads, cfg.head_dim)
+    # Random, not zeros (zeros can time faster than real data); one layer at a time bounds the f32 temporaries.
+    fill = jax.jit(lambda k: jax.lax.map(lambda kk: jax.random.normal(kk, kv_shape[1:], dtype),
+                                         jax.random.split(k, kv_shape[0])))
+    kv = KVPool(fill(jax.random.key(10)), fill(jax.random.key(11)))
+    rng = np.random.default_rng(0)
+    rows = []
+    for unroll in (False, True):
+        for ctx in contexts:
+            for B in batches:
+                # Scatter each sequence over random pages, as a long-running server's pool would be.
+                pages = rng.permutation(np.arange(1, num_pages))[: B * (ctx // S)].reshape(B, ctx // S)
+                chunks = [SeqChunk([int(rng.integers(cfg.vocab_size))], ctx - 1, list(pages[b])) for b in range(B)]
+                batch, mode = build_forward_batch(chunks, page_size=S, num_pages=num_pages)
+                batch = jax.tree.map(jnp.asarray, batch)
+                temps = jnp.zeros(batch.seq_lens.shape[0], jnp.float32)
+                key = jax.random.key(0)
+                state = {"kv": kv}
+
+                def step():
+                    state["kv"], toks = forward_sample_step(
+                        params, state["kv"], batch, temps, key, cfg=cfg, mode=mode, unroll_layers=unroll)
+                    return toks
+
+                try:
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(step())
+                    compile_s = time.perf_counter() - t0
+                    t = timed(step, 5 if args.quick else 20, 3 if args.quick else 5)
+                except Exception as e:  # keep going: one failing case must not hide the others
+                    print(f"FAILED B={B} ctx={ctx} unroll={unroll}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    kv = state["kv"]
+                    continue
+                kv = state["kv"]
+                kv_bytes = B * ctx * cfg.num_layers * 2 * cfg.kv_size * 2
+                bw_floor = (weight_bytes + kv_bytes) / copy_bw
+                flop_floor = 2 * B * matmul_params / mm_rate
+                row = dict(batch=B, context=ctx, unroll_layers=unroll, step_ms=t * 1e3, compile_s=compile_s,
+                           bandwidth_floor_ms=bw_floor * 1e3, matmul_floor_ms=flop_floor * 1e3,
+                           x_bandwidth_floor=t / bw_floor, tokens_per_s=B / t)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+
+    result = dict(
+        name="bench_decode", gpu=dev.device_kind, jax_version=jax.__version__, commit=git_commit(),
+        model="llama-3.1-8b shape, random bf16", page_size=S, copy_bandwidth_TBps=copy_bw / 1e12,
+        matmul_TFLOPs=mm_rate / 1e12, weight_bytes=int(weight_bytes), rows=rows,
+    )
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "bench_decode.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"\nwrote {path}\n")
+    print(f"{'B':>4} {'ctx':>5} {'unroll':>6} {'step ms':>8} {'floor ms':>8} {'x floor':>7} {'mm floor':>8} {'tok/s':>8}")
+    for r in rows:
+        print(f"{r['batch']:>4} {r['context']:>5} {str(r['unroll_layers']):>6} {r['step_ms']:>8.3f} "
+              f"{r['bandwidth_floor_ms']:>8.3f} {r['x_bandwidth_floor']:>7.2f} {r['matmul_floor_ms']:>8.3f} "
+              f"{r['tokens_per_s']:>8.0f}")
+
+
+if __name__ == "__main__":
+    main()

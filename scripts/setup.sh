@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Creates .venv (Python >= 3.12, jax 0.11.2 on the CPU, jspec editable) and, with
+# --with-hf, .venv-hf (Python 3.11, torch CPU + transformers), the reference
+# oracle the parity tests compare against. Idempotent: re-running is cheap.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+find_python() {  # $1 = minor version, e.g. 3.12
+  local v=$1 p
+  for p in "python$v" "$(command -v pyenv >/dev/null && pyenv root 2>/dev/null)/versions/$v"*/bin/python3 \
+           /root/.pyenv/versions/"$v"*/bin/python3 /usr/local/bin/python"$v" /usr/bin/python"$v"; do
+    if command -v "$p" >/dev/null 2>&1 && "$p" -c "import sys; assert sys.version_info[:2] == tuple(map(int, '$v'.split('.')))" 2>/dev/null; then
+      command -v "$p"; return 0
+    fi
+  done
+  return 1
+}
+
+if [ ! -x .venv/bin/python ]; then
+  PY=$(find_python 3.12 || find_python 3.13) || {
+    echo "setup: jax 0.11.2 needs Python >= 3.12; none found (tried python3.12/3.13 and pyenv)" >&2; exit 1; }
+  "$PY" -m venv .venv
+fi
+if ! .venv/bin/python -c "import jspec, jax, pytest; assert jax.__version__ == '0.11.2'" 2>/dev/null; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -e ".[test]"
+fi
+
+if [ "${1:-}" = "--with-hf" ] && ! .venv-hf/bin/python -c "import torch, transformers" 2>/dev/null; then
+  # torch 2.13.0 resolves to the local CPU wheel on Python 3.11; the oracle runs in its own venv
+  # because jax 0.11.2 needs 3.12 and PyPI's torch for 3.12 is a multi-GB CUDA build.
+  if PY311=$(find_python 3.11); then
+    "$PY311" -m venv --clear .venv-hf
+    .venv-hf/bin/python -m pip install -q torch==2.13.0 "transformers==5.24.0" numpy safetensors \
+      || echo "setup: could not install the HF reference venv; parity tests will be skipped" >&2
+  else
+    echo "setup: no Python 3.11 for the HF reference venv; parity tests will be skipped" >&2
+  fi
+fi
