@@ -107,7 +107,9 @@ class ModelConfig:
         # Sliding-window attention equals full attention while the context fits
         # in the window, so a window is honoured by capping the context.
         window = hf.get("sliding_window")
-        use_window = hf.get("use_sliding_window", family == "mistral")
+        use_window = hf.get("use_sliding_window")
+        if use_window is None:  # transformers 5 writes null for Mistral, which always uses its window
+            use_window = family == "mistral"
         if window and use_window:
             max_pos = min(max_pos, int(window))
         eos = hf.get("eos_token_id")

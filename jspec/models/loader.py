@@ -1,0 +1,473 @@
+"""Checkpoint loading: HF `config.json` + safetensors -> jspec param pytree.
+
+Param pytree (the contract with models/llama.py). Weights are [in, out] (HF's
+nn.Linear stores [out, in]) and layers are stacked on a leading axis L so the
+model can `lax.scan` over them:
+
+    embed [V, H]
+    layers/attn_norm [L, H]
+    layers/wqkv [L, H, q_size + 2*kv_size]     concat(q, k, v) on the out axis
+    layers/bqkv [L, q_size + 2*kv_size]        only when cfg.qkv_bias (Qwen2)
+    layers/q_norm, layers/k_norm [L, head_dim] only when cfg.qk_norm (Qwen3)
+    layers/wo [L, q_size, H]
+    layers/mlp_norm [L, H]
+    layers/w_gate_up [L, H, 2*I]               concat(gate, up) on the out axis
+    layers/w_down [L, I, H]
+    final_norm [H]
+    lm_head [H, V]                             absent when cfg.tie_word_embeddings
+
+Two on-disk formats are accepted by `load_model(path)`:
+
+* an HF checkpoint directory: `config.json` plus `model.safetensors`, or a
+  sharded `model.safetensors.index.json` with its shards;
+* a jspec converted directory, written by `save_params(params, dir, config=cfg)`
+  or `convert_checkpoint(hf_dir, out_dir)`: `jspec_config.json` (the
+  ModelConfig as JSON) and `params/` (an orbax-checkpoint of the pytree above).
+  It is recognised by `jspec_config.json` and loads without any conversion,
+  which is what makes a large model start fast the second time.
+  `convert_checkpoint` also copies the tokenizer files, so
+  `tokenizer.load_tokenizer` works on the converted directory too.
+
+safetensors files are read through our own header parser and `np.memmap`:
+numpy has no bfloat16, and memory-mapping means a tensor's bytes are only
+paged in when a layer is stacked, so an 8B model never sits in host memory
+twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from jspec.config import ModelConfig, RopeScaling, UnsupportedArchitectureError
+
+log = logging.getLogger(__name__)
+
+JSPEC_CONFIG_FILE = "jspec_config.json"
+PARAMS_SUBDIR = "params"
+_FORMAT = "jspec-params"
+_FORMAT_VERSION = 1
+# Files copied by convert_checkpoint so a converted directory keeps its tokenizer.
+_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
+               "special_tokens_map.json", "config.json")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded (base of the errors below)."""
+
+
+class MissingTensorError(CheckpointError, KeyError):
+    """A tensor the config requires is absent from the checkpoint."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message, quotes and all.
+        return str(self.args[0]) if self.args else ""
+
+
+class TensorShapeError(CheckpointError):
+    """A tensor has a shape that disagrees with config.json."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A safetensors file whose header or size is inconsistent."""
+
+
+class NoSafetensorsError(CheckpointError, FileNotFoundError):
+    """The directory has a config.json but no weights jspec can read."""
+
+
+# ---------------------------------------------------------------------------
+# safetensors reading
+# ---------------------------------------------------------------------------
+
+_ST_DTYPES = {
+    "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
+    "U64": np.dtype("<u8"), "U32": np.dtype("<u4"), "U16": np.dtype("<u2"), "U8": np.dtype("u1"),
+    "BOOL": np.dtype("bool"),
+}
+
+
+def read_safetensors_file(filename: str | os.PathLike) -> dict[str, np.ndarray]:
+    """Memory-maps one .safetensors file; returns read-only little-endian views."""
+    filename = os.fspath(filename)
+    size = os.path.getsize(filename)
+    with open(filename, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise CorruptCheckpointError(f"{filename!r} is not a safetensors file (shorter than 8 bytes)")
+        header_len = int.from_bytes(head, "little")
+        if header_len > size - 8:
+            raise CorruptCheckpointError(f"{filename!r}: header length {header_len} exceeds the file size {size}")
+        try:
+            header = json.loads(f.read(header_len))
+        except ValueError as e:
+            raise CorruptCheckpointError(f"{filename!r}: unreadable safetensors header ({e})") from None
+    data_start = 8 + header_len
+    buf = np.memmap(filename, dtype=np.uint8, mode="r") if size > data_start else np.zeros(0, np.uint8)
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _ST_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise CorruptCheckpointError(f"{filename!r}: tensor {name!r} has unsupported dtype {info['dtype']!r}")
+        shape = tuple(int(d) for d in info["shape"])
+        start, end = (int(o) for o in info["data_offsets"])
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if end - start != nbytes or data_start + end > size:
+            raise CorruptCheckpointError(
+                f"{filename!r}: tensor {name!r} ({info['dtype']} {list(shape)}) has byte range "
+                f"[{start}, {end}) but needs {nbytes} bytes within a {size}-byte file (truncated?)"
+            )
+        out[name] = buf[data_start + start : data_start + end].view(dtype).reshape(shape)
+    return out
+
+
+def safetensors_files(path: str | os.PathLike) -> list[str]:
+    """The weight files of an HF checkpoint directory, index first."""
+    path = os.fspath(path)
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map") or {}
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not os.path.isfile(os.path.join(path, s))]
+        if missing:
+            raise NoSafetensorsError(
+                f"model directory {path!r}: model.safetensors.index.json lists shard(s) {missing} that do not exist"
+            )
+        if not shards:
+            raise NoSafetensorsError(f"model directory {path!r}: model.safetensors.index.json has an empty weight_map")
+        return [os.path.join(path, s) for s in shards]
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    # Shards without an index happen when an index is lost; consolidated.safetensors
+    # (Mistral's own format) uses other tensor names, so it is not picked up.
+    shards = sorted(f for f in os.listdir(path) if f.startswith("model-") and f.endswith(".safetensors"))
+    if shards:
+        return [os.path.join(path, s) for s in shards]
+    present = sorted(os.listdir(path))
+    hint = " (PyTorch .bin weights are not supported; convert them to safetensors)" if any(
+        f.endswith(".bin") for f in present) else ""
+    raise NoSafetensorsError(
+        f"model directory {path!r} has no model.safetensors or model.safetensors.index.json{hint}; "
+        f"it contains {present[:20]}"
+    )
+
+
+def read_hf_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """All tensors of an HF checkpoint directory by name, as memory-mapped numpy arrays
+    (bf16 as `ml_dtypes.bfloat16`), so reading costs no host memory until used."""
+    tensors: dict[str, np.ndarray] = {}
+    for filename in safetensors_files(path):
+        for name, arr in read_safetensors_file(filename).items():
+            if name in tensors:
+                raise CorruptCheckpointError(f"tensor {name!r} appears in more than one shard of {os.fspath(path)!r}")
+            tensors[name] = arr
+    return tensors
+
+
+# ---------------------------------------------------------------------------
+# HF names -> stacked pytree
+# ---------------------------------------------------------------------------
+
+def _hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor the config needs, with the shape HF stores it in ([out, in])."""
+    H, I, V, D = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
+    shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (V, H)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (H,)
+        shapes[p + "post_attention_layernorm.weight"] = (H,)
+        shapes[p + "self_attn.q_proj.weight"] = (cfg.q_size, H)
+        shapes[p + "self_attn.k_proj.weight"] = (cfg.kv_size, H)
+        shapes[p + "self_attn.v_proj.weight"] = (cfg.kv_size, H)
+        shapes[p + "self_attn.o_proj.weight"] = (H, cfg.q_size)
+        if cfg.qkv_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (cfg.q_size,)
+            shapes[p + "self_attn.k_proj.bias"] = (cfg.kv_size,)
+            shapes[p + "self_attn.v_proj.bias"] = (cfg.kv_size,)
+        if cfg.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (D,)
+            shapes[p + "self_attn.k_norm.weight"] = (D,)
+        shapes[p + "mlp.gate_proj.weight"] = (I, H)
+        shapes[p + "mlp.up_proj.weight"] = (I, H)
+        shapes[p + "mlp.down_proj.weight"] = (H, I)
+    return shapes
+
+
+def _check_tensors(cfg: ModelConfig, tensors: Mapping[str, Any], where: str) -> None:
+    expected = _hf_shapes(cfg)
+    missing = [n for n in expected if n not in tensors]
+    if missing:
+        shown = ", ".join(repr(n) for n in missing[:8])
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        raise MissingTensorError(
+            f"checkpoint {where}: missing {len(missing)} tensor(s) required by config.json "
+            f"({cfg.family}, {cfg.num_layers} layers): {shown}{more}"
+        )
+    bad = [(n, s, tuple(tensors[n].shape)) for n, s in expected.items() if tuple(tensors[n].shape) != s]
+    if bad:
+        lines = "; ".join(f"{n!r}: expected {list(s)}, got {list(g)}" for n, s, g in bad[:8])
+        more = f" (and {len(bad) - 8} more)" if len(bad) > 8 else ""
+        raise TensorShapeError(
+            f"checkpoint {where}: {len(bad)} tensor(s) disagree with config.json "
+            f"(HF layout, nn.Linear weights are [out, in]): {lines}{more}"
+        )
+    # Old checkpoints carry rotary inv_freq buffers; anything else unexpected is
+    # worth a warning, since the config checks should have rejected real variants.
+    unused = [n for n in tensors if n not in expected and not n.endswith("rotary_emb.inv_freq")
+              and not (cfg.tie_word_embeddings and n == "lm_head.weight")]
+    if unused:
+        log.warning("checkpoint %s: ignoring %d unexpected tensor(s), e.g. %s", where, len(unused), unused[:4])
+
+
+def convert_hf_params(
+    cfg: ModelConfig,
+    tensors: Mapping[str, np.ndarray],
+    dtype: Any = np.float32,
+    *,
+    source: str | os.PathLike | None = None,
+    put: Callable[[np.ndarray], Any] | None = None,
+) -> dict[str, Any]:
+    """Builds the jspec param pytree from HF-named tensors.
+
+    `put` is applied to each leaf as soon as it is built (load_model passes
+    jax.device_put), so only one stacked leaf lives in host memory at a time.
+    Without it the leaves are numpy arrays of `dtype`. `source` names the
+    checkpoint in error messages.
+    """
+    where = repr(os.fspath(source)) if source is not None else "(in memory)"
+    _check_tensors(cfg, tensors, where)
+    dtype = np.dtype(jnp.dtype(dtype))
+    put = put or (lambda x: x)
+    L = cfg.num_layers
+
+    def plain(name: str):
+        return put(np.asarray(tensors[name]).astype(dtype))
+
+    def stacked(parts: list[str], transpose: bool):
+        """[L, in, sum(out)] (or [L, sum(size)] for vectors); layer i's parts concatenated."""
+        first = [tensors[f"model.layers.0.{p}"] for p in parts]
+        if transpose:
+            shape = (L, first[0].shape[1], sum(t.shape[0] for t in first))
+        else:
+            shape = (L, sum(t.shape[0] for t in first))
+        out = np.empty(shape, dtype)
+        for i in range(L):
+            col = 0
+            for p in parts:
+                t = tensors[f"model.layers.{i}.{p}"]
+                n = t.shape[0]
+                # Assigning casts in place: no per-tensor f32 temporary for bf16 sources.
+                out[i, ..., col : col + n] = t.T if transpose else t
+                col += n
+        return put(out)
+
+    layers = {
+        "attn_norm": stacked(["input_layernorm.weight"], False),
+        "wqkv": stacked(["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"], True),
+    }
+    if cfg.qkv_bias:
+        layers["bqkv"] = stacked(["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"], False)
+    if cfg.qk_norm:
+        layers["q_norm"] = stacked(["self_attn.q_norm.weight"], False)
+        layers["k_norm"] = stacked(["self_attn.k_norm.weight"], False)
+    layers["wo"] = stacked(["self_attn.o_proj.weight"], True)
+    layers["mlp_norm"] = stacked(["post_attention_layernorm.weight"], False)
+    layers["w_gate_up"] = stacked(["mlp.gate_proj.weight", "mlp.up_proj.weight"], True)
+    layers["w_down"] = stacked(["mlp.down_proj.weight"], True)
+
+    params = {"embed": plain("model.embed_tokens.weight"), "layers": layers, "final_norm": plain("model.norm.weight")}
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = put(np.ascontiguousarray(np.asarray(tensors["lm_head.weight"]).T, dtype=dtype))
+    return params
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
+    """The pytree's leaf shapes for a config (same structure as the params)."""
+    H, I, D, L = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_layers
+    qkv = cfg.q_size + 2 * cfg.kv_size
+    layers = {"attn_norm": (L, H), "wqkv": (L, H, qkv)}
+    if cfg.qkv_bias:
+        layers["bqkv"] = (L, qkv)
+    if cfg.qk_norm:
+        layers["q_norm"] = (L, D)
+        layers["k_norm"] = (L, D)
+    layers.update(wo=(L, cfg.q_size, H), mlp_norm=(L, H), w_gate_up=(L, H, 2 * I), w_down=(L, I, H))
+    shapes = {"embed": (cfg.vocab_size, H), "layers": layers, "final_norm": (H,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (H, cfg.vocab_size)
+    return shapes
+
+
+def count_params(params: Any) -> int:
+    return int(sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params)))
+
+
+# ---------------------------------------------------------------------------
+# Random params (benchmarks, tests without a checkpoint)
+# ---------------------------------------------------------------------------
+
+def init_random_params(cfg: ModelConfig, key: jax.Array, dtype: Any = jnp.float32, std: float = 0.02) -> dict[str, Any]:
+    """Random params in the loader's pytree: weights N(0, std); norm scales
+    1 + N(0, 0.1) so a wrong norm axis or a skipped norm changes the output."""
+    shapes = param_shapes(cfg)
+    leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    paths = [jax.tree_util.keystr(p) for p, _ in
+             jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0]]
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for path, shape, k in zip(paths, leaves, keys):
+        if "norm" in path:
+            out.append(_normal(k, shape, dtype, 0.1, 1.0))
+        else:
+            out.append(_normal(k, shape, dtype, std, 0.0))
+    return jax.tree.unflatten(treedef, out)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _normal(key, shape, dtype, std, mean):
+    # One jitted program per leaf keeps the f32 temporary of a huge leaf out of HBM.
+    return (mean + std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+# ---------------------------------------------------------------------------
+# Converted (orbax) checkpoints
+# ---------------------------------------------------------------------------
+
+def config_to_json(cfg: ModelConfig) -> dict[str, Any]:
+    return {"format": _FORMAT, "version": _FORMAT_VERSION, "model_config": dataclasses.asdict(cfg)}
+
+
+def config_from_json(data: Mapping[str, Any]) -> ModelConfig:
+    if data.get("format") != _FORMAT:
+        raise CheckpointError(f"{JSPEC_CONFIG_FILE} has format {data.get('format')!r}, expected {_FORMAT!r}")
+    d = dict(data["model_config"])
+    if d.get("rope_scaling") is not None:
+        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+    return ModelConfig(**d)
+
+
+def _checkpointer():
+    import orbax.checkpoint as ocp  # imported lazily: it is slow and only needed here
+
+    return ocp.StandardCheckpointer()
+
+
+def save_params(params: Any, directory: str | os.PathLike, *, config: ModelConfig | None = None) -> str:
+    """Writes the pytree to `directory/params` with orbax (exact, any dtype incl. bf16)
+    and, when `config` is given, `directory/jspec_config.json`, which makes the
+    directory loadable by `load_model`. Overwrites an existing checkpoint there."""
+    directory = os.path.abspath(os.fspath(directory))
+    os.makedirs(directory, exist_ok=True)
+    with _checkpointer() as ckptr:
+        ckptr.save(os.path.join(directory, PARAMS_SUBDIR), params, force=True)
+    if config is not None:
+        with open(os.path.join(directory, JSPEC_CONFIG_FILE), "w") as f:
+            json.dump(config_to_json(config), f, indent=2)
+    return directory
+
+
+def restore_params(directory: str | os.PathLike, like: Any = None, *, dtype: Any = None) -> dict[str, Any]:
+    """Reads a pytree written by `save_params`.
+
+    `like` (a pytree of arrays or jax.ShapeDtypeStruct, with shardings) chooses
+    placement and dtype. Without it every leaf goes to the default device with its
+    saved dtype (or `dtype`); the saved sharding is not reused, so a checkpoint
+    written on a GPU restores on the CPU and vice versa.
+    """
+    directory = os.path.abspath(os.fspath(directory))
+    path = os.path.join(directory, PARAMS_SUBDIR)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no orbax params checkpoint at {path!r} (written by save_params)")
+    with _checkpointer() as ckptr:
+        if like is None:
+            meta = ckptr.metadata(path)
+            tree = getattr(getattr(meta, "item_metadata", meta), "tree", meta)
+            device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            like = jax.tree.map(
+                lambda m: jax.ShapeDtypeStruct(tuple(m.shape), jnp.dtype(dtype) if dtype is not None else m.dtype,
+                                               sharding=device),
+                tree,
+            )
+        elif dtype is not None:
+            raise ValueError("pass either like= or dtype=, not both")
+        return ckptr.restore(path, like)
+
+
+def is_converted_dir(path: str | os.PathLike) -> bool:
+    return os.path.isfile(os.path.join(path, JSPEC_CONFIG_FILE))
+
+
+def _default_dtype():
+    return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+
+
+def load_model(path: str | os.PathLike, dtype: Any = None) -> tuple[ModelConfig, dict[str, Any]]:
+    """Loads an HF checkpoint directory or a jspec converted directory.
+
+    dtype None: bfloat16 on a GPU backend, float32 otherwise. Returns jax arrays
+    on the default device.
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model directory {path!r} does not exist")
+    if not os.path.isdir(path):
+        raise NotADirectoryError(f"model path {path!r} is a file; pass the checkpoint directory")
+    dtype = _default_dtype() if dtype is None else dtype
+    if is_converted_dir(path):
+        with open(os.path.join(path, JSPEC_CONFIG_FILE)) as f:
+            cfg = config_from_json(json.load(f))
+        params = restore_params(path, dtype=dtype)
+        _check_converted(cfg, params, path)
+        return cfg, params
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(
+            f"no config.json in model directory {path!r} (expected an HF checkpoint: config.json + "
+            f"model.safetensors, or a jspec directory with {JSPEC_CONFIG_FILE})"
+        )
+    try:
+        cfg = ModelConfig.from_pretrained(path)
+    except UnsupportedArchitectureError as e:
+        raise UnsupportedArchitectureError(f"{e} [model directory {path!r}]") from None
+    except (KeyError, TypeError) as e:
+        raise CheckpointError(f"config.json in {path!r} lacks or mistypes a required field: {e}") from None
+    tensors = read_hf_tensors(path)
+    params = convert_hf_params(cfg, tensors, dtype, source=path, put=jax.device_put)
+    return cfg, params
+
+
+def _check_converted(cfg: ModelConfig, params: Any, path: str) -> None:
+    expected = param_shapes(cfg)
+    got = jax.tree.map(lambda x: tuple(x.shape), params)
+    if got != expected:
+        raise TensorShapeError(f"converted checkpoint {path!r}: params {got} disagree with {JSPEC_CONFIG_FILE} ({expected})")
+
+
+def convert_checkpoint(hf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: Any = None) -> str:
+    """HF directory -> jspec converted directory (params + config + tokenizer files)."""
+    cfg, params = load_model(hf_path, dtype)
+    save_params(params, out_dir, config=cfg)
+    for name in _SIDE_FILES:
+        src = os.path.join(hf_path, name)
+        if os.path.isfile(src):
+            shutil.copyfile(src, os.path.join(out_dir, name))
+    return os.path.abspath(os.fspath(out_dir))

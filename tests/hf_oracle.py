@@ -1,0 +1,176 @@
+"""HF transformers reference oracle. Runs under the .venv-hf python (torch +
+transformers), never the jspec venv: jax and jspec are not importable here.
+
+    python tests/hf_oracle.py request.json
+
+The request is one job, or {"jobs": [job, ...], "out": ...} whose jobs each
+have a "name" that prefixes their keys ("name/key") in the single .npz
+written to request["out"]. Jobs:
+
+  {"mode": "make", "arch": "llama"|"mistral"|"qwen2"|"qwen3", "out_dir": DIR,
+   "seed": 0, "dtype": "float32"|"bfloat16", "overrides": {...config kwargs},
+   "dump_params": false}
+      Builds a random model with transformers' own config class and
+      save_pretrained(safe_serialization=True). Weights are redrawn (not HF's
+      0.02 init) so attention is peaked and norms/biases are not constant.
+      Writes: num_params [1]; with dump_params, "param:<HF name>" for each
+      parameter as saved.
+
+  {"mode": "inspect", "checkpoint": DIR, "dump_params": true}
+      Loads DIR with from_pretrained and fails if any weight is missing,
+      unexpected or mismatched (transformers would otherwise random-init it
+      silently). Writes num_params and optionally the params.
+
+  {"mode": "logits", "checkpoint": DIR, "prompts": [[ids], ...],
+   "decode_steps": 8, "hidden_states": false}
+      float32, eager attention, each prompt alone (batch 1, no padding):
+        prefill_logits_{i} [T_i, V]  logits at every prompt position
+        generated_{i}     [decode_steps + 1]  greedy tokens: argmax of the last
+                          prefill row, then one per decode step
+        decode_logits_{i} [decode_steps, V]  logits after feeding generated[s]
+                          through HF's own KV cache (position T_i + s)
+        prefill_hidden_{i} [L + 1, T_i, H]  (hidden_states only) embeddings and
+                          each layer's output, the last one after the final norm
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import torch
+import transformers
+
+DEFAULT_SHAPES = dict(
+    vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    bos_token_id=256, eos_token_id=257, tie_word_embeddings=False,
+)
+ARCH_DEFAULTS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(rope_theta=500000.0, rms_norm_eps=1e-5)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(rope_theta=1000000.0, sliding_window=None, head_dim=16)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1000000.0)),
+    # Real Qwen3 has head_dim * heads != hidden; keep that property.
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(rope_theta=1000000.0, head_dim=32)),
+}
+
+
+def _dtype_kw(dtype: torch.dtype) -> dict:
+    # transformers 5 renamed torch_dtype= to dtype=.
+    major = int(transformers.__version__.split(".")[0])
+    return {"dtype": dtype} if major >= 5 else {"torch_dtype": dtype}
+
+
+def _num_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
+
+
+def _param_dump(model) -> dict[str, np.ndarray]:
+    return {f"param:{n}": p.detach().float().cpu().numpy() for n, p in model.named_parameters()}
+
+
+@torch.no_grad()
+def _redraw(model, gen: torch.Generator) -> None:
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+        elif name.endswith(".bias"):
+            p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+        elif "embed_tokens" in name:
+            p.copy_(torch.randn(p.shape, generator=gen))
+        else:  # nn.Linear [out, in]
+            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
+
+
+def job_make(job: dict) -> dict[str, np.ndarray]:
+    arch = job["arch"]
+    config_cls, model_cls, arch_kw = ARCH_DEFAULTS[arch]
+    kwargs = {**DEFAULT_SHAPES, **arch_kw, **job.get("overrides", {})}
+    config = getattr(transformers, config_cls)(**kwargs)
+    torch.manual_seed(int(job.get("seed", 0)))
+    model = getattr(transformers, model_cls)(config).eval()
+    _redraw(model, torch.Generator().manual_seed(int(job.get("seed", 0))))
+    if job.get("dtype", "float32") == "bfloat16":
+        model = model.to(torch.bfloat16)
+    model.save_pretrained(job["out_dir"], safe_serialization=True)
+    out = {"num_params": np.array([_num_params(model)], np.int64)}
+    if job.get("dump_params"):
+        out.update(_param_dump(model))
+    return out
+
+
+def _load(path: str):
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="eager", output_loading_info=True, **_dtype_kw(torch.float32)
+    )
+    problems = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+    if problems:
+        raise SystemExit(f"hf_oracle: transformers could not load {path!r} cleanly: {problems}")
+    return model.eval()
+
+
+def job_inspect(job: dict) -> dict[str, np.ndarray]:
+    model = _load(job["checkpoint"])
+    out = {"num_params": np.array([_num_params(model)], np.int64)}
+    if job.get("dump_params", True):
+        out.update(_param_dump(model))
+    return out
+
+
+@torch.no_grad()
+def job_logits(job: dict) -> dict[str, np.ndarray]:
+    model = _load(job["checkpoint"])
+    steps = int(job.get("decode_steps", 8))
+    want_hidden = bool(job.get("hidden_states", False))
+    out = {"num_params": np.array([_num_params(model)], np.int64)}
+    for i, prompt in enumerate(job["prompts"]):
+        ids = torch.tensor([list(prompt)], dtype=torch.long)
+        res = model(input_ids=ids, use_cache=True, output_hidden_states=want_hidden)
+        out[f"prefill_logits_{i}"] = res.logits[0].float().numpy()
+        if want_hidden:
+            out[f"prefill_hidden_{i}"] = torch.stack([h[0] for h in res.hidden_states]).float().numpy()
+        cache = res.past_key_values
+        token = int(res.logits[0, -1].argmax())
+        generated, decode_logits = [token], []
+        for _ in range(steps):
+            res = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+            cache = res.past_key_values
+            logits = res.logits[0, -1].float()
+            decode_logits.append(logits.numpy())
+            token = int(logits.argmax())
+            generated.append(token)
+        out[f"generated_{i}"] = np.array(generated, np.int64)
+        out[f"decode_logits_{i}"] = (
+            np.stack(decode_logits) if decode_logits else np.zeros((0, model.config.vocab_size), np.float32)
+        )
+    return out
+
+
+JOBS = {"make": job_make, "inspect": job_inspect, "logits": job_logits}
+
+
+def run(request: dict) -> dict[str, np.ndarray]:
+    if "jobs" in request:
+        out = {}
+        for job in request["jobs"]:
+            out.update({f"{job['name']}/{k}": v for k, v in JOBS[job["mode"]](job).items()})
+        return out
+    return JOBS[request["mode"]](request)
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 2:
+        raise SystemExit(f"usage: {argv[0]} request.json")
+    with open(argv[1]) as f:
+        request = json.load(f)
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    out = run(request)
+    np.savez(request["out"], **out)
+    print(json.dumps({"out": request["out"], "keys": len(out), "transformers": transformers.__version__}))
+
+
+if __name__ == "__main__":
+    main(sys.argv)
