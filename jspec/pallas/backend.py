@@ -1,0 +1,16 @@
+"""Which way a Pallas kernel runs: compiled for the GPU, or interpreted elsewhere."""
+
+from __future__ import annotations
+
+import jax
+
+
+def interpret_mode() -> bool:
+    """True unless the default backend is a GPU: kernels lower through Triton only there."""
+    return jax.default_backend() != "gpu"
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+    # None means "from the backend"; an explicit bool is for tests that lower for
+    # CUDA on a CPU-only machine.
+    return interpret_mode() if interpret is None else bool(interpret)

@@ -1,0 +1,154 @@
+"""Paged attention for decode: one query token per sequence, Pallas over Triton.
+
+Grid (sequence, kv head, context split). One program holds the whole GQA group
+of query heads that share its kv head, so every KV row is read from HBM once;
+the group is padded to >= 16 rows because Triton's tl.dot needs M >= 16. The
+context is split (split-K) so that a small batch still fills the GPU; the
+partial (max, sum, acc) of the splits are merged in jnp, which costs
+B * splits * Hq * D * 4 bytes against the B * ctx * Hkv * D * 4 of KV read.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from jspec.pallas.backend import resolve_interpret
+from jspec.pallas.paged_tiles import (
+    LOG2E,
+    MASK_VALUE,
+    attend_tile,
+    check_pow2,
+    choose_splits,
+    gather_kv_tiles,
+    merge_splits,
+    next_pow2,
+    normalise,
+)
+
+
+def _decode_kernel(
+    layer_ref, seq_lens_ref, page_tables_ref, q_ref, k_ref, v_ref, *out_refs,
+    group, group_rows, block_n, split_len, scale_log2, write_final,
+):
+    seq, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    head_dim = q_ref.shape[2]
+    layer = layer_ref[0]
+    kv_len = jnp.minimum(seq_lens_ref[seq], page_tables_ref.shape[1] * k_ref.shape[2])
+    lo = split * split_len
+    hi = jnp.minimum(lo + split_len, kv_len)
+    num_tokens = jnp.maximum(hi - lo, 0)
+
+    rows = lax.iota(jnp.int32, group_rows)
+    real_row = rows < group
+    heads = (kv_head * group + rows)[:, None]
+    cols = lax.iota(jnp.int32, head_dim)[None, :]
+    q = pltriton.load(q_ref.at[seq, heads, cols], mask=real_row[:, None], other=0).astype(k_ref.dtype)
+    tiles = functools.partial(gather_kv_tiles, k_ref, v_ref, page_tables_ref, layer=layer, seq=seq,
+                              kv_head=kv_head, block_n=block_n)
+
+    def full_tile(i, carry):
+        k, v = tiles(start=lo + i * block_n)
+        return attend_tile(q, k, v, *carry, scale_log2=scale_log2)
+
+    num_full = num_tokens // block_n
+    tail_start = lo + num_full * block_n
+
+    def tail_tile(_, carry):
+        # Only the sequence's last tile is partial: mask it, and only it.
+        k, v = tiles(start=tail_start, valid_len=hi)
+        visible = (tail_start + lax.iota(jnp.int32, block_n) < hi)[None, :]
+        return attend_tile(q, k, v, *carry, scale_log2=scale_log2, visible=visible)
+
+    carry = (
+        jnp.full((group_rows,), MASK_VALUE, jnp.float32),
+        jnp.zeros((group_rows,), jnp.float32),
+        jnp.zeros((group_rows, head_dim), jnp.float32),
+    )
+    carry = lax.fori_loop(0, num_full, full_tile, carry)
+    carry = lax.fori_loop(0, (num_tokens > num_full * block_n).astype(jnp.int32), tail_tile, carry)
+    m, l, acc = carry
+
+    if write_final:
+        (out_ref,) = out_refs
+        out = normalise(acc, l).astype(out_ref.dtype)
+        pltriton.store(out_ref.at[seq, heads, cols], out, mask=real_row[:, None])
+    else:
+        acc_ref, m_ref, l_ref = out_refs
+        pltriton.store(acc_ref.at[seq, split, heads, cols], acc, mask=real_row[:, None])
+        pltriton.store(m_ref.at[seq, split, heads[:, 0]], m, mask=real_row)
+        pltriton.store(l_ref.at[seq, split, heads[:, 0]], l, mask=real_row)
+
+
+def default_block_n(head_dim: int) -> int:
+    # Tiles of 16 KiB per K/V in bf16: enough bytes in flight per iteration
+    # without crowding out a second resident program per SM.
+    return 64 if head_dim >= 128 else 128
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("sm_scale", "interpret", "block_n", "num_splits", "min_split_tokens", "num_warps", "num_stages"),
+)
+def paged_decode(
+    q, k_cache, v_cache, layer, seq_lens, page_tables, *, sm_scale, interpret=None,
+    block_n=None, num_splits=None, min_split_tokens=256, num_warps=4, num_stages=2,
+):
+    """Attention of one new token per sequence over its paged KV.
+
+    q [B, Hq, D]; k_cache, v_cache [L, P, S, Hkv, D]; layer int32 () or (1,);
+    seq_lens [B] int32 (valid KV tokens, 0 gives zeros); page_tables [B, max_pages]
+    int32. Returns [B, Hq, D] in q's dtype. Softmax in f32; q is cast to the
+    cache dtype for the matmuls.
+
+    Tuning: block_n tokens per KV tile (power of two, any page size);
+    num_splits context partitions (None: from B, Hkv and max_pages), each at
+    least min_split_tokens long; num_warps and num_stages go to Triton.
+    """
+    batch, num_q_heads, head_dim = q.shape
+    _, _, page_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim or num_q_heads % num_kv_heads:
+        raise ValueError(f"q {q.shape} does not fit the cache {k_cache.shape}")
+    check_pow2("page_size", page_size)
+    check_pow2("head_dim", head_dim)
+    block_n = block_n or default_block_n(head_dim)
+    check_pow2("block_n", block_n)
+    group = num_q_heads // num_kv_heads
+    max_kv = page_tables.shape[1] * page_size
+    splits, split_len = choose_splits(max_kv, batch * num_kv_heads, block_n, min_split_tokens, num_splits)
+    write_final = splits == 1
+
+    kernel = functools.partial(
+        _decode_kernel, group=group, group_rows=next_pow2(max(group, 16)), block_n=block_n,
+        split_len=split_len, scale_log2=float(sm_scale) * LOG2E, write_final=write_final,
+    )
+    if write_final:
+        out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    else:
+        out_shape = [
+            jax.ShapeDtypeStruct((batch, splits, num_q_heads, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((batch, splits, num_q_heads), jnp.float32),
+            jax.ShapeDtypeStruct((batch, splits, num_q_heads), jnp.float32),
+        ]
+    outs = pl.pallas_call(
+        kernel,
+        grid=(batch, num_kv_heads, splits),
+        out_shape=out_shape,
+        interpret=resolve_interpret(interpret),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name=f"paged_decode_s{page_size}_g{group}_n{block_n}",
+    )(
+        jnp.reshape(layer, (1,)).astype(jnp.int32),
+        seq_lens.astype(jnp.int32),
+        page_tables.astype(jnp.int32),
+        q, k_cache, v_cache,
+    )
+    if write_final:
+        return outs[0]
+    acc, m, l = outs
+    return merge_splits(acc, m, l, axis=1).astype(q.dtype)

@@ -1,0 +1,123 @@
+"""Building blocks shared by the paged decode and extend kernels.
+
+In-kernel helpers (called inside a Pallas kernel body) gather KV tiles through
+the page table and run one online-softmax step; host-side helpers choose the
+split-K partition and merge the partial results in jnp.
+
+Two constraints of jax 0.11.2 shape every gather here:
+- the Triton lowering requires every loaded/stored array to have a power-of-2
+  size, so tiles are padded and masked rather than sized to the data;
+- interpret mode cannot mix slices with array indices in one load (the
+  discharge rule raises NotImplementedError), so every gather indexes every
+  dimension with a scalar or an int array, including an iota over head_dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import triton as pltriton
+
+# Finite on purpose: the rescale factor exp2(m_old - m_new) would be NaN if both
+# were -inf, i.e. for a row that has seen only masked positions so far.
+MASK_VALUE = -1e30
+LOG2E = math.log2(math.e)
+
+# Programs wanted on the GPU before split-K stops paying: 132 SMs, several
+# programs resident per SM so loads of one overlap the math of another.
+TARGET_PROGRAMS = 4 * 132
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def check_pow2(name: str, value: int) -> None:
+    if value < 1 or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two, got {value}")
+
+
+def gather_kv_tiles(k_ref, v_ref, page_tables_ref, *, layer, seq, kv_head, start, block_n, valid_len=None):
+    """K and V rows start..start+block_n of one sequence and kv head: two [block_n, D] tiles.
+
+    Each token's row address is looked up through the page table, so a tile may
+    span several pages (page_size < block_n) or part of one (page_size > block_n).
+    With valid_len, tokens at or past it are neither read nor looked up: they
+    come back as zeros (a NaN there would survive a zero softmax weight).
+    """
+    page_size, head_dim = k_ref.shape[2], k_ref.shape[4]
+    tokens = start + lax.iota(jnp.int32, block_n)
+    if page_size == 1:
+        slots, offsets = tokens, 0
+    else:
+        slots, offsets = lax.div(tokens, page_size), lax.rem(tokens, page_size)
+        offsets = offsets[:, None]
+    cols = lax.iota(jnp.int32, head_dim)[None, :]
+    if valid_len is None:
+        pages = page_tables_ref[seq, slots][:, None]
+        k = k_ref[layer, pages, offsets, kv_head, cols]
+        v = v_ref[layer, pages, offsets, kv_head, cols]
+        return k, v
+    valid = tokens < valid_len
+    pages = pltriton.load(page_tables_ref.at[seq, slots], mask=valid, other=0)[:, None]
+    k = pltriton.load(k_ref.at[layer, pages, offsets, kv_head, cols], mask=valid[:, None], other=0)
+    v = pltriton.load(v_ref.at[layer, pages, offsets, kv_head, cols], mask=valid[:, None], other=0)
+    return k, v
+
+
+def attend_tile(q, k, v, m, l, acc, *, scale_log2, visible=None):
+    """One online-softmax step of rows q [M, D] over a KV tile [N, D], in base 2.
+
+    m, l: running max (log2 units) and normaliser [M]; acc: unnormalised [M, D] f32.
+    visible [M, N] (or broadcastable) hides positions; None means all visible.
+    """
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    s = s * scale_log2
+    if visible is not None:
+        s = jnp.where(visible, s, MASK_VALUE)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s - m_new[:, None])
+    if visible is not None:
+        # A row with nothing visible yet has m_new == MASK_VALUE and p == 1 here.
+        p = jnp.where(visible, p, 0.0)
+    l = l * alpha + jnp.sum(p, axis=1)
+    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return m_new, l, acc * alpha[:, None] + pv
+
+
+def normalise(acc, l):
+    """acc / l, with rows that saw nothing (l == 0) as zeros."""
+    return acc / jnp.where(l > 0, l, 1.0)[:, None]
+
+
+def choose_splits(max_kv: int, programs: int, block_n: int, min_split_tokens: int, num_splits: int | None):
+    """(num_splits, split_len): split the context so that enough programs run.
+
+    Static shapes only, so one compiled program serves every length in a bucket.
+    split_len is a multiple of block_n so every tile but a sequence's last is full.
+    """
+    blocks = max(1, -(-max_kv // block_n))
+    if num_splits is None:
+        wanted = next_pow2(-(-TARGET_PROGRAMS // max(programs, 1)))
+        most = max(1, max_kv // max(min_split_tokens, block_n))
+        num_splits = max(1, min(wanted, most))
+    num_splits = max(1, min(num_splits, blocks))
+    split_len = -(-blocks // num_splits) * block_n
+    return -(-max_kv // split_len), split_len
+
+
+def merge_splits(acc, m, l, axis: int):
+    """Merges split-K partials: acc [..., NS, ..., D], m and l [..., NS, ...] -> normalised f32.
+
+    m is in log2 units. Empty splits carry m == MASK_VALUE and l == 0 and vanish;
+    if every split is empty the result is zero.
+    """
+    m_max = jnp.max(m, axis=axis, keepdims=True)
+    weight = jnp.exp2(m - m_max)
+    total = jnp.sum(weight * l, axis=axis)
+    out = jnp.sum(weight[..., None] * acc, axis=axis)
+    return out / jnp.where(total > 0, total, 1.0)[..., None]
