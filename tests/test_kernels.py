@@ -1,0 +1,249 @@
+"""Pallas paged attention kernels against their jnp references (interpret mode on the CPU).
+
+Every input is random normal. Everything a kernel must not read is poisoned
+with NaN: other layers of the cache, pages in no page table, the tail of each
+sequence's last page, page-table slots past a sequence's pages (which also point
+at NaN pages or far out of range), and q's padding rows. A single stray read
+turns the output NaN, so "no NaN and equal to the reference" proves the
+kernels read only what they should.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jspec.pallas.backend import interpret_mode
+from jspec.pallas.paged_decode import paged_decode
+from jspec.pallas.paged_extend import paged_extend
+from jspec.pallas.paged_tiles import choose_splits
+from jspec.pallas.ref import paged_decode_ref, paged_extend_ref
+
+LAYERS = 3
+LAYER = 1  # not 0: a kernel that ignores the layer index reads NaN
+SM_SCALE = 0.3
+FAR_PAGE = 1 << 30
+
+
+def rel_err(out, ref) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def paged_problem(rng, seq_lens, *, page_size, num_kv_heads, head_dim, spare_slots=1, dtype=np.float32):
+    """A poisoned paged KV cache holding one sequence of each length.
+
+    Returns (k_cache, v_cache, page_tables); only layer LAYER, the pages in the
+    tables, and positions below each seq_len hold numbers.
+    """
+    pages_needed = [-(-n // page_size) for n in seq_lens]
+    max_pages = max(pages_needed) + spare_slots
+    num_used = sum(pages_needed)
+    num_pages = num_used + 3  # three pages that no table uses
+    shape = (LAYERS, num_pages, page_size, num_kv_heads, head_dim)
+    k = np.full(shape, np.nan, np.float32)
+    v = np.full(shape, np.nan, np.float32)
+    poison = num_pages - 1
+    page_tables = np.full((len(seq_lens), max_pages), poison, np.int32)
+    owned = rng.permutation(num_used)  # scattered, not contiguous
+    cursor = 0
+    for b, (n, pages) in enumerate(zip(seq_lens, pages_needed)):
+        table = owned[cursor:cursor + pages]
+        cursor += pages
+        page_tables[b, :pages] = table
+        if b % 2:
+            page_tables[b, pages:] = FAR_PAGE  # garbage past the end must not be dereferenced
+        for t in range(n):
+            page, offset = table[t // page_size], t % page_size
+            k[LAYER, page, offset] = rng.standard_normal((num_kv_heads, head_dim))
+            v[LAYER, page, offset] = rng.standard_normal((num_kv_heads, head_dim))
+    return k.astype(dtype), v.astype(dtype), page_tables
+
+
+def ragged_queries(rng, q_lens, num_q_heads, head_dim, pad_rows):
+    query_start = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = rng.standard_normal((int(query_start[-1]) + pad_rows, num_q_heads, head_dim)).astype(np.float32)
+    q[query_start[-1]:] = np.nan  # padding rows must not be read
+    return q, query_start
+
+
+def random_tree_mask(rng, batch, max_q_len):
+    """A draft-tree style mask: each token sees itself and a random set of earlier tokens."""
+    mask = np.tril(rng.random((batch, max_q_len, max_q_len)) < 0.5)
+    mask |= np.eye(max_q_len, dtype=bool)[None]
+    return mask
+
+
+def brute_force_attention(q_rows, k, v, seq_lens, page_tables, owners, visible_fn):
+    """Loop-by-loop attention in float64 straight from the page table: the check on ref.py itself."""
+    _, _, page_size, num_kv_heads, head_dim = k.shape
+    out = np.zeros(q_rows.shape, np.float64)
+    group = q_rows.shape[1] // num_kv_heads
+    for row, owner in enumerate(owners):
+        if owner is None:
+            continue
+        b, i = owner
+        positions = [j for j in range(seq_lens[b]) if visible_fn(b, i, j)]
+        if not positions:
+            continue
+        slots = [(page_tables[b, j // page_size], j % page_size) for j in positions]
+        keys = np.stack([k[LAYER, p, o] for p, o in slots]).astype(np.float64)
+        vals = np.stack([v[LAYER, p, o] for p, o in slots]).astype(np.float64)
+        for h in range(q_rows.shape[1]):
+            logits = keys[:, h // group] @ q_rows[row, h].astype(np.float64) * SM_SCALE
+            w = np.exp(logits - logits.max())
+            out[row, h] = (w / w.sum()) @ vals[:, h // group]
+    return out
+
+
+def test_interpret_mode_follows_backend():
+    assert interpret_mode() == (jax.default_backend() != "gpu")
+
+
+def test_choose_splits_fills_the_gpu_and_respects_bounds():
+    # Few programs and a long context: split; many programs: do not.
+    splits, split_len = choose_splits(4096, 8, 64, 256, None)
+    assert splits > 1 and split_len % 64 == 0 and splits * split_len >= 4096 and split_len >= 256
+    assert choose_splits(4096, 4096, 64, 256, None) == (1, 4096)
+    assert choose_splits(100, 1, 64, 1, 5) == (2, 64)  # never more splits than tiles
+
+
+def test_references_match_brute_force():
+    rng = np.random.default_rng(0)
+    seq_lens = np.array([5, 0, 8, 3], np.int32)
+    q_lens = np.array([3, 0, 4, 1])
+    k, v, tables = paged_problem(rng, seq_lens, page_size=4, num_kv_heads=2, head_dim=8)
+    q, query_start = ragged_queries(rng, q_lens, 4, 8, pad_rows=2)
+    mask = random_tree_mask(rng, 4, 4)
+    owners = [None] * q.shape[0]
+    for b in range(4):
+        for i in range(q_lens[b]):
+            owners[query_start[b] + i] = (b, i)
+
+    def causal(b, i, j):
+        return j <= seq_lens[b] - q_lens[b] + i
+
+    def tree(b, i, j):
+        prefix = seq_lens[b] - q_lens[b]
+        return j < prefix or mask[b, i, j - prefix]
+
+    args = (q, k, v, jnp.int32(LAYER), seq_lens, tables, query_start)
+    for visible_fn, m in ((causal, None), (tree, mask)):
+        got = paged_extend_ref(*args, sm_scale=SM_SCALE, max_q_len=4, mask=m)
+        want = brute_force_attention(q, k, v, seq_lens, tables, owners, visible_fn)
+        assert rel_err(got, want) < 1e-5
+
+    q_dec = q[:4]
+    got = paged_decode_ref(q_dec, k, v, jnp.int32(LAYER), seq_lens, tables, sm_scale=SM_SCALE)
+    want = brute_force_attention(q_dec, k, v, seq_lens, tables, [(b, 0) for b in range(4)], lambda b, i, j: True)
+    assert rel_err(got, want) < 1e-5
+    assert not np.any(np.asarray(got[1]))  # seq_len 0 -> zeros
+
+
+# (page_size, group, head_dim, tuning): every page size, GQA ratio and head dim
+# appears; splits 1 (the direct-write path) and several (the merge path); tiles
+# smaller than, equal to and larger than a page.
+DECODE_CASES = [
+    pytest.param(1, 1, 64, dict(block_n=16), id="s1-g1-d64-auto_splits"),
+    pytest.param(16, 4, 128, dict(block_n=32, num_splits=1), id="s16-g4-d128-one_split"),
+    pytest.param(64, 8, 64, dict(block_n=16, num_splits=3), id="s64-g8-d64-tile_in_page"),
+    pytest.param(16, 8, 128, dict(block_n=64, num_splits=2), id="s16-g8-d128-tile_spans_pages"),
+]
+
+
+@pytest.mark.parametrize("page_size,group,head_dim,tuning", DECODE_CASES)
+def test_paged_decode_matches_reference(page_size, group, head_dim, tuning):
+    rng = np.random.default_rng(page_size * 100 + group)
+    num_kv_heads = 2
+    # Lengths: empty, one token, exactly on a page boundary, just past one, longer.
+    seq_lens = np.array([0, 1, 2 * page_size, 2 * page_size + 3, 5 * page_size // 2 + 37], np.int32)
+    k, v, tables = paged_problem(rng, seq_lens, page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    q = rng.standard_normal((len(seq_lens), num_kv_heads * group, head_dim)).astype(np.float32)
+    args = (q, k, v, jnp.array([LAYER], jnp.int32), seq_lens, tables)
+    out = paged_decode(*args, sm_scale=SM_SCALE, min_split_tokens=16, **tuning)
+    ref = paged_decode_ref(*args, sm_scale=SM_SCALE)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert not np.isnan(np.asarray(out)).any()
+    assert rel_err(out, ref) < 1e-5
+    assert not np.any(np.asarray(out[0]))  # seq_len 0 -> zeros
+
+
+# (page_size, group, head_dim, tree, tuning)
+EXTEND_CASES = [
+    pytest.param(16, 4, 64, False, dict(block_m=32, block_n=16, num_splits=1), id="s16-g4-d64-causal"),
+    pytest.param(1, 8, 128, True, dict(block_m=16, block_n=32, num_splits=1), id="s1-g8-d128-tree"),
+    pytest.param(64, 1, 128, False, dict(block_m=16, block_n=32, num_splits=3), id="s64-g1-d128-causal-split"),
+    pytest.param(16, 4, 64, True, dict(block_m=32, block_n=16, num_splits=2), id="s16-g4-d64-tree-split"),
+    pytest.param(16, 2, 64, False, dict(min_split_tokens=16), id="s16-g2-d64-causal-defaults"),
+]
+
+
+@pytest.mark.parametrize("page_size,group,head_dim,tree,tuning", EXTEND_CASES)
+def test_paged_extend_matches_reference(page_size, group, head_dim, tree, tuning):
+    rng = np.random.default_rng(page_size * 100 + group + 7 * tree)
+    num_kv_heads, max_q_len = 2, 8
+    # qlen 0 with and without KV, a whole prefill (no prefix), a prefix ending on
+    # a page boundary, a total ending on one, a single token, and a ragged one.
+    q_lens = np.array([0, 5, 0, 8, 3, 1, 7])
+    prefix = np.array([0, 0, 2 * page_size + 1, page_size, max(2 * page_size - 3, 0), page_size + 1, 3 * page_size - 2])
+    seq_lens = (prefix + q_lens).astype(np.int32)
+    k, v, tables = paged_problem(rng, seq_lens, page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    q, query_start = ragged_queries(rng, q_lens, num_kv_heads * group, head_dim, pad_rows=5)
+    mask = random_tree_mask(rng, len(seq_lens), max_q_len) if tree else None
+    args = (q, k, v, jnp.int32(LAYER), seq_lens, tables, query_start)
+    out = paged_extend(*args, sm_scale=SM_SCALE, max_q_len=max_q_len, mask=mask, **tuning)
+    ref = paged_extend_ref(*args, sm_scale=SM_SCALE, max_q_len=max_q_len, mask=mask)
+    out = np.asarray(out)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert not np.isnan(out).any()
+    assert rel_err(out, ref) < 1e-5
+    assert not np.any(out[query_start[-1]:])  # padding rows are zeros
+
+
+def test_tree_mask_changes_the_result():
+    """The tree path really reads the mask: a non-causal mask gives a different answer."""
+    rng = np.random.default_rng(3)
+    seq_lens = np.array([12, 9], np.int32)
+    q_lens = np.array([4, 4])
+    k, v, tables = paged_problem(rng, seq_lens, page_size=4, num_kv_heads=1, head_dim=64)
+    q, query_start = ragged_queries(rng, q_lens, 4, 64, pad_rows=0)
+    chain = np.broadcast_to(np.eye(4, dtype=bool), (2, 4, 4))  # each token sees only itself
+    args = (q, k, v, jnp.int32(LAYER), seq_lens, tables, query_start)
+    tree_out = paged_extend(*args, sm_scale=SM_SCALE, max_q_len=4, mask=chain, block_n=16)
+    causal_out = paged_extend(*args, sm_scale=SM_SCALE, max_q_len=4, block_n=16)
+    ref = paged_extend_ref(*args, sm_scale=SM_SCALE, max_q_len=4, mask=chain)
+    assert rel_err(tree_out, ref) < 1e-5
+    assert rel_err(tree_out, causal_out) > 1e-2
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_decode_equals_extend_with_one_token(page_size):
+    rng = np.random.default_rng(11 + page_size)
+    seq_lens = np.array([0, 17, 32, 40], np.int32)
+    k, v, tables = paged_problem(rng, seq_lens, page_size=page_size, num_kv_heads=2, head_dim=64)
+    q = rng.standard_normal((4, 8, 64)).astype(np.float32)
+    query_start = np.arange(5, dtype=np.int32)
+    args = (q, k, v, jnp.int32(LAYER), seq_lens, tables)
+    decoded = paged_decode(*args, sm_scale=SM_SCALE, block_n=16, num_splits=2)
+    extended = paged_extend(*args, query_start, sm_scale=SM_SCALE, max_q_len=1, block_n=16)
+    assert rel_err(decoded, extended) < 1e-5
+    ref_decoded = paged_decode_ref(*args, sm_scale=SM_SCALE)
+    ref_extended = paged_extend_ref(*args, query_start, sm_scale=SM_SCALE, max_q_len=1)
+    assert rel_err(ref_decoded, ref_extended) < 1e-6
+
+
+def test_bfloat16_inputs():
+    """bf16 in, bf16 out, f32 softmax: close to the f32 reference at bf16 precision."""
+    rng = np.random.default_rng(5)
+    seq_lens = np.array([30, 64], np.int32)
+    k, v, tables = paged_problem(rng, seq_lens, page_size=16, num_kv_heads=2, head_dim=64)
+    q = rng.standard_normal((2, 8, 64)).astype(np.float32)
+    bf = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
+    args = (jnp.int32(LAYER), seq_lens, tables)
+    out = paged_decode(bf(q), bf(k), bf(v), *args, sm_scale=SM_SCALE, block_n=32)
+    ref = paged_decode_ref(bf(q).astype(jnp.float32), bf(k).astype(jnp.float32), bf(v).astype(jnp.float32), *args,
+                           sm_scale=SM_SCALE)
+    assert out.dtype == jnp.bfloat16
+    assert rel_err(out, ref) < 2e-2
