@@ -147,3 +147,49 @@ class ModelConfig:
             raise FileNotFoundError(f"no config.json in model directory {os.fspath(path)!r}")
         with open(cfg_path) as f:
             return cls.from_hf(json.load(f))
+
+
+SPEC_ALGORITHMS = ("EAGLE", "EAGLE3")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding settings, named as SGLang's --speculative-* flags.
+
+    algorithm: --speculative-algorithm; draft_model_path: --speculative-draft-model-path;
+    num_steps: --speculative-num-steps (draft depth); eagle_topk: --speculative-eagle-topk
+    (branching per step); num_draft_tokens: --speculative-num-draft-tokens (tree nodes
+    verified per iteration, the root included).
+    """
+
+    algorithm: str = "EAGLE"
+    draft_model_path: str | None = None
+    num_steps: int = 3
+    eagle_topk: int = 1
+    num_draft_tokens: int | None = None
+
+    def __post_init__(self):
+        if self.algorithm not in SPEC_ALGORITHMS:
+            raise ValueError(f"unknown speculative algorithm {self.algorithm!r}; choose one of {SPEC_ALGORITHMS}")
+        if self.num_steps < 1:
+            raise ValueError(f"speculative num_steps must be >= 1, got {self.num_steps}")
+        if self.eagle_topk < 1:
+            raise ValueError(f"speculative eagle_topk must be >= 1, got {self.eagle_topk}")
+        if self.eagle_topk == 1:
+            # A chain has exactly one node per step plus the root; SGLang forces the same.
+            if self.num_draft_tokens not in (None, self.num_steps + 1):
+                raise ValueError(
+                    f"with eagle_topk=1 num_draft_tokens must be num_steps + 1 = {self.num_steps + 1}, "
+                    f"got {self.num_draft_tokens}"
+                )
+            object.__setattr__(self, "num_draft_tokens", self.num_steps + 1)
+        else:
+            k, s = self.eagle_topk, self.num_steps
+            max_nodes = 1 + k + (s - 1) * k * k
+            if self.num_draft_tokens is None:
+                raise ValueError("num_draft_tokens is required when eagle_topk > 1")
+            if not 2 <= self.num_draft_tokens <= max_nodes:
+                raise ValueError(
+                    f"num_draft_tokens must be in [2, {max_nodes}] for num_steps={s}, eagle_topk={k} "
+                    f"(root + {max_nodes - 1} candidates), got {self.num_draft_tokens}"
+                )

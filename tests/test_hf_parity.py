@@ -18,7 +18,7 @@ from jspec.scheduler.batch_builder import SeqChunk, build_forward_batch
 
 PAGE_SIZE = 4
 DECODE_STEPS = 8
-BACKEND = "reference"
+BACKEND = "pallas"
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from jspec.paged_kv.pool import KVPool, write_kv
 
 class ForwardOutput(NamedTuple):
     logits: jax.Array  # [N, V] float32, for batch.logits_indices
-    hidden: jax.Array  # [N, H] final-normed hidden state of those rows (EAGLE-1 input)
+    hidden: jax.Array  # [T, H] final-normed hidden state of every row (the EAGLE-1 draft input)
     captured: jax.Array | None  # [C, T, H] residual stream entering each capture layer
 
 
@@ -66,33 +66,59 @@ def _linear(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def _decoder_layer(cfg: ModelConfig, mode: AttentionMode, batch, cos, sin, x, kv, lp, layer):
-    T = x.shape[0]
-    k_cache, v_cache = kv
-    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+def qkv_heads(cfg: ModelConfig, lp, h: jax.Array, cos, sin):
+    """Projects normed input h [T, in] to RoPE'd q [T, Hq, D], k and v [T, Hkv, D]."""
+    T = h.shape[0]
     qkv = jnp.dot(h, lp["wqkv"], preferred_element_type=jnp.float32)
     if cfg.qkv_bias:
         qkv = qkv + lp["bqkv"].astype(jnp.float32)
-    qkv = qkv.astype(x.dtype)
+    qkv = qkv.astype(h.dtype)
     q = qkv[:, : cfg.q_size].reshape(T, cfg.num_heads, cfg.head_dim)
     k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].reshape(T, cfg.num_kv_heads, cfg.head_dim)
     v = qkv[:, cfg.q_size + cfg.kv_size :].reshape(T, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-    q = apply_rope(q, cos, sin)
-    k = apply_rope(k, cos, sin)
-    k_cache = write_kv(k_cache, layer, batch.slots, k)
-    v_cache = write_kv(v_cache, layer, batch.slots, v)
-    attn = paged_attention(
-        q, k_cache, v_cache, layer, batch, mode, sm_scale=1.0 / math.sqrt(cfg.head_dim)
-    )
-    x = x + _linear(attn.reshape(T, cfg.q_size), lp["wo"])
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def mlp_block(cfg: ModelConfig, lp, x: jax.Array) -> jax.Array:
+    """x + SwiGLU(RMSNorm(x))."""
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     gate_up = jnp.dot(h, lp["w_gate_up"], preferred_element_type=jnp.float32)
     gate, up = gate_up[:, : cfg.intermediate_size], gate_up[:, cfg.intermediate_size :]
-    x = x + _linear((jax.nn.silu(gate) * up).astype(x.dtype), lp["w_down"])
-    return x, (k_cache, v_cache)
+    return x + _linear((jax.nn.silu(gate) * up).astype(x.dtype), lp["w_down"])
+
+
+def paged_attend(cfg: ModelConfig, mode: AttentionMode, batch: ForwardBatch, layer, mask=None):
+    """attend(q, k, v, (k_cache, v_cache)) for the paged pool: write the new K/V, then attend."""
+
+    def attend(q, k, v, caches):
+        k_cache = write_kv(caches[0], layer, batch.slots, k)
+        v_cache = write_kv(caches[1], layer, batch.slots, v)
+        out = paged_attention(
+            q, k_cache, v_cache, layer, batch, mode, sm_scale=1.0 / math.sqrt(cfg.head_dim), mask=mask
+        )
+        return out, (k_cache, v_cache)
+
+    return attend
+
+
+def decoder_layer(cfg: ModelConfig, lp, x, h, cos, sin, attend, caches):
+    """One pre-norm decoder layer on residual x whose attention input is h (already normed).
+
+    The target passes h = RMSNorm(x); EAGLE draft layers pass other inputs
+    (EAGLE-3 concatenates normed embeddings and normed hidden states).
+    """
+    q, k, v = qkv_heads(cfg, lp, h, cos, sin)
+    attn, caches = attend(q, k, v, caches)
+    x = x + _linear(attn.reshape(x.shape[0], cfg.q_size), lp["wo"])
+    return mlp_block(cfg, lp, x), caches
+
+
+def rope_cos_sin(cfg: ModelConfig, positions: jax.Array):
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(cfg))[None]
+    return jnp.cos(angles), jnp.sin(angles)
 
 
 def lm_head_weight(params) -> jax.Array:
@@ -111,18 +137,19 @@ def forward(
     mode: AttentionMode,
     capture_layers: tuple[int, ...] = (),
     unroll_layers: bool = False,
+    mask: jax.Array | None = None,
 ) -> tuple[KVPool, ForwardOutput]:
     """One forward pass over a ragged batch; returns the updated pool and the outputs.
 
     unroll_layers=True unrolls the layer scan (static weight slices), which can
     spare XLA a per-layer copy of the weights on some backends; bench_decode.py
-    measures both.
+    measures both. mask [B, max_q_len, max_q_len] replaces causal masking among
+    each sequence's new tokens (tree verification).
     """
     dtype = params["embed"].dtype
     x = params["embed"][batch.tokens].astype(dtype)
     T = x.shape[0]
-    angles = batch.positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(cfg))[None]
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    cos, sin = rope_cos_sin(cfg, batch.positions)
     capture = jnp.asarray(capture_layers if capture_layers else (-1,), jnp.int32)
     captured0 = jnp.zeros((len(capture_layers), T, cfg.hidden_size), dtype) if capture_layers else None
 
@@ -138,7 +165,9 @@ def forward(
                 lambda c: c,
                 captured,
             )
-        x, (k_cache, v_cache) = _decoder_layer(cfg, mode, batch, cos, sin, x, (k_cache, v_cache), lp, layer)
+        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+        attend = paged_attend(cfg, mode, batch, layer, mask)
+        x, (k_cache, v_cache) = decoder_layer(cfg, lp, x, h, cos, sin, attend, (k_cache, v_cache))
         return (x, k_cache, v_cache, captured), None
 
     layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
@@ -147,8 +176,8 @@ def forward(
     )
     if captured is not None and cfg.num_layers in capture_layers:
         captured = captured.at[capture_layers.index(cfg.num_layers)].set(x)
-    h = rms_norm(x[batch.logits_indices], params["final_norm"], cfg.rms_norm_eps)
-    logits = compute_logits(params, cfg, h)
+    h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    logits = compute_logits(params, cfg, h[batch.logits_indices])
     return KVPool(k_cache, v_cache), ForwardOutput(logits, h, captured)
 
 
@@ -159,34 +188,20 @@ def dense_forward(params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
     """
     T = tokens.shape[0]
     x = params["embed"][tokens]
-    angles = jnp.arange(T, dtype=jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(cfg))[None]
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    cos, sin = rope_cos_sin(cfg, jnp.arange(T))
     group = cfg.num_heads // cfg.num_kv_heads
     causal = jnp.tril(jnp.ones((T, T), bool))
 
-    def body(x, lp):
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        qkv = jnp.dot(h, lp["wqkv"], preferred_element_type=jnp.float32)
-        if cfg.qkv_bias:
-            qkv = qkv + lp["bqkv"].astype(jnp.float32)
-        qkv = qkv.astype(x.dtype)
-        q = qkv[:, : cfg.q_size].reshape(T, cfg.num_heads, cfg.head_dim)
-        k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].reshape(T, cfg.num_kv_heads, cfg.head_dim)
-        v = qkv[:, cfg.q_size + cfg.kv_size :].reshape(T, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
-            k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    def attend(q, k, v, caches):
         k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
         s = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k.astype(jnp.float32))
         s = jnp.where(causal[None], s / math.sqrt(cfg.head_dim), -jnp.inf)
         p = jax.nn.softmax(s, axis=-1)
-        attn = jnp.einsum("hqk,khd->qhd", p, v.astype(jnp.float32)).astype(x.dtype)
-        x = x + _linear(attn.reshape(T, cfg.q_size), lp["wo"])
-        h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-        gu = jnp.dot(h, lp["w_gate_up"], preferred_element_type=jnp.float32)
-        g, u = gu[:, : cfg.intermediate_size], gu[:, cfg.intermediate_size :]
-        return x + _linear((jax.nn.silu(g) * u).astype(x.dtype), lp["w_down"]), None
+        return jnp.einsum("hqk,khd->qhd", p, v.astype(jnp.float32)).astype(q.dtype), caches
+
+    def body(x, lp):
+        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+        return decoder_layer(cfg, lp, x, h, cos, sin, attend, ())[0], None
 
     x, _ = jax.lax.scan(body, x, params["layers"])
     return compute_logits(params, cfg, rms_norm(x, params["final_norm"], cfg.rms_norm_eps))
