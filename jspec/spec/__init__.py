@@ -1,0 +1,26 @@
+"""Speculative decoding: draft-tree construction (tree.py) and verification (accept.py)."""
+
+from jspec.spec.accept import AcceptResult, greedy_accept
+from jspec.spec.tree import (
+    BeamStep,
+    DraftCandidates,
+    DraftTree,
+    append_step,
+    build_tree,
+    candidate_count,
+    expand_beams,
+    start_candidates,
+)
+
+__all__ = [
+    "AcceptResult",
+    "BeamStep",
+    "DraftCandidates",
+    "DraftTree",
+    "append_step",
+    "build_tree",
+    "candidate_count",
+    "expand_beams",
+    "greedy_accept",
+    "start_candidates",
+]
