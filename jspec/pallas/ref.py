@@ -29,8 +29,9 @@ def gather_sequence_kv(cache: jax.Array, layer: jax.Array, seq_lens: jax.Array, 
     return jnp.where(valid[:, :, None, None], kv.astype(jnp.float32), 0.0)
 
 
-def _masked_softmax_attention(q, k, v, visible, sm_scale):
-    """q [B, Q, Hkv, G, D], k/v [B, K, Hkv, D], visible [B, Q, K] -> [B, Q, Hkv, G, D] f32.
+def _masked_softmax_attention(q, k, v, visible, sm_scale, return_lse=False):
+    """q [B, Q, Hkv, G, D], k/v [B, K, Hkv, D], visible [B, Q, K] -> [B, Q, Hkv, G, D] f32
+    (and, with return_lse, the natural-log log-sum-exp [B, Q, Hkv, G], -inf where nothing is visible).
 
     Rows with nothing visible come out as zeros.
     """
@@ -42,11 +43,18 @@ def _masked_softmax_attention(q, k, v, visible, sm_scale):
     weights = jnp.where(visible, jnp.exp(logits - row_max), 0.0)
     denom = jnp.sum(weights, axis=-1, keepdims=True)
     out = jnp.einsum("bqhgk,bkhd->bqhgd", weights, v, precision=jax.lax.Precision.HIGHEST)
-    return out / jnp.where(denom > 0, denom, 1.0)
+    out = out / jnp.where(denom > 0, denom, 1.0)
+    if return_lse:
+        lse = jnp.where(denom[..., 0] > 0, row_max[..., 0] + jnp.log(jnp.where(denom[..., 0] > 0, denom[..., 0], 1.0)), -jnp.inf)
+        return out, lse
+    return out
 
 
-def paged_decode_ref(q, k_cache, v_cache, layer, seq_lens, page_tables, *, sm_scale):
-    """One new query token per sequence. q [B, Hq, D] -> [B, Hq, D] in q's dtype."""
+def paged_decode_ref(q, k_cache, v_cache, layer, seq_lens, page_tables, *, sm_scale, return_lse=False):
+    """One new query token per sequence. q [B, Hq, D] -> [B, Hq, D] in q's dtype.
+
+    With return_lse: (out [B, Hq, D] f32, lse [B, Hq] f32 natural log, -inf for seq_len 0).
+    """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[3]
     group = num_q_heads // num_kv_heads
@@ -54,6 +62,9 @@ def paged_decode_ref(q, k_cache, v_cache, layer, seq_lens, page_tables, *, sm_sc
     v = gather_sequence_kv(v_cache, layer, seq_lens, page_tables)
     visible = jnp.arange(k.shape[1])[None, None, :] < seq_lens[:, None, None]
     q5 = q.astype(jnp.float32).reshape(batch, 1, num_kv_heads, group, head_dim)
+    if return_lse:
+        out, lse = _masked_softmax_attention(q5, k, v, visible, sm_scale, return_lse=True)
+        return out.reshape(batch, num_q_heads, head_dim), lse.reshape(batch, num_q_heads)
     out = _masked_softmax_attention(q5, k, v, visible, sm_scale)
     return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
 

@@ -1,0 +1,122 @@
+"""EAGLE and EAGLE-3 draft heads: pure functions over the draft param pytree.
+
+Position convention (shared with jspec/spec/eagle.py): the draft's KV entry at
+position t holds the pair (token x_{t+1}, feature of position t), and the
+draft's output there predicts x_{t+2}.
+
+- EAGLE (1/2): x = fc([embed(token) ; feature]) (+ bias); layer 0 takes x
+  without an input norm; no final norm; logits from the target's lm_head.
+  The feature is the target's final-normed hidden state, or, on later
+  draft steps, the draft's own output.
+- EAGLE-3: the target feature is the residual stream entering three target
+  layers, concatenated [low ; mid ; high] (3H) and fused by fc to H; later
+  draft steps feed the draft's own pre-norm output (H) with no fc. The layer's
+  attention input is [RMSNorm_in(embed(token)) ; RMSNorm_hidden(x)] (2H), its
+  residual is x; logits = own lm_head(RMSNorm_final(out)) over a reduced
+  vocabulary, mapped to target ids by target = draft + d2t[draft].
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jspec.config import ModelConfig
+from jspec.models.llama import _linear, decoder_layer, rms_norm
+
+
+def layer_config(dcfg) -> ModelConfig:
+    """A ModelConfig describing the draft's decoder layers, so the target's layer code runs them."""
+    return ModelConfig(
+        family="llama",
+        vocab_size=dcfg.vocab_size,
+        hidden_size=dcfg.hidden_size,
+        intermediate_size=dcfg.intermediate_size,
+        num_layers=dcfg.num_layers,
+        num_heads=dcfg.num_heads,
+        num_kv_heads=dcfg.num_kv_heads,
+        head_dim=dcfg.head_dim,
+        rms_norm_eps=dcfg.rms_norm_eps,
+        rope_theta=dcfg.rope_theta,
+        rope_scaling=dcfg.rope_scaling,
+        max_position_embeddings=dcfg.max_position_embeddings,
+    )
+
+
+def is_eagle3(dcfg) -> bool:
+    return dcfg.algorithm == "EAGLE3"
+
+
+def target_feature(dparams, dcfg, feats: jax.Array) -> jax.Array:
+    """Turns target features into the draft's H-dim hidden input (EAGLE-3 fuses 3H -> H)."""
+    if is_eagle3(dcfg):
+        return _linear(feats, dparams["fc"])
+    return feats
+
+
+def draft_layers(
+    dparams,
+    dcfg,
+    embed: jax.Array,
+    tokens: jax.Array,  # [T] target-vocabulary ids
+    hidden: jax.Array,  # [T, H] draft hidden input (already through target_feature)
+    cos: jax.Array,
+    sin: jax.Array,
+    attend_for_layer: Callable[[int], Callable],
+    caches,
+):
+    """Runs the draft's decoder layers; returns (output hidden [T, H], caches).
+
+    attend_for_layer(i) gives the attention closure of draft layer i (paged
+    extend during prefill/draft-extend, prefix+tree attention during draft steps).
+    """
+    lcfg = layer_config(dcfg)
+    emb = embed[tokens].astype(hidden.dtype)
+    layers = dparams["layers"]
+    if is_eagle3(dcfg):
+        x = hidden
+    else:
+        x = jnp.dot(jnp.concatenate([emb, hidden], -1), dparams["fc"], preferred_element_type=jnp.float32)
+        if "fc_bias" in dparams:
+            x = x + dparams["fc_bias"].astype(jnp.float32)
+        x = x.astype(hidden.dtype)
+    for i in range(dcfg.num_layers):
+        lp = jax.tree.map(lambda a: a[i], layers)
+        if is_eagle3(dcfg):
+            h = jnp.concatenate(
+                [rms_norm(emb, lp["attn_norm"], dcfg.rms_norm_eps), rms_norm(x, lp["hidden_norm"], dcfg.rms_norm_eps)],
+                -1,
+            )
+        elif "attn_norm" in lp:
+            h = rms_norm(x, lp["attn_norm"], dcfg.rms_norm_eps)
+        else:
+            h = x  # EAGLE's first layer has no input norm
+        x, caches = decoder_layer(lcfg, lp, x, h, cos, sin, attend_for_layer(i), caches)
+    return x, caches
+
+
+def draft_logits(dparams, dcfg, target_params, out: jax.Array) -> jax.Array:
+    """Logits over the draft vocabulary [T, Vd] (float32)."""
+    if is_eagle3(dcfg):
+        h = rms_norm(out, dparams["final_norm"], dcfg.rms_norm_eps)
+    else:
+        h = out
+    if "lm_head" in dparams:
+        w = dparams["lm_head"]
+    elif "lm_head" in target_params:
+        w = target_params["lm_head"]
+    else:
+        w = target_params["embed"].T
+    return jnp.dot(h, w, preferred_element_type=jnp.float32)
+
+
+def to_target_ids(dparams, draft_ids: jax.Array) -> jax.Array:
+    if "d2t" in dparams:
+        return (draft_ids + dparams["d2t"][draft_ids]).astype(jnp.int32)
+    return draft_ids.astype(jnp.int32)
+
+
+def draft_embed(dparams, target_params) -> jax.Array:
+    return dparams["embed"] if "embed" in dparams else target_params["embed"]
