@@ -23,15 +23,19 @@ Two on-disk formats are accepted by `load_model(path)`:
 * a jspec converted directory, written by `save_params(params, dir, config=cfg)`
   or `convert_checkpoint(hf_dir, out_dir)`: `jspec_config.json` (the
   ModelConfig as JSON) and `params/` (an orbax-checkpoint of the pytree above).
-  It is recognised by `jspec_config.json` and loads without any conversion,
-  which is what makes a large model start fast the second time.
-  `convert_checkpoint` also copies the tokenizer files, so
-  `tokenizer.load_tokenizer` works on the converted directory too.
+  It is recognised by `jspec_config.json` and restores the pytree as saved,
+  with no per-tensor conversion. `convert_checkpoint` also copies the
+  tokenizer files, so `tokenizer.load_tokenizer` works there too.
+  Measured on the H200 (8B Llama shape, bf16, files in the page cache): the
+  HF directory loads in 6.5 s, the orbax directory in 8.9 s (save: 22 s), so
+  the converted format buys no speed on one GPU; it is there for a pytree
+  that is not an HF checkpoint (e.g. a trained draft head) and for later
+  sharded restores.
 
 safetensors files are read through our own header parser and `np.memmap`:
 numpy has no bfloat16, and memory-mapping means a tensor's bytes are only
-paged in when a layer is stacked, so an 8B model never sits in host memory
-twice.
+read when it is sent to the device. Loading that 8B checkpoint peaked at
+17.2 GB of device memory for 16.1 GB of params.
 """
 
 from __future__ import annotations
