@@ -232,3 +232,23 @@ def test_build_tree_rejects_too_many_nodes():
     except ValueError:
         return
     raise AssertionError("num_draft_tokens > candidates + 1 must raise")
+
+
+def test_pipeline_lowers_for_cuda():
+    # Runs inside the jitted decode step on the GPU: lower it for an abstract H200.
+    from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+
+    topk, num_steps, n = 4, 5, 16
+    spec = jax.ShapeDtypeStruct
+    specs = (
+        spec((BATCH, topk), jnp.float32),
+        spec((BATCH, topk), jnp.int32),
+        spec((num_steps - 1, BATCH, topk, topk), jnp.float32),
+        spec((num_steps - 1, BATCH, topk, topk), jnp.int32),
+        spec((BATCH,), jnp.int32),
+        spec((BATCH, n), jnp.int32),
+    )
+    h200 = AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    with use_abstract_mesh(AbstractMesh((), (), abstract_device=h200)):
+        lowered = pipeline(topk, num_steps, n).trace(*specs).lower(lowering_platforms=("cuda",))
+    assert "stablehlo" in lowered.as_text()
