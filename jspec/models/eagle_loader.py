@@ -25,8 +25,8 @@ EAGLE (EAGLE-1 and EAGLE-2 heads; one algorithm, EAGLE-2 only changes the tree):
           index != 0; SGLang replaces it by the identity):
     x   = x + attn(x) @ wo          q, k, v = x @ wqkv
     x   = x + mlp(rms(x, mlp_norm))
-    layers >= 1 (none in published heads) are ordinary pre-norm Llama layers
-          with attn_norm; layer 0 never normalises (see `draft_param_shapes`).
+    heads with more than one layer (none are published; SafeAILab would give
+          layers >= 1 an input norm but not layer 0) are refused.
     out = x                         NO final norm (SGLang returns
           hidden_states + residual); logits = out @ the TARGET's lm_head.
     next step's h = out (un-normed). SGLang always uses the target's
@@ -69,9 +69,8 @@ Param pytree (weights [in, out], layers stacked on a leading axis Ld):
     fc [fc_in, H]; fc_bias [H] if the checkpoint has fc.bias
     layers/{wqkv [Ld, in, q+2kv] (in = H for EAGLE, 2H for EAGLE3), wo,
             mlp_norm, w_gate_up, w_down} as in loader.py;
-            attn_norm [Ld, H]: EAGLE3 always (embeds norm); EAGLE only when
-            Ld > 1, with row 0 a placeholder of ones that the forward must not
-            apply; hidden_norm [Ld, H]: EAGLE3 only
+            attn_norm [Ld, H] (the embeddings' norm) and hidden_norm [Ld, H]:
+            EAGLE3 only; Ld is 1 for both algorithms
     final_norm [H], d2t [Vd] int32: EAGLE3 only
     lm_head [H, Vd]: EAGLE3 heads with their own head, or any checkpoint that
             has lm_head.weight; otherwise the target's is used
@@ -175,17 +174,6 @@ class DraftConfig:
     def attn_in(self) -> int:
         """Width of the attention input: EAGLE3 attends over concat(embeds, hidden)."""
         return self.hidden_size * (2 if self.algorithm == "EAGLE3" else 1)
-
-    def layer_config(self) -> ModelConfig:
-        """A ModelConfig with the draft layer's shapes, so llama.py helpers
-        (rope_inv_freq, rms_norm eps, head splitting) can be reused."""
-        return ModelConfig(
-            family="llama", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size, num_layers=self.num_layers, num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
-            rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
-            max_position_embeddings=self.max_position_embeddings,
-        )
 
 
 def normalize_algorithm(algorithm: str) -> str:
@@ -549,10 +537,7 @@ def _expected_shapes(cfg: DraftConfig, prefix: str) -> dict[str, tuple[int, ...]
     if cfg.fc_bias:
         shapes["fc.bias"] = (H,)
     if cfg.algorithm == "EAGLE":
-        for i in range(cfg.num_layers):
-            shapes.update(_layer_shapes(cfg, f"layers.{i}."))
-            if i > 0:
-                shapes[f"layers.{i}.input_layernorm.weight"] = (H,)
+        shapes.update(_layer_shapes(cfg, "layers.0."))
     else:
         shapes.update(_layer_shapes(cfg, prefix))
         shapes[prefix + "input_layernorm.weight"] = (H,)
@@ -613,16 +598,18 @@ def draft_config_from_hf(hf: Mapping[str, Any], target: ModelConfig, tensors: Ma
                     where, hf.get("vocab_size"), target.vocab_size)
     has_embed = "embed_tokens.weight" in tensors
     prefix = ""
+    if lc.num_layers != 1:
+        # The forward gives every layer the same norms; an EAGLE head with more
+        # layers has none before layer 0 but one before the others.
+        raise CheckpointError(f"draft checkpoint {where}: {found} heads with num_hidden_layers={lc.num_layers} are "
+                              f"not supported (only 1, the published layout)")
     if found == "EAGLE":
-        num_layers, capture = lc.num_layers, ()
+        num_layers, capture = 1, ()
         if "layers.0.input_layernorm.weight" in tensors:
             log.warning("draft checkpoint %s: ignoring layers.0.input_layernorm.weight (EAGLE's first layer has no "
                         "input norm; SGLang drops it too)", where)
         has_lm_head, draft_vocab = "lm_head.weight" in tensors, target.vocab_size
     else:
-        if lc.num_layers != 1:
-            raise CheckpointError(f"draft checkpoint {where}: EAGLE3 heads with num_hidden_layers={lc.num_layers} are "
-                                  f"not supported (only 1, the published layout)")
         num_layers, capture, prefix = 1, _capture_layers(hf, target, where), _eagle3_prefix(tensors)
         cfg_vocab = hf.get("draft_vocab_size")
         if "lm_head.weight" in tensors:
@@ -707,11 +694,7 @@ def convert_draft_params(cfg: DraftConfig, tensors: Mapping[str, np.ndarray], dt
         }
 
     if cfg.algorithm == "EAGLE":
-        per_layer = [layer(f"layers.{i}.") for i in range(cfg.num_layers)]
-        if cfg.num_layers > 1:  # row 0 is a placeholder: EAGLE's first layer has no input norm
-            per_layer[0]["attn_norm"] = jnp.ones((cfg.hidden_size,), dtype)
-            for i in range(1, cfg.num_layers):
-                per_layer[i]["attn_norm"] = vec(f"layers.{i}.input_layernorm.weight")
+        per_layer = [layer("layers.0.")]
     else:
         p = _eagle3_prefix(tensors)
         per_layer = [{**layer(p), "attn_norm": vec(p + "input_layernorm.weight"),
@@ -737,9 +720,8 @@ def draft_param_shapes(cfg: DraftConfig) -> dict[str, Any]:
     H, I, Ld = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
     layers = {"wqkv": (Ld, cfg.attn_in, cfg.q_size + 2 * cfg.kv_size), "wo": (Ld, cfg.q_size, H),
               "mlp_norm": (Ld, H), "w_gate_up": (Ld, H, 2 * I), "w_down": (Ld, I, H)}
-    if cfg.algorithm == "EAGLE3" or Ld > 1:
-        layers["attn_norm"] = (Ld, H)
     if cfg.algorithm == "EAGLE3":
+        layers["attn_norm"] = (Ld, H)
         layers["hidden_norm"] = (Ld, H)
     shapes: dict[str, Any] = {"fc": (cfg.fc_in, H), "layers": layers}
     if cfg.fc_bias:
