@@ -38,9 +38,9 @@ def lower_for_cuda(fn, *specs):
         return jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",))
 
 
-def cache_specs(batch, ctx, page_size, num_kv_heads, head_dim):
+def cache_specs(batch, ctx, page_size, num_kv_heads, head_dim, layers=LAYERS):
     num_pages = batch * ctx // page_size + 1
-    cache = jax.ShapeDtypeStruct((LAYERS, num_pages, page_size, num_kv_heads, head_dim), BF16)
+    cache = jax.ShapeDtypeStruct((layers, num_pages, page_size, num_kv_heads, head_dim), BF16)
     return cache, cache, jax.ShapeDtypeStruct((), I32), jax.ShapeDtypeStruct((batch,), I32), \
         jax.ShapeDtypeStruct((batch, ctx // page_size), I32)
 
@@ -77,11 +77,13 @@ def test_lowering_catches_a_non_power_of_two_array():
         (32, 4096, 16, 32, 8, 128, dict(block_n=32, num_splits=1, num_stages=4)),
         (4, 2048, 16, 32, 32, 64, {}),  # MHA, head_dim 64
         (4, 2048, 64, 64, 8, 128, dict(block_n=32)),  # group of 8
+        (32, 4096, 16, 32, 8, 128, dict(layers=32)),  # 8.6 GB cache: 64-bit offsets
     ],
 )
 def test_paged_decode_lowers_for_cuda(batch, ctx, page_size, num_q_heads, num_kv_heads, head_dim, tuning):
     q = jax.ShapeDtypeStruct((batch, num_q_heads, head_dim), BF16)
-    specs = (q, *cache_specs(batch, ctx, page_size, num_kv_heads, head_dim))
+    tuning = dict(tuning)
+    specs = (q, *cache_specs(batch, ctx, page_size, num_kv_heads, head_dim, tuning.pop("layers", LAYERS)))
     fn = functools.partial(paged_decode, sm_scale=head_dim ** -0.5, interpret=False, **tuning)
     assert_has_triton_call(lower_for_cuda(fn, *specs))
 
@@ -95,13 +97,16 @@ def test_paged_decode_lowers_for_cuda(batch, ctx, page_size, num_q_heads, num_kv
         (1, 2048, 2048, 16, 8, 128, False, {}),  # long prefill
         (1, 2048, 2048, 64, 8, 128, False, dict(block_m=64, block_n=64, num_warps=4, num_stages=3)),
         (4, 64, 1024, 16, 32, 64, True, dict(block_m=64)),  # MHA, head_dim 64, 64-token tree
+        (32, 8, 4096, 16, 8, 128, True, dict(layers=32)),  # 8.6 GB cache: 64-bit offsets
     ],
 )
 def test_paged_extend_lowers_for_cuda(batch, q_len, ctx, page_size, num_kv_heads, head_dim, tree, tuning):
     num_q_heads = 32
     q = jax.ShapeDtypeStruct((batch * q_len, num_q_heads, head_dim), BF16)
     query_start = jax.ShapeDtypeStruct((batch + 1,), I32)
-    specs = [q, *cache_specs(batch, ctx, page_size, num_kv_heads, head_dim), query_start]
+    tuning = dict(tuning)
+    layers = tuning.pop("layers", LAYERS)
+    specs = [q, *cache_specs(batch, ctx, page_size, num_kv_heads, head_dim, layers), query_start]
     if tree:
         specs.append(jax.ShapeDtypeStruct((batch, q_len, q_len), jnp.bool_))
 

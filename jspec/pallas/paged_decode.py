@@ -11,6 +11,7 @@ B * splits * Hq * D * 4 bytes against the B * ctx * Hkv * D * 4 of KV read.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,7 @@ from jspec.pallas.paged_tiles import (
     LOG2E,
     MASK_VALUE,
     attend_tile,
+    cache_rows,
     check_pow2,
     choose_splits,
     gather_kv_tiles,
@@ -34,12 +36,12 @@ from jspec.pallas.paged_tiles import (
 
 def _decode_kernel(
     layer_ref, seq_lens_ref, page_tables_ref, q_ref, k_ref, v_ref, *out_refs,
-    group, group_rows, block_n, split_len, scale_log2, write_final,
+    cache_shape, group, group_rows, block_n, split_len, scale_log2, write_final,
 ):
     seq, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     head_dim = q_ref.shape[2]
     layer = layer_ref[0]
-    kv_len = jnp.minimum(seq_lens_ref[seq], page_tables_ref.shape[1] * k_ref.shape[2])
+    kv_len = jnp.minimum(seq_lens_ref[seq], page_tables_ref.shape[1] * cache_shape[2])
     lo = split * split_len
     hi = jnp.minimum(lo + split_len, kv_len)
     num_tokens = jnp.maximum(hi - lo, 0)
@@ -49,8 +51,8 @@ def _decode_kernel(
     heads = (kv_head * group + rows)[:, None]
     cols = lax.iota(jnp.int32, head_dim)[None, :]
     q = pltriton.load(q_ref.at[seq, heads, cols], mask=real_row[:, None], other=0).astype(k_ref.dtype)
-    tiles = functools.partial(gather_kv_tiles, k_ref, v_ref, page_tables_ref, layer=layer, seq=seq,
-                              kv_head=kv_head, block_n=block_n)
+    tiles = functools.partial(gather_kv_tiles, k_ref, v_ref, page_tables_ref, cache_shape=cache_shape, layer=layer,
+                              seq=seq, kv_head=kv_head, block_n=block_n)
 
     def full_tile(i, carry):
         k, v = tiles(start=lo + i * block_n)
@@ -85,10 +87,30 @@ def _decode_kernel(
         pltriton.store(l_ref.at[seq, split, heads[:, 0]], l, mask=real_row)
 
 
-def default_block_n(head_dim: int) -> int:
-    # Tiles of 16 KiB per K/V in bf16: enough bytes in flight per iteration
+class DecodePlan(NamedTuple):
+    """Static launch settings, resolved from shapes and the tuning arguments."""
+
+    block_n: int  # KV tokens per tile
+    group_rows: int  # GQA group padded to a power of two >= 16
+    num_splits: int
+    split_len: int  # KV tokens per split, a multiple of block_n
+    num_warps: int
+    num_stages: int
+
+
+def decode_plan(batch, num_q_heads, cache_shape, max_pages, *, block_n=None, num_splits=None, min_split_tokens=256,
+                num_warps=4, num_stages=2) -> DecodePlan:
+    _, _, page_size, num_kv_heads, head_dim = cache_shape
+    check_pow2("page_size", page_size)
+    check_pow2("head_dim", head_dim)
+    # 64 x 128 bf16 = 16 KiB per K/V tile: enough bytes in flight per iteration
     # without crowding out a second resident program per SM.
-    return 64 if head_dim >= 128 else 128
+    block_n = block_n or (64 if head_dim >= 128 else 128)
+    check_pow2("block_n", block_n)
+    group = num_q_heads // num_kv_heads
+    splits, split_len = choose_splits(max_pages * page_size, batch * num_kv_heads, block_n, min_split_tokens,
+                                      num_splits)
+    return DecodePlan(block_n, next_pow2(max(group, 16)), splits, split_len, num_warps, num_stages)
 
 
 @functools.partial(
@@ -106,47 +128,45 @@ def paged_decode(
     int32. Returns [B, Hq, D] in q's dtype. Softmax in f32; q is cast to the
     cache dtype for the matmuls.
 
-    Tuning: block_n tokens per KV tile (power of two, any page size);
-    num_splits context partitions (None: from B, Hkv and max_pages), each at
-    least min_split_tokens long; num_warps and num_stages go to Triton.
+    Tuning (see decode_plan): block_n tokens per KV tile (power of two, any
+    page size); num_splits context partitions (None: from B, Hkv and
+    max_pages), each at least min_split_tokens long; num_warps and num_stages
+    go to Triton.
     """
     batch, num_q_heads, head_dim = q.shape
-    _, _, page_size, num_kv_heads, cache_head_dim = k_cache.shape
-    if cache_head_dim != head_dim or num_q_heads % num_kv_heads:
-        raise ValueError(f"q {q.shape} does not fit the cache {k_cache.shape}")
-    check_pow2("page_size", page_size)
-    check_pow2("head_dim", head_dim)
-    block_n = block_n or default_block_n(head_dim)
-    check_pow2("block_n", block_n)
+    num_kv_heads = k_cache.shape[3]
+    if k_cache.shape[4] != head_dim or num_q_heads % num_kv_heads or v_cache.shape != k_cache.shape:
+        raise ValueError(f"q {q.shape} does not fit the caches {k_cache.shape}, {v_cache.shape}")
+    plan = decode_plan(batch, num_q_heads, k_cache.shape, page_tables.shape[1], block_n=block_n,
+                       num_splits=num_splits, min_split_tokens=min_split_tokens, num_warps=num_warps,
+                       num_stages=num_stages)
     group = num_q_heads // num_kv_heads
-    max_kv = page_tables.shape[1] * page_size
-    splits, split_len = choose_splits(max_kv, batch * num_kv_heads, block_n, min_split_tokens, num_splits)
-    write_final = splits == 1
-
+    write_final = plan.num_splits == 1
     kernel = functools.partial(
-        _decode_kernel, group=group, group_rows=next_pow2(max(group, 16)), block_n=block_n,
-        split_len=split_len, scale_log2=float(sm_scale) * LOG2E, write_final=write_final,
+        _decode_kernel, cache_shape=k_cache.shape, group=group, group_rows=plan.group_rows, block_n=plan.block_n,
+        split_len=plan.split_len, scale_log2=float(sm_scale) * LOG2E, write_final=write_final,
     )
     if write_final:
         out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     else:
+        partial = (batch, plan.num_splits, num_q_heads)
         out_shape = [
-            jax.ShapeDtypeStruct((batch, splits, num_q_heads, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((batch, splits, num_q_heads), jnp.float32),
-            jax.ShapeDtypeStruct((batch, splits, num_q_heads), jnp.float32),
+            jax.ShapeDtypeStruct((*partial, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct(partial, jnp.float32),
+            jax.ShapeDtypeStruct(partial, jnp.float32),
         ]
     outs = pl.pallas_call(
         kernel,
-        grid=(batch, num_kv_heads, splits),
+        grid=(batch, num_kv_heads, plan.num_splits),
         out_shape=out_shape,
         interpret=resolve_interpret(interpret),
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"paged_decode_s{page_size}_g{group}_n{block_n}",
+        compiler_params=pltriton.CompilerParams(num_warps=plan.num_warps, num_stages=plan.num_stages),
+        name=f"paged_decode_s{k_cache.shape[2]}_g{group}_n{plan.block_n}",
     )(
         jnp.reshape(layer, (1,)).astype(jnp.int32),
         seq_lens.astype(jnp.int32),
         page_tables.astype(jnp.int32),
-        q, k_cache, v_cache,
+        q, cache_rows(k_cache), cache_rows(v_cache),
     )
     if write_final:
         return outs[0]

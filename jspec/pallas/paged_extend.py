@@ -15,6 +15,7 @@ mask's reach skip masking, so a long prefill pays for it only near the diagonal.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,7 @@ from jspec.pallas.paged_tiles import (
     LOG2E,
     MASK_VALUE,
     attend_tile,
+    cache_rows,
     check_pow2,
     choose_splits,
     gather_kv_tiles,
@@ -38,7 +40,7 @@ from jspec.pallas.paged_tiles import (
 
 def _extend_kernel(
     layer_ref, seq_lens_ref, page_tables_ref, query_start_ref, q_ref, k_ref, v_ref, *refs,
-    group, block_m, block_n, splits, split_len, scale_log2, tree, write_final,
+    cache_shape, group, block_m, block_n, num_q_blocks, splits, split_len, scale_log2, tree, write_final,
 ):
     if tree:
         tree_mask_ref, *refs = refs
@@ -47,7 +49,10 @@ def _extend_kernel(
     else:
         acc_ref, m_ref, l_ref = refs
     seq, block_and_split, kv_head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    q_block, split = block_and_split // splits, block_and_split % splits
+    # Highest query blocks first: under a causal mask they have the most KV to
+    # read, and starting them early keeps the last wave short.
+    q_block = num_q_blocks - 1 - block_and_split // splits
+    split = block_and_split % splits
     tokens_per_block = block_m // group
     row0 = query_start_ref[seq]
     q_len = query_start_ref[seq + 1] - row0
@@ -57,7 +62,7 @@ def _extend_kernel(
     def _():
         head_dim = q_ref.shape[2]
         layer = layer_ref[0]
-        kv_len = jnp.minimum(seq_lens_ref[seq], page_tables_ref.shape[1] * k_ref.shape[2])
+        kv_len = jnp.minimum(seq_lens_ref[seq], page_tables_ref.shape[1] * cache_shape[2])
         prefix = kv_len - q_len  # KV entries before the new tokens
         last = jnp.minimum(first + tokens_per_block, q_len) - 1
 
@@ -78,8 +83,8 @@ def _extend_kernel(
         num_full = jnp.maximum(jnp.minimum(unmasked_end, hi) - lo, 0) // block_n
         masked_start = lo + num_full * block_n
         num_masked = lax.div(jnp.maximum(hi - masked_start, 0) + block_n - 1, block_n)
-        tiles = functools.partial(gather_kv_tiles, k_ref, v_ref, page_tables_ref, layer=layer, seq=seq,
-                                  kv_head=kv_head, block_n=block_n)
+        tiles = functools.partial(gather_kv_tiles, k_ref, v_ref, page_tables_ref, cache_shape=cache_shape,
+                                  layer=layer, seq=seq, kv_head=kv_head, block_n=block_n)
 
         def full_tile(i, carry):
             k, v = tiles(start=lo + i * block_n)
@@ -117,17 +122,38 @@ def _extend_kernel(
             pltriton.store(l_ref.at[split, flat_row[:, 0], head[:, 0]], l, mask=real_row)
 
 
-def default_tiles(max_q_len: int, group: int, head_dim: int) -> tuple[int, int, int]:
-    """(block_m, block_n, num_warps) for a query bucket.
+class ExtendPlan(NamedTuple):
+    """Static launch settings, resolved from shapes and the tuning arguments."""
 
-    Long prefill: 128-row blocks and 8 warps (the usual Hopper flash-attention
-    shape); short queries (tree verification): the smallest MMA-able block that
-    holds them, so few rows are padding.
-    """
+    block_m: int  # rows (new tokens x GQA heads) per query block
+    block_n: int  # KV tokens per tile
+    num_q_blocks: int
+    num_splits: int
+    split_len: int  # KV tokens per split, a multiple of block_n
+    num_warps: int
+    num_stages: int
+
+
+def extend_plan(batch, num_q_heads, cache_shape, max_pages, max_q_len, *, block_m=None, block_n=None,
+                num_splits=None, min_split_tokens=256, num_warps=None, num_stages=2) -> ExtendPlan:
+    """Long prefill gets 128-row blocks and 8 warps (the usual Hopper flash-attention
+    shape); short queries (tree verification) the smallest MMA-able block that
+    holds them, so few rows are padding."""
+    _, _, page_size, num_kv_heads, head_dim = cache_shape
+    check_pow2("page_size", page_size)
+    check_pow2("head_dim", head_dim)
+    group = num_q_heads // num_kv_heads
     rows = max_q_len * group
-    block_m = 128 if rows >= 128 else max(16, next_pow2(rows), next_pow2(group))
-    block_n = 64 if head_dim >= 128 else 128
-    return block_m, block_n, 8 if block_m >= 128 else 4
+    auto_m = 128 if rows >= 128 else max(16, next_pow2(rows))
+    block_m = max(block_m or auto_m, next_pow2(group))
+    block_n = block_n or (64 if head_dim >= 128 else 128)
+    check_pow2("block_m", block_m)
+    check_pow2("block_n", block_n)
+    num_q_blocks = -(-max_q_len // (block_m // group))
+    splits, split_len = choose_splits(max_pages * page_size, batch * num_q_blocks * num_kv_heads, block_n,
+                                      min_split_tokens, num_splits)
+    num_warps = num_warps or (8 if block_m >= 128 else 4)
+    return ExtendPlan(block_m, block_n, num_q_blocks, splits, split_len, num_warps, num_stages)
 
 
 @functools.partial(
@@ -151,39 +177,29 @@ def paged_extend(
     (tree: prefix visible, new token i sees new token k iff mask[b, i, k]).
     Returns [T, Hq, D] in q's dtype; rows from query_start[B] on are zeros.
 
-    Tuning: block_m rows (tokens x GQA heads) per query block, block_n KV tokens
-    per tile (both powers of two); num_splits context partitions (None: chosen
-    from the grid size), each >= min_split_tokens; num_warps, num_stages for Triton.
+    Tuning (see extend_plan): block_m rows (tokens x GQA heads) per query
+    block, block_n KV tokens per tile (both powers of two); num_splits context
+    partitions (None: chosen from the grid size), each >= min_split_tokens;
+    num_warps, num_stages for Triton.
     """
     num_rows, num_q_heads, head_dim = q.shape
-    _, _, page_size, num_kv_heads, cache_head_dim = k_cache.shape
+    num_kv_heads = k_cache.shape[3]
     batch = seq_lens.shape[0]
-    if cache_head_dim != head_dim or num_q_heads % num_kv_heads:
-        raise ValueError(f"q {q.shape} does not fit the cache {k_cache.shape}")
+    if k_cache.shape[4] != head_dim or num_q_heads % num_kv_heads or v_cache.shape != k_cache.shape:
+        raise ValueError(f"q {q.shape} does not fit the caches {k_cache.shape}, {v_cache.shape}")
     if query_start.shape != (batch + 1,):
         raise ValueError(f"query_start must be [B+1] = [{batch + 1}], got {query_start.shape}")
     if mask is not None and mask.shape != (batch, max_q_len, max_q_len):
         raise ValueError(f"mask must be [B, max_q_len, max_q_len], got {mask.shape}")
-    check_pow2("page_size", page_size)
-    check_pow2("head_dim", head_dim)
+    plan = extend_plan(batch, num_q_heads, k_cache.shape, page_tables.shape[1], max_q_len, block_m=block_m,
+                       block_n=block_n, num_splits=num_splits, min_split_tokens=min_split_tokens,
+                       num_warps=num_warps, num_stages=num_stages)
     group = num_q_heads // num_kv_heads
-    auto_m, auto_n, auto_warps = default_tiles(max_q_len, group, head_dim)
-    block_m = max(block_m or auto_m, next_pow2(group))
-    block_n = block_n or auto_n
-    num_warps = num_warps or auto_warps
-    check_pow2("block_m", block_m)
-    check_pow2("block_n", block_n)
-    tokens_per_block = block_m // group
-    num_q_blocks = -(-max_q_len // tokens_per_block)
-    max_kv = page_tables.shape[1] * page_size
-    splits, split_len = choose_splits(
-        max_kv, batch * num_q_blocks * num_kv_heads, block_n, min_split_tokens, num_splits
-    )
-    write_final = splits == 1
+    write_final = plan.num_splits == 1
     tree = mask is not None
-
     kernel = functools.partial(
-        _extend_kernel, group=group, block_m=block_m, block_n=block_n, splits=splits, split_len=split_len,
+        _extend_kernel, cache_shape=k_cache.shape, group=group, block_m=plan.block_m, block_n=plan.block_n,
+        num_q_blocks=plan.num_q_blocks, splits=plan.num_splits, split_len=plan.split_len,
         scale_log2=float(sm_scale) * LOG2E, tree=tree, write_final=write_final,
     )
     inputs = [
@@ -191,7 +207,7 @@ def paged_extend(
         seq_lens.astype(jnp.int32),
         page_tables.astype(jnp.int32),
         query_start.astype(jnp.int32),
-        q, k_cache, v_cache,
+        q, cache_rows(k_cache), cache_rows(v_cache),
     ]
     if tree:
         inputs.append(mask.astype(jnp.int8))
@@ -201,20 +217,21 @@ def paged_extend(
         out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
         aliases = {len(inputs) - 1: 0}
     else:
+        partial = (plan.num_splits, num_rows, num_q_heads)
         out_shape = [
-            jax.ShapeDtypeStruct((splits, num_rows, num_q_heads, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((splits, num_rows, num_q_heads), jnp.float32),
-            jax.ShapeDtypeStruct((splits, num_rows, num_q_heads), jnp.float32),
+            jax.ShapeDtypeStruct((*partial, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct(partial, jnp.float32),
+            jax.ShapeDtypeStruct(partial, jnp.float32),
         ]
         aliases = {}
     outs = pl.pallas_call(
         kernel,
-        grid=(batch, num_q_blocks * splits, num_kv_heads),
+        grid=(batch, plan.num_q_blocks * plan.num_splits, num_kv_heads),
         out_shape=out_shape,
         input_output_aliases=aliases,
         interpret=resolve_interpret(interpret),
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"paged_extend_s{page_size}_g{group}_m{block_m}_n{block_n}{'_tree' if tree else ''}",
+        compiler_params=pltriton.CompilerParams(num_warps=plan.num_warps, num_stages=plan.num_stages),
+        name=f"paged_extend_s{k_cache.shape[2]}_g{group}_m{plan.block_m}_n{plan.block_n}{'_tree' if tree else ''}",
     )(*inputs)
     if write_final:
         return outs[0]

@@ -26,9 +26,11 @@ from jax.experimental.pallas import triton as pltriton
 MASK_VALUE = -1e30
 LOG2E = math.log2(math.e)
 
-# Programs wanted on the GPU before split-K stops paying: 132 SMs, several
-# programs resident per SM so loads of one overlap the math of another.
-TARGET_PROGRAMS = 4 * 132
+# H200: 132 SMs. Split the context only while the grid has fewer than two
+# programs per SM, and then aim for four, so that the loads of one resident
+# program overlap the math of another.
+NUM_SMS = 132
+TARGET_PROGRAMS = 4 * NUM_SMS
 
 
 def next_pow2(n: int) -> int:
@@ -40,31 +42,43 @@ def check_pow2(name: str, value: int) -> None:
         raise ValueError(f"{name} must be a power of two, got {value}")
 
 
-def gather_kv_tiles(k_ref, v_ref, page_tables_ref, *, layer, seq, kv_head, start, block_n, valid_len=None):
+def cache_rows(cache: jax.Array) -> jax.Array:
+    """[L, P, S, H, D] -> [L*P*S*H, D]: a free reshape that lets a kernel address KV by row.
+
+    One int32 row index per token (computed on a [block_n] vector) then costs
+    one multiply-add per element in the gather, instead of one per cache dim.
+    """
+    return cache.reshape(-1, cache.shape[-1])
+
+
+def gather_kv_tiles(k_rows_ref, v_rows_ref, page_tables_ref, *, cache_shape, layer, seq, kv_head, start, block_n,
+                    valid_len=None):
     """K and V rows start..start+block_n of one sequence and kv head: two [block_n, D] tiles.
 
-    Each token's row address is looked up through the page table, so a tile may
-    span several pages (page_size < block_n) or part of one (page_size > block_n).
-    With valid_len, tokens at or past it are neither read nor looked up: they
-    come back as zeros (a NaN there would survive a zero softmax weight).
+    k_rows_ref, v_rows_ref: the caches as cache_rows() views; cache_shape their
+    (L, P, S, H, D). Each token's row is looked up through the page table, so a
+    tile may span several pages (page_size < block_n) or part of one. With
+    valid_len, tokens at or past it are neither read nor looked up: they come
+    back as zeros (a NaN there would survive a zero softmax weight).
     """
-    page_size, head_dim = k_ref.shape[2], k_ref.shape[4]
+    _, num_pages, page_size, num_kv_heads, head_dim = cache_shape
     tokens = start + lax.iota(jnp.int32, block_n)
     if page_size == 1:
         slots, offsets = tokens, 0
     else:
         slots, offsets = lax.div(tokens, page_size), lax.rem(tokens, page_size)
-        offsets = offsets[:, None]
+    valid = None if valid_len is None else tokens < valid_len
+    if valid is None:
+        pages = page_tables_ref[seq, slots]
+    else:
+        pages = pltriton.load(page_tables_ref.at[seq, slots], mask=valid, other=0)
+    # Row of (layer, page, offset, kv_head) in [L*P*S*H, D]; < 2**31 for any cache under 512 GiB at D=128.
+    rows = (((layer * num_pages + pages) * page_size + offsets) * num_kv_heads + kv_head)[:, None]
     cols = lax.iota(jnp.int32, head_dim)[None, :]
-    if valid_len is None:
-        pages = page_tables_ref[seq, slots][:, None]
-        k = k_ref[layer, pages, offsets, kv_head, cols]
-        v = v_ref[layer, pages, offsets, kv_head, cols]
-        return k, v
-    valid = tokens < valid_len
-    pages = pltriton.load(page_tables_ref.at[seq, slots], mask=valid, other=0)[:, None]
-    k = pltriton.load(k_ref.at[layer, pages, offsets, kv_head, cols], mask=valid[:, None], other=0)
-    v = pltriton.load(v_ref.at[layer, pages, offsets, kv_head, cols], mask=valid[:, None], other=0)
+    if valid is None:
+        return k_rows_ref[rows, cols], v_rows_ref[rows, cols]
+    k = pltriton.load(k_rows_ref.at[rows, cols], mask=valid[:, None], other=0)
+    v = pltriton.load(v_rows_ref.at[rows, cols], mask=valid[:, None], other=0)
     return k, v
 
 
@@ -102,7 +116,8 @@ def choose_splits(max_kv: int, programs: int, block_n: int, min_split_tokens: in
     """
     blocks = max(1, -(-max_kv // block_n))
     if num_splits is None:
-        wanted = next_pow2(-(-TARGET_PROGRAMS // max(programs, 1)))
+        enough = programs >= 2 * NUM_SMS
+        wanted = 1 if enough else next_pow2(-(-TARGET_PROGRAMS // max(programs, 1)))
         most = max(1, max_kv // max(min_split_tokens, block_n))
         num_splits = max(1, min(wanted, most))
     num_splits = max(1, min(num_splits, blocks))

@@ -1,0 +1,379 @@
+"""Paged attention kernels on the GPU: correctness, time, and distance to the roofline.
+
+For each case (decode at several batch sizes and page sizes, tree verification,
+long prefill) every tuning variant of our kernel is checked against the jnp
+reference on random bf16 inputs and timed; decode cases also time JAX's bundled
+Triton paged_attention on the same problem (in its own layout). Floors: the KV
+bytes a call must read over the copy bandwidth measured in this run (bytes read
++ written by a large device-to-device copy), and for prefill the FLOPs over the
+measured bf16 matmul rate.
+
+Timing: a jitted fori_loop of `iters` calls, each call's output fed back as the
+next query (so nothing is hoisted or deduplicated) and each call reading a
+different page-table set, so the KV touched in a row of calls exceeds the
+60 MB L2. Several loop executions are queued back to back so host dispatch is
+hidden; the median over repeats is reported, per call.
+
+    python scripts/bench_kernels.py [--quick] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jspec.pallas.paged_decode import decode_plan, paged_decode
+from jspec.pallas.paged_extend import extend_plan, paged_extend
+from jspec.pallas.ref import paged_decode_ref, paged_extend_ref
+
+L2_BYTES = 60 << 20
+LAYERS, LAYER = 2, 1
+TOLERANCE = 2e-2  # bf16 output rounding is ~4e-3 relative
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return os.environ.get("JSPEC_COMMIT", "unknown")
+
+
+def time_loop(body, carry, consts, iters: int, reps: int) -> tuple[float, float]:
+    """(median, min) microseconds per call of body(i, carry, *consts) -> carry."""
+
+    @jax.jit
+    def run(carry, *consts):
+        return lax.fori_loop(0, iters, lambda i, c: body(i, c, *consts), carry)
+
+    jax.block_until_ready(run(carry, *consts))  # compile and warm up
+    t0 = time.perf_counter()
+    jax.block_until_ready(run(carry, *consts))
+    one = time.perf_counter() - t0
+    queued = max(1, min(50, int(0.03 / max(one, 1e-6))))  # >= ~30 ms per sample
+    samples = []
+    for _ in range(reps):
+        c = carry
+        t0 = time.perf_counter()
+        for _ in range(queued):
+            c = run(c, *consts)
+        jax.block_until_ready(c)
+        samples.append((time.perf_counter() - t0) / (queued * iters) * 1e6)
+    return statistics.median(samples), min(samples)
+
+
+def copy_bandwidth(reps: int, elements: int = 1 << 31) -> float:
+    """Bytes read + written per second by a 4 GiB elementwise copy."""
+    x = jnp.ones((elements,), jnp.bfloat16)
+    copy = jax.jit(lambda x: x + jnp.bfloat16(1))
+    jax.block_until_ready(copy(x))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(copy(x))
+        times.append(time.perf_counter() - t0)
+    return 2 * x.nbytes / statistics.median(times)
+
+
+def matmul_flops(reps: int, n: int = 8192) -> float:
+    a = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(2), (n, n), jnp.bfloat16)
+    mm = jax.jit(lambda a, b: a @ b)
+    jax.block_until_ready(mm(a, b))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(mm(a, b))
+        times.append(time.perf_counter() - t0)
+    return 2 * n ** 3 / statistics.median(times)
+
+
+class Problem:
+    """Random bf16 paged KV with `sets` disjoint page-table sets of B sequences each."""
+
+    def __init__(self, *, batch, ctx, page_size, num_q_heads, num_kv_heads, head_dim, q_rows, layers=LAYERS, seed=0):
+        self.batch, self.ctx, self.page_size = batch, ctx, page_size
+        self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
+        self.kv_bytes = batch * ctx * num_kv_heads * head_dim * 2 * 2  # K and V, bf16
+        self.sets = max(2, min(16, math.ceil(4 * L2_BYTES / self.kv_bytes)))
+        max_pages = ctx // page_size
+        num_pages = self.sets * batch * max_pages
+        keys = jax.random.split(jax.random.key(seed), 4)
+        shape = (layers, num_pages, page_size, num_kv_heads, head_dim)
+        self.k = jax.random.normal(keys[0], shape, jnp.bfloat16)
+        self.v = jax.random.normal(keys[1], shape, jnp.bfloat16)
+        self.q = jax.random.normal(keys[2], (q_rows, num_q_heads, head_dim), jnp.bfloat16)
+        perm = np.random.default_rng(seed).permutation(num_pages).astype(np.int32)
+        self.page_tables = jnp.asarray(perm.reshape(self.sets, batch, max_pages))
+        self.seq_lens = jnp.full((batch,), ctx, jnp.int32)
+        self.sm_scale = head_dim ** -0.5
+
+    def bundled_layout(self):
+        """One layer as [Hkv, P, S, D], the bundled kernel's layout."""
+        return jnp.transpose(self.k[LAYER], (2, 0, 1, 3)), jnp.transpose(self.v[LAYER], (2, 0, 1, 3))
+
+
+def rel_err(out, ref) -> float:
+    out, ref = jnp.asarray(out, jnp.float32), jnp.asarray(ref, jnp.float32)
+    return float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+
+
+def run_variant(name, call, ref, problem: Problem, iters, reps, extra):
+    """call(q, page_tables) -> out. Returns a result record; never raises."""
+    record = {"variant": name, **extra}
+    try:
+        out = jax.block_until_ready(call(problem.q, problem.page_tables[0]))
+        record["rel_err"] = rel_err(out, ref)
+        record["ok"] = bool(record["rel_err"] < TOLERANCE and not bool(jnp.isnan(out.astype(jnp.float32)).any()))
+
+        def body(i, q, tables):
+            return call(q, tables[i % problem.sets]).astype(q.dtype)
+
+        median_us, min_us = time_loop(body, problem.q, (problem.page_tables,), iters, reps)
+        record.update(median_us=median_us, min_us=min_us)
+    except Exception as e:  # a variant that fails on the GPU must not stop the others
+        record["error"] = f"{type(e).__name__}: {e}"[:2000]
+        print(f"  {name}: FAILED\n{traceback.format_exc()[-3000:]}", flush=True)
+    return record
+
+
+def decode_case(name, batch, ctx, page_size, variants, *, iters, reps, bundled=True, layers=LAYERS):
+    p = Problem(batch=batch, ctx=ctx, page_size=page_size, num_q_heads=32, num_kv_heads=8, head_dim=128,
+                q_rows=batch, layers=layers)
+    layer = jnp.int32(LAYER)
+    ref = paged_decode_ref(p.q, p.k, p.v, layer, p.seq_lens, p.page_tables[0], sm_scale=p.sm_scale)
+    case = dict(name=name, kind="decode", batch=batch, ctx=ctx, page_size=page_size, num_q_heads=32,
+                num_kv_heads=8, head_dim=128, kv_bytes=p.kv_bytes, cache_bytes=2 * p.k.nbytes,
+                page_table_sets=p.sets, results=[])
+    for vname, tuning in variants:
+        call = lambda q, pt, tuning=tuning: paged_decode(q, p.k, p.v, layer, p.seq_lens, pt, sm_scale=p.sm_scale,
+                                                         **tuning)
+        plan = decode_plan(batch, 32, p.k.shape, ctx // page_size, **tuning)._asdict()
+        extra = {"tuning": tuning, "plan": plan, "kernel": "jspec"}
+        case["results"].append(run_variant(vname, call, ref, p, iters, reps, extra))
+        print(f"  {name} {vname}: {case['results'][-1].get('median_us', 'FAILED')}", flush=True)
+    if bundled:
+        case["results"].append(bundled_decode(p, ref, iters, reps))
+        print(f"  {name} bundled: {case['results'][-1].get('median_us', 'FAILED')}", flush=True)
+    return case
+
+
+def bundled_decode(p: Problem, ref, iters, reps):
+    """JAX's bundled Triton paged_attention: same pages, its own [Hkv, P, S, D] layout."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+        k_pages, v_pages = p.bundled_layout()
+    except Exception as e:
+        return {"variant": "bundled", "kernel": "jax_bundled", "error": f"{type(e).__name__}: {e}"}
+    max_pages = p.ctx // p.page_size
+    k_splits = min(16, max_pages)
+    # Its defaults but with 64-token compute blocks like ours (it needs pages_per_partition % pages_per_block == 0).
+    tuning = dict(block_h=16, pages_per_compute_block=max(1, min(64 // p.page_size, max_pages // k_splits)),
+                  k_splits=k_splits, num_warps=8, num_stages=2)
+    interpret = jax.default_backend() != "gpu"  # only for --smoke on a CPU
+
+    def call(q, pt):
+        # It applies no softmax scale of its own: fold it into q (a [B, Hq, D] multiply).
+        q = (q.astype(jnp.float32) * p.sm_scale).astype(q.dtype)
+        return paged_attention(q, k_pages, v_pages, pt, p.seq_lens, interpret=interpret, **tuning)
+
+    return run_variant("bundled", call, ref, p, iters, reps, {"tuning": tuning, "kernel": "jax_bundled"})
+
+
+def extend_case(name, batch, q_len, ctx, page_size, variants, *, tree, iters, reps):
+    p = Problem(batch=batch, ctx=ctx, page_size=page_size, num_q_heads=32, num_kv_heads=8, head_dim=128,
+                q_rows=batch * q_len)
+    layer = jnp.int32(LAYER)
+    query_start = jnp.arange(batch + 1, dtype=jnp.int32) * q_len
+    mask = None
+    if tree:
+        rng = np.random.default_rng(1)
+        m = np.tril(rng.random((batch, q_len, q_len)) < 0.4) | np.eye(q_len, dtype=bool)[None]
+        mask = jnp.asarray(m)
+    ref = paged_extend_ref(p.q, p.k, p.v, layer, p.seq_lens, p.page_tables[0], query_start, sm_scale=p.sm_scale,
+                           max_q_len=q_len, mask=mask)
+    if tree:
+        visible = float(np.asarray(mask).sum()) / batch + (ctx - q_len) * q_len
+    else:
+        visible = (ctx - q_len) * q_len + q_len * (q_len + 1) / 2
+    flops = 4 * batch * visible * 32 * 128
+    case = dict(name=name, kind="extend_tree" if tree else "extend_causal", batch=batch, q_len=q_len, ctx=ctx,
+                page_size=page_size, num_q_heads=32, num_kv_heads=8, head_dim=128, kv_bytes=p.kv_bytes,
+                flops=flops, page_table_sets=p.sets, results=[])
+    for vname, tuning in variants:
+        call = lambda q, pt, tuning=tuning: paged_extend(q, p.k, p.v, layer, p.seq_lens, pt, query_start,
+                                                         sm_scale=p.sm_scale, max_q_len=q_len, mask=mask, **tuning)
+        plan = extend_plan(batch, 32, p.k.shape, ctx // page_size, q_len, **tuning)._asdict()
+        extra = {"tuning": tuning, "plan": plan, "kernel": "jspec"}
+        case["results"].append(run_variant(vname, call, ref, p, iters, reps, extra))
+        print(f"  {name} {vname}: {case['results'][-1].get('median_us', 'FAILED')}", flush=True)
+    return case
+
+
+def decode_variants(quick, small_batch):
+    base = [("default", {})]
+    if quick:
+        return base
+    if small_batch:
+        return base + [
+            ("splits8", dict(num_splits=8, min_split_tokens=64)),
+            ("splits32", dict(num_splits=32, min_split_tokens=64)),
+            ("n128", dict(block_n=128)),
+            ("n128_w8", dict(block_n=128, num_warps=8)),
+        ]
+    return base + [
+        ("n32", dict(block_n=32)),
+        ("n128", dict(block_n=128)),
+        ("n128_w8", dict(block_n=128, num_warps=8)),
+        ("stages3", dict(num_stages=3)),
+        ("n32_stages4", dict(block_n=32, num_stages=4)),
+        ("splits1", dict(num_splits=1)),
+        ("splits2", dict(num_splits=2)),
+        ("splits8", dict(num_splits=8)),
+    ]
+
+
+def tree_variants(quick):
+    base = [("default", {})]
+    if quick:
+        return base
+    return base + [
+        ("splits1", dict(num_splits=1)),
+        ("splits8", dict(num_splits=8)),
+        ("n128", dict(block_n=128)),
+        ("n32_stages3", dict(block_n=32, num_stages=3)),
+    ]
+
+
+def prefill_variants(quick):
+    base = [("default", {})]
+    if quick:
+        return base
+    return base + [
+        ("m64_w4", dict(block_m=64, num_warps=4)),
+        ("m128_n128_w8", dict(block_n=128, num_warps=8)),
+        ("m128_n64_w4", dict(num_warps=4)),
+        ("stages3", dict(num_stages=3)),
+    ]
+
+
+def summarize(record, case, copy_bw, mm_flops):
+    t = record.get("median_us")
+    if t is None:
+        return
+    seconds = t * 1e-6
+    record["achieved_tbps"] = case["kv_bytes"] / seconds / 1e12
+    record["fraction_of_copy_bw"] = case["kv_bytes"] / seconds / copy_bw
+    if "flops" in case:
+        record["achieved_tflops"] = case["flops"] / seconds / 1e12
+        record["fraction_of_matmul"] = case["flops"] / seconds / mm_flops
+
+
+def print_table(cases):
+    print(f"\n{'case':34s} {'variant':14s} {'us':>9s} {'TB/s':>6s} {'%copy':>6s} {'TFLOP/s':>8s} {'rel_err':>8s}")
+    for case in cases:
+        print(f"{'':34s} roofline {case['roofline_us']:.1f} us")
+        for r in case["results"]:
+            if "median_us" not in r:
+                print(f"{case['name']:34s} {r['variant']:14s} FAILED: {r.get('error', '')[:60]}")
+                continue
+            tf = f"{r['achieved_tflops']:8.1f}" if "achieved_tflops" in r else f"{'':8s}"
+            print(f"{case['name']:34s} {r['variant']:14s} {r['median_us']:9.1f} {r['achieved_tbps']:6.2f} "
+                  f"{100 * r['fraction_of_copy_bw']:5.1f}% {tf} {r.get('rel_err', float('nan')):8.1e}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results"))
+    parser.add_argument("--quick", action="store_true", help="default tuning only, fewer repeats")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check this script on a CPU")
+    args = parser.parse_args()
+    iters, reps = (10, 3) if args.quick else (20, 5)
+    # --smoke divides contexts and batches so interpret mode finishes in minutes.
+    shrink = 64 if args.smoke else 1
+    if args.smoke:
+        iters, reps = 2, 1
+
+    device = jax.devices()[0]
+    print(f"device: {device.device_kind}, jax {jax.__version__}", flush=True)
+    copy_bw = copy_bandwidth(reps, (1 << 31) // shrink ** 2)
+    mm_flops = matmul_flops(reps, 8192 // shrink)
+    print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s (read+write), bf16 matmul {mm_flops / 1e12:.0f} TFLOP/s", flush=True)
+
+    def ctx(n):
+        return max(64, n // shrink)
+
+    def batch(n):
+        return max(1, n // (8 if args.smoke else 1))
+
+    big, small = decode_variants(args.quick, False), decode_variants(args.quick, True)
+    plans = [
+        lambda: decode_case("decode_b32_ctx4096_s16", batch(32), ctx(4096), 16, big, iters=iters, reps=reps),
+        lambda: decode_case("decode_b32_ctx4096_s1", batch(32), ctx(4096), 1, big, iters=iters, reps=reps),
+        lambda: decode_case("decode_b32_ctx4096_s64", batch(32), ctx(4096), 64, big, iters=iters, reps=reps),
+        # A cache over 4 GiB makes the kernel address KV with 64-bit offsets, as a real pool would.
+        lambda: decode_case("decode_b32_ctx4096_s16_cache9GB", batch(32), ctx(4096), 16, big[:1], iters=iters,
+                            reps=reps, bundled=False, layers=9),
+        lambda: decode_case("decode_b1_ctx4096_s16", 1, ctx(4096), 16, small, iters=iters, reps=reps),
+        lambda: decode_case("decode_b8_ctx1024_s16", batch(8), ctx(1024), 16, small, iters=iters, reps=reps),
+        lambda: extend_case("tree_b32_q8_ctx4096_s16", batch(32), 8, ctx(4096), 16, tree_variants(args.quick),
+                            tree=True, iters=iters, reps=reps),
+        lambda: extend_case("prefill_b1_q2048_ctx2048_s16", 1, ctx(2048), ctx(2048), 16,
+                            prefill_variants(args.quick), tree=False, iters=iters, reps=reps),
+    ]
+    # Per-iteration cost of the timing loop itself: a trivial body on a decode-sized q.
+    q_small = jnp.ones((32, 32, 128), jnp.bfloat16)
+    loop_floor_us, _ = time_loop(lambda i, q: q * jnp.bfloat16(0.5) + q, q_small, (), iters, reps)
+    print(f"timing-loop floor {loop_floor_us:.1f} us per iteration", flush=True)
+
+    record = dict(
+        benchmark="bench_kernels",
+        gpu=device.device_kind,
+        jax_version=jax.__version__,
+        commit=git_commit(),
+        settings=dict(iters_per_loop=iters, repeats=reps, quick=args.quick, smoke=args.smoke, dtype="bfloat16",
+                      layers=LAYERS, tolerance=TOLERANCE),
+        copy_bandwidth_tbps=copy_bw / 1e12,
+        matmul_tflops=mm_flops / 1e12,
+        loop_floor_us=loop_floor_us,
+        cases=[],
+    )
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "bench_kernels.json")
+    cases = record["cases"]
+    for plan in plans:
+        try:
+            case = plan()
+        except Exception as e:
+            print(f"case failed to set up: {type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}", flush=True)
+            continue
+        case["roofline_us"] = case["kv_bytes"] / copy_bw * 1e6
+        if "flops" in case:
+            case["compute_floor_us"] = case["flops"] / mm_flops * 1e6
+        for r in case["results"]:
+            summarize(r, case, copy_bw, mm_flops)
+        cases.append(case)
+        with open(path, "w") as f:  # after every case, so a run cut short still leaves its results
+            json.dump(record, f, indent=1)
+    print(f"wrote {path}")
+    print_table(cases)
+
+
+if __name__ == "__main__":
+    main()
