@@ -54,7 +54,8 @@ def pipeline(topk: int, num_steps: int, n: int):
         tree = build_tree(cands.scores, cands.tokens, cands.parents, root, n)
         return cands, steps, tree, greedy_accept(tree, target, num_steps)
 
-    return jax.jit(run)
+    # Tiny graphs: XLA's backend optimisation costs more compile time than it saves.
+    return jax.jit(run, compiler_options={"xla_backend_optimization_level": 0})
 
 
 def random_draft(rng, topk, num_steps, ties=False, vocab=VOCAB, distinct=True):
