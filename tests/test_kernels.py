@@ -150,6 +150,7 @@ DECODE_CASES = [
     pytest.param(16, 4, 128, dict(block_n=32, num_splits=1), id="s16-g4-d128-one_split"),
     pytest.param(64, 8, 64, dict(block_n=16, num_splits=3), id="s64-g8-d64-tile_in_page"),
     pytest.param(16, 8, 128, dict(block_n=64, num_splits=2), id="s16-g8-d128-tile_spans_pages"),
+    pytest.param(4, 3, 64, dict(block_n=16, num_splits=2), id="s4-g3-d64-group_not_pow2"),
 ]
 
 
@@ -177,6 +178,8 @@ EXTEND_CASES = [
     pytest.param(64, 1, 128, False, dict(block_m=16, block_n=32, num_splits=3), id="s64-g1-d128-causal-split"),
     pytest.param(16, 4, 64, True, dict(block_m=32, block_n=16, num_splits=2), id="s16-g4-d64-tree-split"),
     pytest.param(16, 2, 64, False, dict(min_split_tokens=16), id="s16-g2-d64-causal-defaults"),
+    # 16 rows hold 5 tokens of 3 heads: the 16th row is padding inside the block.
+    pytest.param(4, 3, 64, True, dict(block_m=16, block_n=16, num_splits=1), id="s4-g3-d64-tree-group_not_pow2"),
 ]
 
 
