@@ -6,7 +6,7 @@
     print(outs[0].text, outs[0].token_ids)
 """
 
-from jspec.config import ModelConfig
+from jspec.config import ModelConfig, SpecConfig
 from jspec.generate import GenerationOutput, Model, generate, load
 
-__all__ = ["GenerationOutput", "Model", "ModelConfig", "generate", "load"]
+__all__ = ["GenerationOutput", "Model", "ModelConfig", "SpecConfig", "generate", "load"]

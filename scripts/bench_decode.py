@@ -75,17 +75,17 @@ def timed(fn, iters: int, repeats: int) -> float:
     return float(np.median(times))
 
 
-def measure_copy_bandwidth() -> float:
+def measure_copy_bandwidth(small=False) -> float:
     """Bytes read + written per second by an elementwise pass over 4 GiB of bf16."""
-    x = jax.random.normal(jax.random.key(1), (1 << 31,), jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(1), (1 << (20 if small else 31),), jnp.bfloat16)
     f = jax.jit(lambda a: a * 1.0001)
     jax.block_until_ready(f(x))
     t = timed(lambda: f(x), 10, 5)
     return 2 * x.nbytes / t
 
 
-def measure_matmul_flops() -> float:
-    n = 8192
+def measure_matmul_flops(small=False) -> float:
+    n = 256 if small else 8192
     a = jax.random.normal(jax.random.key(2), (n, n), jnp.bfloat16)
     b = jax.random.normal(jax.random.key(3), (n, n), jnp.bfloat16)
     f = jax.jit(lambda a, b: a @ b)
@@ -98,13 +98,18 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer cases and iterations")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--tiny", action="store_true", help="a tiny model: a CPU dry run of the script itself")
     args = ap.parse_args()
 
     cfg, dtype, S = LLAMA_8B, jnp.bfloat16, args.page_size
+    if args.tiny:
+        import dataclasses
+        cfg = dataclasses.replace(cfg, vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+                                  num_heads=4, num_kv_heads=2, head_dim=16)
     dev = jax.devices()[0]
     print(f"device {dev.device_kind}, jax {jax.__version__}", flush=True)
-    copy_bw = measure_copy_bandwidth()
-    mm_rate = measure_matmul_flops()
+    copy_bw = measure_copy_bandwidth(small=args.tiny)
+    mm_rate = measure_matmul_flops(small=args.tiny)
     print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s, bf16 matmul {mm_rate / 1e12:.0f} TFLOP/s", flush=True)
 
     params = random_params(cfg, dtype)
@@ -115,6 +120,8 @@ def main():
     contexts = [1024, 4096]
     if args.quick:
         batches, contexts = [1, 32], [1024]
+    if args.tiny:
+        batches, contexts = [1, 4], [64]
     max_tokens = max(batches) * max(contexts)
     num_pages = max_tokens // S + 2
     kv_shape = (cfg.num_layers, num_pages, S, cfg.num_kv_heads, cfg.head_dim)

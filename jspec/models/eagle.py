@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.config import ModelConfig
-from jspec.models.llama import _linear, decoder_layer, rms_norm
+from jspec.models.llama import decoder_layer, rms_norm
 
 
 def layer_config(dcfg) -> ModelConfig:
@@ -52,7 +52,10 @@ def is_eagle3(dcfg) -> bool:
 def target_feature(dparams, dcfg, feats: jax.Array) -> jax.Array:
     """Turns target features into the draft's H-dim hidden input (EAGLE-3 fuses 3H -> H)."""
     if is_eagle3(dcfg):
-        return _linear(feats, dparams["fc"])
+        x = jnp.dot(feats, dparams["fc"], preferred_element_type=jnp.float32)
+        if "fc_bias" in dparams:
+            x = x + dparams["fc_bias"].astype(jnp.float32)
+        return x.astype(feats.dtype)
     return feats
 
 

@@ -1,0 +1,148 @@
+"""One EAGLE iteration against one plain decode step, on the GPU, in one run.
+
+Llama-3.1-8B-shaped target and an EAGLE-3-shaped head (random bf16): the
+iteration (draft num_steps-1 forwards -> tree -> verify over num_draft_tokens
+nodes -> accept -> KV move -> draft-extend) is timed back to back with the
+state donated, next to the plain decode step at the same batch and context.
+The figure that matters is iteration time / decode-step time: with a mean
+acceptance of A tokens per iteration, speculation is worth A / ratio.
+
+    python scripts/bench_spec.py [--quick] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench_decode import LLAMA_8B, git_commit, random_params, timed
+from jspec.config import SpecConfig
+from jspec.models.eagle import layer_config
+from jspec.models.eagle_loader import DraftConfig, init_random_draft_params
+from jspec.paged_kv.pool import KVPool
+from jspec.runner import forward_sample_step
+from jspec.scheduler.batch_builder import SeqChunk, build_forward_batch
+from jspec.spec.eagle import SpecCarry, SpecState, spec_decode_step
+
+EAGLE3_8B = DraftConfig(
+    algorithm="EAGLE3", hidden_size=4096, intermediate_size=14336, num_heads=32, num_kv_heads=8, head_dim=128,
+    rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=None, max_position_embeddings=131072,
+    vocab_size=128256, draft_vocab_size=32000, num_layers=1, capture_layers=(2, 16, 29), fc_bias=False,
+    has_embed=False, has_lm_head=True,
+)
+
+
+def random_pool(cfg_layers, num_pages, S, cfg, dtype, seed):
+    shape = (cfg_layers, num_pages, S, cfg.num_kv_heads, cfg.head_dim)
+    fill = jax.jit(lambda k: jax.lax.map(lambda kk: jax.random.normal(kk, shape[1:], dtype), jax.random.split(k, shape[0])))
+    return KVPool(fill(jax.random.key(seed)), fill(jax.random.key(seed + 1)))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--tiny", action="store_true", help="a tiny model: a CPU dry run of the script itself")
+    args = ap.parse_args()
+    cfg, dcfg, dtype, S, ctx = LLAMA_8B, EAGLE3_8B, jnp.bfloat16, args.page_size, args.context
+    if args.tiny:
+        import dataclasses
+        cfg = dataclasses.replace(cfg, vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4,
+                                  num_heads=4, num_kv_heads=2, head_dim=16)
+        dcfg = dataclasses.replace(dcfg, vocab_size=512, draft_vocab_size=256, hidden_size=64, intermediate_size=128,
+                                   num_heads=4, num_kv_heads=2, head_dim=16, capture_layers=(1, 2, 3))
+        ctx, dtype = 64, jnp.float32
+    dev = jax.devices()[0]
+    print(f"device {dev.device_kind}, jax {jax.__version__}", flush=True)
+
+    params = random_params(cfg, dtype)
+    dparams = init_random_draft_params(dcfg, jax.random.key(5), dtype)
+    batches = [1, 8, 32] if not args.quick else [1, 32]
+    configs = [(3, 1, 4), (5, 4, 8), (1, 1, 2)]
+    iters = 10 if args.quick else 20
+    headroom = (iters * 3 + 8) * 6 + 64  # every timed iteration may advance up to num_steps + 1 tokens
+    pages_per_seq = -(-(ctx + headroom) // S)
+    num_pages = max(batches) * pages_per_seq + 2
+    tkv = random_pool(cfg.num_layers, num_pages, S, cfg, dtype, 10)
+    dkv = random_pool(1, num_pages, S, layer_config(dcfg), dtype, 20)
+    rng = np.random.default_rng(0)
+    rows = []
+    for B in batches:
+        pages = rng.permutation(np.arange(1, num_pages))[: B * pages_per_seq].reshape(B, pages_per_seq).astype(np.int32)
+        # Plain decode step at this batch and context.
+        chunks = [SeqChunk([1], ctx - 1, list(pages[b])) for b in range(B)]
+        batch, mode = build_forward_batch(chunks, page_size=S, num_pages=num_pages)
+        batch = jax.tree.map(jnp.asarray, batch)
+        temps = jnp.zeros(batch.seq_lens.shape[0], jnp.float32)
+        box = {"kv": tkv}
+
+        def plain():
+            box["kv"], toks = forward_sample_step(params, box["kv"], batch, temps, jax.random.key(0), cfg=cfg, mode=mode)
+            return toks
+
+        jax.block_until_ready(plain())
+        t_plain = timed(plain, iters, 5)
+        tkv = box["kv"]
+        print(f"B={B} plain decode {t_plain * 1e3:.3f} ms", flush=True)
+        for steps, topk, ndt in configs:
+            spec = SpecConfig("EAGLE3", num_steps=steps, eagle_topk=topk, num_draft_tokens=ndt)
+            carry = SpecCarry(
+                jnp.asarray(rng.integers(0, cfg.vocab_size, B + 1), jnp.int32),
+                jnp.full(B + 1, ctx, jnp.int32).at[B].set(0),
+                jax.nn.softmax(jnp.asarray(rng.normal(size=(B + 1, topk)), jnp.float32), -1),
+                jnp.asarray(rng.integers(0, cfg.vocab_size, (B + 1, topk)), jnp.int32),
+                jnp.asarray(rng.normal(size=(B + 1, cfg.hidden_size)), dtype),
+            )
+            st = {"s": SpecState(tkv, dkv, carry)}
+            slot_ids = jnp.arange(B, dtype=jnp.int32)
+            pt = jnp.asarray(pages)
+
+            def iteration():
+                st["s"], out = spec_decode_step(params, dparams, st["s"], slot_ids, pt, cfg=cfg, dcfg=dcfg, spec=spec)
+                return out.tokens
+
+            try:
+                t0 = time.perf_counter()
+                jax.block_until_ready(iteration())
+                compile_s = time.perf_counter() - t0
+                # Reset lengths so every timed run sees the same context.
+                st["s"] = st["s"]._replace(carry=st["s"].carry._replace(
+                    seq_len=jnp.full(B + 1, ctx, jnp.int32).at[B].set(0)))
+                t_iter = timed(iteration, iters, 3)
+            except Exception as e:
+                print(f"FAILED B={B} {(steps, topk, ndt)}: {type(e).__name__}: {str(e)[:400]}", flush=True)
+                continue
+            finally:
+                tkv, dkv = st["s"].target_kv, st["s"].draft_kv
+            row = dict(batch=B, context=ctx, steps=steps, topk=topk, draft_tokens=ndt, iteration_ms=t_iter * 1e3,
+                       decode_step_ms=t_plain * 1e3, ratio=t_iter / t_plain, compile_s=compile_s,
+                       breakeven_accept_len=t_iter / t_plain)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
+    result = dict(name="bench_spec", gpu=dev.device_kind, jax_version=jax.__version__, commit=git_commit(),
+                  model="llama-3.1-8b shape + EAGLE-3 head shape, random bf16", page_size=S, rows=rows)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "bench_spec.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"\nwrote {path}\n")
+    print(f"{'B':>3} {'(steps,topk,ndt)':>16} {'iter ms':>8} {'decode ms':>9} {'ratio':>6}")
+    for r in rows:
+        cfg_s = f"({r['steps']},{r['topk']},{r['draft_tokens']})"
+        print(f"{r['batch']:>3} {cfg_s:>16} {r['iteration_ms']:>8.3f} {r['decode_step_ms']:>9.3f} {r['ratio']:>6.2f}")
+
+
+if __name__ == "__main__":
+    main()
