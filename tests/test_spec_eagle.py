@@ -127,3 +127,34 @@ def test_agreeing_draft_is_lossless_and_accepts_everything(algorithm, page_size,
     print(f"agreeing draft {algorithm} steps={steps} topk={topk}: mean accept length {acc:.2f}")
     # Every iteration emits the full depth, except that the last one may be cut by max_new_tokens.
     assert acc >= 0.9 * (steps + 1) if steps > 1 else acc == 2.0
+
+
+def test_over_allocation_never_writes_outside_reserved_pages():
+    """Pages never handed to a request keep their poison after speculative generation."""
+    target = init_random_params(TARGET, jax.random.key(1), jnp.float32)
+    dcfg = draft_config("EAGLE3")
+    draft = init_random_draft_params(dcfg, jax.random.key(2), std=0.2)
+    spec = SpecConfig("EAGLE3", num_steps=3, eagle_topk=2, num_draft_tokens=5)
+    runner = SpecRunner(TARGET, target, dcfg, draft, spec, page_size=4, num_pages=64, max_slots=4,
+                        attention_backend="reference")
+    poison = 1e4
+    runner.state = runner.state._replace(
+        target_kv=jax.tree.map(lambda a: jnp.full_like(a, poison), runner.state.target_kv),
+        draft_kv=jax.tree.map(lambda a: jnp.full_like(a, poison), runner.state.draft_kv),
+    )
+    handed_out = set()
+    alloc = runner.allocator.alloc
+
+    def recording_alloc(n):
+        pages = alloc(n)
+        handed_out.update(pages)
+        return pages
+
+    runner.allocator.alloc = recording_alloc
+    jspec.generate((TARGET, target), prompts([5, 13]), max_new_tokens=10, ignore_eos=True, spec=spec, runner=runner)
+    runner.check_no_leaks()
+    untouched = sorted(set(range(1, 64)) - handed_out)
+    assert len(untouched) > 10
+    for pool in (runner.state.target_kv, runner.state.draft_kv):
+        for cache in pool:
+            assert bool(jnp.all(np.asarray(cache)[:, untouched] == poison))
