@@ -4,9 +4,16 @@
     model = jspec.load("/path/to/hf-checkpoint")        # config.json + safetensors (+ tokenizer.json)
     outs = jspec.generate(model, ["Hello"], max_new_tokens=32)
     print(outs[0].text, outs[0].token_ids)
+
+    engine = jspec.Engine(model, spec=jspec.SpecConfig("EAGLE3", draft_model_path=...))
 """
 
 from jspec.config import ModelConfig, SpecConfig
+from jspec.engine import Engine, RequestOutput
 from jspec.generate import GenerationOutput, Model, generate, load
+from jspec.sampling_params import SamplingParams
 
-__all__ = ["GenerationOutput", "Model", "ModelConfig", "SpecConfig", "generate", "load"]
+__all__ = [
+    "Engine", "GenerationOutput", "Model", "ModelConfig", "RequestOutput", "SamplingParams", "SpecConfig",
+    "generate", "load",
+]

@@ -28,8 +28,7 @@ import numpy as np
 from jspec.config import ModelConfig
 from jspec.models.llama import param_shapes
 from jspec.paged_kv.pool import KVPool
-from jspec.runner import forward_sample_step
-from jspec.scheduler.batch_builder import SeqChunk, build_forward_batch
+from jspec.steps import PlainCarry, PlainState, plain_decode_step
 
 LLAMA_8B = ModelConfig(
     family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
@@ -123,6 +122,7 @@ def main():
     if args.tiny:
         batches, contexts = [1, 4], [64]
     max_tokens = max(batches) * max(contexts)
+    max_tokens = max(batches) * (max(contexts) + 128)  # 128 tokens of room to decode into
     num_pages = max_tokens // S + 2
     kv_shape = (cfg.num_layers, num_pages, S, cfg.num_kv_heads, cfg.head_dim)
     # Random, not zeros (zeros can time faster than real data); one layer at a time bounds the f32 temporaries.
@@ -135,18 +135,21 @@ def main():
         for ctx in contexts:
             for B in batches:
                 # Scatter each sequence over random pages, as a long-running server's pool would be.
-                pages = rng.permutation(np.arange(1, num_pages))[: B * (ctx // S)].reshape(B, ctx // S)
-                chunks = [SeqChunk([int(rng.integers(cfg.vocab_size))], ctx - 1, list(pages[b])) for b in range(B)]
-                batch, mode = build_forward_batch(chunks, page_size=S, num_pages=num_pages)
-                batch = jax.tree.map(jnp.asarray, batch)
-                temps = jnp.zeros(batch.seq_lens.shape[0], jnp.float32)
+                per_seq = (ctx + 128) // S
+                pages = rng.permutation(np.arange(1, num_pages))[: B * per_seq].reshape(B, per_seq)
+                slot_ids = jnp.arange(B, dtype=jnp.int32)
+                page_tables = jnp.asarray(pages, jnp.int32)
+                temps = jnp.zeros(B, jnp.float32)
                 key = jax.random.key(0)
-                state = {"kv": kv}
+                carry = PlainCarry(jnp.asarray(rng.integers(0, cfg.vocab_size, B + 1), jnp.int32),
+                                   jnp.full(B + 1, ctx - 64, jnp.int32).at[B].set(0))
+                state = {"s": PlainState(kv, carry)}
 
                 def step():
-                    state["kv"], toks = forward_sample_step(
-                        params, state["kv"], batch, temps, key, cfg=cfg, mode=mode, unroll_layers=unroll)
-                    return toks
+                    # The engine's real decode step; timed calls run at contexts ctx - 64 .. ctx + 40.
+                    state["s"], out = plain_decode_step(params, state["s"], slot_ids, page_tables, temps, key,
+                                                        cfg=cfg, unroll_layers=unroll)
+                    return out.tokens
 
                 try:
                     t0 = time.perf_counter()
@@ -155,9 +158,9 @@ def main():
                     t = timed(step, 5 if args.quick else 20, 3 if args.quick else 5)
                 except Exception as e:  # keep going: one failing case must not hide the others
                     print(f"FAILED B={B} ctx={ctx} unroll={unroll}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-                    kv = state["kv"]
+                    kv = state["s"].target_kv
                     continue
-                kv = state["kv"]
+                kv = state["s"].target_kv
                 kv_bytes = B * ctx * cfg.num_layers * 2 * cfg.kv_size * 2
                 bw_floor = (weight_bytes + kv_bytes) / copy_bw
                 flop_floor = 2 * B * matmul_params / mm_rate

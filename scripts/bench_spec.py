@@ -29,8 +29,7 @@ from jspec.config import SpecConfig
 from jspec.models.eagle import layer_config
 from jspec.models.eagle_loader import DraftConfig, init_random_draft_params
 from jspec.paged_kv.pool import KVPool
-from jspec.runner import forward_sample_step
-from jspec.scheduler.batch_builder import SeqChunk, build_forward_batch
+from jspec.steps import PlainCarry, PlainState, plain_decode_step
 from jspec.spec.eagle import SpecCarry, SpecState, spec_decode_step
 
 EAGLE3_8B = DraftConfig(
@@ -80,20 +79,19 @@ def main():
     rows = []
     for B in batches:
         pages = rng.permutation(np.arange(1, num_pages))[: B * pages_per_seq].reshape(B, pages_per_seq).astype(np.int32)
-        # Plain decode step at this batch and context.
-        chunks = [SeqChunk([1], ctx - 1, list(pages[b])) for b in range(B)]
-        batch, mode = build_forward_batch(chunks, page_size=S, num_pages=num_pages)
-        batch = jax.tree.map(jnp.asarray, batch)
-        temps = jnp.zeros(batch.seq_lens.shape[0], jnp.float32)
-        box = {"kv": tkv}
+        # Plain decode step at this batch and context (the engine's own step).
+        slot_ids = jnp.arange(B, dtype=jnp.int32)
+        pt = jnp.asarray(pages)
+        temps = jnp.zeros(B, jnp.float32)
+        box = {"s": PlainState(tkv, PlainCarry(jnp.zeros(B + 1, jnp.int32), jnp.full(B + 1, ctx, jnp.int32).at[B].set(0)))}
 
         def plain():
-            box["kv"], toks = forward_sample_step(params, box["kv"], batch, temps, jax.random.key(0), cfg=cfg, mode=mode)
-            return toks
+            box["s"], out = plain_decode_step(params, box["s"], slot_ids, pt, temps, jax.random.key(0), cfg=cfg)
+            return out.tokens
 
         jax.block_until_ready(plain())
         t_plain = timed(plain, iters, 5)
-        tkv = box["kv"]
+        tkv = box["s"].target_kv
         print(f"B={B} plain decode {t_plain * 1e3:.3f} ms", flush=True)
         for steps, topk, ndt in configs:
             spec = SpecConfig("EAGLE3", num_steps=steps, eagle_topk=topk, num_draft_tokens=ndt)
@@ -105,8 +103,6 @@ def main():
                 jnp.asarray(rng.normal(size=(B + 1, cfg.hidden_size)), dtype),
             )
             st = {"s": SpecState(tkv, dkv, carry)}
-            slot_ids = jnp.arange(B, dtype=jnp.int32)
-            pt = jnp.asarray(pages)
 
             def iteration():
                 st["s"], out = spec_decode_step(params, dparams, st["s"], slot_ids, pt, cfg=cfg, dcfg=dcfg, spec=spec)

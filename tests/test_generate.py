@@ -10,7 +10,6 @@ from jspec.config import ModelConfig
 from jspec.models.llama import dense_forward
 from jspec.models.loader import init_random_params
 from jspec.paged_kv.allocator import OutOfPagesError
-from jspec.runner import ModelRunner
 
 TINY = ModelConfig(
     family="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2,
@@ -48,9 +47,9 @@ def prompts_of_lengths(lengths, seed=0):
 def test_paged_greedy_equals_dense_recompute(tiny_params, page_size, backend):
     prompts = prompts_of_lengths([1, 7, 16, 23])
     n_new = 9
-    runner = ModelRunner(TINY, tiny_params, page_size=page_size, num_pages=64, attention_backend=backend)
-    outs = jspec.generate((TINY, tiny_params), prompts, max_new_tokens=n_new, runner=runner, ignore_eos=True)
-    runner.allocator.check_no_leaks()
+    engine = jspec.Engine((TINY, tiny_params), page_size=page_size, num_pages=64, attention_backend=backend)
+    outs = jspec.generate((TINY, tiny_params), prompts, max_new_tokens=n_new, engine=engine, ignore_eos=True)
+    engine.check_idle_no_leaks()
     for p, o in zip(prompts, outs):
         assert o.token_ids == dense_greedy(tiny_params, TINY, p, n_new)
         assert o.finish_reason == "length"
@@ -59,10 +58,10 @@ def test_paged_greedy_equals_dense_recompute(tiny_params, page_size, backend):
 def test_chunked_prefill_and_admission_waves_match(tiny_params):
     """A pool too small for all requests at once runs them in waves; chunked prefill splits prompts."""
     prompts = prompts_of_lengths([30, 5, 12], seed=1)
-    runner = ModelRunner(TINY, tiny_params, page_size=4, num_pages=12, attention_backend="reference")
-    outs = jspec.generate((TINY, tiny_params), prompts, max_new_tokens=6, runner=runner,
-                          max_prefill_tokens=8, ignore_eos=True)
-    runner.allocator.check_no_leaks()
+    engine = jspec.Engine((TINY, tiny_params), page_size=4, num_pages=14, chunked_prefill_size=8,
+                          attention_backend="reference")
+    outs = jspec.generate((TINY, tiny_params), prompts, max_new_tokens=6, engine=engine, ignore_eos=True)
+    engine.check_idle_no_leaks()
     for p, o in zip(prompts, outs):
         assert o.token_ids == dense_greedy(tiny_params, TINY, p, 6)
 
@@ -102,7 +101,7 @@ def test_bad_inputs_are_named(tiny_params):
         jspec.generate(m, ["hello"])
     with pytest.raises(ValueError, match="empty"):
         jspec.generate(m, [[]])
-    with pytest.raises(OutOfPagesError, match="needs 9 KV pages"):
+    with pytest.raises(OutOfPagesError, match="needs up to 9 KV pages"):
         jspec.generate(m, [[1] * 30], max_new_tokens=4, page_size=4, num_pages=4)
     with pytest.raises(TypeError, match="checkpoint path"):
         jspec.generate(42, [[1]])

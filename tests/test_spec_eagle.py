@@ -16,7 +16,6 @@ import jspec
 from jspec.config import ModelConfig, SpecConfig
 from jspec.models.eagle_loader import DraftConfig, init_random_draft_params
 from jspec.models.loader import init_random_params
-from jspec.runner import SpecRunner
 
 H = 64
 TARGET = ModelConfig(
@@ -86,10 +85,10 @@ def prompts(lengths, seed=0):
 def run_both(target, dcfg, draft, spec, page_size, ps, max_new=12, backend="reference"):
     base = jspec.generate((TARGET, target), ps, max_new_tokens=max_new, ignore_eos=True, page_size=page_size,
                           attention_backend=backend)
-    runner = SpecRunner(TARGET, target, dcfg, draft, spec, page_size=page_size, num_pages=96, max_slots=8,
-                        attention_backend=backend)
-    out = jspec.generate((TARGET, target), ps, max_new_tokens=max_new, ignore_eos=True, spec=spec, runner=runner)
-    runner.check_no_leaks()
+    engine = jspec.Engine((TARGET, target), spec=spec, draft=(dcfg, draft), page_size=page_size, num_pages=96,
+                          max_running_requests=8, attention_backend=backend)
+    out = jspec.generate((TARGET, target), ps, max_new_tokens=max_new, ignore_eos=True, engine=engine)
+    engine.check_idle_no_leaks()
     for b, o in zip(base, out):
         assert o.token_ids == b.token_ids
         assert o.spec_verify_ct >= 1
@@ -135,8 +134,9 @@ def test_over_allocation_never_writes_outside_reserved_pages():
     dcfg = draft_config("EAGLE3")
     draft = init_random_draft_params(dcfg, jax.random.key(2), std=0.2)
     spec = SpecConfig("EAGLE3", num_steps=3, eagle_topk=2, num_draft_tokens=5)
-    runner = SpecRunner(TARGET, target, dcfg, draft, spec, page_size=4, num_pages=64, max_slots=4,
-                        attention_backend="reference")
+    engine = jspec.Engine((TARGET, target), spec=spec, draft=(dcfg, draft), page_size=4, num_pages=64,
+                          max_running_requests=4, attention_backend="reference")
+    runner = engine.worker
     poison = 1e4
     runner.state = runner.state._replace(
         target_kv=jax.tree.map(lambda a: jnp.full_like(a, poison), runner.state.target_kv),
@@ -151,8 +151,8 @@ def test_over_allocation_never_writes_outside_reserved_pages():
         return pages
 
     runner.allocator.alloc = recording_alloc
-    jspec.generate((TARGET, target), prompts([5, 13]), max_new_tokens=10, ignore_eos=True, spec=spec, runner=runner)
-    runner.check_no_leaks()
+    jspec.generate((TARGET, target), prompts([5, 13]), max_new_tokens=10, ignore_eos=True, engine=engine)
+    engine.check_idle_no_leaks()
     untouched = sorted(set(range(1, 64)) - handed_out)
     assert len(untouched) > 10
     for pool in (runner.state.target_kv, runner.state.draft_kv):

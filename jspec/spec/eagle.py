@@ -47,6 +47,7 @@ from jspec.models.eagle import (
 from jspec.models.llama import forward, paged_attend, rope_cos_sin
 from jspec.paged_kv.pool import KVPool
 from jspec.spec.accept import greedy_accept
+from jspec.steps import StepOutput, gather_slots, slots_of
 from jspec.spec.tree import append_step, build_tree, expand_beams, start_candidates
 
 
@@ -64,11 +65,6 @@ class SpecState(NamedTuple):
     target_kv: KVPool
     draft_kv: KVPool
     carry: SpecCarry
-
-
-class SpecStepOutput(NamedTuple):
-    tokens: jax.Array  # [B, num_steps+1] int32: accepted drafts then the bonus token; -1 after
-    accept_len: jax.Array  # [B] int32, accepted draft tokens m (m + 1 tokens emitted)
 
 
 def spec_kv_margin(spec: SpecConfig) -> int:
@@ -148,13 +144,6 @@ def spec_prefill_step(
     return SpecState(tkv, dkv, carry), first
 
 
-def _slots_of(page_tables, positions, page_size: int, num_pages: int):
-    """Flat KV slot of each position [B, X] through its row's page table."""
-    pidx = jnp.clip(positions // page_size, 0, page_tables.shape[1] - 1)
-    page = jnp.take_along_axis(page_tables, pidx, axis=1)
-    return page * page_size + positions % page_size
-
-
 def _draft_tree(params, dparams, dcfg, spec: SpecConfig, draft_kv: KVPool, c: SpecCarry, page_tables, backend):
     """num_steps - 1 draft forwards over topk beams, accumulating the EAGLE-2 tree candidates."""
     B, K = c.topk_p.shape
@@ -214,16 +203,14 @@ def spec_decode_step(
     """One speculative iteration for the requests in slot_ids [B] (padding rows: the scratch slot).
 
     page_tables [B, M] must cover positions < n + spec_kv_margin(spec) of each request.
-    Returns (state, SpecStepOutput).
+    Returns (state, StepOutput).
     """
     B = slot_ids.shape[0]
     steps, N = spec.num_steps, spec.num_draft_tokens
     page_size, num_pages = state.target_kv.page_size, state.target_kv.num_pages
     drop = num_pages * page_size
-    c = jax.tree.map(lambda a: a[slot_ids], state.carry)
-    scratch = state.carry.seq_len.shape[0] - 1
-    n = jnp.where(slot_ids == scratch, 0, c.seq_len)  # padding rows stay at the scratch page's start
-    c = c._replace(seq_len=n)
+    c = gather_slots(state.carry, slot_ids)
+    n = c.seq_len
 
     tree = _draft_tree(params, dparams, dcfg, spec, state.draft_kv, c, page_tables, backend)
 
@@ -235,7 +222,7 @@ def spec_decode_step(
     verify = ForwardBatch(
         tokens=tree.tokens.reshape(-1),
         positions=(n[:, None] + tree.depths).reshape(-1),
-        slots=_slots_of(page_tables, node_pos, page_size, num_pages).reshape(-1),
+        slots=slots_of(page_tables, node_pos, page_size).reshape(-1),
         seq_lens=n + N,
         page_tables=page_tables,
         query_start=jnp.arange(B + 1, dtype=jnp.int32) * N,
@@ -254,8 +241,8 @@ def spec_decode_step(
 
     if spec.eagle_topk > 1:
         # Accepted nodes were written in node order; move them to their depth's position.
-        src = _slots_of(page_tables, n[:, None] + path, page_size, num_pages)
-        dst = jnp.where(valid, _slots_of(page_tables, n[:, None] + depth, page_size, num_pages), drop)
+        src = slots_of(page_tables, n[:, None] + path, page_size)
+        dst = jnp.where(valid, slots_of(page_tables, n[:, None] + depth, page_size), drop)
         tkv = KVPool(*(_move_kv(cache, src, dst) for cache in tkv))
 
     # Draft-extend over the emitted tokens: pair (x_{t+1}, feature_t) at position t for t = n..n+m.
@@ -266,7 +253,7 @@ def spec_decode_step(
     extend = ForwardBatch(
         tokens=jnp.where(valid, acc.tokens, 0).reshape(-1),
         positions=ext_pos.reshape(-1),
-        slots=jnp.where(valid, _slots_of(page_tables, ext_pos, page_size, num_pages), drop).reshape(-1),
+        slots=jnp.where(valid, slots_of(page_tables, ext_pos, page_size), drop).reshape(-1),
         seq_lens=n + E,
         page_tables=page_tables,
         query_start=jnp.arange(B + 1, dtype=jnp.int32) * E,
@@ -281,7 +268,7 @@ def spec_decode_step(
 
     new = SpecCarry(acc.bonus, n + m + 1, p, ids, last.astype(c.hidden.dtype))
     carry = jax.tree.map(lambda full, part: full.at[slot_ids].set(part), state.carry, new)
-    return SpecState(tkv, dkv, carry), SpecStepOutput(acc.tokens, m)
+    return SpecState(tkv, dkv, carry), StepOutput(acc.tokens, m)
 
 
 def _move_kv(cache: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:

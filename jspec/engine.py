@@ -1,0 +1,222 @@
+"""Engine: a worker (params, device state, compiled steps), the scheduler, and the loop.
+
+The overlap loop (DESIGN.md): launch step N+1, then read step N's outputs,
+which were already copying to the host (copy_to_host_async started at
+launch). The synchronous mode (disable_overlap_schedule=True) runs the very
+same code but reads each step's outputs right after launching it; it is the
+reference the overlap mode must match.
+
+    engine = Engine("/path/to/model", page_size=16)
+    rid = engine.add_request("Hello", SamplingParams(max_new_tokens=16))
+    while engine.has_work():
+        for out in engine.step():
+            print(out.rid, out.new_token_ids, out.finished)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+
+import jax
+import numpy as np
+
+from jspec.config import ModelConfig, SpecConfig
+from jspec.sampling_params import SamplingParams
+from jspec.scheduler.request import Request
+from jspec.scheduler.scheduler import DecodeBatch, PrefillBatch, Scheduler
+from jspec.scheduler.sync import designated_read, start_host_copy
+from jspec.worker import EagleWorker, PlainWorker
+
+
+@dataclasses.dataclass
+class Model:
+    """A loaded model: config, param pytree and (optionally) its tokenizer."""
+
+    cfg: ModelConfig
+    params: object
+    tokenizer: object = None
+
+
+def load(path: str | os.PathLike, dtype=None) -> Model:
+    from jspec.models.loader import load_model
+    from jspec.models.tokenizer import load_tokenizer
+
+    cfg, params = load_model(path, dtype=dtype)
+    return Model(cfg, params, load_tokenizer(path))
+
+
+def as_model(model) -> Model:
+    if isinstance(model, Model):
+        return model
+    if isinstance(model, (str, os.PathLike)):
+        return load(model)
+    if isinstance(model, tuple) and len(model) in (2, 3) and isinstance(model[0], ModelConfig):
+        return Model(*model)
+    raise TypeError(
+        f"model must be a checkpoint path, a jspec.Model or a (ModelConfig, params) tuple, got {type(model).__name__}"
+    )
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What one engine step produced for one request."""
+
+    rid: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+
+
+@dataclasses.dataclass
+class _Launched:
+    batch: PrefillBatch | DecodeBatch
+    outputs: object  # device arrays, copying to the host
+
+
+class Engine:
+    def __init__(
+        self,
+        model,
+        *,
+        spec: SpecConfig | None = None,
+        draft=None,
+        page_size: int = 16,
+        max_running_requests: int = 32,
+        num_pages: int | None = None,
+        kv_memory_bytes: int | None = None,
+        chunked_prefill_size: int = 512,
+        disable_overlap_schedule: bool = False,
+        attention_backend: str | None = None,
+        seed: int = 0,
+    ):
+        self.model = as_model(model)
+        cfg, params = self.model.cfg, self.model.params
+        kw = dict(page_size=page_size, num_pages=num_pages, max_slots=max_running_requests,
+                  kv_memory_bytes=kv_memory_bytes, attention_backend=attention_backend)
+        if spec is None:
+            self.worker = PlainWorker(cfg, params, **kw)
+        else:
+            dcfg, dparams = draft if draft is not None else _load_draft(self.model, spec)
+            self.worker = EagleWorker(cfg, params, dcfg, dparams, spec, **kw)
+        self.spec = spec
+        self.scheduler = Scheduler(self.worker, chunked_prefill_size=chunked_prefill_size)
+        self.overlap = not disable_overlap_schedule
+        self._inflight: _Launched | None = None
+        self._key = jax.random.key(seed)
+        self._ids = itertools.count()
+        self._arrival = itertools.count()
+        self.num_steps = 0
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def add_request(self, prompt, params: SamplingParams | None = None, rid: str | None = None) -> str:
+        from jspec.generate import tokenize_prompt
+
+        params = params or SamplingParams()
+        params.validate()
+        ids = tokenize_prompt(prompt, self.model, 0)
+        rid = rid if rid is not None else f"req-{next(self._ids)}"
+        if rid in self.scheduler.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= set(self.model.cfg.eos_token_ids)
+            if self.model.tokenizer is not None:
+                stop_ids |= set(self.model.tokenizer.eos_token_ids)
+        # Never generate past the model's context.
+        room = self.model.cfg.max_position_embeddings - len(ids)
+        if room < params.max_new_tokens:
+            params = dataclasses.replace(params, max_new_tokens=room)
+        req = Request(rid, ids, params, frozenset(stop_ids), arrival=next(self._arrival))
+        self.scheduler.add(req)
+        return rid
+
+    def abort(self, rid: str) -> bool:
+        """Finishes a request now and frees its KV; True if it was still running or waiting."""
+        return self.scheduler.abort(rid)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or self._inflight is not None
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedules and launches one batch, and processes the previous one (overlap) or this one (sync)."""
+        batch = self.scheduler.schedule()
+        launched = self._launch(batch) if batch is not None else None
+        if self.overlap:
+            done, self._inflight = self._inflight, launched
+        else:
+            done = launched
+        return self._process(done) if done is not None else []
+
+    def _launch(self, batch) -> _Launched:
+        self._key, key = jax.random.split(self._key)
+        temps = [r.params.temperature for r in batch.reqs]
+        if isinstance(batch, PrefillBatch):
+            out = self.worker.prefill(batch.chunks, batch.following, batch.slots, temps, key)
+        else:
+            out = self.worker.decode(batch.slots, batch.page_tables, temps, key)
+        start_host_copy(out)
+        self.num_steps += 1
+        return _Launched(batch, out)
+
+    def _process(self, launched: _Launched) -> list[RequestOutput]:
+        before = {id(r): len(r.output) for r in launched.batch.reqs}
+        host = designated_read(launched.outputs)
+        if isinstance(launched.batch, PrefillBatch):
+            touched = self.scheduler.on_prefill_done(launched.batch, host)
+        else:
+            touched = self.scheduler.on_decode_done(launched.batch, host.tokens, host.accept_len, self.spec is not None)
+        return [RequestOutput(r.rid, r.output[before[id(r)]:], r.finished, r.finish_reason) for r in touched]
+
+    def drain(self) -> None:
+        """Waits for and processes the step in flight (for shutdown and idle checks)."""
+        if self._inflight is not None:
+            done, self._inflight = self._inflight, None
+            self._process(done)
+
+    def check_idle_no_leaks(self) -> None:
+        """At idle every page and request slot is back: the leak check of DESIGN.md."""
+        if self.has_work():
+            raise AssertionError("engine is not idle")
+        self.worker.check_no_leaks()
+
+    # ---- convenience -------------------------------------------------------------------------
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None):
+        """Runs prompts to completion; returns GenerationOutputs in order."""
+        from jspec.generate import GenerationOutput, as_prompt_list
+
+        prompts = as_prompt_list(prompts)
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        rids = []
+        try:
+            for p, sp in zip(prompts, plist):
+                rids.append(self.add_request(p, dataclasses.replace(sp)))
+        except Exception:
+            for rid in rids:  # all or nothing: a bad prompt leaves no half-submitted batch behind
+                self.abort(rid)
+            raise
+        reqs = {rid: self.scheduler.requests[rid] for rid in rids}
+        while self.has_work():
+            self.step()
+        tok = self.model.tokenizer
+        results = []
+        for rid in rids:
+            r = reqs[rid]
+            results.append(GenerationOutput(
+                r.prompt, r.output, r.finish_reason, tok.decode(r.output) if tok is not None else None,
+                r.verify_ct, r.spec_emitted / r.verify_ct if r.verify_ct else None,
+            ))
+        return results
+
+
+def _load_draft(model: Model, spec: SpecConfig):
+    if spec.draft_model_path is None:
+        raise ValueError(f"speculative algorithm {spec.algorithm} needs spec.draft_model_path or draft=(cfg, params)")
+    from jspec.models.eagle_loader import load_draft_model
+
+    return load_draft_model(spec.draft_model_path, model.cfg, dtype=model.params["embed"].dtype, algorithm=spec.algorithm)

@@ -1,0 +1,274 @@
+"""The scheduler: which requests run next, and the KV pages and slots they hold.
+
+It works only from what the host knows. Under the overlap loop it builds
+batch N+1 before it has read batch N's outputs, so it keeps, per request, the
+verified KV length as of the last processed step (`kv_len`) and the number of
+decodes in flight; a request's pages always cover the worst case,
+kv_len + in-flight decodes * max_emit + kv_margin positions (over-allocation).
+
+The one-step-lag rule lives in `on_decode_done`: a request that finished in
+step N may have been launched again in N+1; N+1's tokens for it are dropped.
+Freeing its pages and slot as soon as N is processed is safe because steps
+run on the device in launch order, so N+1 is done with them before any later
+step can reuse them.
+
+Policy, as SGLang's default: continue or admit prefills first (chunked to
+`chunked_prefill_size` tokens per batch), otherwise decode every running
+request; when decode growth runs out of pages, evict the prefix cache, then
+retract the most recently admitted request (freeing its KV; it is prefilled
+again later over its prompt and the tokens it already generated).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from jspec.paged_kv.allocator import OutOfPagesError
+from jspec.scheduler.batch_builder import SeqChunk
+from jspec.scheduler.request import Request, Status
+
+
+@dataclasses.dataclass
+class PrefillBatch:
+    reqs: list[Request]
+    chunks: list[SeqChunk]
+    following: list[int | None]  # prompt token after each chunk; None when the chunk ends the prompt
+    slots: list[int]
+
+
+@dataclasses.dataclass
+class DecodeBatch:
+    reqs: list[Request]
+    slots: list[int]
+    page_tables: list[list[int]]
+
+
+class Scheduler:
+    def __init__(self, worker, *, chunked_prefill_size: int = 512, prefix_cache=None):
+        self.worker = worker
+        self.page_size = worker.page_size
+        self.chunked_prefill_size = chunked_prefill_size
+        self.prefix_cache = prefix_cache
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.prefilling: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.prefilled_tokens = 0  # tokens actually run through prefill (prefix-cache hits excluded)
+        self.num_retractions = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def add(self, req: Request) -> None:
+        worst = len(req.prompt) + req.params.max_new_tokens + self.worker.kv_margin + self.worker.max_emit
+        if self.pages_for(worst) > self.worker.allocator.num_usable:
+            raise OutOfPagesError(
+                f"request {req.rid} needs up to {self.pages_for(worst)} KV pages ({len(req.prompt)} prompt + "
+                f"{req.params.max_new_tokens} new tokens at page size {self.page_size}); the pool has "
+                f"{self.worker.allocator.num_usable}"
+            )
+        req.prefill_ids = list(req.prompt)
+        self.requests[req.rid] = req
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> bool:
+        req = self.requests.get(rid)
+        if req is None or req.finished:
+            return False
+        req.finish("abort")
+        self._retire(req)
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    def _retire(self, req: Request) -> None:
+        """Releases what a finished request holds and forgets it."""
+        self._release(req)
+        for queue in (self.prefilling, self.running):
+            if req in queue:
+                queue.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self.requests.pop(req.rid, None)
+
+    def _release(self, req: Request) -> None:
+        if req.pages:
+            if self.prefix_cache is not None and req.finish_reason not in (None, "abort"):
+                self.prefix_cache.release(req)
+            else:
+                self.worker.allocator.free(req.pages)
+        req.pages = []
+        if self.prefix_cache is not None:
+            self.prefix_cache.unlock_request(req)
+        if req.slot is not None:
+            self.worker.free_slot(req.slot)
+            req.slot = None
+
+    # ---- scheduling -----------------------------------------------------------------------
+
+    def schedule(self) -> PrefillBatch | DecodeBatch | None:
+        batch = self._schedule_prefill()
+        if batch is not None:
+            return batch
+        return self._schedule_decode()
+
+    def _grow(self, req: Request, tokens: int) -> bool:
+        """Ensures req's pages cover `tokens` positions; False if the pool cannot."""
+        need = self.pages_for(tokens) - len(req.pages)
+        if need <= 0:
+            return True
+        if need > self.worker.allocator.num_free and self.prefix_cache is not None:
+            self.prefix_cache.evict(need - self.worker.allocator.num_free)
+        if need > self.worker.allocator.num_free:
+            return False
+        req.pages.extend(self.worker.allocator.alloc(need))
+        return True
+
+    def _schedule_prefill(self) -> PrefillBatch | None:
+        budget = self.chunked_prefill_size
+        batch = PrefillBatch([], [], [], [])
+        # Requests mid-prefill first, then new (or retracted) ones in arrival order.
+        candidates = list(self.prefilling)
+        planned = sum(len(r.prefill_ids) - r.prefilled for r in candidates)
+        for req in list(self.waiting):
+            if planned >= budget:
+                break
+            if req.inflight_outputs:
+                continue  # a retracted request whose last outputs are still in flight
+            if not self.worker.free_slots:
+                break
+            if not self._admit(req):
+                break
+            candidates.append(req)
+            planned += len(req.prefill_ids) - req.prefilled
+        for req in candidates:
+            left = budget - sum(len(c.tokens) for c in batch.chunks)
+            if left <= 0:
+                break
+            n = min(len(req.prefill_ids) - req.prefilled, left)
+            end = req.prefilled + n
+            if not self._grow(req, end + (self.worker.kv_margin if end == len(req.prefill_ids) else 0)):
+                break
+            batch.reqs.append(req)
+            batch.chunks.append(SeqChunk(req.prefill_ids[req.prefilled : end], req.prefilled, req.pages))
+            batch.following.append(req.prefill_ids[end] if end < len(req.prefill_ids) else None)
+            batch.slots.append(req.slot)
+        if not batch.chunks:
+            return None
+        for req, chunk, following in zip(batch.reqs, batch.chunks, batch.following):
+            req.prefilled += len(chunk.tokens)
+            self.prefilled_tokens += len(chunk.tokens)
+            req.inflight_outputs += 1
+            if following is None:
+                # The last chunk is launched: the request decodes from the next batch on, reading
+                # its first token from the device carry (it is not on the host yet).
+                req.status = Status.RUNNING
+                req.kv_len = len(req.prefill_ids)
+                if req in self.prefilling:
+                    self.prefilling.remove(req)
+                self.running.append(req)
+        return batch
+
+    def _admit(self, req: Request) -> bool:
+        """Moves a waiting request to prefilling if a slot and its whole prompt's pages are free."""
+        req.prefill_ids = req.prompt + req.output
+        req.prefilled = 0
+        if self.prefix_cache is not None:
+            self.prefix_cache.match_request(req)  # sets req.pages/req.prefilled to the cached prefix
+        need = self.pages_for(len(req.prefill_ids) + self.worker.kv_margin) - len(req.pages)
+        if need > self.worker.allocator.num_free and self.prefix_cache is not None:
+            self.prefix_cache.evict(need - self.worker.allocator.num_free)
+        if need > self.worker.allocator.num_free:
+            if self.prefix_cache is not None:
+                self.prefix_cache.unlock_request(req)
+                req.pages, req.prefilled = [], 0
+            return False
+        req.num_cached_tokens = req.prefilled
+        self.waiting.remove(req)
+        req.slot = self.worker.alloc_slot()
+        req.status = Status.PREFILLING
+        self.prefilling.append(req)
+        return True
+
+    def _schedule_decode(self) -> DecodeBatch | None:
+        w = self.worker
+        batch = DecodeBatch([], [], [])
+        for req in sorted(self.running, key=lambda r: r.arrival):
+            if req.status is not Status.RUNNING:
+                continue  # retracted earlier in this loop to make room
+            bound = req.kv_len + req.inflight * w.max_emit + w.kv_margin
+            while not self._grow(req, bound):
+                victim = self._pick_victim(exclude=req)
+                if victim is None:
+                    raise OutOfPagesError(
+                        f"KV pool too small: request {req.rid} alone needs {self.pages_for(bound)} pages, "
+                        f"{w.allocator.num_usable} exist"
+                    )
+                self._retract(victim)
+                if victim in batch.reqs:
+                    i = batch.reqs.index(victim)
+                    for col in (batch.reqs, batch.slots, batch.page_tables):
+                        col.pop(i)
+            batch.reqs.append(req)
+            batch.slots.append(req.slot)
+            batch.page_tables.append(list(req.pages))
+        if not batch.reqs:
+            return None
+        for req in batch.reqs:
+            req.inflight += 1
+            req.inflight_outputs += 1
+        return batch
+
+    def _pick_victim(self, exclude: Request) -> Request | None:
+        others = [r for r in self.running if r is not exclude]
+        return max(others, key=lambda r: r.arrival) if others else None
+
+    def _retract(self, req: Request) -> None:
+        self.num_retractions += 1
+        req.retractions += 1
+        self.worker.allocator.free(req.pages)
+        req.pages = []
+        if self.prefix_cache is not None:
+            self.prefix_cache.unlock_request(req)
+        self.worker.free_slot(req.slot)
+        req.slot = None
+        req.status = Status.WAITING
+        req.inflight = 0  # its in-flight outputs are still processed (they are valid tokens)
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+
+    # ---- results --------------------------------------------------------------------------
+
+    def on_prefill_done(self, batch: PrefillBatch, first_tokens) -> list[Request]:
+        touched = []
+        for i, (req, following) in enumerate(zip(batch.reqs, batch.following)):
+            req.inflight_outputs -= 1
+            if following is None and not req.finished:
+                req.append([first_tokens[i]])
+                touched.append(req)
+                if req.finished:
+                    self._retire(req)
+        return touched
+
+    def on_decode_done(self, batch: DecodeBatch, tokens, accept_len, speculative: bool) -> list[Request]:
+        touched = []
+        for i, req in enumerate(batch.reqs):
+            req.inflight_outputs -= 1
+            if req.finished:
+                continue  # one-step lag: launched before its finish was seen; drop these tokens
+            emitted = tokens[i, : int(accept_len[i]) + 1]
+            if req.status is Status.RUNNING:
+                req.inflight -= 1
+                req.kv_len += len(emitted)
+            if speculative:
+                req.verify_ct += 1
+                req.spec_emitted += len(emitted)
+            req.append(emitted)
+            touched.append(req)
+            if req.finished:
+                self._retire(req)
+        return touched

@@ -1,0 +1,38 @@
+"""The one place where the scheduler reads device values.
+
+The overlap loop (DESIGN.md, "Host side") launches step N+1, then reads step
+N's small outputs, whose device->host copy was started right after N's launch.
+That read is the loop's only host<->device sync, and it goes through
+`designated_read` so that tests can tell it from an accidental one
+(tests/sync_guard.py allows reads made inside this function and fails on any
+other). Nothing else in the scheduler may call np.asarray, int(), .item(),
+jax.device_get or block_until_ready on a device array.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def start_host_copy(tree: Any) -> Any:
+    """Starts the device->host copy of every jax array in `tree`, without waiting.
+
+    Call it right after launching a step, on that step's outputs; returns `tree`.
+    """
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array):
+            leaf.copy_to_host_async()
+    return tree
+
+
+def designated_read(tree: Any) -> Any:
+    """`tree` with every array leaf as numpy: the loop's one sync point.
+
+    Blocks until the step that made `tree` is done (its copy, started by
+    `start_host_copy`, has usually landed by then). On the CPU, np.asarray is a
+    zero-copy view of the device buffer: do not donate these arrays afterwards.
+    """
+    return jax.tree.map(np.asarray, tree)

@@ -1,0 +1,95 @@
+"""Plain (non-speculative) prefill and decode steps over donated device state.
+
+The carry is the FutureMap: per request slot, the token that the next step
+feeds (`next_token`, sampled by the previous step and never read by the host
+before the next launch) and the KV length `seq_len`. A decode step reads both
+from its slots, so the host can launch step N+1 before it has seen step N's
+tokens. The last slot is scratch for padded batch rows.
+
+Carry convention (shared with spec/eagle.py): the KV holds positions
+0..seq_len-1; next_token is x_{seq_len}, not yet in the KV.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jspec.config import ModelConfig
+from jspec.models.batch import AttentionMode, ForwardBatch
+from jspec.models.llama import forward
+from jspec.paged_kv.pool import KVPool
+from jspec.sampling import sample_tokens
+
+
+class PlainCarry(NamedTuple):
+    next_token: jax.Array  # [slots+1] int32
+    seq_len: jax.Array  # [slots+1] int32
+
+
+class PlainState(NamedTuple):
+    target_kv: KVPool
+    carry: PlainCarry
+
+
+class StepOutput(NamedTuple):
+    """What the host reads back from a decode step (the only device->host transfer)."""
+
+    tokens: jax.Array  # [B, K] int32, emitted tokens of each row, -1 past accept_len + 1
+    accept_len: jax.Array  # [B] int32, accepted draft tokens (0 without speculation): emits accept_len + 1
+
+
+def init_plain_carry(num_slots: int) -> PlainCarry:
+    return PlainCarry(jnp.zeros(num_slots + 1, jnp.int32), jnp.zeros(num_slots + 1, jnp.int32))
+
+
+def slots_of(page_tables: jax.Array, positions: jax.Array, page_size: int) -> jax.Array:
+    """Flat KV slot of each position [B, X] through its row's page table [B, M]."""
+    pidx = jnp.clip(positions // page_size, 0, page_tables.shape[1] - 1)
+    return jnp.take_along_axis(page_tables, pidx, axis=1) * page_size + positions % page_size
+
+
+def gather_slots(carry, slot_ids: jax.Array):
+    """The carry rows of slot_ids, with padding rows (the scratch slot) reset to length 0."""
+    c = jax.tree.map(lambda a: a[slot_ids], carry)
+    scratch = carry.seq_len.shape[0] - 1
+    return c._replace(seq_len=jnp.where(slot_ids == scratch, 0, c.seq_len))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "mode"), donate_argnames=("state",))
+def plain_prefill_step(params, state: PlainState, batch: ForwardBatch, slot_ids, temperature, key, *, cfg: ModelConfig,
+                       mode: AttentionMode):
+    """Prefills one ragged chunk batch. slot_ids [B]: carry slot of each sequence whose prompt
+    ends in this chunk (it receives the sampled first token), else the scratch slot."""
+    kv, out = forward(params, cfg, state.target_kv, batch, mode)
+    first = sample_tokens(out.logits, temperature, key)
+    c = state.carry
+    carry = PlainCarry(c.next_token.at[slot_ids].set(first, mode="drop"), c.seq_len.at[slot_ids].set(batch.seq_lens, mode="drop"))
+    return PlainState(kv, carry), first
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "backend", "unroll_layers"), donate_argnames=("state",))
+def plain_decode_step(params, state: PlainState, slot_ids, page_tables, temperature, key, *, cfg: ModelConfig,
+                      backend: str = "pallas", unroll_layers: bool = False):
+    """One token for each slot in slot_ids [B]; page_tables [B, M] cover position seq_len."""
+    B = slot_ids.shape[0]
+    c = gather_slots(state.carry, slot_ids)
+    n = c.seq_len
+    page_size = state.target_kv.page_size
+    batch = ForwardBatch(
+        tokens=c.next_token,
+        positions=n,
+        slots=slots_of(page_tables, n[:, None], page_size)[:, 0],
+        seq_lens=n + 1,
+        page_tables=page_tables,
+        query_start=jnp.arange(B + 1, dtype=jnp.int32),
+        logits_indices=jnp.arange(B, dtype=jnp.int32),
+    )
+    kv, out = forward(params, cfg, state.target_kv, batch, AttentionMode(True, 1, backend), unroll_layers=unroll_layers)
+    tok = sample_tokens(out.logits, temperature, key)
+    new = PlainCarry(tok, n + 1)
+    carry = jax.tree.map(lambda full, part: full.at[slot_ids].set(part), state.carry, new)
+    return PlainState(kv, carry), StepOutput(tok[:, None], jnp.zeros(B, jnp.int32))

@@ -1,0 +1,169 @@
+"""Workers: the host-side owners of params, device state and compiled steps.
+
+Every worker offers the same interface to the scheduler, whatever the method:
+- prefill(chunks, following, slots, temperature, key) -> first tokens [B] (device)
+- decode(slots, page_tables, temperature, key) -> StepOutput (device)
+- kv_margin: KV positions past a request's verified length that one decode may write
+- max_emit: most tokens one decode emits per request
+plus request-slot and KV-page bookkeeping. The scheduler never knows which
+method runs; device values only come back through the StepOutput it reads.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.config import ModelConfig, SpecConfig
+from jspec.models.batch import AttentionMode
+from jspec.paged_kv.allocator import PageAllocator
+from jspec.paged_kv.pool import create_kv_pool, kv_bytes_per_page
+from jspec.scheduler.batch_builder import SeqChunk, bucket, build_forward_batch
+from jspec.steps import PlainState, init_plain_carry, plain_decode_step, plain_prefill_step
+
+DEFAULT_KV_BYTES = 256 * 2**20
+
+
+def default_attention_backend() -> str:
+    return "pallas"
+
+
+class WorkerBase:
+    def __init__(self, cfg: ModelConfig, params, *, page_size: int, num_pages: int, max_slots: int,
+                 attention_backend: str | None):
+        self.cfg, self.params = cfg, params
+        self.dtype = params["embed"].dtype
+        self.page_size = page_size
+        self.allocator = PageAllocator(int(num_pages))
+        self.max_slots = max_slots
+        self.free_slots = list(range(max_slots - 1, -1, -1))
+        self.backend = attention_backend or default_attention_backend()
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.max_slots
+
+    def alloc_slot(self) -> int:
+        if not self.free_slots:
+            raise RuntimeError(f"all {self.max_slots} request slots are in use")
+        return self.free_slots.pop()
+
+    def free_slot(self, slot: int) -> None:
+        if slot in self.free_slots or not 0 <= slot < self.max_slots:
+            raise ValueError(f"free of slot {slot}, which is not held")
+        self.free_slots.append(slot)
+
+    def check_no_leaks(self) -> None:
+        self.allocator.check_no_leaks()
+        if len(self.free_slots) != self.max_slots:
+            raise AssertionError(f"request slot leak: {self.max_slots - len(self.free_slots)} slots held")
+
+    def _prefill_inputs(self, chunks: list[SeqChunk], following: list[int | None], slots: list[int | None]):
+        batch, mode = build_forward_batch(chunks, page_size=self.page_size, num_pages=self.allocator.num_pages)
+        mode = mode._replace(backend=self.backend)
+        T, B = batch.tokens.shape[0], batch.seq_lens.shape[0]
+        draft_tokens = np.zeros(T, np.int32)  # the token after each row (for draft models)
+        finish_rows = np.full(B, T, np.int32)
+        slot_ids = np.full(B, self.scratch_slot, np.int32)
+        for i, c in enumerate(chunks):
+            start, n = batch.query_start[i], len(c.tokens)
+            draft_tokens[start : start + n - 1] = c.tokens[1:]
+            if following[i] is None:
+                finish_rows[i] = start + n - 1
+                slot_ids[i] = slots[i]
+            else:
+                draft_tokens[start + n - 1] = following[i]
+        return batch, mode, draft_tokens, finish_rows, slot_ids
+
+    def _decode_inputs(self, slots: list[int], page_tables: list[list[int]], temperature):
+        B = bucket(len(slots))
+        M = bucket(max(len(p) for p in page_tables))
+        slot_ids = np.full(B, self.scratch_slot, np.int32)
+        slot_ids[: len(slots)] = slots
+        pt = np.zeros((B, M), np.int32)
+        for i, p in enumerate(page_tables):
+            pt[i, : len(p)] = p
+        temps = np.zeros(B, np.float32)
+        temps[: len(slots)] = temperature
+        return slot_ids, pt, temps
+
+
+def _pad_rows(values, n: int) -> np.ndarray:
+    out = np.zeros(n, np.float32)
+    out[: len(values)] = values
+    return out
+
+
+class PlainWorker(WorkerBase):
+    """No speculation: one token per request per decode."""
+
+    kv_margin = 1
+    max_emit = 1
+
+    def __init__(self, cfg: ModelConfig, params, *, page_size: int = 16, num_pages: int | None = None,
+                 max_slots: int = 64, kv_memory_bytes: int | None = None, attention_backend: str | None = None):
+        if num_pages is None:
+            per_page = kv_bytes_per_page(cfg, page_size, params["embed"].dtype)
+            num_pages = max(2, (kv_memory_bytes or DEFAULT_KV_BYTES) // per_page)
+        super().__init__(cfg, params, page_size=page_size, num_pages=num_pages, max_slots=max_slots,
+                         attention_backend=attention_backend)
+        self.state = PlainState(create_kv_pool(cfg, int(num_pages), page_size, self.dtype), init_plain_carry(max_slots))
+
+    def prefill(self, chunks, following, slots, temperature, key):
+        batch, mode, _, _, slot_ids = self._prefill_inputs(chunks, following, slots)
+        temps = _pad_rows(temperature, slot_ids.shape[0])
+        self.state, first = plain_prefill_step(self.params, self.state, batch, slot_ids, temps, key, cfg=self.cfg, mode=mode)
+        return first
+
+    def decode(self, slots, page_tables, temperature, key):
+        slot_ids, pt, temps = self._decode_inputs(slots, page_tables, temperature)
+        self.state, out = plain_decode_step(self.params, self.state, slot_ids, pt, temps, key, cfg=self.cfg,
+                                            backend=self.backend)
+        return out
+
+
+class EagleWorker(WorkerBase):
+    """EAGLE / EAGLE-3: target + draft pools and the speculative carry."""
+
+    def __init__(self, cfg: ModelConfig, params, dcfg, dparams, spec: SpecConfig, *, page_size: int = 16,
+                 num_pages: int | None = None, max_slots: int = 64, kv_memory_bytes: int | None = None,
+                 attention_backend: str | None = None):
+        from jspec.models.eagle import layer_config
+        from jspec.spec.eagle import SpecState, init_carry, spec_kv_margin
+
+        dlayer = layer_config(dcfg)
+        if num_pages is None:
+            dtype = params["embed"].dtype
+            per_page = kv_bytes_per_page(cfg, page_size, dtype) + kv_bytes_per_page(dlayer, page_size, dtype)
+            num_pages = max(2, (kv_memory_bytes or DEFAULT_KV_BYTES) // per_page)
+        super().__init__(cfg, params, page_size=page_size, num_pages=num_pages, max_slots=max_slots,
+                         attention_backend=attention_backend)
+        self.dcfg, self.dparams, self.spec = dcfg, dparams, spec
+        self.kv_margin = spec_kv_margin(spec)
+        self.max_emit = spec.num_steps + 1
+        self.state = SpecState(
+            create_kv_pool(cfg, int(num_pages), page_size, self.dtype),
+            create_kv_pool(dlayer, int(num_pages), page_size, self.dtype),
+            init_carry(max_slots, spec.eagle_topk, dcfg.hidden_size, self.dtype),
+        )
+
+    def prefill(self, chunks, following, slots, temperature, key):
+        from jspec.spec.eagle import spec_prefill_step
+
+        batch, mode, draft_tokens, finish_rows, slot_ids = self._prefill_inputs(chunks, following, slots)
+        self.state, first = spec_prefill_step(
+            self.params, self.dparams, self.state, batch, draft_tokens, finish_rows, slot_ids,
+            cfg=self.cfg, dcfg=self.dcfg, spec=self.spec, mode=mode,
+        )
+        return first
+
+    def decode(self, slots, page_tables, temperature, key):
+        from jspec.spec.eagle import spec_decode_step
+
+        slot_ids, pt, _ = self._decode_inputs(slots, page_tables, temperature)
+        self.state, out = spec_decode_step(
+            self.params, self.dparams, self.state, slot_ids, pt,
+            cfg=self.cfg, dcfg=self.dcfg, spec=self.spec, backend=self.backend,
+        )
+        return out
