@@ -23,7 +23,9 @@ import jax
 import numpy as np
 
 from jspec.config import ModelConfig, SpecConfig
+from jspec.paged_kv.radix_cache import RadixCache
 from jspec.sampling_params import SamplingParams
+from jspec.scheduler.detokenize import IncrementalDetokenizer, StopChecker
 from jspec.scheduler.request import Request
 from jspec.scheduler.scheduler import DecodeBatch, PrefillBatch, Scheduler
 from jspec.scheduler.sync import designated_read, start_host_copy
@@ -65,6 +67,7 @@ class RequestOutput:
 
     rid: str
     new_token_ids: list[int]
+    new_text: str
     finished: bool
     finish_reason: str | None = None
 
@@ -88,6 +91,7 @@ class Engine:
         kv_memory_bytes: int | None = None,
         chunked_prefill_size: int = 512,
         disable_overlap_schedule: bool = False,
+        disable_radix_cache: bool = False,
         attention_backend: str | None = None,
         seed: int = 0,
     ):
@@ -101,7 +105,8 @@ class Engine:
             dcfg, dparams = draft if draft is not None else _load_draft(self.model, spec)
             self.worker = EagleWorker(cfg, params, dcfg, dparams, spec, **kw)
         self.spec = spec
-        self.scheduler = Scheduler(self.worker, chunked_prefill_size=chunked_prefill_size)
+        self.prefix_cache = None if disable_radix_cache else RadixCache(self.worker.allocator, page_size)
+        self.scheduler = Scheduler(self.worker, chunked_prefill_size=chunked_prefill_size, prefix_cache=self.prefix_cache)
         self.overlap = not disable_overlap_schedule
         self._inflight: _Launched | None = None
         self._key = jax.random.key(seed)
@@ -120,16 +125,22 @@ class Engine:
         rid = rid if rid is not None else f"req-{next(self._ids)}"
         if rid in self.scheduler.requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids |= set(self.model.cfg.eos_token_ids)
-            if self.model.tokenizer is not None:
-                stop_ids |= set(self.model.tokenizer.eos_token_ids)
+        if self.spec is not None and params.temperature > 0:
+            raise ValueError(
+                "speculative decoding is greedy (temperature 0) for now; rejection-sampling verification "
+                "for temperature > 0 is not built yet"
+            )
+        tok = self.model.tokenizer
+        if params.stop and tok is None:
+            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        eos = set(self.model.cfg.eos_token_ids) | (set(tok.eos_token_ids) if tok is not None else set())
         # Never generate past the model's context.
         room = self.model.cfg.max_position_embeddings - len(ids)
         if room < params.max_new_tokens:
             params = dataclasses.replace(params, max_new_tokens=room)
-        req = Request(rid, ids, params, frozenset(stop_ids), arrival=next(self._arrival))
+        checker = StopChecker(params.stop, params.stop_token_ids, eos, params.ignore_eos, params.max_new_tokens)
+        detok = IncrementalDetokenizer(tok, ids) if tok is not None else None
+        req = Request(rid, ids, params, checker, detok, arrival=next(self._arrival))
         self.scheduler.add(req)
         return rid
 
@@ -164,13 +175,16 @@ class Engine:
         return _Launched(batch, out)
 
     def _process(self, launched: _Launched) -> list[RequestOutput]:
-        before = {id(r): len(r.output) for r in launched.batch.reqs}
+        before = {id(r): (len(r.output), len(r.text)) for r in launched.batch.reqs}
         host = designated_read(launched.outputs)
         if isinstance(launched.batch, PrefillBatch):
             touched = self.scheduler.on_prefill_done(launched.batch, host)
         else:
             touched = self.scheduler.on_decode_done(launched.batch, host.tokens, host.accept_len, self.spec is not None)
-        return [RequestOutput(r.rid, r.output[before[id(r)]:], r.finished, r.finish_reason) for r in touched]
+        return [
+            RequestOutput(r.rid, r.output[before[id(r)][0]:], r.text[before[id(r)][1]:], r.finished, r.finish_reason)
+            for r in touched
+        ]
 
     def drain(self) -> None:
         """Waits for and processes the step in flight (for shutdown and idle checks)."""
@@ -182,6 +196,9 @@ class Engine:
         """At idle every page and request slot is back: the leak check of DESIGN.md."""
         if self.has_work():
             raise AssertionError("engine is not idle")
+        if self.prefix_cache is not None:
+            self.prefix_cache.check_invariants()
+            self.prefix_cache.reset()  # cached prefixes hold pages by design; drop them to count
         self.worker.check_no_leaks()
 
     # ---- convenience -------------------------------------------------------------------------
@@ -208,7 +225,7 @@ class Engine:
         for rid in rids:
             r = reqs[rid]
             results.append(GenerationOutput(
-                r.prompt, r.output, r.finish_reason, tok.decode(r.output) if tok is not None else None,
+                r.prompt, r.output, r.finish_reason, r.text if tok is not None else None,
                 r.verify_ct, r.spec_emitted / r.verify_ct if r.verify_ct else None,
             ))
         return results

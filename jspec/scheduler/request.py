@@ -6,6 +6,7 @@ import dataclasses
 import enum
 
 from jspec.sampling_params import SamplingParams
+from jspec.scheduler.detokenize import IncrementalDetokenizer, StopChecker
 
 
 class Status(enum.Enum):
@@ -20,9 +21,11 @@ class Request:
     rid: str
     prompt: list[int]
     params: SamplingParams
-    stop_ids: frozenset[int]  # token ids that end the request (EOS unless ignore_eos, plus stop_token_ids)
+    stop_checker: StopChecker
+    detokenizer: IncrementalDetokenizer | None = None  # None when the model has no tokenizer
     arrival: int = 0  # admission order key
     output: list[int] = dataclasses.field(default_factory=list)
+    text: str = ""  # streamed text so far (stop strings trimmed)
     status: Status = Status.WAITING
     finish_reason: str | None = None
     matched_stop: int | str | None = None
@@ -36,6 +39,7 @@ class Request:
     inflight: int = 0  # launched decodes that advance kv_len, outputs not processed yet
     inflight_outputs: int = 0  # launched steps (prefill or decode) whose outputs are not processed yet
     cached_prefix: object = None  # prefix-cache match this request holds locked
+    num_shared_pages: int = 0  # leading pages read from the prefix cache (not owned)
 
     # statistics
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache, not prefilled
@@ -51,23 +55,23 @@ class Request:
     def budget_left(self) -> int:
         return self.params.max_new_tokens - len(self.output)
 
-    def append(self, tokens) -> list[int]:
-        """Appends tokens until a stop token or the budget; returns the tokens taken."""
-        taken = []
-        for t in tokens:
-            t = int(t)
-            taken.append(t)
-            self.output.append(t)
-            if t in self.stop_ids:
-                self.finish("stop", matched=t)
-                break
-            if len(self.output) >= self.params.max_new_tokens:
-                self.finish("length")
-                break
-        return taken
+    def append(self, tokens) -> str:
+        """Takes new tokens up to whatever ends the request (stop token, EOS, stop string,
+        length); returns the new text safe to stream."""
+        res = self.stop_checker.update(tokens, self.detokenizer)
+        self.output.extend(res.token_ids)
+        self.text += res.text
+        if res.finish_reason is not None:
+            self.finish(res.finish_reason.type, res.finish_reason.matched)
+        return res.text
 
-    def finish(self, reason: str, matched=None) -> None:
-        if self.status is not Status.FINISHED:
-            self.status = Status.FINISHED
-            self.finish_reason = reason
-            self.matched_stop = matched
+    def finish(self, reason: str, matched=None) -> str:
+        """Marks the request finished (first reason wins); returns text that was still held back."""
+        if self.status is Status.FINISHED:
+            return ""
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        self.matched_stop = matched
+        rest = self.stop_checker.flush(self.detokenizer) if reason == "abort" else ""
+        self.text += rest
+        return rest

@@ -87,7 +87,7 @@ class Scheduler:
 
     def _retire(self, req: Request) -> None:
         """Releases what a finished request holds and forgets it."""
-        self._release(req)
+        self._release(req, keep_kv=req.finish_reason != "abort")
         for queue in (self.prefilling, self.running):
             if req in queue:
                 queue.remove(req)
@@ -95,15 +95,18 @@ class Scheduler:
             self.waiting.remove(req)
         self.requests.pop(req.rid, None)
 
-    def _release(self, req: Request) -> None:
-        if req.pages:
-            if self.prefix_cache is not None and req.finish_reason not in (None, "abort"):
-                self.prefix_cache.release(req)
-            else:
-                self.worker.allocator.free(req.pages)
-        req.pages = []
-        if self.prefix_cache is not None:
-            self.prefix_cache.unlock_request(req)
+    def _release(self, req: Request, keep_kv: bool = True) -> None:
+        """Returns req's pages and slot. With a prefix cache, its full pages of valid KV
+        (positions < kv_len) are offered to the cache first (RadixCache's protocol: insert,
+        then free own pages, then unlock the match)."""
+        cache = self.prefix_cache
+        if cache is not None and keep_kv and req.pages and req.kv_len > 0:
+            cache.insert((req.prompt + req.output)[: req.kv_len], req.pages)
+        self.worker.allocator.free(req.pages[req.num_shared_pages :])
+        req.pages, req.num_shared_pages = [], 0
+        if req.cached_prefix is not None:
+            cache.unlock(req.cached_prefix)
+            req.cached_prefix = None
         if req.slot is not None:
             self.worker.free_slot(req.slot)
             req.slot = None
@@ -121,8 +124,7 @@ class Scheduler:
         need = self.pages_for(tokens) - len(req.pages)
         if need <= 0:
             return True
-        if need > self.worker.allocator.num_free and self.prefix_cache is not None:
-            self.prefix_cache.evict(need - self.worker.allocator.num_free)
+        self._evict_for(need)
         if need > self.worker.allocator.num_free:
             return False
         req.pages.extend(self.worker.allocator.alloc(need))
@@ -178,14 +180,19 @@ class Scheduler:
         req.prefill_ids = req.prompt + req.output
         req.prefilled = 0
         if self.prefix_cache is not None:
-            self.prefix_cache.match_request(req)  # sets req.pages/req.prefilled to the cached prefix
+            # Keep at least one token to prefill: its logits give the next token. With a
+            # draft model, the draft KV at the last cached position pairs it with the token
+            # that followed in the request that wrote it; when this request's next token
+            # differs, that one draft entry is stale, which can only lower acceptance.
+            m = self.prefix_cache.match_prefix(req.prefill_ids[:-1])
+            self.prefix_cache.lock(m)
+            req.cached_prefix, req.pages, req.num_shared_pages = m, list(m.pages), len(m.pages)
+            req.prefilled = m.num_tokens
         need = self.pages_for(len(req.prefill_ids) + self.worker.kv_margin) - len(req.pages)
-        if need > self.worker.allocator.num_free and self.prefix_cache is not None:
-            self.prefix_cache.evict(need - self.worker.allocator.num_free)
+        self._evict_for(need)
         if need > self.worker.allocator.num_free:
-            if self.prefix_cache is not None:
-                self.prefix_cache.unlock_request(req)
-                req.pages, req.prefilled = [], 0
+            self._release(req, keep_kv=False)
+            req.prefilled = 0
             return False
         req.num_cached_tokens = req.prefilled
         self.waiting.remove(req)
@@ -193,6 +200,11 @@ class Scheduler:
         req.status = Status.PREFILLING
         self.prefilling.append(req)
         return True
+
+    def _evict_for(self, need: int) -> None:
+        short = need - self.worker.allocator.num_free
+        if short > 0 and self.prefix_cache is not None:
+            self.prefix_cache.evict(short)
 
     def _schedule_decode(self) -> DecodeBatch | None:
         w = self.worker
@@ -230,12 +242,8 @@ class Scheduler:
     def _retract(self, req: Request) -> None:
         self.num_retractions += 1
         req.retractions += 1
-        self.worker.allocator.free(req.pages)
-        req.pages = []
-        if self.prefix_cache is not None:
-            self.prefix_cache.unlock_request(req)
-        self.worker.free_slot(req.slot)
-        req.slot = None
+        # Its valid KV goes to the prefix cache (if any), so re-admission may find it there.
+        self._release(req)
         req.status = Status.WAITING
         req.inflight = 0  # its in-flight outputs are still processed (they are valid tokens)
         self.running.remove(req)
