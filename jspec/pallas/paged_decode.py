@@ -11,6 +11,7 @@ B * splits * Hq * D * 4 bytes against the B * ctx * Hkv * D * 4 of KV read.
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -115,18 +116,21 @@ def decode_plan(batch, num_q_heads, cache_shape, max_pages, *, block_n=None, num
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "interpret", "block_n", "num_splits", "min_split_tokens", "num_warps", "num_stages"),
+    static_argnames=("sm_scale", "interpret", "block_n", "num_splits", "min_split_tokens", "num_warps", "num_stages",
+                     "return_lse"),
 )
 def paged_decode(
     q, k_cache, v_cache, layer, seq_lens, page_tables, *, sm_scale, interpret=None,
-    block_n=None, num_splits=None, min_split_tokens=256, num_warps=4, num_stages=2,
+    block_n=None, num_splits=None, min_split_tokens=256, num_warps=4, num_stages=2, return_lse=False,
 ):
     """Attention of one new token per sequence over its paged KV.
 
     q [B, Hq, D]; k_cache, v_cache [L, P, S, Hkv, D]; layer int32 () or (1,);
     seq_lens [B] int32 (valid KV tokens, 0 gives zeros); page_tables [B, max_pages]
     int32. Returns [B, Hq, D] in q's dtype. Softmax in f32; q is cast to the
-    cache dtype for the matmuls.
+    cache dtype for the matmuls. With return_lse: (out [B, Hq, D] f32, the
+    natural-log log-sum-exp of the scaled logits [B, Hq] f32, -inf for seq_len 0),
+    so callers can merge this attention with one over keys outside the pool.
 
     Tuning (see decode_plan): block_n tokens per KV tile (power of two, any
     page size); num_splits context partitions (None: from B, Hkv and
@@ -141,7 +145,8 @@ def paged_decode(
                        num_splits=num_splits, min_split_tokens=min_split_tokens, num_warps=num_warps,
                        num_stages=num_stages)
     group = num_q_heads // num_kv_heads
-    write_final = plan.num_splits == 1
+    # The partials (max, sum, acc) carry the log-sum-exp, so asking for it takes the split path.
+    write_final = plan.num_splits == 1 and not return_lse
     kernel = functools.partial(
         _decode_kernel, cache_shape=k_cache.shape, group=group, group_rows=plan.group_rows, block_n=plan.block_n,
         split_len=plan.split_len, scale_log2=float(sm_scale) * LOG2E, write_final=write_final,
@@ -171,4 +176,9 @@ def paged_decode(
     if write_final:
         return outs[0]
     acc, m, l = outs
+    if return_lse:
+        m_max = jnp.max(m, axis=1)
+        total = jnp.sum(jnp.exp2(m - m_max[:, None]) * l, axis=1)
+        lse = jnp.where(total > 0, (m_max + jnp.log2(jnp.where(total > 0, total, 1.0))) * math.log(2.0), -jnp.inf)
+        return merge_splits(acc, m, l, axis=1), lse
     return merge_splits(acc, m, l, axis=1).astype(q.dtype)
