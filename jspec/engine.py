@@ -114,6 +114,10 @@ class Engine:
         self._arrival = itertools.count()
         self.num_steps = 0
 
+    def warmup(self) -> int:
+        """Compiles (by running on scratch inputs) every bucketed program the loop can launch."""
+        return self.worker.warmup(self.scheduler.chunked_prefill_size)
+
     # ---- requests ----------------------------------------------------------------------------
 
     def add_request(self, prompt, params: SamplingParams | None = None, rid: str | None = None) -> str:

@@ -44,6 +44,47 @@ class WorkerBase:
     def scratch_slot(self) -> int:
         return self.max_slots
 
+    @property
+    def max_pages_per_request(self) -> int:
+        return -(-(self.cfg.max_position_embeddings + self.kv_margin + self.max_emit) // self.page_size)
+
+    # Bucketed shapes, so warm-up can compile every program the loop will run:
+    # prefill batches always have max_slots rows and full-context page tables
+    # (only the token count T varies); decode batches vary in rows and page-table width.
+    MIN_DECODE_PAGES = 8
+
+    def prefill_token_buckets(self, chunked_prefill_size: int) -> list[int]:
+        out, t = [], 8
+        while t < chunked_prefill_size:
+            out.append(t)
+            t *= 2
+        return out + [bucket(chunked_prefill_size, 8)]
+
+    def decode_buckets(self) -> list[tuple[int, int]]:
+        rows = [1 << i for i in range(bucket(self.max_slots).bit_length())]
+        pages, m = [], self.MIN_DECODE_PAGES
+        while m < self.max_pages_per_request:
+            pages.append(m)
+            m *= 2
+        pages.append(bucket(self.max_pages_per_request, self.MIN_DECODE_PAGES))
+        return [(b, m) for b in rows for m in pages]
+
+    def warmup(self, chunked_prefill_size: int) -> int:
+        """Runs every bucketed program once on scratch inputs (padding rows write only the
+        scratch page and slot), so the serving loop never compiles. Returns programs run."""
+        key = jax.random.key(0)
+        n = 0
+        for T in self.prefill_token_buckets(chunked_prefill_size):
+            # One sequence of T tokens on the scratch page; `following` set, so no slot is touched.
+            pages = [0] * (-(-T // self.page_size))
+            self.prefill([SeqChunk([0] * T, 0, pages)], [0], [None], [0.0], key)
+            n += 1
+        for B, M in self.decode_buckets():
+            self.decode([self.scratch_slot] * B, [[0] * M] * B, [0.0] * B, key)
+            n += 1
+        jax.block_until_ready(jax.tree.leaves(self.state))
+        return n
+
     def alloc_slot(self) -> int:
         if not self.free_slots:
             raise RuntimeError(f"all {self.max_slots} request slots are in use")
@@ -60,7 +101,9 @@ class WorkerBase:
             raise AssertionError(f"request slot leak: {self.max_slots - len(self.free_slots)} slots held")
 
     def _prefill_inputs(self, chunks: list[SeqChunk], following: list[int | None], slots: list[int | None]):
-        batch, mode = build_forward_batch(chunks, page_size=self.page_size, num_pages=self.allocator.num_pages)
+        batch, mode = build_forward_batch(chunks, page_size=self.page_size, num_pages=self.allocator.num_pages,
+                                          min_seqs=self.max_slots, min_pages=self.max_pages_per_request,
+                                          allow_decode_only=False)
         mode = mode._replace(backend=self.backend)
         T, B = batch.tokens.shape[0], batch.seq_lens.shape[0]
         draft_tokens = np.zeros(T, np.int32)  # the token after each row (for draft models)
@@ -78,7 +121,8 @@ class WorkerBase:
 
     def _decode_inputs(self, slots: list[int], page_tables: list[list[int]], temperature):
         B = bucket(len(slots))
-        M = bucket(max(len(p) for p in page_tables))
+        M = min(bucket(max(len(p) for p in page_tables), self.MIN_DECODE_PAGES),
+                bucket(self.max_pages_per_request, self.MIN_DECODE_PAGES))
         slot_ids = np.full(B, self.scratch_slot, np.int32)
         slot_ids[: len(slots)] = slots
         pt = np.zeros((B, M), np.int32)

@@ -131,9 +131,13 @@ def main():
     kv = KVPool(fill(jax.random.key(10)), fill(jax.random.key(11)))
     rng = np.random.default_rng(0)
     rows = []
-    for unroll in (False, True):
-        for ctx in contexts:
-            for B in batches:
+    # The layer loop as lax.scan everywhere; unrolled (static weight slices) at a few points to compare.
+    cases = [(False, ctx, B) for ctx in contexts for B in batches]
+    cases += [(True, c, b) for c, b in ((1024, 1), (4096, 32)) if c in contexts and b in batches]
+    if args.tiny:
+        cases += [(True, 64, 1)]
+    for unroll, ctx, B in cases:
+            if True:
                 # Scatter each sequence over random pages, as a long-running server's pool would be.
                 per_seq = (ctx + 128) // S
                 pages = rng.permutation(np.arange(1, num_pages))[: B * per_seq].reshape(B, per_seq)

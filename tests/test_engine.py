@@ -142,3 +142,16 @@ def test_prefix_cache_prefills_only_new_tokens(tiny):
     assert prefilled == len(b) - 192  # 12 full pages of the shared prefix came from the cache
     assert [first[0].token_ids, second[0].token_ids] == [o.token_ids for o in expect]
     engine.check_idle_no_leaks()
+
+
+def test_warmup_compiles_every_program_the_loop_runs(tiny):
+    from jspec.steps import plain_decode_step, plain_prefill_step
+
+    engine = jspec.Engine(tiny, page_size=16, num_pages=512, max_running_requests=4, chunked_prefill_size=64,
+                          attention_backend="reference")
+    n = engine.warmup()
+    sizes = (plain_prefill_step._cache_size(), plain_decode_step._cache_size())
+    assert n >= 4
+    run_workload(engine, workload(n=10, seed=2))
+    assert (plain_prefill_step._cache_size(), plain_decode_step._cache_size()) == sizes, "the loop compiled"
+    engine.check_idle_no_leaks()

@@ -36,6 +36,7 @@ def build_forward_batch(
     min_tokens: int = 8,
     min_seqs: int = 1,
     min_pages: int = 1,
+    allow_decode_only: bool = True,
 ) -> tuple[ForwardBatch, AttentionMode]:
     """Pads the chunks into one ForwardBatch (numpy arrays) and its static AttentionMode.
 
@@ -47,7 +48,7 @@ def build_forward_batch(
     qlens = [len(c.tokens) for c in chunks]
     total = sum(qlens)
     B = bucket(len(chunks), min_seqs)
-    decode_only = all(q == 1 for q in qlens)
+    decode_only = allow_decode_only and all(q == 1 for q in qlens)
     # A decode-only batch has exactly one row per sequence slot (T == B).
     T = B if decode_only else bucket(total, min_tokens)
     M = bucket(max(-(-(c.start + len(c.tokens)) // page_size) for c in chunks), min_pages)
@@ -83,5 +84,6 @@ def build_forward_batch(
     query_start[len(chunks) + 1 :] = row
 
     batch = ForwardBatch(tokens, positions, slots, seq_lens, page_tables, query_start, logits_indices)
-    mode = AttentionMode(decode_only=decode_only, max_q_len=1 if decode_only else bucket(max(qlens), 8))
+    # max_q_len is static: one bucket per token bucket T keeps the program count at one per T.
+    mode = AttentionMode(decode_only=decode_only, max_q_len=1 if decode_only else T)
     return batch, mode
