@@ -32,7 +32,10 @@ def default_attention_backend() -> str:
 class WorkerBase:
     def __init__(self, cfg: ModelConfig, params, *, page_size: int, num_pages: int, max_slots: int,
                  attention_backend: str | None):
-        self.cfg, self.params = cfg, params
+        from jspec.models.llama import unstack_layers
+
+        # Per-layer weight arrays: XLA would copy a weight sliced out of a stacked array.
+        self.cfg, self.params = cfg, unstack_layers(params)
         self.dtype = params["embed"].dtype
         self.page_size = page_size
         self.allocator = PageAllocator(int(num_pages))
@@ -183,7 +186,9 @@ class EagleWorker(WorkerBase):
             num_pages = max(2, (kv_memory_bytes or DEFAULT_KV_BYTES) // per_page)
         super().__init__(cfg, params, page_size=page_size, num_pages=num_pages, max_slots=max_slots,
                          attention_backend=attention_backend)
-        self.dcfg, self.dparams, self.spec = dcfg, dparams, spec
+        from jspec.models.llama import unstack_layers
+
+        self.dcfg, self.dparams, self.spec = dcfg, unstack_layers(dparams), spec
         self.kv_margin = spec_kv_margin(spec)
         self.max_emit = spec.num_steps + 1
         self.state = SpecState(

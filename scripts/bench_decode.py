@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.config import ModelConfig
-from jspec.models.llama import param_shapes
+from jspec.models.llama import param_shapes, unstack_layers
 from jspec.paged_kv.pool import KVPool
 from jspec.steps import PlainCarry, PlainState, plain_decode_step
 
@@ -143,12 +143,30 @@ def main():
     kv = KVPool(fill(jax.random.key(10)), fill(jax.random.key(11)))
     rng = np.random.default_rng(0)
     rows = []
-    # The layer loop as lax.scan everywhere; unrolled (static weight slices) at a few points to compare.
-    cases = [(False, ctx, B) for ctx in contexts for B in batches]
-    cases += [(True, c, b) for c, b in ((1024, 1), (4096, 32)) if c in contexts and b in batches]
+
+    def save():
+        """Writes the JSON after every row, so a run cut short still leaves its figures."""
+        result = dict(
+            name="bench_decode", gpu=dev.device_kind, jax_version=jax.__version__, commit=git_commit(),
+            model="llama-3.1-8b shape, random bf16", page_size=S, copy_bandwidth_TBps=copy_bw / 1e12,
+            read_bandwidth_TBps=read_bw / 1e12, floor_bandwidth_TBps=bw / 1e12,
+            matmul_TFLOPs=mm_rate / 1e12, weight_bytes=int(weight_bytes), rows=rows,
+        )
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, "bench_decode.json")
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+        return path
+
+    # Per-layer weight arrays (what the engine runs) everywhere; the stacked layout under
+    # lax.scan at a few points, to show what slicing a stacked weight costs.
+    per_layer = unstack_layers(params)
+    cases = [("per_layer", ctx, B) for ctx in contexts for B in batches]
+    cases += [("stacked_scan", c, b) for c, b in ((1024, 1), (4096, 32)) if c in contexts and b in batches]
     if args.tiny:
-        cases += [(True, 64, 1)]
-    for unroll, ctx, B in cases:
+        cases += [("stacked_scan", 64, 1)]
+    for layout, ctx, B in cases:
+            weights = per_layer if layout == "per_layer" else params
             if True:
                 # Scatter each sequence over random pages, as a long-running server's pool would be.
                 per_seq = (ctx + 128) // S
@@ -163,8 +181,8 @@ def main():
 
                 def step():
                     # The engine's real decode step; timed calls run at contexts ctx - 64 .. ctx + 40.
-                    state["s"], out = plain_decode_step(params, state["s"], slot_ids, page_tables, temps, key,
-                                                        cfg=cfg, unroll_layers=unroll)
+                    state["s"], out = plain_decode_step(weights, state["s"], slot_ids, page_tables, temps, key,
+                                                        cfg=cfg)
                     return out.tokens
 
                 try:
@@ -173,33 +191,25 @@ def main():
                     compile_s = time.perf_counter() - t0
                     t = timed(step, 5 if args.quick else 20, 3 if args.quick else 5)
                 except Exception as e:  # keep going: one failing case must not hide the others
-                    print(f"FAILED B={B} ctx={ctx} unroll={unroll}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    print(f"FAILED B={B} ctx={ctx} {layout}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                     kv = state["s"].target_kv
                     continue
                 kv = state["s"].target_kv
                 kv_bytes = B * ctx * cfg.num_layers * 2 * cfg.kv_size * 2
                 bw_floor = (weight_bytes + kv_bytes) / bw
                 flop_floor = 2 * B * matmul_params / mm_rate
-                row = dict(batch=B, context=ctx, unroll_layers=unroll, step_ms=t * 1e3, compile_s=compile_s,
+                row = dict(batch=B, context=ctx, layout=layout, step_ms=t * 1e3, compile_s=compile_s,
                            bandwidth_floor_ms=bw_floor * 1e3, matmul_floor_ms=flop_floor * 1e3,
                            x_bandwidth_floor=t / bw_floor, tokens_per_s=B / t)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+                save()
 
-    result = dict(
-        name="bench_decode", gpu=dev.device_kind, jax_version=jax.__version__, commit=git_commit(),
-        model="llama-3.1-8b shape, random bf16", page_size=S, copy_bandwidth_TBps=copy_bw / 1e12,
-        read_bandwidth_TBps=read_bw / 1e12, floor_bandwidth_TBps=bw / 1e12,
-        matmul_TFLOPs=mm_rate / 1e12, weight_bytes=int(weight_bytes), rows=rows,
-    )
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "bench_decode.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    path = save()
     print(f"\nwrote {path}\n")
-    print(f"{'B':>4} {'ctx':>5} {'unroll':>6} {'step ms':>8} {'floor ms':>8} {'x floor':>7} {'mm floor':>8} {'tok/s':>8}")
+    print(f"{'B':>4} {'ctx':>5} {'layout':>12} {'step ms':>8} {'floor ms':>8} {'x floor':>7} {'mm floor':>8} {'tok/s':>8}")
     for r in rows:
-        print(f"{r['batch']:>4} {r['context']:>5} {str(r['unroll_layers']):>6} {r['step_ms']:>8.3f} "
+        print(f"{r['batch']:>4} {r['context']:>5} {r['layout']:>12} {r['step_ms']:>8.3f} "
               f"{r['bandwidth_floor_ms']:>8.3f} {r['x_bandwidth_floor']:>7.2f} {r['matmul_floor_ms']:>8.3f} "
               f"{r['tokens_per_s']:>8.0f}")
 

@@ -27,6 +27,7 @@ import numpy as np
 from bench_decode import LLAMA_8B, git_commit, random_params, timed
 from jspec.config import SpecConfig
 from jspec.models.eagle import layer_config
+from jspec.models.llama import unstack_layers
 from jspec.models.eagle_loader import DraftConfig, init_random_draft_params
 from jspec.paged_kv.pool import KVPool
 from jspec.steps import PlainCarry, PlainState, plain_decode_step
@@ -65,8 +66,9 @@ def main():
     dev = jax.devices()[0]
     print(f"device {dev.device_kind}, jax {jax.__version__}", flush=True)
 
-    params = random_params(cfg, dtype)
-    dparams = init_random_draft_params(dcfg, jax.random.key(5), dtype)
+    # Per-layer weight arrays, as the engine's workers hold them.
+    params = unstack_layers(random_params(cfg, dtype))
+    dparams = unstack_layers(init_random_draft_params(dcfg, jax.random.key(5), dtype))
     batches = [1, 8, 32] if not args.quick else [1, 32]
     configs = [(3, 1, 4), (5, 4, 8), (1, 1, 2)]
     iters = 10 if args.quick else 20
@@ -77,6 +79,17 @@ def main():
     dkv = random_pool(1, num_pages, S, layer_config(dcfg), dtype, 20)
     rng = np.random.default_rng(0)
     rows = []
+
+    def save():
+        """Writes the JSON after every row, so a run cut short still leaves its figures."""
+        result = dict(name="bench_spec", gpu=dev.device_kind, jax_version=jax.__version__, commit=git_commit(),
+                      model="llama-3.1-8b shape + EAGLE-3 head shape, random bf16", page_size=S, rows=rows)
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, "bench_spec.json")
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+        return path
+
     for B in batches:
         pages = rng.permutation(np.arange(1, num_pages))[: B * pages_per_seq].reshape(B, pages_per_seq).astype(np.int32)
         # Plain decode step at this batch and context (the engine's own step).
@@ -126,13 +139,9 @@ def main():
                        breakeven_accept_len=t_iter / t_plain)
             rows.append(row)
             print(json.dumps(row), flush=True)
+            save()
 
-    result = dict(name="bench_spec", gpu=dev.device_kind, jax_version=jax.__version__, commit=git_commit(),
-                  model="llama-3.1-8b shape + EAGLE-3 head shape, random bf16", page_size=S, rows=rows)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "bench_spec.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    path = save()
     print(f"\nwrote {path}\n")
     print(f"{'B':>3} {'(steps,topk,ndt)':>16} {'iter ms':>8} {'decode ms':>9} {'ratio':>6}")
     for r in rows:

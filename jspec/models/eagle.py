@@ -86,7 +86,7 @@ def draft_layers(
             x = x + dparams["fc_bias"].astype(jnp.float32)
         x = x.astype(hidden.dtype)
     for i in range(dcfg.num_layers):
-        lp = jax.tree.map(lambda a: a[i], layers)
+        lp = layers[i] if isinstance(layers, (list, tuple)) else jax.tree.map(lambda a: a[i], layers)
         if is_eagle3(dcfg):
             h = jnp.concatenate(
                 [rms_norm(emb, lp["attn_norm"], dcfg.rms_norm_eps), rms_norm(x, lp["hidden_norm"], dcfg.rms_norm_eps)],

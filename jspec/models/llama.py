@@ -141,9 +141,11 @@ def forward(
 ) -> tuple[KVPool, ForwardOutput]:
     """One forward pass over a ragged batch; returns the updated pool and the outputs.
 
-    unroll_layers=True unrolls the layer scan (static weight slices), which can
-    spare XLA a per-layer copy of the weights on some backends; bench_decode.py
-    measures both. mask [B, max_q_len, max_q_len] replaces causal masking among
+    params["layers"] is either stacked arrays (one leaf per weight kind, run
+    under lax.scan: small programs, quick compiles, the CPU tests' choice) or a
+    list of per-layer dicts (see unstack_layers: an unrolled loop that never
+    slices a weight; what the GPU runs, since XLA copies a dynamically sliced
+    weight before its matmul). unroll_layers unrolls the scan instead. mask [B, max_q_len, max_q_len] replaces causal masking among
     each sequence's new tokens (tree verification).
     """
     dtype = params["embed"].dtype
@@ -153,32 +155,59 @@ def forward(
     capture = jnp.asarray(capture_layers if capture_layers else (-1,), jnp.int32)
     captured0 = jnp.zeros((len(capture_layers), T, cfg.hidden_size), dtype) if capture_layers else None
 
-    def body(carry, xs):
-        x, k_cache, v_cache, captured = carry
-        lp, layer = xs
-        if captured is not None:
-            # Residual stream entering this layer, stored only when it is a capture layer.
-            hit = capture == layer
-            captured = jax.lax.cond(
-                jnp.any(hit),
-                lambda c: c.at[jnp.argmax(hit)].set(x),
-                lambda c: c,
-                captured,
-            )
+    def run_layer(x, k_cache, v_cache, lp, layer):
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
         attend = paged_attend(cfg, mode, batch, layer, mask)
         x, (k_cache, v_cache) = decoder_layer(cfg, lp, x, h, cos, sin, attend, (k_cache, v_cache))
-        return (x, k_cache, v_cache, captured), None
+        return x, k_cache, v_cache
 
-    layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, k_cache, v_cache, captured), _ = jax.lax.scan(
-        body, (x, kv.k, kv.v, captured0), (params["layers"], layers), unroll=cfg.num_layers if unroll_layers else 1
-    )
+    layers = params["layers"]
+    k_cache, v_cache, captured = kv.k, kv.v, captured0
+    if isinstance(layers, (list, tuple)):
+        # Per-layer weight arrays (see unstack_layers): a plain unrolled loop, no weight slicing.
+        for i, lp in enumerate(layers):
+            if i in capture_layers:
+                captured = captured.at[capture_layers.index(i)].set(x)
+            x, k_cache, v_cache = run_layer(x, k_cache, v_cache, lp, jnp.int32(i))
+    else:
+        def body(carry, xs):
+            x, k_cache, v_cache, captured = carry
+            lp, layer = xs
+            if captured is not None:
+                # Residual stream entering this layer, stored only when it is a capture layer.
+                hit = capture == layer
+                captured = jax.lax.cond(
+                    jnp.any(hit),
+                    lambda c: c.at[jnp.argmax(hit)].set(x),
+                    lambda c: c,
+                    captured,
+                )
+            x, k_cache, v_cache = run_layer(x, k_cache, v_cache, lp, layer)
+            return (x, k_cache, v_cache, captured), None
+
+        (x, k_cache, v_cache, captured), _ = jax.lax.scan(
+            body, (x, k_cache, v_cache, captured), (layers, jnp.arange(cfg.num_layers, dtype=jnp.int32)),
+            unroll=cfg.num_layers if unroll_layers else 1,
+        )
     if captured is not None and cfg.num_layers in capture_layers:
         captured = captured.at[capture_layers.index(cfg.num_layers)].set(x)
     h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     logits = compute_logits(params, cfg, h[batch.logits_indices])
     return KVPool(k_cache, v_cache), ForwardOutput(logits, h, captured)
+
+
+def unstack_layers(params):
+    """Stacked layer weights -> a list of per-layer dicts (leaf by leaf, freeing as it goes)."""
+    layers = params["layers"]
+    if isinstance(layers, (list, tuple)):
+        return params
+    n = len(next(iter(layers.values())))
+    per_layer = [dict() for _ in range(n)]
+    for name in list(layers):
+        stacked = layers[name]
+        for i in range(n):
+            per_layer[i][name] = stacked[i]
+    return {**params, "layers": per_layer}
 
 
 def dense_forward(params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
@@ -203,7 +232,11 @@ def dense_forward(params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
         return decoder_layer(cfg, lp, x, h, cos, sin, attend, ())[0], None
 
-    x, _ = jax.lax.scan(body, x, params["layers"])
+    if isinstance(params["layers"], (list, tuple)):
+        for lp in params["layers"]:
+            x, _ = body(x, lp)
+    else:
+        x, _ = jax.lax.scan(body, x, params["layers"])
     return compute_logits(params, cfg, rms_norm(x, params["final_norm"], cfg.rms_norm_eps))
 
 
