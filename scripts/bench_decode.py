@@ -102,6 +102,8 @@ def measure_matmul_flops(small=False) -> float:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], help="e.g. 1,32")
+    ap.add_argument("--contexts", type=lambda v: [int(x) for x in v.split(",")], help="e.g. 1024,4096")
     ap.add_argument("--quick", action="store_true", help="fewer cases and iterations")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--page-size", type=int, default=16)
@@ -133,6 +135,7 @@ def main():
         batches, contexts = [1, 32], [1024]
     if args.tiny:
         batches, contexts = [1, 4], [64]
+    batches, contexts = args.batches or batches, args.contexts or contexts
     max_tokens = max(batches) * max(contexts)
     max_tokens = max(batches) * (max(contexts) + 128)  # 128 tokens of room to decode into
     num_pages = max_tokens // S + 2
