@@ -38,10 +38,13 @@ LLAMA_8B = ModelConfig(
 
 
 def git_commit() -> str:
+    """The commit benchmarked: JSPEC_COMMIT (the device copy of the tree has no .git), else git's."""
+    if os.environ.get("JSPEC_COMMIT"):
+        return os.environ["JSPEC_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
     except Exception:
-        return os.environ.get("JSPEC_COMMIT", "unknown")
+        return "unknown"
 
 
 def random_params(cfg: ModelConfig, dtype, seed=0):
