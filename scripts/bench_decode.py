@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.config import ModelConfig
-from jspec.models.llama import param_shapes, unstack_layers
+from jspec.models.llama import unstack_layers
+from jspec.models.loader import param_shapes
 from jspec.paged_kv.pool import KVPool
 from jspec.steps import PlainCarry, PlainState, plain_decode_step
 

@@ -238,26 +238,3 @@ def dense_forward(params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
     else:
         x, _ = jax.lax.scan(body, x, params["layers"])
     return compute_logits(params, cfg, rms_norm(x, params["final_norm"], cfg.rms_norm_eps))
-
-
-def param_shapes(cfg: ModelConfig) -> dict:
-    """The param pytree's shapes ([in, out] weights, layers stacked on axis 0)."""
-    L, H, I, V, D = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
-    qkv = cfg.q_size + 2 * cfg.kv_size
-    layers = {
-        "attn_norm": (L, H),
-        "wqkv": (L, H, qkv),
-        "wo": (L, cfg.q_size, H),
-        "mlp_norm": (L, H),
-        "w_gate_up": (L, H, 2 * I),
-        "w_down": (L, I, H),
-    }
-    if cfg.qkv_bias:
-        layers["bqkv"] = (L, qkv)
-    if cfg.qk_norm:
-        layers["q_norm"] = (L, D)
-        layers["k_norm"] = (L, D)
-    shapes = {"embed": (V, H), "layers": layers, "final_norm": (H,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (H, V)
-    return shapes
