@@ -108,6 +108,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], help="e.g. 1,32")
     ap.add_argument("--contexts", type=lambda v: [int(x) for x in v.split(",")], help="e.g. 1024,4096")
+    ap.add_argument("--no-stacked", action="store_true", help="skip the stacked-weights comparison rows")
     ap.add_argument("--quick", action="store_true", help="fewer cases and iterations")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--page-size", type=int, default=16)
@@ -169,7 +170,8 @@ def main():
     # lax.scan at a few points, to show what slicing a stacked weight costs.
     per_layer = unstack_layers(params)
     cases = [("per_layer", ctx, B) for ctx in contexts for B in batches]
-    cases += [("stacked_scan", c, b) for c, b in ((1024, 1), (4096, 32)) if c in contexts and b in batches]
+    if not args.no_stacked:
+        cases += [("stacked_scan", c, b) for c, b in ((1024, 1), (4096, 32)) if c in contexts and b in batches]
     if args.tiny:
         cases += [("stacked_scan", 64, 1)]
     for layout, ctx, B in cases:

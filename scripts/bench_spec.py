@@ -51,6 +51,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], help="e.g. 1,32")
     ap.add_argument("--contexts", type=lambda v: [int(x) for x in v.split(",")], help="e.g. 1024,4096")
+    ap.add_argument("--configs", type=lambda v: [tuple(int(x) for x in c.split("/")) for c in v.split(",")],
+                    help="(steps/topk/draft_tokens),...: e.g. 3/1/4,5/4/8")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--context", type=int, default=1024)
@@ -72,7 +74,7 @@ def main():
     params = unstack_layers(random_params(cfg, dtype))
     dparams = unstack_layers(init_random_draft_params(dcfg, jax.random.key(5), dtype))
     batches = args.batches or ([1, 8, 32] if not args.quick else [1, 32])
-    configs = [(3, 1, 4), (5, 4, 8), (1, 1, 2)]
+    configs = args.configs or [(3, 1, 4), (5, 4, 8), (1, 1, 2)]
     iters = 10 if args.quick else 20
     headroom = (iters * 3 + 8) * 6 + 64  # every timed iteration may advance up to num_steps + 1 tokens
     pages_per_seq = -(-(ctx + headroom) // S)
