@@ -109,7 +109,7 @@ class Engine:
         self.scheduler = Scheduler(self.worker, chunked_prefill_size=chunked_prefill_size, prefix_cache=self.prefix_cache)
         self.overlap = not disable_overlap_schedule
         self._inflight: _Launched | None = None
-        self._key = jax.random.key(seed)
+        self._seeds = np.random.default_rng(seed)  # seeds for requests that bring none
         self._ids = itertools.count()
         self._arrival = itertools.count()
         self.num_steps = 0
@@ -144,7 +144,8 @@ class Engine:
             params = dataclasses.replace(params, max_new_tokens=room)
         checker = StopChecker(params.stop, params.stop_token_ids, eos, params.ignore_eos, params.max_new_tokens)
         detok = IncrementalDetokenizer(tok, ids) if tok is not None else None
-        req = Request(rid, ids, params, checker, detok, arrival=next(self._arrival))
+        req = Request(rid, ids, params, checker, detok, arrival=next(self._arrival),
+                      seed=params.seed if params.seed is not None else int(self._seeds.integers(2**32)))
         self.scheduler.add(req)
         return rid
 
@@ -168,12 +169,11 @@ class Engine:
         return self._process(done) if done is not None else []
 
     def _launch(self, batch) -> _Launched:
-        self._key, key = jax.random.split(self._key)
-        temps = [r.params.temperature for r in batch.reqs]
+        sampling = [(r.params, r.seed) for r in batch.reqs]
         if isinstance(batch, PrefillBatch):
-            out = self.worker.prefill(batch.chunks, batch.following, batch.slots, temps, key)
+            out = self.worker.prefill(batch.chunks, batch.following, batch.slots, sampling)
         else:
-            out = self.worker.decode(batch.slots, batch.page_tables, temps, key)
+            out = self.worker.decode(batch.slots, batch.page_tables, sampling)
         start_host_copy(out)
         self.num_steps += 1
         return _Launched(batch, out)

@@ -1,19 +1,69 @@
-"""Token sampling on the device: greedy and temperature sampling, row by row.
+"""Token sampling on the device, every row with its own parameters.
 
 Rows with temperature 0 take the argmax, so greedy and sampled requests share
-one batch and one compiled program.
+one batch and one compiled program. A sampled row draws with the Gumbel-max
+trick from a key made of its request's seed and the position of the token
+being sampled, so a seeded request gets the same tokens whatever else is in
+the batch, and whichever step (or re-prefill after retraction) samples them.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+# Columns of SamplingRows.params.
+TEMPERATURE, TOP_K, TOP_P, MIN_P = range(4)
 
 
-def sample_tokens(logits: jax.Array, temperature: jax.Array, key: jax.Array) -> jax.Array:
-    """logits [N, V] float32, temperature [N] float32 (0 = greedy), key: one PRNG key -> [N] int32."""
+class SamplingRows(NamedTuple):
+    """Per-row sampling parameters, packed into two arrays (few leaves: cheap dispatch)."""
+
+    params: jax.Array  # [B, 4] float32: temperature (0 = greedy), top_k (0 = off), top_p (1 = off), min_p (0 = off)
+    seeds: jax.Array  # [B] uint32
+
+
+def sampling_rows(params_list, seeds, rows: int) -> SamplingRows:
+    """Host side: numpy SamplingRows for `rows` rows from SamplingParams (padding rows are greedy)."""
+    out = np.zeros((rows, 4), np.float32)
+    out[:, TOP_P] = 1.0
+    for i, p in enumerate(params_list):
+        out[i] = (p.temperature, p.top_k, p.top_p, p.min_p)
+    s = np.zeros(rows, np.uint32)
+    s[: len(seeds)] = seeds
+    return SamplingRows(out, s)
+
+
+def filtered_logits(logits: jax.Array, params: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Temperature, top-k, top-p and min-p applied: (masked logits sorted descending [B, V],
+    the vocabulary ids in that order [B, V]). Masked entries are -inf; the top token always stays."""
+    t = params[:, TEMPERATURE]
+    x = logits.astype(jnp.float32) / jnp.where(t > 0, t, 1.0)[:, None]
+    order = jnp.argsort(-x, axis=-1)
+    sx = jnp.take_along_axis(x, order, axis=-1)
+    probs = jax.nn.softmax(sx, axis=-1)
+    rank = jnp.arange(x.shape[-1])[None, :]
+    k = params[:, TOP_K].astype(jnp.int32)[:, None]
+    keep = (k <= 0) | (rank < k)
+    # top-p: keep a token while the mass of the tokens before it is below top_p.
+    keep &= (jnp.cumsum(probs, axis=-1) - probs) < params[:, TOP_P][:, None]
+    keep &= probs >= params[:, MIN_P][:, None] * probs[:, :1]
+    keep = keep.at[:, 0].set(True)
+    return jnp.where(keep, sx, -jnp.inf), order
+
+
+def row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
+    return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)
+
+
+def sample_tokens(logits: jax.Array, rows: SamplingRows, positions: jax.Array) -> jax.Array:
+    """logits [B, V]; positions [B]: the sequence position of the token being sampled -> [B] int32."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    safe_t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    keys = jax.random.split(key, logits.shape[0])
-    sampled = jax.vmap(jax.random.categorical)(keys, logits / safe_t).astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, greedy)
+    masked, order = filtered_logits(logits, rows.params)
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(row_keys(rows.seeds, positions))
+    choice = jnp.argmax(masked + gumbel, axis=-1)
+    sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jnp.where(rows.params[:, TEMPERATURE] > 0, sampled, greedy)

@@ -9,6 +9,10 @@ import dataclasses
 class SamplingParams:
     max_new_tokens: int = 128
     temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus: smallest set of tokens whose probability reaches top_p
+    top_k: int = 0  # 0 (or -1, as SGLang) = all tokens
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability
+    seed: int | None = None  # same seed -> same tokens, whatever else is batched with it
     stop: list[str] = dataclasses.field(default_factory=list)
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     ignore_eos: bool = False
@@ -23,6 +27,17 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer >= 1, or 0 / -1 for no limit, got {self.top_k!r}")
+        if self.top_k == -1:
+            self.top_k = 0
+        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not 0 <= self.seed < 2**32):
+            raise ValueError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):

@@ -22,7 +22,7 @@ from jspec.config import ModelConfig
 from jspec.models.batch import AttentionMode, ForwardBatch
 from jspec.models.llama import forward
 from jspec.paged_kv.pool import KVPool
-from jspec.sampling import sample_tokens
+from jspec.sampling import SamplingRows, sample_tokens
 
 
 class PlainCarry(NamedTuple):
@@ -60,19 +60,19 @@ def gather_slots(carry, slot_ids: jax.Array):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "mode"), donate_argnames=("state",))
-def plain_prefill_step(params, state: PlainState, batch: ForwardBatch, slot_ids, temperature, key, *, cfg: ModelConfig,
-                       mode: AttentionMode):
+def plain_prefill_step(params, state: PlainState, batch: ForwardBatch, slot_ids, rows: SamplingRows, *,
+                       cfg: ModelConfig, mode: AttentionMode):
     """Prefills one ragged chunk batch. slot_ids [B]: carry slot of each sequence whose prompt
     ends in this chunk (it receives the sampled first token), else the scratch slot."""
     kv, out = forward(params, cfg, state.target_kv, batch, mode)
-    first = sample_tokens(out.logits, temperature, key)
+    first = sample_tokens(out.logits, rows, batch.seq_lens)  # the first token sits at position seq_len
     c = state.carry
     carry = PlainCarry(c.next_token.at[slot_ids].set(first, mode="drop"), c.seq_len.at[slot_ids].set(batch.seq_lens, mode="drop"))
     return PlainState(kv, carry), first
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "backend", "unroll_layers"), donate_argnames=("state",))
-def plain_decode_step(params, state: PlainState, slot_ids, page_tables, temperature, key, *, cfg: ModelConfig,
+def plain_decode_step(params, state: PlainState, slot_ids, page_tables, rows: SamplingRows, *, cfg: ModelConfig,
                       backend: str = "pallas", unroll_layers: bool = False):
     """One token for each slot in slot_ids [B]; page_tables [B, M] cover position seq_len."""
     B = slot_ids.shape[0]
@@ -89,7 +89,7 @@ def plain_decode_step(params, state: PlainState, slot_ids, page_tables, temperat
         logits_indices=jnp.arange(B, dtype=jnp.int32),
     )
     kv, out = forward(params, cfg, state.target_kv, batch, AttentionMode(True, 1, backend), unroll_layers=unroll_layers)
-    tok = sample_tokens(out.logits, temperature, key)
+    tok = sample_tokens(out.logits, rows, n + 1)
     new = PlainCarry(tok, n + 1)
     carry = jax.tree.map(lambda full, part: full.at[slot_ids].set(part), state.carry, new)
     return PlainState(kv, carry), StepOutput(tok[:, None], jnp.zeros(B, jnp.int32))

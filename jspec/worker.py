@@ -1,8 +1,9 @@
 """Workers: the host-side owners of params, device state and compiled steps.
 
 Every worker offers the same interface to the scheduler, whatever the method:
-- prefill(chunks, following, slots, temperature, key) -> first tokens [B] (device)
-- decode(slots, page_tables, temperature, key) -> StepOutput (device)
+- prefill(chunks, following, slots, sampling) -> first tokens [B] (device)
+- decode(slots, page_tables, sampling) -> StepOutput (device)
+(sampling: one (SamplingParams, seed) pair per chunk / slot)
 - kv_margin: KV positions past a request's verified length that one decode may write
 - max_emit: most tokens one decode emits per request
 plus request-slot and KV-page bookkeeping. The scheduler never knows which
@@ -20,6 +21,8 @@ from jspec.models.batch import AttentionMode
 from jspec.paged_kv.allocator import PageAllocator
 from jspec.paged_kv.pool import create_kv_pool, kv_bytes_per_page
 from jspec.scheduler.batch_builder import SeqChunk, bucket, build_forward_batch
+from jspec.sampling import SamplingRows, sampling_rows
+from jspec.sampling_params import SamplingParams
 from jspec.steps import PlainState, init_plain_carry, plain_decode_step, plain_prefill_step
 
 DEFAULT_KV_BYTES = 256 * 2**20
@@ -75,15 +78,15 @@ class WorkerBase:
     def warmup(self, chunked_prefill_size: int) -> int:
         """Runs every bucketed program once on scratch inputs (padding rows write only the
         scratch page and slot), so the serving loop never compiles. Returns programs run."""
-        key = jax.random.key(0)
+        greedy = (SamplingParams(), 0)
         n = 0
         for T in self.prefill_token_buckets(chunked_prefill_size):
             # One sequence of T tokens on the scratch page; `following` set, so no slot is touched.
             pages = [0] * (-(-T // self.page_size))
-            self.prefill([SeqChunk([0] * T, 0, pages)], [0], [None], [0.0], key)
+            self.prefill([SeqChunk([0] * T, 0, pages)], [0], [None], [greedy])
             n += 1
         for B, M in self.decode_buckets():
-            self.decode([self.scratch_slot] * B, [[0] * M] * B, [0.0] * B, key)
+            self.decode([self.scratch_slot] * B, [[0] * M] * B, [greedy] * B)
             n += 1
         jax.block_until_ready(jax.tree.leaves(self.state))
         return n
@@ -122,7 +125,7 @@ class WorkerBase:
                 draft_tokens[start + n - 1] = following[i]
         return batch, mode, draft_tokens, finish_rows, slot_ids
 
-    def _decode_inputs(self, slots: list[int], page_tables: list[list[int]], temperature):
+    def _decode_inputs(self, slots: list[int], page_tables: list[list[int]], sampling):
         B = bucket(len(slots))
         M = min(bucket(max(len(p) for p in page_tables), self.MIN_DECODE_PAGES),
                 bucket(self.max_pages_per_request, self.MIN_DECODE_PAGES))
@@ -131,15 +134,11 @@ class WorkerBase:
         pt = np.zeros((B, M), np.int32)
         for i, p in enumerate(page_tables):
             pt[i, : len(p)] = p
-        temps = np.zeros(B, np.float32)
-        temps[: len(slots)] = temperature
-        return slot_ids, pt, temps
+        return slot_ids, pt, _rows(sampling, B)
 
 
-def _pad_rows(values, n: int) -> np.ndarray:
-    out = np.zeros(n, np.float32)
-    out[: len(values)] = values
-    return out
+def _rows(sampling, n: int) -> SamplingRows:
+    return sampling_rows([p for p, _ in sampling], [s for _, s in sampling], n)
 
 
 class PlainWorker(WorkerBase):
@@ -157,15 +156,15 @@ class PlainWorker(WorkerBase):
                          attention_backend=attention_backend)
         self.state = PlainState(create_kv_pool(cfg, int(num_pages), page_size, self.dtype), init_plain_carry(max_slots))
 
-    def prefill(self, chunks, following, slots, temperature, key):
+    def prefill(self, chunks, following, slots, sampling):
         batch, mode, _, _, slot_ids = self._prefill_inputs(chunks, following, slots)
-        temps = _pad_rows(temperature, slot_ids.shape[0])
-        self.state, first = plain_prefill_step(self.params, self.state, batch, slot_ids, temps, key, cfg=self.cfg, mode=mode)
+        rows = _rows(sampling, slot_ids.shape[0])
+        self.state, first = plain_prefill_step(self.params, self.state, batch, slot_ids, rows, cfg=self.cfg, mode=mode)
         return first
 
-    def decode(self, slots, page_tables, temperature, key):
-        slot_ids, pt, temps = self._decode_inputs(slots, page_tables, temperature)
-        self.state, out = plain_decode_step(self.params, self.state, slot_ids, pt, temps, key, cfg=self.cfg,
+    def decode(self, slots, page_tables, sampling):
+        slot_ids, pt, rows = self._decode_inputs(slots, page_tables, sampling)
+        self.state, out = plain_decode_step(self.params, self.state, slot_ids, pt, rows, cfg=self.cfg,
                                             backend=self.backend)
         return out
 
@@ -197,7 +196,7 @@ class EagleWorker(WorkerBase):
             init_carry(max_slots, spec.eagle_topk, dcfg.hidden_size, self.dtype),
         )
 
-    def prefill(self, chunks, following, slots, temperature, key):
+    def prefill(self, chunks, following, slots, sampling):
         from jspec.spec.eagle import spec_prefill_step
 
         batch, mode, draft_tokens, finish_rows, slot_ids = self._prefill_inputs(chunks, following, slots)
@@ -207,10 +206,10 @@ class EagleWorker(WorkerBase):
         )
         return first
 
-    def decode(self, slots, page_tables, temperature, key):
+    def decode(self, slots, page_tables, sampling):
         from jspec.spec.eagle import spec_decode_step
 
-        slot_ids, pt, _ = self._decode_inputs(slots, page_tables, temperature)
+        slot_ids, pt, _ = self._decode_inputs(slots, page_tables, sampling)  # greedy only (checked at admission)
         self.state, out = spec_decode_step(
             self.params, self.dparams, self.state, slot_ids, pt,
             cfg=self.cfg, dcfg=self.dcfg, spec=self.spec, backend=self.backend,

@@ -29,6 +29,7 @@ from jspec.config import ModelConfig
 from jspec.models.llama import unstack_layers
 from jspec.models.loader import param_shapes
 from jspec.paged_kv.pool import KVPool
+from jspec.sampling import sampling_rows
 from jspec.steps import PlainCarry, PlainState, plain_decode_step
 
 LLAMA_8B = ModelConfig(
@@ -182,15 +183,14 @@ def main():
                 pages = rng.permutation(np.arange(1, num_pages))[: B * per_seq].reshape(B, per_seq)
                 slot_ids = jnp.arange(B, dtype=jnp.int32)
                 page_tables = jnp.asarray(pages, jnp.int32)
-                temps = jnp.zeros(B, jnp.float32)
-                key = jax.random.key(0)
+                greedy_rows = jax.tree.map(jnp.asarray, sampling_rows([], [], B))
                 carry = PlainCarry(jnp.asarray(rng.integers(0, cfg.vocab_size, B + 1), jnp.int32),
                                    jnp.full(B + 1, ctx - 64, jnp.int32).at[B].set(0))
                 state = {"s": PlainState(kv, carry)}
 
                 def step():
                     # The engine's real decode step; timed calls run at contexts ctx - 64 .. ctx + 40.
-                    state["s"], out = plain_decode_step(weights, state["s"], slot_ids, page_tables, temps, key,
+                    state["s"], out = plain_decode_step(weights, state["s"], slot_ids, page_tables, greedy_rows,
                                                         cfg=cfg)
                     return out.tokens
 

@@ -104,8 +104,8 @@ def main():
                 w = engine.worker
                 slots = [w.alloc_slot() for _ in range(B)]
                 pages = [w.allocator.alloc(-(-(prompt_len + 64) // 16)) for _ in range(B)]
-                key = jax.random.key(0)
-                decode = lambda: w.decode(slots, pages, [0.0] * B, key).tokens  # noqa: E731
+                greedy = [(jspec.SamplingParams(), 0)] * B
+                decode = lambda: w.decode(slots, pages, greedy).tokens  # noqa: E731
                 jax.block_until_ready(decode())
                 busy = timed(decode, 20, 3)
                 for s in slots:

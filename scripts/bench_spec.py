@@ -30,6 +30,7 @@ from jspec.models.eagle import layer_config
 from jspec.models.llama import unstack_layers
 from jspec.models.eagle_loader import DraftConfig, init_random_draft_params
 from jspec.paged_kv.pool import KVPool
+from jspec.sampling import sampling_rows
 from jspec.steps import PlainCarry, PlainState, plain_decode_step
 from jspec.spec.eagle import SpecCarry, SpecState, spec_decode_step
 
@@ -99,11 +100,11 @@ def main():
         # Plain decode step at this batch and context (the engine's own step).
         slot_ids = jnp.arange(B, dtype=jnp.int32)
         pt = jnp.asarray(pages)
-        temps = jnp.zeros(B, jnp.float32)
+        greedy_rows = jax.tree.map(jnp.asarray, sampling_rows([], [], B))
         box = {"s": PlainState(tkv, PlainCarry(jnp.zeros(B + 1, jnp.int32), jnp.full(B + 1, ctx, jnp.int32).at[B].set(0)))}
 
         def plain():
-            box["s"], out = plain_decode_step(params, box["s"], slot_ids, pt, temps, jax.random.key(0), cfg=cfg)
+            box["s"], out = plain_decode_step(params, box["s"], slot_ids, pt, greedy_rows, cfg=cfg)
             return out.tokens
 
         jax.block_until_ready(plain())

@@ -24,6 +24,7 @@ class Request:
     stop_checker: StopChecker
     detokenizer: IncrementalDetokenizer | None = None  # None when the model has no tokenizer
     arrival: int = 0  # admission order key
+    seed: int = 0  # sampling seed (the request's own, or one the engine drew for it)
     output: list[int] = dataclasses.field(default_factory=list)
     text: str = ""  # streamed text so far (stop strings trimmed)
     status: Status = Status.WAITING
