@@ -129,11 +129,6 @@ class Engine:
         rid = rid if rid is not None else f"req-{next(self._ids)}"
         if rid in self.scheduler.requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        if self.spec is not None and params.temperature > 0:
-            raise ValueError(
-                "speculative decoding is greedy (temperature 0) for now; rejection-sampling verification "
-                "for temperature > 0 is not built yet"
-            )
         tok = self.model.tokenizer
         if params.stop and tok is None:
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")

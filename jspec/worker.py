@@ -200,8 +200,9 @@ class EagleWorker(WorkerBase):
         from jspec.spec.eagle import spec_prefill_step
 
         batch, mode, draft_tokens, finish_rows, slot_ids = self._prefill_inputs(chunks, following, slots)
+        rows = _rows(sampling, slot_ids.shape[0])
         self.state, first = spec_prefill_step(
-            self.params, self.dparams, self.state, batch, draft_tokens, finish_rows, slot_ids,
+            self.params, self.dparams, self.state, batch, draft_tokens, finish_rows, slot_ids, rows,
             cfg=self.cfg, dcfg=self.dcfg, spec=self.spec, mode=mode,
         )
         return first
@@ -209,9 +210,9 @@ class EagleWorker(WorkerBase):
     def decode(self, slots, page_tables, sampling):
         from jspec.spec.eagle import spec_decode_step
 
-        slot_ids, pt, _ = self._decode_inputs(slots, page_tables, sampling)  # greedy only (checked at admission)
+        slot_ids, pt, rows = self._decode_inputs(slots, page_tables, sampling)
         self.state, out = spec_decode_step(
-            self.params, self.dparams, self.state, slot_ids, pt,
+            self.params, self.dparams, self.state, slot_ids, pt, rows,
             cfg=self.cfg, dcfg=self.dcfg, spec=self.spec, backend=self.backend,
         )
         return out

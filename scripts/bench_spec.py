@@ -123,7 +123,8 @@ def main():
             st = {"s": SpecState(tkv, dkv, carry)}
 
             def iteration():
-                st["s"], out = spec_decode_step(params, dparams, st["s"], slot_ids, pt, cfg=cfg, dcfg=dcfg, spec=spec)
+                st["s"], out = spec_decode_step(params, dparams, st["s"], slot_ids, pt, greedy_rows, cfg=cfg, dcfg=dcfg,
+                                                spec=spec)
                 return out.tokens
 
             try:

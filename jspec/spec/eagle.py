@@ -46,7 +46,8 @@ from jspec.models.eagle import (
 )
 from jspec.models.llama import forward, paged_attend, rope_cos_sin
 from jspec.paged_kv.pool import KVPool
-from jspec.spec.accept import greedy_accept
+from jspec.sampling import SamplingRows, sample_tokens
+from jspec.spec.accept import sampled_accept
 from jspec.steps import StepOutput, gather_slots, slots_of
 from jspec.spec.tree import append_step, build_tree, expand_beams, start_candidates
 
@@ -114,7 +115,7 @@ def _draft_paged_forward(params, dparams, dcfg, dkv: KVPool, batch: ForwardBatch
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dcfg", "spec", "mode"), donate_argnames=("state",))
 def spec_prefill_step(
-    params, dparams, state: SpecState, batch: ForwardBatch, draft_tokens, finish_rows, slot_ids,
+    params, dparams, state: SpecState, batch: ForwardBatch, draft_tokens, finish_rows, slot_ids, rows: SamplingRows,
     *, cfg: ModelConfig, dcfg, spec: SpecConfig, mode: AttentionMode,
 ):
     """Target prefill (one ragged chunk batch) plus the draft's prefill of the same rows.
@@ -127,7 +128,7 @@ def spec_prefill_step(
     """
     capture = tuple(dcfg.capture_layers) if is_eagle3(dcfg) else ()
     tkv, out = forward(params, cfg, state.target_kv, batch, mode, capture_layers=capture)
-    first = jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
+    first = sample_tokens(out.logits, rows, batch.seq_lens)
     dtoks = draft_tokens.at[finish_rows].set(first, mode="drop")
     hidden = target_feature(dparams, dcfg, _target_features(dcfg, out))
     dkv, dout = _draft_paged_forward(params, dparams, dcfg, state.draft_kv, batch._replace(tokens=dtoks), mode, dtoks, hidden)
@@ -197,7 +198,7 @@ def _draft_tree(params, dparams, dcfg, spec: SpecConfig, draft_kv: KVPool, c: Sp
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dcfg", "spec", "backend"), donate_argnames=("state",))
 def spec_decode_step(
-    params, dparams, state: SpecState, slot_ids, page_tables,
+    params, dparams, state: SpecState, slot_ids, page_tables, rows: SamplingRows,
     *, cfg: ModelConfig, dcfg, spec: SpecConfig, backend: str = "pallas",
 ):
     """One speculative iteration for the requests in slot_ids [B] (padding rows: the scratch slot).
@@ -232,8 +233,7 @@ def spec_decode_step(
     tkv, out = forward(
         params, cfg, state.target_kv, verify, AttentionMode(False, Q, backend), capture_layers=capture, mask=mask
     )
-    target_argmax = jnp.argmax(out.logits, axis=-1).astype(jnp.int32).reshape(B, N)
-    acc = greedy_accept(tree, target_argmax, steps)
+    acc = sampled_accept(tree, out.logits.reshape(B, N, -1), rows, n + 1, steps)
     m = acc.accept_len
     depth = jnp.arange(steps + 1, dtype=jnp.int32)[None]
     valid = depth <= m[:, None]
