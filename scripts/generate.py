@@ -31,7 +31,15 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0, help="0 = no limit")
     ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page (a power of two)")
+    ap.add_argument("--speculative-algorithm", choices=["EAGLE", "EAGLE3"], help="speculative decoding method")
+    ap.add_argument("--speculative-draft-model-path", help="local EAGLE / EAGLE-3 head checkpoint")
+    ap.add_argument("--speculative-num-steps", type=int, default=3, help="draft depth per iteration")
+    ap.add_argument("--speculative-eagle-topk", type=int, default=1, help="branching per draft step (1 = chain)")
+    ap.add_argument("--speculative-num-draft-tokens", type=int, help="tree nodes verified per iteration")
+    ap.add_argument("--disable-overlap-schedule", action="store_true", help="the synchronous reference loop")
     args = ap.parse_args(argv)
 
     path = args.model_path
@@ -43,16 +51,26 @@ def main(argv=None):
         path = DEFAULT_MODEL_DIR
         print(f"[jspec] using the embedded tiny random-weight model at {path} (its text is gibberish)")
     prompts = args.prompt or ["The quick brown fox", "jspec speculates"]
+    spec = None
+    if args.speculative_algorithm:
+        if not args.speculative_draft_model_path:
+            ap.error("--speculative-algorithm needs --speculative-draft-model-path")
+        spec = jspec.SpecConfig(
+            args.speculative_algorithm, args.speculative_draft_model_path, args.speculative_num_steps,
+            args.speculative_eagle_topk, args.speculative_num_draft_tokens,
+        )
     model = jspec.load(path)
+    engine = jspec.Engine(model, spec=spec, page_size=args.page_size,
+                          disable_overlap_schedule=args.disable_overlap_schedule, seed=args.seed)
+    params = jspec.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                  top_p=args.top_p, top_k=args.top_k)
     t0 = time.perf_counter()
-    outs = jspec.generate(
-        model, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        seed=args.seed, page_size=args.page_size,
-    )
+    outs = engine.generate(prompts, params)
     dt = time.perf_counter() - t0
     n = sum(len(o.token_ids) for o in outs)
     for p, o in zip(prompts, outs):
-        print(f"--- prompt: {p!r}\n{o.text!r}  [{len(o.token_ids)} tokens, {o.finish_reason}]")
+        accept = f", mean accept length {o.mean_accept_length:.2f}" if o.mean_accept_length else ""
+        print(f"--- prompt: {p!r}\n{o.text!r}  [{len(o.token_ids)} tokens, {o.finish_reason}{accept}]")
     print(f"[jspec] {n} tokens in {dt:.2f}s (including compilation)")
 
 
