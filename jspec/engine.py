@@ -92,6 +92,7 @@ class Engine:
         chunked_prefill_size: int = 512,
         disable_overlap_schedule: bool = False,
         disable_radix_cache: bool = False,
+        max_top_logprobs: int = 0,
         attention_backend: str | None = None,
         seed: int = 0,
     ):
@@ -105,6 +106,7 @@ class Engine:
             dcfg, dparams = draft if draft is not None else _load_draft(self.model, spec)
             self.worker = EagleWorker(cfg, params, dcfg, dparams, spec, **kw)
         self.spec = spec
+        self.worker.top_n = max_top_logprobs
         self.prefix_cache = None if disable_radix_cache else RadixCache(self.worker.allocator, page_size)
         self.scheduler = Scheduler(self.worker, chunked_prefill_size=chunked_prefill_size, prefix_cache=self.prefix_cache)
         self.overlap = not disable_overlap_schedule
@@ -129,6 +131,11 @@ class Engine:
         rid = rid if rid is not None else f"req-{next(self._ids)}"
         if rid in self.scheduler.requests:
             raise ValueError(f"request id {rid!r} is already in use")
+        if params.top_logprobs_num > self.worker.top_n:
+            raise ValueError(
+                f"top_logprobs_num={params.top_logprobs_num} exceeds this engine's max_top_logprobs="
+                f"{self.worker.top_n}"
+            )
         tok = self.model.tokenizer
         if params.stop and tok is None:
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
@@ -179,7 +186,7 @@ class Engine:
         if isinstance(launched.batch, PrefillBatch):
             touched = self.scheduler.on_prefill_done(launched.batch, host)
         else:
-            touched = self.scheduler.on_decode_done(launched.batch, host.tokens, host.accept_len, self.spec is not None)
+            touched = self.scheduler.on_decode_done(launched.batch, host, self.spec is not None)
         return [
             RequestOutput(r.rid, r.output[before[id(r)][0]:], r.text[before[id(r)][1]:], r.finished, r.finish_reason)
             for r in touched
@@ -226,6 +233,8 @@ class Engine:
             results.append(GenerationOutput(
                 r.prompt, r.output, r.finish_reason, r.text if tok is not None else None,
                 r.verify_ct, r.spec_emitted / r.verify_ct if r.verify_ct else None,
+                r.output_logprobs if r.params.return_logprob else None,
+                r.output_top_logprobs if r.params.return_logprob and r.params.top_logprobs_num else None,
             ))
         return results
 

@@ -22,6 +22,9 @@ class GenerationOutput:
     # Speculative decoding only: verify iterations run, and tokens emitted per iteration.
     spec_verify_ct: int = 0
     mean_accept_length: float | None = None
+    # With return_logprob: each output token's logprob, and the top-n (token id, logprob) pairs.
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 def as_prompt_list(prompts) -> list:

@@ -67,3 +67,15 @@ def sample_tokens(logits: jax.Array, rows: SamplingRows, positions: jax.Array) -
     choice = jnp.argmax(masked + gumbel, axis=-1)
     sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
     return jnp.where(rows.params[:, TEMPERATURE] > 0, sampled, greedy)
+
+
+def token_logprobs(logits: jax.Array, rows: SamplingRows, tokens: jax.Array, top_n: int):
+    """Log-probabilities after the temperature transform (as SGLang reports them; a greedy row
+    uses temperature 1): (logprob of tokens [R], top_n ids [R, top_n], their logprobs [R, top_n])."""
+    t = rows.params[:, TEMPERATURE]
+    lsm = jax.nn.log_softmax(logits.astype(jnp.float32) / jnp.where(t > 0, t, 1.0)[:, None], axis=-1)
+    chosen = jnp.take_along_axis(lsm, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    if top_n == 0:
+        return chosen, jnp.zeros((logits.shape[0], 0), jnp.int32), jnp.zeros((logits.shape[0], 0), jnp.float32)
+    top_lp, top_ids = jax.lax.top_k(lsm, top_n)
+    return chosen, top_ids.astype(jnp.int32), top_lp

@@ -13,6 +13,8 @@ class SamplingParams:
     top_k: int = 0  # 0 (or -1, as SGLang) = all tokens
     min_p: float = 0.0  # drop tokens below min_p x the top token's probability
     seed: int | None = None  # same seed -> same tokens, whatever else is batched with it
+    return_logprob: bool = False  # each output token's logprob (after the temperature transform)
+    top_logprobs_num: int = 0  # and the target's top-n alternatives at each position
     stop: list[str] = dataclasses.field(default_factory=list)
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     ignore_eos: bool = False
@@ -38,6 +40,9 @@ class SamplingParams:
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not 0 <= self.seed < 2**32):
             raise ValueError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
+        if not isinstance(self.top_logprobs_num, int) or isinstance(self.top_logprobs_num, bool) \
+                or self.top_logprobs_num < 0:
+            raise ValueError(f"top_logprobs_num must be an integer >= 0, got {self.top_logprobs_num!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):

@@ -22,7 +22,7 @@ from jspec.config import ModelConfig
 from jspec.models.batch import AttentionMode, ForwardBatch
 from jspec.models.llama import forward
 from jspec.paged_kv.pool import KVPool
-from jspec.sampling import SamplingRows, sample_tokens
+from jspec.sampling import SamplingRows, sample_tokens, token_logprobs
 
 
 class PlainCarry(NamedTuple):
@@ -36,10 +36,19 @@ class PlainState(NamedTuple):
 
 
 class StepOutput(NamedTuple):
-    """What the host reads back from a decode step (the only device->host transfer)."""
+    """What the host reads back from a step (the only device->host transfer)."""
 
     tokens: jax.Array  # [B, K] int32, emitted tokens of each row, -1 past accept_len + 1
     accept_len: jax.Array  # [B] int32, accepted draft tokens (0 without speculation): emits accept_len + 1
+    logprobs: jax.Array  # [B, K] float32, each emitted token's logprob under the target
+    top_ids: jax.Array  # [B, K, top_n] int32, the target's top_n alternatives at each emitted position
+    top_logprobs: jax.Array  # [B, K, top_n] float32
+
+
+def one_token_output(logits, rows: SamplingRows, tok, top_n: int) -> StepOutput:
+    lp, ids, tlp = token_logprobs(logits, rows, tok, top_n)
+    B = tok.shape[0]
+    return StepOutput(tok[:, None], jnp.zeros(B, jnp.int32), lp[:, None], ids[:, None], tlp[:, None])
 
 
 def init_plain_carry(num_slots: int) -> PlainCarry:
@@ -59,21 +68,21 @@ def gather_slots(carry, slot_ids: jax.Array):
     return c._replace(seq_len=jnp.where(slot_ids == scratch, 0, c.seq_len))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "mode"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("cfg", "mode", "top_n"), donate_argnames=("state",))
 def plain_prefill_step(params, state: PlainState, batch: ForwardBatch, slot_ids, rows: SamplingRows, *,
-                       cfg: ModelConfig, mode: AttentionMode):
+                       cfg: ModelConfig, mode: AttentionMode, top_n: int = 0):
     """Prefills one ragged chunk batch. slot_ids [B]: carry slot of each sequence whose prompt
     ends in this chunk (it receives the sampled first token), else the scratch slot."""
     kv, out = forward(params, cfg, state.target_kv, batch, mode)
     first = sample_tokens(out.logits, rows, batch.seq_lens)  # the first token sits at position seq_len
     c = state.carry
     carry = PlainCarry(c.next_token.at[slot_ids].set(first, mode="drop"), c.seq_len.at[slot_ids].set(batch.seq_lens, mode="drop"))
-    return PlainState(kv, carry), first
+    return PlainState(kv, carry), one_token_output(out.logits, rows, first, top_n)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "backend", "unroll_layers"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("cfg", "backend", "unroll_layers", "top_n"), donate_argnames=("state",))
 def plain_decode_step(params, state: PlainState, slot_ids, page_tables, rows: SamplingRows, *, cfg: ModelConfig,
-                      backend: str = "pallas", unroll_layers: bool = False):
+                      backend: str = "pallas", unroll_layers: bool = False, top_n: int = 0):
     """One token for each slot in slot_ids [B]; page_tables [B, M] cover position seq_len."""
     B = slot_ids.shape[0]
     c = gather_slots(state.carry, slot_ids)
@@ -92,4 +101,4 @@ def plain_decode_step(params, state: PlainState, slot_ids, page_tables, rows: Sa
     tok = sample_tokens(out.logits, rows, n + 1)
     new = PlainCarry(tok, n + 1)
     carry = jax.tree.map(lambda full, part: full.at[slot_ids].set(part), state.carry, new)
-    return PlainState(kv, carry), StepOutput(tok[:, None], jnp.zeros(B, jnp.int32))
+    return PlainState(kv, carry), one_token_output(out.logits, rows, tok, top_n)

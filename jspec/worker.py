@@ -1,7 +1,7 @@
 """Workers: the host-side owners of params, device state and compiled steps.
 
 Every worker offers the same interface to the scheduler, whatever the method:
-- prefill(chunks, following, slots, sampling) -> first tokens [B] (device)
+- prefill(chunks, following, slots, sampling) -> StepOutput of the first tokens (device)
 - decode(slots, page_tables, sampling) -> StepOutput (device)
 (sampling: one (SamplingParams, seed) pair per chunk / slot)
 - kv_margin: KV positions past a request's verified length that one decode may write
@@ -33,6 +33,8 @@ def default_attention_backend() -> str:
 
 
 class WorkerBase:
+    top_n = 0  # top logprobs each step returns (static: part of the compiled programs)
+
     def __init__(self, cfg: ModelConfig, params, *, page_size: int, num_pages: int, max_slots: int,
                  attention_backend: str | None):
         from jspec.models.llama import unstack_layers
@@ -159,13 +161,14 @@ class PlainWorker(WorkerBase):
     def prefill(self, chunks, following, slots, sampling):
         batch, mode, _, _, slot_ids = self._prefill_inputs(chunks, following, slots)
         rows = _rows(sampling, slot_ids.shape[0])
-        self.state, first = plain_prefill_step(self.params, self.state, batch, slot_ids, rows, cfg=self.cfg, mode=mode)
-        return first
+        self.state, out = plain_prefill_step(self.params, self.state, batch, slot_ids, rows, cfg=self.cfg, mode=mode,
+                                             top_n=self.top_n)
+        return out
 
     def decode(self, slots, page_tables, sampling):
         slot_ids, pt, rows = self._decode_inputs(slots, page_tables, sampling)
         self.state, out = plain_decode_step(self.params, self.state, slot_ids, pt, rows, cfg=self.cfg,
-                                            backend=self.backend)
+                                            backend=self.backend, top_n=self.top_n)
         return out
 
 
@@ -201,11 +204,11 @@ class EagleWorker(WorkerBase):
 
         batch, mode, draft_tokens, finish_rows, slot_ids = self._prefill_inputs(chunks, following, slots)
         rows = _rows(sampling, slot_ids.shape[0])
-        self.state, first = spec_prefill_step(
+        self.state, out = spec_prefill_step(
             self.params, self.dparams, self.state, batch, draft_tokens, finish_rows, slot_ids, rows,
-            cfg=self.cfg, dcfg=self.dcfg, spec=self.spec, mode=mode,
+            cfg=self.cfg, dcfg=self.dcfg, spec=self.spec, mode=mode, top_n=self.top_n,
         )
-        return first
+        return out
 
     def decode(self, slots, page_tables, sampling):
         from jspec.spec.eagle import spec_decode_step
@@ -213,6 +216,6 @@ class EagleWorker(WorkerBase):
         slot_ids, pt, rows = self._decode_inputs(slots, page_tables, sampling)
         self.state, out = spec_decode_step(
             self.params, self.dparams, self.state, slot_ids, pt, rows,
-            cfg=self.cfg, dcfg=self.dcfg, spec=self.spec, backend=self.backend,
+            cfg=self.cfg, dcfg=self.dcfg, spec=self.spec, backend=self.backend, top_n=self.top_n,
         )
         return out

@@ -27,6 +27,8 @@ class Request:
     seed: int = 0  # sampling seed (the request's own, or one the engine drew for it)
     output: list[int] = dataclasses.field(default_factory=list)
     text: str = ""  # streamed text so far (stop strings trimmed)
+    output_logprobs: list[float] = dataclasses.field(default_factory=list)  # if params.return_logprob
+    output_top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None
     matched_stop: int | str | None = None
@@ -56,11 +58,18 @@ class Request:
     def budget_left(self) -> int:
         return self.params.max_new_tokens - len(self.output)
 
-    def append(self, tokens) -> str:
+    def append(self, tokens, logprobs=None, top_ids=None, top_logprobs=None) -> str:
         """Takes new tokens up to whatever ends the request (stop token, EOS, stop string,
-        length); returns the new text safe to stream."""
+        length), with their logprobs when asked for; returns the new text safe to stream."""
         res = self.stop_checker.update(tokens, self.detokenizer)
         self.output.extend(res.token_ids)
+        kept = len(res.token_ids)
+        if self.params.return_logprob and logprobs is not None:
+            self.output_logprobs.extend(float(x) for x in logprobs[:kept])
+            n = self.params.top_logprobs_num
+            for j in range(kept if n else 0):
+                self.output_top_logprobs.append(
+                    [(int(t), float(v)) for t, v in zip(top_ids[j][:n], top_logprobs[j][:n])])
         self.text += res.text
         if res.finish_reason is not None:
             self.finish(res.finish_reason.type, res.finish_reason.matched)

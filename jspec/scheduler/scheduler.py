@@ -251,31 +251,33 @@ class Scheduler:
 
     # ---- results --------------------------------------------------------------------------
 
-    def on_prefill_done(self, batch: PrefillBatch, first_tokens) -> list[Request]:
+    def on_prefill_done(self, batch: PrefillBatch, out) -> list[Request]:
+        """out: the prefill's StepOutput on the host (one token per row)."""
         touched = []
         for i, (req, following) in enumerate(zip(batch.reqs, batch.following)):
             req.inflight_outputs -= 1
             if following is None and not req.finished:
-                req.append([first_tokens[i]])
+                req.append(out.tokens[i, :1], out.logprobs[i], out.top_ids[i], out.top_logprobs[i])
                 touched.append(req)
                 if req.finished:
                     self._retire(req)
         return touched
 
-    def on_decode_done(self, batch: DecodeBatch, tokens, accept_len, speculative: bool) -> list[Request]:
+    def on_decode_done(self, batch: DecodeBatch, out, speculative: bool) -> list[Request]:
+        """out: the decode's StepOutput on the host."""
         touched = []
         for i, req in enumerate(batch.reqs):
             req.inflight_outputs -= 1
             if req.finished:
                 continue  # one-step lag: launched before its finish was seen; drop these tokens
-            emitted = tokens[i, : int(accept_len[i]) + 1]
+            emitted = out.tokens[i, : int(out.accept_len[i]) + 1]
             if req.status is Status.RUNNING:
                 req.inflight -= 1
                 req.kv_len += len(emitted)
             if speculative:
                 req.verify_ct += 1
                 req.spec_emitted += len(emitted)
-            req.append(emitted)
+            req.append(emitted, out.logprobs[i], out.top_ids[i], out.top_logprobs[i])
             touched.append(req)
             if req.finished:
                 self._retire(req)

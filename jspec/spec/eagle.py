@@ -46,9 +46,9 @@ from jspec.models.eagle import (
 )
 from jspec.models.llama import forward, paged_attend, rope_cos_sin
 from jspec.paged_kv.pool import KVPool
-from jspec.sampling import SamplingRows, sample_tokens
+from jspec.sampling import SamplingRows, sample_tokens, token_logprobs
 from jspec.spec.accept import sampled_accept
-from jspec.steps import StepOutput, gather_slots, slots_of
+from jspec.steps import StepOutput, gather_slots, one_token_output, slots_of
 from jspec.spec.tree import append_step, build_tree, expand_beams, start_candidates
 
 
@@ -113,10 +113,10 @@ def _draft_paged_forward(params, dparams, dcfg, dkv: KVPool, batch: ForwardBatch
     return KVPool(k, v), out
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "dcfg", "spec", "mode"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("cfg", "dcfg", "spec", "mode", "top_n"), donate_argnames=("state",))
 def spec_prefill_step(
     params, dparams, state: SpecState, batch: ForwardBatch, draft_tokens, finish_rows, slot_ids, rows: SamplingRows,
-    *, cfg: ModelConfig, dcfg, spec: SpecConfig, mode: AttentionMode,
+    *, cfg: ModelConfig, dcfg, spec: SpecConfig, mode: AttentionMode, top_n: int = 0,
 ):
     """Target prefill (one ragged chunk batch) plus the draft's prefill of the same rows.
 
@@ -142,7 +142,7 @@ def spec_prefill_step(
         c.topk_ids.at[slot_ids].set(ids, mode="drop"),
         c.hidden.at[slot_ids].set(last.astype(c.hidden.dtype), mode="drop"),
     )
-    return SpecState(tkv, dkv, carry), first
+    return SpecState(tkv, dkv, carry), one_token_output(out.logits, rows, first, top_n)
 
 
 def _draft_tree(params, dparams, dcfg, spec: SpecConfig, draft_kv: KVPool, c: SpecCarry, page_tables, backend):
@@ -196,10 +196,10 @@ def _draft_tree(params, dparams, dcfg, spec: SpecConfig, draft_kv: KVPool, c: Sp
     return build_tree(cands.scores, cands.tokens, cands.parents, c.next_token, spec.num_draft_tokens)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "dcfg", "spec", "backend"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("cfg", "dcfg", "spec", "backend", "top_n"), donate_argnames=("state",))
 def spec_decode_step(
     params, dparams, state: SpecState, slot_ids, page_tables, rows: SamplingRows,
-    *, cfg: ModelConfig, dcfg, spec: SpecConfig, backend: str = "pallas",
+    *, cfg: ModelConfig, dcfg, spec: SpecConfig, backend: str = "pallas", top_n: int = 0,
 ):
     """One speculative iteration for the requests in slot_ids [B] (padding rows: the scratch slot).
 
@@ -238,6 +238,13 @@ def spec_decode_step(
     depth = jnp.arange(steps + 1, dtype=jnp.int32)[None]
     valid = depth <= m[:, None]
     path = jnp.where(valid, acc.path, 0)
+    # Emitted token d was drawn at node path[d]: its logprob is the target's there.
+    E = steps + 1
+    emitted_logits = jnp.take_along_axis(out.logits.reshape(B, N, -1), path[:, :, None], axis=1).reshape(B * E, -1)
+    lp, top_ids, top_lp = token_logprobs(
+        emitted_logits, jax.tree.map(lambda a: jnp.repeat(a, E, axis=0), rows),
+        jnp.where(valid, acc.tokens, 0).reshape(-1), top_n,
+    )
 
     if spec.eagle_topk > 1:
         # Accepted nodes were written in node order; move them to their depth's position.
@@ -246,7 +253,6 @@ def spec_decode_step(
         tkv = KVPool(*(_move_kv(cache, src, dst) for cache in tkv))
 
     # Draft-extend over the emitted tokens: pair (x_{t+1}, feature_t) at position t for t = n..n+m.
-    E = steps + 1
     feats = _target_features(dcfg, out).reshape(B, N, -1)
     feats = jnp.take_along_axis(feats, path[:, :, None], axis=1).reshape(B * E, -1)
     ext_pos = n[:, None] + depth
@@ -268,7 +274,8 @@ def spec_decode_step(
 
     new = SpecCarry(acc.bonus, n + m + 1, p, ids, last.astype(c.hidden.dtype))
     carry = jax.tree.map(lambda full, part: full.at[slot_ids].set(part), state.carry, new)
-    return SpecState(tkv, dkv, carry), StepOutput(acc.tokens, m)
+    out_logprobs = StepOutput(acc.tokens, m, lp.reshape(B, E), top_ids.reshape(B, E, top_n), top_lp.reshape(B, E, top_n))
+    return SpecState(tkv, dkv, carry), out_logprobs
 
 
 def _move_kv(cache: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
