@@ -19,7 +19,6 @@ import dataclasses
 import itertools
 import os
 
-import jax
 import numpy as np
 
 from jspec.config import ModelConfig, SpecConfig

@@ -13,11 +13,9 @@ method runs; device values only come back through the StepOutput it reads.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jspec.config import ModelConfig, SpecConfig
-from jspec.models.batch import AttentionMode
 from jspec.paged_kv.allocator import PageAllocator
 from jspec.paged_kv.pool import create_kv_pool, kv_bytes_per_page
 from jspec.scheduler.batch_builder import SeqChunk, bucket, build_forward_batch

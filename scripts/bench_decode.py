@@ -176,43 +176,42 @@ def main():
     if args.tiny:
         cases += [("stacked_scan", 64, 1)]
     for layout, ctx, B in cases:
-            weights = per_layer if layout == "per_layer" else params
-            if True:
-                # Scatter each sequence over random pages, as a long-running server's pool would be.
-                per_seq = (ctx + 128) // S
-                pages = rng.permutation(np.arange(1, num_pages))[: B * per_seq].reshape(B, per_seq)
-                slot_ids = jnp.arange(B, dtype=jnp.int32)
-                page_tables = jnp.asarray(pages, jnp.int32)
-                greedy_rows = jax.tree.map(jnp.asarray, sampling_rows([], [], B))
-                carry = PlainCarry(jnp.asarray(rng.integers(0, cfg.vocab_size, B + 1), jnp.int32),
-                                   jnp.full(B + 1, ctx - 64, jnp.int32).at[B].set(0))
-                state = {"s": PlainState(kv, carry)}
+        weights = per_layer if layout == "per_layer" else params
+        # Scatter each sequence over random pages, as a long-running server's pool would be.
+        per_seq = (ctx + 128) // S
+        pages = rng.permutation(np.arange(1, num_pages))[: B * per_seq].reshape(B, per_seq)
+        slot_ids = jnp.arange(B, dtype=jnp.int32)
+        page_tables = jnp.asarray(pages, jnp.int32)
+        greedy_rows = jax.tree.map(jnp.asarray, sampling_rows([], [], B))
+        carry = PlainCarry(jnp.asarray(rng.integers(0, cfg.vocab_size, B + 1), jnp.int32),
+                           jnp.full(B + 1, ctx - 64, jnp.int32).at[B].set(0))
+        state = {"s": PlainState(kv, carry)}
 
-                def step():
-                    # The engine's real decode step; timed calls run at contexts ctx - 64 .. ctx + 40.
-                    state["s"], out = plain_decode_step(weights, state["s"], slot_ids, page_tables, greedy_rows,
-                                                        cfg=cfg)
-                    return out.tokens
+        def step():
+            # The engine's real decode step; timed calls run at contexts ctx - 64 .. ctx + 40.
+            state["s"], out = plain_decode_step(weights, state["s"], slot_ids, page_tables, greedy_rows,
+                                                cfg=cfg)
+            return out.tokens
 
-                try:
-                    t0 = time.perf_counter()
-                    jax.block_until_ready(step())
-                    compile_s = time.perf_counter() - t0
-                    t = timed(step, 5 if args.quick else 20, 3 if args.quick else 5)
-                except Exception as e:  # keep going: one failing case must not hide the others
-                    print(f"FAILED B={B} ctx={ctx} {layout}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-                    kv = state["s"].target_kv
-                    continue
-                kv = state["s"].target_kv
-                kv_bytes = B * ctx * cfg.num_layers * 2 * cfg.kv_size * 2
-                bw_floor = (weight_bytes + kv_bytes) / bw
-                flop_floor = 2 * B * matmul_params / mm_rate
-                row = dict(batch=B, context=ctx, layout=layout, step_ms=t * 1e3, compile_s=compile_s,
-                           bandwidth_floor_ms=bw_floor * 1e3, matmul_floor_ms=flop_floor * 1e3,
-                           x_bandwidth_floor=t / bw_floor, tokens_per_s=B / t)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-                save()
+        try:
+            t0 = time.perf_counter()
+            jax.block_until_ready(step())
+            compile_s = time.perf_counter() - t0
+            t = timed(step, 5 if args.quick else 20, 3 if args.quick else 5)
+        except Exception as e:  # keep going: one failing case must not hide the others
+            print(f"FAILED B={B} ctx={ctx} {layout}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            kv = state["s"].target_kv
+            continue
+        kv = state["s"].target_kv
+        kv_bytes = B * ctx * cfg.num_layers * 2 * cfg.kv_size * 2
+        bw_floor = (weight_bytes + kv_bytes) / bw
+        flop_floor = 2 * B * matmul_params / mm_rate
+        row = dict(batch=B, context=ctx, layout=layout, step_ms=t * 1e3, compile_s=compile_s,
+                   bandwidth_floor_ms=bw_floor * 1e3, matmul_floor_ms=flop_floor * 1e3,
+                   x_bandwidth_floor=t / bw_floor, tokens_per_s=B / t)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        save()
 
     path = save()
     print(f"\nwrote {path}\n")

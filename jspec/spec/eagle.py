@@ -46,6 +46,7 @@ from jspec.models.eagle import (
 )
 from jspec.models.llama import forward, paged_attend, rope_cos_sin
 from jspec.paged_kv.pool import KVPool
+from jspec.scheduler.batch_builder import bucket
 from jspec.sampling import SamplingRows, sample_tokens, token_logprobs
 from jspec.spec.accept import sampled_accept
 from jspec.steps import StepOutput, gather_slots, one_token_output, slots_of
@@ -82,10 +83,6 @@ def init_carry(num_slots: int, topk: int, hidden_size: int, dtype) -> SpecCarry:
         jnp.zeros((n, topk), jnp.int32),
         jnp.zeros((n, hidden_size), dtype),
     )
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << (max(n, 1) - 1).bit_length()
 
 
 def _target_features(dcfg, out) -> jax.Array:
@@ -218,7 +215,7 @@ def spec_decode_step(
     # Verify every node at once: node i's KV goes to position n + i (node order),
     # its RoPE position is n + depth, and the tree mask replaces causality.
     node_pos = n[:, None] + jnp.arange(N, dtype=jnp.int32)[None]
-    Q = _next_pow2(N)
+    Q = bucket(N)
     mask = jnp.zeros((B, Q, Q), bool).at[:, :N, :N].set(tree.mask)
     verify = ForwardBatch(
         tokens=tree.tokens.reshape(-1),
@@ -267,7 +264,7 @@ def spec_decode_step(
     )
     hidden = target_feature(dparams, dcfg, feats)
     dkv, dout = _draft_paged_forward(
-        params, dparams, dcfg, state.draft_kv, extend, AttentionMode(False, _next_pow2(E), backend), extend.tokens, hidden
+        params, dparams, dcfg, state.draft_kv, extend, AttentionMode(False, bucket(E), backend), extend.tokens, hidden
     )
     last = dout[extend.logits_indices]
     p, ids = _draft_topk(dparams, dcfg, params, last, spec.eagle_topk)
