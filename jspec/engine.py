@@ -172,7 +172,8 @@ class Engine:
     def _launch(self, batch) -> _Launched:
         sampling = [(r.params, r.seed) for r in batch.reqs]
         if isinstance(batch, PrefillBatch):
-            out = self.worker.prefill(batch.chunks, batch.following, batch.slots, sampling)
+            out = self.worker.prefill(batch.chunks, batch.following, batch.slots, sampling, batch.output_starts,
+                                      batch.first_chunks)
         else:
             out = self.worker.decode(batch.slots, batch.page_tables, sampling)
         start_host_copy(out)

@@ -15,23 +15,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Columns of SamplingRows.params.
-TEMPERATURE, TOP_K, TOP_P, MIN_P = range(4)
+# Columns of SamplingRows.params (penalties.py reads the last three).
+TEMPERATURE, TOP_K, TOP_P, MIN_P, FREQUENCY, PRESENCE, REPETITION = range(7)
+NUM_PARAMS = 7
 
 
 class SamplingRows(NamedTuple):
     """Per-row sampling parameters, packed into two arrays (few leaves: cheap dispatch)."""
 
-    params: jax.Array  # [B, 4] float32: temperature (0 = greedy), top_k (0 = off), top_p (1 = off), min_p (0 = off)
+    params: jax.Array  # [B, 7] float32: temperature (0 = greedy), top_k (0 = off), top_p (1 = off), min_p (0 = off),
+    # frequency, presence (0 = off) and repetition (1 = off) penalties
     seeds: jax.Array  # [B] uint32
 
 
 def sampling_rows(params_list, seeds, rows: int) -> SamplingRows:
     """Host side: numpy SamplingRows for `rows` rows from SamplingParams (padding rows are greedy)."""
-    out = np.zeros((rows, 4), np.float32)
+    out = np.zeros((rows, NUM_PARAMS), np.float32)
     out[:, TOP_P] = 1.0
+    out[:, REPETITION] = 1.0
     for i, p in enumerate(params_list):
-        out[i] = (p.temperature, p.top_k, p.top_p, p.min_p)
+        out[i] = (p.temperature, p.top_k, p.top_p, p.min_p, p.frequency_penalty, p.presence_penalty,
+                  p.repetition_penalty)
     s = np.zeros(rows, np.uint32)
     s[: len(seeds)] = seeds
     return SamplingRows(out, s)

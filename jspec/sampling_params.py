@@ -12,6 +12,9 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus: smallest set of tokens whose probability reaches top_p
     top_k: int = 0  # 0 (or -1, as SGLang) = all tokens
     min_p: float = 0.0  # drop tokens below min_p x the top token's probability
+    frequency_penalty: float = 0.0  # in [-2, 2]: minus f x times the token was generated
+    presence_penalty: float = 0.0  # in [-2, 2]: minus p if the token was generated at all
+    repetition_penalty: float = 1.0  # in (0, 2]: tokens of the prompt or output scaled by 1/r (1 = off)
     seed: int | None = None  # same seed -> same tokens, whatever else is batched with it
     return_logprob: bool = False  # each output token's logprob (after the temperature transform)
     top_logprobs_num: int = 0  # and the target's top-n alternatives at each position
@@ -37,6 +40,13 @@ class SamplingParams:
             self.top_k = 0
         if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not -2 <= v <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        r = self.repetition_penalty
+        if not isinstance(r, (int, float)) or isinstance(r, bool) or not 0 < r <= 2:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {r!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not 0 <= self.seed < 2**32):
             raise ValueError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
@@ -47,3 +57,7 @@ class SamplingParams:
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1

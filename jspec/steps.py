@@ -22,6 +22,7 @@ from jspec.config import ModelConfig
 from jspec.models.batch import AttentionMode, ForwardBatch
 from jspec.models.llama import forward
 from jspec.paged_kv.pool import KVPool
+from jspec.penalties import PenaltyState, PrefillCounts, apply_penalties, record_emitted, record_prefill
 from jspec.sampling import SamplingRows, sample_tokens, token_logprobs
 
 
@@ -33,6 +34,7 @@ class PlainCarry(NamedTuple):
 class PlainState(NamedTuple):
     target_kv: KVPool
     carry: PlainCarry
+    penalties: PenaltyState
 
 
 class StepOutput(NamedTuple):
@@ -69,15 +71,25 @@ def gather_slots(carry, slot_ids: jax.Array):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "mode", "top_n"), donate_argnames=("state",))
-def plain_prefill_step(params, state: PlainState, batch: ForwardBatch, slot_ids, rows: SamplingRows, *,
-                       cfg: ModelConfig, mode: AttentionMode, top_n: int = 0):
+def plain_prefill_step(params, state: PlainState, batch: ForwardBatch, slot_ids, counts: PrefillCounts,
+                       rows: SamplingRows, *, cfg: ModelConfig, mode: AttentionMode, top_n: int = 0):
     """Prefills one ragged chunk batch. slot_ids [B]: carry slot of each sequence whose prompt
     ends in this chunk (it receives the sampled first token), else the scratch slot."""
     kv, out = forward(params, cfg, state.target_kv, batch, mode)
-    first = sample_tokens(out.logits, rows, batch.seq_lens)  # the first token sits at position seq_len
+    first, logits, pen = sample_first_tokens(out.logits, state.penalties, batch, slot_ids, counts, rows)
     c = state.carry
     carry = PlainCarry(c.next_token.at[slot_ids].set(first, mode="drop"), c.seq_len.at[slot_ids].set(batch.seq_lens, mode="drop"))
-    return PlainState(kv, carry), one_token_output(out.logits, rows, first, top_n)
+    return PlainState(kv, carry, pen), one_token_output(logits, rows, first, top_n)
+
+
+def sample_first_tokens(logits, pen: PenaltyState, batch: ForwardBatch, slot_ids, counts: PrefillCounts,
+                        rows: SamplingRows):
+    """A prefill's sampled tokens (the first token sits at position seq_len), after the chunk's
+    tokens are counted for penalties: (tokens [B], penalised logits [B, V], new PenaltyState)."""
+    pen = record_prefill(pen, batch.tokens, counts)
+    logits = apply_penalties(logits, pen, slot_ids, rows.params)
+    first = sample_tokens(logits, rows, batch.seq_lens)
+    return first, logits, record_emitted(pen, slot_ids, first[:, None])
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "backend", "unroll_layers", "top_n"), donate_argnames=("state",))
@@ -98,7 +110,9 @@ def plain_decode_step(params, state: PlainState, slot_ids, page_tables, rows: Sa
         logits_indices=jnp.arange(B, dtype=jnp.int32),
     )
     kv, out = forward(params, cfg, state.target_kv, batch, AttentionMode(True, 1, backend), unroll_layers=unroll_layers)
-    tok = sample_tokens(out.logits, rows, n + 1)
+    logits = apply_penalties(out.logits, state.penalties, slot_ids, rows.params)
+    tok = sample_tokens(logits, rows, n + 1)
     new = PlainCarry(tok, n + 1)
     carry = jax.tree.map(lambda full, part: full.at[slot_ids].set(part), state.carry, new)
-    return PlainState(kv, carry), one_token_output(out.logits, rows, tok, top_n)
+    pen = record_emitted(state.penalties, slot_ids, tok[:, None])
+    return PlainState(kv, carry, pen), one_token_output(logits, rows, tok, top_n)

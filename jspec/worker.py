@@ -1,7 +1,8 @@
 """Workers: the host-side owners of params, device state and compiled steps.
 
 Every worker offers the same interface to the scheduler, whatever the method:
-- prefill(chunks, following, slots, sampling) -> StepOutput of the first tokens (device)
+- prefill(chunks, following, slots, sampling, output_starts, first_chunks) -> StepOutput of the
+  first tokens (device)
 - decode(slots, page_tables, sampling) -> StepOutput (device)
 (sampling: one (SamplingParams, seed) pair per chunk / slot)
 - kv_margin: KV positions past a request's verified length that one decode may write
@@ -18,6 +19,7 @@ import numpy as np
 from jspec.config import ModelConfig, SpecConfig
 from jspec.paged_kv.allocator import PageAllocator
 from jspec.paged_kv.pool import create_kv_pool, kv_bytes_per_page
+from jspec.penalties import PrefillCounts, init_penalty_state
 from jspec.scheduler.batch_builder import SeqChunk, bucket, build_forward_batch
 from jspec.sampling import SamplingRows, sampling_rows
 from jspec.sampling_params import SamplingParams
@@ -106,7 +108,11 @@ class WorkerBase:
         if len(self.free_slots) != self.max_slots:
             raise AssertionError(f"request slot leak: {self.max_slots - len(self.free_slots)} slots held")
 
-    def _prefill_inputs(self, chunks: list[SeqChunk], following: list[int | None], slots: list[int | None]):
+    def _prefill_inputs(self, chunks: list[SeqChunk], following: list[int | None], slots: list[int | None],
+                        output_starts: list[int] | None, first_chunks: list[bool] | None):
+        """output_starts: per chunk, the position where its request's generated tokens begin
+        (the prompt length; a re-prefill after retraction runs over both); first_chunks: the
+        chunk is its request's first (its penalty counts start afresh). None: prompts only, all first."""
         batch, mode = build_forward_batch(chunks, page_size=self.page_size, num_pages=self.allocator.num_pages,
                                           min_seqs=self.max_slots, min_pages=self.max_pages_per_request,
                                           allow_decode_only=False)
@@ -115,15 +121,24 @@ class WorkerBase:
         draft_tokens = np.zeros(T, np.int32)  # the token after each row (for draft models)
         finish_rows = np.full(B, T, np.int32)
         slot_ids = np.full(B, self.scratch_slot, np.int32)
+        reset_slots = np.full(B, self.scratch_slot, np.int32)
+        token_slots = np.full(T, self.scratch_slot, np.int32)
+        is_output = np.zeros(T, bool)
         for i, c in enumerate(chunks):
             start, n = batch.query_start[i], len(c.tokens)
+            slot = self.scratch_slot if slots[i] is None else slots[i]
+            token_slots[start : start + n] = slot
+            if output_starts is not None:
+                is_output[start : start + n] = np.arange(c.start, c.start + n) >= output_starts[i]
+            if first_chunks is None or first_chunks[i]:
+                reset_slots[i] = slot
             draft_tokens[start : start + n - 1] = c.tokens[1:]
             if following[i] is None:
                 finish_rows[i] = start + n - 1
                 slot_ids[i] = slots[i]
             else:
                 draft_tokens[start + n - 1] = following[i]
-        return batch, mode, draft_tokens, finish_rows, slot_ids
+        return batch, mode, draft_tokens, finish_rows, slot_ids, PrefillCounts(reset_slots, token_slots, is_output)
 
     def _decode_inputs(self, slots: list[int], page_tables: list[list[int]], sampling):
         B = bucket(len(slots))
@@ -154,13 +169,15 @@ class PlainWorker(WorkerBase):
             num_pages = max(2, (kv_memory_bytes or DEFAULT_KV_BYTES) // per_page)
         super().__init__(cfg, params, page_size=page_size, num_pages=num_pages, max_slots=max_slots,
                          attention_backend=attention_backend)
-        self.state = PlainState(create_kv_pool(cfg, int(num_pages), page_size, self.dtype), init_plain_carry(max_slots))
+        self.state = PlainState(create_kv_pool(cfg, int(num_pages), page_size, self.dtype), init_plain_carry(max_slots),
+                                init_penalty_state(max_slots, cfg.vocab_size))
 
-    def prefill(self, chunks, following, slots, sampling):
-        batch, mode, _, _, slot_ids = self._prefill_inputs(chunks, following, slots)
+    def prefill(self, chunks, following, slots, sampling, output_starts=None, first_chunks=None):
+        batch, mode, _, _, slot_ids, counts = self._prefill_inputs(chunks, following, slots, output_starts,
+                                                                   first_chunks)
         rows = _rows(sampling, slot_ids.shape[0])
-        self.state, out = plain_prefill_step(self.params, self.state, batch, slot_ids, rows, cfg=self.cfg, mode=mode,
-                                             top_n=self.top_n)
+        self.state, out = plain_prefill_step(self.params, self.state, batch, slot_ids, counts, rows, cfg=self.cfg,
+                                             mode=mode, top_n=self.top_n)
         return out
 
     def decode(self, slots, page_tables, sampling):
@@ -195,15 +212,17 @@ class EagleWorker(WorkerBase):
             create_kv_pool(cfg, int(num_pages), page_size, self.dtype),
             create_kv_pool(dlayer, int(num_pages), page_size, self.dtype),
             init_carry(max_slots, spec.eagle_topk, dcfg.hidden_size, self.dtype),
+            init_penalty_state(max_slots, cfg.vocab_size),
         )
 
-    def prefill(self, chunks, following, slots, sampling):
+    def prefill(self, chunks, following, slots, sampling, output_starts=None, first_chunks=None):
         from jspec.spec.eagle import spec_prefill_step
 
-        batch, mode, draft_tokens, finish_rows, slot_ids = self._prefill_inputs(chunks, following, slots)
+        batch, mode, draft_tokens, finish_rows, slot_ids, counts = self._prefill_inputs(
+            chunks, following, slots, output_starts, first_chunks)
         rows = _rows(sampling, slot_ids.shape[0])
         self.state, out = spec_prefill_step(
-            self.params, self.dparams, self.state, batch, draft_tokens, finish_rows, slot_ids, rows,
+            self.params, self.dparams, self.state, batch, draft_tokens, finish_rows, slot_ids, counts, rows,
             cfg=self.cfg, dcfg=self.dcfg, spec=self.spec, mode=mode, top_n=self.top_n,
         )
         return out

@@ -29,6 +29,7 @@ from jspec.config import ModelConfig
 from jspec.models.llama import unstack_layers
 from jspec.models.loader import param_shapes
 from jspec.paged_kv.pool import KVPool
+from jspec.penalties import init_penalty_state
 from jspec.sampling import sampling_rows
 from jspec.steps import PlainCarry, PlainState, plain_decode_step
 
@@ -185,7 +186,7 @@ def main():
         greedy_rows = jax.tree.map(jnp.asarray, sampling_rows([], [], B))
         carry = PlainCarry(jnp.asarray(rng.integers(0, cfg.vocab_size, B + 1), jnp.int32),
                            jnp.full(B + 1, ctx - 64, jnp.int32).at[B].set(0))
-        state = {"s": PlainState(kv, carry)}
+        state = {"s": PlainState(kv, carry, init_penalty_state(B, cfg.vocab_size))}
 
         def step():
             # The engine's real decode step; timed calls run at contexts ctx - 64 .. ctx + 40.

@@ -30,6 +30,7 @@ from jspec.models.eagle import layer_config
 from jspec.models.llama import unstack_layers
 from jspec.models.eagle_loader import DraftConfig, init_random_draft_params
 from jspec.paged_kv.pool import KVPool
+from jspec.penalties import init_penalty_state
 from jspec.sampling import sampling_rows
 from jspec.steps import PlainCarry, PlainState, plain_decode_step
 from jspec.spec.eagle import SpecCarry, SpecState, spec_decode_step
@@ -101,7 +102,9 @@ def main():
         slot_ids = jnp.arange(B, dtype=jnp.int32)
         pt = jnp.asarray(pages)
         greedy_rows = jax.tree.map(jnp.asarray, sampling_rows([], [], B))
-        box = {"s": PlainState(tkv, PlainCarry(jnp.zeros(B + 1, jnp.int32), jnp.full(B + 1, ctx, jnp.int32).at[B].set(0)))}
+        pen = init_penalty_state(B, cfg.vocab_size)
+        box = {"s": PlainState(tkv, PlainCarry(jnp.zeros(B + 1, jnp.int32), jnp.full(B + 1, ctx, jnp.int32).at[B].set(0)),
+                               pen)}
 
         def plain():
             box["s"], out = plain_decode_step(params, box["s"], slot_ids, pt, greedy_rows, cfg=cfg)
@@ -109,7 +112,7 @@ def main():
 
         jax.block_until_ready(plain())
         t_plain = timed(plain, iters, 5)
-        tkv = box["s"].target_kv
+        tkv, pen = box["s"].target_kv, box["s"].penalties
         print(f"B={B} plain decode {t_plain * 1e3:.3f} ms", flush=True)
         for steps, topk, ndt in configs:
             spec = SpecConfig("EAGLE3", num_steps=steps, eagle_topk=topk, num_draft_tokens=ndt)
@@ -120,7 +123,7 @@ def main():
                 jnp.asarray(rng.integers(0, cfg.vocab_size, (B + 1, topk)), jnp.int32),
                 jnp.asarray(rng.normal(size=(B + 1, cfg.hidden_size)), dtype),
             )
-            st = {"s": SpecState(tkv, dkv, carry)}
+            st = {"s": SpecState(tkv, dkv, carry, pen)}
 
             def iteration():
                 st["s"], out = spec_decode_step(params, dparams, st["s"], slot_ids, pt, greedy_rows, cfg=cfg, dcfg=dcfg,
@@ -139,7 +142,7 @@ def main():
                 print(f"FAILED B={B} {(steps, topk, ndt)}: {type(e).__name__}: {str(e)[:400]}", flush=True)
                 continue
             finally:
-                tkv, dkv = st["s"].target_kv, st["s"].draft_kv
+                tkv, dkv, pen = st["s"].target_kv, st["s"].draft_kv, st["s"].penalties
             row = dict(batch=B, context=ctx, steps=steps, topk=topk, draft_tokens=ndt, iteration_ms=t_iter * 1e3,
                        decode_step_ms=t_plain * 1e3, ratio=t_iter / t_plain, compile_s=compile_s,
                        breakeven_accept_len=t_iter / t_plain)

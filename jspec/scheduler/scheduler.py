@@ -35,6 +35,8 @@ class PrefillBatch:
     chunks: list[SeqChunk]
     following: list[int | None]  # prompt token after each chunk; None when the chunk ends the prompt
     slots: list[int]
+    output_starts: list[int] = dataclasses.field(default_factory=list)  # each request's prompt length
+    first_chunks: list[bool] = dataclasses.field(default_factory=list)  # chunk starts its request's prefill
 
 
 @dataclasses.dataclass
@@ -159,6 +161,8 @@ class Scheduler:
             batch.chunks.append(SeqChunk(req.prefill_ids[req.prefilled : end], req.prefilled, req.pages))
             batch.following.append(req.prefill_ids[end] if end < len(req.prefill_ids) else None)
             batch.slots.append(req.slot)
+            batch.output_starts.append(len(req.prompt))
+            batch.first_chunks.append(req.prefilled == req.num_cached_tokens)
         if not batch.chunks:
             return None
         for req, chunk, following in zip(batch.reqs, batch.chunks, batch.following):
@@ -184,7 +188,9 @@ class Scheduler:
             # draft model, the draft KV at the last cached position pairs it with the token
             # that followed in the request that wrote it; when this request's next token
             # differs, that one draft entry is stale, which can only lower acceptance.
-            m = self.prefix_cache.match_prefix(req.prefill_ids[:-1])
+            # Penalties count every prompt (and re-prefilled output) token on the device as the
+            # prefill runs over it, so a penalised request prefills all of its tokens itself.
+            m = self.prefix_cache.match_prefix(req.prefill_ids[:-1] if not req.params.has_penalties else [])
             self.prefix_cache.lock(m)
             req.cached_prefix, req.pages, req.num_shared_pages = m, list(m.pages), len(m.pages)
             req.prefilled = m.num_tokens

@@ -47,9 +47,10 @@ from jspec.models.eagle import (
 from jspec.models.llama import forward, paged_attend, rope_cos_sin
 from jspec.paged_kv.pool import KVPool
 from jspec.scheduler.batch_builder import bucket
-from jspec.sampling import SamplingRows, sample_tokens, token_logprobs
+from jspec.penalties import PenaltyState, PrefillCounts, apply_tree_penalties, record_emitted
+from jspec.sampling import SamplingRows, token_logprobs
 from jspec.spec.accept import sampled_accept
-from jspec.steps import StepOutput, gather_slots, one_token_output, slots_of
+from jspec.steps import StepOutput, gather_slots, one_token_output, sample_first_tokens, slots_of
 from jspec.spec.tree import append_step, build_tree, expand_beams, start_candidates
 
 
@@ -67,6 +68,7 @@ class SpecState(NamedTuple):
     target_kv: KVPool
     draft_kv: KVPool
     carry: SpecCarry
+    penalties: PenaltyState
 
 
 def spec_kv_margin(spec: SpecConfig) -> int:
@@ -112,8 +114,8 @@ def _draft_paged_forward(params, dparams, dcfg, dkv: KVPool, batch: ForwardBatch
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dcfg", "spec", "mode", "top_n"), donate_argnames=("state",))
 def spec_prefill_step(
-    params, dparams, state: SpecState, batch: ForwardBatch, draft_tokens, finish_rows, slot_ids, rows: SamplingRows,
-    *, cfg: ModelConfig, dcfg, spec: SpecConfig, mode: AttentionMode, top_n: int = 0,
+    params, dparams, state: SpecState, batch: ForwardBatch, draft_tokens, finish_rows, slot_ids,
+    counts: PrefillCounts, rows: SamplingRows, *, cfg: ModelConfig, dcfg, spec: SpecConfig, mode: AttentionMode, top_n: int = 0,
 ):
     """Target prefill (one ragged chunk batch) plus the draft's prefill of the same rows.
 
@@ -125,7 +127,7 @@ def spec_prefill_step(
     """
     capture = tuple(dcfg.capture_layers) if is_eagle3(dcfg) else ()
     tkv, out = forward(params, cfg, state.target_kv, batch, mode, capture_layers=capture)
-    first = sample_tokens(out.logits, rows, batch.seq_lens)
+    first, logits, pen = sample_first_tokens(out.logits, state.penalties, batch, slot_ids, counts, rows)
     dtoks = draft_tokens.at[finish_rows].set(first, mode="drop")
     hidden = target_feature(dparams, dcfg, _target_features(dcfg, out))
     dkv, dout = _draft_paged_forward(params, dparams, dcfg, state.draft_kv, batch._replace(tokens=dtoks), mode, dtoks, hidden)
@@ -139,7 +141,7 @@ def spec_prefill_step(
         c.topk_ids.at[slot_ids].set(ids, mode="drop"),
         c.hidden.at[slot_ids].set(last.astype(c.hidden.dtype), mode="drop"),
     )
-    return SpecState(tkv, dkv, carry), one_token_output(out.logits, rows, first, top_n)
+    return SpecState(tkv, dkv, carry, pen), one_token_output(logits, rows, first, top_n)
 
 
 def _draft_tree(params, dparams, dcfg, spec: SpecConfig, draft_kv: KVPool, c: SpecCarry, page_tables, backend):
@@ -230,14 +232,16 @@ def spec_decode_step(
     tkv, out = forward(
         params, cfg, state.target_kv, verify, AttentionMode(False, Q, backend), capture_layers=capture, mask=mask
     )
-    acc = sampled_accept(tree, out.logits.reshape(B, N, -1), rows, n + 1, steps)
+    node_logits = apply_tree_penalties(out.logits.reshape(B, N, -1), state.penalties, slot_ids, rows.params,
+                                       tree.tokens, tree.mask)
+    acc = sampled_accept(tree, node_logits, rows, n + 1, steps)
     m = acc.accept_len
     depth = jnp.arange(steps + 1, dtype=jnp.int32)[None]
     valid = depth <= m[:, None]
     path = jnp.where(valid, acc.path, 0)
     # Emitted token d was drawn at node path[d]: its logprob is the target's there.
     E = steps + 1
-    emitted_logits = jnp.take_along_axis(out.logits.reshape(B, N, -1), path[:, :, None], axis=1).reshape(B * E, -1)
+    emitted_logits = jnp.take_along_axis(node_logits, path[:, :, None], axis=1).reshape(B * E, -1)
     lp, top_ids, top_lp = token_logprobs(
         emitted_logits, jax.tree.map(lambda a: jnp.repeat(a, E, axis=0), rows),
         jnp.where(valid, acc.tokens, 0).reshape(-1), top_n,
@@ -272,7 +276,8 @@ def spec_decode_step(
     new = SpecCarry(acc.bonus, n + m + 1, p, ids, last.astype(c.hidden.dtype))
     carry = jax.tree.map(lambda full, part: full.at[slot_ids].set(part), state.carry, new)
     out_logprobs = StepOutput(acc.tokens, m, lp.reshape(B, E), top_ids.reshape(B, E, top_n), top_lp.reshape(B, E, top_n))
-    return SpecState(tkv, dkv, carry), out_logprobs
+    pen = record_emitted(state.penalties, slot_ids, acc.tokens)
+    return SpecState(tkv, dkv, carry, pen), out_logprobs
 
 
 def _move_kv(cache: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
