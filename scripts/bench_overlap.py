@@ -78,6 +78,18 @@ def main():
                                          capture_layers=(1, 2, 3))
         cases, prompt_len, new_tokens = [("tiny", tiny, tiny_draft, [1, 4])], 16, 8
     rows = []
+
+    def save():
+        """Writes the JSON after every row, so a run cut short still leaves its figures."""
+        result = dict(name="bench_overlap", gpu=dev.device_kind, jax_version=jax.__version__, commit=git_commit(),
+                      settings=dict(prompt_len=prompt_len, new_tokens=new_tokens, page_size=16,
+                                    spec="EAGLE3 (3,1,4)"), rows=rows)
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, "bench_overlap.json")
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+        return path
+
     dtype = jnp.float32 if args.tiny else jnp.bfloat16
     for name, cfg, dcfg, batches in cases:
         params = random_params(cfg, dtype)
@@ -121,13 +133,8 @@ def main():
                 row["overlap_speedup"] = row["overlap_tok_per_s"] / row["sync_tok_per_s"]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    result = dict(name="bench_overlap", gpu=dev.device_kind, jax_version=jax.__version__, commit=git_commit(),
-                  settings=dict(prompt_len=prompt_len, new_tokens=new_tokens, page_size=16, spec="EAGLE3 (3,1,4)"),
-                  rows=rows)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "bench_overlap.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+                save()
+    path = save()
     print(f"\nwrote {path}\n")
     print(f"{'model':>6} {'method':>7} {'B':>3} {'overlap tok/s':>13} {'sync tok/s':>10} {'x':>5} "
           f"{'idle ovl':>8} {'idle sync':>9} {'dev ms':>7}")

@@ -22,9 +22,11 @@ def start_host_copy(tree: Any) -> Any:
 
     Call it right after launching a step, on that step's outputs; returns `tree`.
     """
-    for leaf in jax.tree.leaves(tree):
-        if isinstance(leaf, jax.Array):
-            leaf.copy_to_host_async()
+    # The designated copy: allowed under a "disallow" transfer guard, like designated_read.
+    with jax.transfer_guard_device_to_host("allow"):
+        for leaf in jax.tree.leaves(tree):
+            if isinstance(leaf, jax.Array):
+                leaf.copy_to_host_async()
     return tree
 
 
