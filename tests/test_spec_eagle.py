@@ -36,10 +36,10 @@ def draft_config(algorithm, cfg=TARGET, vocab=None):
     )
 
 
-def permutation_models(algorithm, seed=0):
+def permutation_models(algorithm, seed=0, perm=None):
     """Target whose greedy next token is pi(current), and a draft that predicts it exactly."""
     rng = np.random.default_rng(seed)
-    perm = rng.permutation(H)
+    perm = rng.permutation(H) if perm is None else np.asarray(perm)
     P = np.zeros((H, H), np.float32)
     P[np.arange(H), perm] = 1.0  # e_x @ P = e_pi(x)
     L = TARGET.num_layers
