@@ -130,6 +130,9 @@ class Engine:
         rid = rid if rid is not None else f"req-{next(self._ids)}"
         if rid in self.scheduler.requests:
             raise ValueError(f"request id {rid!r} is already in use")
+        if params.n != 1:
+            raise ValueError(f"n={params.n}: add_request takes one completion; add the request n times with "
+                             f"different seeds, or use Engine.generate / jspec.generate, which fan out")
         if params.top_logprobs_num > self.worker.top_n:
             raise ValueError(
                 f"top_logprobs_num={params.top_logprobs_num} exceeds this engine's max_top_logprobs="
@@ -173,7 +176,7 @@ class Engine:
         sampling = [(r.params, r.seed) for r in batch.reqs]
         if isinstance(batch, PrefillBatch):
             out = self.worker.prefill(batch.chunks, batch.following, batch.slots, sampling, batch.output_starts,
-                                      batch.first_chunks)
+                                      batch.first_chunks, batch.with_prompt_logprobs)
         else:
             out = self.worker.decode(batch.slots, batch.page_tables, sampling)
         start_host_copy(out)
@@ -210,7 +213,8 @@ class Engine:
     # ---- convenience -------------------------------------------------------------------------
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None):
-        """Runs prompts to completion; returns GenerationOutputs in order."""
+        """Runs prompts to completion; returns GenerationOutputs in order (n per prompt when
+        params.n > 1, prompt by prompt)."""
         from jspec.generate import GenerationOutput, as_prompt_list
 
         prompts = as_prompt_list(prompts)
@@ -218,7 +222,10 @@ class Engine:
         rids = []
         try:
             for p, sp in zip(prompts, plist):
-                rids.append(self.add_request(p, dataclasses.replace(sp)))
+                sp.validate()
+                for k in range(sp.n):  # n completions: consecutive seeds (drawn ones when none is given)
+                    seed = None if sp.seed is None else (sp.seed + k) % 2**32
+                    rids.append(self.add_request(p, dataclasses.replace(sp, n=1, seed=seed)))
         except Exception:
             for rid in rids:  # all or nothing: a bad prompt leaves no half-submitted batch behind
                 self.abort(rid)
@@ -235,6 +242,8 @@ class Engine:
                 r.verify_ct, r.spec_emitted / r.verify_ct if r.verify_ct else None,
                 r.output_logprobs if r.params.return_logprob else None,
                 r.output_top_logprobs if r.params.return_logprob and r.params.top_logprobs_num else None,
+                r.input_logprobs if r.params.wants_prompt_logprobs else None,
+                r.input_top_logprobs if r.params.wants_prompt_logprobs and r.params.top_logprobs_num else None,
             ))
         return results
 

@@ -25,6 +25,9 @@ class GenerationOutput:
     # With return_logprob: each output token's logprob, and the top-n (token id, logprob) pairs.
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # With return_logprob and logprob_start_len >= 0: prompt positions logprob_start_len.. (None at 0).
+    input_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 def as_prompt_list(prompts) -> list:
@@ -85,6 +88,7 @@ def generate(
     spec=None,
     draft=None,
     engine: Engine | None = None,
+    sampling_params: SamplingParams | None = None,
 ) -> list[GenerationOutput]:
     """Generates continuations of `prompts` (strings or token-id lists) with paged KV.
 
@@ -92,13 +96,16 @@ def generate(
     `spec` (a jspec.SpecConfig) turns on EAGLE/EAGLE-3 speculative decoding with the
     draft from spec.draft_model_path, or `draft=(DraftConfig, draft_params)`.
     Pass `engine` to reuse one (its compiled programs and KV pool) across calls.
-    Returns one GenerationOutput per prompt, in order.
+    `sampling_params` (a SamplingParams) replaces the sampling keywords above; with n > 1
+    there are n outputs per prompt, prompt by prompt.
+    Returns one GenerationOutput per prompt (and completion), in order.
     """
     model = as_model(model)
     prompt_list = as_prompt_list(prompts)
     ids = [tokenize_prompt(p, model, i) for i, p in enumerate(prompt_list)]  # all errors before any work
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, stop=list(stop),
-                            stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+    params = sampling_params or SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                                               stop=list(stop), stop_token_ids=list(stop_token_ids),
+                                               ignore_eos=ignore_eos)
     if engine is None:
         engine = Engine(model, spec=spec, draft=draft, page_size=page_size, num_pages=num_pages,
                         max_running_requests=max_running_requests, chunked_prefill_size=max_prefill_tokens,

@@ -18,6 +18,8 @@ class SamplingParams:
     seed: int | None = None  # same seed -> same tokens, whatever else is batched with it
     return_logprob: bool = False  # each output token's logprob (after the temperature transform)
     top_logprobs_num: int = 0  # and the target's top-n alternatives at each position
+    logprob_start_len: int = -1  # with return_logprob: prompt logprobs from this position (-1: none)
+    n: int = 1  # completions per prompt (jspec.generate and the server fan out; seeds seed, seed+1, ...)
     stop: list[str] = dataclasses.field(default_factory=list)
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     ignore_eos: bool = False
@@ -53,10 +55,19 @@ class SamplingParams:
         if not isinstance(self.top_logprobs_num, int) or isinstance(self.top_logprobs_num, bool) \
                 or self.top_logprobs_num < 0:
             raise ValueError(f"top_logprobs_num must be an integer >= 0, got {self.top_logprobs_num!r}")
+        if not isinstance(self.logprob_start_len, int) or isinstance(self.logprob_start_len, bool) \
+                or self.logprob_start_len < -1:
+            raise ValueError(f"logprob_start_len must be an integer >= -1, got {self.logprob_start_len!r}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= 128:
+            raise ValueError(f"n must be an integer in [1, 128], got {self.n!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.return_logprob and self.logprob_start_len >= 0
 
     @property
     def has_penalties(self) -> bool:

@@ -37,6 +37,14 @@ class PlainState(NamedTuple):
     penalties: PenaltyState
 
 
+class PromptLogprobs(NamedTuple):
+    """Per prefill token t: the log-probability of the token after it, under the raw target."""
+
+    logprobs: jax.Array  # [T] float32
+    top_ids: jax.Array  # [T, top_n] int32
+    top_logprobs: jax.Array  # [T, top_n] float32
+
+
 class StepOutput(NamedTuple):
     """What the host reads back from a step (the only device->host transfer)."""
 
@@ -45,12 +53,25 @@ class StepOutput(NamedTuple):
     logprobs: jax.Array  # [B, K] float32, each emitted token's logprob under the target
     top_ids: jax.Array  # [B, K, top_n] int32, the target's top_n alternatives at each emitted position
     top_logprobs: jax.Array  # [B, K, top_n] float32
+    prompt: PromptLogprobs | None = None  # prefills asked for prompt logprobs only
 
 
 def one_token_output(logits, rows: SamplingRows, tok, top_n: int) -> StepOutput:
     lp, ids, tlp = token_logprobs(logits, rows, tok, top_n)
     B = tok.shape[0]
     return StepOutput(tok[:, None], jnp.zeros(B, jnp.int32), lp[:, None], ids[:, None], tlp[:, None])
+
+
+def prompt_logprobs(params, cfg: ModelConfig, hidden_normed, next_tokens, top_n: int) -> PromptLogprobs:
+    """Logits at every prefill token (a [T, V] lm_head: only compiled into prefills that need it)
+    and the logprob of the token after each; temperature 1, no penalties: the model's own score."""
+    from jspec.models.llama import compute_logits
+
+    logits = compute_logits(params, cfg, hidden_normed)
+    T = next_tokens.shape[0]
+    lp, ids, tlp = token_logprobs(logits, SamplingRows(jnp.zeros((T, 7), jnp.float32), jnp.zeros(T, jnp.uint32)),
+                                  next_tokens, top_n)
+    return PromptLogprobs(lp, ids, tlp)
 
 
 def init_plain_carry(num_slots: int) -> PlainCarry:
@@ -70,16 +91,22 @@ def gather_slots(carry, slot_ids: jax.Array):
     return c._replace(seq_len=jnp.where(slot_ids == scratch, 0, c.seq_len))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "mode", "top_n"), donate_argnames=("state",))
-def plain_prefill_step(params, state: PlainState, batch: ForwardBatch, slot_ids, counts: PrefillCounts,
-                       rows: SamplingRows, *, cfg: ModelConfig, mode: AttentionMode, top_n: int = 0):
+@functools.partial(jax.jit, static_argnames=("cfg", "mode", "top_n", "with_prompt_logprobs"),
+                   donate_argnames=("state",))
+def plain_prefill_step(params, state: PlainState, batch: ForwardBatch, next_tokens, slot_ids, counts: PrefillCounts,
+                       rows: SamplingRows, *, cfg: ModelConfig, mode: AttentionMode, top_n: int = 0,
+                       with_prompt_logprobs: bool = False):
     """Prefills one ragged chunk batch. slot_ids [B]: carry slot of each sequence whose prompt
-    ends in this chunk (it receives the sampled first token), else the scratch slot."""
+    ends in this chunk (it receives the sampled first token), else the scratch slot.
+    next_tokens [T]: the prompt token after each token (scored when with_prompt_logprobs)."""
     kv, out = forward(params, cfg, state.target_kv, batch, mode)
     first, logits, pen = sample_first_tokens(out.logits, state.penalties, batch, slot_ids, counts, rows)
     c = state.carry
     carry = PlainCarry(c.next_token.at[slot_ids].set(first, mode="drop"), c.seq_len.at[slot_ids].set(batch.seq_lens, mode="drop"))
-    return PlainState(kv, carry, pen), one_token_output(logits, rows, first, top_n)
+    result = one_token_output(logits, rows, first, top_n)
+    if with_prompt_logprobs:
+        result = result._replace(prompt=prompt_logprobs(params, cfg, out.hidden, next_tokens, top_n))
+    return PlainState(kv, carry, pen), result
 
 
 def sample_first_tokens(logits, pen: PenaltyState, batch: ForwardBatch, slot_ids, counts: PrefillCounts,

@@ -1,8 +1,8 @@
 """Workers: the host-side owners of params, device state and compiled steps.
 
 Every worker offers the same interface to the scheduler, whatever the method:
-- prefill(chunks, following, slots, sampling, output_starts, first_chunks) -> StepOutput of the
-  first tokens (device)
+- prefill(chunks, following, slots, sampling, output_starts, first_chunks, with_prompt_logprobs)
+  -> StepOutput of the first tokens (device), with the prompt tokens' logprobs if asked
 - decode(slots, page_tables, sampling) -> StepOutput (device)
 (sampling: one (SamplingParams, seed) pair per chunk / slot)
 - kv_margin: KV positions past a request's verified length that one decode may write
@@ -85,8 +85,9 @@ class WorkerBase:
         for T in self.prefill_token_buckets(chunked_prefill_size):
             # One sequence of T tokens on the scratch page; `following` set, so no slot is touched.
             pages = [0] * (-(-T // self.page_size))
-            self.prefill([SeqChunk([0] * T, 0, pages)], [0], [None], [greedy])
-            n += 1
+            for with_prompt in (False, True):
+                self.prefill([SeqChunk([0] * T, 0, pages)], [0], [None], [greedy], with_prompt_logprobs=with_prompt)
+                n += 1
         for B, M in self.decode_buckets():
             self.decode([self.scratch_slot] * B, [[0] * M] * B, [greedy] * B)
             n += 1
@@ -118,7 +119,7 @@ class WorkerBase:
                                           allow_decode_only=False)
         mode = mode._replace(backend=self.backend)
         T, B = batch.tokens.shape[0], batch.seq_lens.shape[0]
-        draft_tokens = np.zeros(T, np.int32)  # the token after each row (for draft models)
+        draft_tokens = np.zeros(T, np.int32)  # the token after each row (draft inputs, prompt logprobs)
         finish_rows = np.full(B, T, np.int32)
         slot_ids = np.full(B, self.scratch_slot, np.int32)
         reset_slots = np.full(B, self.scratch_slot, np.int32)
@@ -172,12 +173,14 @@ class PlainWorker(WorkerBase):
         self.state = PlainState(create_kv_pool(cfg, int(num_pages), page_size, self.dtype), init_plain_carry(max_slots),
                                 init_penalty_state(max_slots, cfg.vocab_size))
 
-    def prefill(self, chunks, following, slots, sampling, output_starts=None, first_chunks=None):
-        batch, mode, _, _, slot_ids, counts = self._prefill_inputs(chunks, following, slots, output_starts,
-                                                                   first_chunks)
+    def prefill(self, chunks, following, slots, sampling, output_starts=None, first_chunks=None,
+                with_prompt_logprobs=False):
+        batch, mode, next_tokens, _, slot_ids, counts = self._prefill_inputs(chunks, following, slots, output_starts,
+                                                                             first_chunks)
         rows = _rows(sampling, slot_ids.shape[0])
-        self.state, out = plain_prefill_step(self.params, self.state, batch, slot_ids, counts, rows, cfg=self.cfg,
-                                             mode=mode, top_n=self.top_n)
+        self.state, out = plain_prefill_step(self.params, self.state, batch, next_tokens, slot_ids, counts, rows,
+                                             cfg=self.cfg, mode=mode, top_n=self.top_n,
+                                             with_prompt_logprobs=with_prompt_logprobs)
         return out
 
     def decode(self, slots, page_tables, sampling):
@@ -215,7 +218,8 @@ class EagleWorker(WorkerBase):
             init_penalty_state(max_slots, cfg.vocab_size),
         )
 
-    def prefill(self, chunks, following, slots, sampling, output_starts=None, first_chunks=None):
+    def prefill(self, chunks, following, slots, sampling, output_starts=None, first_chunks=None,
+                with_prompt_logprobs=False):
         from jspec.spec.eagle import spec_prefill_step
 
         batch, mode, draft_tokens, finish_rows, slot_ids, counts = self._prefill_inputs(
@@ -224,6 +228,7 @@ class EagleWorker(WorkerBase):
         self.state, out = spec_prefill_step(
             self.params, self.dparams, self.state, batch, draft_tokens, finish_rows, slot_ids, counts, rows,
             cfg=self.cfg, dcfg=self.dcfg, spec=self.spec, mode=mode, top_n=self.top_n,
+            with_prompt_logprobs=with_prompt_logprobs,
         )
         return out
 

@@ -29,6 +29,10 @@ class Request:
     text: str = ""  # streamed text so far (stop strings trimmed)
     output_logprobs: list[float] = dataclasses.field(default_factory=list)  # if params.return_logprob
     output_top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    # Prompt logprobs (params.wants_prompt_logprobs): entry j is prompt position logprob_start_len + j;
+    # position 0 has none (nothing precedes it).
+    input_logprobs: list[float | None] = dataclasses.field(default_factory=list)
+    input_top_logprobs: list[list[tuple[int, float]] | None] = dataclasses.field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None
     matched_stop: int | str | None = None
@@ -57,6 +61,21 @@ class Request:
     @property
     def budget_left(self) -> int:
         return self.params.max_new_tokens - len(self.output)
+
+    def record_prompt_logprobs(self, start: int, logprobs, top_ids, top_logprobs) -> None:
+        """logprobs[k] scores the prompt token at position start + 1 + k given the ones before it."""
+        first = self.params.logprob_start_len
+        if not self.input_logprobs:
+            self.input_logprobs = [None] * (len(self.prompt) - first)
+            self.input_top_logprobs = [None] * (len(self.prompt) - first)
+        n = self.params.top_logprobs_num
+        for k in range(len(logprobs)):
+            pos = start + 1 + k
+            if first <= pos < len(self.prompt):
+                self.input_logprobs[pos - first] = float(logprobs[k])
+                if n:
+                    self.input_top_logprobs[pos - first] = [
+                        (int(t), float(v)) for t, v in zip(top_ids[k][:n], top_logprobs[k][:n])]
 
     def append(self, tokens, logprobs=None, top_ids=None, top_logprobs=None) -> str:
         """Takes new tokens up to whatever ends the request (stop token, EOS, stop string,

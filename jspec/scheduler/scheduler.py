@@ -38,6 +38,11 @@ class PrefillBatch:
     output_starts: list[int] = dataclasses.field(default_factory=list)  # each request's prompt length
     first_chunks: list[bool] = dataclasses.field(default_factory=list)  # chunk starts its request's prefill
 
+    @property
+    def with_prompt_logprobs(self) -> bool:
+        """Some chunk scores prompt tokens (the prefill then computes logits at every token)."""
+        return any(r.params.wants_prompt_logprobs and c.start < len(r.prompt) for r, c in zip(self.reqs, self.chunks))
+
 
 @dataclasses.dataclass
 class DecodeBatch:
@@ -189,8 +194,10 @@ class Scheduler:
             # that followed in the request that wrote it; when this request's next token
             # differs, that one draft entry is stale, which can only lower acceptance.
             # Penalties count every prompt (and re-prefilled output) token on the device as the
-            # prefill runs over it, so a penalised request prefills all of its tokens itself.
-            m = self.prefix_cache.match_prefix(req.prefill_ids[:-1] if not req.params.has_penalties else [])
+            # prefill runs over it, and prompt logprobs come from the prefill's logits, so such
+            # requests prefill all of their tokens themselves.
+            own = req.params.has_penalties or req.params.wants_prompt_logprobs
+            m = self.prefix_cache.match_prefix(req.prefill_ids[:-1] if not own else [])
             self.prefix_cache.lock(m)
             req.cached_prefix, req.pages, req.num_shared_pages = m, list(m.pages), len(m.pages)
             req.prefilled = m.num_tokens
@@ -260,7 +267,15 @@ class Scheduler:
     def on_prefill_done(self, batch: PrefillBatch, out) -> list[Request]:
         """out: the prefill's StepOutput on the host (one token per row)."""
         touched = []
+        offset = 0  # chunks sit back to back in the batch's token axis
         for i, (req, following) in enumerate(zip(batch.reqs, batch.following)):
+            chunk = batch.chunks[i]
+            if out.prompt is not None and req.params.wants_prompt_logprobs and not req.finished:
+                n = len(chunk.tokens)
+                p = out.prompt
+                req.record_prompt_logprobs(chunk.start, p.logprobs[offset : offset + n],
+                                           p.top_ids[offset : offset + n], p.top_logprobs[offset : offset + n])
+            offset += len(chunk.tokens)
             req.inflight_outputs -= 1
             if following is None and not req.finished:
                 req.append(out.tokens[i, :1], out.logprobs[i], out.top_ids[i], out.top_logprobs[i])

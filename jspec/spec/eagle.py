@@ -50,7 +50,7 @@ from jspec.scheduler.batch_builder import bucket
 from jspec.penalties import PenaltyState, PrefillCounts, apply_tree_penalties, record_emitted
 from jspec.sampling import SamplingRows, token_logprobs
 from jspec.spec.accept import sampled_accept
-from jspec.steps import StepOutput, gather_slots, one_token_output, sample_first_tokens, slots_of
+from jspec.steps import StepOutput, gather_slots, one_token_output, prompt_logprobs, sample_first_tokens, slots_of
 from jspec.spec.tree import append_step, build_tree, expand_beams, start_candidates
 
 
@@ -112,10 +112,12 @@ def _draft_paged_forward(params, dparams, dcfg, dkv: KVPool, batch: ForwardBatch
     return KVPool(k, v), out
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "dcfg", "spec", "mode", "top_n"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("cfg", "dcfg", "spec", "mode", "top_n", "with_prompt_logprobs"),
+                   donate_argnames=("state",))
 def spec_prefill_step(
     params, dparams, state: SpecState, batch: ForwardBatch, draft_tokens, finish_rows, slot_ids,
-    counts: PrefillCounts, rows: SamplingRows, *, cfg: ModelConfig, dcfg, spec: SpecConfig, mode: AttentionMode, top_n: int = 0,
+    counts: PrefillCounts, rows: SamplingRows, *, cfg: ModelConfig, dcfg, spec: SpecConfig, mode: AttentionMode,
+    top_n: int = 0, with_prompt_logprobs: bool = False,
 ):
     """Target prefill (one ragged chunk batch) plus the draft's prefill of the same rows.
 
@@ -141,7 +143,10 @@ def spec_prefill_step(
         c.topk_ids.at[slot_ids].set(ids, mode="drop"),
         c.hidden.at[slot_ids].set(last.astype(c.hidden.dtype), mode="drop"),
     )
-    return SpecState(tkv, dkv, carry, pen), one_token_output(logits, rows, first, top_n)
+    result = one_token_output(logits, rows, first, top_n)
+    if with_prompt_logprobs:  # draft_tokens holds the prompt token after each token
+        result = result._replace(prompt=prompt_logprobs(params, cfg, out.hidden, draft_tokens, top_n))
+    return SpecState(tkv, dkv, carry, pen), result
 
 
 def _draft_tree(params, dparams, dcfg, spec: SpecConfig, draft_kv: KVPool, c: SpecCarry, page_tables, backend):
