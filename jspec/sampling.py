@@ -63,14 +63,39 @@ def row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
     return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)
 
 
-def sample_tokens(logits: jax.Array, rows: SamplingRows, positions: jax.Array) -> jax.Array:
+# What a batch's sampling needs, chosen on the host from its requests' SamplingParams (a static
+# argument of the steps): "greedy" = argmax only; "temperature" = Gumbel-max over the scaled logits;
+# "filtered" adds the vocabulary sort that top-k / top-p / min-p need. A row gets the same token
+# in every mode that covers it (the noise belongs to the token id, not to its sorted rank), so a
+# seeded request's output does not depend on what it is batched with.
+SAMPLING_MODES = ("greedy", "temperature", "filtered")
+
+
+def sampling_mode(params_list) -> str:
+    """The cheapest mode that samples every SamplingParams in params_list exactly."""
+    sampled = [p for p in params_list if p.temperature > 0]
+    if not sampled:
+        return "greedy"
+    if all(p.top_k <= 0 and p.top_p >= 1 and p.min_p <= 0 for p in sampled):
+        return "temperature"
+    return "filtered"
+
+
+def sample_tokens(logits: jax.Array, rows: SamplingRows, positions: jax.Array, mode: str = "filtered") -> jax.Array:
     """logits [B, V]; positions [B]: the sequence position of the token being sampled -> [B] int32."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    masked, order = filtered_logits(logits, rows.params)
+    if mode == "greedy":
+        return greedy
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(row_keys(rows.seeds, positions))
-    choice = jnp.argmax(masked + gumbel, axis=-1)
-    sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    return jnp.where(rows.params[:, TEMPERATURE] > 0, sampled, greedy)
+    t = rows.params[:, TEMPERATURE]
+    if mode == "temperature":
+        x = logits.astype(jnp.float32) / jnp.where(t > 0, t, 1.0)[:, None]
+        sampled = jnp.argmax(x + gumbel, axis=-1).astype(jnp.int32)
+    else:
+        masked, order = filtered_logits(logits, rows.params)
+        choice = jnp.argmax(masked + jnp.take_along_axis(gumbel, order, axis=-1), axis=-1)
+        sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jnp.where(t > 0, sampled, greedy)
 
 
 def token_logprobs(logits: jax.Array, rows: SamplingRows, tokens: jax.Array, top_n: int):

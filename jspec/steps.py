@@ -91,16 +91,16 @@ def gather_slots(carry, slot_ids: jax.Array):
     return c._replace(seq_len=jnp.where(slot_ids == scratch, 0, c.seq_len))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "mode", "top_n", "with_prompt_logprobs"),
+@functools.partial(jax.jit, static_argnames=("cfg", "mode", "top_n", "with_prompt_logprobs", "sampling"),
                    donate_argnames=("state",))
 def plain_prefill_step(params, state: PlainState, batch: ForwardBatch, next_tokens, slot_ids, counts: PrefillCounts,
                        rows: SamplingRows, *, cfg: ModelConfig, mode: AttentionMode, top_n: int = 0,
-                       with_prompt_logprobs: bool = False):
+                       with_prompt_logprobs: bool = False, sampling: str = "filtered"):
     """Prefills one ragged chunk batch. slot_ids [B]: carry slot of each sequence whose prompt
     ends in this chunk (it receives the sampled first token), else the scratch slot.
     next_tokens [T]: the prompt token after each token (scored when with_prompt_logprobs)."""
     kv, out = forward(params, cfg, state.target_kv, batch, mode)
-    first, logits, pen = sample_first_tokens(out.logits, state.penalties, batch, slot_ids, counts, rows)
+    first, logits, pen = sample_first_tokens(out.logits, state.penalties, batch, slot_ids, counts, rows, sampling)
     c = state.carry
     carry = PlainCarry(c.next_token.at[slot_ids].set(first, mode="drop"), c.seq_len.at[slot_ids].set(batch.seq_lens, mode="drop"))
     result = one_token_output(logits, rows, first, top_n)
@@ -110,18 +110,19 @@ def plain_prefill_step(params, state: PlainState, batch: ForwardBatch, next_toke
 
 
 def sample_first_tokens(logits, pen: PenaltyState, batch: ForwardBatch, slot_ids, counts: PrefillCounts,
-                        rows: SamplingRows):
+                        rows: SamplingRows, sampling: str):
     """A prefill's sampled tokens (the first token sits at position seq_len), after the chunk's
     tokens are counted for penalties: (tokens [B], penalised logits [B, V], new PenaltyState)."""
     pen = record_prefill(pen, batch.tokens, counts)
     logits = apply_penalties(logits, pen, slot_ids, rows.params)
-    first = sample_tokens(logits, rows, batch.seq_lens)
+    first = sample_tokens(logits, rows, batch.seq_lens, sampling)
     return first, logits, record_emitted(pen, slot_ids, first[:, None])
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "backend", "unroll_layers", "top_n"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("cfg", "backend", "unroll_layers", "top_n", "sampling"),
+                   donate_argnames=("state",))
 def plain_decode_step(params, state: PlainState, slot_ids, page_tables, rows: SamplingRows, *, cfg: ModelConfig,
-                      backend: str = "pallas", unroll_layers: bool = False, top_n: int = 0):
+                      backend: str = "pallas", unroll_layers: bool = False, top_n: int = 0, sampling: str = "filtered"):
     """One token for each slot in slot_ids [B]; page_tables [B, M] cover position seq_len."""
     B = slot_ids.shape[0]
     c = gather_slots(state.carry, slot_ids)
@@ -138,7 +139,7 @@ def plain_decode_step(params, state: PlainState, slot_ids, page_tables, rows: Sa
     )
     kv, out = forward(params, cfg, state.target_kv, batch, AttentionMode(True, 1, backend), unroll_layers=unroll_layers)
     logits = apply_penalties(out.logits, state.penalties, slot_ids, rows.params)
-    tok = sample_tokens(logits, rows, n + 1)
+    tok = sample_tokens(logits, rows, n + 1, sampling)
     new = PlainCarry(tok, n + 1)
     carry = jax.tree.map(lambda full, part: full.at[slot_ids].set(part), state.carry, new)
     pen = record_emitted(state.penalties, slot_ids, tok[:, None])

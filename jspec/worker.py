@@ -21,7 +21,7 @@ from jspec.paged_kv.allocator import PageAllocator
 from jspec.paged_kv.pool import create_kv_pool, kv_bytes_per_page
 from jspec.penalties import PrefillCounts, init_penalty_state
 from jspec.scheduler.batch_builder import SeqChunk, bucket, build_forward_batch
-from jspec.sampling import SamplingRows, sampling_rows
+from jspec.sampling import SAMPLING_MODES, SamplingRows, sampling_mode, sampling_rows
 from jspec.sampling_params import SamplingParams
 from jspec.steps import PlainState, init_plain_carry, plain_decode_step, plain_prefill_step
 
@@ -88,9 +88,12 @@ class WorkerBase:
             for with_prompt in (False, True):
                 self.prefill([SeqChunk([0] * T, 0, pages)], [0], [None], [greedy], with_prompt_logprobs=with_prompt)
                 n += 1
+        sampled = {"greedy": greedy, "temperature": (SamplingParams(temperature=1.0), 0),
+                   "filtered": (SamplingParams(temperature=1.0, top_p=0.9), 0)}
         for B, M in self.decode_buckets():
-            self.decode([self.scratch_slot] * B, [[0] * M] * B, [greedy] * B)
-            n += 1
+            for mode in SAMPLING_MODES:
+                self.decode([self.scratch_slot] * B, [[0] * M] * B, [sampled[mode]] * B)
+                n += 1
         jax.block_until_ready(jax.tree.leaves(self.state))
         return n
 
@@ -184,9 +187,13 @@ class PlainWorker(WorkerBase):
         return out
 
     def decode(self, slots, page_tables, sampling):
-        slot_ids, pt, rows = self._decode_inputs(slots, page_tables, sampling)
-        self.state, out = plain_decode_step(self.params, self.state, slot_ids, pt, rows, cfg=self.cfg,
-                                            backend=self.backend, top_n=self.top_n)
+        return self.decode_arrays(*self._decode_inputs(slots, page_tables, sampling),
+                                  sampling_mode(p for p, _ in sampling))
+
+    def decode_arrays(self, slot_ids, page_tables, rows, mode: str):
+        """decode() on prebuilt (bucketed) arrays: the launch alone."""
+        self.state, out = plain_decode_step(self.params, self.state, slot_ids, page_tables, rows, cfg=self.cfg,
+                                            backend=self.backend, top_n=self.top_n, sampling=mode)
         return out
 
 
@@ -233,11 +240,15 @@ class EagleWorker(WorkerBase):
         return out
 
     def decode(self, slots, page_tables, sampling):
+        return self.decode_arrays(*self._decode_inputs(slots, page_tables, sampling),
+                                  sampling_mode(p for p, _ in sampling))
+
+    def decode_arrays(self, slot_ids, page_tables, rows, mode: str):
+        """decode() on prebuilt (bucketed) arrays: the launch alone."""
         from jspec.spec.eagle import spec_decode_step
 
-        slot_ids, pt, rows = self._decode_inputs(slots, page_tables, sampling)
         self.state, out = spec_decode_step(
-            self.params, self.dparams, self.state, slot_ids, pt, rows,
-            cfg=self.cfg, dcfg=self.dcfg, spec=self.spec, backend=self.backend, top_n=self.top_n,
+            self.params, self.dparams, self.state, slot_ids, page_tables, rows,
+            cfg=self.cfg, dcfg=self.dcfg, spec=self.spec, backend=self.backend, top_n=self.top_n, sampling=mode,
         )
         return out

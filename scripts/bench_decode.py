@@ -191,7 +191,7 @@ def main():
         def step():
             # The engine's real decode step; timed calls run at contexts ctx - 64 .. ctx + 40.
             state["s"], out = plain_decode_step(weights, state["s"], slot_ids, page_tables, greedy_rows,
-                                                cfg=cfg)
+                                                cfg=cfg, sampling="greedy")
             return out.tokens
 
         try:

@@ -32,6 +32,7 @@ from jspec.models.eagle_loader import DraftConfig, init_random_draft_params
 from jspec.paged_kv.pool import KVPool
 from jspec.penalties import init_penalty_state
 from jspec.sampling import sampling_rows
+from jspec.sampling_params import SamplingParams
 from jspec.steps import PlainCarry, PlainState, plain_decode_step
 from jspec.spec.eagle import SpecCarry, SpecState, spec_decode_step
 
@@ -60,6 +61,9 @@ def main():
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--tiny", action="store_true", help="a tiny model: a CPU dry run of the script itself")
+    ap.add_argument("--sampling", action="store_true",
+                    help="also time each iteration with sampled, mixed, and sampled + penalties + top-5 logprobs rows")
+    ap.add_argument("--name", default="bench_spec", help="JSON file name under --out")
     args = ap.parse_args()
     cfg, dcfg, dtype, S, ctx = LLAMA_8B, EAGLE3_8B, jnp.bfloat16, args.page_size, args.context
     if args.tiny:
@@ -91,7 +95,7 @@ def main():
         result = dict(name="bench_spec", gpu=dev.device_kind, jax_version=jax.__version__, commit=git_commit(),
                       model="llama-3.1-8b shape + EAGLE-3 head shape, random bf16", page_size=S, rows=rows)
         os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, "bench_spec.json")
+        path = os.path.join(args.out, args.name + ".json")
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
         return path
@@ -102,12 +106,25 @@ def main():
         slot_ids = jnp.arange(B, dtype=jnp.int32)
         pt = jnp.asarray(pages)
         greedy_rows = jax.tree.map(jnp.asarray, sampling_rows([], [], B))
+        sampled_p = SamplingParams(temperature=0.8, top_p=0.95, top_k=50)
+        penalised_p = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, frequency_penalty=0.5,
+                                     presence_penalty=0.3, repetition_penalty=1.1, return_logprob=True,
+                                     top_logprobs_num=5)
+        # name -> (rows, sampling mode, top_n); the first is the baseline the others are compared with.
+        variants = {"greedy": (greedy_rows, "greedy", 0)}
+        if args.sampling:
+            seeds = list(range(B))
+            variants["sampled"] = (sampling_rows([sampled_p] * B, seeds, B), "filtered", 0)
+            variants["mixed"] = (sampling_rows([sampled_p, SamplingParams()] * (B // 2) + [sampled_p] * (B % 2),
+                                               seeds, B), "filtered", 0)
+            variants["sampled+penalties+top5"] = (sampling_rows([penalised_p] * B, seeds, B), "filtered", 5)
+        variants = {k: (jax.tree.map(jnp.asarray, r), m, t) for k, (r, m, t) in variants.items()}
         pen = init_penalty_state(B, cfg.vocab_size)
         box = {"s": PlainState(tkv, PlainCarry(jnp.zeros(B + 1, jnp.int32), jnp.full(B + 1, ctx, jnp.int32).at[B].set(0)),
                                pen)}
 
         def plain():
-            box["s"], out = plain_decode_step(params, box["s"], slot_ids, pt, greedy_rows, cfg=cfg)
+            box["s"], out = plain_decode_step(params, box["s"], slot_ids, pt, greedy_rows, cfg=cfg, sampling="greedy")
             return out.tokens
 
         jax.block_until_ready(plain())
@@ -124,38 +141,43 @@ def main():
                 jnp.asarray(rng.normal(size=(B + 1, cfg.hidden_size)), dtype),
             )
             st = {"s": SpecState(tkv, dkv, carry, pen)}
+            base_ms = None
+            for variant, (vrows, mode, top_n) in variants.items():
+                def iteration():
+                    st["s"], out = spec_decode_step(params, dparams, st["s"], slot_ids, pt, vrows, cfg=cfg, dcfg=dcfg,
+                                                    spec=spec, sampling=mode, top_n=top_n)
+                    return out.tokens
 
-            def iteration():
-                st["s"], out = spec_decode_step(params, dparams, st["s"], slot_ids, pt, greedy_rows, cfg=cfg, dcfg=dcfg,
-                                                spec=spec)
-                return out.tokens
-
-            try:
-                t0 = time.perf_counter()
-                jax.block_until_ready(iteration())
-                compile_s = time.perf_counter() - t0
-                # Reset lengths so every timed run sees the same context.
-                st["s"] = st["s"]._replace(carry=st["s"].carry._replace(
-                    seq_len=jnp.full(B + 1, ctx, jnp.int32).at[B].set(0)))
-                t_iter = timed(iteration, iters, 3)
-            except Exception as e:
-                print(f"FAILED B={B} {(steps, topk, ndt)}: {type(e).__name__}: {str(e)[:400]}", flush=True)
-                continue
-            finally:
-                tkv, dkv, pen = st["s"].target_kv, st["s"].draft_kv, st["s"].penalties
-            row = dict(batch=B, context=ctx, steps=steps, topk=topk, draft_tokens=ndt, iteration_ms=t_iter * 1e3,
-                       decode_step_ms=t_plain * 1e3, ratio=t_iter / t_plain, compile_s=compile_s,
-                       breakeven_accept_len=t_iter / t_plain)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            save()
+                try:
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(iteration())
+                    compile_s = time.perf_counter() - t0
+                    # Reset lengths so every timed run sees the same context.
+                    st["s"] = st["s"]._replace(carry=st["s"].carry._replace(
+                        seq_len=jnp.full(B + 1, ctx, jnp.int32).at[B].set(0)))
+                    t_iter = timed(iteration, iters, 3)
+                    st["s"] = st["s"]._replace(carry=st["s"].carry._replace(
+                        seq_len=jnp.full(B + 1, ctx, jnp.int32).at[B].set(0)))
+                except Exception as e:
+                    print(f"FAILED B={B} {(steps, topk, ndt)} {variant}: {type(e).__name__}: {str(e)[:400]}", flush=True)
+                    continue
+                finally:
+                    tkv, dkv, pen = st["s"].target_kv, st["s"].draft_kv, st["s"].penalties
+                base_ms = base_ms or t_iter * 1e3
+                row = dict(batch=B, context=ctx, steps=steps, topk=topk, draft_tokens=ndt, variant=variant,
+                           iteration_ms=t_iter * 1e3, decode_step_ms=t_plain * 1e3, ratio=t_iter / t_plain,
+                           vs_greedy=t_iter * 1e3 / base_ms, compile_s=compile_s)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                save()
 
     path = save()
     print(f"\nwrote {path}\n")
-    print(f"{'B':>3} {'(steps,topk,ndt)':>16} {'iter ms':>8} {'decode ms':>9} {'ratio':>6}")
+    print(f"{'B':>3} {'(steps,topk,ndt)':>16} {'variant':>22} {'iter ms':>8} {'decode ms':>9} {'ratio':>6} {'vs greedy':>9}")
     for r in rows:
         cfg_s = f"({r['steps']},{r['topk']},{r['draft_tokens']})"
-        print(f"{r['batch']:>3} {cfg_s:>16} {r['iteration_ms']:>8.3f} {r['decode_step_ms']:>9.3f} {r['ratio']:>6.2f}")
+        print(f"{r['batch']:>3} {cfg_s:>16} {r['variant']:>22} {r['iteration_ms']:>8.3f} {r['decode_step_ms']:>9.3f} "
+              f"{r['ratio']:>6.2f} {r['vs_greedy']:>9.3f}")
 
 
 if __name__ == "__main__":

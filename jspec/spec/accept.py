@@ -59,13 +59,14 @@ def greedy_accept(tree: DraftTree, target_argmax: jax.Array, num_steps: int) -> 
     return AcceptResult(accept_len, path, bonus, tokens)
 
 
-def sampled_accept(tree: DraftTree, node_logits: jax.Array, rows, first_pos: jax.Array, num_steps: int) -> AcceptResult:
+def sampled_accept(tree: DraftTree, node_logits: jax.Array, rows, first_pos: jax.Array, num_steps: int,
+                   mode: str = "filtered") -> AcceptResult:
     """Verification for any temperature: node_logits [B, N, V] (the target's logits after each
     node), rows: SamplingRows [B], first_pos [B]: position of the token after the root.
 
     The target draws its token after each node (the argmax for greedy rows, else a sample from
     its filtered distribution keyed by (request seed, position), the key plain decoding uses
-    there), and the walk accepts a child iff the draw equals it. Each emitted token is thus a
+    there; `mode` as in sampling.sample_tokens), and the walk accepts a child iff the draw equals it. Each emitted token is thus a
     draw from the target's conditional given the accepted prefix: exact speculative sampling
     for deterministic drafts (EAGLE's top-k tree, where the draft distribution is one-hot on
     its candidates, so min(1, p/q) acceptance and the residual p - q reduce to this), chain or
@@ -76,5 +77,5 @@ def sampled_accept(tree: DraftTree, node_logits: jax.Array, rows, first_pos: jax
     B, N, V = node_logits.shape
     node_rows = jax.tree.map(lambda a: jnp.repeat(a, N, axis=0), rows)
     draw_pos = (first_pos[:, None] + tree.depths).reshape(-1)
-    tokens = sample_tokens(node_logits.reshape(B * N, V), node_rows, draw_pos).reshape(B, N)
+    tokens = sample_tokens(node_logits.reshape(B * N, V), node_rows, draw_pos, mode).reshape(B, N)
     return greedy_accept(tree, tokens, num_steps)

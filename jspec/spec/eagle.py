@@ -112,12 +112,12 @@ def _draft_paged_forward(params, dparams, dcfg, dkv: KVPool, batch: ForwardBatch
     return KVPool(k, v), out
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "dcfg", "spec", "mode", "top_n", "with_prompt_logprobs"),
-                   donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("cfg", "dcfg", "spec", "mode", "top_n", "with_prompt_logprobs",
+                                             "sampling"), donate_argnames=("state",))
 def spec_prefill_step(
     params, dparams, state: SpecState, batch: ForwardBatch, draft_tokens, finish_rows, slot_ids,
     counts: PrefillCounts, rows: SamplingRows, *, cfg: ModelConfig, dcfg, spec: SpecConfig, mode: AttentionMode,
-    top_n: int = 0, with_prompt_logprobs: bool = False,
+    top_n: int = 0, with_prompt_logprobs: bool = False, sampling: str = "filtered",
 ):
     """Target prefill (one ragged chunk batch) plus the draft's prefill of the same rows.
 
@@ -129,7 +129,7 @@ def spec_prefill_step(
     """
     capture = tuple(dcfg.capture_layers) if is_eagle3(dcfg) else ()
     tkv, out = forward(params, cfg, state.target_kv, batch, mode, capture_layers=capture)
-    first, logits, pen = sample_first_tokens(out.logits, state.penalties, batch, slot_ids, counts, rows)
+    first, logits, pen = sample_first_tokens(out.logits, state.penalties, batch, slot_ids, counts, rows, sampling)
     dtoks = draft_tokens.at[finish_rows].set(first, mode="drop")
     hidden = target_feature(dparams, dcfg, _target_features(dcfg, out))
     dkv, dout = _draft_paged_forward(params, dparams, dcfg, state.draft_kv, batch._replace(tokens=dtoks), mode, dtoks, hidden)
@@ -200,10 +200,11 @@ def _draft_tree(params, dparams, dcfg, spec: SpecConfig, draft_kv: KVPool, c: Sp
     return build_tree(cands.scores, cands.tokens, cands.parents, c.next_token, spec.num_draft_tokens)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "dcfg", "spec", "backend", "top_n"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("cfg", "dcfg", "spec", "backend", "top_n", "sampling"),
+                   donate_argnames=("state",))
 def spec_decode_step(
     params, dparams, state: SpecState, slot_ids, page_tables, rows: SamplingRows,
-    *, cfg: ModelConfig, dcfg, spec: SpecConfig, backend: str = "pallas", top_n: int = 0,
+    *, cfg: ModelConfig, dcfg, spec: SpecConfig, backend: str = "pallas", top_n: int = 0, sampling: str = "filtered",
 ):
     """One speculative iteration for the requests in slot_ids [B] (padding rows: the scratch slot).
 
@@ -239,7 +240,7 @@ def spec_decode_step(
     )
     node_logits = apply_tree_penalties(out.logits.reshape(B, N, -1), state.penalties, slot_ids, rows.params,
                                        tree.tokens, tree.mask)
-    acc = sampled_accept(tree, node_logits, rows, n + 1, steps)
+    acc = sampled_accept(tree, node_logits, rows, n + 1, steps, sampling)
     m = acc.accept_len
     depth = jnp.arange(steps + 1, dtype=jnp.int32)[None]
     valid = depth <= m[:, None]
