@@ -110,5 +110,5 @@ def generate(
         engine = Engine(model, spec=spec, draft=draft, page_size=page_size, num_pages=num_pages,
                         max_running_requests=max_running_requests, chunked_prefill_size=max_prefill_tokens,
                         attention_backend=attention_backend, disable_overlap_schedule=disable_overlap_schedule,
-                        seed=seed)
+                        max_top_logprobs=params.top_logprobs_num, seed=seed)
     return engine.generate(ids, params)
