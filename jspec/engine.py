@@ -28,7 +28,7 @@ from jspec.scheduler.detokenize import IncrementalDetokenizer, StopChecker
 from jspec.scheduler.request import Request
 from jspec.scheduler.scheduler import DecodeBatch, PrefillBatch, Scheduler
 from jspec.scheduler.sync import designated_read, start_host_copy
-from jspec.worker import EagleWorker, PlainWorker
+from jspec.worker import PlainWorker, SpecWorker
 
 
 @dataclasses.dataclass
@@ -102,8 +102,10 @@ class Engine:
         if spec is None:
             self.worker = PlainWorker(cfg, params, **kw)
         else:
-            dcfg, dparams = draft if draft is not None else _load_draft(self.model, spec)
-            self.worker = EagleWorker(cfg, params, dcfg, dparams, spec, **kw)
+            from jspec.spec.methods import make_method
+
+            method, dparams = make_method(spec, cfg, draft, dtype=params["embed"].dtype)
+            self.worker = SpecWorker(cfg, params, method, dparams, **kw)
         self.spec = spec
         self.worker.top_n = max_top_logprobs
         self.prefix_cache = None if disable_radix_cache else RadixCache(self.worker.allocator, page_size)
@@ -246,11 +248,3 @@ class Engine:
                 r.input_top_logprobs if r.params.wants_prompt_logprobs and r.params.top_logprobs_num else None,
             ))
         return results
-
-
-def _load_draft(model: Model, spec: SpecConfig):
-    if spec.draft_model_path is None:
-        raise ValueError(f"speculative algorithm {spec.algorithm} needs spec.draft_model_path or draft=(cfg, params)")
-    from jspec.models.eagle_loader import load_draft_model
-
-    return load_draft_model(spec.draft_model_path, model.cfg, dtype=model.params["embed"].dtype, algorithm=spec.algorithm)

@@ -197,45 +197,40 @@ class PlainWorker(WorkerBase):
         return out
 
 
-class EagleWorker(WorkerBase):
-    """EAGLE / EAGLE-3: target + draft pools and the speculative carry."""
+class SpecWorker(WorkerBase):
+    """Speculative decoding with any SpecMethod (spec/methods.py builds it from a SpecConfig):
+    the target pool, the method's draft state and the speculative carry."""
 
-    def __init__(self, cfg: ModelConfig, params, dcfg, dparams, spec: SpecConfig, *, page_size: int = 16,
+    def __init__(self, cfg: ModelConfig, params, method, dparams, *, page_size: int = 16,
                  num_pages: int | None = None, max_slots: int = 64, kv_memory_bytes: int | None = None,
                  attention_backend: str | None = None):
-        from jspec.models.eagle import layer_config
-        from jspec.spec.eagle import SpecState, init_carry, spec_kv_margin
+        from jspec.spec.method import init_spec_state
 
-        dlayer = layer_config(dcfg)
         if num_pages is None:
             dtype = params["embed"].dtype
-            per_page = kv_bytes_per_page(cfg, page_size, dtype) + kv_bytes_per_page(dlayer, page_size, dtype)
+            per_page = kv_bytes_per_page(cfg, page_size, dtype) + method.draft_kv_bytes_per_page(page_size, dtype)
             num_pages = max(2, (kv_memory_bytes or DEFAULT_KV_BYTES) // per_page)
         super().__init__(cfg, params, page_size=page_size, num_pages=num_pages, max_slots=max_slots,
                          attention_backend=attention_backend)
         from jspec.models.llama import unstack_layers
 
-        self.dcfg, self.dparams, self.spec = dcfg, unstack_layers(dparams), spec
-        self.kv_margin = spec_kv_margin(spec)
-        self.max_emit = spec.num_steps + 1
-        self.state = SpecState(
-            create_kv_pool(cfg, int(num_pages), page_size, self.dtype),
-            create_kv_pool(dlayer, int(num_pages), page_size, self.dtype),
-            init_carry(max_slots, spec.eagle_topk, dcfg.hidden_size, self.dtype),
-            init_penalty_state(max_slots, cfg.vocab_size),
-        )
+        self.method, self.spec = method, method.spec
+        self.dparams = unstack_layers(dparams) if isinstance(dparams, dict) and "layers" in dparams else dparams
+        self.kv_margin = method.kv_margin
+        self.max_emit = method.spec.num_steps + 1
+        self.state = init_spec_state(method, create_kv_pool(cfg, int(num_pages), page_size, self.dtype), max_slots,
+                                     int(num_pages), page_size, self.dtype, init_penalty_state(max_slots, cfg.vocab_size))
 
     def prefill(self, chunks, following, slots, sampling, output_starts=None, first_chunks=None,
                 with_prompt_logprobs=False):
-        from jspec.spec.eagle import spec_prefill_step
+        from jspec.spec.method import spec_prefill_step
 
         batch, mode, draft_tokens, finish_rows, slot_ids, counts = self._prefill_inputs(
             chunks, following, slots, output_starts, first_chunks)
         rows = _rows(sampling, slot_ids.shape[0])
         self.state, out = spec_prefill_step(
             self.params, self.dparams, self.state, batch, draft_tokens, finish_rows, slot_ids, counts, rows,
-            cfg=self.cfg, dcfg=self.dcfg, spec=self.spec, mode=mode, top_n=self.top_n,
-            with_prompt_logprobs=with_prompt_logprobs,
+            cfg=self.cfg, method=self.method, mode=mode, top_n=self.top_n, with_prompt_logprobs=with_prompt_logprobs,
         )
         return out
 
@@ -245,10 +240,10 @@ class EagleWorker(WorkerBase):
 
     def decode_arrays(self, slot_ids, page_tables, rows, mode: str):
         """decode() on prebuilt (bucketed) arrays: the launch alone."""
-        from jspec.spec.eagle import spec_decode_step
+        from jspec.spec.method import spec_decode_step
 
         self.state, out = spec_decode_step(
             self.params, self.dparams, self.state, slot_ids, page_tables, rows,
-            cfg=self.cfg, dcfg=self.dcfg, spec=self.spec, backend=self.backend, top_n=self.top_n, sampling=mode,
+            cfg=self.cfg, method=self.method, backend=self.backend, top_n=self.top_n, sampling=mode,
         )
         return out

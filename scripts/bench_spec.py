@@ -34,7 +34,8 @@ from jspec.penalties import init_penalty_state
 from jspec.sampling import sampling_rows
 from jspec.sampling_params import SamplingParams
 from jspec.steps import PlainCarry, PlainState, plain_decode_step
-from jspec.spec.eagle import SpecCarry, SpecState, spec_decode_step
+from jspec.spec.eagle import EagleExtra, EagleMethod
+from jspec.spec.method import SpecCarry, SpecState, spec_decode_step
 
 EAGLE3_8B = DraftConfig(
     algorithm="EAGLE3", hidden_size=4096, intermediate_size=14336, num_heads=32, num_kv_heads=8, head_dim=128,
@@ -133,19 +134,22 @@ def main():
         print(f"B={B} plain decode {t_plain * 1e3:.3f} ms", flush=True)
         for steps, topk, ndt in configs:
             spec = SpecConfig("EAGLE3", num_steps=steps, eagle_topk=topk, num_draft_tokens=ndt)
+            method = EagleMethod(spec, dcfg)
             carry = SpecCarry(
                 jnp.asarray(rng.integers(0, cfg.vocab_size, B + 1), jnp.int32),
                 jnp.full(B + 1, ctx, jnp.int32).at[B].set(0),
-                jax.nn.softmax(jnp.asarray(rng.normal(size=(B + 1, topk)), jnp.float32), -1),
-                jnp.asarray(rng.integers(0, cfg.vocab_size, (B + 1, topk)), jnp.int32),
-                jnp.asarray(rng.normal(size=(B + 1, cfg.hidden_size)), dtype),
+                EagleExtra(
+                    jax.nn.softmax(jnp.asarray(rng.normal(size=(B + 1, topk)), jnp.float32), -1),
+                    jnp.asarray(rng.integers(0, cfg.vocab_size, (B + 1, topk)), jnp.int32),
+                    jnp.asarray(rng.normal(size=(B + 1, cfg.hidden_size)), dtype),
+                ),
             )
             st = {"s": SpecState(tkv, dkv, carry, pen)}
             base_ms = None
             for variant, (vrows, mode, top_n) in variants.items():
                 def iteration():
-                    st["s"], out = spec_decode_step(params, dparams, st["s"], slot_ids, pt, vrows, cfg=cfg, dcfg=dcfg,
-                                                    spec=spec, sampling=mode, top_n=top_n)
+                    st["s"], out = spec_decode_step(params, dparams, st["s"], slot_ids, pt, vrows, cfg=cfg,
+                                                    method=method, sampling=mode, top_n=top_n)
                     return out.tokens
 
                 try:
@@ -162,7 +166,7 @@ def main():
                     print(f"FAILED B={B} {(steps, topk, ndt)} {variant}: {type(e).__name__}: {str(e)[:400]}", flush=True)
                     continue
                 finally:
-                    tkv, dkv, pen = st["s"].target_kv, st["s"].draft_kv, st["s"].penalties
+                    tkv, dkv, pen = st["s"].target_kv, st["s"].draft, st["s"].penalties
                 base_ms = base_ms or t_iter * 1e3
                 row = dict(batch=B, context=ctx, steps=steps, topk=topk, draft_tokens=ndt, variant=variant,
                            iteration_ms=t_iter * 1e3, decode_step_ms=t_plain * 1e3, ratio=t_iter / t_plain,

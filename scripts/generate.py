@@ -20,6 +20,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import jspec
+from jspec.cli_args import add_speculative_args, spec_config_from_args
 
 DEFAULT_MODEL_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jspec", "tiny-llama")
 
@@ -34,11 +35,7 @@ def main(argv=None):
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0, help="0 = no limit")
     ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page (a power of two)")
-    ap.add_argument("--speculative-algorithm", choices=["EAGLE", "EAGLE3"], help="speculative decoding method")
-    ap.add_argument("--speculative-draft-model-path", help="local EAGLE / EAGLE-3 head checkpoint")
-    ap.add_argument("--speculative-num-steps", type=int, default=3, help="draft depth per iteration")
-    ap.add_argument("--speculative-eagle-topk", type=int, default=1, help="branching per draft step (1 = chain)")
-    ap.add_argument("--speculative-num-draft-tokens", type=int, help="tree nodes verified per iteration")
+    add_speculative_args(ap)
     ap.add_argument("--disable-overlap-schedule", action="store_true", help="the synchronous reference loop")
     args = ap.parse_args(argv)
 
@@ -51,14 +48,7 @@ def main(argv=None):
         path = DEFAULT_MODEL_DIR
         print(f"[jspec] using the embedded tiny random-weight model at {path} (its text is gibberish)")
     prompts = args.prompt or ["The quick brown fox", "jspec speculates"]
-    spec = None
-    if args.speculative_algorithm:
-        if not args.speculative_draft_model_path:
-            ap.error("--speculative-algorithm needs --speculative-draft-model-path")
-        spec = jspec.SpecConfig(
-            args.speculative_algorithm, args.speculative_draft_model_path, args.speculative_num_steps,
-            args.speculative_eagle_topk, args.speculative_num_draft_tokens,
-        )
+    spec = spec_config_from_args(args, ap)
     model = jspec.load(path)
     engine = jspec.Engine(model, spec=spec, page_size=args.page_size,
                           disable_overlap_schedule=args.disable_overlap_schedule, seed=args.seed)

@@ -140,7 +140,7 @@ def test_over_allocation_never_writes_outside_reserved_pages():
     poison = 1e4
     runner.state = runner.state._replace(
         target_kv=jax.tree.map(lambda a: jnp.full_like(a, poison), runner.state.target_kv),
-        draft_kv=jax.tree.map(lambda a: jnp.full_like(a, poison), runner.state.draft_kv),
+        draft=jax.tree.map(lambda a: jnp.full_like(a, poison), runner.state.draft),
     )
     handed_out = set()
     alloc = runner.allocator.alloc
@@ -155,6 +155,6 @@ def test_over_allocation_never_writes_outside_reserved_pages():
     engine.check_idle_no_leaks()
     untouched = sorted(set(range(1, 64)) - handed_out)
     assert len(untouched) > 10
-    for pool in (runner.state.target_kv, runner.state.draft_kv):
+    for pool in (runner.state.target_kv, runner.state.draft):
         for cache in pool:
             assert bool(jnp.all(np.asarray(cache)[:, untouched] == poison))

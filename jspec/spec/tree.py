@@ -179,3 +179,20 @@ def child_links(parents: jax.Array) -> tuple[jax.Array, jax.Array]:
     later_sibling = (parents[..., :, None] == parents[..., None, :]) & (idx[None, :] > idx[:, None])
     next_sibling = jnp.where(later_sibling.any(-1), jnp.argmax(later_sibling, axis=-1), -1).astype(jnp.int32)
     return first_child, next_sibling
+
+
+def chains_tree(root_tokens: jax.Array, drafts: jax.Array) -> DraftTree:
+    """A root [B] plus `breadth` independent chains drafts [B, breadth, L] (a plain chain when
+    breadth is 1): the tree shape of drafts that are proposed whole rather than grown by beams."""
+    B, breadth, length = drafts.shape
+    parents = [-1]
+    for _ in range(breadth):
+        for i in range(length):
+            parents.append(0 if i == 0 else len(parents) - 1)
+    par = jnp.asarray(parents, jnp.int32)[None]
+    mask = ancestor_mask(par)
+    first_child, next_sibling = child_links(par)
+    rep = lambda a: jnp.broadcast_to(a, (B, *a.shape[1:]))  # noqa: E731
+    tokens = jnp.concatenate([root_tokens.astype(jnp.int32)[:, None], drafts.reshape(B, -1).astype(jnp.int32)], 1)
+    return DraftTree(tokens, rep(par), rep(mask.sum(-1, dtype=jnp.int32) - 1), rep(mask),
+                     rep(jnp.arange(len(parents), dtype=jnp.int32)[None] - 1), rep(first_child), rep(next_sibling))

@@ -1,0 +1,143 @@
+"""One speculative interface, several methods: NGRAM and STANDALONE are lossless, NGRAM's
+matcher equals a brute-force reference, and the shared code never names a method."""
+
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jspec
+from jspec.config import SpecConfig
+from jspec.models.loader import init_random_params
+from jspec.spec.ngram import match_candidates, match_candidates_ref
+from test_spec_eagle import TARGET, permutation_models, prompts
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ngram_matcher_equals_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    B, C = 6, 64
+    hist = rng.integers(0, 3 if seed % 2 else 5, (B, C)).astype(np.int32)  # few symbols: many matches
+    n = rng.integers(0, C, B).astype(np.int32)
+    lo, hi, breadth = 1 + seed % 2, 4 + seed, 3
+    ends, lens = match_candidates(jnp.asarray(hist), jnp.asarray(n), min_window=lo, max_window=hi, breadth=breadth)
+    for b in range(B):
+        ref_ends, ref_lens = match_candidates_ref(hist[b], int(n[b]), min_window=lo, max_window=hi, breadth=breadth)
+        assert list(np.asarray(ends[b])) == ref_ends and list(np.asarray(lens[b])) == ref_lens, b
+
+
+def run_pair(target, ps, spec, draft=None, page_size=16, overlap=True, max_new=16):
+    kw = dict(page_size=page_size, num_pages=128, max_running_requests=4, attention_backend="reference",
+              disable_overlap_schedule=not overlap)
+    base = jspec.generate((TARGET, target), ps, max_new_tokens=max_new, ignore_eos=True,
+                          engine=jspec.Engine((TARGET, target), **kw))
+    engine = jspec.Engine((TARGET, target), spec=spec, draft=draft, **kw)
+    out = jspec.generate((TARGET, target), ps, max_new_tokens=max_new, ignore_eos=True, engine=engine)
+    engine.check_idle_no_leaks()
+    for b, o in zip(base, out):
+        assert o.token_ids == b.token_ids
+    return float(np.mean([o.mean_accept_length for o in out]))
+
+
+@pytest.mark.parametrize("page_size,overlap,breadth", [(16, True, 1), (1, False, 1), (16, False, 2), (1, True, 3)])
+def test_ngram_is_lossless_and_accepts_repetitive_text(page_size, overlap, breadth):
+    # A target whose greedy next token cycles 0 -> 1 -> 2 -> 0 and 3 -> 4 -> 5 -> 6 -> 3: its output
+    # repeats what the prompt already holds, so the n-gram drafts are right almost every time.
+    perm = [1, 2, 0, 4, 5, 6, 3] + list(range(7, 64))
+    target, _, _ = permutation_models("EAGLE", perm=perm)
+    ps = [[0, 1, 2, 0, 1], [3, 4, 5, 6, 3, 4], [9, 9, 9, 1, 2]]
+    spec = SpecConfig("NGRAM", num_draft_tokens=1 + 4 * breadth, ngram_max_bfs_breadth=breadth)
+    acc = run_pair(target, ps, spec, page_size=page_size, overlap=overlap)
+    print(f"ngram repetitive breadth={breadth}: mean accept length {acc:.2f}")
+    assert acc >= 3.0
+
+
+def test_ngram_is_lossless_on_random_text():
+    target = init_random_params(TARGET, jax.random.key(1), jnp.float32)
+    acc = run_pair(target, prompts([3, 17, 30]), SpecConfig("NGRAM", num_draft_tokens=5))
+    print(f"ngram random text: mean accept length {acc:.2f}")
+    assert 1.0 <= acc < 2.0
+
+
+def small_draft_config():
+    import dataclasses
+
+    return dataclasses.replace(TARGET, num_layers=2, intermediate_size=32)
+
+
+@pytest.mark.parametrize("page_size,overlap,steps", [(16, True, 3), (1, False, 4), (16, False, 1)])
+def test_standalone_random_draft_is_lossless(page_size, overlap, steps):
+    target = init_random_params(TARGET, jax.random.key(1), jnp.float32)
+    dcfg = small_draft_config()
+    draft = (dcfg, init_random_params(dcfg, jax.random.key(9), jnp.float32))
+    acc = run_pair(target, prompts([3, 17, 30]), SpecConfig("STANDALONE", num_steps=steps), draft=draft,
+                   page_size=page_size, overlap=overlap)
+    print(f"standalone random draft steps={steps}: mean accept length {acc:.2f}")
+    assert acc >= 1.0
+
+
+@pytest.mark.parametrize("page_size,overlap", [(16, True), (1, False)])
+def test_standalone_draft_equal_to_target_accepts_everything(page_size, overlap):
+    target = init_random_params(TARGET, jax.random.key(1), jnp.float32)
+    steps = 3
+    acc = run_pair(target, prompts([3, 17, 30]), SpecConfig("STANDALONE", num_steps=steps), draft=(TARGET, target),
+                   page_size=page_size, overlap=overlap, max_new=4 * (steps + 1))
+    print(f"standalone draft == target: mean accept length {acc:.2f}")
+    assert acc == steps + 1
+
+
+def test_standalone_trees_and_mismatched_vocabularies_are_refused():
+    with pytest.raises(ValueError, match="STANDALONE speculation drafts a chain"):
+        SpecConfig("STANDALONE", num_steps=3, eagle_topk=2, num_draft_tokens=5)
+    import dataclasses
+
+    target = init_random_params(TARGET, jax.random.key(1), jnp.float32)
+    dcfg = dataclasses.replace(small_draft_config(), vocab_size=32)
+    with pytest.raises(ValueError, match="vocabulary"):
+        jspec.Engine((TARGET, target), spec=SpecConfig("STANDALONE"), draft=(dcfg, init_random_params(
+            dcfg, jax.random.key(2), jnp.float32)), num_pages=16, attention_backend="reference")
+
+
+SHARED = ["jspec/scheduler", "jspec/spec/verify.py", "jspec/spec/method.py", "jspec/spec/accept.py",
+          "jspec/engine.py", "jspec/worker.py", "jspec/async_engine.py", "jspec/steps.py"]
+
+
+def method_names_in_code(source: str) -> list[tuple[int, str]]:
+    """(line, text) of every identifier or string constant (docstrings aside) that names a method."""
+    import ast
+
+    names = re.compile(r"eagle(?!_topk)|ngram|standalone", re.IGNORECASE)  # eagle_topk: the tree width flag
+    tree = ast.parse(source)
+    docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                  if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
+                  and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    hits = []
+    for node in ast.walk(tree):
+        text = None
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            text = node.value
+        elif isinstance(node, ast.Name):
+            text = node.id
+        elif isinstance(node, ast.Attribute):
+            text = node.attr
+        elif isinstance(node, ast.alias):
+            text = node.name
+        if text is not None and names.search(text):
+            hits.append((getattr(node, "lineno", 0), text))
+    return hits
+
+
+def test_shared_code_never_branches_on_a_method_name():
+    root = pathlib.Path(__file__).resolve().parent.parent
+    hits = []
+    for entry in SHARED:
+        p = root / entry
+        for f in ([p] if p.is_file() else sorted(p.rglob("*.py"))):
+            hits += [f"{f.relative_to(root)}:{line}: {text}" for line, text in method_names_in_code(f.read_text())]
+    assert not hits, "shared code names a speculative method:\n" + "\n".join(hits)
+    # The check itself catches a branch on the name, in an identifier or a string.
+    assert method_names_in_code('if spec.algorithm == "NGRAM":\n    pass\n')
+    assert method_names_in_code("from jspec.spec.eagle import EagleMethod\n")
