@@ -56,6 +56,11 @@ class AsyncEngine:
             if not finished:
                 self.abort(rid)
 
+    @property
+    def alive(self) -> bool:
+        """The loop thread runs and has not crashed."""
+        return self._thread.is_alive() and self._error is None
+
     def abort(self, rid: str) -> None:
         self._inbox.put(("abort", rid))
 

@@ -69,6 +69,14 @@ class RequestOutput:
     new_text: str
     finished: bool
     finish_reason: str | None = None
+    # With params.return_logprob: the new tokens' logprobs and top-n (token id, logprob) pairs.
+    new_logprobs: list[float] | None = None
+    new_top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # all output tokens so far
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache
+    spec_verify_ct: int = 0  # speculative iterations so far (0 without speculation)
+    matched_stop: int | str | None = None
 
 
 @dataclasses.dataclass
@@ -186,16 +194,23 @@ class Engine:
         return _Launched(batch, out)
 
     def _process(self, launched: _Launched) -> list[RequestOutput]:
-        before = {id(r): (len(r.output), len(r.text)) for r in launched.batch.reqs}
+        before = {id(r): (len(r.output), len(r.text), len(r.output_logprobs), len(r.output_top_logprobs))
+                  for r in launched.batch.reqs}
         host = designated_read(launched.outputs)
         if isinstance(launched.batch, PrefillBatch):
             touched = self.scheduler.on_prefill_done(launched.batch, host)
         else:
             touched = self.scheduler.on_decode_done(launched.batch, host, self.spec is not None)
-        return [
-            RequestOutput(r.rid, r.output[before[id(r)][0]:], r.text[before[id(r)][1]:], r.finished, r.finish_reason)
-            for r in touched
-        ]
+        return [self._output(r, *before[id(r)]) for r in touched]
+
+    @staticmethod
+    def _output(r, n_out: int, n_text: int, n_lp: int, n_top: int) -> RequestOutput:
+        lp = r.params.return_logprob
+        return RequestOutput(
+            r.rid, r.output[n_out:], r.text[n_text:], r.finished, r.finish_reason,
+            r.output_logprobs[n_lp:] if lp else None, r.output_top_logprobs[n_top:] if lp else None,
+            len(r.prompt), len(r.output), r.num_cached_tokens, r.verify_ct, r.matched_stop,
+        )
 
     def drain(self) -> None:
         """Waits for and processes the step in flight (for shutdown and idle checks)."""

@@ -22,9 +22,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import jspec
 from jspec.cli_args import add_speculative_args, spec_config_from_args
 
-DEFAULT_MODEL_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jspec", "tiny-llama")
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", help="local HF checkpoint directory (default: the embedded tiny model)")
@@ -41,11 +38,9 @@ def main(argv=None):
 
     path = args.model_path
     if path is None:
-        from jspec.models.tiny import make_tiny_model
+        from jspec.models.tiny import default_model_path
 
-        if not os.path.isfile(os.path.join(DEFAULT_MODEL_DIR, "config.json")):
-            make_tiny_model(DEFAULT_MODEL_DIR)
-        path = DEFAULT_MODEL_DIR
+        path = default_model_path()
         print(f"[jspec] using the embedded tiny random-weight model at {path} (its text is gibberish)")
     prompts = args.prompt or ["The quick brown fox", "jspec speculates"]
     spec = spec_config_from_args(args, ap)

@@ -21,9 +21,12 @@ if [ ! -x .venv/bin/python ]; then
     echo "setup: jax 0.11.2 needs Python >= 3.12; none found (tried python3.12/3.13 and pyenv)" >&2; exit 1; }
   "$PY" -m venv .venv
 fi
-if ! .venv/bin/python -c "import jspec, jax, pytest; assert jax.__version__ == '0.11.2'" 2>/dev/null; then
+# Reinstall when pyproject.toml changed since the last install (a new dependency), or imports fail.
+DEPS_STAMP=".venv/.jspec-deps-$(sha256sum pyproject.toml | cut -c1-16)"
+if [ ! -f "$DEPS_STAMP" ] || ! .venv/bin/python -c "import jspec, jax, pytest; assert jax.__version__ == '0.11.2'" 2>/dev/null; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -e ".[test]"
+  rm -f .venv/.jspec-deps-* && touch "$DEPS_STAMP"
 fi
 
 if [ "${1:-}" = "--with-hf" ] && ! .venv-hf/bin/python -c "import torch, transformers" 2>/dev/null; then

@@ -249,3 +249,14 @@ def make_tiny_model(
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     return out_dir
+
+
+DEFAULT_MODEL_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jspec", "tiny-llama")
+
+
+def default_model_path() -> str:
+    """The embedded default model (scripts/generate.py and scripts/serve.py with no --model-path),
+    written once into ~/.cache/jspec/tiny-llama."""
+    if not os.path.isfile(os.path.join(DEFAULT_MODEL_DIR, "config.json")):
+        make_tiny_model(DEFAULT_MODEL_DIR)
+    return DEFAULT_MODEL_DIR

@@ -68,6 +68,11 @@ class Tokenizer:
             with open(os.path.join(self.path, "chat_template.jinja"), encoding="utf-8") as f:
                 template = f.read()
         self.chat_template: str | None = template
+        # The special tokens' text, as chat templates refer to them.
+        self.bos_token: str = _token_content(tok_cfg.get("bos_token")) or (
+            self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else "") or ""
+        self.eos_token: str = _token_content(tok_cfg.get("eos_token")) or (
+            self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else "") or ""
 
     def _lookup(self, tokens: Iterable[str | None]) -> list[int]:
         ids = [self._tok.token_to_id(t) for t in tokens if t]

@@ -1,0 +1,38 @@
+"""Renders a model's chat template (tokenizer_config.json's jinja2 source) into a prompt.
+
+A sandboxed jinja2 environment, as transformers renders them: templates are data from a
+checkpoint, so they get no access to Python beyond what the sandbox allows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from jspec.server.protocol import APIError
+
+
+def _raise(message: str):
+    raise TemplateError(message)
+
+
+@functools.lru_cache(maxsize=8)
+def _compile(source: str):
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise
+    return env.from_string(source)
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    if tokenizer is None or not tokenizer.chat_template:
+        raise APIError("this model has no chat template (tokenizer_config.json chat_template); "
+                       "use /v1/completions", param="messages")
+    try:
+        return _compile(tokenizer.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token,
+        )
+    except TemplateError as e:
+        raise APIError(f"chat template: {e}", param="messages") from None

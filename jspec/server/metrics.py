@@ -1,0 +1,47 @@
+"""Prometheus metrics of the server (prometheus_client: the reference implementation of the
+exposition format, so every scraper parses it).
+
+Counters and histograms are fed by the HTTP side as outputs stream out; engine state
+(requests running and waiting, KV pages used) is read when scraped.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48)
+
+
+class ServerMetrics:
+    def __init__(self, engine):
+        self.registry = r = CollectorRegistry()
+        self.prompt_tokens = Counter("jspec_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("jspec_generation_tokens", "Generated tokens", registry=r)
+        self.requests = Counter("jspec_requests", "Finished requests, by finish reason", ["finish_reason"],
+                                registry=r)
+        self.ttft = Histogram("jspec_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
+                              registry=r)
+        self.itl = Histogram("jspec_inter_token_latency_seconds", "Time between streamed outputs, per token",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("jspec_e2e_request_latency_seconds", "Request latency", buckets=LATENCY_BUCKETS + (
+            40.96, 81.92), registry=r)
+        self.accept_length = Histogram("jspec_spec_accept_length", "Tokens emitted per speculative iteration, "
+                                       "per finished request", buckets=tuple(range(1, 17)), registry=r)
+        sched, alloc = engine.scheduler, engine.worker.allocator
+        Gauge("jspec_num_requests_running", "Requests decoding or prefilling", registry=r).set_function(
+            lambda: len(sched.running) + len(sched.prefilling))
+        Gauge("jspec_num_requests_waiting", "Requests queued", registry=r).set_function(lambda: len(sched.waiting))
+        Gauge("jspec_kv_pages_used", "KV pages held (requests and prefix cache)", registry=r).set_function(
+            lambda: alloc.num_usable - alloc.num_free)
+        Gauge("jspec_kv_pages_total", "KV pages in the pool", registry=r).set_function(lambda: alloc.num_usable)
+
+    def finished(self, prompt_tokens: int, completion_tokens: int, reason: str | None, e2e_s: float,
+                 verify_ct: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.requests.labels(finish_reason=reason or "unknown").inc()
+        self.e2e.observe(e2e_s)
+        if verify_ct:
+            self.accept_length.observe(max(completion_tokens - 1, 0) / verify_ct)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

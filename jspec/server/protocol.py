@@ -1,0 +1,117 @@
+"""OpenAI- and SGLang-shaped request bodies, their validation, and OpenAI's error shape.
+
+Bodies are pydantic models (FastAPI's own validation): a known field of the wrong type is a
+400 with the field named; unknown fields are ignored, as OpenAI's API does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from jspec.sampling_params import SamplingParams
+
+
+class APIError(Exception):
+    """An error the client caused (or a missing resource): becomes OpenAI's error body."""
+
+    def __init__(self, message: str, status: int = 400, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = message, status, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = True
+
+
+class _Sampling(BaseModel):
+    """Sampling fields common to completions and chat (OpenAI's names plus SGLang's extensions)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    user: str | None = None
+
+    def sampling_params(self, max_new_tokens: int, return_logprob: bool, top_logprobs: int) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        try:
+            return SamplingParams(
+                max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                min_p=self.min_p, seed=self.seed, frequency_penalty=self.frequency_penalty,
+                presence_penalty=self.presence_penalty, repetition_penalty=self.repetition_penalty,
+                return_logprob=return_logprob, top_logprobs_num=top_logprobs, stop=stop,
+                stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, n=self.n,
+            )
+        except ValueError as e:
+            raise APIError(str(e), param=str(e).split(" ", 1)[0]) from None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None  # top-n logprobs per token (0: the chosen token's only)
+    echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+class GenerateRequest(BaseModel):
+    """SGLang's native /generate body."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    rid: str | None = None
+
+
+def message_text(m: ChatMessage) -> str:
+    """A message's text (OpenAI's content parts: only text parts are supported)."""
+    if m.content is None or isinstance(m.content, str):
+        return m.content or ""
+    parts = []
+    for part in m.content:
+        if part.get("type") != "text":
+            raise APIError(f"content part type {part.get('type')!r} is not supported (text only)", param="messages")
+        parts.append(str(part.get("text", "")))
+    return "".join(parts)
+
+
+FinishReason = Literal["stop", "length", "abort"]

@@ -1,0 +1,118 @@
+"""An OpenAI-compatible HTTP server for jspec, with SGLang's flag names.
+
+    python scripts/serve.py                       # the embedded tiny model on 127.0.0.1:30000
+    python scripts/serve.py --model-path DIR --speculative-algorithm EAGLE3 \\
+        --speculative-draft-model-path HEAD_DIR --speculative-num-steps 3 --speculative-eagle-topk 1 \\
+        --speculative-num-draft-tokens 4 --page-size 16
+
+Endpoints: /v1/completions, /v1/chat/completions, /v1/models (OpenAI), /generate (SGLang),
+/health, /metrics (Prometheus), /debug/state. SIGINT / SIGTERM stop it cleanly: running
+requests are aborted and the step in flight is drained.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from jspec.cli_args import add_speculative_args
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", help="local HF checkpoint directory (default: the embedded tiny model)")
+    ap.add_argument("--served-model-name", help="the model name clients send (default: the directory's name)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page (a power of two)")
+    ap.add_argument("--max-running-requests", type=int, default=32, help="requests decoded together at most")
+    ap.add_argument("--max-total-tokens", type=int,
+                    help="KV pool size in tokens (default: 256 MiB of KV, or what --mem-fraction-static gives)")
+    ap.add_argument("--mem-fraction-static", type=float,
+                    help="fraction of the accelerator's memory for weights + KV (GPU only)")
+    ap.add_argument("--chunked-prefill-size", type=int, default=512, help="prompt tokens prefilled per step at most")
+    ap.add_argument("--disable-overlap-schedule", action="store_true", help="run the synchronous loop instead")
+    ap.add_argument("--disable-radix-cache", action="store_true", help="no prefix cache")
+    ap.add_argument("--max-top-logprobs", type=int, default=5, help="largest top-n logprobs a request may ask for")
+    ap.add_argument("--tp-size", type=int, default=1, help="tensor parallelism (this version: 1)")
+    ap.add_argument("--attention-backend", choices=["pallas", "reference"], help="default: pallas")
+    ap.add_argument("--skip-warmup", action="store_true", help="compile lazily instead of at start-up")
+    ap.add_argument("--random-seed", type=int, default=0, help="seeds requests that bring none")
+    ap.add_argument("--log-level", default="info")
+    add_speculative_args(ap)
+    return ap
+
+
+def kv_pages(args, model, page_size: int) -> int | None:
+    """Pages for --max-total-tokens, or the rest of --mem-fraction-static after the weights."""
+    if args.max_total_tokens:
+        return -(-args.max_total_tokens // page_size) + 1
+    if args.mem_fraction_static:
+        import jax
+
+        from jspec.paged_kv.pool import kv_bytes_per_page
+
+        stats = jax.devices()[0].memory_stats() or {}
+        total = stats.get("bytes_limit")
+        if not total:
+            raise SystemExit("--mem-fraction-static needs an accelerator that reports its memory; "
+                             "use --max-total-tokens")
+        weights = sum(x.nbytes for x in jax.tree.leaves(model.params))
+        free = total * args.mem_fraction_static - weights
+        return max(2, int(free // (2 * kv_bytes_per_page(model.cfg, page_size, model.params["embed"].dtype))))
+    return None
+
+
+def main(argv=None) -> None:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    from jspec.cli_args import spec_config_from_args
+
+    spec = spec_config_from_args(args, ap)
+    if args.tp_size != 1:
+        ap.error("--tp-size > 1 is not supported in this version (tensor parallelism is issue 9's work)")
+    logging.basicConfig(level=args.log_level.upper(), format="[jspec] %(asctime)s %(levelname)s %(message)s")
+    log = logging.getLogger("jspec.serve")
+
+    import uvicorn
+
+    import jspec
+    from jspec.async_engine import AsyncEngine
+    from jspec.server.app import create_app
+
+    path = args.model_path
+    if path is None:
+        from jspec.models.tiny import default_model_path
+
+        path = default_model_path()
+        log.info("serving the embedded tiny random-weight model at %s (its text is gibberish)", path)
+    model = jspec.load(path)
+    engine = jspec.Engine(
+        model, spec=spec, page_size=args.page_size, max_running_requests=args.max_running_requests,
+        num_pages=kv_pages(args, model, args.page_size), chunked_prefill_size=args.chunked_prefill_size,
+        disable_overlap_schedule=args.disable_overlap_schedule, disable_radix_cache=args.disable_radix_cache,
+        max_top_logprobs=args.max_top_logprobs, attention_backend=args.attention_backend, seed=args.random_seed,
+    )
+    if not args.skip_warmup:
+        log.info("compiled %d programs", engine.warmup())
+    async_engine = AsyncEngine(engine)
+    name = args.served_model_name or os.path.basename(os.path.normpath(path))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        log.warning("shutting down: aborting running requests")
+        async_engine.shutdown()
+
+    app = create_app(async_engine, name, lifespan=lifespan)
+    log.info("serving %s on http://%s:%d", name, args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""scripts/serve.py as a real server on 127.0.0.1, driven by the official `openai` client.
+
+Texts equal jspec.generate's for the same greedy requests (with and without EAGLE-3);
+32 concurrent streams all finish, 8 that hang up mid-stream leave no KV held; every bad
+input gets its OpenAI-shaped error and the next good request still succeeds; /metrics
+parses with prometheus_client and moves; SIGTERM stops the server cleanly.
+"""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+import jspec
+from jspec.models.eagle_tiny import make_tiny_draft
+from jspec.models.tiny import make_tiny_model
+
+openai = pytest.importorskip("openai")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model_path, *extra):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(os.path.join(os.path.dirname(model_path), f"server-{self.port}.log"), "w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "scripts", "serve.py"), "--model-path", model_path,
+             "--port", str(self.port), "--attention-backend", "reference", "--skip-warmup", "--page-size", "4",
+             "--max-total-tokens", "4096", "--served-model-name", "tiny", "--max-running-requests", "40", "--log-level", "warning", *extra],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.output()}")
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=1)
+                break
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(0.3)
+        else:
+            raise RuntimeError(f"server did not come up: {self.output()}")
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()[-3000:]
+
+    def get(self, path):
+        with urllib.request.urlopen(self.url + path, timeout=30) as r:
+            return r.read().decode()
+
+    def post_raw(self, path, data: bytes):
+        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def stop(self) -> bool:
+        """SIGTERM; True if the server shut down cleanly in time (uvicorn re-raises the signal after
+        its graceful shutdown, so a clean exit is code 0 or -SIGTERM with the shutdown logged)."""
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(30)
+            return code in (0, -signal.SIGTERM) and "shutting down" in self.output()
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.log.close()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(str(tmp_path_factory.mktemp("srv") / "tiny"), seed=2)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    s = Server(model_dir)
+    yield s
+    assert s.stop()
+
+
+def reference(model_dir, prompts, max_new, spec=None):
+    return jspec.generate(model_dir, prompts, max_new_tokens=max_new, page_size=4, attention_backend="reference",
+                          spec=spec)
+
+
+def chat_prompt_ids(model_dir, messages):
+    from jspec.server.chat_template import render_chat
+
+    tok = jspec.load(model_dir).tokenizer
+    return tok.encode(render_chat(tok, messages), add_special_tokens=False)
+
+
+def check_openai_matches_generate(srv, model_dir, spec=None):
+    prompts = ["Hello there", "jspec"]
+    ref = reference(model_dir, prompts, 12, spec)
+    c = srv.client
+    for p, r in zip(prompts, ref):
+        got = c.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0)
+        assert got.choices[0].text == r.text
+        assert got.usage.completion_tokens == len(r.token_ids)
+        streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+            model="tiny", prompt=p, max_tokens=12, temperature=0, stream=True) if ch.choices)
+        assert streamed == r.text
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi!"}]
+    ref_chat = reference(model_dir, [chat_prompt_ids(model_dir, messages)], 10, spec)[0]
+    got = c.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+    assert got.choices[0].message.content == ref_chat.text
+    chunks = list(c.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == ref_chat.text
+    assert chunks[-1].usage.completion_tokens == len(ref_chat.token_ids)
+
+
+def test_openai_client_matches_generate(server, model_dir):
+    check_openai_matches_generate(server, model_dir)
+
+
+def test_openai_client_matches_generate_with_eagle(model_dir, tmp_path):
+    cfg = jspec.load(model_dir).cfg
+    draft = make_tiny_draft(str(tmp_path / "eagle3"), cfg, "EAGLE3", seed=4)
+    spec_flags = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", draft,
+                  "--speculative-num-steps", "3", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "5"]
+    srv = Server(model_dir, *spec_flags)
+    try:
+        spec = jspec.SpecConfig("EAGLE3", draft, num_steps=3, eagle_topk=2, num_draft_tokens=5)
+        check_openai_matches_generate(srv, model_dir, spec)
+        r = srv.post_raw("/generate", json.dumps({"text": "abc", "sampling_params": {
+            "max_new_tokens": 8, "temperature": 0}}).encode())[1]
+        assert r["meta_info"]["spec_verify_ct"] >= 1
+    finally:
+        assert srv.stop()
+
+
+def test_concurrent_streams_and_disconnects_leak_nothing(server, model_dir):
+    prompts = [f"request {i}: " + "xy" * (i % 7) for i in range(32)]
+    ref = {p: r.text for p, r in zip(prompts, reference(model_dir, prompts, 24))}
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+    async def full(p):
+        text = ""
+        async for ch in await client.completions.create(model="tiny", prompt=p, max_tokens=24, temperature=0,
+                                                         stream=True):
+            text += ch.choices[0].text if ch.choices else ""
+        return p, text
+
+    async def hang_up(i):
+        stream = await client.completions.create(model="tiny", prompt=f"leaver {i}", max_tokens=1500,
+                                                 temperature=0, stream=True, extra_body={"ignore_eos": True})
+        n = 0
+        async for _ in stream:
+            n += 1
+            if n == 3:
+                break
+        await stream.close()
+
+    async def main():
+        return await asyncio.gather(*[full(p) for p in prompts], *[hang_up(i) for i in range(8)])
+
+    results = asyncio.run(main())
+    for p, text in results[:32]:
+        assert text == ref[p], p
+    deadline = time.time() + 30
+    while True:
+        state = json.loads(server.get("/debug/state"))
+        if state["requests"] == 0 or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    assert state["requests"] == 0, state
+    assert state["kv_pages_free"] + state["kv_pages_cached"] == state["kv_pages_total"], state
+    assert state["request_slots_free"] == state["request_slots_total"], state
+
+
+def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(server, model_dir):
+    cases = [
+        (b'{"prompt": "hi", "max_tokens": 4', 400, "not valid JSON"),
+        (b'{"prompt": "hi", "max_tokens": "four"}', 400, "max_tokens"),
+        (json.dumps({"prompt": "x" * 5000, "max_tokens": 4}).encode(), 400, "context is 2048 tokens"),
+        (json.dumps({"prompt": "hi", "temperature": -1}).encode(), 400, "temperature"),
+        (json.dumps({"prompt": "hi", "top_p": 1.5}).encode(), 400, "top_p"),
+        (json.dumps({"prompt": "hi", "model": "gpt-17"}).encode(), 404, "does not exist"),
+        (json.dumps({"prompt": [1, 2, 99999]}).encode(), 400, "outside the vocabulary"),
+        (json.dumps({"prompt": "hi", "logprobs": 50}).encode(), 400, "max-top-logprobs"),
+    ]
+    for body, status, words in cases:
+        code, err = server.post_raw("/v1/completions", body)
+        assert code == status, (body[:60], code, err)
+        assert words in err["error"]["message"] and err["error"]["type"], err
+        ok = server.client.completions.create(model="tiny", prompt="still here?", max_tokens=3, temperature=0)
+        assert ok.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError):
+        server.client.chat.completions.create(model="tiny", messages=[], max_tokens=3)
+
+
+def test_metrics_parse_and_move(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def sample(name):
+        for fam in text_string_to_metric_families(server.get("/metrics")):
+            for s in fam.samples:
+                if s.name == name:
+                    return s.value
+        raise KeyError(name)
+
+    before = sample("jspec_generation_tokens_total"), sample("jspec_time_to_first_token_seconds_count")
+    server.client.completions.create(model="tiny", prompt="count me", max_tokens=5, temperature=0, logprobs=2)
+    after = sample("jspec_generation_tokens_total"), sample("jspec_time_to_first_token_seconds_count")
+    assert after[0] == before[0] + 5 and after[1] == before[1] + 1
+    assert sample("jspec_kv_pages_total") > 0
+
+
+def test_logprobs_and_native_generate(server, model_dir):
+    got = server.client.completions.create(model="tiny", prompt="abc", max_tokens=4, temperature=0, logprobs=3)
+    lp = got.choices[0].logprobs
+    assert len(lp.token_logprobs) == 4 and all(len(t) <= 3 for t in lp.top_logprobs)
+    code, r = server.post_raw("/generate", json.dumps({"text": "abc", "sampling_params": {
+        "max_new_tokens": 4, "temperature": 0}, "return_logprob": True}).encode())
+    assert code == 200 and r["output_ids"] == reference(model_dir, ["abc"], 4)[0].token_ids
+    assert len(r["meta_info"]["output_token_logprobs"]) == 4
+    code, r = server.post_raw("/generate", json.dumps({"text": "abc", "sampling_params": {"bogus": 1}}).encode())
+    assert code == 400 and "bogus" in r["error"]["message"]
