@@ -40,10 +40,23 @@ class Model:
     tokenizer: object = None
 
 
-def load(path: str | os.PathLike, dtype=None) -> Model:
+def load(path: str | os.PathLike, dtype=None, load_format: str = "auto") -> Model:
+    """load_format "dummy" (SGLang's name): random weights of config.json's shape, for benchmarks
+    of model shapes whose weights are not at hand."""
     from jspec.models.loader import load_model
     from jspec.models.tokenizer import load_tokenizer
 
+    if load_format == "dummy":
+        import jax
+        import jax.numpy as jnp
+
+        from jspec.models.loader import init_random_params
+
+        cfg = ModelConfig.from_pretrained(path)
+        dtype = dtype or (jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32)
+        return Model(cfg, init_random_params(cfg, jax.random.key(0), dtype), load_tokenizer(path))
+    if load_format != "auto":
+        raise ValueError(f"unknown load_format {load_format!r}; choose auto or dummy")
     cfg, params = load_model(path, dtype=dtype)
     return Model(cfg, params, load_tokenizer(path))
 

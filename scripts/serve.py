@@ -26,6 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", help="local HF checkpoint directory (default: the embedded tiny model)")
+    ap.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                    help="dummy: random weights of config.json's shape (benchmarks)")
     ap.add_argument("--served-model-name", help="the model name clients send (default: the directory's name)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)
@@ -91,7 +93,7 @@ def main(argv=None) -> None:
 
         path = default_model_path()
         log.info("serving the embedded tiny random-weight model at %s (its text is gibberish)", path)
-    model = jspec.load(path)
+    model = jspec.load(path, load_format=args.load_format)
     engine = jspec.Engine(
         model, spec=spec, page_size=args.page_size, max_running_requests=args.max_running_requests,
         num_pages=kv_pages(args, model, args.page_size), chunked_prefill_size=args.chunked_prefill_size,

@@ -366,7 +366,8 @@ def create_app(engine: AsyncEngine, model_name: str, lifespan=None) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "jspec",
-                                            "max_model_len": model.cfg.max_position_embeddings}]}
+                                            "max_model_len": model.cfg.max_position_embeddings,
+                                            "vocab_size": model.cfg.vocab_size}]}
 
     @app.get("/health")
     async def health():
