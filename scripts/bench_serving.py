@@ -147,6 +147,7 @@ def main():
     ap.add_argument("--sharegpt-max-output", type=int, default=512)
     ap.add_argument("--request-rate", default="inf", help="requests/s, or a comma list (e.g. 1,4,16,inf)")
     ap.add_argument("--max-concurrency", type=int)
+    ap.add_argument("--warmup-requests", type=int, default=0, help="sent (at once) and not measured, first")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output-file", help="write the results as JSON here")
     ap.add_argument("--tag", default="", help="a label stored with the results (e.g. 'eagle3 8b')")
@@ -164,6 +165,8 @@ def main():
         if not args.dataset_path:
             ap.error("--dataset-name sharegpt needs --dataset-path")
         requests = sharegpt_requests(args.dataset_path, args.num_prompts, args.seed, args.sharegpt_max_output)
+    if args.warmup_requests:  # compiles the shapes the measured runs meet; not reported
+        asyncio.run(run(args, requests[: args.warmup_requests], float("inf")))
     rows = []
     for rate in [float(r) for r in args.request_rate.split(",")]:
         row = asyncio.run(run(args, requests, rate))

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The serving benchmark of issue 7 on the GPU machine: serve.py with random weights of the
+# SmolLM2-135M and Llama-3.1-8B shapes (benchmarks/shapes/), speculation off and on (EAGLE-3
+# with a random head, so acceptance ~1: the figures show the serving path's overheads),
+# request rates 1, 4, 16 and inf. Results: $OUT_DIR/bench_serving.json (default benchmarks/results).
+#   bash scripts/bench_serving_gpu.sh [small|8b ...]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR=${OUT_DIR:-benchmarks/results}
+PY=${PY:-python}
+mkdir -p "$OUT_DIR" /tmp/jspec-heads
+for shape in ${@:-small 8b}; do
+  dir=benchmarks/shapes/$([ "$shape" = small ] && echo smollm2-135m || echo llama-3.1-8b)
+  head=/tmp/jspec-heads/$shape-eagle3
+  $PY -c "
+import jspec; from jspec.models.eagle_tiny import make_tiny_draft
+cfg = jspec.config.ModelConfig.from_pretrained('$dir'); make_tiny_draft('$head', cfg, 'EAGLE3', dtype='bfloat16')"
+  for spec in none eagle3; do
+    flags=()
+    [ "$spec" = eagle3 ] && flags=(--speculative-algorithm EAGLE3 --speculative-draft-model-path "$head"
+                                   --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4)
+    $PY scripts/serve.py --model-path "$dir" --load-format dummy --port 30000 --max-running-requests 64 \
+        --skip-warmup --log-level warning "${flags[@]}" & pid=$!
+    for _ in $(seq 300); do curl -sf localhost:30000/health >/dev/null && break; sleep 1; done
+    $PY scripts/bench_serving.py --port 30000 --num-prompts 48 --random-input-len 256 --random-output-len 128 \
+        --warmup-requests 64 --request-rate 1,4,16,inf --tag "$shape $spec" --output-file "$OUT_DIR/bench_serving.json"
+    kill -TERM $pid; wait $pid
+  done
+done
