@@ -74,6 +74,21 @@ def main():
         "NGRAM (8 tokens)": (jspec.SpecConfig("NGRAM", num_draft_tokens=8), None),
     }
     rows = []
+
+    def save():
+        """Writes the JSON after every row, so a run cut short still leaves its figures."""
+        base = {r["prompts"]: r["tok_per_s"] for r in rows if r["method"] == "none"}
+        for r in rows:
+            r["vs_no_spec"] = r["tok_per_s"] / base[r["prompts"]] if r["prompts"] in base else None
+        result = dict(name="bench_methods", gpu=dev.device_kind, jax_version=jax.__version__, commit=git_commit(),
+                      settings=dict(model="SmolLM2-135M shape, random weights", batch=B, new_tokens=new,
+                                    page_size=16, overlap=True), rows=rows)
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, "bench_methods.json")
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+        return path
+
     for name, (spec, draft) in methods.items():
         kv_bytes = 4 * cfg.num_layers * cfg.kv_size * 2 * (B * (128 + new + 64) + 1024)
         engine = jspec.Engine((cfg, params), spec=spec, draft=draft, page_size=16, max_running_requests=B,
@@ -84,22 +99,14 @@ def main():
             row = dict(method=name, prompts=which, batch=B, tok_per_s=tok_s, mean_accept_length=acc)
             rows.append(row)
             print(json.dumps(row), flush=True)
+            save()
         engine.check_idle_no_leaks()
-    base = {r["prompts"]: r["tok_per_s"] for r in rows if r["method"] == "none"}
-    for r in rows:
-        r["vs_no_spec"] = r["tok_per_s"] / base[r["prompts"]]
-    result = dict(name="bench_methods", gpu=dev.device_kind, jax_version=jax.__version__, commit=git_commit(),
-                  settings=dict(model="SmolLM2-135M shape, random weights", batch=B, new_tokens=new, page_size=16,
-                                overlap=True), rows=rows)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "bench_methods.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    path = save()
     print(f"\nwrote {path}\n")
     print(f"{'method':>20} {'prompts':>10} {'tok/s':>8} {'accept':>6} {'vs none':>7}")
     for r in rows:
         print(f"{r['method']:>20} {r['prompts']:>10} {r['tok_per_s']:>8.0f} {r['mean_accept_length']:>6.2f} "
-              f"{r['vs_no_spec']:>7.2f}")
+              f"{r['vs_no_spec'] or 0:>7.2f}")
 
 
 if __name__ == "__main__":
