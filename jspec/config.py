@@ -186,9 +186,6 @@ class SpecConfig:
             raise ValueError(f"speculative num_steps must be >= 1, got {self.num_steps}")
         if self.eagle_topk < 1:
             raise ValueError(f"speculative eagle_topk must be >= 1, got {self.eagle_topk}")
-        if self.algorithm == "STANDALONE" and self.eagle_topk != 1:
-            raise ValueError("STANDALONE speculation drafts a chain: eagle_topk must be 1 "
-                             f"(got {self.eagle_topk}); draft trees are EAGLE's and NGRAM's")
         if self.eagle_topk == 1:
             # A chain has exactly one node per step plus the root; SGLang forces the same.
             if self.num_draft_tokens not in (None, self.num_steps + 1):

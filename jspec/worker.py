@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jspec.config import ModelConfig, SpecConfig
+from jspec.config import ModelConfig
 from jspec.paged_kv.allocator import PageAllocator
 from jspec.paged_kv.pool import create_kv_pool, kv_bytes_per_page
 from jspec.penalties import PrefillCounts, init_penalty_state

@@ -68,30 +68,36 @@ def small_draft_config():
     return dataclasses.replace(TARGET, num_layers=2, intermediate_size=32)
 
 
-@pytest.mark.parametrize("page_size,overlap,steps", [(16, True, 3), (1, False, 4), (16, False, 1)])
-def test_standalone_random_draft_is_lossless(page_size, overlap, steps):
+@pytest.mark.parametrize("page_size,overlap,steps,topk,ndt", [(16, True, 3, 1, None), (1, False, 4, 1, None),
+                                                           (16, False, 1, 1, None), (4, True, 3, 2, 5),
+                                                           (1, False, 4, 3, 8)])
+def test_standalone_random_draft_is_lossless(page_size, overlap, steps, topk, ndt):
     target = init_random_params(TARGET, jax.random.key(1), jnp.float32)
     dcfg = small_draft_config()
     draft = (dcfg, init_random_params(dcfg, jax.random.key(9), jnp.float32))
-    acc = run_pair(target, prompts([3, 17, 30]), SpecConfig("STANDALONE", num_steps=steps), draft=draft,
-                   page_size=page_size, overlap=overlap)
-    print(f"standalone random draft steps={steps}: mean accept length {acc:.2f}")
+    spec = SpecConfig("STANDALONE", num_steps=steps, eagle_topk=topk, num_draft_tokens=ndt)
+    acc = run_pair(target, prompts([3, 17, 30]), spec, draft=draft, page_size=page_size, overlap=overlap)
+    print(f"standalone random draft steps={steps} topk={topk}: mean accept length {acc:.2f}")
     assert acc >= 1.0
 
 
-@pytest.mark.parametrize("page_size,overlap", [(16, True), (1, False)])
-def test_standalone_draft_equal_to_target_accepts_everything(page_size, overlap):
+# Trees keep every candidate (1 + k + (steps - 1) k^2 nodes): with fewer, EAGLE-2's selection by
+# cumulative probability may cut the deep end of the target's own path, as it should.
+@pytest.mark.parametrize("page_size,overlap,topk,ndt", [(16, True, 1, None), (1, False, 1, None), (4, True, 2, 11),
+                                                        (1, False, 3, 22)])
+def test_standalone_draft_equal_to_target_accepts_everything(page_size, overlap, topk, ndt):
     target = init_random_params(TARGET, jax.random.key(1), jnp.float32)
     steps = 3
-    acc = run_pair(target, prompts([3, 17, 30]), SpecConfig("STANDALONE", num_steps=steps), draft=(TARGET, target),
-                   page_size=page_size, overlap=overlap, max_new=4 * (steps + 1))
-    print(f"standalone draft == target: mean accept length {acc:.2f}")
-    assert acc == steps + 1
+    spec = SpecConfig("STANDALONE", num_steps=steps, eagle_topk=topk, num_draft_tokens=ndt)
+    acc = run_pair(target, prompts([3, 17, 30]), spec, draft=(TARGET, target), page_size=page_size, overlap=overlap,
+                   max_new=4 * (steps + 1))
+    print(f"standalone draft == target topk={topk}: mean accept length {acc:.2f}")
+    # A chain takes every draft; a tree's beams (top-k by cumulative probability) can drop the target's
+    # own path on near-flat random-weight distributions now and then.
+    assert acc == steps + 1 if topk == 1 else acc >= 0.9 * (steps + 1)
 
 
-def test_standalone_trees_and_mismatched_vocabularies_are_refused():
-    with pytest.raises(ValueError, match="STANDALONE speculation drafts a chain"):
-        SpecConfig("STANDALONE", num_steps=3, eagle_topk=2, num_draft_tokens=5)
+def test_standalone_mismatched_vocabularies_are_refused():
     import dataclasses
 
     target = init_random_params(TARGET, jax.random.key(1), jnp.float32)

@@ -1,4 +1,5 @@
-"""Speculative decoding: draft-tree construction (tree.py) and verification (accept.py)."""
+"""Speculative decoding: the method interface (method.py), methods (eagle.py, standalone.py, ngram.py),
+shared verification (verify.py, accept.py) and draft trees (tree.py, beams.py)."""
 
 from jspec.spec.accept import AcceptResult, greedy_accept
 from jspec.spec.tree import (

@@ -24,14 +24,12 @@ with the beam's own ancestors by log-sum-exp.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jspec.config import SpecConfig
-from jspec.models.attention import dense_attention_with_lse, merge_attention, paged_decode_with_lse
 from jspec.models.batch import AttentionMode, ForwardBatch
 from jspec.models.eagle import (
     draft_embed,
@@ -46,7 +44,8 @@ from jspec.models.llama import paged_attend, rope_cos_sin
 from jspec.paged_kv.pool import KVPool, create_kv_pool, kv_bytes_per_page
 from jspec.scheduler.batch_builder import bucket
 from jspec.spec.method import PrefillContext, SpecCarry, SpecMethod
-from jspec.spec.tree import append_step, build_tree, chains_tree, expand_beams, start_candidates
+from jspec.spec.beams import grow_beam_tree
+from jspec.spec.tree import chains_tree
 from jspec.spec.verify import Verified
 from jspec.steps import slots_of
 
@@ -152,52 +151,18 @@ def _draft_paged_forward(params, dparams, dcfg, dkv: KVPool, batch: ForwardBatch
 
 
 def _draft_tree(params, dparams, dcfg, spec: SpecConfig, draft_kv: KVPool, c: SpecCarry, page_tables, backend):
-    """num_steps - 1 draft forwards over topk beams, accumulating the EAGLE-2 tree candidates."""
+    """num_steps - 1 head forwards over topk beams (spec/beams.py), from the carry's top-k."""
     e = c.extra
-    B, K = e.topk_p.shape
-    steps = spec.num_steps
     lcfg = layer_config(dcfg)
-    n = c.seq_len
-    cands = start_candidates(e.topk_p, e.topk_ids)
-    H = e.hidden.shape[-1]
-    beam_hidden = jnp.broadcast_to(e.hidden[:, None, :], (B, K, H))
-    anc_shape = (dcfg.num_layers, B, K, max(steps - 1, 1), dcfg.num_kv_heads, dcfg.head_dim)
-    anc = (jnp.zeros(anc_shape, e.hidden.dtype), jnp.zeros(anc_shape, e.hidden.dtype))
-    beam_pages = jnp.repeat(page_tables, K, axis=0)
-    beam_prefix = jnp.repeat(n, K)
-    sm_scale = 1.0 / math.sqrt(dcfg.head_dim)
     embed = draft_embed(dparams, params)
-    for i in range(1, steps):
-        # Beams at depth i sit at position n + i - 1; they see the draft prefix
-        # 0..n-1 in the pool and their own ancestors at depths 1..i here.
-        def attend_for_layer(li, i=i):
-            def attend(q, k_new, v_new, anc):
-                ak = anc[0].at[li, :, :, i - 1].set(k_new.reshape(B, K, *k_new.shape[1:]))
-                av = anc[1].at[li, :, :, i - 1].set(v_new.reshape(B, K, *v_new.shape[1:]))
-                out_p, lse_p = paged_decode_with_lse(
-                    q, draft_kv.k, draft_kv.v, jnp.int32(li), beam_prefix, beam_pages, sm_scale=sm_scale, backend=backend
-                )
-                lk = ak[li].reshape(B * K, *ak.shape[3:])
-                lv = av[li].reshape(B * K, *av.shape[3:])
-                visible = jnp.broadcast_to(jnp.arange(lk.shape[1]) < i, (B * K, lk.shape[1]))
-                out_l, lse_l = dense_attention_with_lse(q, lk, lv, visible, sm_scale=sm_scale)
-                return merge_attention(out_p, lse_p, out_l, lse_l).astype(q.dtype), (ak, av)
+    K = spec.eagle_topk
 
-            return attend
-
-        pos = beam_prefix + (i - 1)
-        cos, sin = rope_cos_sin(lcfg, pos)
-        out, anc = draft_layers(
-            dparams, dcfg, embed, cands.beam_tokens.reshape(B * K), beam_hidden.reshape(B * K, H), cos, sin,
-            attend_for_layer, anc,
-        )
+    def step_fn(tokens, hidden, positions, attend_for_layer, anc):
+        cos, sin = rope_cos_sin(lcfg, positions)
+        out, anc = draft_layers(dparams, dcfg, embed, tokens, hidden, cos, sin, attend_for_layer, anc)
         p, ids = _draft_topk(dparams, dcfg, params, out, K)
-        step = expand_beams(cands.beam_scores, p.reshape(B, K, K), ids.reshape(B, K, K))
-        cands = append_step(cands, step)
-        # New beams continue from their parents: carry the parents' hidden and ancestors.
-        parent = step.beam_parent
-        beam_hidden = jnp.take_along_axis(out.reshape(B, K, H), parent[:, :, None], axis=1)
-        anc = tuple(
-            jnp.take_along_axis(a, parent[None, :, :, None, None, None], axis=2) for a in anc
-        )
-    return build_tree(cands.scores, cands.tokens, cands.parents, c.next_token, spec.num_draft_tokens)
+        return p, ids, out, anc
+
+    # Beams at depth i sit at position n + i - 1 (the draft's shifted convention): prefix 0..n-1.
+    return grow_beam_tree(c.next_token, e.topk_p, e.topk_ids, e.hidden, c.seq_len, page_tables, draft_kv, step_fn,
+                          num_steps=spec.num_steps, num_draft_tokens=spec.num_draft_tokens, backend=backend)

@@ -5,13 +5,17 @@ with its own paged KV pool, page for page beside the target's. Per iteration, wi
 x_n at position n and prev = x_{n-1}:
 
 - the draft runs [prev, root] at positions n-1, n (rewriting n-1 makes the pool whole
-  after an iteration that accepted every draft, whose last draft was never fed), takes
-  its argmax d_1, then feeds d_i at n+i for i = 1..num_steps-1: a chain root, d_1..d_S;
-- after verification, prev becomes the token at n + accepted; the draft KV at
-  n..n+accepted holds exactly the accepted tokens, so nothing needs recomputing.
+  after an iteration that accepted every draft, whose last draft was never fed);
+- chain (eagle_topk 1): it takes its argmax d_1, then feeds d_i at n+i for
+  i = 1..num_steps-1, writing the pool as it goes; after verification the draft KV at
+  n..n+accepted holds exactly the accepted tokens, so nothing needs recomputing;
+- tree (eagle_topk > 1): from its top-k after the root it grows EAGLE-2 beams
+  (spec/beams.py, ancestors' K/V kept off the pool), and after verification a
+  draft-extend writes the accepted tokens' KV into the pool.
+prev then becomes the token at n + accepted.
 
-Drafts are the draft's argmax: a deterministic proposal, so verification (the target's
-own draw at each node, matched against the drafts) stays exact for any temperature.
+Drafts are the draft's top tokens: a deterministic proposal, so verification (the
+target's own draw at each node, matched against the drafts) stays exact for any temperature.
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ import jax.numpy as jnp
 
 from jspec.config import ModelConfig, SpecConfig
 from jspec.models.batch import AttentionMode, ForwardBatch
-from jspec.models.llama import forward
+from jspec.models.llama import compute_logits, decoder_layer, forward, rms_norm, rope_cos_sin
 from jspec.paged_kv.pool import create_kv_pool, kv_bytes_per_page
+from jspec.scheduler.batch_builder import bucket
+from jspec.spec.beams import grow_beam_tree
 from jspec.spec.method import PrefillContext, SpecCarry, SpecMethod
 from jspec.spec.tree import chains_tree
 from jspec.spec.verify import Verified
@@ -63,6 +69,8 @@ class StandaloneMethod(SpecMethod):
             logits_indices=jnp.arange(B, dtype=jnp.int32) * 2 + 1,
         )
         dkv, out = forward(dparams, self.dcfg, dkv, first, AttentionMode(False, 2, backend))
+        if self.spec.eagle_topk > 1:
+            return dkv, self._beam_tree(dparams, dkv, c, out.logits, n, page_tables, backend)
         tok = jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
         drafts = [tok]
         for i in range(1, self.spec.num_steps):
@@ -77,7 +85,48 @@ class StandaloneMethod(SpecMethod):
             drafts.append(tok)
         return dkv, chains_tree(c.next_token, jnp.stack(drafts, axis=1)[:, None, :])
 
+    def _beam_tree(self, dparams, dkv, c: SpecCarry, root_logits, n, page_tables, backend):
+        dcfg, K = self.dcfg, self.spec.eagle_topk
+        layers = dparams["layers"]
+
+        def top(logits):
+            return jax.lax.top_k(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), K)
+
+        def step_fn(tokens, state, positions, attend_for_layer, anc):
+            cos, sin = rope_cos_sin(dcfg, positions)
+            x = dparams["embed"][tokens]
+            for i in range(dcfg.num_layers):
+                lp = layers[i] if isinstance(layers, (list, tuple)) else jax.tree.map(lambda a: a[i], layers)
+                x, anc = decoder_layer(dcfg, lp, x, rms_norm(x, lp["attn_norm"], dcfg.rms_norm_eps), cos, sin,
+                                       attend_for_layer(i), anc)
+            p, ids = top(compute_logits(dparams, dcfg, rms_norm(x, dparams["final_norm"], dcfg.rms_norm_eps)))
+            return p, ids.astype(jnp.int32), state, anc
+
+        p, ids = top(root_logits)
+        # Beams at depth i sit at position n + i and see the pool's 0..n (the root included).
+        return grow_beam_tree(c.next_token, p, ids.astype(jnp.int32), jnp.zeros((n.shape[0], 1), jnp.int32), n + 1,
+                              page_tables, dkv, step_fn, num_steps=self.spec.num_steps,
+                              num_draft_tokens=self.spec.num_draft_tokens, backend=backend)
+
     def update(self, params, dparams, dkv, c: SpecCarry, v: Verified, page_tables, slot_ids, backend):
+        if self.spec.eagle_topk > 1:
+            # The beams' K/V never reached the pool: write the accepted drafts' (n+1..n+m) now;
+            # the bonus at n+m+1 is the next root, which the next iteration feeds itself.
+            B, E = v.acc.tokens.shape
+            depth = jnp.arange(E, dtype=jnp.int32)[None]
+            pos = c.seq_len[:, None] + 1 + depth
+            accepted = depth < v.acc.accept_len[:, None]
+            drop = dkv.num_pages * dkv.page_size
+            extend = ForwardBatch(
+                tokens=jnp.where(accepted, v.acc.tokens, 0).reshape(-1),
+                positions=pos.reshape(-1),
+                slots=jnp.where(accepted, slots_of(page_tables, pos, dkv.page_size), drop).reshape(-1),
+                seq_lens=c.seq_len + 1 + E,
+                page_tables=page_tables,
+                query_start=jnp.arange(B + 1, dtype=jnp.int32) * E,
+                logits_indices=jnp.arange(B, dtype=jnp.int32) * E,
+            )
+            dkv, _ = forward(dparams, self.dcfg, dkv, extend, AttentionMode(False, bucket(E), backend))
         m = v.acc.accept_len
         prev = jnp.take_along_axis(v.acc.tokens, jnp.maximum(m - 1, 0)[:, None], axis=1)[:, 0]
         return dkv, jnp.where(m > 0, prev, c.next_token)
