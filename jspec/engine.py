@@ -253,9 +253,8 @@ class Engine:
         try:
             for p, sp in zip(prompts, plist):
                 sp.validate()
-                for k in range(sp.n):  # n completions: consecutive seeds (drawn ones when none is given)
-                    seed = None if sp.seed is None else (sp.seed + k) % 2**32
-                    rids.append(self.add_request(p, dataclasses.replace(sp, n=1, seed=seed)))
+                for one in sp.completions():
+                    rids.append(self.add_request(p, one))
         except Exception:
             for rid in rids:  # all or nothing: a bad prompt leaves no half-submitted batch behind
                 self.abort(rid)

@@ -65,6 +65,12 @@ class SamplingParams:
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
 
+    def completions(self) -> list["SamplingParams"]:
+        """The n single completions this asks for: seeds seed, seed+1, ... (each drawn apart when
+        no seed is given)."""
+        return [dataclasses.replace(self, n=1, seed=None if self.seed is None else (self.seed + k) % 2**32)
+                for k in range(self.n)]
+
     @property
     def wants_prompt_logprobs(self) -> bool:
         return self.return_logprob and self.logprob_start_len >= 0

@@ -23,7 +23,7 @@ from jspec.models.batch import AttentionMode, ForwardBatch
 from jspec.models.llama import forward
 from jspec.paged_kv.pool import KVPool
 from jspec.penalties import PenaltyState, PrefillCounts, apply_penalties, record_emitted, record_prefill
-from jspec.sampling import SamplingRows, sample_tokens, token_logprobs
+from jspec.sampling import NUM_PARAMS, SamplingRows, sample_tokens, token_logprobs
 
 
 class PlainCarry(NamedTuple):
@@ -69,7 +69,7 @@ def prompt_logprobs(params, cfg: ModelConfig, hidden_normed, next_tokens, top_n:
 
     logits = compute_logits(params, cfg, hidden_normed)
     T = next_tokens.shape[0]
-    lp, ids, tlp = token_logprobs(logits, SamplingRows(jnp.zeros((T, 7), jnp.float32), jnp.zeros(T, jnp.uint32)),
+    lp, ids, tlp = token_logprobs(logits, SamplingRows(jnp.zeros((T, NUM_PARAMS), jnp.float32), jnp.zeros(T, jnp.uint32)),
                                   next_tokens, top_n)
     return PromptLogprobs(lp, ids, tlp)
 

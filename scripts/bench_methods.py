@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench_decode import git_commit, random_params
-from bench_overlap import SMALL, SMALL_DRAFT
+from bench_overlap import SMALL, SMALL_DRAFT, TINY, TINY_DRAFT
 import jspec
 from jspec.models.eagle_loader import init_random_draft_params
 
@@ -50,12 +50,7 @@ def main():
     cfg, dcfg_e = SMALL, SMALL_DRAFT
     dtype, B, new = jnp.bfloat16, args.batch, args.new_tokens
     if args.tiny:
-        cfg = dataclasses.replace(SMALL, vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4,
-                                  num_heads=4, num_kv_heads=2, head_dim=16)
-        dcfg_e = dataclasses.replace(SMALL_DRAFT, vocab_size=512, draft_vocab_size=256, hidden_size=64,
-                                     intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16,
-                                     capture_layers=(1, 2, 3))
-        dtype, B, new = jnp.float32, 2, 12
+        cfg, dcfg_e, dtype, B, new = TINY, TINY_DRAFT, jnp.float32, 2, 12
     dev = jax.devices()[0]
     print(f"device {dev.device_kind}, jax {jax.__version__}", flush=True)
     params = random_params(cfg, dtype)

@@ -44,6 +44,13 @@ SMALL_DRAFT = dataclasses.replace(
     vocab_size=49152, draft_vocab_size=16384, capture_layers=(2, 15, 27), max_position_embeddings=2048,
 )
 
+# A few-layer model of the same family: CPU dry runs of the benchmark scripts (--tiny).
+TINY = dataclasses.replace(SMALL, vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
+                           num_kv_heads=2, head_dim=16)
+TINY_DRAFT = dataclasses.replace(SMALL_DRAFT, vocab_size=512, draft_vocab_size=256, hidden_size=64,
+                                 intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16,
+                                 capture_layers=(1, 2, 3))
+
 
 def run_workload(engine, B, prompt_len, new_tokens, seed):
     rng = np.random.default_rng(seed)
@@ -75,12 +82,7 @@ def main():
     if args.quick:
         cases = [("small", SMALL, SMALL_DRAFT, [1, 16])]
     if args.tiny:
-        tiny = dataclasses.replace(SMALL, vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4,
-                                   num_heads=4, num_kv_heads=2, head_dim=16)
-        tiny_draft = dataclasses.replace(SMALL_DRAFT, vocab_size=512, draft_vocab_size=256, hidden_size=64,
-                                         intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16,
-                                         capture_layers=(1, 2, 3))
-        cases, prompt_len, new_tokens = [("tiny", tiny, tiny_draft, [1, 4])], 16, 8
+        cases, prompt_len, new_tokens = [("tiny", TINY, TINY_DRAFT, [1, 4])], 16, 8
     rows = []
 
     def save():

@@ -95,14 +95,12 @@ def create_app(engine: AsyncEngine, model_name: str, lifespan=None) -> FastAPI:
         except (ValueError, TypeError) as e:
             raise APIError(str(e), param="prompt") from None
 
-    async def start(ids: list[int], params: SamplingParams, n: int, base_index: int):
-        """Submits n copies (consecutive seeds) and returns their streams, each already past its
+    async def start(ids: list[int], params: SamplingParams, base_index: int):
+        """Submits params.n copies (consecutive seeds) and returns their streams, each already past its
         first output, so that a request the engine refuses fails before any response is sent."""
         streams = []
         try:
-            for k in range(n):
-                seed = None if params.seed is None else (params.seed + k) % 2**32
-                p = SamplingParams(**{**params.__dict__, "n": 1, "seed": seed})
+            for k, p in enumerate(params.completions()):
                 agen = engine.stream(ids, p)
                 first = await agen.__anext__()
                 streams.append((base_index + k, agen, first))
@@ -183,6 +181,10 @@ def create_app(engine: AsyncEngine, model_name: str, lifespan=None) -> FastAPI:
                                  out.spec_verify_ct)
             yield i, out
 
+    def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
     def token_text(t: int) -> str:
         return tokenizer.decode([t], skip_special_tokens=False) if tokenizer is not None else str(t)
 
@@ -225,7 +227,7 @@ def create_app(engine: AsyncEngine, model_name: str, lifespan=None) -> FastAPI:
         streams = []
         try:
             for i, p in enumerate(ids):
-                streams += await start(p, params, body.n, i * body.n)
+                streams += await start(p, params, i * body.n)
         except APIError:
             for _, agen, _ in streams:
                 await agen.aclose()
@@ -240,8 +242,7 @@ def create_app(engine: AsyncEngine, model_name: str, lifespan=None) -> FastAPI:
                     "logprobs": completion_logprobs(c, n_top) if body.logprobs is not None else None}
                    for c in sorted(choices.values(), key=lambda c: c.index)]
             completion = sum(c.completion_tokens for c in choices.values())
-            return {**head, "choices": out, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                                                      "total_tokens": prompt_tokens + completion}}
+            return {**head, "choices": out, "usage": usage(prompt_tokens, completion)}
 
         async def events():
             completion = {}
@@ -257,8 +258,7 @@ def create_app(engine: AsyncEngine, model_name: str, lifespan=None) -> FastAPI:
                 if out.new_text or out.finished or choice["logprobs"]:
                     yield sse({**head, "choices": [choice]})
             total = sum(completion.values())
-            yield sse({**head, "choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": total,
-                                                         "total_tokens": prompt_tokens + total}})
+            yield sse({**head, "choices": [], "usage": usage(prompt_tokens, total)})
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -279,7 +279,7 @@ def create_app(engine: AsyncEngine, model_name: str, lifespan=None) -> FastAPI:
         ids = check_prompt(ids)
         max_new = body.max_completion_tokens or body.max_tokens or max(1, model.cfg.max_position_embeddings - len(ids))
         params = body.sampling_params(max_new, body.logprobs, n_top)
-        streams = await start(ids, params, body.n, 0)
+        streams = await start(ids, params, 0)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "created": created, "model": model_name}
         prompt_tokens = len(ids) * body.n
@@ -290,9 +290,7 @@ def create_app(engine: AsyncEngine, model_name: str, lifespan=None) -> FastAPI:
                     "logprobs": chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs) if body.logprobs else None}
                    for c in sorted(choices.values(), key=lambda c: c.index)]
             completion = sum(c.completion_tokens for c in choices.values())
-            return {**head, "object": "chat.completion", "choices": out,
-                    "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                              "total_tokens": prompt_tokens + completion}}
+            return {**head, "object": "chat.completion", "choices": out, "usage": usage(prompt_tokens, completion)}
 
         async def events():
             chunk = {**head, "object": "chat.completion.chunk"}
@@ -310,8 +308,7 @@ def create_app(engine: AsyncEngine, model_name: str, lifespan=None) -> FastAPI:
                         "index": i, "delta": {"content": out.new_text} if out.new_text else {},
                         "finish_reason": _openai_finish(out.finish_reason) if out.finished else None, "logprobs": lp}]})
             total = sum(completion.values())
-            yield sse({**chunk, "choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": total,
-                                                          "total_tokens": prompt_tokens + total}})
+            yield sse({**chunk, "choices": [], "usage": usage(prompt_tokens, total)})
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -335,7 +332,7 @@ def create_app(engine: AsyncEngine, model_name: str, lifespan=None) -> FastAPI:
             raise APIError(str(e), param="sampling_params") from None
         if params.n != 1:
             raise APIError("/generate takes n=1; send the request n times", param="sampling_params.n")
-        streams = await start(ids, params, 1, 0)
+        streams = await start(ids, params, 0)
 
         def meta(c: _Choice) -> dict:
             m = {"id": body.rid or "", "prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
