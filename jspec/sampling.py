@@ -41,22 +41,84 @@ def sampling_rows(params_list, seeds, rows: int) -> SamplingRows:
     return SamplingRows(out, s)
 
 
-def filtered_logits(logits: jax.Array, params: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Temperature, top-k, top-p and min-p applied: (masked logits sorted descending [B, V],
-    the vocabulary ids in that order [B, V]). Masked entries are -inf; the top token always stays."""
-    t = params[:, TEMPERATURE]
-    x = logits.astype(jnp.float32) / jnp.where(t > 0, t, 1.0)[:, None]
-    order = jnp.argsort(-x, axis=-1)
-    sx = jnp.take_along_axis(x, order, axis=-1)
-    probs = jax.nn.softmax(sx, axis=-1)
-    rank = jnp.arange(x.shape[-1])[None, :]
-    k = params[:, TOP_K].astype(jnp.int32)[:, None]
-    keep = (k <= 0) | (rank < k)
-    # top-p: keep a token while the mass of the tokens before it is below top_p.
-    keep &= (jnp.cumsum(probs, axis=-1) - probs) < params[:, TOP_P][:, None]
-    keep &= probs >= params[:, MIN_P][:, None] * probs[:, :1]
-    keep = keep.at[:, 0].set(True)
-    return jnp.where(keep, sx, -jnp.inf), order
+# Which filter a row's top-k / top-p / min-p keep: every filter keeps an upper set of the row's
+# logits (if a token is kept, so is every token with a larger logit), so a row's kept set is
+# {x >= threshold} and finding the threshold replaces sorting the vocabulary:
+#   count(x > x_i) < top_k,   mass(x > x_i) < top_p,   x_i - max(x) >= log(min_p).
+# Tokens with equal logits are kept or dropped together (as vLLM's threshold top-k does).
+TOP_K_CAP = 128  # mode "top_k" finds thresholds among each row's 128 largest logits
+_GROUP = 32  # ... which lie in the 128 groups of 32 logits with the largest maxima
+SEARCH_BITS = 4  # mode "filtered" settles this many bits of the threshold per pass over the row
+
+
+def _order_key(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 with the same order (negative floats have their bits flipped)."""
+    b = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(b >> 31 == 1, ~b, b | jnp.uint32(0x80000000))
+
+
+def _float_of_key(key: jax.Array) -> jax.Array:
+    b = jnp.where(key >> 31 == 1, key ^ jnp.uint32(0x80000000), ~key)
+    return jax.lax.bitcast_convert_type(b, jnp.float32)
+
+
+def _top_k_top_p_threshold_from_candidates(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """x [R, V] scaled logits -> [R] threshold for rows with 1 <= top_k <= TOP_K_CAP (-inf where
+    top_k <= 0: no top-k, and then no top-p either, as sampling_mode guarantees). The row's TOP_K_CAP
+    largest logits lie in the TOP_K_CAP groups with the largest maxima (a group whose maximum ranks
+    below that has TOP_K_CAP larger logits elsewhere), so a max per group, a top-k over the group
+    maxima and a sort of TOP_K_CAP * _GROUP candidates stand in for a sort of the vocabulary."""
+    R, V = x.shape
+    cap = min(TOP_K_CAP, V)
+    if V > TOP_K_CAP * _GROUP:
+        G = -(-V // _GROUP)
+        groups = jnp.pad(x, ((0, 0), (0, G * _GROUP - V)), constant_values=-jnp.inf).reshape(R, G, _GROUP)
+        _, best = jax.lax.top_k(groups.max(axis=-1), cap)
+        x_cand = jnp.take_along_axis(groups, best[:, :, None], axis=1).reshape(R, cap * _GROUP)
+    else:
+        x_cand = x
+    top = jax.lax.top_k(x_cand, cap)[0]  # [R, cap], descending
+    m = top[:, :1]
+    z = jnp.exp(x - m).sum(axis=-1, keepdims=True)
+    p = jnp.exp(top - m) / z
+    above = top[:, None, :] > top[:, :, None]  # [R, i, j]: candidate j's logit exceeds candidate i's
+    kept = (above.sum(-1) < top_k[:, None]) & ((jnp.where(above, p[:, None, :], 0.0).sum(-1) < top_p[:, None])
+                                              | (top_p[:, None] >= 1))
+    tau = jnp.min(jnp.where(kept, top, jnp.inf), axis=-1)
+    return jnp.where(top_k >= 1, tau, -jnp.inf)
+
+
+def _top_k_top_p_threshold_by_search(x: jax.Array, top_k: jax.Array, top_p: jax.Array, bits: int) -> jax.Array:
+    """x [R, V] -> [R] threshold for any top_k / top_p: the smallest float32 v with
+    count(x > v) < top_k and mass(x > v) < top_p (both fall as v grows), found digit by digit
+    over v's order key, `bits` bits per pass: 32 / bits passes, each over the whole row."""
+    m = x.max(axis=-1, keepdims=True)
+    e = jnp.exp(x - m)
+    z = e.sum(axis=-1, keepdims=True)
+    k = jnp.where(top_k > 0, top_k, jnp.inf)[:, None]
+    lowest, highest = _order_key(jnp.float32(-jnp.inf)), _order_key(jnp.float32(jnp.inf))
+    base = jnp.zeros(x.shape[0], jnp.uint32)  # every key below base fails
+    steps = jnp.arange(1, 2 ** bits, dtype=jnp.uint32)
+    for shift in range(32 - bits, -1, -bits):
+        keys = base[:, None] + (steps[None, :] << shift) - 1  # [R, J], never wraps: base's low bits are 0
+        v = _float_of_key(keys)
+        over = x[:, None, :] > v[:, :, None]  # [R, J, V]; XLA fuses it into the two reductions
+        ok = (over.sum(-1) < k) & ((jnp.where(over, e[:, None, :], 0.0).sum(-1) < top_p[:, None] * z)
+                                  | (top_p[:, None] >= 1))
+        ok = jnp.where(keys < lowest, False, jnp.where(keys > highest, True, ok))
+        base = base + ((~ok).sum(-1).astype(jnp.uint32) << shift)  # ok is monotone in the key
+    return _float_of_key(base)
+
+
+def keep_mask(x: jax.Array, params: jax.Array, mode: str, search_bits: int = SEARCH_BITS) -> jax.Array:
+    """x [R, V] temperature-scaled logits -> [R, V] bool: the tokens top-k, top-p and min-p keep."""
+    top_k, top_p = params[:, TOP_K].astype(jnp.int32), params[:, TOP_P]
+    if mode == "top_k":
+        tau = _top_k_top_p_threshold_from_candidates(x, top_k, top_p)
+    else:
+        tau = _top_k_top_p_threshold_by_search(x, top_k, top_p, search_bits)
+    m = x.max(axis=-1, keepdims=True)
+    return (x >= tau[:, None]) & (x - m >= jnp.log(params[:, MIN_P])[:, None])
 
 
 def row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
@@ -64,11 +126,13 @@ def row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
 
 
 # What a batch's sampling needs, chosen on the host from its requests' SamplingParams (a static
-# argument of the steps): "greedy" = argmax only; "temperature" = Gumbel-max over the scaled logits;
-# "filtered" adds the vocabulary sort that top-k / top-p / min-p need. A row gets the same token
-# in every mode that covers it (the noise belongs to the token id, not to its sorted rank), so a
-# seeded request's output does not depend on what it is batched with.
-SAMPLING_MODES = ("greedy", "temperature", "filtered")
+# argument of the steps): "greedy" = argmax only; "temperature" = Gumbel-max over the scaled
+# logits; "top_k" adds thresholds found among each row's TOP_K_CAP largest logits (every filtered
+# row has 1 <= top_k <= TOP_K_CAP); "filtered" finds them by a search over the whole row (any
+# top_k / top_p). A row gets the same token in every mode that covers it (the noise belongs to the
+# token id, and the modes keep the same tokens), so a seeded request's output does not depend on
+# what it is batched with.
+SAMPLING_MODES = ("greedy", "temperature", "top_k", "filtered")
 
 
 def sampling_mode(params_list) -> str:
@@ -78,6 +142,8 @@ def sampling_mode(params_list) -> str:
         return "greedy"
     if all(p.top_k <= 0 and p.top_p >= 1 and p.min_p <= 0 for p in sampled):
         return "temperature"
+    if all(1 <= p.top_k <= TOP_K_CAP or (p.top_k <= 0 and p.top_p >= 1) for p in sampled):
+        return "top_k"
     return "filtered"
 
 
@@ -88,13 +154,10 @@ def sample_tokens(logits: jax.Array, rows: SamplingRows, positions: jax.Array, m
         return greedy
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(row_keys(rows.seeds, positions))
     t = rows.params[:, TEMPERATURE]
-    if mode == "temperature":
-        x = logits.astype(jnp.float32) / jnp.where(t > 0, t, 1.0)[:, None]
-        sampled = jnp.argmax(x + gumbel, axis=-1).astype(jnp.int32)
-    else:
-        masked, order = filtered_logits(logits, rows.params)
-        choice = jnp.argmax(masked + jnp.take_along_axis(gumbel, order, axis=-1), axis=-1)
-        sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    x = logits.astype(jnp.float32) / jnp.where(t > 0, t, 1.0)[:, None]
+    if mode != "temperature":
+        x = jnp.where(keep_mask(x, rows.params, mode), x, -jnp.inf)
+    sampled = jnp.argmax(x + gumbel, axis=-1).astype(jnp.int32)
     return jnp.where(t > 0, sampled, greedy)
 
 

@@ -89,6 +89,7 @@ class WorkerBase:
                 self.prefill([SeqChunk([0] * T, 0, pages)], [0], [None], [greedy], with_prompt_logprobs=with_prompt)
                 n += 1
         sampled = {"greedy": greedy, "temperature": (SamplingParams(temperature=1.0), 0),
+                   "top_k": (SamplingParams(temperature=1.0, top_k=20), 0),
                    "filtered": (SamplingParams(temperature=1.0, top_p=0.9), 0)}
         for B, M in self.decode_buckets():
             for mode in SAMPLING_MODES:

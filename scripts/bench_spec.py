@@ -31,7 +31,7 @@ from jspec.models.llama import unstack_layers
 from jspec.models.eagle_loader import DraftConfig, init_random_draft_params
 from jspec.paged_kv.pool import KVPool
 from jspec.penalties import init_penalty_state
-from jspec.sampling import sampling_rows
+from jspec.sampling import sampling_mode, sampling_rows
 from jspec.sampling_params import SamplingParams
 from jspec.steps import PlainCarry, PlainState, plain_decode_step
 from jspec.spec.eagle import EagleExtra, EagleMethod
@@ -115,10 +115,14 @@ def main():
         variants = {"greedy": (greedy_rows, "greedy", 0)}
         if args.sampling:
             seeds = list(range(B))
-            variants["sampled"] = (sampling_rows([sampled_p] * B, seeds, B), "filtered", 0)
-            variants["mixed"] = (sampling_rows([sampled_p, SamplingParams()] * (B // 2) + [sampled_p] * (B % 2),
-                                               seeds, B), "filtered", 0)
-            variants["sampled+penalties+top5"] = (sampling_rows([penalised_p] * B, seeds, B), "filtered", 5)
+            top_p_p = SamplingParams(temperature=0.8, top_p=0.95)
+            for name, plist, top_n in (
+                    ("sampled", [sampled_p] * B, 0),
+                    ("mixed", [sampled_p, SamplingParams()] * (B // 2) + [sampled_p] * (B % 2), 0),
+                    ("sampled+penalties+top5", [penalised_p] * B, 5),
+                    ("temperature-only", [SamplingParams(temperature=0.8)] * B, 0),
+                    ("top-p-only", [top_p_p] * B, 0)):
+                variants[name] = (sampling_rows(plist, seeds, B), sampling_mode(plist), top_n)
         variants = {k: (jax.tree.map(jnp.asarray, r), m, t) for k, (r, m, t) in variants.items()}
         pen = init_penalty_state(B, cfg.vocab_size)
         box = {"s": PlainState(tkv, PlainCarry(jnp.zeros(B + 1, jnp.int32), jnp.full(B + 1, ctx, jnp.int32).at[B].set(0)),

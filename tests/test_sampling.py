@@ -8,24 +8,29 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec.sampling import SamplingRows, sample_tokens, sampling_rows
+from jspec.sampling import TOP_K_CAP, SamplingRows, keep_mask, sample_tokens, sampling_mode, sampling_rows
 from jspec.sampling_params import SamplingParams
+
+
+def reference_keep(x, top_k, top_p, min_p):
+    """Which tokens a row's filters keep, token by token in float64 (the rule sampling.py states)."""
+    x = x.astype(np.float64)
+    e = np.exp(x - x.max())
+    above = x[None, :] > x[:, None]  # [i, j]: token j's logit exceeds token i's
+    keep = np.ones(len(x), bool)
+    if top_k > 0:
+        keep &= above.sum(1) < top_k
+    if top_p < 1:
+        keep &= (above * e[None, :]).sum(1) / e.sum() < top_p
+    if min_p > 0:
+        keep &= x - x.max() >= np.log(min_p)
+    return keep
 
 
 def reference_probs(logits, temperature, top_k, top_p, min_p):
     """The distribution a row must sample from, in float64 numpy."""
     x = logits.astype(np.float64) / temperature
-    order = np.argsort(-x, kind="stable")
-    p = np.exp(x[order] - x[order].max())
-    p /= p.sum()
-    keep = np.ones_like(p, bool)
-    if top_k > 0:
-        keep[top_k:] = False
-    keep &= (np.cumsum(p) - p) < top_p
-    keep &= p >= min_p * p[0]
-    keep[0] = True
-    q = np.zeros_like(p)
-    q[order[keep]] = p[keep]
+    q = np.where(reference_keep(x, top_k, top_p, min_p), np.exp(x - x.max()), 0.0)
     return q / q.sum()
 
 
@@ -36,7 +41,8 @@ def test_sampled_distribution_matches_the_filtered_target(temperature, top_k, to
     logits = np.random.default_rng(0).normal(size=V).astype(np.float32) * 2
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     rows = sampling_rows([params] * N, np.arange(N, dtype=np.uint32), N)
-    toks = np.asarray(jax.jit(sample_tokens)(jnp.broadcast_to(logits, (N, V)), rows, jnp.zeros(N, jnp.int32)))
+    sample = jax.jit(sample_tokens, static_argnames="mode")
+    toks = np.asarray(sample(jnp.broadcast_to(logits, (N, V)), rows, jnp.zeros(N, jnp.int32), mode=sampling_mode([params])))
     want = reference_probs(logits, temperature, top_k, top_p, min_p)
     got = np.bincount(toks, minlength=V) / N
     assert np.all(got[want == 0] == 0), "a filtered-out token was sampled"
@@ -93,3 +99,36 @@ def test_seeded_request_reproduces_alongside_different_requests(tmp_path):
 def test_invalid_params_are_refused(kw, msg):
     with pytest.raises(ValueError, match=msg):
         SamplingParams(**kw)
+
+
+FILTERS = [(5, 1.0, 0.0), (50, 0.9, 0.0), (0, 0.8, 0.0), (0, 1.0, 0.1), (8, 0.5, 0.05), (TOP_K_CAP, 0.99, 0.0),
+           (0, 0.999, 0.0), (1, 1.0, 0.0), (300, 1.0, 0.0)]
+
+
+@pytest.mark.parametrize("V", [300, 5000])  # 5000 > TOP_K_CAP * 32: the group-maximum candidates
+@pytest.mark.parametrize("top_k,top_p,min_p", FILTERS)
+def test_keep_mask_equals_the_token_by_token_rule(V, top_k, top_p, min_p):
+    rng = np.random.default_rng(V + top_k)
+    x = (rng.normal(size=(3, V)) * 3).astype(np.float32)
+    x[1, : V // 2] = np.round(x[1, : V // 2])  # many equal logits: kept or dropped together
+    params = np.tile(np.array([1.0, top_k, top_p, min_p, 0, 0, 1], np.float32), (3, 1))
+    want = np.stack([reference_keep(r, top_k, top_p, min_p) for r in x])
+    mode = sampling_mode([SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p)])
+    assert mode == ("top_k" if 1 <= top_k <= TOP_K_CAP or top_p >= 1 and top_k <= 0 else "filtered")
+    for m, bits in {(mode, 4), ("filtered", 1), ("filtered", 2), ("filtered", 8)}:
+        got = np.asarray(keep_mask(jnp.asarray(x), jnp.asarray(params), m, bits))
+        assert (got == want).all(), (m, bits, (got != want).sum())
+
+
+def test_every_mode_that_covers_a_row_draws_the_same_token():
+    rng = np.random.default_rng(4)
+    logits = jnp.asarray(rng.normal(size=(16, 700)).astype(np.float32) * 2)
+    params = [SamplingParams(temperature=0.8, top_k=40) if i % 2 else SamplingParams(temperature=1.2) for i in range(16)]
+    rows = sampling_rows(params, list(range(16)), 16)
+    pos = jnp.arange(16)
+    assert sampling_mode(params) == "top_k"
+    top_k = np.asarray(sample_tokens(logits, rows, pos, "top_k"))
+    np.testing.assert_array_equal(top_k, np.asarray(sample_tokens(logits, rows, pos, "filtered")))
+    plain = sampling_rows([SamplingParams(temperature=1.2)] * 16, list(range(16)), 16)
+    temp = np.asarray(sample_tokens(logits, plain, pos, "temperature"))
+    np.testing.assert_array_equal(top_k[::2], temp[::2])
