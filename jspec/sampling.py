@@ -48,7 +48,7 @@ def sampling_rows(params_list, seeds, rows: int) -> SamplingRows:
 # Tokens with equal logits are kept or dropped together (as vLLM's threshold top-k does).
 TOP_K_CAP = 128  # mode "top_k" finds thresholds among each row's 128 largest logits
 _GROUP = 32  # ... which lie in the 128 groups of 32 logits with the largest maxima
-SEARCH_BITS = 4  # mode "filtered" settles this many bits of the threshold per pass over the row
+SEARCH_BITS = 1  # mode "filtered" settles this many bits of the threshold per pass over the row
 
 
 def _order_key(x: jax.Array) -> jax.Array:
@@ -93,8 +93,7 @@ def _top_k_top_p_threshold_by_search(x: jax.Array, top_k: jax.Array, top_p: jax.
     count(x > v) < top_k and mass(x > v) < top_p (both fall as v grows), found digit by digit
     over v's order key, `bits` bits per pass: 32 / bits passes, each over the whole row."""
     m = x.max(axis=-1, keepdims=True)
-    e = jnp.exp(x - m)
-    z = e.sum(axis=-1, keepdims=True)
+    z = jnp.exp(x - m).sum(axis=-1, keepdims=True)
     k = jnp.where(top_k > 0, top_k, jnp.inf)[:, None]
     lowest, highest = _order_key(jnp.float32(-jnp.inf)), _order_key(jnp.float32(jnp.inf))
     base = jnp.zeros(x.shape[0], jnp.uint32)  # every key below base fails
@@ -102,8 +101,10 @@ def _top_k_top_p_threshold_by_search(x: jax.Array, top_k: jax.Array, top_p: jax.
     for shift in range(32 - bits, -1, -bits):
         keys = base[:, None] + (steps[None, :] << shift) - 1  # [R, J], never wraps: base's low bits are 0
         v = _float_of_key(keys)
-        over = x[:, None, :] > v[:, :, None]  # [R, J, V]; XLA fuses it into the two reductions
-        ok = (over.sum(-1) < k) & ((jnp.where(over, e[:, None, :], 0.0).sum(-1) < top_p[:, None] * z)
+        over = x[:, None, :] > v[:, :, None]  # [R, J, V], fused into the two reductions
+        # exp inside the masked sum: each pass reads x alone, not x and a stored exp(x - m).
+        mass = jnp.exp(jnp.where(over, (x - m)[:, None, :], -jnp.inf)).sum(-1)
+        ok = (over.sum(-1) < k) & ((mass < top_p[:, None] * z)
                                   | (top_p[:, None] >= 1))
         ok = jnp.where(keys < lowest, False, jnp.where(keys > highest, True, ok))
         base = base + ((~ok).sum(-1).astype(jnp.uint32) << shift)  # ok is monotone in the key

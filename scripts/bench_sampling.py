@@ -61,6 +61,7 @@ def main():
     ap.add_argument("--rows", default="32,128,256")
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--variants", default="sort,temperature,top_k,filtered/1,filtered/2,filtered/4,filtered/8")
     ap.add_argument("--name", default="bench_sampling_kernels")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
@@ -75,9 +76,7 @@ def main():
         positions = jnp.arange(R, dtype=jnp.int32)
         for fname, sp in filters.items():
             sr = jax.tree.map(jnp.asarray, sampling_rows([sp] * R, list(range(R)), R))
-            variants = ["sort", "temperature", "filtered/1", "filtered/2", "filtered/4", "filtered/8"]
-            if sp.top_k > 0:
-                variants.insert(2, "top_k")
+            variants = [v for v in args.variants.split(",") if v != "top_k" or sp.top_k > 0]
             want = np.asarray(draw(logits, sr.params, sr.seeds, positions, "sort"))
             for v in variants:
                 got = np.asarray(draw(logits, sr.params, sr.seeds, positions, v))
