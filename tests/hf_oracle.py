@@ -31,6 +31,10 @@ written to request["out"]. Jobs:
                           through HF's own KV cache (position T_i + s)
         prefill_hidden_{i} [L + 1, T_i, H]  (hidden_states only) embeddings and
                           each layer's output, the last one after the final norm
+
+  {"mode": "gguf_generate", "gguf": FILE, "messages": [str, ...], "max_new_tokens": 24}
+      transformers' own GGUF loading, float32; each message rendered with the GGUF's chat
+      template: prompt_ids_{i} and the greedy generated_{i}.
 """
 
 from __future__ import annotations
@@ -149,7 +153,27 @@ def job_logits(job: dict) -> dict[str, np.ndarray]:
     return out
 
 
-JOBS = {"make": job_make, "inspect": job_inspect, "logits": job_logits}
+@torch.no_grad()
+def job_gguf_generate(job: dict) -> dict[str, np.ndarray]:
+    """transformers' own GGUF loading (its dequantiser and q/k un-permutation, its tokenizer
+    converter), float32, greedy: prompt_ids_{i} and generated_{i} for each chat message."""
+    folder, name = os.path.split(job["gguf"])
+    tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model.eval()
+    out = {}
+    for i, text in enumerate(job["messages"]):
+        prompt = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                         add_generation_prompt=True)
+        ids = tok(prompt, add_special_tokens=False, return_tensors="pt").input_ids
+        gen = model.generate(ids, do_sample=False, max_new_tokens=int(job["max_new_tokens"]),
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+        out[f"prompt_ids_{i}"] = ids[0].numpy().astype(np.int64)
+        out[f"generated_{i}"] = gen[0, ids.shape[1]:].numpy().astype(np.int64)
+    return out
+
+
+JOBS = {"make": job_make, "inspect": job_inspect, "logits": job_logits, "gguf_generate": job_gguf_generate}
 
 
 def run(request: dict) -> dict[str, np.ndarray]:

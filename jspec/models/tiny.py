@@ -254,9 +254,9 @@ def make_tiny_model(
 DEFAULT_MODEL_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jspec", "tiny-llama")
 
 
-def default_model_path() -> str:
-    """The embedded default model (scripts/generate.py and scripts/serve.py with no --model-path),
-    written once into ~/.cache/jspec/tiny-llama."""
+def tiny_model_path() -> str:
+    """The tiny random-weight model, written once into ~/.cache/jspec/tiny-llama (the fallback
+    default model where the real one cannot be fetched: jspec.models.demo)."""
     if not os.path.isfile(os.path.join(DEFAULT_MODEL_DIR, "config.json")):
         make_tiny_model(DEFAULT_MODEL_DIR)
     return DEFAULT_MODEL_DIR
