@@ -49,6 +49,7 @@ def sampling_rows(params_list, seeds, rows: int) -> SamplingRows:
 TOP_K_CAP = 128  # mode "top_k" finds thresholds among each row's 128 largest logits
 _GROUP = 32  # ... which lie in the 128 groups of 32 logits with the largest maxima
 SEARCH_BITS = 1  # mode "filtered" settles this many bits of the threshold per pass over the row
+SEARCH_SPLITS = 1  # ... reading each row as this many pieces
 
 
 def _order_key(x: jax.Array) -> jax.Array:
@@ -88,12 +89,17 @@ def _top_k_top_p_threshold_from_candidates(x: jax.Array, top_k: jax.Array, top_p
     return jnp.where(top_k >= 1, tau, -jnp.inf)
 
 
-def _top_k_top_p_threshold_by_search(x: jax.Array, top_k: jax.Array, top_p: jax.Array, bits: int) -> jax.Array:
+def _top_k_top_p_threshold_by_search(x: jax.Array, top_k: jax.Array, top_p: jax.Array, bits: int,
+                                     splits: int = SEARCH_SPLITS) -> jax.Array:
     """x [R, V] -> [R] threshold for any top_k / top_p: the smallest float32 v with
     count(x > v) < top_k and mass(x > v) < top_p (both fall as v grows), found digit by digit
-    over v's order key, `bits` bits per pass: 32 / bits passes, each over the whole row."""
+    over v's order key, `bits` bits per pass: 32 / bits passes, each over the whole row. Each
+    row is read as `splits` pieces, so a pass runs R * splits reductions in parallel, not R."""
+    R, V = x.shape
     m = x.max(axis=-1, keepdims=True)
     z = jnp.exp(x - m).sum(axis=-1, keepdims=True)
+    width = -(-V // splits)
+    x = jnp.pad(x, ((0, 0), (0, width * splits - V)), constant_values=-jnp.inf).reshape(R, splits, width)
     k = jnp.where(top_k > 0, top_k, jnp.inf)[:, None]
     lowest, highest = _order_key(jnp.float32(-jnp.inf)), _order_key(jnp.float32(jnp.inf))
     base = jnp.zeros(x.shape[0], jnp.uint32)  # every key below base fails
@@ -101,23 +107,24 @@ def _top_k_top_p_threshold_by_search(x: jax.Array, top_k: jax.Array, top_p: jax.
     for shift in range(32 - bits, -1, -bits):
         keys = base[:, None] + (steps[None, :] << shift) - 1  # [R, J], never wraps: base's low bits are 0
         v = _float_of_key(keys)
-        over = x[:, None, :] > v[:, :, None]  # [R, J, V], fused into the two reductions
+        over = x[:, None] > v[:, :, None, None]  # [R, J, splits, width], fused into the two reductions
         # exp inside the masked sum: each pass reads x alone, not x and a stored exp(x - m).
-        mass = jnp.exp(jnp.where(over, (x - m)[:, None, :], -jnp.inf)).sum(-1)
-        ok = (over.sum(-1) < k) & ((mass < top_p[:, None] * z)
+        mass = jnp.exp(jnp.where(over, (x - m[:, :, None])[:, None], -jnp.inf)).sum(-1).sum(-1)
+        ok = (over.sum(-1).sum(-1) < k) & ((mass < top_p[:, None] * z)
                                   | (top_p[:, None] >= 1))
         ok = jnp.where(keys < lowest, False, jnp.where(keys > highest, True, ok))
         base = base + ((~ok).sum(-1).astype(jnp.uint32) << shift)  # ok is monotone in the key
     return _float_of_key(base)
 
 
-def keep_mask(x: jax.Array, params: jax.Array, mode: str, search_bits: int = SEARCH_BITS) -> jax.Array:
+def keep_mask(x: jax.Array, params: jax.Array, mode: str, search_bits: int = SEARCH_BITS,
+              search_splits: int = SEARCH_SPLITS) -> jax.Array:
     """x [R, V] temperature-scaled logits -> [R, V] bool: the tokens top-k, top-p and min-p keep."""
     top_k, top_p = params[:, TOP_K].astype(jnp.int32), params[:, TOP_P]
     if mode == "top_k":
         tau = _top_k_top_p_threshold_from_candidates(x, top_k, top_p)
     else:
-        tau = _top_k_top_p_threshold_by_search(x, top_k, top_p, search_bits)
+        tau = _top_k_top_p_threshold_by_search(x, top_k, top_p, search_bits, search_splits)
     m = x.max(axis=-1, keepdims=True)
     return (x >= tau[:, None]) & (x - m >= jnp.log(params[:, MIN_P])[:, None])
 

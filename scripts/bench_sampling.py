@@ -3,7 +3,7 @@
 R = rows sampled per iteration (a verify samples after every node: B x num_draft_tokens rows),
 V = Llama-3 vocabulary. Variants: the full-vocabulary sort that top-k / top-p used to need
 (the baseline this replaces), mode "temperature" (no filter), mode "top_k" (thresholds among the
-group-maximum candidates) and mode "filtered" (the threshold search, 1/2/4/8 bits per pass).
+group-maximum candidates) and mode "filtered" (the threshold search: filtered/BITS per pass[/SPLITS per row]).
 Each variant is checked against the sort before it is timed.
 
     python scripts/bench_sampling.py [--rows 32,128,256] [--name bench_sampling_kernels]
@@ -49,8 +49,9 @@ def draw(logits, params, seeds, positions, variant):
     x = logits / params[:, TEMPERATURE][:, None]
     if variant == "sort":
         x = jnp.where(sort_keep_mask(x, params), x, -jnp.inf)
-    elif variant.startswith("filtered"):
-        x = jnp.where(keep_mask(x, params, "filtered", int(variant.split("/")[1])), x, -jnp.inf)
+    elif variant.startswith("filtered"):  # filtered/BITS[/SPLITS]
+        bits, splits = (int(v) for v in (variant.split("/")[1:] + ["1"])[:2])
+        x = jnp.where(keep_mask(x, params, "filtered", bits, splits), x, -jnp.inf)
     elif variant == "top_k":
         x = jnp.where(keep_mask(x, params, "top_k"), x, -jnp.inf)
     return jnp.argmax(x + gumbel, axis=-1)
