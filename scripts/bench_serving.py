@@ -47,19 +47,33 @@ def sharegpt_requests(path, n, seed, max_output):
     return [(convs[i][0]["value"], min(max_output, max(4, len(convs[i][1]["value"].split())))) for i in picks]
 
 
-async def one_request(client, url, model, prompt, max_tokens, ignore_eos):
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
+async def one_request(client, url, backend, model, prompt, max_tokens, ignore_eos):
+    """Streams one request; a token arrival is a chunk that adds tokens: with the "sglang" backend
+    (/generate), a chunk whose output_ids grew, so it times models served without a tokenizer
+    (--load-format dummy shapes) too; with "openai" (/v1/completions), a chunk with text."""
+    if backend == "sglang":
+        key = "input_ids" if isinstance(prompt, list) else "text"
+        path, body = "/generate", {key: prompt, "stream": True, "sampling_params": {
+            "max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": ignore_eos}}
+    else:
+        path, body = "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                                         "stream": True, "stream_options": {"include_usage": True},
+                                         "ignore_eos": ignore_eos}
     t0 = time.perf_counter()
     times, tokens, error = [], 0, None
     try:
-        async with client.stream("POST", url + "/v1/completions", json=body, timeout=None) as r:
+        async with client.stream("POST", url + path, json=body, timeout=None) as r:
             if r.status_code != 200:
                 return dict(ok=False, error=f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
+                if backend == "sglang":
+                    if len(chunk["output_ids"]) > tokens:
+                        times.append(time.perf_counter())
+                        tokens = len(chunk["output_ids"])
+                    continue
                 if chunk.get("choices") and chunk["choices"][0].get("text"):
                     times.append(time.perf_counter())
                 if chunk.get("usage"):
@@ -100,7 +114,8 @@ async def run(args, requests, rate):
     async with httpx.AsyncClient(limits=limits) as client:
         async def guarded(prompt, max_tokens):
             async with sem:
-                return await one_request(client, url, args.model, prompt, max_tokens, args.dataset_name == "random")
+                return await one_request(client, url, args.backend, args.model, prompt, max_tokens,
+                                         args.dataset_name == "random")
 
         tasks = []
         t0 = time.perf_counter()
@@ -133,6 +148,9 @@ async def run(args, requests, rate):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", choices=["sglang", "openai"], default="sglang",
+                    help="sglang: the native /generate stream (token ids; as sglang.bench_serving's default); "
+                         "openai: /v1/completions")
     ap.add_argument("--base-url")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)

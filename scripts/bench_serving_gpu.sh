@@ -8,6 +8,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${OUT_DIR:-benchmarks/results}
 PY=${PY:-python}
+NUM_PROMPTS=${NUM_PROMPTS:-48}
+RATES=${RATES:-1,4,16,inf}
+WARMUP=${WARMUP:-64}
 mkdir -p "$OUT_DIR" /tmp/jspec-heads
 for shape in ${@:-small 8b}; do
   dir=benchmarks/shapes/$([ "$shape" = small ] && echo smollm2-135m || echo llama-3.1-8b)
@@ -21,9 +24,13 @@ cfg = jspec.config.ModelConfig.from_pretrained('$dir'); make_tiny_draft('$head',
                                    --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4)
     $PY scripts/serve.py --model-path "$dir" --load-format dummy --port 30000 --max-running-requests 64 \
         --skip-warmup --log-level warning "${flags[@]}" & pid=$!
-    for _ in $(seq 300); do curl -sf localhost:30000/health >/dev/null && break; sleep 1; done
-    $PY scripts/bench_serving.py --port 30000 --num-prompts 48 --random-input-len 256 --random-output-len 128 \
-        --warmup-requests 64 --request-rate 1,4,16,inf --tag "$shape $spec" --output-file "$OUT_DIR/bench_serving.json"
+    for _ in $(seq 300); do
+      $PY -c "import urllib.request as u; u.urlopen('http://127.0.0.1:30000/health', timeout=2)" 2>/dev/null && break
+      kill -0 $pid 2>/dev/null || { echo "serve.py ($shape $spec) exited before it was healthy" >&2; continue 2; }
+      sleep 1
+    done
+    $PY scripts/bench_serving.py --port 30000 --num-prompts $NUM_PROMPTS --random-input-len 256 --random-output-len 128 \
+        --warmup-requests $WARMUP --request-rate $RATES --tag "$shape $spec" --output-file "$OUT_DIR/bench_serving.json"
     kill -TERM $pid; wait $pid
   done
 done
