@@ -1,0 +1,131 @@
+"""Speculation on real weights: acceptance and output tokens/s, spec vs no spec, with a peer.
+
+The target is a real checkpoint (default: the embedded SmolLM2-135M-Instruct), the draft an
+EAGLE-3 head trained by scripts/train_eagle.py (or any published head). Prompts are the
+held-out half of jspec/train/prompts.py (never seen in training), rendered with the chat
+template, greedy, overlap on. Rows: no speculation and every (steps, topk, draft tokens)
+config at each batch size; mean accept length = tokens emitted per verify. The peer is
+HF transformers' greedy generate on the same prompts (bs 1, torch on the same GPU), in the
+same run (--hf-peer).
+
+    python scripts/bench_spec_real.py --draft-model-path HEAD [--model-path DIR]
+        [--configs 3/1/4,5/4/8] [--batches 1,16] [--num-prompts 32] [--max-new-tokens 128] [--hf-peer]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax
+import numpy as np
+
+from bench_decode import git_commit
+import jspec
+from jspec.server.chat_template import render_chat
+from jspec.train.prompts import split_prompts
+
+HF_PEER = r"""
+import json, sys, time, torch, transformers
+path, prompts, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+tok = transformers.AutoTokenizer.from_pretrained(path)
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(dev).eval()
+ids = [tok(p, add_special_tokens=False, return_tensors="pt").input_ids.to(dev) for p in prompts]
+with torch.no_grad():
+    model.generate(ids[0], do_sample=False, max_new_tokens=8)  # warm-up
+    toks, t0 = 0, time.perf_counter()
+    for x in ids:
+        out = model.generate(x, do_sample=False, max_new_tokens=n, min_new_tokens=n)
+        toks += out.shape[1] - x.shape[1]
+    if dev == "cuda":
+        torch.cuda.synchronize()
+print(json.dumps({"tokens_per_s": toks / (time.perf_counter() - t0), "device": dev}))
+"""
+
+
+def run_engine(engine, prompts, new_tokens, batch):
+    """Output tokens/s and mean accept length over all prompts, `batch` at a time."""
+    params = jspec.SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+
+    def once():
+        toks, accept, t0 = 0, [], time.perf_counter()
+        for i in range(0, len(prompts), batch):
+            outs = engine.generate(prompts[i:i + batch], params)
+            toks += sum(len(o.token_ids) for o in outs)
+            accept += [o.mean_accept_length for o in outs if o.mean_accept_length]
+        return toks / (time.perf_counter() - t0), float(np.mean(accept)) if accept else 1.0
+
+    once()  # compiles every program the workload meets (and fills the prefix cache, as a server's would be)
+    return once()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path")
+    ap.add_argument("--draft-model-path", required=True)
+    ap.add_argument("--configs", default="3/1/4,5/4/8")
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--hf-peer", action="store_true")
+    ap.add_argument("--name", default="bench_spec_real")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    if args.model_path is None:
+        from jspec.models.demo import demo_model_path
+
+        args.model_path = demo_model_path()
+    model = jspec.load(args.model_path)
+    _, heldout = split_prompts(0, args.num_prompts)
+    texts = [render_chat(model.tokenizer, [{"role": "user", "content": p}]) for p in heldout]
+    prompts = [model.tokenizer.encode(t) for t in texts]
+    rows = []
+
+    def save():
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, args.name + ".json"), "w") as f:
+            json.dump(dict(name=args.name, gpu=jax.devices()[0].device_kind, jax_version=jax.__version__,
+                           commit=git_commit(), model=args.model_path, draft=args.draft_model_path,
+                           prompts=f"jspec.train.prompts held-out, first {args.num_prompts}",
+                           max_new_tokens=args.max_new_tokens, rows=rows), f, indent=1)
+
+    configs = [tuple(int(v) for v in c.split("/")) for c in args.configs.split(",")]
+    for B in [int(b) for b in args.batches.split(",")]:
+        base = None
+        for cfg in [None] + configs:
+            spec = None if cfg is None else jspec.SpecConfig(
+                "EAGLE3", num_steps=cfg[0], eagle_topk=cfg[1], num_draft_tokens=cfg[2],
+                draft_model_path=args.draft_model_path)
+            engine = jspec.Engine(model, spec=spec, max_running_requests=max(B, 1))
+            tps, acc = run_engine(engine, prompts, args.max_new_tokens, B)
+            base = base or tps
+            rows.append(dict(batch=B, config="none" if cfg is None else "/".join(map(str, cfg)),
+                             tokens_per_s=tps, mean_accept_length=acc, speedup=tps / base))
+            print(json.dumps(rows[-1]), flush=True)
+            save()
+            del engine
+    if args.hf_peer:
+        out = subprocess.run([sys.executable, "-c", HF_PEER, args.model_path, json.dumps(texts[:8]),
+                              str(args.max_new_tokens)], capture_output=True, text=True)
+        peer = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {"error": out.stderr[-500:]}
+        rows.append(dict(batch=1, config="hf transformers greedy (bf16, eager)", **peer))
+        save()
+    print(f"{'B':>3} {'config':>12} {'tok/s':>9} {'accept':>7} {'speedup':>8}")
+    for r in rows:
+        if "tokens_per_s" in r and "speedup" in r:
+            print(f"{r['batch']:>3} {r['config']:>12} {r['tokens_per_s']:>9.1f} {r['mean_accept_length']:>7.2f} "
+                  f"{r['speedup']:>8.2f}")
+        else:
+            print(r)
+
+
+if __name__ == "__main__":
+    main()
