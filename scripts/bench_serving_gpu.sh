@@ -23,8 +23,8 @@ cfg = jspec.config.ModelConfig.from_pretrained('$dir'); make_tiny_draft('$head',
     [ "$spec" = eagle3 ] && flags=(--speculative-algorithm EAGLE3 --speculative-draft-model-path "$head"
                                    --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4)
     $PY scripts/serve.py --model-path "$dir" --load-format dummy --port 30000 --max-running-requests 64 \
-        --skip-warmup --log-level warning "${flags[@]}" & pid=$!
-    for _ in $(seq 300); do
+        --log-level warning "${flags[@]}" & pid=$!
+    for _ in $(seq 900); do  # serve.py compiles every bucket before it reports healthy
       $PY -c "import urllib.request as u; u.urlopen('http://127.0.0.1:30000/health', timeout=2)" 2>/dev/null && break
       kill -0 $pid 2>/dev/null || { echo "serve.py ($shape $spec) exited before it was healthy" >&2; continue 2; }
       sleep 1
