@@ -1,15 +1,18 @@
 """Speculation on real weights: acceptance and output tokens/s, spec vs no spec, with a peer.
 
 The target is a real checkpoint (default: the embedded SmolLM2-135M-Instruct), the draft an
-EAGLE-3 head trained by scripts/train_eagle.py (or any published head). Prompts are the
+EAGLE-3 head trained by scripts/train_eagle.py (or any published head), or, with
+--algorithm STANDALONE, a smaller model of the same tokenizer (e.g. Qwen2.5-Coder 0.5B for
+the 1.5B, `python -m jspec.models.demo qwen2.5-coder-1.5b`). Prompts are the
 held-out half of jspec/train/prompts.py (never seen in training), rendered with the chat
 template, greedy, overlap on. Rows: no speculation and every (steps, topk, draft tokens)
 config at each batch size; mean accept length = tokens emitted per verify. The peer is
 HF transformers' greedy generate on the same prompts (bs 1, torch on the same GPU), in the
-same run (--hf-peer).
+same run (--hf-peer), and for STANDALONE its assisted generation with the same draft model.
 
     python scripts/bench_spec_real.py --draft-model-path HEAD [--model-path DIR]
-        [--configs 3/1/4,5/4/8] [--batches 1,16] [--num-prompts 32] [--max-new-tokens 128] [--hf-peer]
+        [--algorithm EAGLE3|STANDALONE] [--configs 3/1/4,5/4/8] [--batches 1,16] [--num-prompts 32]
+        [--max-new-tokens 128] [--hf-peer]
 """
 
 from __future__ import annotations
@@ -34,16 +37,18 @@ from jspec.train.prompts import split_prompts
 
 HF_PEER = r"""
 import json, sys, time, torch, transformers
-path, prompts, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+path, prompts, n, assistant = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 tok = transformers.AutoTokenizer.from_pretrained(path)
 dev = "cuda" if torch.cuda.is_available() else "cpu"
-model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(dev).eval()
+load = lambda p: transformers.AutoModelForCausalLM.from_pretrained(p, dtype=torch.bfloat16).to(dev).eval()
+model = load(path)
+kw = {"assistant_model": load(assistant)} if assistant else {}
 ids = [tok(p, add_special_tokens=False, return_tensors="pt").input_ids.to(dev) for p in prompts]
 with torch.no_grad():
-    model.generate(ids[0], do_sample=False, max_new_tokens=8)  # warm-up
+    model.generate(ids[0], do_sample=False, max_new_tokens=8, **kw)  # warm-up
     toks, t0 = 0, time.perf_counter()
     for x in ids:
-        out = model.generate(x, do_sample=False, max_new_tokens=n, min_new_tokens=n)
+        out = model.generate(x, do_sample=False, max_new_tokens=n, min_new_tokens=n, **kw)
         toks += out.shape[1] - x.shape[1]
     if dev == "cuda":
         torch.cuda.synchronize()
@@ -71,6 +76,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path")
     ap.add_argument("--draft-model-path", required=True)
+    ap.add_argument("--algorithm", choices=["EAGLE3", "EAGLE", "STANDALONE"], default="EAGLE3")
     ap.add_argument("--configs", default="3/1/4,5/4/8")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--num-prompts", type=int, default=32)
@@ -102,7 +108,7 @@ def main():
         base = None
         for cfg in [None] + configs:
             spec = None if cfg is None else jspec.SpecConfig(
-                "EAGLE3", num_steps=cfg[0], eagle_topk=cfg[1], num_draft_tokens=cfg[2],
+                args.algorithm, num_steps=cfg[0], eagle_topk=cfg[1], num_draft_tokens=cfg[2],
                 draft_model_path=args.draft_model_path)
             engine = jspec.Engine(model, spec=spec, max_running_requests=max(B, 1))
             tps, acc = run_engine(engine, prompts, args.max_new_tokens, B)
@@ -113,11 +119,17 @@ def main():
             save()
             del engine
     if args.hf_peer:
-        out = subprocess.run([sys.executable, "-c", HF_PEER, args.model_path, json.dumps(texts[:8]),
-                              str(args.max_new_tokens)], capture_output=True, text=True)
-        peer = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {"error": out.stderr[-500:]}
-        rows.append(dict(batch=1, config="hf transformers greedy (bf16, eager)", **peer))
-        save()
+        peers = [("hf transformers greedy (bf16, eager)", "")]
+        if args.algorithm == "STANDALONE":
+            peers.append(("hf transformers assisted generation (same draft)", args.draft_model_path))
+        for label, assistant in peers:
+            out = subprocess.run([os.environ.get("HF_PYTHON", sys.executable), "-c", HF_PEER, args.model_path,
+                                  json.dumps(texts[:8]), str(args.max_new_tokens), assistant],
+                                 capture_output=True, text=True)
+            peer = (json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0
+                    else {"error": out.stderr[-500:]})
+            rows.append(dict(batch=1, config=label, **peer))
+            save()
     print(f"{'B':>3} {'config':>12} {'tok/s':>9} {'accept':>7} {'speedup':>8}")
     for r in rows:
         if "tokens_per_s" in r and "speedup" in r:
