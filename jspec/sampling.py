@@ -104,16 +104,21 @@ def _top_k_top_p_threshold_by_search(x: jax.Array, top_k: jax.Array, top_p: jax.
     lowest, highest = _order_key(jnp.float32(-jnp.inf)), _order_key(jnp.float32(jnp.inf))
     base = jnp.zeros(x.shape[0], jnp.uint32)  # every key below base fails
     steps = jnp.arange(1, 2 ** bits, dtype=jnp.uint32)
-    for shift in range(32 - bits, -1, -bits):
+
+    def settle_digit(d, base):
+        shift = jnp.uint32(32 - bits * (d + 1))
         keys = base[:, None] + (steps[None, :] << shift) - 1  # [R, J], never wraps: base's low bits are 0
         v = _float_of_key(keys)
         over = x[:, None] > v[:, :, None, None]  # [R, J, splits, width], fused into the two reductions
         # exp inside the masked sum: each pass reads x alone, not x and a stored exp(x - m).
         mass = jnp.exp(jnp.where(over, (x - m[:, :, None])[:, None], -jnp.inf)).sum(-1).sum(-1)
-        ok = (over.sum(-1).sum(-1) < k) & ((mass < top_p[:, None] * z)
-                                  | (top_p[:, None] >= 1))
+        ok = (over.sum(-1).sum(-1) < k) & ((mass < top_p[:, None] * z) | (top_p[:, None] >= 1))
         ok = jnp.where(keys < lowest, False, jnp.where(keys > highest, True, ok))
-        base = base + ((~ok).sum(-1).astype(jnp.uint32) << shift)  # ok is monotone in the key
+        return base + ((~ok).sum(-1).astype(jnp.uint32) << shift)  # ok is monotone in the key
+
+    # Unrolled on the GPU, the form bench_sampling timed there; a loop elsewhere, where compile
+    # time dominates (a CPU program with the search compiles in 0.9 s instead of 2.5 s).
+    base = jax.lax.fori_loop(0, 32 // bits, settle_digit, base, unroll=jax.default_backend() == "gpu")
     return _float_of_key(base)
 
 
