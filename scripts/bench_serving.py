@@ -146,6 +146,24 @@ async def run(args, requests, rate):
     )
 
 
+def write_results(args, url: str, rows: list[dict]) -> None:
+    """Appends rows to --output-file's list (several runs, e.g. spec on and off, share one file)."""
+    try:
+        commit = os.environ.get("JSPEC_COMMIT") or subprocess.check_output(
+            ["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
+    except Exception:  # noqa: BLE001
+        commit = "unknown"
+    existing = []
+    if os.path.exists(args.output_file):
+        with open(args.output_file) as f:
+            existing = json.load(f).get("rows", [])
+    with open(args.output_file, "w") as f:
+        json.dump(dict(name="bench_serving", commit=commit, url=url, model=args.model,
+                       dataset=args.dataset_name, num_prompts=args.num_prompts,
+                       random_input_len=args.random_input_len, random_output_len=args.random_output_len,
+                       max_concurrency=args.max_concurrency, rows=existing + rows), f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", choices=["sglang", "openai"], default="sglang",
@@ -191,6 +209,8 @@ def main():
         row["tag"] = args.tag
         rows.append(row)
         print(json.dumps(row), flush=True)
+        if args.output_file:  # after every rate, so a run cut short still leaves its rows
+            write_results(args, url, rows[-1:])
     print(f"\n{'tag':>12} {'rate':>5} {'ok':>4} {'req/s':>6} {'tok/s':>8} {'TTFT p50':>8} {'TTFT p99':>8} "
           f"{'ITL p50':>7} {'ITL p99':>7} {'E2E p50':>8} {'accept':>6}")
     for r in rows:
@@ -199,21 +219,6 @@ def main():
         print(f"{r['tag']:>12} {r['request_rate']:>5} {r['completed']:>4} {r['request_throughput']:>6.2f} "
               f"{r['output_token_throughput']:>8.0f} {f(r['ttft'], 'median_ms'):>8} {f(r['ttft'], 'p99_ms'):>8} "
               f"{f(r['itl'], 'median_ms'):>7} {f(r['itl'], 'p99_ms'):>7} {f(r['e2e'], 'median_ms'):>8} {acc:>6}")
-    if args.output_file:
-        try:
-            commit = os.environ.get("JSPEC_COMMIT") or subprocess.check_output(
-                ["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
-        except Exception:  # noqa: BLE001
-            commit = "unknown"
-        existing = []
-        if os.path.exists(args.output_file):
-            with open(args.output_file) as f:
-                existing = json.load(f).get("rows", [])
-        with open(args.output_file, "w") as f:
-            json.dump(dict(name="bench_serving", commit=commit, url=url, model=args.model,
-                           dataset=args.dataset_name, num_prompts=args.num_prompts,
-                           random_input_len=args.random_input_len, random_output_len=args.random_output_len,
-                           max_concurrency=args.max_concurrency, rows=existing + rows), f, indent=1)
 
 
 if __name__ == "__main__":

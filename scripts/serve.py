@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="KV pool size in tokens (default: 256 MiB of KV, or what --mem-fraction-static gives)")
     ap.add_argument("--mem-fraction-static", type=float,
                     help="fraction of the accelerator's memory for weights + KV (GPU only)")
+    ap.add_argument("--context-length", type=int,
+                    help="longest prompt + output served (default: the model's max_position_embeddings); "
+                         "a shorter one means smaller page tables and fewer programs to compile")
     ap.add_argument("--chunked-prefill-size", type=int, default=512, help="prompt tokens prefilled per step at most")
     ap.add_argument("--disable-overlap-schedule", action="store_true", help="run the synchronous loop instead")
     ap.add_argument("--disable-radix-cache", action="store_true", help="no prefix cache")
@@ -93,7 +96,10 @@ def main(argv=None) -> None:
 
         path, what = default_model_path()
         log.info("serving %s at %s", what, path)
-    model = jspec.load(path, load_format=args.load_format)
+    try:
+        model = jspec.load(path, load_format=args.load_format, context_length=args.context_length)
+    except ValueError as e:
+        ap.error(str(e))
     engine = jspec.Engine(
         model, spec=spec, page_size=args.page_size, max_running_requests=args.max_running_requests,
         num_pages=kv_pages(args, model, args.page_size), chunked_prefill_size=args.chunked_prefill_size,
