@@ -7,7 +7,13 @@ Floors: bytes that must be read (all weights but the embedding table, plus the
 KV of every sequence) over the copy bandwidth measured in the same run, and
 for big batches the matmul FLOPs over the measured bf16 matmul rate.
 
-    python scripts/bench_decode.py [--quick] [--out benchmarks/results]
+    python scripts/bench_decode.py [--quick] [--parts] [--tag NAME] [--out benchmarks/results]
+
+--parts adds rows that split a bs=1 step's time: each GEMV shape alone, and the step's
+matmuls only (every layer's QKV, O, gate-up and down, then the LM head, nothing else), so
+the gap to the floor divides into GEMV efficiency and everything else (norms, RoPE,
+attention, KV writes, launches). --tag names the JSON (bench_decode_TAG.json), for runs
+under different XLA_FLAGS (recorded in the JSON).
 """
 
 from __future__ import annotations
@@ -106,6 +112,52 @@ def measure_matmul_flops(small=False) -> float:
     return 2 * n**3 / timed(lambda: f(a, b), 10, 5)
 
 
+def gemv_rows(cfg: ModelConfig, dtype, bw: float, batches=(1,), copies=4) -> list[dict]:
+    """Time of x @ W for each decode weight shape, over `copies` distinct W (so L2 holds none),
+    and of the whole step's matmul chain. Bandwidth = weight bytes / time."""
+    q = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    shapes = {"qkv": (cfg.hidden_size, q), "o": (cfg.num_heads * cfg.head_dim, cfg.hidden_size),
+              "gate_up": (cfg.hidden_size, 2 * cfg.intermediate_size), "down": (cfg.intermediate_size, cfg.hidden_size),
+              "lm_head": (cfg.hidden_size, cfg.vocab_size)}
+    key = iter(jax.random.split(jax.random.key(20), 64))
+    rows = []
+    for B in batches:
+        for name, (k, n) in shapes.items():
+            ws = [jax.random.normal(next(key), (k, n), dtype) * 0.02 for _ in range(copies)]
+            x = jax.random.normal(next(key), (B, k), dtype)
+            f = jax.jit(lambda x, ws: [jnp.dot(x, w, preferred_element_type=jnp.float32).astype(dtype) for w in ws])
+            jax.block_until_ready(f(x, ws))
+            t = timed(lambda: f(x, ws), 10, 5) / copies
+            rows.append(dict(part=f"gemv_{name}", batch=B, shape=[k, n], us=t * 1e6, TBps=k * n * 2 / t / 1e12,
+                             x_floor=t / (k * n * 2 / bw)))
+            del ws
+        # The step's matmuls alone: 32 layers x (qkv, o, gate_up, down) + lm_head, chained through x.
+        layers = [{nm: jax.random.normal(jax.random.key(100 * i + j), shapes[nm], dtype) * 0.02
+                   for j, nm in enumerate(("qkv", "o", "gate_up", "down"))} for i in range(cfg.num_layers)]
+        head = jax.random.normal(next(key), shapes["lm_head"], dtype) * 0.02
+        H, I = cfg.hidden_size, cfg.intermediate_size
+
+        @jax.jit
+        def chain(x, layers, head):
+            for lp in layers:
+                qkv = jnp.dot(x, lp["qkv"], preferred_element_type=jnp.float32).astype(dtype)
+                x = x + jnp.dot(qkv[:, :H], lp["o"], preferred_element_type=jnp.float32).astype(dtype)
+                gu = jnp.dot(x, lp["gate_up"], preferred_element_type=jnp.float32)
+                x = x + jnp.dot((jax.nn.silu(gu[:, :I]) * gu[:, I:]).astype(dtype), lp["down"],
+                                preferred_element_type=jnp.float32).astype(dtype)
+            return jnp.argmax(jnp.dot(x, head, preferred_element_type=jnp.float32), axis=-1)
+
+        x = jax.random.normal(next(key), (B, H), dtype)
+        jax.block_until_ready(chain(x, layers, head))
+        t = timed(lambda: chain(x, layers, head), 10, 5)
+        nbytes = sum(w.nbytes for lp in layers for w in lp.values()) + head.nbytes
+        rows.append(dict(part="matmul_chain", batch=B, us=t * 1e6, TBps=nbytes / t / 1e12, x_floor=t / (nbytes / bw)))
+        del layers, head
+    for r in rows:
+        print(json.dumps(r), flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], help="e.g. 1,32")
@@ -115,6 +167,8 @@ def main():
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--tiny", action="store_true", help="a tiny model: a CPU dry run of the script itself")
+    ap.add_argument("--parts", action="store_true", help="also time each GEMV shape and the matmul-only step")
+    ap.add_argument("--tag", help="results file bench_decode_TAG.json (e.g. an XLA_FLAGS variant)")
     args = ap.parse_args()
 
     cfg, dtype, S = LLAMA_8B, jnp.bfloat16, args.page_size
@@ -132,6 +186,7 @@ def main():
     # The floor uses the best bandwidth measured here (the stricter floor).
     bw = max(copy_bw, read_bw)
 
+    parts = gemv_rows(cfg, dtype, bw) if args.parts else []
     params = random_params(cfg, dtype)
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params)) - params["embed"].nbytes
     matmul_params = weight_bytes // 2 - cfg.hidden_size * (2 * cfg.num_layers + 1)
@@ -160,10 +215,11 @@ def main():
             name="bench_decode", gpu=dev.device_kind, jax_version=jax.__version__, commit=git_commit(),
             model="llama-3.1-8b shape, random bf16", page_size=S, copy_bandwidth_TBps=copy_bw / 1e12,
             read_bandwidth_TBps=read_bw / 1e12, floor_bandwidth_TBps=bw / 1e12,
-            matmul_TFLOPs=mm_rate / 1e12, weight_bytes=int(weight_bytes), rows=rows,
+            matmul_TFLOPs=mm_rate / 1e12, weight_bytes=int(weight_bytes), rows=rows, parts=parts,
+            xla_flags=os.environ.get("XLA_FLAGS", ""), tag=args.tag,
         )
         os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, "bench_decode.json")
+        path = os.path.join(args.out, f"bench_decode_{args.tag}.json" if args.tag else "bench_decode.json")
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
         return path
@@ -216,6 +272,8 @@ def main():
 
     path = save()
     print(f"\nwrote {path}\n")
+    for r in parts:
+        print(f"{r['part']:>14} B={r['batch']:<3} {r['us']:>9.1f} us {r['TBps']:>5.2f} TB/s {r['x_floor']:>5.2f}x floor")
     print(f"{'B':>4} {'ctx':>5} {'layout':>12} {'step ms':>8} {'floor ms':>8} {'x floor':>7} {'mm floor':>8} {'tok/s':>8}")
     for r in rows:
         print(f"{r['batch']:>4} {r['context']:>5} {r['layout']:>12} {r['step_ms']:>8.3f} "

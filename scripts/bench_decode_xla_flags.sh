@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Issue 8, target 3 (bs=1 decode step vs its bandwidth floor): the step under XLA command
+# buffer settings (CUDA graphs of a step's kernels, which remove per-kernel launch gaps),
+# plus the --parts split of the step's time. One JSON per variant:
+# $OUT_DIR/bench_decode_<variant>.json.
+#   OUT_DIR=... bash scripts/bench_decode_xla_flags.sh [variant ...]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR=${OUT_DIR:-benchmarks/results}
+PY=${PY:-python}
+declare -A FLAGS=(
+  [default]=""
+  [no_cmdbuf]="--xla_gpu_enable_command_buffer="
+  [cmdbuf_all]="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION --xla_gpu_graph_min_graph_size=1"
+)
+for v in ${@:-default no_cmdbuf cmdbuf_all}; do
+  extra=()
+  [ "$v" = default ] && extra=(--parts)
+  echo "== $v: XLA_FLAGS=${FLAGS[$v]}" >&2
+  XLA_FLAGS="${XLA_FLAGS:-} ${FLAGS[$v]}" $PY scripts/bench_decode.py --quick --no-stacked --batches 1,32 \
+      --contexts 1024 --tag "$v" --out "$OUT_DIR" "${extra[@]}" 2>&1 | grep -v '^{' | tail -12
+done
