@@ -7,12 +7,14 @@ The request is one job, or {"jobs": [job, ...], "out": ...} whose jobs each
 have a "name" that prefixes their keys ("name/key") in the single .npz
 written to request["out"]. Jobs:
 
-  {"mode": "make", "arch": "llama"|"mistral"|"qwen2"|"qwen3", "out_dir": DIR,
-   "seed": 0, "dtype": "float32"|"bfloat16", "overrides": {...config kwargs},
-   "dump_params": false}
+  {"mode": "make", "arch": "llama"|"mistral"|"qwen2"|"qwen3"|"qwen2_moe"|"qwen3_moe"|"mixtral",
+   "out_dir": DIR, "seed": 0, "dtype": "float32"|"bfloat16", "overrides": {...config kwargs},
+   "dump_params": false, "save_original_format": true}
       Builds a random model with transformers' own config class and
       save_pretrained(safe_serialization=True). Weights are redrawn (not HF's
-      0.02 init) so attention is peaked and norms/biases are not constant.
+      0.02 init) so attention and routing are peaked and norms/biases are not
+      constant. save_original_format=false keeps transformers 5's in-memory MoE
+      layout (fused experts.gate_up_proj / experts.down_proj) in the files.
       Writes: num_params [1]; with dump_params, "param:<HF name>" for each
       parameter as saved.
 
@@ -59,6 +61,14 @@ ARCH_DEFAULTS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1000000.0)),
     # Real Qwen3 has head_dim * heads != hidden; keep that property.
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(rope_theta=1000000.0, head_dim=32)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        rope_theta=1000000.0, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        rope_theta=1000000.0, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        rope_theta=1000000.0, sliding_window=None, num_local_experts=4, num_experts_per_tok=2,
+        intermediate_size=48)),
 }
 
 
@@ -85,8 +95,8 @@ def _redraw(model, gen: torch.Generator) -> None:
             p.copy_(0.1 * torch.randn(p.shape, generator=gen))
         elif "embed_tokens" in name:
             p.copy_(torch.randn(p.shape, generator=gen))
-        else:  # nn.Linear [out, in]
-            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
+        else:  # nn.Linear [out, in], or stacked experts [E, out, in]
+            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
 
 
 def job_make(job: dict) -> dict[str, np.ndarray]:
@@ -99,7 +109,8 @@ def job_make(job: dict) -> dict[str, np.ndarray]:
     _redraw(model, torch.Generator().manual_seed(int(job.get("seed", 0))))
     if job.get("dtype", "float32") == "bfloat16":
         model = model.to(torch.bfloat16)
-    model.save_pretrained(job["out_dir"], safe_serialization=True)
+    model.save_pretrained(job["out_dir"], safe_serialization=True,
+                          **({} if job.get("save_original_format", True) else {"save_original_format": False}))
     out = {"num_params": np.array([_num_params(model)], np.int64)}
     if job.get("dump_params"):
         out.update(_param_dump(model))

@@ -45,6 +45,15 @@ HF_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("qwen3", {}),
     "qwen3_tied": ("qwen3", {"tie_word_embeddings": True}),
 }
+# Mixture-of-experts checkpoints (tests/test_moe.py): every layer sparse with HF's default
+# norm_topk_prob=False; a dense layer among sparse ones with renormalised weights; Mixtral;
+# Qwen2-MoE's shared expert.
+HF_MOE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3_moe": ("qwen3_moe", {}),
+    "qwen3_moe_mixed": ("qwen3_moe", {"mlp_only_layers": [1], "norm_topk_prob": True}),
+    "mixtral": ("mixtral", {}),
+    "qwen2_moe": ("qwen2_moe", {}),
+}
 
 NO_HF_REASON = (
     "no HF reference python: set JSPEC_HF_PYTHON or create .venv-hf with torch + transformers "
@@ -119,14 +128,16 @@ def hf_make_checkpoint(out_dir: str | os.PathLike, arch: str = "llama", seed: in
     return os.fspath(out_dir)
 
 
-def hf_make_checkpoints(root: str | os.PathLike, variants: dict[str, tuple[str, dict[str, Any]]] | None = None,
+def hf_make_checkpoints(root: str | os.PathLike, variants: dict[str, tuple] | None = None,
                         seed: int = 0, dtype: str = "float32", dump_params: bool = False
                         ) -> dict[str, dict[str, Any]]:
-    """Several checkpoints in one oracle run (one torch start-up). Returns
+    """Several checkpoints in one oracle run (one torch start-up). A variant is
+    (arch, config overrides) or (arch, config overrides, make-job options such as
+    {"save_original_format": False}). Returns
     {name: {"path", "num_params", "params": {HF name: array} (if dump_params)}}."""
     variants = HF_VARIANTS if variants is None else variants
-    jobs = [_job_make(name, Path(root) / name, arch, seed, dtype, ov, dump_params)
-            for name, (arch, ov) in variants.items()]
+    jobs = [{**_job_make(name, Path(root) / name, arch, seed, dtype, ov, dump_params), **(opts[0] if opts else {})}
+            for name, (arch, ov, *opts) in variants.items()]
     out = run_oracle({"jobs": jobs})
     return {name: _unpack(out, name, os.fspath(Path(root) / name)) for name in variants}
 

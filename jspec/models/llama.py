@@ -1,4 +1,5 @@
-"""Pure-functional Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over paged KV.
+"""Pure-functional Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, and their MoE
+kin Qwen2-MoE, Qwen3-MoE, Mixtral: see moe.py) over paged KV.
 
 `forward` runs one ragged token batch (see models/batch.py) through all layers,
 writes the new tokens' K/V into the pool, and returns logits only for the rows
@@ -19,6 +20,7 @@ import numpy as np
 from jspec.config import ModelConfig
 from jspec.models.attention import paged_attention
 from jspec.models.batch import AttentionMode, ForwardBatch
+from jspec.models.moe import moe_mlp
 from jspec.paged_kv.pool import KVPool, write_kv
 
 
@@ -83,8 +85,12 @@ def qkv_heads(cfg: ModelConfig, lp, h: jax.Array, cos, sin):
 
 
 def mlp_block(cfg: ModelConfig, lp, x: jax.Array) -> jax.Array:
-    """x + SwiGLU(RMSNorm(x))."""
+    """x + SwiGLU(RMSNorm(x)), or x + MoE(RMSNorm(x)) on a sparse layer."""
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    if "router" in lp:
+        # The loader gives router and expert weights exactly to cfg.moe_layers (and a scan
+        # stacks only alike layers), so the weights present say which block this layer is.
+        return x + moe_mlp(cfg, lp, h)
     gate_up = jnp.dot(h, lp["w_gate_up"], preferred_element_type=jnp.float32)
     gate, up = gate_up[:, : cfg.intermediate_size], gate_up[:, cfg.intermediate_size :]
     return x + _linear((jax.nn.silu(gate) * up).astype(x.dtype), lp["w_down"])

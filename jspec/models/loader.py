@@ -16,6 +16,19 @@ model can `lax.scan` over them:
     final_norm [H]
     lm_head [H, V]                             absent when cfg.tie_word_embeddings
 
+MoE layers (cfg.moe_layers, see models/moe.py) carry, instead of w_gate_up and
+w_down, router [L, H, E], experts_gate_up [L, E, H, 2*I_moe], experts_down
+[L, E, I_moe, H] and, for Qwen2-MoE, shared_gate_up / shared_down / shared_gate.
+When every layer is sparse (or none is) the layers stay stacked; a model that
+mixes dense and sparse layers (mlp_only_layers, decoder_sparse_step > 1) gets
+`layers` as a list of per-layer dicts (see llama.unstack_layers), since a scan
+needs alike layers. Experts are read from HF's classic per-expert tensors
+(`mlp.experts.{e}.gate_proj/up_proj/down_proj`, Mixtral's
+`block_sparse_moe.experts.{e}.w1/w3/w2`; what transformers 5 save_pretrained
+still writes) or from the fused `experts.gate_up_proj [E, 2I, H]` /
+`experts.down_proj [E, H, I]` of transformers 5's in-memory layout
+(save_pretrained(save_original_format=False)).
+
 Two on-disk formats are accepted by `load_model(path)`:
 
 * an HF checkpoint directory: `config.json` plus `model.safetensors`, or a
@@ -190,7 +203,68 @@ def read_hf_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
 # HF names -> stacked pytree
 # ---------------------------------------------------------------------------
 
-def _hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+@dataclasses.dataclass(frozen=True)
+class _MoeLayout:
+    """Where a checkpoint keeps a sparse layer's tensors (names relative to model.layers.{i}.)."""
+
+    prefix: str = "mlp"  # "mlp", or Mixtral's "block_sparse_moe"
+    fused: bool = False  # experts.gate_up_proj [E, 2I, H] + experts.down_proj [E, H, I]
+    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # per expert: gate, up, down
+
+    @property
+    def router(self) -> str:
+        return f"{self.prefix}.gate.weight"
+
+    def expert(self, e: int, which: int) -> str:
+        return f"{self.prefix}.experts.{e}.{self.names[which]}.weight"
+
+    @property
+    def fused_gate_up(self) -> str:
+        return f"{self.prefix}.experts.gate_up_proj"
+
+    @property
+    def fused_down(self) -> str:
+        return f"{self.prefix}.experts.down_proj"
+
+
+_MIXTRAL_NAMES = ("w1", "w3", "w2")
+
+
+def _moe_layout(cfg: ModelConfig, tensors: Mapping[str, Any]) -> _MoeLayout | None:
+    """The checkpoint's MoE naming, read off its first sparse layer; for a checkpoint that has
+    none of them, the family's classic names (so a missing-tensor error names those)."""
+    if not cfg.is_moe:
+        return None
+    base = f"model.layers.{cfg.moe_layers[0]}."
+    for prefix in ("mlp", "block_sparse_moe"):
+        if base + f"{prefix}.experts.gate_up_proj" in tensors:
+            return _MoeLayout(prefix, fused=True)
+        for names in (_MIXTRAL_NAMES, _MoeLayout.names):
+            if base + f"{prefix}.experts.0.{names[0]}.weight" in tensors:
+                return _MoeLayout(prefix, names=names)
+    return _MoeLayout("block_sparse_moe", names=_MIXTRAL_NAMES) if cfg.family == "mixtral" else _MoeLayout()
+
+
+def _moe_hf_shapes(cfg: ModelConfig, layout: _MoeLayout) -> dict[str, tuple[int, ...]]:
+    """One sparse layer's HF tensors (relative names) and shapes."""
+    H, E, I = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    shapes = {layout.router: (E, H)}
+    if layout.fused:
+        shapes[layout.fused_gate_up] = (E, 2 * I, H)
+        shapes[layout.fused_down] = (E, H, I)
+    else:
+        for e in range(E):
+            shapes[layout.expert(e, 0)] = (I, H)
+            shapes[layout.expert(e, 1)] = (I, H)
+            shapes[layout.expert(e, 2)] = (H, I)
+    if cfg.shared_expert_intermediate_size:
+        Is = cfg.shared_expert_intermediate_size
+        shapes.update({"mlp.shared_expert.gate_proj.weight": (Is, H), "mlp.shared_expert.up_proj.weight": (Is, H),
+                       "mlp.shared_expert.down_proj.weight": (H, Is), "mlp.shared_expert_gate.weight": (1, H)})
+    return shapes
+
+
+def _hf_shapes(cfg: ModelConfig, moe_layout: _MoeLayout | None = None) -> dict[str, tuple[int, ...]]:
     """Every HF tensor the config needs, with the shape HF stores it in ([out, in])."""
     H, I, V, D = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
     shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
@@ -211,14 +285,18 @@ def _hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (D,)
             shapes[p + "self_attn.k_norm.weight"] = (D,)
+        if i in cfg.moe_layers:
+            shapes.update({p + n: s for n, s in _moe_hf_shapes(cfg, moe_layout or _MoeLayout()).items()})
+            continue
         shapes[p + "mlp.gate_proj.weight"] = (I, H)
         shapes[p + "mlp.up_proj.weight"] = (I, H)
         shapes[p + "mlp.down_proj.weight"] = (H, I)
     return shapes
 
 
-def _check_tensors(cfg: ModelConfig, tensors: Mapping[str, Any], where: str) -> None:
-    expected = _hf_shapes(cfg)
+def _check_tensors(cfg: ModelConfig, tensors: Mapping[str, Any], where: str,
+                   moe_layout: _MoeLayout | None = None) -> None:
+    expected = _hf_shapes(cfg, moe_layout)
     missing = [n for n in expected if n not in tensors]
     if missing:
         shown = ", ".join(repr(n) for n in missing[:8])
@@ -263,7 +341,8 @@ def convert_hf_params(
     stacked leaf at once instead made XLA's GPU autotuner take 4x the leaf.)
     """
     where = repr(os.fspath(source)) if source is not None else "(in memory)"
-    _check_tensors(cfg, tensors, where)
+    moe_layout = _moe_layout(cfg, tensors)
+    _check_tensors(cfg, tensors, where, moe_layout)
     dtype = np.dtype(jnp.dtype(dtype))
     L = cfg.num_layers
 
@@ -272,16 +351,34 @@ def convert_hf_params(
         rows = [np.concatenate([tensors[f"model.layers.{i}.{p}"] for p in parts]) for i in range(L)]
         return _cast(jax.device_put(np.stack(rows), device), dtype)
 
-    def matrices(parts: list[str]) -> jax.Array:
-        """[L, in, sum(out)]: layer i's parts concatenated on the out axis."""
-        first = [tensors[f"model.layers.0.{p}"] for p in parts]
-        out = jnp.zeros((L, first[0].shape[1], sum(t.shape[0] for t in first)), dtype, device=device)
-        for i in range(L):
+    def matrices(parts: list[str], layer_ids=tuple(range(L))) -> jax.Array:
+        """[len(layer_ids), in, sum(out)]: each layer's parts concatenated on the out axis."""
+        first = [tensors[f"model.layers.{layer_ids[0]}.{p}"] for p in parts]
+        out = jnp.zeros((len(layer_ids), first[0].shape[1], sum(t.shape[0] for t in first)), dtype, device=device)
+        for j, i in enumerate(layer_ids):
             col = 0
             for p in parts:
                 t = tensors[f"model.layers.{i}.{p}"]
-                out = _place_transposed(out, jax.device_put(t, device), (i, 0, col))
+                out = _place_transposed(out, jax.device_put(t, device), (j, 0, col))
                 col += t.shape[0]
+        return out
+
+    def experts(layer_ids, fused: str, per_expert: list[int]) -> jax.Array:
+        """[n, E, in, sum(out)] from the fused [E, out, in] tensor or per-expert [out, in] ones."""
+        E, lay = cfg.num_experts, moe_layout
+        pieces = [tensors[f"model.layers.{layer_ids[0]}.{lay.expert(0, w)}"] for w in per_expert] if not lay.fused \
+            else [tensors[f"model.layers.{layer_ids[0]}.{fused}"][0]]
+        out = jnp.zeros((len(layer_ids), E, pieces[0].shape[1], sum(t.shape[0] for t in pieces)), dtype, device=device)
+        for j, i in enumerate(layer_ids):
+            if lay.fused:
+                out = _place_transposed(out, jax.device_put(tensors[f"model.layers.{i}.{fused}"], device), (j, 0, 0, 0))
+                continue
+            for e in range(E):
+                col = 0
+                for w in per_expert:
+                    t = tensors[f"model.layers.{i}.{lay.expert(e, w)}"]
+                    out = _place_transposed(out, jax.device_put(t, device), (j, e, 0, col))
+                    col += t.shape[0]
         return out
 
     def lm_head(t: np.ndarray) -> jax.Array:
@@ -303,8 +400,22 @@ def convert_hf_params(
         layers["k_norm"] = vectors(["self_attn.k_norm.weight"])
     layers["wo"] = matrices(["self_attn.o_proj.weight"])
     layers["mlp_norm"] = vectors(["post_attention_layernorm.weight"])
-    layers["w_gate_up"] = matrices(["mlp.gate_proj.weight", "mlp.up_proj.weight"])
-    layers["w_down"] = matrices(["mlp.down_proj.weight"])
+    dense = {}
+    if cfg.dense_layers:
+        dense["w_gate_up"] = matrices(["mlp.gate_proj.weight", "mlp.up_proj.weight"], cfg.dense_layers)
+        dense["w_down"] = matrices(["mlp.down_proj.weight"], cfg.dense_layers)
+    sparse = {}
+    if cfg.moe_layers:
+        ids = cfg.moe_layers
+        sparse["router"] = matrices([moe_layout.router], ids)
+        sparse["experts_gate_up"] = experts(ids, moe_layout.fused_gate_up, [0, 1])
+        sparse["experts_down"] = experts(ids, moe_layout.fused_down, [2])
+        if cfg.shared_expert_intermediate_size:
+            sparse["shared_gate_up"] = matrices(["mlp.shared_expert.gate_proj.weight",
+                                                 "mlp.shared_expert.up_proj.weight"], ids)
+            sparse["shared_down"] = matrices(["mlp.shared_expert.down_proj.weight"], ids)
+            sparse["shared_gate"] = matrices(["mlp.shared_expert_gate.weight"], ids)
+    layers = assemble_layers(cfg, layers, dense, sparse, lambda a, j: a[j])
 
     params = {
         "embed": _cast(jax.device_put(tensors["model.embed_tokens.weight"], device), dtype),
@@ -327,11 +438,24 @@ def _astype(x: jax.Array, dtype: np.dtype) -> jax.Array:
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _place_transposed(out: jax.Array, piece: jax.Array, offsets: tuple[int, ...]) -> jax.Array:
-    """out[offsets...] = piece.T (cast), in place: `out` is donated and offsets are
-    traced, so one program per piece shape serves every layer."""
-    piece = piece.astype(out.dtype).T
+    """out[offsets...] = piece with its last two axes swapped (cast), in place: `out` is
+    donated and offsets are traced, so one program per piece shape serves every layer."""
+    piece = jnp.swapaxes(piece.astype(out.dtype), -1, -2)
     piece = piece.reshape((1,) * (out.ndim - piece.ndim) + piece.shape)
     return jax.lax.dynamic_update_slice(out, piece, offsets)
+
+
+def assemble_layers(cfg: ModelConfig, common: dict, dense: dict, sparse: dict, take) -> dict | list[dict]:
+    """params["layers"] from leaves stacked over all layers (common), over cfg.dense_layers
+    (dense MLP) and over cfg.moe_layers (sparse): one stacked dict when the layers are alike,
+    else a list of per-layer dicts, take(leaf, j) being row j of a stacked leaf."""
+    if not sparse or not dense:
+        return {**common, **dense, **sparse}
+    per_layer = []
+    for i in range(cfg.num_layers):
+        own, j = (sparse, cfg.moe_layers.index(i)) if i in cfg.moe_layers else (dense, cfg.dense_layers.index(i))
+        per_layer.append({**{k: take(v, i) for k, v in common.items()}, **{k: take(v, j) for k, v in own.items()}})
+    return per_layer
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
@@ -344,7 +468,16 @@ def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.qk_norm:
         layers["q_norm"] = (L, D)
         layers["k_norm"] = (L, D)
-    layers.update(wo=(L, cfg.q_size, H), mlp_norm=(L, H), w_gate_up=(L, H, 2 * I), w_down=(L, I, H))
+    layers.update(wo=(L, cfg.q_size, H), mlp_norm=(L, H))
+    nd, ns = len(cfg.dense_layers), len(cfg.moe_layers)
+    dense = dict(w_gate_up=(nd, H, 2 * I), w_down=(nd, I, H)) if nd else {}
+    sparse = {}
+    if ns:
+        E, Im, Is = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+        sparse = dict(router=(ns, H, E), experts_gate_up=(ns, E, H, 2 * Im), experts_down=(ns, E, Im, H))
+        if Is:
+            sparse.update(shared_gate_up=(ns, H, 2 * Is), shared_down=(ns, Is, H), shared_gate=(ns, H, 1))
+    layers = assemble_layers(cfg, layers, dense, sparse, lambda shape, j: shape[1:])
     shapes = {"embed": (cfg.vocab_size, H), "layers": layers, "final_norm": (H,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (H, cfg.vocab_size)
@@ -404,6 +537,7 @@ def config_from_json(data: Mapping[str, Any]) -> ModelConfig:
     if d.get("rope_scaling") is not None:
         d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
     d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+    d["moe_layers"] = tuple(d.get("moe_layers") or ())
     return ModelConfig(**d)
 
 

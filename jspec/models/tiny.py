@@ -27,7 +27,10 @@ ARCHITECTURES = {
     "mistral": ("MistralForCausalLM", "mistral"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "mixtral": ("MixtralForCausalLM", "mixtral"),
 }
+MOE_ARCHS = ("qwen3_moe", "mixtral")
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]
 BOS_ID = 256
 EOS_IDS = [257, 258]  # <|end_of_text|>, <|eot_id|>
@@ -74,7 +77,8 @@ def build_byte_tokenizer():
 
 
 def _hf_config(arch: str, *, vocab_size, hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads,
-               head_dim, tie_word_embeddings, rope_theta, rope_scaling, max_position_embeddings, dtype) -> dict:
+               head_dim, tie_word_embeddings, rope_theta, rope_scaling, max_position_embeddings, dtype,
+               num_experts=4, num_experts_per_tok=2) -> dict:
     """config.json in the pre-transformers-5 style (rope_theta + rope_scaling), as
     most published checkpoints are; checkpoints made by transformers 5 itself
     (rope_parameters) are covered by tests/hf_oracle.py."""
@@ -103,14 +107,19 @@ def _hf_config(arch: str, *, vocab_size, hidden_size, intermediate_size, num_lay
     }
     if rope_scaling is not None:
         cfg["rope_scaling"] = dict(LLAMA3_ROPE_SCALING) if rope_scaling == "llama3" else dict(rope_scaling)
-    if arch in ("llama", "mistral", "qwen3"):
+    if arch in ("llama", "mistral", "qwen3", "qwen3_moe"):
         cfg["attention_bias"] = False
     if arch == "llama":
         cfg["mlp_bias"] = False
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral"):
         cfg["sliding_window"] = None  # Mistral v0.3 style: full attention
-    if arch in ("qwen2", "qwen3"):
+    if arch in ("qwen2", "qwen3", "qwen3_moe"):
         cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=num_layers)
+    if arch == "qwen3_moe":  # Qwen3-30B-A3B's fields; experts half as wide as the (unused) dense MLP
+        cfg.update(num_experts=num_experts, num_experts_per_tok=num_experts_per_tok, norm_topk_prob=True,
+                   moe_intermediate_size=intermediate_size // 2, decoder_sparse_step=1, mlp_only_layers=[])
+    if arch == "mixtral":
+        cfg.update(num_local_experts=num_experts, num_experts_per_tok=num_experts_per_tok)
     return cfg
 
 
@@ -136,17 +145,35 @@ def _random_tensors(cfg: dict, arch: str, rng: np.random.Generator, init_std: fl
         if arch == "qwen2":
             for name, n in (("q", q), ("k", kv), ("v", kv)):
                 t[p + f"self_attn.{name}_proj.bias"] = (0.1 * rng.standard_normal(n)).astype(np.float32)
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3_moe"):
             t[p + "self_attn.q_norm.weight"] = norm(D)
             t[p + "self_attn.k_norm.weight"] = norm(D)
         t[p + "self_attn.o_proj.weight"] = linear(H, q)
         t[p + "post_attention_layernorm.weight"] = norm(H)
+        if arch in MOE_ARCHS:
+            t.update(_random_experts(cfg, arch, p, linear))
+            continue
         t[p + "mlp.gate_proj.weight"] = linear(I, H)
         t[p + "mlp.up_proj.weight"] = linear(I, H)
         t[p + "mlp.down_proj.weight"] = linear(H, I)
     t["model.norm.weight"] = norm(H)
     if not cfg["tie_word_embeddings"]:
         t["lm_head.weight"] = linear(V, H)
+    return t
+
+
+def _random_experts(cfg: dict, arch: str, p: str, linear) -> dict[str, np.ndarray]:
+    """One sparse layer in HF's classic per-expert naming (what save_pretrained writes)."""
+    H = cfg["hidden_size"]
+    if arch == "mixtral":
+        E, I, base, names = cfg["num_local_experts"], cfg["intermediate_size"], "block_sparse_moe", ("w1", "w3", "w2")
+    else:
+        E, I, base = cfg["num_experts"], cfg["moe_intermediate_size"], "mlp"
+        names = ("gate_proj", "up_proj", "down_proj")
+    t = {f"{p}{base}.gate.weight": linear(E, H)}
+    for e in range(E):
+        gate, up, down = (f"{p}{base}.experts.{e}.{n}.weight" for n in names)
+        t[gate], t[up], t[down] = linear(I, H), linear(I, H), linear(H, I)
     return t
 
 
@@ -198,10 +225,13 @@ def make_tiny_model(
     num_shards: int = 1,
     init_std: float | None = None,
     tokenizer: bool = True,
+    num_experts: int = 4,
+    num_experts_per_tok: int = 2,
 ) -> str:
     """Writes a random HF-format checkpoint into out_dir and returns its path.
 
-    head_dim defaults to hidden/heads, except for qwen3 where it is twice that
+    num_experts / num_experts_per_tok shape the MoE archs (qwen3_moe, mixtral), whose
+    every layer is sparse. head_dim defaults to hidden/heads, except for qwen3 where it is twice that
     (as in real Qwen3, q_size != hidden). rope_scaling="llama3" selects
     LLAMA3_ROPE_SCALING. config.json is written last, so its presence means the
     directory is complete.
@@ -214,7 +244,7 @@ def make_tiny_model(
     if tokenizer and vocab_size < n_text:
         raise ValueError(f"vocab_size {vocab_size} is smaller than the byte tokenizer's {n_text} tokens")
     if head_dim is None:
-        head_dim = hidden_size // num_heads * (2 if arch == "qwen3" else 1)
+        head_dim = hidden_size // num_heads * (2 if arch in ("qwen3", "qwen3_moe") else 1)
     out_dir = os.path.abspath(os.fspath(out_dir))
     os.makedirs(out_dir, exist_ok=True)
     cfg = _hf_config(
@@ -222,6 +252,7 @@ def make_tiny_model(
         num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         tie_word_embeddings=tie_word_embeddings, rope_theta=rope_theta, rope_scaling=rope_scaling,
         max_position_embeddings=max_position_embeddings, dtype=dtype,
+        num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
     )
     tensors = _random_tensors(cfg, arch, np.random.default_rng(seed), init_std)
     if dtype == "bfloat16":

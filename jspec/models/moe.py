@@ -1,0 +1,173 @@
+"""Mixture-of-Experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral) as pure functions.
+
+A sparse layer replaces the SwiGLU MLP by E experts, each a SwiGLU of width
+moe_intermediate_size. Per token the router picks k experts and weighs them
+exactly as HF does for these three families: softmax over all E router logits
+(float32), keep the top k, renormalise them to sum 1 when norm_topk_prob
+(Mixtral always: that equals a softmax over the top-k logits).
+
+Expert compute is a grouped matmul, not a loop over experts nor a dense
+every-expert product: the T*k (token, expert) assignments are sorted by expert
+and `jax.lax.ragged_dot` multiplies each contiguous group by its expert's
+weights. Work is T*k rows whatever the routing, and the shapes are static.
+
+Params of a sparse layer (loader.py's pytree, weights [in, out]):
+
+    router           [H, E]
+    experts_gate_up  [E, H, 2*I]   concat(gate, up) on the out axis, as llama's w_gate_up
+    experts_down     [E, I, H]
+    shared_gate_up   [H, 2*Is]     Qwen2-MoE only (cfg.shared_expert_intermediate_size)
+    shared_down      [Is, H]
+    shared_gate      [H, 1]        sigmoid gate on the shared expert's output
+
+Expert parallelism (`moe_mlp_ep`, run under `jax.shard_map` over a mesh axis
+"expert"): each shard owns E/ep consecutive experts and its own tokens; every
+assignment travels to the shard owning its expert by one all_to_all, is
+computed there with the same grouped matmul, and comes back by the inverse
+all_to_all into the slot it left from.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jspec.config import ModelConfig
+
+EXPERT_AXIS = "expert"
+
+
+def route(h: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
+    """h [T, H], router [H, E] -> (weights [T, k] float32, expert ids [T, k] int32)."""
+    logits = jnp.dot(h, router, preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
+
+
+def grouped_swiglu(xs: jax.Array, group_sizes: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """Rows of xs [M, H] sorted by expert, group_sizes [G] rows per expert -> [M, H] in xs.dtype.
+
+    Rows past sum(group_sizes) belong to no expert (padding); their output is undefined.
+    The output is cast to the activation dtype before it is weighted, as HF's experts do.
+    """
+    inter = w_down.shape[1]
+    gate_up = jax.lax.ragged_dot(xs, w_gate_up, group_sizes, preferred_element_type=jnp.float32)
+    act = (jax.nn.silu(gate_up[:, :inter]) * gate_up[:, inter:]).astype(xs.dtype)
+    return jax.lax.ragged_dot(act, w_down, group_sizes, preferred_element_type=jnp.float32).astype(xs.dtype)
+
+
+def _combine(weights: jax.Array, per_assignment: jax.Array) -> jax.Array:
+    """weights [T, k], per_assignment [T*k, H] in (token, slot) order -> [T, H] float32."""
+    T, k = weights.shape
+    y = per_assignment.reshape(T, k, -1).astype(jnp.float32)
+    return jnp.einsum("tk,tkh->th", weights, y)
+
+
+def moe_experts(h: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up: jax.Array,
+                w_down: jax.Array) -> jax.Array:
+    """Weighted sum of each token's chosen experts, all experts local: [T, H] float32."""
+    T, k = experts.shape
+    flat = experts.reshape(-1)
+    # Stable, so a token's assignments keep their order within an expert's group.
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=w_gate_up.shape[0])
+    ys = grouped_swiglu(h[order // k], sizes, w_gate_up, w_down)
+    # order is a permutation, so this scatter writes each row once (deterministic, no adds).
+    return _combine(weights, jnp.zeros_like(ys).at[order].set(ys))
+
+
+def shared_expert(h: jax.Array, lp) -> jax.Array:
+    """Qwen2-MoE's always-on expert, scaled by sigmoid(h @ shared_gate): [T, H] float32."""
+    inter = lp["shared_down"].shape[0]
+    gate_up = jnp.dot(h, lp["shared_gate_up"], preferred_element_type=jnp.float32)
+    act = (jax.nn.silu(gate_up[:, :inter]) * gate_up[:, inter:]).astype(h.dtype)
+    out = jnp.dot(act, lp["shared_down"], preferred_element_type=jnp.float32).astype(h.dtype)
+    gate = jax.nn.sigmoid(jnp.dot(h, lp["shared_gate"], preferred_element_type=jnp.float32))
+    return gate * out.astype(jnp.float32)
+
+
+def moe_mlp(cfg: ModelConfig, lp, h: jax.Array) -> jax.Array:
+    """The sparse MLP on normed input h [T, H], every expert on this device: [T, H] in h.dtype."""
+    weights, experts = route(h, lp["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    y = moe_experts(h, weights, experts, lp["experts_gate_up"], lp["experts_down"])
+    if cfg.shared_expert_intermediate_size:
+        y = y + shared_expert(h, lp)
+    return y.astype(h.dtype)
+
+
+# ---------------------------------------------------------------------------
+# Expert parallelism
+# ---------------------------------------------------------------------------
+
+def moe_experts_ep(h: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
+                   axis_name: str = EXPERT_AXIS) -> jax.Array:
+    """moe_experts inside shard_map: h [T, H] this shard's tokens, experts [T, k] global ids,
+    w_gate_up [E/ep, H, 2I] and w_down [E/ep, I, H] this shard's experts (shard s owns
+    experts s*E/ep .. (s+1)*E/ep - 1). Returns [T, H] float32 for this shard's tokens.
+
+    Capacity: each (source, destination) buffer has T*k slots, the number of
+    assignments the source has, so no token is ever dropped whatever the routing
+    (exact, as greedy speculative decoding needs: a dropped token would change the
+    logits with the batch). The price is an ep*T*k-row buffer each way, mostly
+    padding when routing is balanced; a smaller capacity would need a drop policy.
+    """
+    ep = jax.lax.axis_size(axis_name)
+    local = w_gate_up.shape[0]
+    T, k = experts.shape
+    cap = T * k
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sorted_e = flat[order]
+    # Sorting by expert also sorts by destination shard; pos = rank within the destination.
+    dest = sorted_e // local
+    counts = jnp.bincount(dest, length=ep)
+    pos = jnp.arange(cap, dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[dest]
+    send_x = jnp.zeros((ep, cap, h.shape[1]), h.dtype).at[dest, pos].set(h[order // k])
+    # Empty slots carry the out-of-range id `local`: they sort after every group and count in none.
+    send_e = jnp.full((ep, cap), local, jnp.int32).at[dest, pos].set(sorted_e % local)
+
+    # recv[s] = what shard s sent here.
+    recv_x = jax.lax.all_to_all(send_x, axis_name, 0, 0, tiled=True).reshape(ep * cap, -1)
+    recv_e = jax.lax.all_to_all(send_e, axis_name, 0, 0, tiled=True).reshape(ep * cap)
+    lorder = jnp.argsort(recv_e, stable=True)
+    ys = grouped_swiglu(recv_x[lorder], jnp.bincount(recv_e, length=local), w_gate_up, w_down)
+    back = jnp.zeros_like(ys).at[lorder].set(ys).reshape(ep, cap, -1)
+
+    # The inverse all_to_all: back[d] = results of what this shard sent to d, slot for slot.
+    back = jax.lax.all_to_all(back, axis_name, 0, 0, tiled=True)
+    ys_sorted = back[dest, pos]
+    return _combine(weights, jnp.zeros_like(ys_sorted).at[order].set(ys_sorted))
+
+
+def moe_mlp_ep(cfg: ModelConfig, lp, h: jax.Array, axis_name: str = EXPERT_AXIS) -> jax.Array:
+    """moe_mlp inside shard_map over axis_name: lp's expert weights are this shard's slice,
+    the router and shared expert are replicated, h [T, H] are this shard's tokens."""
+    weights, experts = route(h, lp["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    y = moe_experts_ep(h, weights, experts, lp["experts_gate_up"], lp["experts_down"], axis_name)
+    if cfg.shared_expert_intermediate_size:
+        y = y + shared_expert(h, lp)
+    return y.astype(h.dtype)
+
+
+def ep_param_specs(lp) -> dict[str, P]:
+    """PartitionSpecs of one sparse layer's weights under expert parallelism."""
+    return {name: P(EXPERT_AXIS) if name.startswith("experts_") else P() for name in lp}
+
+
+def moe_mlp_expert_parallel(cfg: ModelConfig, mesh: Mesh, lp, h: jax.Array) -> jax.Array:
+    """moe_mlp with experts and tokens split over mesh axis "expert" (T and E divisible by
+    its size): a shard_map of moe_mlp_ep, for callers outside any shard_map."""
+    ep = mesh.shape[EXPERT_AXIS]
+    if cfg.num_experts % ep or h.shape[0] % ep:
+        raise ValueError(f"expert parallelism {ep} must divide num_experts ({cfg.num_experts}) "
+                         f"and the token count ({h.shape[0]})")
+    fn = jax.shard_map(
+        lambda lp, h: moe_mlp_ep(cfg, lp, h), mesh=mesh,
+        in_specs=(ep_param_specs(lp), P(EXPERT_AXIS)), out_specs=P(EXPERT_AXIS),
+    )
+    return fn(lp, h)
