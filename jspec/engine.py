@@ -128,17 +128,25 @@ class Engine:
         max_top_logprobs: int = 0,
         attention_backend: str | None = None,
         seed: int = 0,
+        tp_size: int = 1,
     ):
         self.model = as_model(model)
         cfg, params = self.model.cfg, self.model.params
+        mesh = None
+        if tp_size > 1:
+            from jspec.parallel.tensor_parallel import make_mesh, shard_params
+
+            mesh = make_mesh(tp_size)
+            cfg, params = shard_params(cfg, params, mesh)  # cfg changes only if KV heads are repeated
         kw = dict(page_size=page_size, num_pages=num_pages, max_slots=max_running_requests,
-                  kv_memory_bytes=kv_memory_bytes, attention_backend=attention_backend)
+                  kv_memory_bytes=kv_memory_bytes, attention_backend=attention_backend, mesh=mesh)
         if spec is None:
             self.worker = PlainWorker(cfg, params, **kw)
         else:
             from jspec.spec.methods import make_method
 
-            method, dparams = make_method(spec, cfg, draft, dtype=params["embed"].dtype)
+            # The draft is built against the checkpoint's config; it runs replicated on every shard.
+            method, dparams = make_method(spec, self.model.cfg, draft, dtype=params["embed"].dtype)
             self.worker = SpecWorker(cfg, params, method, dparams, **kw)
         self.spec = spec
         self.worker.top_n = max_top_logprobs
@@ -151,9 +159,14 @@ class Engine:
         self._arrival = itertools.count()
         self.num_steps = 0
 
-    def warmup(self) -> int:
-        """Compiles (by running on scratch inputs) every bucketed program the loop can launch."""
-        return self.worker.warmup(self.scheduler.chunked_prefill_size)
+    def warmup(self, sampling_modes=None, prompt_logprobs: bool = True) -> int:
+        """Compiles (by running on scratch inputs) every bucketed program the loop can launch;
+        sampling_modes (default all of jspec.sampling.SAMPLING_MODES) and prompt_logprobs
+        narrow it, leaving the rest to compile at first use. Returns the programs run."""
+        from jspec.sampling import SAMPLING_MODES
+
+        return self.worker.warmup(self.scheduler.chunked_prefill_size, sampling_modes or SAMPLING_MODES,
+                                  prompt_logprobs)
 
     # ---- requests ----------------------------------------------------------------------------
 

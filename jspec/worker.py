@@ -13,6 +13,8 @@ method runs; device values only come back through the StepOutput it reads.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import numpy as np
 
@@ -36,8 +38,11 @@ class WorkerBase:
     top_n = 0  # top logprobs each step returns (static: part of the compiled programs)
 
     def __init__(self, cfg: ModelConfig, params, *, page_size: int, num_pages: int, max_slots: int,
-                 attention_backend: str | None):
+                 attention_backend: str | None, mesh=None):
         from jspec.models.llama import unstack_layers
+
+        # Tensor parallel (jspec.parallel): params arrive sharded over mesh; steps run under it.
+        self.mesh = mesh
 
         # Per-layer weight arrays: XLA would copy a weight sliced out of a stacked array.
         self.cfg, self.params = cfg, unstack_layers(params)
@@ -47,6 +52,23 @@ class WorkerBase:
         self.max_slots = max_slots
         self.free_slots = list(range(max_slots - 1, -1, -1))
         self.backend = attention_backend or default_attention_backend()
+
+    def _place(self, state):
+        """Device state on the mesh: the target's KV pool split over KV heads, the rest
+        (carry, penalties, the draft's state) replicated."""
+        if self.mesh is None:
+            return state
+        from jax.sharding import NamedSharding
+
+        from jspec.parallel.tensor_parallel import kv_pool_spec, replicate
+
+        kv = NamedSharding(self.mesh, kv_pool_spec())
+        rest = replicate(state._replace(target_kv=None), self.mesh)
+        return rest._replace(target_kv=jax.tree.map(lambda x: jax.device_put(x, kv), state.target_kv))
+
+    def on_mesh(self):
+        """Context for launching steps: the mesh, so attention runs per shard (shard_map)."""
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
     @property
     def scratch_slot(self) -> int:
@@ -77,22 +99,27 @@ class WorkerBase:
         pages.append(bucket(self.max_pages_per_request, self.MIN_DECODE_PAGES))
         return [(b, m) for b in rows for m in pages]
 
-    def warmup(self, chunked_prefill_size: int) -> int:
+    def warmup(self, chunked_prefill_size: int, sampling_modes=SAMPLING_MODES, prompt_logprobs: bool = True) -> int:
         """Runs every bucketed program once on scratch inputs (padding rows write only the
-        scratch page and slot), so the serving loop never compiles. Returns programs run."""
+        scratch page and slot), so the serving loop never compiles. Returns programs run.
+        A subset of sampling modes (or no prompt-logprob prefill) leaves the others to
+        compile at their first use: each mode is its own set of decode programs."""
+        unknown = set(sampling_modes) - set(SAMPLING_MODES)
+        if unknown:
+            raise ValueError(f"unknown sampling modes {sorted(unknown)}; choose from {SAMPLING_MODES}")
         greedy = (SamplingParams(), 0)
         n = 0
         for T in self.prefill_token_buckets(chunked_prefill_size):
             # One sequence of T tokens on the scratch page; `following` set, so no slot is touched.
             pages = [0] * (-(-T // self.page_size))
-            for with_prompt in (False, True):
+            for with_prompt in (False, True) if prompt_logprobs else (False,):
                 self.prefill([SeqChunk([0] * T, 0, pages)], [0], [None], [greedy], with_prompt_logprobs=with_prompt)
                 n += 1
         sampled = {"greedy": greedy, "temperature": (SamplingParams(temperature=1.0), 0),
                    "top_k": (SamplingParams(temperature=1.0, top_k=20), 0),
                    "filtered": (SamplingParams(temperature=1.0, top_p=0.9), 0)}
         for B, M in self.decode_buckets():
-            for mode in SAMPLING_MODES:
+            for mode in sampling_modes:
                 self.decode([self.scratch_slot] * B, [[0] * M] * B, [sampled[mode]] * B)
                 n += 1
         jax.block_until_ready(jax.tree.leaves(self.state))
@@ -168,23 +195,25 @@ class PlainWorker(WorkerBase):
     max_emit = 1
 
     def __init__(self, cfg: ModelConfig, params, *, page_size: int = 16, num_pages: int | None = None,
-                 max_slots: int = 64, kv_memory_bytes: int | None = None, attention_backend: str | None = None):
+                 max_slots: int = 64, kv_memory_bytes: int | None = None, attention_backend: str | None = None,
+                 mesh=None):
         if num_pages is None:
             per_page = kv_bytes_per_page(cfg, page_size, params["embed"].dtype)
             num_pages = max(2, (kv_memory_bytes or DEFAULT_KV_BYTES) // per_page)
         super().__init__(cfg, params, page_size=page_size, num_pages=num_pages, max_slots=max_slots,
-                         attention_backend=attention_backend)
-        self.state = PlainState(create_kv_pool(cfg, int(num_pages), page_size, self.dtype), init_plain_carry(max_slots),
-                                init_penalty_state(max_slots, cfg.vocab_size))
+                         attention_backend=attention_backend, mesh=mesh)
+        self.state = self._place(PlainState(create_kv_pool(cfg, int(num_pages), page_size, self.dtype),
+                                            init_plain_carry(max_slots), init_penalty_state(max_slots, cfg.vocab_size)))
 
     def prefill(self, chunks, following, slots, sampling, output_starts=None, first_chunks=None,
                 with_prompt_logprobs=False):
         batch, mode, next_tokens, _, slot_ids, counts = self._prefill_inputs(chunks, following, slots, output_starts,
                                                                              first_chunks)
         rows = _rows(sampling, slot_ids.shape[0])
-        self.state, out = plain_prefill_step(self.params, self.state, batch, next_tokens, slot_ids, counts, rows,
-                                             cfg=self.cfg, mode=mode, top_n=self.top_n,
-                                             with_prompt_logprobs=with_prompt_logprobs)
+        with self.on_mesh():
+            self.state, out = plain_prefill_step(self.params, self.state, batch, next_tokens, slot_ids, counts, rows,
+                                                 cfg=self.cfg, mode=mode, top_n=self.top_n,
+                                                 with_prompt_logprobs=with_prompt_logprobs)
         return out
 
     def decode(self, slots, page_tables, sampling):
@@ -193,8 +222,9 @@ class PlainWorker(WorkerBase):
 
     def decode_arrays(self, slot_ids, page_tables, rows, mode: str):
         """decode() on prebuilt (bucketed) arrays: the launch alone."""
-        self.state, out = plain_decode_step(self.params, self.state, slot_ids, page_tables, rows, cfg=self.cfg,
-                                            backend=self.backend, top_n=self.top_n, sampling=mode)
+        with self.on_mesh():
+            self.state, out = plain_decode_step(self.params, self.state, slot_ids, page_tables, rows, cfg=self.cfg,
+                                                backend=self.backend, top_n=self.top_n, sampling=mode)
         return out
 
 
@@ -204,7 +234,7 @@ class SpecWorker(WorkerBase):
 
     def __init__(self, cfg: ModelConfig, params, method, dparams, *, page_size: int = 16,
                  num_pages: int | None = None, max_slots: int = 64, kv_memory_bytes: int | None = None,
-                 attention_backend: str | None = None):
+                 attention_backend: str | None = None, mesh=None):
         from jspec.spec.method import init_spec_state
 
         if num_pages is None:
@@ -212,15 +242,20 @@ class SpecWorker(WorkerBase):
             per_page = kv_bytes_per_page(cfg, page_size, dtype) + method.draft_kv_bytes_per_page(page_size, dtype)
             num_pages = max(2, (kv_memory_bytes or DEFAULT_KV_BYTES) // per_page)
         super().__init__(cfg, params, page_size=page_size, num_pages=num_pages, max_slots=max_slots,
-                         attention_backend=attention_backend)
+                         attention_backend=attention_backend, mesh=mesh)
         from jspec.models.llama import unstack_layers
 
         self.method, self.spec = method, method.spec
         self.dparams = unstack_layers(dparams) if isinstance(dparams, dict) and "layers" in dparams else dparams
+        if mesh is not None and self.dparams is not None:
+            from jspec.parallel.tensor_parallel import replicate
+
+            self.dparams = replicate(self.dparams, mesh)
         self.kv_margin = method.kv_margin
         self.max_emit = method.spec.num_steps + 1
-        self.state = init_spec_state(method, create_kv_pool(cfg, int(num_pages), page_size, self.dtype), max_slots,
-                                     int(num_pages), page_size, self.dtype, init_penalty_state(max_slots, cfg.vocab_size))
+        self.state = self._place(init_spec_state(
+            method, create_kv_pool(cfg, int(num_pages), page_size, self.dtype), max_slots, int(num_pages),
+            page_size, self.dtype, init_penalty_state(max_slots, cfg.vocab_size)))
 
     def prefill(self, chunks, following, slots, sampling, output_starts=None, first_chunks=None,
                 with_prompt_logprobs=False):
@@ -229,10 +264,11 @@ class SpecWorker(WorkerBase):
         batch, mode, draft_tokens, finish_rows, slot_ids, counts = self._prefill_inputs(
             chunks, following, slots, output_starts, first_chunks)
         rows = _rows(sampling, slot_ids.shape[0])
-        self.state, out = spec_prefill_step(
-            self.params, self.dparams, self.state, batch, draft_tokens, finish_rows, slot_ids, counts, rows,
-            cfg=self.cfg, method=self.method, mode=mode, top_n=self.top_n, with_prompt_logprobs=with_prompt_logprobs,
-        )
+        with self.on_mesh():
+            self.state, out = spec_prefill_step(
+                self.params, self.dparams, self.state, batch, draft_tokens, finish_rows, slot_ids, counts, rows,
+                cfg=self.cfg, method=self.method, mode=mode, top_n=self.top_n, with_prompt_logprobs=with_prompt_logprobs,
+            )
         return out
 
     def decode(self, slots, page_tables, sampling):
@@ -243,8 +279,9 @@ class SpecWorker(WorkerBase):
         """decode() on prebuilt (bucketed) arrays: the launch alone."""
         from jspec.spec.method import spec_decode_step
 
-        self.state, out = spec_decode_step(
-            self.params, self.dparams, self.state, slot_ids, page_tables, rows,
-            cfg=self.cfg, method=self.method, backend=self.backend, top_n=self.top_n, sampling=mode,
-        )
+        with self.on_mesh():
+            self.state, out = spec_decode_step(
+                self.params, self.dparams, self.state, slot_ids, page_tables, rows,
+                cfg=self.cfg, method=self.method, backend=self.backend, top_n=self.top_n, sampling=mode,
+            )
         return out

@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tp-size", type=int, default=1, help="tensor parallelism (this version: 1)")
     ap.add_argument("--attention-backend", choices=["pallas", "reference"], help="default: pallas")
     ap.add_argument("--skip-warmup", action="store_true", help="compile lazily instead of at start-up")
+    ap.add_argument("--warmup-sampling-modes", default="all",
+                    help="comma list of greedy,temperature,top_k,filtered to compile at start-up, or 'all' "
+                         "(each mode is its own set of decode programs; the rest compile at first use) and "
+                         "no prompt-logprob prefill programs unless 'all'")
     ap.add_argument("--random-seed", type=int, default=0, help="seeds requests that bring none")
     ap.add_argument("--log-level", default="info")
     add_speculative_args(ap)
@@ -107,7 +111,12 @@ def main(argv=None) -> None:
         max_top_logprobs=args.max_top_logprobs, attention_backend=args.attention_backend, seed=args.random_seed,
     )
     if not args.skip_warmup:
-        log.info("compiled %d programs", engine.warmup())
+        modes = args.warmup_sampling_modes
+        try:
+            n = engine.warmup() if modes == "all" else engine.warmup(modes.split(","), prompt_logprobs=False)
+        except ValueError as e:
+            ap.error(f"--warmup-sampling-modes: {e}")
+        log.info("compiled %d programs", n)
     async_engine = AsyncEngine(engine)
     name = args.served_model_name or os.path.basename(os.path.normpath(path))
 

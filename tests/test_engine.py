@@ -15,7 +15,9 @@ from sync_guard import count_device_reads
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = make_tiny_model(str(tmp_path_factory.mktemp("tiny") / "m"), seed=3)
-    return jspec.load(path)
+    # The workloads stay under 512 tokens; a shorter context means narrower page tables,
+    # hence fewer and cheaper programs on the CPU.
+    return jspec.load(path, context_length=512)
 
 
 def eagle_draft(model, algorithm="EAGLE3"):
@@ -149,9 +151,18 @@ def test_warmup_compiles_every_program_the_loop_runs(tiny):
 
     engine = jspec.Engine(tiny, page_size=16, num_pages=512, max_running_requests=4, chunked_prefill_size=64,
                           attention_backend="reference")
-    n = engine.warmup()
+    # The workload is greedy without prompt logprobs, so the greedy programs must cover it
+    # (every mode would be 4x the compiles; a mode is only a static argument of the same step).
+    n = engine.warmup(sampling_modes=("greedy",), prompt_logprobs=False)
+    w = engine.worker
+    assert n == len(w.prefill_token_buckets(64)) + len(w.decode_buckets())
     sizes = (plain_prefill_step._cache_size(), plain_decode_step._cache_size())
-    assert n >= 4
     run_workload(engine, workload(n=10, seed=2))
     assert (plain_prefill_step._cache_size(), plain_decode_step._cache_size()) == sizes, "the loop compiled"
     engine.check_idle_no_leaks()
+
+
+def test_warmup_refuses_an_unknown_sampling_mode(tiny):
+    engine = jspec.Engine(tiny, page_size=16, num_pages=64, max_running_requests=2, attention_backend="reference")
+    with pytest.raises(ValueError, match="unknown sampling modes"):
+        engine.warmup(sampling_modes=("greedy", "beam"))

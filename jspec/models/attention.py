@@ -30,19 +30,16 @@ def paged_attention(
         from jspec.pallas.ref import paged_decode_ref as decode
         from jspec.pallas.ref import paged_extend_ref as extend
     if mode.decode_only and mask is None:
-        return decode(q, k_cache, v_cache, layer, batch.seq_lens, batch.page_tables, sm_scale=sm_scale)
-    return extend(
-        q,
-        k_cache,
-        v_cache,
-        layer,
-        batch.seq_lens,
-        batch.page_tables,
-        batch.query_start,
-        sm_scale=sm_scale,
-        max_q_len=mode.max_q_len,
-        mask=mask,
-    )
+        run = lambda q, k, v, layer, lens, tables: decode(q, k, v, layer, lens, tables, sm_scale=sm_scale)  # noqa: E731
+        return over_head_shards(run, q, k_cache, v_cache, layer, batch.seq_lens, batch.page_tables)
+
+    def run(q, k, v, layer, lens, tables, starts, *mask):
+        return extend(q, k, v, layer, lens, tables, starts, sm_scale=sm_scale, max_q_len=mode.max_q_len,
+                      mask=mask[0] if mask else None)
+
+    extra = () if mask is None else (mask,)
+    return over_head_shards(run, q, k_cache, v_cache, layer, batch.seq_lens, batch.page_tables,
+                            batch.query_start, *extra)
 
 
 def paged_decode_with_lse(q, k_cache, v_cache, layer, seq_lens, page_tables, *, sm_scale: float, backend: str):
@@ -50,14 +47,33 @@ def paged_decode_with_lse(q, k_cache, v_cache, layer, seq_lens, page_tables, *, 
     lse [B, Hq] f32, -inf where nothing is visible), so that attention over the paged prefix can
     be merged with attention over keys that live outside the pool (the draft tree's ancestors)."""
     if backend == "pallas":
-        from jspec.pallas.paged_decode import paged_decode
+        from jspec.pallas.paged_decode import paged_decode as decode
+    else:
+        from jspec.pallas.ref import paged_decode_ref as decode
+    run = lambda q, k, v, layer, lens, tables: decode(q, k, v, layer, lens, tables, sm_scale=sm_scale,  # noqa: E731
+                                                      return_lse=True)
+    return over_head_shards(run, q, k_cache, v_cache, layer, seq_lens, page_tables, with_lse=True)
 
-        return paged_decode(
-            q, k_cache, v_cache, layer, seq_lens, page_tables, sm_scale=sm_scale, return_lse=True
-        )
-    from jspec.pallas.ref import paged_decode_ref
 
-    return paged_decode_ref(q, k_cache, v_cache, layer, seq_lens, page_tables, sm_scale=sm_scale, return_lse=True)
+def over_head_shards(fn, q, k_cache, v_cache, *replicated, with_lse: bool = False):
+    """fn(q [T, Hq, D], k_cache, v_cache [L, P, S, Hkv, D], *replicated) -> out [T, Hq, D]
+    (and lse [T, Hq] with_lse), run per tensor-parallel shard on its own heads when the
+    current mesh (jax.set_mesh) has a "tensor" axis that divides both head counts; heads
+    are independent, so no communication. Otherwise fn runs as is (one device, or a
+    replicated draft whose heads do not divide)."""
+    from jax.sharding import PartitionSpec as P
+
+    from jspec.parallel.tensor_parallel import TENSOR, kv_pool_spec
+
+    mesh = jax.sharding.get_abstract_mesh()
+    tp = 1 if mesh.empty or TENSOR not in mesh.axis_names else mesh.shape[TENSOR]
+    if tp == 1 or q.shape[1] % tp or k_cache.shape[3] % tp:
+        return fn(q, k_cache, v_cache, *replicated)
+    heads = P(None, TENSOR, None)
+    out_specs = (heads, P(None, TENSOR)) if with_lse else heads
+    in_specs = (heads, kv_pool_spec(), kv_pool_spec()) + (P(),) * len(replicated)
+    return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
+        q, k_cache, v_cache, *replicated)
 
 
 def merge_attention(out_a, lse_a, out_b, lse_b):

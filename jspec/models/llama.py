@@ -68,16 +68,27 @@ def _linear(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
+def _project(h: jax.Array, w: jax.Array) -> jax.Array:
+    """h [T, in] @ w -> f32 [T, shards, n]; w is [in, n] (one shard) or [in, tp, n / tp]."""
+    if w.ndim == 2:
+        return jnp.dot(h, w, preferred_element_type=jnp.float32)[:, None, :]
+    return jnp.einsum("ti,isn->tsn", h, w, preferred_element_type=jnp.float32)
+
+
 def qkv_heads(cfg: ModelConfig, lp, h: jax.Array, cos, sin):
     """Projects normed input h [T, in] to RoPE'd q [T, Hq, D], k and v [T, Hkv, D]."""
     T = h.shape[0]
-    qkv = jnp.dot(h, lp["wqkv"], preferred_element_type=jnp.float32)
+    # wqkv [in, n], or the tensor-parallel layout [in, tp, n / tp] (jspec.parallel): q, k, v
+    # of each shard's heads side by side, so the split below stays within a shard.
+    qkv = _project(h, lp["wqkv"])
+    shards = qkv.shape[1]
     if cfg.qkv_bias:
-        qkv = qkv + lp["bqkv"].astype(jnp.float32)
+        qkv = qkv + lp["bqkv"].reshape(shards, -1).astype(jnp.float32)
     qkv = qkv.astype(h.dtype)
-    q = qkv[:, : cfg.q_size].reshape(T, cfg.num_heads, cfg.head_dim)
-    k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].reshape(T, cfg.num_kv_heads, cfg.head_dim)
-    v = qkv[:, cfg.q_size + cfg.kv_size :].reshape(T, cfg.num_kv_heads, cfg.head_dim)
+    ql, kvl = cfg.q_size // shards, cfg.kv_size // shards
+    q = qkv[..., :ql].reshape(T, cfg.num_heads, cfg.head_dim)
+    k = qkv[..., ql : ql + kvl].reshape(T, cfg.num_kv_heads, cfg.head_dim)
+    v = qkv[..., ql + kvl :].reshape(T, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
@@ -91,8 +102,10 @@ def mlp_block(cfg: ModelConfig, lp, x: jax.Array) -> jax.Array:
         # The loader gives router and expert weights exactly to cfg.moe_layers (and a scan
         # stacks only alike layers), so the weights present say which block this layer is.
         return x + moe_mlp(cfg, lp, h)
-    gate_up = jnp.dot(h, lp["w_gate_up"], preferred_element_type=jnp.float32)
-    gate, up = gate_up[:, : cfg.intermediate_size], gate_up[:, cfg.intermediate_size :]
+    gate_up = _project(h, lp["w_gate_up"])  # [in, 2I], or [in, tp, 2I / tp] (as wqkv)
+    half = gate_up.shape[-1] // 2
+    T = x.shape[0]
+    gate, up = gate_up[..., :half].reshape(T, -1), gate_up[..., half:].reshape(T, -1)
     return x + _linear((jax.nn.silu(gate) * up).astype(x.dtype), lp["w_down"])
 
 

@@ -1,0 +1,1 @@
+"""Multi-device execution on jax.sharding meshes: tensor parallelism (tensor_parallel.py)."""
