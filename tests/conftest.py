@@ -1,8 +1,14 @@
 """Suite-wide fixtures."""
 
 import gc
+import os
 
-import jax
+# Eight CPU devices, so the sharding tests (tensor parallel, ...) find a mesh; set before
+# jax starts. Everything else still runs on device 0.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
 import pytest
 
 

@@ -1,0 +1,81 @@
+"""Tensor parallelism on 8 CPU devices (conftest forces them): the same greedy tokens as one
+device, with EAGLE-3 and the overlap loop on, and what the mesh holds where."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+import jspec
+from jspec.models.tiny import make_tiny_model
+from jspec.parallel.tensor_parallel import block_columns, make_mesh, shard_params
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    # 8 query heads and 2 KV heads: TP 2 splits KV heads, TP 4 and 8 repeat them.
+    path = make_tiny_model(str(tmp_path_factory.mktemp("tp") / "m"), seed=11, num_heads=8, num_kv_heads=2)
+    return jspec.load(path, context_length=256)
+
+
+def eagle3(model):
+    from test_spec_eagle import draft_config
+
+    from jspec.models.eagle_loader import init_random_draft_params
+
+    dcfg = dataclasses.replace(draft_config("EAGLE3", cfg=model.cfg), capture_layers=(0, 1, 2))
+    return dcfg, init_random_draft_params(dcfg, jax.random.key(5), std=0.2)
+
+
+PROMPTS = [[1, 5, 9, 33, 70], list(range(40, 100)), [7] * 3, list(range(200, 230))]
+
+
+def greedy(model, **kw):
+    engine = jspec.Engine(model, page_size=4, num_pages=256, max_running_requests=4, attention_backend="reference",
+                          **kw)
+    outs = engine.generate(PROMPTS, jspec.SamplingParams(max_new_tokens=10, ignore_eos=True))
+    engine.check_idle_no_leaks()
+    return [o.token_ids for o in outs], engine
+
+
+SPEC = jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=1, num_draft_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def one_device_eagle3(tiny):
+    draft = eagle3(tiny)
+    return draft, greedy(tiny, spec=SPEC, draft=draft)[0]
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_tp_greedy_equals_one_device_with_eagle3_and_overlap(tiny, one_device_eagle3, tp):
+    draft, ref = one_device_eagle3
+    got, engine = greedy(tiny, spec=SPEC, draft=draft, tp_size=tp)
+    assert got == ref
+    kv = engine.worker.state.target_kv.k
+    assert kv.sharding.spec[3] == "tensor" and len(kv.sharding.device_set) == tp
+    # Each device holds only its KV heads: max(2, tp) heads in all, max(2, tp) / tp each.
+    assert kv.addressable_shards[0].data.shape[3] == max(2, tp) // tp
+
+
+def test_tp_plain_greedy_equals_one_device_on_the_pallas_kernels(tiny):
+    ref, _ = greedy(tiny)
+    engine = jspec.Engine(tiny, page_size=4, num_pages=256, max_running_requests=4, tp_size=4)  # pallas, interpreted
+    got = [o.token_ids for o in engine.generate(PROMPTS, jspec.SamplingParams(max_new_tokens=10, ignore_eos=True))]
+    assert got == ref
+
+
+def test_blocked_layout_puts_each_shards_heads_together():
+    w = np.arange(2 * 12).reshape(2, 12)  # q: 8 columns, k: 2, v: 2
+    b = np.asarray(block_columns(w, (8, 2, 2), 2))
+    assert b.shape == (2, 2, 6)
+    np.testing.assert_array_equal(b[:, 0], np.concatenate([w[:, 0:4], w[:, 8:9], w[:, 10:11]], axis=1))
+    np.testing.assert_array_equal(b[:, 1], np.concatenate([w[:, 4:8], w[:, 9:10], w[:, 11:12]], axis=1))
+
+
+def test_tp_refuses_what_does_not_divide(tiny):
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        shard_params(dataclasses.replace(tiny.cfg, num_heads=6, num_kv_heads=2), tiny.params, make_mesh(4))
+    with pytest.raises(ValueError, match="needs that many devices"):
+        make_mesh(len(jax.devices()) + 1)
