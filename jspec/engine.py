@@ -129,9 +129,17 @@ class Engine:
         attention_backend: str | None = None,
         seed: int = 0,
         tp_size: int = 1,
+        ep_size: int = 1,
     ):
         self.model = as_model(model)
         cfg, params = self.model.cfg, self.model.params
+        if ep_size != 1 and not (cfg.is_moe and ep_size == tp_size):
+            raise ValueError(f"ep_size={ep_size}: expert parallelism splits an MoE model's experts over its "
+                             f"tensor-parallel devices, so it must equal tp_size ({tp_size}) on an MoE model "
+                             f"(this one is {'MoE' if cfg.is_moe else 'dense'}); 1 otherwise")
+        if cfg.is_moe and tp_size > 1 and ep_size != tp_size:
+            raise ValueError(f"an MoE model with tp_size={tp_size} needs ep_size={tp_size} (its experts are split "
+                             f"whole over the devices, not column-wise)")
         mesh = None
         if tp_size > 1:
             from jspec.parallel.tensor_parallel import make_mesh, shard_params

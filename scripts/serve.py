@@ -44,7 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--disable-overlap-schedule", action="store_true", help="run the synchronous loop instead")
     ap.add_argument("--disable-radix-cache", action="store_true", help="no prefix cache")
     ap.add_argument("--max-top-logprobs", type=int, default=5, help="largest top-n logprobs a request may ask for")
-    ap.add_argument("--tp-size", type=int, default=1, help="tensor parallelism (this version: 1)")
+    ap.add_argument("--tp-size", type=int, default=1,
+                    help="tensor-parallel degree: shards the model and KV over this many local devices")
+    ap.add_argument("--ep-size", type=int, default=1,
+                    help="expert-parallel degree of an MoE model: equal to --tp-size (experts split over those devices)")
     ap.add_argument("--attention-backend", choices=["pallas", "reference"], help="default: pallas")
     ap.add_argument("--skip-warmup", action="store_true", help="compile lazily instead of at start-up")
     ap.add_argument("--warmup-sampling-modes", default="all",
@@ -71,10 +74,25 @@ def kv_pages(args, model, page_size: int) -> int | None:
         if not total:
             raise SystemExit("--mem-fraction-static needs an accelerator that reports its memory; "
                              "use --max-total-tokens")
-        weights = sum(x.nbytes for x in jax.tree.leaves(model.params))
+        # Per device: 1/tp of the weights and of each page's KV heads (repeated up to tp when fewer).
+        tp, kv_heads = args.tp_size, model.cfg.num_kv_heads
+        weights = sum(x.nbytes for x in jax.tree.leaves(model.params)) / tp
+        per_page = kv_bytes_per_page(model.cfg, page_size, model.params["embed"].dtype) * max(kv_heads, tp) / kv_heads / tp
         free = total * args.mem_fraction_static - weights
-        return max(2, int(free // (2 * kv_bytes_per_page(model.cfg, page_size, model.params["embed"].dtype))))
+        return max(2, int(free // (2 * per_page)))
     return None
+
+
+def make_engine(args, model, spec):
+    import jspec
+
+    return jspec.Engine(
+        model, spec=spec, page_size=args.page_size, max_running_requests=args.max_running_requests,
+        num_pages=kv_pages(args, model, args.page_size), chunked_prefill_size=args.chunked_prefill_size,
+        disable_overlap_schedule=args.disable_overlap_schedule, disable_radix_cache=args.disable_radix_cache,
+        max_top_logprobs=args.max_top_logprobs, attention_backend=args.attention_backend, seed=args.random_seed,
+        tp_size=args.tp_size, ep_size=args.ep_size,
+    )
 
 
 def main(argv=None) -> None:
@@ -83,8 +101,6 @@ def main(argv=None) -> None:
     from jspec.cli_args import spec_config_from_args
 
     spec = spec_config_from_args(args, ap)
-    if args.tp_size != 1:
-        ap.error("--tp-size > 1 is not supported in this version (tensor parallelism is issue 9's work)")
     logging.basicConfig(level=args.log_level.upper(), format="[jspec] %(asctime)s %(levelname)s %(message)s")
     log = logging.getLogger("jspec.serve")
 
@@ -104,12 +120,10 @@ def main(argv=None) -> None:
         model = jspec.load(path, load_format=args.load_format, context_length=args.context_length)
     except ValueError as e:
         ap.error(str(e))
-    engine = jspec.Engine(
-        model, spec=spec, page_size=args.page_size, max_running_requests=args.max_running_requests,
-        num_pages=kv_pages(args, model, args.page_size), chunked_prefill_size=args.chunked_prefill_size,
-        disable_overlap_schedule=args.disable_overlap_schedule, disable_radix_cache=args.disable_radix_cache,
-        max_top_logprobs=args.max_top_logprobs, attention_backend=args.attention_backend, seed=args.random_seed,
-    )
+    try:
+        engine = make_engine(args, model, spec)
+    except ValueError as e:  # e.g. a --tp-size that does not divide the heads
+        ap.error(str(e))
     if not args.skip_warmup:
         modes = args.warmup_sampling_modes
         try:

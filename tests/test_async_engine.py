@@ -13,7 +13,7 @@ from jspec.models.tiny import make_tiny_model
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return jspec.load(make_tiny_model(str(tmp_path_factory.mktemp("tiny") / "m"), seed=4))
+    return jspec.load(make_tiny_model(str(tmp_path_factory.mktemp("tiny") / "m"), seed=4, max_position_embeddings=512))
 
 
 def make_engine(tiny):

@@ -13,7 +13,7 @@ from jspec.sampling_params import SamplingParams
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return jspec.load(make_tiny_model(str(tmp_path_factory.mktemp("tiny") / "m"), seed=6))
+    return jspec.load(make_tiny_model(str(tmp_path_factory.mktemp("tiny") / "m"), seed=6, max_position_embeddings=512))
 
 
 def log_softmax(x):

@@ -59,7 +59,7 @@ def test_tree_penalties_equal_one_token_at_a_time():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return jspec.load(make_tiny_model(str(tmp_path_factory.mktemp("tiny") / "m"), seed=4))
+    return jspec.load(make_tiny_model(str(tmp_path_factory.mktemp("tiny") / "m"), seed=4, max_position_embeddings=512))
 
 
 def test_penalised_greedy_matches_a_dense_recompute(tiny):

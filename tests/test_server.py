@@ -88,7 +88,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return make_tiny_model(str(tmp_path_factory.mktemp("srv") / "tiny"), seed=2)
+    return make_tiny_model(str(tmp_path_factory.mktemp("srv") / "tiny"), seed=2, max_position_embeddings=512)
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +194,7 @@ def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(server, model
     cases = [
         (b'{"prompt": "hi", "max_tokens": 4', 400, "not valid JSON"),
         (b'{"prompt": "hi", "max_tokens": "four"}', 400, "max_tokens"),
-        (json.dumps({"prompt": "x" * 5000, "max_tokens": 4}).encode(), 400, "context is 2048 tokens"),
+        (json.dumps({"prompt": "x" * 5000, "max_tokens": 4}).encode(), 400, "context is 512 tokens"),
         (json.dumps({"prompt": "hi", "temperature": -1}).encode(), 400, "temperature"),
         (json.dumps({"prompt": "hi", "top_p": 1.5}).encode(), 400, "top_p"),
         (json.dumps({"prompt": "hi", "model": "gpt-17"}).encode(), 404, "does not exist"),

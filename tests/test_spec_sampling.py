@@ -89,7 +89,7 @@ def test_seeded_speculative_sampling_equals_plain_sampling(tmp_path, topk, ndt):
     from jspec.models.tiny import make_tiny_model
     from test_engine import eagle_draft
 
-    model = jspec.load(make_tiny_model(str(tmp_path / "m"), seed=2))
+    model = jspec.load(make_tiny_model(str(tmp_path / "m"), seed=2, max_position_embeddings=512))
     spec = jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=topk, num_draft_tokens=ndt)
     rng = np.random.default_rng(4)
     prompts = [list(map(int, rng.integers(0, 256, n))) for n in (4, 11, 25)]

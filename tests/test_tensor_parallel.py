@@ -79,3 +79,29 @@ def test_tp_refuses_what_does_not_divide(tiny):
         shard_params(dataclasses.replace(tiny.cfg, num_heads=6, num_kv_heads=2), tiny.params, make_mesh(4))
     with pytest.raises(ValueError, match="needs that many devices"):
         make_mesh(len(jax.devices()) + 1)
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    # 8 experts, 2 per token; 8 query and 2 KV heads, so TP/EP 2 and 4 divide everything.
+    path = make_tiny_model(str(tmp_path_factory.mktemp("tp") / "moe"), arch="qwen3_moe", seed=12, num_heads=8,
+                           num_kv_heads=2, num_experts=8, num_experts_per_tok=2, max_position_embeddings=256)
+    return jspec.load(path)
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_ep_moe_greedy_equals_one_device_with_eagle3_and_overlap(tiny_moe, ep):
+    draft = eagle3(tiny_moe)
+    ref, _ = greedy(tiny_moe, spec=SPEC, draft=draft)
+    got, engine = greedy(tiny_moe, spec=SPEC, draft=draft, tp_size=ep, ep_size=ep)
+    assert got == ref
+    layer = engine.worker.params["layers"][0]
+    experts = layer["experts_gate_up"]
+    assert experts.addressable_shards[0].data.shape[0] == 8 // ep  # each device holds its experts only
+
+
+def test_ep_size_must_match_tp_on_moe_and_be_1_on_dense(tiny, tiny_moe):
+    with pytest.raises(ValueError, match="needs ep_size=2"):
+        jspec.Engine(tiny_moe, tp_size=2, num_pages=16, attention_backend="reference")
+    with pytest.raises(ValueError, match="must equal tp_size"):
+        jspec.Engine(tiny, tp_size=2, ep_size=2, num_pages=16, attention_backend="reference")

@@ -27,7 +27,7 @@ ENGINE_KW = dict(max_running_requests=4, attention_backend="reference", page_siz
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("train_eagle")
-    model = jspec.load(make_tiny_model(root / "target", seed=0))
+    model = jspec.load(make_tiny_model(root / "target", seed=0, max_position_embeddings=512))
     prompts, _ = split_prompts(6, 0)
     ids = [eagle3.chat_prompt_ids(model, p) for p in prompts]
     base = jspec.generate(model, ids, max_new_tokens=NEW_TOKENS, **ENGINE_KW)

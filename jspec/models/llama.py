@@ -20,7 +20,7 @@ import numpy as np
 from jspec.config import ModelConfig
 from jspec.models.attention import paged_attention
 from jspec.models.batch import AttentionMode, ForwardBatch
-from jspec.models.moe import moe_mlp
+from jspec.models.moe import moe_mlp_on_mesh
 from jspec.paged_kv.pool import KVPool, write_kv
 
 
@@ -101,7 +101,7 @@ def mlp_block(cfg: ModelConfig, lp, x: jax.Array) -> jax.Array:
     if "router" in lp:
         # The loader gives router and expert weights exactly to cfg.moe_layers (and a scan
         # stacks only alike layers), so the weights present say which block this layer is.
-        return x + moe_mlp(cfg, lp, h)
+        return x + moe_mlp_on_mesh(cfg, lp, h)
     gate_up = _project(h, lp["w_gate_up"])  # [in, 2I], or [in, tp, 2I / tp] (as wqkv)
     half = gate_up.shape[-1] // 2
     T = x.shape[0]

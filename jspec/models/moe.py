@@ -154,20 +154,36 @@ def moe_mlp_ep(cfg: ModelConfig, lp, h: jax.Array, axis_name: str = EXPERT_AXIS)
     return y.astype(h.dtype)
 
 
-def ep_param_specs(lp) -> dict[str, P]:
+def ep_param_specs(lp, axis_name: str = EXPERT_AXIS) -> dict[str, P]:
     """PartitionSpecs of one sparse layer's weights under expert parallelism."""
-    return {name: P(EXPERT_AXIS) if name.startswith("experts_") else P() for name in lp}
+    return {name: P(axis_name) if name.startswith("experts_") else P() for name in lp}
 
 
-def moe_mlp_expert_parallel(cfg: ModelConfig, mesh: Mesh, lp, h: jax.Array) -> jax.Array:
-    """moe_mlp with experts and tokens split over mesh axis "expert" (T and E divisible by
-    its size): a shard_map of moe_mlp_ep, for callers outside any shard_map."""
-    ep = mesh.shape[EXPERT_AXIS]
-    if cfg.num_experts % ep or h.shape[0] % ep:
-        raise ValueError(f"expert parallelism {ep} must divide num_experts ({cfg.num_experts}) "
-                         f"and the token count ({h.shape[0]})")
+def moe_mlp_expert_parallel(cfg: ModelConfig, mesh: Mesh | None, lp, h: jax.Array,
+                            axis_name: str = EXPERT_AXIS) -> jax.Array:
+    """moe_mlp with experts and tokens split over mesh axis axis_name (E divisible by its
+    size; tokens are padded to a multiple of it): a shard_map of moe_mlp_ep, for callers
+    outside any shard_map. mesh None: the current mesh (jax.set_mesh)."""
+    ep = (mesh or jax.sharding.get_abstract_mesh()).shape[axis_name]
+    if cfg.num_experts % ep:
+        raise ValueError(f"expert parallelism {ep} must divide num_experts ({cfg.num_experts})")
+    T = h.shape[0]
+    pad = -T % ep  # padding rows route somewhere and are dropped after
+    hp = jnp.pad(h, ((0, pad), (0, 0))) if pad else h
     fn = jax.shard_map(
-        lambda lp, h: moe_mlp_ep(cfg, lp, h), mesh=mesh,
-        in_specs=(ep_param_specs(lp), P(EXPERT_AXIS)), out_specs=P(EXPERT_AXIS),
+        lambda lp, h: moe_mlp_ep(cfg, lp, h, axis_name), mesh=mesh,
+        in_specs=(ep_param_specs(lp, axis_name), P(axis_name)), out_specs=P(axis_name),
     )
-    return fn(lp, h)
+    return fn(lp, hp)[:T]
+
+
+def moe_mlp_on_mesh(cfg: ModelConfig, lp, h: jax.Array) -> jax.Array:
+    """The model's sparse MLP: expert-parallel over the current mesh's "tensor" axis when there
+    is one (jspec.parallel shards a MoE model's experts over the TP devices, i.e. EP = TP, as
+    SGLang's --ep-size equal to --tp-size), else every expert local."""
+    from jspec.parallel.tensor_parallel import TENSOR
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or TENSOR not in mesh.axis_names or mesh.shape[TENSOR] == 1:
+        return moe_mlp(cfg, lp, h)
+    return moe_mlp_expert_parallel(cfg, None, lp, h, axis_name=TENSOR)

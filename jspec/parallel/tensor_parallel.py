@@ -1,4 +1,5 @@
-"""Tensor parallelism for the Llama family on a jax.sharding Mesh.
+"""Tensor parallelism (and, for MoE models, expert parallelism) for the Llama family on a
+jax.sharding Mesh.
 
 Megatron's split, expressed as shardings that XLA's partitioner (GSPMD) follows:
 the fused QKV and gate-up projections are column-parallel, O and down are
@@ -13,6 +14,10 @@ Two layout changes make every shard's slice self-contained:
   own gate and up columns) and splitting them needs no communication;
 - with fewer KV heads than shards, each KV head is repeated (as SGLang does),
   which leaves the attention unchanged: a query head reads the same K and V.
+
+An MoE layer's experts are split whole over the same devices (EP = TP, SGLang's
+--ep-size equal to --tp-size): tokens travel to their experts' device by all_to_all
+(jspec.models.moe), while attention stays tensor-parallel.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ def tp_size_of(mesh: Mesh | None) -> int:
 
 def check_tp_config(cfg: ModelConfig, tp: int) -> None:
     problems = []
+    if cfg.is_moe and cfg.num_experts % tp:
+        problems.append(f"num_experts ({cfg.num_experts}; experts are split over the TP devices)")
     if cfg.num_heads % tp:
         problems.append(f"num_attention_heads ({cfg.num_heads})")
     if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
@@ -107,6 +114,8 @@ def param_specs(params, tp: int) -> dict:
             return P(*(None,) * (nd - 2), TENSOR, None)
         if name in ("wo", "w_down"):  # row-parallel: [..., in, H]
             return P(*lead, TENSOR, None)
+        if name in ("experts_gate_up", "experts_down"):  # expert-parallel: [..., E, in, out]
+            return P(*(None,) * (nd - 3), TENSOR, None, None)
         return P()  # norms (replicated)
 
     return jax.tree_util.tree_map_with_path(spec, params)
@@ -116,8 +125,6 @@ def shard_params(cfg: ModelConfig, params, mesh: Mesh):
     """(cfg, params) laid out and placed for tensor parallelism over mesh's "tensor" axis.
     Returns cfg unchanged unless KV heads were repeated. tp == 1: placed, not re-laid."""
     tp = tp_size_of(mesh)
-    if cfg.is_moe:
-        raise ValueError("tensor parallelism of MoE layers is not supported yet; use --tp-size 1")
     check_tp_config(cfg, tp)
     cfg, params = replicate_kv_heads(cfg, params, tp)
     I = cfg.intermediate_size
@@ -127,7 +134,8 @@ def shard_params(cfg: ModelConfig, params, mesh: Mesh):
         lp["wqkv"] = block_columns(lp["wqkv"], (cfg.q_size, cfg.kv_size, cfg.kv_size), tp)
         if "bqkv" in lp:
             lp["bqkv"] = block_columns(lp["bqkv"], (cfg.q_size, cfg.kv_size, cfg.kv_size), tp)
-        lp["w_gate_up"] = block_columns(lp["w_gate_up"], (I, I), tp)
+        if "w_gate_up" in lp:  # a dense MLP (an MoE layer's experts are split whole instead)
+            lp["w_gate_up"] = block_columns(lp["w_gate_up"], (I, I), tp)
         return lp
 
     layers = params["layers"]
