@@ -130,9 +130,15 @@ class Engine:
         seed: int = 0,
         tp_size: int = 1,
         ep_size: int = 1,
+        max_loras: int | None = None,
+        max_lora_rank: int | None = None,
+        lora_paths: dict[str, str] | None = None,
     ):
         self.model = as_model(model)
         cfg, params = self.model.cfg, self.model.params
+        if (lora_paths or max_loras) and tp_size != 1:
+            raise ValueError(f"LoRA adapters with tp_size={tp_size} are not supported yet (the adapter pool is not "
+                             f"laid out for the tensor-parallel projections); use tp_size=1")
         if ep_size != 1 and not (cfg.is_moe and ep_size == tp_size):
             raise ValueError(f"ep_size={ep_size}: expert parallelism splits an MoE model's experts over its "
                              f"tensor-parallel devices, so it must equal tp_size ({tp_size}) on an MoE model "
@@ -158,6 +164,9 @@ class Engine:
             self.worker = SpecWorker(cfg, params, method, dparams, **kw)
         self.spec = spec
         self.worker.top_n = max_top_logprobs
+        self.lora = None
+        if lora_paths or max_loras:
+            self._init_lora(max_loras, max_lora_rank, dict(lora_paths or {}))
         self.prefix_cache = None if disable_radix_cache else RadixCache(self.worker.allocator, page_size)
         self.scheduler = Scheduler(self.worker, chunked_prefill_size=chunked_prefill_size, prefix_cache=self.prefix_cache)
         self.overlap = not disable_overlap_schedule
@@ -166,6 +175,42 @@ class Engine:
         self._ids = itertools.count()
         self._arrival = itertools.count()
         self.num_steps = 0
+
+    # ---- LoRA adapters -----------------------------------------------------------------------
+
+    def _init_lora(self, max_loras: int | None, max_rank: int | None, paths: dict[str, str]) -> None:
+        """The adapter pool (max_loras slots of rank max_rank; by default as many slots as
+        lora_paths, at least 1, and the largest rank among them, at least 16)."""
+        from jspec.lora import LoraPool, read_rank
+
+        max_loras = max_loras or max(1, len(paths))
+        if max_rank is None:
+            max_rank = max([16] + [read_rank(p) for p in paths.values()])
+        self.lora = LoraPool(self.model.cfg, max_loras, max_rank, self.worker.dtype, self.worker.mesh)
+        self.worker.lora = self.lora
+        for name, path in paths.items():
+            self.load_lora(name, path)
+
+    def load_lora(self, name: str, path: str) -> int:
+        """Reads a PEFT adapter and makes it resident under `name` (requests pick it with
+        SamplingParams(lora_path=name)); no restart, no recompilation. Returns its pool slot."""
+        from jspec.lora import load_adapter
+
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters; create it with max_loras (and max_lora_rank) "
+                             "or lora_paths")
+        return self.lora.load(load_adapter(name, path, self.model.cfg, self.lora.max_rank))
+
+    def unload_lora(self, name: str) -> None:
+        """Frees an adapter's slot; refused while a request that uses it is queued or running."""
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters")
+        users = sorted(r.rid for r in self.scheduler.requests.values() if r.params.lora_path == name
+                       and not r.finished)
+        if users:
+            raise ValueError(f"LoRA adapter {name!r} is in use by running requests {users}; abort them or wait "
+                             f"until they finish before unloading it")
+        self.lora.unload(name)
 
     def warmup(self, sampling_modes=None, prompt_logprobs: bool = True) -> int:
         """Compiles (by running on scratch inputs) every bucketed program the loop can launch;
@@ -198,6 +243,11 @@ class Engine:
         tok = self.model.tokenizer
         if params.stop and tok is None:
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        lora_slot = 0
+        if params.lora_path is not None:
+            if self.lora is None:
+                raise ValueError(f"lora_path={params.lora_path!r}, but this engine serves no LoRA adapters")
+            lora_slot = self.lora.slot_of(params.lora_path)
         eos = set(self.model.cfg.eos_token_ids) | (set(tok.eos_token_ids) if tok is not None else set())
         # Never generate past the model's context.
         room = self.model.cfg.max_position_embeddings - len(ids)
@@ -206,7 +256,8 @@ class Engine:
         checker = StopChecker(params.stop, params.stop_token_ids, eos, params.ignore_eos, params.max_new_tokens)
         detok = IncrementalDetokenizer(tok, ids) if tok is not None else None
         req = Request(rid, ids, params, checker, detok, arrival=next(self._arrival),
-                      seed=params.seed if params.seed is not None else int(self._seeds.integers(2**32)))
+                      seed=params.seed if params.seed is not None else int(self._seeds.integers(2**32)),
+                      lora_slot=lora_slot)
         self.scheduler.add(req)
         return rid
 
@@ -231,11 +282,12 @@ class Engine:
 
     def _launch(self, batch) -> _Launched:
         sampling = [(r.params, r.seed) for r in batch.reqs]
+        loras = [r.lora_slot for r in batch.reqs] if self.lora is not None else None
         if isinstance(batch, PrefillBatch):
             out = self.worker.prefill(batch.chunks, batch.following, batch.slots, sampling, batch.output_starts,
-                                      batch.first_chunks, batch.with_prompt_logprobs)
+                                      batch.first_chunks, batch.with_prompt_logprobs, loras=loras)
         else:
-            out = self.worker.decode(batch.slots, batch.page_tables, sampling)
+            out = self.worker.decode(batch.slots, batch.page_tables, sampling, loras=loras)
         start_host_copy(out)
         self.num_steps += 1
         return _Launched(batch, out)

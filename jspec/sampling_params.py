@@ -23,6 +23,7 @@ class SamplingParams:
     stop: list[str] = dataclasses.field(default_factory=list)
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     ignore_eos: bool = False
+    lora_path: str | None = None  # SGLang's name: the LoRA adapter (its loaded name) this request runs with
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -64,6 +65,8 @@ class SamplingParams:
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if self.lora_path is not None and (not isinstance(self.lora_path, str) or not self.lora_path):
+            raise ValueError(f"lora_path must be a loaded adapter's name or None, got {self.lora_path!r}")
 
     def completions(self) -> list["SamplingParams"]:
         """The n single completions this asks for: seeds seed, seed+1, ... (each drawn apart when

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.config import ModelConfig
+from jspec.lora import LoraBatch
 from jspec.models.batch import AttentionMode, ForwardBatch
 from jspec.models.llama import forward
 from jspec.paged_kv.pool import KVPool
@@ -94,12 +95,13 @@ def gather_slots(carry, slot_ids: jax.Array):
 @functools.partial(jax.jit, static_argnames=("cfg", "mode", "top_n", "with_prompt_logprobs", "sampling"),
                    donate_argnames=("state",))
 def plain_prefill_step(params, state: PlainState, batch: ForwardBatch, next_tokens, slot_ids, counts: PrefillCounts,
-                       rows: SamplingRows, *, cfg: ModelConfig, mode: AttentionMode, top_n: int = 0,
-                       with_prompt_logprobs: bool = False, sampling: str = "filtered"):
+                       rows: SamplingRows, lora: LoraBatch | None = None, *, cfg: ModelConfig, mode: AttentionMode,
+                       top_n: int = 0, with_prompt_logprobs: bool = False, sampling: str = "filtered"):
     """Prefills one ragged chunk batch. slot_ids [B]: carry slot of each sequence whose prompt
     ends in this chunk (it receives the sampled first token), else the scratch slot.
-    next_tokens [T]: the prompt token after each token (scored when with_prompt_logprobs)."""
-    kv, out = forward(params, cfg, state.target_kv, batch, mode)
+    next_tokens [T]: the prompt token after each token (scored when with_prompt_logprobs).
+    lora: the adapter pool and each token's adapter slot [T] (None: no LoRA)."""
+    kv, out = forward(params, cfg, state.target_kv, batch, mode, lora=lora)
     first, logits, pen = sample_first_tokens(out.logits, state.penalties, batch, slot_ids, counts, rows, sampling)
     c = state.carry
     carry = PlainCarry(c.next_token.at[slot_ids].set(first, mode="drop"), c.seq_len.at[slot_ids].set(batch.seq_lens, mode="drop"))
@@ -121,9 +123,11 @@ def sample_first_tokens(logits, pen: PenaltyState, batch: ForwardBatch, slot_ids
 
 @functools.partial(jax.jit, static_argnames=("cfg", "backend", "unroll_layers", "top_n", "sampling"),
                    donate_argnames=("state",))
-def plain_decode_step(params, state: PlainState, slot_ids, page_tables, rows: SamplingRows, *, cfg: ModelConfig,
-                      backend: str = "pallas", unroll_layers: bool = False, top_n: int = 0, sampling: str = "filtered"):
-    """One token for each slot in slot_ids [B]; page_tables [B, M] cover position seq_len."""
+def plain_decode_step(params, state: PlainState, slot_ids, page_tables, rows: SamplingRows,
+                      lora: LoraBatch | None = None, *, cfg: ModelConfig, backend: str = "pallas",
+                      unroll_layers: bool = False, top_n: int = 0, sampling: str = "filtered"):
+    """One token for each slot in slot_ids [B]; page_tables [B, M] cover position seq_len.
+    lora: the adapter pool and each row's adapter slot [B] (None: no LoRA)."""
     B = slot_ids.shape[0]
     c = gather_slots(state.carry, slot_ids)
     n = c.seq_len
@@ -137,7 +141,8 @@ def plain_decode_step(params, state: PlainState, slot_ids, page_tables, rows: Sa
         query_start=jnp.arange(B + 1, dtype=jnp.int32),
         logits_indices=jnp.arange(B, dtype=jnp.int32),
     )
-    kv, out = forward(params, cfg, state.target_kv, batch, AttentionMode(True, 1, backend), unroll_layers=unroll_layers)
+    kv, out = forward(params, cfg, state.target_kv, batch, AttentionMode(True, 1, backend), unroll_layers=unroll_layers,
+                      lora=lora)
     logits = apply_penalties(out.logits, state.penalties, slot_ids, rows.params)
     tok = sample_tokens(logits, rows, n + 1, sampling)
     new = PlainCarry(tok, n + 1)

@@ -1,10 +1,11 @@
 """Workers: the host-side owners of params, device state and compiled steps.
 
 Every worker offers the same interface to the scheduler, whatever the method:
-- prefill(chunks, following, slots, sampling, output_starts, first_chunks, with_prompt_logprobs)
+- prefill(chunks, following, slots, sampling, output_starts, first_chunks, with_prompt_logprobs, loras)
   -> StepOutput of the first tokens (device), with the prompt tokens' logprobs if asked
-- decode(slots, page_tables, sampling) -> StepOutput (device)
-(sampling: one (SamplingParams, seed) pair per chunk / slot)
+- decode(slots, page_tables, sampling, loras) -> StepOutput (device)
+(sampling: one (SamplingParams, seed) pair per chunk / slot; loras: the LoRA pool slot of
+each chunk / slot, 0 = none, used when the worker has a pool in `lora`)
 - kv_margin: KV positions past a request's verified length that one decode may write
 - max_emit: most tokens one decode emits per request
 plus request-slot and KV-page bookkeeping. The scheduler never knows which
@@ -36,6 +37,7 @@ def default_attention_backend() -> str:
 
 class WorkerBase:
     top_n = 0  # top logprobs each step returns (static: part of the compiled programs)
+    lora = None  # a jspec.lora.LoraPool when the engine serves adapters (then every step takes it)
 
     def __init__(self, cfg: ModelConfig, params, *, page_size: int, num_pages: int, max_slots: int,
                  attention_backend: str | None, mesh=None):
@@ -172,6 +174,28 @@ class WorkerBase:
                 draft_tokens[start + n - 1] = following[i]
         return batch, mode, draft_tokens, finish_rows, slot_ids, PrefillCounts(reset_slots, token_slots, is_output)
 
+    def _lora_batch(self, per_token: np.ndarray):
+        """The step's LoRA argument: None without a pool, so those programs stay as they were."""
+        if self.lora is None:
+            return None
+        from jspec.lora import LoraBatch
+
+        return LoraBatch(self.lora.weights, per_token)
+
+    def _prefill_loras(self, batch, chunks, loras):
+        """Each token's adapter slot [T] (padding rows: 0)."""
+        ids = np.zeros(batch.tokens.shape[0], np.int32)
+        for i, c in enumerate(chunks if loras is not None else ()):
+            start = batch.query_start[i]
+            ids[start : start + len(c.tokens)] = loras[i]
+        return self._lora_batch(ids)
+
+    def _decode_loras(self, B: int, loras):
+        ids = np.zeros(B, np.int32)
+        if loras is not None:
+            ids[: len(loras)] = loras
+        return self._lora_batch(ids)
+
     def _decode_inputs(self, slots: list[int], page_tables: list[list[int]], sampling):
         B = bucket(len(slots))
         M = min(bucket(max(len(p) for p in page_tables), self.MIN_DECODE_PAGES),
@@ -206,24 +230,28 @@ class PlainWorker(WorkerBase):
                                             init_plain_carry(max_slots), init_penalty_state(max_slots, cfg.vocab_size)))
 
     def prefill(self, chunks, following, slots, sampling, output_starts=None, first_chunks=None,
-                with_prompt_logprobs=False):
+                with_prompt_logprobs=False, loras=None):
         batch, mode, next_tokens, _, slot_ids, counts = self._prefill_inputs(chunks, following, slots, output_starts,
                                                                              first_chunks)
         rows = _rows(sampling, slot_ids.shape[0])
+        lora = self._prefill_loras(batch, chunks, loras)
         with self.on_mesh():
             self.state, out = plain_prefill_step(self.params, self.state, batch, next_tokens, slot_ids, counts, rows,
-                                                 cfg=self.cfg, mode=mode, top_n=self.top_n,
+                                                 lora, cfg=self.cfg, mode=mode, top_n=self.top_n,
                                                  with_prompt_logprobs=with_prompt_logprobs)
         return out
 
-    def decode(self, slots, page_tables, sampling):
-        return self.decode_arrays(*self._decode_inputs(slots, page_tables, sampling),
-                                  sampling_mode(p for p, _ in sampling))
+    def decode(self, slots, page_tables, sampling, loras=None):
+        slot_ids, pt, rows = self._decode_inputs(slots, page_tables, sampling)
+        return self.decode_arrays(slot_ids, pt, rows, sampling_mode(p for p, _ in sampling),
+                                  self._decode_loras(slot_ids.shape[0], loras))
 
-    def decode_arrays(self, slot_ids, page_tables, rows, mode: str):
+    def decode_arrays(self, slot_ids, page_tables, rows, mode: str, lora=None):
         """decode() on prebuilt (bucketed) arrays: the launch alone."""
+        if lora is None and self.lora is not None:
+            lora = self._decode_loras(slot_ids.shape[0], None)
         with self.on_mesh():
-            self.state, out = plain_decode_step(self.params, self.state, slot_ids, page_tables, rows, cfg=self.cfg,
+            self.state, out = plain_decode_step(self.params, self.state, slot_ids, page_tables, rows, lora, cfg=self.cfg,
                                                 backend=self.backend, top_n=self.top_n, sampling=mode)
         return out
 
@@ -258,30 +286,34 @@ class SpecWorker(WorkerBase):
             page_size, self.dtype, init_penalty_state(max_slots, cfg.vocab_size)))
 
     def prefill(self, chunks, following, slots, sampling, output_starts=None, first_chunks=None,
-                with_prompt_logprobs=False):
+                with_prompt_logprobs=False, loras=None):
         from jspec.spec.method import spec_prefill_step
 
         batch, mode, draft_tokens, finish_rows, slot_ids, counts = self._prefill_inputs(
             chunks, following, slots, output_starts, first_chunks)
         rows = _rows(sampling, slot_ids.shape[0])
+        lora = self._prefill_loras(batch, chunks, loras)
         with self.on_mesh():
             self.state, out = spec_prefill_step(
-                self.params, self.dparams, self.state, batch, draft_tokens, finish_rows, slot_ids, counts, rows,
+                self.params, self.dparams, self.state, batch, draft_tokens, finish_rows, slot_ids, counts, rows, lora,
                 cfg=self.cfg, method=self.method, mode=mode, top_n=self.top_n, with_prompt_logprobs=with_prompt_logprobs,
             )
         return out
 
-    def decode(self, slots, page_tables, sampling):
-        return self.decode_arrays(*self._decode_inputs(slots, page_tables, sampling),
-                                  sampling_mode(p for p, _ in sampling))
+    def decode(self, slots, page_tables, sampling, loras=None):
+        slot_ids, pt, rows = self._decode_inputs(slots, page_tables, sampling)
+        return self.decode_arrays(slot_ids, pt, rows, sampling_mode(p for p, _ in sampling),
+                                  self._decode_loras(slot_ids.shape[0], loras))
 
-    def decode_arrays(self, slot_ids, page_tables, rows, mode: str):
+    def decode_arrays(self, slot_ids, page_tables, rows, mode: str, lora=None):
         """decode() on prebuilt (bucketed) arrays: the launch alone."""
         from jspec.spec.method import spec_decode_step
 
+        if lora is None and self.lora is not None:
+            lora = self._decode_loras(slot_ids.shape[0], None)
         with self.on_mesh():
             self.state, out = spec_decode_step(
-                self.params, self.dparams, self.state, slot_ids, page_tables, rows,
+                self.params, self.dparams, self.state, slot_ids, page_tables, rows, lora,
                 cfg=self.cfg, method=self.method, backend=self.backend, top_n=self.top_n, sampling=mode,
             )
         return out

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.config import ModelConfig
+from jspec.lora import LoraBatch, down_delta, gate_up_delta, layer_weights, o_delta, qkv_delta, slot_mask
 from jspec.models.attention import paged_attention
 from jspec.models.batch import AttentionMode, ForwardBatch
 from jspec.models.moe import moe_mlp_on_mesh
@@ -84,6 +85,8 @@ def qkv_heads(cfg: ModelConfig, lp, h: jax.Array, cos, sin):
     shards = qkv.shape[1]
     if cfg.qkv_bias:
         qkv = qkv + lp["bqkv"].reshape(shards, -1).astype(jnp.float32)
+    if "lora" in lp:  # only with one shard (LoraPool refuses a mesh): q | k | v as wqkv's columns
+        qkv = qkv + qkv_delta(*lp["lora"], h)[:, None, :]
     qkv = qkv.astype(h.dtype)
     ql, kvl = cfg.q_size // shards, cfg.kv_size // shards
     q = qkv[..., :ql].reshape(T, cfg.num_heads, cfg.head_dim)
@@ -103,10 +106,20 @@ def mlp_block(cfg: ModelConfig, lp, x: jax.Array) -> jax.Array:
         # stacks only alike layers), so the weights present say which block this layer is.
         return x + moe_mlp_on_mesh(cfg, lp, h)
     gate_up = _project(h, lp["w_gate_up"])  # [in, 2I], or [in, tp, 2I / tp] (as wqkv)
+    if "lora" in lp:
+        gate_up = gate_up + gate_up_delta(*lp["lora"], h)[:, None, :]
     half = gate_up.shape[-1] // 2
     T = x.shape[0]
     gate, up = gate_up[..., :half].reshape(T, -1), gate_up[..., half:].reshape(T, -1)
-    return x + _linear((jax.nn.silu(gate) * up).astype(x.dtype), lp["w_down"])
+    return x + _linear_lora(lp, (jax.nn.silu(gate) * up).astype(x.dtype), "w_down", down_delta)
+
+
+def _linear_lora(lp, x: jax.Array, name: str, delta) -> jax.Array:
+    """x @ lp[name], plus the layer's LoRA delta when it has one (added before the cast)."""
+    if "lora" not in lp:
+        return _linear(x, lp[name])
+    y = jnp.dot(x, lp[name], preferred_element_type=jnp.float32) + delta(*lp["lora"], x)
+    return y.astype(x.dtype)
 
 
 def paged_attend(cfg: ModelConfig, mode: AttentionMode, batch: ForwardBatch, layer, mask=None):
@@ -131,7 +144,7 @@ def decoder_layer(cfg: ModelConfig, lp, x, h, cos, sin, attend, caches):
     """
     q, k, v = qkv_heads(cfg, lp, h, cos, sin)
     attn, caches = attend(q, k, v, caches)
-    x = x + _linear(attn.reshape(x.shape[0], cfg.q_size), lp["wo"])
+    x = x + _linear_lora(lp, attn.reshape(x.shape[0], cfg.q_size), "wo", o_delta)
     return mlp_block(cfg, lp, x), caches
 
 
@@ -157,6 +170,7 @@ def forward(
     capture_layers: tuple[int, ...] = (),
     unroll_layers: bool = False,
     mask: jax.Array | None = None,
+    lora: LoraBatch | None = None,
 ) -> tuple[KVPool, ForwardOutput]:
     """One forward pass over a ragged batch; returns the updated pool and the outputs.
 
@@ -165,7 +179,8 @@ def forward(
     list of per-layer dicts (see unstack_layers: an unrolled loop that never
     slices a weight; what the GPU runs, since XLA copies a dynamically sliced
     weight before its matmul). unroll_layers unrolls the scan instead. mask [B, max_q_len, max_q_len] replaces causal masking among
-    each sequence's new tokens (tree verification).
+    each sequence's new tokens (tree verification). lora: the adapter pool and each token's
+    slot (None: no LoRA, the programs are those without it).
     """
     dtype = params["embed"].dtype
     x = params["embed"][batch.tokens].astype(dtype)
@@ -174,7 +189,11 @@ def forward(
     capture = jnp.asarray(capture_layers if capture_layers else (-1,), jnp.int32)
     captured0 = jnp.zeros((len(capture_layers), T, cfg.hidden_size), dtype) if capture_layers else None
 
-    def run_layer(x, k_cache, v_cache, lp, layer):
+    lmask = slot_mask(lora.weights, lora.token_slots) if lora is not None else None
+
+    def run_layer(x, k_cache, v_cache, lp, layer, lw=None):
+        if lw is not None:
+            lp = {**lp, "lora": (lw, lmask)}
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
         attend = paged_attend(cfg, mode, batch, layer, mask)
         x, (k_cache, v_cache) = decoder_layer(cfg, lp, x, h, cos, sin, attend, (k_cache, v_cache))
@@ -187,11 +206,12 @@ def forward(
         for i, lp in enumerate(layers):
             if i in capture_layers:
                 captured = captured.at[capture_layers.index(i)].set(x)
-            x, k_cache, v_cache = run_layer(x, k_cache, v_cache, lp, jnp.int32(i))
+            lw = layer_weights(lora.weights, i) if lora is not None else None
+            x, k_cache, v_cache = run_layer(x, k_cache, v_cache, lp, jnp.int32(i), lw)
     else:
         def body(carry, xs):
             x, k_cache, v_cache, captured = carry
-            lp, layer = xs
+            lp, lw, layer = xs
             if captured is not None:
                 # Residual stream entering this layer, stored only when it is a capture layer.
                 hit = capture == layer
@@ -201,11 +221,12 @@ def forward(
                     lambda c: c,
                     captured,
                 )
-            x, k_cache, v_cache = run_layer(x, k_cache, v_cache, lp, layer)
+            x, k_cache, v_cache = run_layer(x, k_cache, v_cache, lp, layer, lw)
             return (x, k_cache, v_cache, captured), None
 
         (x, k_cache, v_cache, captured), _ = jax.lax.scan(
-            body, (x, k_cache, v_cache, captured), (layers, jnp.arange(cfg.num_layers, dtype=jnp.int32)),
+            body, (x, k_cache, v_cache, captured),
+            (layers, _scanned_lora(lora), jnp.arange(cfg.num_layers, dtype=jnp.int32)),
             unroll=cfg.num_layers if unroll_layers else 1,
         )
     if captured is not None and cfg.num_layers in capture_layers:
@@ -213,6 +234,15 @@ def forward(
     h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     logits = compute_logits(params, cfg, h[batch.logits_indices])
     return KVPool(k_cache, v_cache), ForwardOutput(logits, h, captured)
+
+
+def _scanned_lora(lora: LoraBatch | None):
+    """The pool as scan xs (layers lead; the scale, shared by all layers, repeated)."""
+    if lora is None:
+        return None
+    w = lora.weights
+    L = next(iter(w.a.values())).shape[0]
+    return w._replace(scale=jnp.broadcast_to(w.scale, (L,) + w.scale.shape))
 
 
 def unstack_layers(params):

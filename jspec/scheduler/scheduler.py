@@ -107,7 +107,8 @@ class Scheduler:
         (positions < kv_len) are offered to the cache first (RadixCache's protocol: insert,
         then free own pages, then unlock the match)."""
         cache = self.prefix_cache
-        if cache is not None and keep_kv and req.pages and req.kv_len > 0:
+        # KV computed under a LoRA adapter is that adapter's alone: it never enters the cache.
+        if cache is not None and keep_kv and req.pages and req.kv_len > 0 and not req.lora_slot:
             cache.insert((req.prompt + req.output)[: req.kv_len], req.pages)
         self.worker.allocator.free(req.pages[req.num_shared_pages :])
         req.pages, req.num_shared_pages = [], 0
@@ -188,7 +189,8 @@ class Scheduler:
         """Moves a waiting request to prefilling if a slot and its whole prompt's pages are free."""
         req.prefill_ids = req.prompt + req.output
         req.prefilled = 0
-        if self.prefix_cache is not None:
+        if self.prefix_cache is not None and not req.lora_slot:
+            # (A request with a LoRA adapter neither reads nor feeds the cache: its KV differs.)
             # Keep at least one token to prefill: its logits give the next token. With a
             # draft model, the draft KV at the last cached position pairs it with the token
             # that followed in the request that wrote it; when this request's next token

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.config import ModelConfig, SpecConfig
+from jspec.lora import LoraBatch
 from jspec.models.batch import AttentionMode, ForwardBatch
 from jspec.models.llama import ForwardOutput, forward
 from jspec.paged_kv.pool import KVPool
@@ -119,17 +120,20 @@ def _scatter_rows(full, part, slot_ids, mode=None):
                    donate_argnames=("state",))
 def spec_prefill_step(
     params, dparams, state: SpecState, batch: ForwardBatch, draft_tokens, finish_rows, slot_ids,
-    counts: PrefillCounts, rows: SamplingRows, *, cfg: ModelConfig, method: SpecMethod, mode: AttentionMode,
-    top_n: int = 0, with_prompt_logprobs: bool = False, sampling: str = "filtered",
+    counts: PrefillCounts, rows: SamplingRows, lora: LoraBatch | None = None, *, cfg: ModelConfig,
+    method: SpecMethod, mode: AttentionMode, top_n: int = 0, with_prompt_logprobs: bool = False,
+    sampling: str = "filtered",
 ):
     """Target prefill (one ragged chunk batch) plus the method's prefill of the same rows.
 
     draft_tokens [T]: the token after each row (prompt token t+1); for a row that ends its
     prompt the host does not know it yet, and finish_rows [B] (row index, or T to skip) says
     where the sampled first token goes. slot_ids [B]: carry slot of each sequence whose prompt
-    ends in this chunk, else the scratch slot.
+    ends in this chunk, else the scratch slot. lora: the adapter pool and each token's adapter
+    slot [T], applied by the target only (the draft runs without adapters; it reads the
+    target's features, which carry the adapter's effect).
     """
-    tkv, out = forward(params, cfg, state.target_kv, batch, mode, capture_layers=method.capture_layers)
+    tkv, out = forward(params, cfg, state.target_kv, batch, mode, capture_layers=method.capture_layers, lora=lora)
     first, logits, pen = sample_first_tokens(out.logits, state.penalties, batch, slot_ids, counts, rows, sampling)
     next_tokens = draft_tokens.at[finish_rows].set(first, mode="drop")
     ctx = PrefillContext(batch, mode, out, next_tokens, first, slot_ids, counts.token_slots)
@@ -149,19 +153,20 @@ def spec_prefill_step(
 @functools.partial(jax.jit, static_argnames=("cfg", "method", "backend", "top_n", "sampling"),
                    donate_argnames=("state",))
 def spec_decode_step(
-    params, dparams, state: SpecState, slot_ids, page_tables, rows: SamplingRows,
+    params, dparams, state: SpecState, slot_ids, page_tables, rows: SamplingRows, lora: LoraBatch | None = None,
     *, cfg: ModelConfig, method: SpecMethod, backend: str = "pallas", top_n: int = 0, sampling: str = "filtered",
 ) -> tuple[SpecState, StepOutput]:
     """One speculative iteration (propose -> verify -> accept -> update) for the requests in
     slot_ids [B] (padding rows: the scratch slot), in one dispatch.
 
     page_tables [B, M] must cover positions < n + method.kv_margin of each request.
+    lora: the adapter pool and each row's adapter slot [B], for the target's verify forward.
     """
     c = gather_slots(state.carry, slot_ids)
     draft, tree = method.propose(params, dparams, state.draft, c, page_tables, slot_ids, backend)
     v = verify_tree(params, cfg, state.target_kv, tree, c.seq_len, page_tables, rows, state.penalties, slot_ids,
                     num_steps=method.spec.num_steps, chain=method.chain, backend=backend,
-                    capture_layers=method.capture_layers, sampling=sampling, top_n=top_n)
+                    capture_layers=method.capture_layers, sampling=sampling, top_n=top_n, lora=lora)
     draft, extra = method.update(params, dparams, draft, c, v, page_tables, slot_ids, backend)
     new = SpecCarry(v.acc.bonus, c.seq_len + v.acc.accept_len + 1, extra)
     carry = _scatter_rows(state.carry, new, slot_ids)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.config import ModelConfig
+from jspec.lora import LoraBatch
 from jspec.models.batch import AttentionMode, ForwardBatch
 from jspec.models.llama import ForwardOutput, forward
 from jspec.paged_kv.pool import KVPool
@@ -36,7 +37,7 @@ class Verified(NamedTuple):
 def verify_tree(
     params, cfg: ModelConfig, target_kv: KVPool, tree: DraftTree, n: jax.Array, page_tables: jax.Array,
     rows: SamplingRows, penalties: PenaltyState, slot_ids: jax.Array, *, num_steps: int, chain: bool, backend: str,
-    capture_layers: tuple[int, ...] = (), sampling: str = "filtered", top_n: int = 0,
+    capture_layers: tuple[int, ...] = (), sampling: str = "filtered", top_n: int = 0, lora: LoraBatch | None = None,
 ) -> Verified:
     """tree: N nodes per request, root = the last verified token at position n [B]; chain (static):
     node i is at depth i, so accepted nodes already sit where they belong.
@@ -44,6 +45,7 @@ def verify_tree(
     Node i's KV goes to position n + i (node order), its RoPE position is n + depth, and the tree
     mask replaces causality; after acceptance the accepted nodes' KV moves to n + depth.
     page_tables [B, M] must cover positions < n + N.
+    lora: the adapter pool and each request's adapter slot [B] (every node takes its request's).
     """
     B, N = tree.tokens.shape
     page_size, num_pages = target_kv.page_size, target_kv.num_pages
@@ -59,8 +61,10 @@ def verify_tree(
         query_start=jnp.arange(B + 1, dtype=jnp.int32) * N,
         logits_indices=jnp.arange(B * N, dtype=jnp.int32),
     )
+    if lora is not None:
+        lora = lora._replace(token_slots=jnp.repeat(lora.token_slots, N))
     tkv, out = forward(params, cfg, target_kv, batch, AttentionMode(False, Q, backend),
-                       capture_layers=capture_layers, mask=mask)
+                       capture_layers=capture_layers, mask=mask, lora=lora)
     node_logits = apply_tree_penalties(out.logits.reshape(B, N, -1), penalties, slot_ids, rows.params,
                                        tree.tokens, tree.mask)
     acc = sampled_accept(tree, node_logits, rows, n + 1, num_steps, sampling)

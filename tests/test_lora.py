@@ -1,0 +1,186 @@
+"""Multi-LoRA: a request with an adapter gives the greedy tokens of the base model with that
+adapter merged into its weights, in batches that mix adapters, with and without EAGLE-3;
+bad adapters are refused by name; adapters load and unload while the engine lives.
+
+The adapters are random PEFT directories written here; the merged oracle is built from
+the raw PEFT arrays (W + scale * A^T B^T in jspec's [in, out] layout), independently of
+jspec.lora's reading of them.
+"""
+
+import dataclasses
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import jspec
+from jspec.lora import LoraError
+from jspec.models.tiny import make_tiny_model
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = make_tiny_model(str(tmp_path_factory.mktemp("lora") / "m"), seed=7, max_position_embeddings=512)
+    return jspec.load(path)
+
+
+def shapes(cfg):
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    return {"q_proj": (H, cfg.q_size), "k_proj": (H, cfg.kv_size), "v_proj": (H, cfg.kv_size),
+            "o_proj": (cfg.q_size, H), "gate_proj": (H, I), "up_proj": (H, I), "down_proj": (I, H)}
+
+
+def write_adapter(path, cfg, rank, targets, seed, alpha=None, rslora=False, config_extra=None, bad_shape=None):
+    """A random PEFT adapter dir; returns (path, {(layer, module): (A [r, in], B [out, r])}, scale).
+    Large enough to move the tiny model's greedy tokens (asserted by the tests)."""
+    rng = np.random.default_rng(seed)
+    alpha = alpha if alpha is not None else 2 * rank
+    tensors, raw = {}, {}
+    for layer in range(cfg.num_layers):
+        for m in targets:
+            fan_in, fan_out = shapes(cfg)[m]
+            if bad_shape == m:
+                fan_in += 8
+            a = (rng.normal(size=(rank, fan_in)) / np.sqrt(fan_in)).astype(np.float32)
+            b = (rng.normal(size=(fan_out, rank)) / np.sqrt(rank) * 0.5).astype(np.float32)
+            kind = "self_attn" if m.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+            prefix = f"base_model.model.model.layers.{layer}.{kind}.{m}"
+            tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"] = a, b
+            raw[layer, m] = (a, b)
+    os.makedirs(path, exist_ok=True)
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": targets, "bias": "none",
+              "use_rslora": rslora, "task_type": "CAUSAL_LM", **(config_extra or {})}
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    return str(path), raw, alpha / (np.sqrt(rank) if rslora else rank)
+
+
+def merged(model, raw, scale):
+    """The base model with the adapter folded in: W [in, out] += scale * A^T B^T."""
+    cfg = model.cfg
+    layers = {k: np.array(v) for k, v in model.params["layers"].items()}
+    q, kv, I = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    where = {"q_proj": ("wqkv", 0, q), "k_proj": ("wqkv", q, q + kv), "v_proj": ("wqkv", q + kv, q + 2 * kv),
+             "gate_proj": ("w_gate_up", 0, I), "up_proj": ("w_gate_up", I, 2 * I),
+             "o_proj": ("wo", 0, cfg.hidden_size), "down_proj": ("w_down", 0, cfg.hidden_size)}
+    for (layer, m), (a, b) in raw.items():
+        name, lo, hi = where[m]
+        layers[name][layer, :, lo:hi] += scale * (a.T @ b.T)
+    params = {**model.params, "layers": {k: jax.numpy.asarray(v) for k, v in layers.items()}}
+    return dataclasses.replace(model, params=params)
+
+
+PROMPTS = [[1, 5, 9, 33, 70], list(range(40, 70)), [7] * 3, list(range(200, 217)), [1, 5, 9, 33, 70, 80, 90],
+           list(range(100, 125))]
+USE = ["a", None, "b", "a", None, "b"]  # one batch mixing both adapters and none
+ENGINE = dict(page_size=4, num_pages=256, max_running_requests=8, attention_backend="reference")
+LORA = dict(max_loras=2, max_lora_rank=8)  # one pool shape for every engine here: programs compile once
+
+
+def greedy(engine, prompts, use, max_new=8):
+    ps = [jspec.SamplingParams(max_new_tokens=max_new, ignore_eos=True, lora_path=u) for u in use]
+    outs = engine.generate(prompts, ps)
+    return [o.token_ids for o in outs], outs
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny, tmp_path_factory):
+    d = tmp_path_factory.mktemp("adapters")
+    a = write_adapter(d / "a", tiny.cfg, 4, ["q_proj", "v_proj", "down_proj"], seed=1)
+    b = write_adapter(d / "b", tiny.cfg, 8, ALL, seed=2, alpha=16, rslora=True)
+    return {"a": a, "b": b}
+
+
+@pytest.fixture(scope="module")
+def references(tiny, adapters):
+    """Per adapter name (None: base), the plain greedy tokens of each prompt."""
+    models = {None: tiny, **{n: merged(tiny, raw, s) for n, (_, raw, s) in adapters.items()}}
+    refs = {}
+    for name, model in models.items():
+        refs[name] = greedy(jspec.Engine(model, **ENGINE), PROMPTS, [None] * len(PROMPTS))[0]
+    for p in range(len(PROMPTS)):
+        # Otherwise the comparison below could not tell an ignored adapter from an applied one.
+        assert refs["a"][p] != refs[None][p] and refs["b"][p] != refs[None][p]
+    return refs
+
+
+def expected(refs, use, prompt_ids):
+    return [refs[u][p] for u, p in zip(use, prompt_ids)]
+
+
+def test_mixed_batch_equals_merged_models(tiny, adapters, references):
+    engine = jspec.Engine(tiny, lora_paths={n: a[0] for n, a in adapters.items()}, **LORA, **ENGINE)
+    got, _ = greedy(engine, PROMPTS, USE)
+    assert got == expected(references, USE, range(len(PROMPTS)))
+    # Again on the same engine with the adapters swapped around: the base requests of the first
+    # round left their prompts in the prefix cache, which adapter requests must not read.
+    use2 = [USE[(i + 1) % len(USE)] for i in range(len(USE))]
+    got, _ = greedy(engine, PROMPTS, use2)
+    assert got == expected(references, use2, range(len(PROMPTS)))
+    engine.check_idle_no_leaks()
+
+
+def test_mixed_batch_with_eagle3_is_lossless(tiny, adapters, references):
+    from test_tensor_parallel import eagle3
+
+    spec = jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=1, num_draft_tokens=4)
+    engine = jspec.Engine(tiny, spec=spec, draft=eagle3(tiny), lora_paths={n: a[0] for n, a in adapters.items()},
+                          **LORA, **ENGINE)
+    got, outs = greedy(engine, PROMPTS, USE)
+    assert got == expected(references, USE, range(len(PROMPTS)))
+    assert all(o.spec_verify_ct >= 1 for o in outs)
+    engine.check_idle_no_leaks()
+
+
+def test_bad_adapters_are_refused_by_name(tiny, tmp_path):
+    engine = jspec.Engine(tiny, **LORA, **ENGINE)
+    cfg = tiny.cfg
+    too_big = write_adapter(tmp_path / "big", cfg, 16, ["q_proj"], seed=3)[0]
+    with pytest.raises(LoraError, match=r"rank r=16 exceeds this engine's max_lora_rank=8"):
+        engine.load_lora("big", too_big)
+    lm_head = write_adapter(tmp_path / "head", cfg, 4, ["q_proj"], seed=3,
+                            config_extra={"target_modules": ["q_proj", "lm_head"]})[0]
+    with pytest.raises(LoraError, match=r"target modules \['lm_head'\] are not supported"):
+        engine.load_lora("head", lm_head)
+    shape = write_adapter(tmp_path / "shape", cfg, 4, ["q_proj", "up_proj"], seed=3, bad_shape="up_proj")[0]
+    with pytest.raises(LoraError, match=r"up_proj\.lora_A\.weight' has shape \[4, 72\], expected \[4, 64\]"):
+        engine.load_lora("shape", shape)
+    with pytest.raises(LoraError, match="no adapter_config.json"):
+        engine.load_lora("none", str(tmp_path))
+    assert engine.lora.slots == {}  # nothing half-loaded
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'a'"):
+        engine.add_request([1, 2, 3], jspec.SamplingParams(lora_path="a"))
+    with pytest.raises(ValueError, match="serves no LoRA adapters"):
+        jspec.Engine(tiny, **ENGINE).add_request([1, 2, 3], jspec.SamplingParams(lora_path="a"))
+    with pytest.raises(ValueError, match="tp_size=2 are not supported"):
+        jspec.Engine(tiny, tp_size=2, **LORA, **ENGINE)
+
+
+def test_load_use_unload_reload_without_restart(tiny, adapters, references):
+    engine = jspec.Engine(tiny, **LORA, **ENGINE)
+    (pa, _, _), (pb, _, _) = adapters["a"], adapters["b"]
+    engine.load_lora("a", pa)
+    assert greedy(engine, PROMPTS[:2], ["a", None])[0] == expected(references, ["a", None], [0, 1])
+
+    rid = engine.add_request(PROMPTS[2], jspec.SamplingParams(max_new_tokens=4, lora_path="a"))
+    engine.step()
+    with pytest.raises(ValueError, match=rf"'a' is in use by running requests \['{rid}'\]"):
+        engine.unload_lora("a")
+    while engine.has_work():
+        engine.step()
+    engine.unload_lora("a")
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'a'"):
+        engine.add_request(PROMPTS[0], jspec.SamplingParams(lora_path="a"))
+
+    # b takes the freed slot (the lowest free one); then a comes back beside it.
+    engine.load_lora("b", pb)
+    assert engine.lora.slots == {"b": 1}
+    engine.load_lora("a", pa)
+    assert greedy(engine, PROMPTS[2:5], ["b", "a", "b"])[0] == expected(references, ["b", "a", "b"], [2, 3, 4])
+    engine.check_idle_no_leaks()
