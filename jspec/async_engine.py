@@ -64,6 +64,14 @@ class AsyncEngine:
     def abort(self, rid: str) -> None:
         self._inbox.put(("abort", rid))
 
+    async def call(self, fn, *args):
+        """fn(engine, *args) on the engine thread, between steps (the engine is not thread-safe:
+        e.g. loading a LoRA adapter rewrites device arrays the next step takes); its result or error."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        self._inbox.put(("call", fn, args, loop, done))
+        return await done
+
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stops the loop: requests still running are aborted, the step in flight is drained."""
         self._stop.set()
@@ -101,6 +109,15 @@ class AsyncEngine:
         if msg[0] == "abort":
             if self.engine.abort(msg[1]):
                 self._publish(RequestOutput(msg[1], [], "", True, "abort"))
+            return
+        if msg[0] == "call":
+            _, fn, args, loop, done = msg
+            try:
+                result = fn(self.engine, *args)
+            except Exception as e:
+                loop.call_soon_threadsafe(_settle, done, None, e)
+            else:
+                loop.call_soon_threadsafe(_settle, done, result, None)
             return
         _, prompt, params, rid, loop, outputs, added = msg
         try:

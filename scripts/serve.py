@@ -55,6 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
                          "(each mode is its own set of decode programs; the rest compile at first use) and "
                          "no prompt-logprob prefill programs unless 'all'")
     ap.add_argument("--random-seed", type=int, default=0, help="seeds requests that bring none")
+    ap.add_argument("--lora-paths", nargs="+", default=[], metavar="NAME=DIR",
+                    help="PEFT LoRA adapters loaded at start-up (a bare DIR is named by its basename); requests "
+                         "pick one with lora_path, or model BASE:NAME")
+    ap.add_argument("--enable-lora", action="store_true",
+                    help="serve LoRA adapters even when --lora-paths gives none (load them by /load_lora_adapter)")
+    ap.add_argument("--max-loras-per-batch", type=int,
+                    help="adapters resident at once (LoRA pool slots; default: the number of --lora-paths, >= 1)")
+    ap.add_argument("--max-lora-rank", type=int, help="largest adapter rank the pool holds (default: the largest "
+                                                      "among --lora-paths, at least 16)")
     ap.add_argument("--log-level", default="info")
     add_speculative_args(ap)
     return ap
@@ -91,8 +100,24 @@ def make_engine(args, model, spec):
         num_pages=kv_pages(args, model, args.page_size), chunked_prefill_size=args.chunked_prefill_size,
         disable_overlap_schedule=args.disable_overlap_schedule, disable_radix_cache=args.disable_radix_cache,
         max_top_logprobs=args.max_top_logprobs, attention_backend=args.attention_backend, seed=args.random_seed,
-        tp_size=args.tp_size, ep_size=args.ep_size,
+        tp_size=args.tp_size, ep_size=args.ep_size, **lora_args(args),
     )
+
+
+def lora_args(args) -> dict:
+    """Engine keywords for the LoRA flags (none unless adapters are asked for)."""
+    paths = {}
+    for item in args.lora_paths:
+        name, sep, path = item.partition("=")
+        if not sep:
+            name, path = os.path.basename(os.path.normpath(item)), item
+        if not name or not path or name in paths:
+            raise ValueError(f"--lora-paths {item!r}: give NAME=DIR (or DIR), each name once")
+        paths[name] = path
+    if not (paths or args.enable_lora or args.max_loras_per_batch or args.max_lora_rank):
+        return {}
+    return dict(lora_paths=paths, max_loras=args.max_loras_per_batch or max(1, len(paths)),
+                max_lora_rank=args.max_lora_rank)
 
 
 def main(argv=None) -> None:

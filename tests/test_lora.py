@@ -184,3 +184,58 @@ def test_load_use_unload_reload_without_restart(tiny, adapters, references):
     engine.load_lora("a", pa)
     assert greedy(engine, PROMPTS[2:5], ["b", "a", "b"])[0] == expected(references, ["b", "a", "b"], [2, 3, 4])
     engine.check_idle_no_leaks()
+
+
+def test_server_flags_and_routes(tiny, adapters, references):
+    """serve.py's LoRA flags build the engine; the HTTP API picks adapters by lora_path or
+    model "base:adapter" and loads / unloads them while it runs (in-process: the programs
+    compiled above are reused)."""
+    import importlib.util
+
+    from fastapi.testclient import TestClient
+
+    from jspec.async_engine import AsyncEngine
+    from jspec.server.app import create_app
+
+    spec = importlib.util.spec_from_file_location("serve", os.path.join(os.path.dirname(__file__), "..", "scripts",
+                                                                        "serve.py"))
+    serve = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve)
+    (pa, _, _), (pb, _, _) = adapters["a"], adapters["b"]
+    args = serve.build_parser().parse_args(["--lora-paths", f"a={pa}", pb, "--max-loras-per-batch", "2",
+                                            "--max-lora-rank", "8"])
+    kw = serve.lora_args(args)
+    assert kw == dict(lora_paths={"a": pa, "b": pb}, max_loras=2, max_lora_rank=8)  # b named by its directory
+    assert serve.lora_args(serve.build_parser().parse_args([])) == {}
+    aengine = AsyncEngine(jspec.Engine(tiny, **kw, **ENGINE))
+    try:
+        with TestClient(create_app(aengine, "tiny")) as c:
+            def gen(p, lora=None):
+                r = c.post("/generate", json={"input_ids": PROMPTS[p], "lora_path": lora,
+                                              "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}})
+                return r.status_code, r.json()
+
+            code, body = gen(0, "a")
+            assert code == 200 and body["output_ids"] == references["a"][0]
+            assert gen(1)[1]["output_ids"] == references[None][1]
+            r = c.post("/v1/completions", json={"model": "tiny:b", "prompt": PROMPTS[2], "max_tokens": 8,
+                                                "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == gen(2, "b")[1]["text"]
+            assert gen(2, "b")[1]["output_ids"] == references["b"][2]
+            assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["tiny", "tiny:a", "tiny:b"]
+            r = c.post("/v1/completions", json={"model": "tiny:zzz", "prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 400 and "unknown LoRA adapter 'zzz'" in r.json()["error"]["message"]
+            r = c.post("/v1/completions", json={"model": "tiny:a", "lora_path": "b", "prompt": "hi"})
+            assert r.status_code == 400 and "lora_path names 'b'" in r.json()["error"]["message"]
+            assert c.post("/v1/completions", json={"model": "other", "prompt": "hi"}).status_code == 404
+
+            r = c.post("/unload_lora_adapter", json={"lora_name": "a"})
+            assert r.status_code == 200 and r.json()["loaded_adapters"] == {"b": pb}
+            assert gen(0, "a")[0] == 400
+            r = c.post("/load_lora_adapter", json={"lora_name": "a2", "lora_path": "/nonexistent"})
+            assert r.status_code == 400 and "no adapter_config.json" in r.json()["error"]["message"]
+            r = c.post("/load_lora_adapter", json={"lora_name": "a2", "lora_path": pa})
+            assert r.status_code == 200 and set(r.json()["loaded_adapters"]) == {"a2", "b"}
+            assert gen(0, "a2")[1]["output_ids"] == references["a"][0]
+    finally:
+        aengine.shutdown()

@@ -29,6 +29,7 @@ from jspec.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
+    LoadLoraRequest,
     message_text,
 )
 
@@ -84,10 +85,19 @@ def create_app(engine: AsyncEngine, model_name: str, lifespan=None) -> FastAPI:
         msg = "; ".join(f"{'.'.join(str(x) for x in er.get('loc', ())[1:])}: {er.get('msg')}" for er in errs[:4])
         return JSONResponse(APIError(msg or "invalid request", param=loc).body(), status_code=400)
 
-    def check_model(name: str | None) -> None:
+    def check_model(name: str | None, lora_path: str | None = None) -> str | None:
+        """The LoRA adapter a request asks for (None: the base model), named by OpenAI's `model`
+        as "base:adapter" (as SGLang) or by SGLang's `lora_path` field."""
+        adapter = None
         if name is not None and name != model_name:
-            raise APIError(f"The model `{name}` does not exist; this server serves `{model_name}`", 404,
-                           param="model", code="model_not_found")
+            base, sep, rest = name.partition(":")
+            if not (sep and rest and base == model_name):
+                raise APIError(f"The model `{name}` does not exist; this server serves `{model_name}` (and its LoRA "
+                               f"adapters as `{model_name}:ADAPTER`)", 404, param="model", code="model_not_found")
+            adapter = rest
+        if lora_path is not None and adapter is not None and lora_path != adapter:
+            raise APIError(f"model names adapter {adapter!r} but lora_path names {lora_path!r}", param="lora_path")
+        return lora_path if lora_path is not None else adapter
 
     def check_prompt(prompt) -> list[int]:
         try:
@@ -212,7 +222,7 @@ def create_app(engine: AsyncEngine, model_name: str, lifespan=None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        check_model(body.model)
+        adapter = check_model(body.model, body.lora_path)
         t0 = time.perf_counter()
         prompts = body.prompt
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -222,7 +232,7 @@ def create_app(engine: AsyncEngine, model_name: str, lifespan=None) -> FastAPI:
         n_top = body.logprobs or 0
         if n_top > max_top:
             raise APIError(f"logprobs={n_top} exceeds this server's --max-top-logprobs={max_top}", param="logprobs")
-        params = body.sampling_params(body.max_tokens or 16, body.logprobs is not None, n_top)
+        params = body.sampling_params(body.max_tokens or 16, body.logprobs is not None, n_top, adapter)
         ids = [check_prompt(p) for p in prompts]
         streams = []
         try:
@@ -267,7 +277,7 @@ def create_app(engine: AsyncEngine, model_name: str, lifespan=None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        check_model(body.model)
+        adapter = check_model(body.model, body.lora_path)
         t0 = time.perf_counter()
         n_top = body.top_logprobs or 0
         if n_top > max_top:
@@ -278,7 +288,7 @@ def create_app(engine: AsyncEngine, model_name: str, lifespan=None) -> FastAPI:
         ids = tokenizer.encode(text, add_special_tokens=False)
         ids = check_prompt(ids)
         max_new = body.max_completion_tokens or body.max_tokens or max(1, model.cfg.max_position_embeddings - len(ids))
-        params = body.sampling_params(max_new, body.logprobs, n_top)
+        params = body.sampling_params(max_new, body.logprobs, n_top, adapter)
         streams = await start(ids, params, 0)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "created": created, "model": model_name}
@@ -325,7 +335,7 @@ def create_app(engine: AsyncEngine, model_name: str, lifespan=None) -> FastAPI:
         sp.setdefault("max_new_tokens", 128)
         try:
             params = SamplingParams(**sp, return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num,
-                                    logprob_start_len=body.logprob_start_len)
+                                    logprob_start_len=body.logprob_start_len, lora_path=body.lora_path)
         except TypeError as e:
             raise APIError(f"sampling_params: {e}", param="sampling_params") from None
         except ValueError as e:
@@ -362,9 +372,34 @@ def create_app(engine: AsyncEngine, model_name: str, lifespan=None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "jspec",
-                                            "max_model_len": model.cfg.max_position_embeddings,
-                                            "vocab_size": model.cfg.vocab_size}]}
+        adapters = sorted(core.lora.slots) if core.lora is not None else []
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": "jspec", "root": model_name,
+             "max_model_len": model.cfg.max_position_embeddings, "vocab_size": model.cfg.vocab_size}
+            for name in [model_name] + [f"{model_name}:{a}" for a in adapters]]}
+
+    # ---- LoRA adapters (SGLang's endpoints), loaded and unloaded on the engine thread -------------
+
+    def loaded_adapters() -> dict:
+        return {n: a.path for n, a in core.lora.adapters.items()} if core.lora is not None else {}
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoraRequest):
+        if not body.lora_path:
+            raise APIError("lora_path (the adapter's directory) is required", param="lora_path")
+        try:
+            await engine.call(lambda e: e.load_lora(body.lora_name, body.lora_path))
+        except ValueError as e:
+            raise APIError(str(e), param="lora_path") from None
+        return {"success": True, "loaded_adapters": loaded_adapters()}
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(body: LoadLoraRequest):
+        try:
+            await engine.call(lambda e: e.unload_lora(body.lora_name))
+        except ValueError as e:
+            raise APIError(str(e), param="lora_name") from None
+        return {"success": True, "loaded_adapters": loaded_adapters()}
 
     @app.get("/health")
     async def health():

@@ -50,8 +50,10 @@ class _Sampling(BaseModel):
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     user: str | None = None
+    lora_path: str | None = None  # SGLang's extension: a loaded LoRA adapter's name (or model "base:adapter")
 
-    def sampling_params(self, max_new_tokens: int, return_logprob: bool, top_logprobs: int) -> SamplingParams:
+    def sampling_params(self, max_new_tokens: int, return_logprob: bool, top_logprobs: int,
+                        lora_path: str | None = None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         try:
             return SamplingParams(
@@ -60,6 +62,7 @@ class _Sampling(BaseModel):
                 presence_penalty=self.presence_penalty, repetition_penalty=self.repetition_penalty,
                 return_logprob=return_logprob, top_logprobs_num=top_logprobs, stop=stop,
                 stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, n=self.n,
+                lora_path=lora_path,
             )
         except ValueError as e:
             raise APIError(str(e), param=str(e).split(" ", 1)[0]) from None
@@ -100,6 +103,14 @@ class GenerateRequest(BaseModel):
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
     rid: str | None = None
+    lora_path: str | None = None  # a loaded LoRA adapter's name
+
+
+class LoadLoraRequest(BaseModel):
+    """SGLang's /load_lora_adapter body (also /unload_lora_adapter, which needs no path)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str | None = None
 
 
 def message_text(m: ChatMessage) -> str:
