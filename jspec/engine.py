@@ -243,11 +243,12 @@ class Engine:
         tok = self.model.tokenizer
         if params.stop and tok is None:
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
-        lora_slot = 0
+        lora_slot = lora_uid = 0
         if params.lora_path is not None:
             if self.lora is None:
                 raise ValueError(f"lora_path={params.lora_path!r}, but this engine serves no LoRA adapters")
             lora_slot = self.lora.slot_of(params.lora_path)
+            lora_uid = self.lora.adapters[params.lora_path].uid
         eos = set(self.model.cfg.eos_token_ids) | (set(tok.eos_token_ids) if tok is not None else set())
         # Never generate past the model's context.
         room = self.model.cfg.max_position_embeddings - len(ids)
@@ -257,7 +258,7 @@ class Engine:
         detok = IncrementalDetokenizer(tok, ids) if tok is not None else None
         req = Request(rid, ids, params, checker, detok, arrival=next(self._arrival),
                       seed=params.seed if params.seed is not None else int(self._seeds.integers(2**32)),
-                      lora_slot=lora_slot)
+                      lora_slot=lora_slot, cache_namespace=lora_uid)
         self.scheduler.add(req)
         return rid
 

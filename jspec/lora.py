@@ -76,6 +76,7 @@ class LoraAdapter:
     rank: int
     scaling: float
     weights: dict[str, tuple[np.ndarray, np.ndarray]]
+    uid: int = 0  # set when loaded: unique per load (a reload under the same name is a new adapter)
 
 
 def _config(path: str) -> dict:
@@ -255,6 +256,7 @@ class LoraPool:
             jnp.zeros(S, jnp.float32),
         )
         self.slots: dict[str, int] = {}  # adapter name -> slot
+        self.num_loads = 0  # gives each load its uid
         self.adapters: dict[str, LoraAdapter] = {}
 
     def load(self, adapter: LoraAdapter) -> int:
@@ -281,6 +283,8 @@ class LoraPool:
             b[bg] = _write_donated(b[bg], jnp.asarray(B), bi, slot)
         scale = self.weights.scale.at[slot].set(adapter.scaling)
         self.weights = LoraWeights(a, b, scale)
+        self.num_loads += 1
+        adapter.uid = self.num_loads
         self.slots[adapter.name] = slot
         self.adapters[adapter.name] = adapter
         return slot

@@ -118,11 +118,17 @@ def test_mixed_batch_equals_merged_models(tiny, adapters, references):
     engine = jspec.Engine(tiny, lora_paths={n: a[0] for n, a in adapters.items()}, **LORA, **ENGINE)
     got, _ = greedy(engine, PROMPTS, USE)
     assert got == expected(references, USE, range(len(PROMPTS)))
-    # Again on the same engine with the adapters swapped around: the base requests of the first
-    # round left their prompts in the prefix cache, which adapter requests must not read.
+    # Again on the same engine with the adapters swapped around: the first round left every
+    # prompt's KV in the prefix cache, each under its own adapter (or none), which a request of
+    # another adapter must not read.
     use2 = [USE[(i + 1) % len(USE)] for i in range(len(USE))]
     got, _ = greedy(engine, PROMPTS, use2)
     assert got == expected(references, use2, range(len(PROMPTS)))
+    # And as the first round: now each request finds its own adapter's KV cached.
+    before = engine.scheduler.prefilled_tokens
+    got, _ = greedy(engine, PROMPTS, USE)
+    assert got == expected(references, USE, range(len(PROMPTS)))
+    assert engine.scheduler.prefilled_tokens - before < sum(map(len, PROMPTS)) / 4
     engine.check_idle_no_leaks()
 
 

@@ -26,6 +26,7 @@ class Request:
     arrival: int = 0  # admission order key
     seed: int = 0  # sampling seed (the request's own, or one the engine drew for it)
     lora_slot: int = 0  # LoRA pool slot of params.lora_path (0: no adapter)
+    cache_namespace: int = 0  # prefix-cache namespace: the loaded adapter's unique id (0: the base model)
     output: list[int] = dataclasses.field(default_factory=list)
     text: str = ""  # streamed text so far (stop strings trimmed)
     output_logprobs: list[float] = dataclasses.field(default_factory=list)  # if params.return_logprob

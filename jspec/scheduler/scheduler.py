@@ -29,6 +29,15 @@ from jspec.scheduler.batch_builder import SeqChunk
 from jspec.scheduler.request import Request, Status
 
 
+def cache_key(req: Request, tokens: list[int]) -> list[int]:
+    """The prefix-cache key of req's tokens. KV computed under a LoRA adapter is that adapter's
+    alone, so its tokens are keyed in the adapter's own namespace (ids moved past every real
+    token id), where only requests of the same loaded adapter find them; SGLang's radix cache
+    keys LoRA requests the same way (by adapter id)."""
+    ns = req.cache_namespace
+    return tokens if not ns else [t + (ns << 32) for t in tokens]
+
+
 @dataclasses.dataclass
 class PrefillBatch:
     reqs: list[Request]
@@ -107,9 +116,8 @@ class Scheduler:
         (positions < kv_len) are offered to the cache first (RadixCache's protocol: insert,
         then free own pages, then unlock the match)."""
         cache = self.prefix_cache
-        # KV computed under a LoRA adapter is that adapter's alone: it never enters the cache.
-        if cache is not None and keep_kv and req.pages and req.kv_len > 0 and not req.lora_slot:
-            cache.insert((req.prompt + req.output)[: req.kv_len], req.pages)
+        if cache is not None and keep_kv and req.pages and req.kv_len > 0:
+            cache.insert(cache_key(req, (req.prompt + req.output)[: req.kv_len]), req.pages)
         self.worker.allocator.free(req.pages[req.num_shared_pages :])
         req.pages, req.num_shared_pages = [], 0
         if req.cached_prefix is not None:
@@ -189,8 +197,7 @@ class Scheduler:
         """Moves a waiting request to prefilling if a slot and its whole prompt's pages are free."""
         req.prefill_ids = req.prompt + req.output
         req.prefilled = 0
-        if self.prefix_cache is not None and not req.lora_slot:
-            # (A request with a LoRA adapter neither reads nor feeds the cache: its KV differs.)
+        if self.prefix_cache is not None:
             # Keep at least one token to prefill: its logits give the next token. With a
             # draft model, the draft KV at the last cached position pairs it with the token
             # that followed in the request that wrote it; when this request's next token
@@ -199,7 +206,7 @@ class Scheduler:
             # prefill runs over it, and prompt logprobs come from the prefill's logits, so such
             # requests prefill all of their tokens themselves.
             own = req.params.has_penalties or req.params.wants_prompt_logprobs
-            m = self.prefix_cache.match_prefix(req.prefill_ids[:-1] if not own else [])
+            m = self.prefix_cache.match_prefix(cache_key(req, req.prefill_ids[:-1] if not own else []))
             self.prefix_cache.lock(m)
             req.cached_prefix, req.pages, req.num_shared_pages = m, list(m.pages), len(m.pages)
             req.prefilled = m.num_tokens
