@@ -110,13 +110,23 @@ def load_adapter(name: str, path: str | os.PathLike, cfg: ModelConfig, max_rank:
                         f"supported")
     if ac.get("rank_pattern") or ac.get("alpha_pattern"):
         raise LoraError(f"{where}: per-module rank_pattern / alpha_pattern is not supported")
-    r, alpha = int(ac["r"]), float(ac.get("lora_alpha", ac["r"]))
+    r, alpha = int(ac["r"]), float(ac.get("lora_alpha", 8))  # PEFT's default alpha is 8
     if not 1 <= r <= max_rank:
         raise LoraError(f"{where}: rank r={r} exceeds this engine's max_lora_rank={max_rank} "
                         f"(start the engine with max_lora_rank >= {r})")
     targets = ac.get("target_modules") or []
-    if isinstance(targets, str):
-        targets = [targets]  # PEFT also allows one name or a regex; a plain name is all jspec reads
+    if targets == "all-linear":  # PEFT's shorthand: every linear layer but the output head
+        targets = list(SUPPORTED_MODULES)
+    elif isinstance(targets, str):
+        # A regex over full module paths (PEFT's re.fullmatch): the tensors present say which
+        # modules it chose; each is still checked against what jspec supports.
+        pattern = re.compile(targets)
+        targets = [m for m in SUPPORTED_MODULES
+                   if any(pattern.fullmatch(f"model.layers.{i}.{kind}.{m}")
+                          for i in range(cfg.num_layers) for kind in ("self_attn", "mlp"))]
+        if not targets:
+            raise LoraError(f"{where}: target_modules regex {pattern.pattern!r} matches none of the projections "
+                            f"jspec supports ({list(SUPPORTED_MODULES)})")
     bad = sorted(set(targets) - set(SUPPORTED_MODULES))
     if bad:
         raise LoraError(f"{where}: target modules {bad} are not supported; jspec applies LoRA to "

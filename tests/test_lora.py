@@ -92,8 +92,11 @@ def greedy(engine, prompts, use, max_new=8):
 @pytest.fixture(scope="module")
 def adapters(tiny, tmp_path_factory):
     d = tmp_path_factory.mktemp("adapters")
-    a = write_adapter(d / "a", tiny.cfg, 4, ["q_proj", "v_proj", "down_proj"], seed=1)
-    b = write_adapter(d / "b", tiny.cfg, 8, ALL, seed=2, alpha=16, rslora=True)
+    # target_modules as PEFT also writes them: a regex over module paths, and "all-linear".
+    a = write_adapter(d / "a", tiny.cfg, 4, ["q_proj", "v_proj", "down_proj"], seed=1,
+                      config_extra={"target_modules": r".*\.(q_proj|v_proj|down_proj)"})
+    b = write_adapter(d / "b", tiny.cfg, 8, ALL, seed=2, alpha=16, rslora=True,
+                      config_extra={"target_modules": "all-linear"})
     return {"a": a, "b": b}
 
 
@@ -157,6 +160,10 @@ def test_bad_adapters_are_refused_by_name(tiny, tmp_path):
     shape = write_adapter(tmp_path / "shape", cfg, 4, ["q_proj", "up_proj"], seed=3, bad_shape="up_proj")[0]
     with pytest.raises(LoraError, match=r"up_proj\.lora_A\.weight' has shape \[4, 72\], expected \[4, 64\]"):
         engine.load_lora("shape", shape)
+    regex = write_adapter(tmp_path / "regex", cfg, 4, ["q_proj", "k_proj"], seed=3,
+                          config_extra={"target_modules": r".*\.q_proj"})[0]
+    with pytest.raises(LoraError, match=r"k_proj\.lora_A\.weight' is for 'k_proj', which .* does not list"):
+        engine.load_lora("regex", regex)
     with pytest.raises(LoraError, match="no adapter_config.json"):
         engine.load_lora("none", str(tmp_path))
     assert engine.lora.slots == {}  # nothing half-loaded
@@ -169,14 +176,20 @@ def test_bad_adapters_are_refused_by_name(tiny, tmp_path):
 
 
 def test_load_use_unload_reload_without_restart(tiny, adapters, references):
+    # Batches of the shapes above, so the programs compiled there serve here too.
+    import re
+
     engine = jspec.Engine(tiny, **LORA, **ENGINE)
     (pa, _, _), (pb, _, _) = adapters["a"], adapters["b"]
     engine.load_lora("a", pa)
-    assert greedy(engine, PROMPTS[:2], ["a", None])[0] == expected(references, ["a", None], [0, 1])
+    use = ["a", None, "a", None, "a", None]
+    assert greedy(engine, PROMPTS, use)[0] == expected(references, use, range(len(PROMPTS)))
 
-    rid = engine.add_request(PROMPTS[2], jspec.SamplingParams(max_new_tokens=4, lora_path="a"))
+    rids = [engine.add_request(p, jspec.SamplingParams(max_new_tokens=8, ignore_eos=True, lora_path=u))
+            for p, u in zip(PROMPTS, use)]
     engine.step()
-    with pytest.raises(ValueError, match=rf"'a' is in use by running requests \['{rid}'\]"):
+    users = sorted(r for r, u in zip(rids, use) if u == "a")
+    with pytest.raises(ValueError, match=rf"'a' is in use by running requests {re.escape(str(users))}"):
         engine.unload_lora("a")
     while engine.has_work():
         engine.step()
@@ -188,7 +201,8 @@ def test_load_use_unload_reload_without_restart(tiny, adapters, references):
     engine.load_lora("b", pb)
     assert engine.lora.slots == {"b": 1}
     engine.load_lora("a", pa)
-    assert greedy(engine, PROMPTS[2:5], ["b", "a", "b"])[0] == expected(references, ["b", "a", "b"], [2, 3, 4])
+    use = ["b", "a", "b", "a", None, "b"]
+    assert greedy(engine, PROMPTS, use)[0] == expected(references, use, range(len(PROMPTS)))
     engine.check_idle_no_leaks()
 
 
@@ -245,3 +259,24 @@ def test_server_flags_and_routes(tiny, adapters, references):
             assert gen(0, "a2")[1]["output_ids"] == references["a"][0]
     finally:
         aengine.shutdown()
+
+
+def test_lora_decode_step_lowers_for_cuda(tmp_path):
+    """The step with the adapter pool lowers for an H200 in bfloat16 (DESIGN.md's jit-compile
+    check: interpret-mode CPU runs hide GPU lowering errors)."""
+    import functools
+
+    from test_kernels_lowering import lower_for_cuda
+
+    from jspec.steps import plain_decode_step
+
+    path = make_tiny_model(str(tmp_path / "bf16"), seed=7, max_position_embeddings=512, dtype="bfloat16")
+    engine = jspec.Engine(jspec.load(path, dtype=jax.numpy.bfloat16), page_size=16, num_pages=64, **LORA)
+    w = engine.worker
+    slot_ids, pt, rows = w._decode_inputs([0, 1, 2], [[1, 2], [3], [4]], [(jspec.SamplingParams(), 0)] * 3)
+    args = (w.params, w.state, slot_ids, pt, rows, w._decode_loras(slot_ids.shape[0], [1, 0, 2]))
+    specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), args)
+    lowered = lower_for_cuda(functools.partial(plain_decode_step, cfg=w.cfg, backend="pallas", sampling="greedy"),
+                             *specs)
+    text = lowered.as_text()
+    assert "bf16" in text and text.count("dot_general") > 2 * w.cfg.num_layers * 7  # base + LoRA matmuls
