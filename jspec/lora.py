@@ -4,11 +4,13 @@ An adapter (PEFT's adapter_config.json + adapter_model.safetensors) adds to a pr
 W [in, out] (jspec's layout, x @ W) the low-rank term scale * (x @ A^T) @ B^T, where PEFT
 stores lora_A [r, in] and lora_B [out, r]. Several adapters are resident at once in a
 `LoraPool`; each token of a batch names the pool slot of its request's adapter (slot 0 is
-"no adapter": all zeros), and the forward adds every token's own delta (models/llama.py).
+"no adapter"), and the forward adds every token's own delta (models/llama.py).
 
 Pool layout, per group of modules whose A (or B) matrices share a shape:
     a[group] [L, G, S, in, r_max]      b[group] [L, G, S, r_max, out]
-(L layers, G modules in the group, S slots, ranks zero-padded to r_max). Layers lead so
+(L layers, G modules in the group, S = max_loras: slot s > 0 is stored at index s - 1, and
+slot 0 takes no storage and no compute, its mask column being implicit; ranks are
+zero-padded to r_max). Layers lead so
 each layer's slice is contiguous (the unrolled forward takes it without a copy, a scan
 takes it as xs); grouping keeps the step's argument count small (dispatch cost grows with
 leaves) and lets q/k/v (and gate/up) share one A matmul, whose deltas come out
@@ -179,7 +181,7 @@ class LoraWeights(NamedTuple):
 
     a: dict  # group -> [L, G, S, in, r_max]
     b: dict  # group -> [L, G, S, r_max, out]
-    scale: jax.Array  # [S] float32, 0 for slot 0 and empty slots
+    scale: jax.Array  # [S] float32, scale of slot index + 1 (0 where empty)
 
 
 class LoraBatch(NamedTuple):
@@ -195,9 +197,9 @@ def layer_weights(weights: LoraWeights, i) -> LoraWeights:
 
 
 def slot_mask(weights: LoraWeights, token_slots: jax.Array) -> jax.Array:
-    """[T, S] float32: each token's scale on its own slot, zero elsewhere."""
+    """[T, S] float32: each token's scale on its own slot, zero elsewhere (all zero for slot 0)."""
     S = weights.scale.shape[0]
-    return (token_slots[:, None] == jnp.arange(S, dtype=jnp.int32)[None]) * weights.scale[None]
+    return (token_slots[:, None] == jnp.arange(1, S + 1, dtype=jnp.int32)[None]) * weights.scale[None]
 
 
 def lora_delta(lw: LoraWeights, mask: jax.Array, h: jax.Array, a_group: str, a_range: tuple[int, int],
@@ -230,13 +232,12 @@ def down_delta(lw, mask, h):
     return lora_delta(lw, mask, h, "a_down", (0, 1), "b_hidden", (1, 2))
 
 
-@jax.jit
 def _write(arr, val, g, s):
     return arr.at[:, g, s].set(val.astype(arr.dtype))
 
 
 # Donated, so a load does not hold two copies of the pool.
-_write_donated = jax.jit(_write.__wrapped__, donate_argnums=0)
+_write_donated = jax.jit(_write, donate_argnums=0)
 
 
 class LoraPool:
@@ -256,7 +257,7 @@ class LoraPool:
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"max_loras ({max_loras}) and max_lora_rank ({max_rank}) must be >= 1")
         self.cfg, self.max_loras, self.max_rank = cfg, max_loras, max_rank
-        L, S, r = cfg.num_layers, max_loras + 1, max_rank
+        L, S, r = cfg.num_layers, max_loras, max_rank
         shapes = module_shapes(cfg)
         a_in = {g: shapes[next(m for m, p in _PLACE.items() if p[0] == g)][0] for g in _A_GROUPS}
         b_out = {g: shapes[next(m for m, p in _PLACE.items() if p[2] == g)][1] for g in _B_GROUPS}
@@ -289,9 +290,9 @@ class LoraPool:
             B = np.zeros(b[bg].shape[:1] + b[bg].shape[3:], np.float32)  # [L, r_max, out]
             if module in adapter.weights:
                 A[:, :, :r], B[:, :r, :] = adapter.weights[module]
-            a[ag] = _write_donated(a[ag], jnp.asarray(A), ai, slot)
-            b[bg] = _write_donated(b[bg], jnp.asarray(B), bi, slot)
-        scale = self.weights.scale.at[slot].set(adapter.scaling)
+            a[ag] = _write_donated(a[ag], jnp.asarray(A), ai, slot - 1)
+            b[bg] = _write_donated(b[bg], jnp.asarray(B), bi, slot - 1)
+        scale = self.weights.scale.at[slot - 1].set(adapter.scaling)
         self.weights = LoraWeights(a, b, scale)
         self.num_loads += 1
         adapter.uid = self.num_loads
@@ -305,7 +306,7 @@ class LoraPool:
         slot = self.slots.pop(name)
         del self.adapters[name]
         # Zero its scale: a token that still names the slot (none should) gets no delta.
-        self.weights = self.weights._replace(scale=self.weights.scale.at[slot].set(0.0))
+        self.weights = self.weights._replace(scale=self.weights.scale.at[slot - 1].set(0.0))
 
     def slot_of(self, name: str | None) -> int:
         if name is None:
