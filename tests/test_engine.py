@@ -82,7 +82,8 @@ def collect(engine, arrivals):
     return results
 
 
-@pytest.mark.parametrize("page_size,speculative", [(1, False), (16, False), (16, True), (1, True)])
+# Page 1 with speculation covers page 1; page 16 both ways covers the plain loop.
+@pytest.mark.parametrize("page_size,speculative", [(16, False), (16, True), (1, True)])
 def test_overlap_equals_sync_on_a_mixed_workload(tiny, page_size, speculative):
     arrivals = workload()
     kw = dict(page_size=page_size, num_pages=4096 // page_size + 64, max_running_requests=16,

@@ -20,7 +20,7 @@ from jspec.models.loader import init_random_params
 H = 64
 TARGET = ModelConfig(
     family="llama", vocab_size=H, hidden_size=H, intermediate_size=H, num_layers=4,
-    num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512,
+    num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=128,
 )
 
 
@@ -95,14 +95,15 @@ def run_both(target, dcfg, draft, spec, page_size, ps, max_new=12, backend="refe
     return np.mean([o.mean_accept_length for o in out])
 
 
+# Each page size, chain and tree, both algorithms; the Pallas kernels (interpreted on the CPU,
+# slow) in two cases, their own tests (test_kernels.py) cover them against the references.
 CASES = [  # (algorithm, page_size, num_steps, topk, num_draft_tokens, backend)
     ("EAGLE", 16, 3, 1, None, "pallas"),
-    ("EAGLE3", 1, 3, 1, None, "pallas"),
+    ("EAGLE3", 1, 3, 1, None, "reference"),
     ("EAGLE", 1, 2, 4, 6, "reference"),
     ("EAGLE3", 16, 5, 4, 8, "pallas"),
     ("EAGLE", 16, 1, 1, None, "reference"),
     ("EAGLE3", 16, 4, 2, 7, "reference"),
-    ("EAGLE", 1, 5, 1, None, "reference"),
     ("EAGLE3", 1, 1, 4, 4, "reference"),
 ]
 
