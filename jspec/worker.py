@@ -83,7 +83,13 @@ class WorkerBase:
     # Bucketed shapes, so warm-up can compile every program the loop will run:
     # prefill batches always have max_slots rows and full-context page tables
     # (only the token count T varies); decode batches vary in rows and page-table width.
-    MIN_DECODE_PAGES = 8
+    # The narrowest decode page table covers 128 tokens whatever the page size: counted in
+    # pages, page size 1 would get 5 more widths (programs to compile) than page size 16.
+    MIN_DECODE_TOKENS = 128
+
+    @property
+    def min_decode_pages(self) -> int:
+        return max(1, self.MIN_DECODE_TOKENS // self.page_size)
 
     def prefill_token_buckets(self, chunked_prefill_size: int) -> list[int]:
         out, t = [], 8
@@ -94,11 +100,11 @@ class WorkerBase:
 
     def decode_buckets(self) -> list[tuple[int, int]]:
         rows = [1 << i for i in range(bucket(self.max_slots).bit_length())]
-        pages, m = [], self.MIN_DECODE_PAGES
+        pages, m = [], self.min_decode_pages
         while m < self.max_pages_per_request:
             pages.append(m)
             m *= 2
-        pages.append(bucket(self.max_pages_per_request, self.MIN_DECODE_PAGES))
+        pages.append(bucket(self.max_pages_per_request, self.min_decode_pages))
         return [(b, m) for b in rows for m in pages]
 
     def warmup(self, chunked_prefill_size: int, sampling_modes=SAMPLING_MODES, prompt_logprobs: bool = True) -> int:
@@ -198,8 +204,8 @@ class WorkerBase:
 
     def _decode_inputs(self, slots: list[int], page_tables: list[list[int]], sampling):
         B = bucket(len(slots))
-        M = min(bucket(max(len(p) for p in page_tables), self.MIN_DECODE_PAGES),
-                bucket(self.max_pages_per_request, self.MIN_DECODE_PAGES))
+        M = min(bucket(max(len(p) for p in page_tables), self.min_decode_pages),
+                bucket(self.max_pages_per_request, self.min_decode_pages))
         slot_ids = np.full(B, self.scratch_slot, np.int32)
         slot_ids[: len(slots)] = slots
         pt = np.zeros((B, M), np.int32)
