@@ -19,3 +19,16 @@ def _release_compiled_programs():
     yield
     jax.clear_caches()
     gc.collect()
+
+
+# The slowest files first: with `--dist loadfile` xdist hands out whole files in collection
+# order, so a slow file picked up last would leave the other worker idle at the end.
+SLOW_FILES_FIRST = ("test_engine.py", "test_spec_methods.py", "test_spec_eagle.py", "test_server.py",
+                    "test_tensor_parallel.py", "test_penalties.py", "test_real_model.py", "test_hf_parity.py",
+                    "test_lora.py", "test_moe.py", "test_train_eagle.py", "test_logprobs.py",
+                    "test_spec_sampling.py", "test_sampling.py", "test_kernels.py", "test_generate.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's own order stays
