@@ -68,6 +68,12 @@ class WorkerBase:
         rest = replicate(state._replace(target_kv=None), self.mesh)
         return rest._replace(target_kv=jax.tree.map(lambda x: jax.device_put(x, kv), state.target_kv))
 
+    def decode(self, slots, page_tables, sampling, loras=None):
+        """Builds the bucketed arrays, then launches (the subclass's decode_arrays)."""
+        slot_ids, pt, rows = self._decode_inputs(slots, page_tables, sampling)
+        return self.decode_arrays(slot_ids, pt, rows, sampling_mode(p for p, _ in sampling),
+                                  self._decode_loras(slot_ids.shape[0], loras))
+
     def on_mesh(self):
         """Context for launching steps: the mesh, so attention runs per shard (shard_map)."""
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
@@ -247,11 +253,6 @@ class PlainWorker(WorkerBase):
                                                  with_prompt_logprobs=with_prompt_logprobs)
         return out
 
-    def decode(self, slots, page_tables, sampling, loras=None):
-        slot_ids, pt, rows = self._decode_inputs(slots, page_tables, sampling)
-        return self.decode_arrays(slot_ids, pt, rows, sampling_mode(p for p, _ in sampling),
-                                  self._decode_loras(slot_ids.shape[0], loras))
-
     def decode_arrays(self, slot_ids, page_tables, rows, mode: str, lora=None):
         """decode() on prebuilt (bucketed) arrays: the launch alone."""
         if lora is None and self.lora is not None:
@@ -305,11 +306,6 @@ class SpecWorker(WorkerBase):
                 cfg=self.cfg, method=self.method, mode=mode, top_n=self.top_n, with_prompt_logprobs=with_prompt_logprobs,
             )
         return out
-
-    def decode(self, slots, page_tables, sampling, loras=None):
-        slot_ids, pt, rows = self._decode_inputs(slots, page_tables, sampling)
-        return self.decode_arrays(slot_ids, pt, rows, sampling_mode(p for p, _ in sampling),
-                                  self._decode_loras(slot_ids.shape[0], loras))
 
     def decode_arrays(self, slot_ids, page_tables, rows, mode: str, lora=None):
         """decode() on prebuilt (bucketed) arrays: the launch alone."""

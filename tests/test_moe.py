@@ -23,9 +23,9 @@ import pytest
 
 import jspec
 from hf_reference import HF_MOE_VARIANTS, hf_make_checkpoints, requires_hf, run_oracle
+from test_hf_parity import _forward_logits, rel_err
 from jspec.config import ModelConfig, SpecConfig
 from jspec.models.eagle_loader import DraftConfig, init_random_draft_params
-from jspec.models.llama import forward
 from jspec.models.loader import init_random_params, load_model, param_shapes
 from jspec.models.moe import moe_mlp, moe_mlp_expert_parallel
 
@@ -173,15 +173,6 @@ def hf_moe(tmp_path_factory):
     refs = {n: {key: [out[f"{n}/{key}_{i}"] for i in range(len(_prompts()))]
                 for key in ("prefill_logits", "decode_logits", "generated")} for n in HF_MOE_VARIANTS}
     return ckpts, refs
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "mode"))
-def _forward_logits(params, kv, batch, *, cfg, mode):
-    return forward(params, cfg, kv, batch, mode)
-
-
-def rel_err(a, b):
-    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
 
 
 @requires_hf
