@@ -42,6 +42,9 @@ def parse_args(argv=None):
     ap.add_argument("--num-prompts", type=int, default=448, help="training prompts (of jspec's 544)")
     ap.add_argument("--num-heldout", type=int, default=64, help="held-out prompts for the final evaluation")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="length of the target's answers")
+    ap.add_argument("--sampled-answers", type=int, default=0,
+                    help="answers per training prompt sampled at --temperature, besides the greedy one")
+    ap.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampled answers")
     ap.add_argument("--steps", type=int, default=1000, help="optimizer steps")
     ap.add_argument("--batch-size", type=int, default=16, help="sequences per step")
     ap.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (AdamW, warmup + cosine)")
@@ -88,9 +91,14 @@ def main(argv=None):
 
     train_prompts, heldout_prompts = split_prompts(args.num_prompts, args.num_heldout, seed=args.seed)
     t = time.perf_counter()
-    examples = eagle3.generate_examples(model, train_prompts + heldout_prompts, args.max_new_tokens,
-                                        max_running_requests=args.max_running_requests)
-    train_ex, heldout_ex = examples[: len(train_prompts)], examples[len(train_prompts):]
+    engine = jspec.Engine(model, max_running_requests=args.max_running_requests)
+    # Held-out answers are greedy only: the engine check below compares speculative output with them.
+    train_ex = eagle3.generate_examples(model, train_prompts, args.max_new_tokens, engine=engine,
+                                        sampled_answers=args.sampled_answers, temperature=args.temperature,
+                                        seed=args.seed)
+    heldout_ex = eagle3.generate_examples(model, heldout_prompts, args.max_new_tokens, engine=engine)
+    examples = train_ex + heldout_ex
+    del engine
     n_resp = sum(len(e.tokens) - e.prompt_len for e in examples)
     print(f"[train_eagle] generated {len(examples)} answers, {n_resp} tokens, in {time.perf_counter() - t:.1f} s")
 

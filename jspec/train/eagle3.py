@@ -84,14 +84,24 @@ def chat_prompt_ids(model, prompt: str) -> list[int]:
 
 
 def generate_examples(model, prompts: Sequence[str], max_new_tokens: int = 128, *,
-                      max_running_requests: int = 64, **engine_kw) -> list[Example]:
-    """Greedy answers of the target to each chat-formatted prompt, as training sequences."""
+                      max_running_requests: int = 64, sampled_answers: int = 0, temperature: float = 0.8,
+                      seed: int = 0, engine=None, **engine_kw) -> list[Example]:
+    """The target's greedy answer to each chat-formatted prompt, as training sequences, then
+    `sampled_answers` more per prompt sampled at `temperature`: a few hundred prompts make
+    too few tokens for a head, and the loss's labels are the target's own distributions at
+    every position, so a sampled answer teaches as much as the greedy one. The greedy
+    examples come first, in prompt order. Pass `engine` to reuse one (and its programs)."""
     import jspec
 
     ids = [chat_prompt_ids(model, p) for p in prompts]
-    outs = jspec.generate(model, ids, max_new_tokens=max_new_tokens, temperature=0.0,
-                          max_running_requests=max_running_requests, **engine_kw)
-    return [Example(list(p) + list(o.token_ids), len(p)) for p, o in zip(ids, outs)]
+    params = [jspec.SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)] * len(ids)
+    params += [jspec.SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                                    seed=(seed * 1_000_003 + k * len(ids) + i) % 2**32)
+               for k in range(sampled_answers) for i in range(len(ids))]
+    prompt_ids = ids * (1 + sampled_answers)
+    engine = engine or jspec.Engine(model, max_running_requests=max_running_requests, **engine_kw)
+    outs = engine.generate(prompt_ids, params)
+    return [Example(list(p) + list(o.token_ids), len(p)) for p, o in zip(prompt_ids, outs)]
 
 
 class Batch(NamedTuple):
