@@ -110,7 +110,9 @@ async def run(args, requests, rate):
     before = accept_length(url)
     sem = asyncio.Semaphore(args.max_concurrency or len(requests))
     rng = np.random.default_rng(args.seed + 1)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    # A pooled connection must expire before uvicorn closes it (5 s idle): at equal timeouts a
+    # request can go out on a socket the server is closing (one ReadError at rate 1 on the H200).
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=2.0)
     async with httpx.AsyncClient(limits=limits) as client:
         async def guarded(prompt, max_tokens):
             async with sem:
