@@ -156,7 +156,7 @@ class Engine:
             # slots and num_pages (or kv_memory_bytes) of KV (jspec/parallel/dp_attention.py).
             from jspec.parallel.dp_attention import check_dp_args, make_dp_mesh, shard_params_dp
 
-            check_dp_args(tp_size, dp_size, enable_dp_attention)
+            check_dp_args(tp_size, dp_size, enable_dp_attention, load_balance_method)
             if lora_paths or max_loras:
                 raise ValueError("LoRA adapters with DP attention are not supported yet; use dp_size=1")
             dp_mesh = make_dp_mesh(tp_size, dp_size)

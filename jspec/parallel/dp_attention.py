@@ -32,8 +32,11 @@ DATA = "data"
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 
 
-def check_dp_args(tp_size: int, dp_size: int, enable_dp_attention: bool) -> None:
+def check_dp_args(tp_size: int, dp_size: int, enable_dp_attention: bool,
+                  load_balance_method: str = "round_robin") -> None:
     """SGLang's rules: DP attention splits the tp devices into dp attention groups."""
+    if load_balance_method not in LOAD_BALANCE_METHODS:
+        raise ValueError(f"unknown load_balance_method {load_balance_method!r}; choose one of {LOAD_BALANCE_METHODS}")
     if dp_size < 1:
         raise ValueError(f"dp_size={dp_size} must be >= 1")
     if dp_size > 1 and not enable_dp_attention:
