@@ -114,7 +114,6 @@ class DPWorker:
     def check_no_leaks(self) -> None:
         for i, r in enumerate(self.ranks):
             try:
-                r.allocator.check_no_leaks()
                 r.check_no_leaks()
             except AssertionError as e:
                 raise AssertionError(f"DP rank {i}: {e}") from None
