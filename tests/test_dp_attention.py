@@ -38,7 +38,7 @@ def models(tmp_path_factory):
 
 def make_engine(model, draft, **kw):
     return jspec.Engine(model, spec=SPEC, draft=draft, page_size=4, num_pages=128, max_running_requests=4,
-                        attention_backend="reference", **kw)
+                        attention_backend="reference", max_top_logprobs=2, **kw)
 
 
 def run(engine, prompts=PROMPTS, n=10):
@@ -48,8 +48,13 @@ def run(engine, prompts=PROMPTS, n=10):
 
 
 @pytest.fixture(scope="module")
-def one_device(models):
-    return {name: run(make_engine(m, d)) for name, (m, d) in models.items()}
+def dense_one_device(models):
+    return make_engine(*models["dense"])
+
+
+@pytest.fixture(scope="module")
+def one_device(models, dense_one_device):
+    return {"dense": run(dense_one_device), "moe": run(make_engine(*models["moe"]))}
 
 
 @pytest.fixture(scope="module")
@@ -199,3 +204,59 @@ def test_two_local_processes_join_one_runtime():
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-2000:]
     assert sorted(o.split() for o, _ in outs) == [["0", "2", "4", "2"], ["1", "2", "4", "2"]]
+
+
+def test_sampling_logprobs_and_penalties_per_rank(dense_one_device, dense_dp2):
+    """Seeded sampling, penalties and logprobs live in each rank's own slots: the same as on one device."""
+    sp = jspec.SamplingParams(max_new_tokens=6, temperature=0.8, top_k=20, seed=3, return_logprob=True,
+                              top_logprobs_num=2, frequency_penalty=0.3)
+    one, dp = (e.generate(PROMPTS, sp) for e in (dense_one_device, dense_dp2))
+    assert [o.token_ids for o in one] == [o.token_ids for o in dp]
+    for a, b in zip(one, dp):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+        assert [[t for t, _ in top] for top in a.top_logprobs] == [[t for t, _ in top] for top in b.top_logprobs]
+    dense_dp2.check_idle_no_leaks()
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("name", ["dense", "moe"])
+def test_dp_speculative_decode_step_lowers_for_cuda(models, name, monkeypatch):
+    """The one-dispatch EAGLE-3 iteration over 2 ranks of 2 abstract H200s, kernels compiled
+    (not interpreted): the shard_map over ranks, the Triton attention kernels inside it and
+    the MLP's collectives all lower for CUDA."""
+    import functools
+
+    import jax.numpy as jnp
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding, use_abstract_mesh
+    from jax.sharding import PartitionSpec as P
+
+    import jspec.pallas.backend
+    from jspec.parallel.dp_attention import DATA, RankStep
+    from jspec.sampling import NUM_PARAMS, SamplingRows
+
+    m, d = models[name]
+    w = make_engine(m, d, tp_size=4, dp_size=2, enable_dp_attention=True, ep_size=4 if name == "moe" else 1).worker
+    h200 = AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    mesh = AbstractMesh((2, 2), (DATA, "tensor"), axis_types=(AxisType.Auto,) * 2, abstract_device=h200)
+
+    def like(x):  # the same array on the abstract mesh
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, x.sharding.spec))
+
+    def ranked(*shape, dt=jnp.int32):  # a per-rank input
+        return jax.ShapeDtypeStruct((2, *shape), dt, sharding=NamedSharding(mesh, P(DATA)))
+
+    monkeypatch.setattr(jspec.pallas.backend, "interpret_mode", lambda: False)
+    step = RankStep(w._decode.step, mesh, w._decode.shared, w._decode.donate)
+    B, M = 4, 32
+    with use_abstract_mesh(mesh):
+        fn = jax.jit(functools.partial(step._run, cfg=w.inner.cfg, method=w.inner.method, backend="pallas", top_n=0,
+                                       sampling="greedy"))
+        text = fn.trace(jax.tree.map(like, w.inner.params), jax.tree.map(like, w.inner.dparams),
+                        jax.tree.map(like, w.state), ranked(B), ranked(B, M),
+                        SamplingRows(ranked(B, NUM_PARAMS, dt=jnp.float32), ranked(B, dt=jnp.uint32)),
+                        None).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text
+    if name == "dense":
+        assert "all_gather" in text and "reduce_scatter" in text
+    else:
+        assert "all_to_all" in text
