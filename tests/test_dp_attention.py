@@ -162,13 +162,18 @@ def test_bad_dp_flags_are_refused(models):
         shard_params_dp(dataclasses.replace(m.cfg, num_heads=6), m.params, make_dp_mesh(8, 2))
 
 
-def test_multihost_flags(monkeypatch):
+def test_serve_flags(models, monkeypatch):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
     import serve
 
     args = serve.build_parser().parse_args(["--tp-size", "4", "--dp-size", "2", "--enable-dp-attention",
+                                            "--load-balance-method", "shortest_queue", "--max-total-tokens", "400",
+                                            "--page-size", "4", "--attention-backend", "reference",
                                             "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:5000"])
     assert (args.dp_size, args.enable_dp_attention, args.nnodes, args.node_rank) == (2, True, 2, 1)
+    engine = serve.make_engine(args, models["dense"][0], None)
+    assert engine.worker.dp == 2 and engine.scheduler.load_balance_method == "shortest_queue"
+    assert [r.allocator.num_usable for r in engine.worker.ranks] == [100, 100]  # --max-total-tokens per rank
     for bad, match in [((2, 2, "h:1"), "node-rank"), ((2, 0, None), "needs --dist-init-addr"),
                        ((2, 0, "nohost"), "HOST:PORT"), ((2, 0, "h:99999"), "HOST:PORT"), ((0, 0, None), "nnodes")]:
         with pytest.raises(ValueError, match=match):
@@ -246,7 +251,7 @@ def test_dp_speculative_decode_step_lowers_for_cuda(models, name, monkeypatch):
         return jax.ShapeDtypeStruct((2, *shape), dt, sharding=NamedSharding(mesh, P(DATA)))
 
     monkeypatch.setattr(jspec.pallas.backend, "interpret_mode", lambda: False)
-    step = RankStep(w._decode.step, mesh, w._decode.shared, w._decode.donate)
+    step = RankStep(w._decode.step, mesh, w._decode.shared)
     B, M = 4, 32
     with use_abstract_mesh(mesh):
         fn = jax.jit(functools.partial(step._run, cfg=w.inner.cfg, method=w.inner.method, backend="pallas", top_n=0,

@@ -180,30 +180,33 @@ def data_part(spec: P) -> P:
 
 
 class RankStep:
-    """A single-rank step (state, out) = step(*args, **static) run on every DP rank at once.
+    """A single-rank step `(state, out) = step(*shared, state, *inputs, **static)` run on every
+    DP rank in one dispatch.
 
-    shared[i] is the spec pytree of argument i when it is the same for every rank (params:
-    each rank receives its "data" slice, e.g. its 1/dp of the MLP), or None for per-rank
-    arguments (state and inputs, with a leading [dp] axis). Outputs get a leading [dp] axis.
+    shared: the spec pytrees of the leading arguments that are the same for every rank (the
+    params: each rank receives its "data" slice of them, e.g. its 1/dp of the MLP). The state
+    and every later argument are per rank, with a leading [dp] axis; each rank's step sees its
+    own slice without that axis. Outputs get the leading [dp] axis back. The state is donated.
     """
 
-    def __init__(self, step, mesh: Mesh, shared: tuple, donate: int):
-        self.step, self.mesh, self.shared, self.donate = step, mesh, shared, donate
+    def __init__(self, step, mesh: Mesh, shared: tuple):
+        self.step, self.mesh, self.shared = step, mesh, shared
         self._jitted = {}  # per set of static argument names
 
     def __call__(self, *args, **static):
         names = tuple(sorted(static))
         if names not in self._jitted:
-            self._jitted[names] = jax.jit(self._run, static_argnames=names, donate_argnums=(self.donate,))
+            self._jitted[names] = jax.jit(self._run, static_argnames=names, donate_argnums=(len(self.shared),))
         with jax.set_mesh(self.mesh):
             return self._jitted[names](*args, **static)
 
     def _run(self, *args, **static):
-        in_specs = tuple(P(DATA) if s is None else s for s in self.shared)
+        n = len(self.shared)
 
         def body(*local):
-            local = [jax.tree.map(lambda x: x[0], a) if s is None else a for a, s in zip(local, self.shared)]
-            return jax.tree.map(lambda x: x[None], self.step(*local, **static))
+            mine = [jax.tree.map(lambda x: x[0], a) for a in local[n:]]
+            return jax.tree.map(lambda x: x[None], self.step(*local[:n], *mine, **static))
 
+        in_specs = tuple(self.shared) + (P(DATA),) * (len(args) - n)
         return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=P(DATA), axis_names={DATA},
                              check_vma=False)(*args)

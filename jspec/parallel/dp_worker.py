@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jspec.models.batch import AttentionMode, ForwardBatch
 from jspec.paged_kv.allocator import PageAllocator
@@ -67,19 +68,19 @@ class DPWorker:
         if self.spec:
             from jspec.spec.method import spec_decode_step, spec_prefill_step
 
-            inner.dparams = replicate(inner.dparams, mesh) if inner.dparams is not None else None
-            shared.append(jax.tree.map(lambda _: jax.sharding.PartitionSpec(), inner.dparams))
+            # The draft is replicated: every rank drafts for its own requests.
+            if inner.dparams is None:  # NGRAM: no draft weights
+                shared.append(P())
+            else:
+                inner.dparams = replicate(inner.dparams, mesh)
+                shared.append(jax.tree.map(lambda _: P(), inner.dparams))
             steps = spec_prefill_step, spec_decode_step
         else:
             from jspec.steps import plain_decode_step, plain_prefill_step
 
             steps = plain_prefill_step, plain_decode_step
-        n_shared = len(shared)
-        # Argument counts after the shared params: prefill (state, batch, ..., rows, lora), decode (state, ..., lora).
-        per_rank_prefill = 8 if self.spec else 7
-        per_rank_decode = 5
-        self._prefill = RankStep(steps[0], mesh, tuple(shared) + (None,) * per_rank_prefill, n_shared)
-        self._decode = RankStep(steps[1], mesh, tuple(shared) + (None,) * per_rank_decode, n_shared)
+        self._prefill = RankStep(steps[0], mesh, tuple(shared))
+        self._decode = RankStep(steps[1], mesh, tuple(shared))
         self.state = lift_state(inner.state, mesh)
         inner.state = None  # the one-rank copy; each rank now holds its own
 
