@@ -10,7 +10,7 @@ intermediate width for all of them and reduce-scatters the partial sums back
 each rank's tokens travel to them by all_to_all (jspec.models.moe).
 
 JAX form: the single-rank jitted steps (jspec.steps, jspec.spec.method) run
-unchanged inside one shard_map that is manual over "data" only (`per_rank_step`),
+unchanged inside one shard_map that is manual over "data" only (`RankStep`),
 so each rank sees exactly the state and inputs a one-rank engine would, with local
 page and slot ids, while "tensor" stays automatic (GSPMD) as in plain TP. Every rank
 runs every step: one with no requests runs an idle batch (padding rows only), so the
