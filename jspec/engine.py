@@ -25,6 +25,7 @@ from jspec.config import ModelConfig, SpecConfig
 from jspec.paged_kv.radix_cache import RadixCache
 from jspec.sampling_params import SamplingParams
 from jspec.scheduler.detokenize import IncrementalDetokenizer, StopChecker
+from jspec.scheduler.dp_scheduler import DPBatch
 from jspec.scheduler.request import Request
 from jspec.scheduler.scheduler import DecodeBatch, PrefillBatch, Scheduler
 from jspec.scheduler.sync import designated_read, start_host_copy
@@ -130,6 +131,9 @@ class Engine:
         seed: int = 0,
         tp_size: int = 1,
         ep_size: int = 1,
+        dp_size: int = 1,
+        enable_dp_attention: bool = False,
+        load_balance_method: str = "round_robin",
         max_loras: int | None = None,
         max_lora_rank: int | None = None,
         lora_paths: dict[str, str] | None = None,
@@ -146,8 +150,20 @@ class Engine:
         if cfg.is_moe and tp_size > 1 and ep_size != tp_size:
             raise ValueError(f"an MoE model with tp_size={tp_size} needs ep_size={tp_size} (its experts are split "
                              f"whole over the devices, not column-wise)")
+        dp_mesh = None
+        if dp_size != 1 or enable_dp_attention:
+            # DP attention: dp ranks of tp / dp devices; per rank, max_running_requests / dp request
+            # slots and num_pages (or kv_memory_bytes) of KV (jspec/parallel/dp_attention.py).
+            from jspec.parallel.dp_attention import check_dp_args, make_dp_mesh, shard_params_dp
+
+            check_dp_args(tp_size, dp_size, enable_dp_attention, load_balance_method)
+            if lora_paths or max_loras:
+                raise ValueError("LoRA adapters with DP attention are not supported yet; use dp_size=1")
+            dp_mesh = make_dp_mesh(tp_size, dp_size)
+            cfg, params = shard_params_dp(cfg, params, dp_mesh)
+            max_running_requests = max(1, max_running_requests // dp_size)
         mesh = None
-        if tp_size > 1:
+        if tp_size > 1 and dp_mesh is None:
             from jspec.parallel.tensor_parallel import make_mesh, shard_params
 
             mesh = make_mesh(tp_size)
@@ -162,13 +178,26 @@ class Engine:
             # The draft is built against the checkpoint's config; it runs replicated on every shard.
             method, dparams = make_method(spec, self.model.cfg, draft, dtype=params["embed"].dtype)
             self.worker = SpecWorker(cfg, params, method, dparams, **kw)
+        if dp_mesh is not None:
+            from jspec.parallel.dp_worker import DPWorker
+
+            self.worker = DPWorker(self.worker, dp_mesh)
         self.spec = spec
         self.worker.top_n = max_top_logprobs
         self.lora = None
         if lora_paths or max_loras:
             self._init_lora(max_loras, max_lora_rank, dict(lora_paths or {}))
-        self.prefix_cache = None if disable_radix_cache else RadixCache(self.worker.allocator, page_size)
-        self.scheduler = Scheduler(self.worker, chunked_prefill_size=chunked_prefill_size, prefix_cache=self.prefix_cache)
+        if dp_mesh is not None:
+            from jspec.scheduler.dp_scheduler import DPScheduler
+
+            self.scheduler = DPScheduler(self.worker, chunked_prefill_size=chunked_prefill_size,
+                                         disable_radix_cache=disable_radix_cache,
+                                         load_balance_method=load_balance_method)
+            self.prefix_cache = self.scheduler.prefix_cache
+        else:
+            self.prefix_cache = None if disable_radix_cache else RadixCache(self.worker.allocator, page_size)
+            self.scheduler = Scheduler(self.worker, chunked_prefill_size=chunked_prefill_size,
+                                       prefix_cache=self.prefix_cache)
         self.overlap = not disable_overlap_schedule
         self._inflight: _Launched | None = None
         self._seeds = np.random.default_rng(seed)  # seeds for requests that bring none
@@ -282,6 +311,10 @@ class Engine:
         return self._process(done) if done is not None else []
 
     def _launch(self, batch) -> _Launched:
+        if isinstance(batch, DPBatch):  # DP attention: every rank's sub-batch (or an idle one), one dispatch
+            out = start_host_copy(self.worker.launch(batch))
+            self.num_steps += 1
+            return _Launched(batch, out)
         sampling = [(r.params, r.seed) for r in batch.reqs]
         loras = [r.lora_slot for r in batch.reqs] if self.lora is not None else None
         if isinstance(batch, PrefillBatch):

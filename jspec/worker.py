@@ -155,13 +155,14 @@ class WorkerBase:
             raise AssertionError(f"request slot leak: {self.max_slots - len(self.free_slots)} slots held")
 
     def _prefill_inputs(self, chunks: list[SeqChunk], following: list[int | None], slots: list[int | None],
-                        output_starts: list[int] | None, first_chunks: list[bool] | None):
+                        output_starts: list[int] | None, first_chunks: list[bool] | None, min_tokens: int = 8):
         """output_starts: per chunk, the position where its request's generated tokens begin
         (the prompt length; a re-prefill after retraction runs over both); first_chunks: the
-        chunk is its request's first (its penalty counts start afresh). None: prompts only, all first."""
+        chunk is its request's first (its penalty counts start afresh). None: prompts only, all first.
+        min_tokens: the smallest token bucket (DP attention gives every rank the largest rank's)."""
         batch, mode = build_forward_batch(chunks, page_size=self.page_size, num_pages=self.allocator.num_pages,
-                                          min_seqs=self.max_slots, min_pages=self.max_pages_per_request,
-                                          allow_decode_only=False)
+                                          min_tokens=min_tokens, min_seqs=self.max_slots,
+                                          min_pages=self.max_pages_per_request, allow_decode_only=False)
         mode = mode._replace(backend=self.backend)
         T, B = batch.tokens.shape[0], batch.seq_lens.shape[0]
         draft_tokens = np.zeros(T, np.int32)  # the token after each row (draft inputs, prompt logprobs)

@@ -48,6 +48,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tensor-parallel degree: shards the model and KV over this many local devices")
     ap.add_argument("--ep-size", type=int, default=1,
                     help="expert-parallel degree of an MoE model: equal to --tp-size (experts split over those devices)")
+    ap.add_argument("--dp-size", type=int, default=1,
+                    help="DP attention ranks (with --enable-dp-attention): attention data-parallel over dp groups of "
+                         "tp-size / dp-size devices, each with its own requests and KV; the MLP stays over all tp")
+    ap.add_argument("--enable-dp-attention", action="store_true", help="data-parallel attention (see --dp-size)")
+    ap.add_argument("--load-balance-method", choices=["round_robin", "shortest_queue"], default="round_robin",
+                    help="how DP attention assigns new requests to ranks")
+    ap.add_argument("--nnodes", type=int, default=1, help="hosts in a multi-host run (jax.distributed)")
+    ap.add_argument("--node-rank", type=int, default=0, help="this host's rank in [0, nnodes)")
+    ap.add_argument("--dist-init-addr", help="HOST:PORT of node 0's jax.distributed coordinator (nnodes > 1)")
     ap.add_argument("--attention-backend", choices=["pallas", "reference"], help="default: pallas")
     ap.add_argument("--skip-warmup", action="store_true", help="compile lazily instead of at start-up")
     ap.add_argument("--warmup-sampling-modes", default="all",
@@ -83,10 +92,13 @@ def kv_pages(args, model, page_size: int) -> int | None:
         if not total:
             raise SystemExit("--mem-fraction-static needs an accelerator that reports its memory; "
                              "use --max-total-tokens")
-        # Per device: 1/tp of the weights and of each page's KV heads (repeated up to tp when fewer).
+        # Per device: 1/tp of the weights and of each page's KV heads (repeated up to tp when fewer);
+        # with DP attention a rank's pages are split over its tp / dp devices (--max-total-tokens is per rank).
         tp, kv_heads = args.tp_size, model.cfg.num_kv_heads
         weights = sum(x.nbytes for x in jax.tree.leaves(model.params)) / tp
-        per_page = kv_bytes_per_page(model.cfg, page_size, model.params["embed"].dtype) * max(kv_heads, tp) / kv_heads / tp
+        heads_tp = tp // args.dp_size if args.enable_dp_attention else tp
+        per_page = (kv_bytes_per_page(model.cfg, page_size, model.params["embed"].dtype) * max(kv_heads, heads_tp)
+                    / kv_heads / heads_tp)
         free = total * args.mem_fraction_static - weights
         return max(2, int(free // (2 * per_page)))
     return None
@@ -100,7 +112,8 @@ def make_engine(args, model, spec):
         num_pages=kv_pages(args, model, args.page_size), chunked_prefill_size=args.chunked_prefill_size,
         disable_overlap_schedule=args.disable_overlap_schedule, disable_radix_cache=args.disable_radix_cache,
         max_top_logprobs=args.max_top_logprobs, attention_backend=args.attention_backend, seed=args.random_seed,
-        tp_size=args.tp_size, ep_size=args.ep_size, **lora_args(args),
+        tp_size=args.tp_size, ep_size=args.ep_size, dp_size=args.dp_size,
+        enable_dp_attention=args.enable_dp_attention, load_balance_method=args.load_balance_method, **lora_args(args),
     )
 
 
@@ -128,6 +141,15 @@ def main(argv=None) -> None:
     spec = spec_config_from_args(args, ap)
     logging.basicConfig(level=args.log_level.upper(), format="[jspec] %(asctime)s %(levelname)s %(message)s")
     log = logging.getLogger("jspec.serve")
+    from jspec.parallel.multihost import init_distributed
+
+    try:  # before anything starts a JAX backend
+        if init_distributed(args.nnodes, args.node_rank, args.dist_init_addr):
+            log.warning("node %d of %d joined %s; the serving loop is single-controller: multi-host serving "
+                        "(every node running the same steps) is not implemented yet", args.node_rank, args.nnodes,
+                        args.dist_init_addr)
+    except ValueError as e:
+        ap.error(str(e))
 
     import uvicorn
 

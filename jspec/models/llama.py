@@ -105,6 +105,10 @@ def mlp_block(cfg: ModelConfig, lp, x: jax.Array) -> jax.Array:
         # The loader gives router and expert weights exactly to cfg.moe_layers (and a scan
         # stacks only alike layers), so the weights present say which block this layer is.
         return x + moe_mlp_on_mesh(cfg, lp, h)
+    if lp["w_gate_up"].ndim == 4:  # [in, 1, tp/dp, n]: this DP-attention rank's slice, for every rank's tokens
+        from jspec.parallel.dp_attention import dense_mlp_over_ranks
+
+        return x + dense_mlp_over_ranks(lp, h).astype(x.dtype)
     gate_up = _project(h, lp["w_gate_up"])  # [in, 2I], or [in, tp, 2I / tp] (as wqkv)
     if "lora" in lp:
         gate_up = gate_up + gate_up_delta(*lp["lora"], h)[:, None, :]

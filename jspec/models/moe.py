@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -160,18 +161,23 @@ def ep_param_specs(lp, axis_name: str = EXPERT_AXIS) -> dict[str, P]:
 
 
 def moe_mlp_expert_parallel(cfg: ModelConfig, mesh: Mesh | None, lp, h: jax.Array,
-                            axis_name: str = EXPERT_AXIS) -> jax.Array:
+                            axis_name: str = EXPERT_AXIS, outer_axes: tuple[str, ...] = ()) -> jax.Array:
     """moe_mlp with experts and tokens split over mesh axis axis_name (E divisible by its
     size; tokens are padded to a multiple of it): a shard_map of moe_mlp_ep, for callers
-    outside any shard_map. mesh None: the current mesh (jax.set_mesh)."""
-    ep = (mesh or jax.sharding.get_abstract_mesh()).shape[axis_name]
-    if cfg.num_experts % ep:
-        raise ValueError(f"expert parallelism {ep} must divide num_experts ({cfg.num_experts})")
+    outside any shard_map. mesh None: the current mesh (jax.set_mesh). outer_axes: axes an
+    enclosing shard_map already splits (DP attention's ranks, each with its own tokens and
+    its block of experts): the experts span them too, so the all_to_all does."""
+    shape = (mesh or jax.sharding.get_abstract_mesh()).shape
+    ep = shape[axis_name]
+    total = ep * int(np.prod([shape[a] for a in outer_axes]))
+    if cfg.num_experts % total:
+        raise ValueError(f"expert parallelism {total} must divide num_experts ({cfg.num_experts})")
     T = h.shape[0]
     pad = -T % ep  # padding rows route somewhere and are dropped after
     hp = jnp.pad(h, ((0, pad), (0, 0))) if pad else h
+    axes = (*outer_axes, axis_name) if outer_axes else axis_name
     fn = jax.shard_map(
-        lambda lp, h: moe_mlp_ep(cfg, lp, h, axis_name), mesh=mesh,
+        lambda lp, h: moe_mlp_ep(cfg, lp, h, axes), mesh=mesh,
         in_specs=(ep_param_specs(lp, axis_name), P(axis_name)), out_specs=P(axis_name),
     )
     return fn(lp, hp)[:T]
@@ -181,8 +187,11 @@ def moe_mlp_on_mesh(cfg: ModelConfig, lp, h: jax.Array) -> jax.Array:
     """The model's sparse MLP: expert-parallel over the current mesh's "tensor" axis when there
     is one (jspec.parallel shards a MoE model's experts over the TP devices, i.e. EP = TP, as
     SGLang's --ep-size equal to --tp-size), else every expert local."""
+    from jspec.parallel.dp_attention import DATA, in_rank_region
     from jspec.parallel.tensor_parallel import TENSOR
 
+    if in_rank_region():  # DP attention: this rank's tokens, experts over every rank's devices
+        return moe_mlp_expert_parallel(cfg, None, lp, h, axis_name=TENSOR, outer_axes=(DATA,))
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or TENSOR not in mesh.axis_names or mesh.shape[TENSOR] == 1:
         return moe_mlp(cfg, lp, h)
