@@ -1,0 +1,273 @@
+"""The prefill side of PD disaggregation: an engine that prefills and hands requests over,
+and the server that takes prefill jobs from decode engines.
+
+PrefillEngine runs the ordinary scheduler and steps (chunked prefill, prefix cache, the
+overlap loop) but never decodes: when a prompt's last chunk has been processed it reads
+the request's KV and carry out of the device (kv_io.extract_request, dispatched before
+the next step can reuse those pages) and starts their copy to the host. The request then
+ends here; its first token and state go to the decode engine, which continues it.
+
+PrefillServer listens on the bootstrap port. Each decode engine holds one connection
+(transfer.Link); over it come `prefill` / `abort` messages and back go `kv` (header +
+arrays) or `error` messages. One thread runs the engine; each connection has a reader
+and a sender thread, so the device->host wait and the wire never stall the engine loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+
+from jspec.disaggregation import kv_io
+from jspec.disaggregation.transfer import Link, LinkClosed, make_link
+from jspec.engine import Engine
+from jspec.sampling_params import SamplingParams
+from jspec.scheduler.scheduler import PrefillBatch, Scheduler
+from jspec.scheduler.sync import start_host_copy
+
+log = logging.getLogger("jspec.pd")
+PROTOCOL = 1
+
+
+class PrefillScheduler(Scheduler):
+    """The ordinary scheduler, minus decoding: a prefilled request waits for its handoff."""
+
+    def _schedule_decode(self):
+        return None
+
+
+@dataclasses.dataclass
+class Handoff:
+    """One prefilled request on its way out: header fields and device arrays (copying to host)."""
+
+    rid: str
+    header: dict
+    arrays: list  # jax arrays: kv_io.extract_request's, paged ones first
+    num_paged: int
+    num_tokens: int
+
+
+def check_disaggregation_args(tp_size: int) -> None:
+    if tp_size != 1:
+        raise ValueError(f"PD disaggregation with tp_size={tp_size} is not supported yet (a request's KV is "
+                         f"moved between single-device pools); use tp_size=1")
+
+
+class PrefillEngine(Engine):
+    """Engine(...) whose requests stop after their prefill and come out as Handoffs."""
+
+    def __init__(self, model, **kw):
+        check_disaggregation_args(kw.get("tp_size", 1))
+        super().__init__(model, **kw)
+        self.scheduler = PrefillScheduler(self.worker, chunked_prefill_size=self.scheduler.chunked_prefill_size,
+                                          prefix_cache=self.prefix_cache)
+        self.num_paged = len(kv_io.split_state(self.worker.state)[0])
+        self.handoffs: list[Handoff] = []
+
+    def layout(self) -> list:
+        return kv_io.layout(self.worker.state)
+
+    def add_prefill(self, rid: str, ids: list[int], params: SamplingParams, seed: int) -> str:
+        """Queues a prompt whose first token is sampled with the decode engine's params and seed
+        (so a sampled request continues as it would in one engine). Stop rules and the output
+        budget are the decode engine's: here the request ends after one token."""
+        p = dataclasses.replace(params, max_new_tokens=1, stop=[], stop_token_ids=[], ignore_eos=True, n=1,
+                                seed=seed)
+        return self.add_request(ids, p, rid)
+
+    def _process(self, launched):
+        """Processes a step as Engine does; then every request whose prompt ended in it is read
+        out. Its pages and slot are intact in the current state: a later step cannot have been
+        scheduled onto them, since the request held them until now, and the extraction below is
+        dispatched before the next launch."""
+        ending = []
+        if isinstance(launched.batch, PrefillBatch):
+            ending = [(r, list(r.pages), r.slot) for r, f in zip(launched.batch.reqs, launched.batch.following)
+                      if f is None and not r.finished]
+        outs = super()._process(launched)
+        for req, pages, slot in ending:
+            if req.finish_reason == "abort":
+                continue
+            if not req.output:  # no room for a token: the prompt fills the model's context
+                self.handoffs.append(Handoff(req.rid, {"type": "error", "rid": req.rid, "message": (
+                    f"prefill engine: the prompt ({len(req.prompt)} tokens) leaves no room for an output token")},
+                    [], 0, 0))
+                continue
+            self.handoffs.append(self._extract(req, pages, slot))
+        for req, _, _ in ending:
+            if not req.finished:  # the output budget of 1 normally ends it; stop it here in any case
+                req.finish("length")
+                self.scheduler._retire(req)
+        return outs
+
+    def _extract(self, req, pages: list[int], slot: int) -> Handoff:
+        n = len(req.prompt)
+        with self.worker.on_mesh():
+            arrays = kv_io.extract_request(self.worker.state, pages, self.worker.page_size, n, slot)
+        start_host_copy(arrays)
+        lp = req.params.return_logprob
+        header = {
+            "type": "kv", "rid": req.rid, "num_tokens": n, "first_token": int(req.output[0]),
+            "logprob": req.output_logprobs[0] if lp else None,
+            "top_logprobs": req.output_top_logprobs[0] if lp and req.output_top_logprobs else None,
+            "input_logprobs": req.input_logprobs if req.params.wants_prompt_logprobs else None,
+            "input_top_logprobs": req.input_top_logprobs if req.params.wants_prompt_logprobs else None,
+            "cached_tokens": req.num_cached_tokens, "t_extract": time.time(),
+        }
+        return Handoff(req.rid, header, arrays, self.num_paged, n)
+
+
+def params_from_wire(d: dict) -> SamplingParams:
+    known = {f.name for f in dataclasses.fields(SamplingParams)}
+    unknown = set(d) - known
+    if unknown:
+        raise ValueError(f"unknown sampling parameters {sorted(unknown)}")
+    return SamplingParams(**d)
+
+
+class _Conn:
+    """One decode engine's connection, seen from the prefill server."""
+
+    def __init__(self, cid: int, link: Link):
+        self.cid, self.link = cid, link
+        self.outbox: queue.Queue = queue.Queue()
+        self.alive = True
+
+
+class PrefillServer:
+    """Serves prefill jobs on host:port until stop() (or SIGTERM in serve.py)."""
+
+    def __init__(self, engine: PrefillEngine, host: str = "127.0.0.1", port: int = 8998):
+        self.engine = engine
+        self.listener = socket.create_server((host, port), reuse_port=False)
+        self.addr = f"{host}:{self.listener.getsockname()[1]}"
+        self.inbox: queue.Queue = queue.Queue()
+        self.conns: dict[int, _Conn] = {}
+        self._owner: dict[str, tuple[_Conn, str]] = {}  # engine rid -> (connection, the decode engine's rid)
+        self._next_cid = 0
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+
+    # ---- connections (reader / sender threads) --------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                sock, peer = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handshake, args=(sock, f"{peer[0]}:{peer[1]}"), daemon=True).start()
+
+    def _handshake(self, sock, peer: str) -> None:
+        link = make_link(sock, peer, "socket")
+        try:
+            hello, _ = link.recv()
+            if hello.get("type") != "hello" or hello.get("protocol") != PROTOCOL:
+                raise LinkClosed(f"{peer} is not a jspec decode engine of protocol {PROTOCOL}: {hello}")
+            link = make_link(sock, peer, hello.get("backend", "socket"))
+            link.peer_pid = hello.get("pid")
+            mine = self.engine.layout()
+            ok = hello.get("layout") == mine
+            link.send({"type": "hello", "ok": ok, "pid": os.getpid(), "protocol": PROTOCOL, "layout": mine,
+                       "message": None if ok else "the prefill and decode engines hold different state layouts "
+                                                  "(model, draft or speculative method differ)"})
+            if not ok:
+                raise LinkClosed(f"refused {peer}: state layout differs")
+        except (LinkClosed, ValueError) as e:
+            log.warning("%s", e)
+            link.close()
+            return
+        with self._lock:
+            conn = _Conn(self._next_cid, link)
+            self._next_cid += 1
+            self.conns[conn.cid] = conn
+        log.info("decode engine %s connected (%s backend)", peer, link.backend)
+        threading.Thread(target=self._send_loop, args=(conn,), daemon=True).start()
+        try:
+            while True:
+                header, _ = link.recv()
+                self.inbox.put((conn, header))
+        except (LinkClosed, ValueError) as e:
+            log.info("decode engine %s: %s", peer, e)
+        finally:
+            conn.alive = False
+            conn.outbox.put(None)
+            self.inbox.put((conn, {"type": "lost"}))
+
+    def _send_loop(self, conn: _Conn) -> None:
+        while True:
+            item = conn.outbox.get()
+            if item is None:
+                return
+            if not conn.alive:
+                continue
+            try:
+                if isinstance(item, Handoff):
+                    import numpy as np
+
+                    host = [np.asarray(a) for a in item.arrays]  # waits for the copy started at extraction
+                    host = [a[:, : item.num_tokens] if i < item.num_paged else a for i, a in enumerate(host)]
+                    conn.link.send(dict(item.header, t_sent=time.time()), host)
+                else:
+                    conn.link.send(item)
+            except LinkClosed as e:
+                log.info("%s", e)
+                conn.alive = False
+
+    # ---- the engine thread ----------------------------------------------------------------------
+
+    def _handle(self, conn: _Conn, msg: dict) -> None:
+        kind = msg.get("type")
+        if kind == "prefill":
+            rid = f"{conn.cid}/{msg['rid']}"
+            try:
+                self.engine.add_prefill(rid, list(msg["ids"]), params_from_wire(msg["params"]), int(msg["seed"]))
+            except (ValueError, TypeError, KeyError, RuntimeError) as e:
+                conn.outbox.put({"type": "error", "rid": msg.get("rid"), "message": f"prefill engine: {e}"})
+                return
+            self._owner[rid] = (conn, msg["rid"])
+        elif kind == "abort":
+            rid = f"{conn.cid}/{msg['rid']}"
+            self.engine.abort(rid)
+            self._owner.pop(rid, None)
+        elif kind == "lost":
+            for rid, (c, _) in list(self._owner.items()):
+                if c is conn:
+                    self.engine.abort(rid)
+                    del self._owner[rid]
+            self.conns.pop(conn.cid, None)
+
+    def serve_forever(self) -> None:
+        threading.Thread(target=self._accept_loop, name="jspec-pd-accept", daemon=True).start()
+        log.info("prefill engine listening on %s", self.addr)
+        eng = self.engine
+        while not self._stop.is_set():
+            try:
+                item = self.inbox.get(timeout=0.2) if not eng.has_work() else self.inbox.get_nowait()
+                self._handle(*item)
+                while True:
+                    self._handle(*self.inbox.get_nowait())
+            except queue.Empty:
+                pass
+            if eng.has_work():
+                eng.step()
+            for h in eng.handoffs:
+                conn, rid = self._owner.pop(h.rid, (None, None))
+                if conn is not None:
+                    conn.outbox.put(dataclasses.replace(h, header=dict(h.header, rid=rid)))
+            eng.handoffs.clear()
+        eng.drain()
+
+    def stop(self) -> None:
+        self._stop.set()
+        try:
+            self.listener.close()
+        except OSError:
+            pass
+        for conn in list(self.conns.values()):
+            conn.link.close()
