@@ -287,6 +287,13 @@ class DecodeEngine(Engine):
                                          chunked_prefill_size=self.scheduler.chunked_prefill_size,
                                          prefix_cache=self.prefix_cache)
 
+    def warmup(self, sampling_modes=None, prompt_logprobs: bool = True) -> int:
+        """Engine.warmup (decode programs; the prefill ones serve retracted requests) plus the
+        KV write of every token bucket."""
+        from jspec.disaggregation.prefill import warmup_transfers
+
+        return super().warmup(sampling_modes, prompt_logprobs) + warmup_transfers(self.worker, kv_io.write_request)
+
     def step(self):
         outs = self.scheduler.outputs
         outs += super().step()
@@ -444,6 +451,13 @@ class DecodeEngine(Engine):
         self.scheduler = DecodeScheduler(self.worker, router=self.router, make_output=self._output,
                                          chunked_prefill_size=self.scheduler.chunked_prefill_size,
                                          prefix_cache=self.prefix_cache)
+
+    def warmup(self, sampling_modes=None, prompt_logprobs: bool = True) -> int:
+        """Engine.warmup (decode programs; the prefill ones serve retracted requests) plus the
+        KV write of every token bucket."""
+        from jspec.disaggregation.prefill import warmup_transfers
+
+        return super().warmup(sampling_modes, prompt_logprobs) + warmup_transfers(self.worker, kv_io.write_request)
 
     def step(self):
         outs = self.scheduler.outputs

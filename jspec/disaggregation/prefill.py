@@ -25,6 +25,7 @@ import time
 
 from jspec.disaggregation import kv_io
 from jspec.disaggregation.transfer import Link, LinkClosed, make_link
+from jspec.disaggregation.transfer import dtype as transfer_dtype
 from jspec.engine import Engine
 from jspec.sampling_params import SamplingParams
 from jspec.scheduler.scheduler import PrefillBatch, Scheduler
@@ -71,6 +72,25 @@ class PrefillEngine(Engine):
 
     def layout(self) -> list:
         return kv_io.layout(self.worker.state)
+
+    def warmup(self, sampling_modes=None, prompt_logprobs: bool = True) -> int:
+        """Compiles the prefill programs and the read-out of every token bucket (this engine never
+        decodes, so Engine.warmup's decode programs would be wasted). Returns the programs run."""
+        from jspec.sampling import SAMPLING_MODES
+        from jspec.scheduler.batch_builder import SeqChunk
+
+        w, n = self.worker, 0
+        modes = {"greedy": SamplingParams(), "temperature": SamplingParams(temperature=1.0),
+                 "top_k": SamplingParams(temperature=1.0, top_k=20),
+                 "filtered": SamplingParams(temperature=1.0, top_p=0.9)}
+        for T in w.prefill_token_buckets(self.scheduler.chunked_prefill_size):
+            pages = [0] * (-(-T // w.page_size))  # the scratch page; `following` set, so no slot is touched
+            for mode in sampling_modes or SAMPLING_MODES:
+                for with_prompt in (False, True) if prompt_logprobs else (False,):
+                    w.prefill([SeqChunk([0] * T, 0, pages)], [0], [None], [(modes[mode], 0)],
+                              with_prompt_logprobs=with_prompt)
+                    n += 1
+        return n + warmup_transfers(w, kv_io.extract_request)
 
     def add_prefill(self, rid: str, ids: list[int], params: SamplingParams, seed: int) -> str:
         """Queues a prompt whose first token is sampled with the decode engine's params and seed
@@ -120,6 +140,29 @@ class PrefillEngine(Engine):
             "cached_tokens": req.num_cached_tokens, "t_extract": time.time(),
         }
         return Handoff(req.rid, header, arrays, self.num_paged, n)
+
+
+def warmup_transfers(worker, fn) -> int:
+    """Runs fn (kv_io.extract_request or write_request) once per token bucket on the scratch page
+    and slot, so no transfer compiles in the serving loop."""
+    import jax
+    import numpy as np
+
+    n, count = kv_io.MIN_TOKENS, 0
+    ctx = worker.cfg.max_position_embeddings
+    while True:
+        pages = [0] * (-(-n // worker.page_size))
+        with worker.on_mesh():
+            if fn is kv_io.extract_request:
+                jax.block_until_ready(fn(worker.state, pages, worker.page_size, n, worker.scratch_slot))
+            else:
+                arrays = [np.zeros((s[0], n, *s[1:]) if kind == "paged" else s, transfer_dtype(dt))
+                          for kind, s, dt in kv_io.layout(worker.state)]
+                worker.state = fn(worker.state, arrays, pages, worker.page_size, n, worker.scratch_slot)
+        count += 1
+        if n >= ctx:
+            return count
+        n *= 2
 
 
 def params_from_wire(d: dict) -> SamplingParams:

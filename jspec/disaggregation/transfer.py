@@ -52,13 +52,18 @@ def _array_meta(arrays) -> list[dict]:
             for a in arrays]
 
 
-def _dtype(name: str) -> np.dtype:
+def dtype(name: str) -> np.dtype:
     try:
         return np.dtype(name)
     except TypeError:
         import ml_dtypes  # bfloat16 and friends are not numpy's own dtypes
 
         return np.dtype(getattr(ml_dtypes, name))
+
+
+def _bytes(a: np.ndarray) -> memoryview:
+    # Through uint8: memoryview refuses dtypes outside the buffer protocol (bfloat16).
+    return memoryview(a.reshape(-1).view(np.uint8))
 
 
 class Link:
@@ -92,7 +97,7 @@ class Link:
         return n
 
     def _put_arrays(self, header: dict, arrays) -> list[memoryview]:
-        return [memoryview(a).cast("B") for a in arrays if a.nbytes]
+        return [_bytes(a) for a in arrays if a.nbytes]
 
     # ---- receiving --------------------------------------------------------------------------
 
@@ -112,7 +117,7 @@ class Link:
     def _take_arrays(self, header: dict, body) -> list[np.ndarray]:
         out, off = [], 0
         for m in header.get("arrays", []):
-            dt = _dtype(m["dtype"])
+            dt = dtype(m["dtype"])
             n = int(np.prod(m["shape"], dtype=np.int64)) * dt.itemsize
             out.append(np.frombuffer(body, dt, n // dt.itemsize, off).reshape(m["shape"]) if n else
                        np.zeros(m["shape"], dt))
@@ -128,6 +133,8 @@ class Link:
             except OSError as e:
                 raise LinkClosed(f"link to {self.peer} failed after {got} of {n} bytes of {what}: {e}") from e
             if k == 0:
+                if not got and what == "a message":
+                    raise LinkClosed(f"{self.peer} closed the link")
                 raise LinkClosed(f"{self.peer} closed the link after {got} of {n} bytes of {what}")
             got += k
         return view
@@ -158,7 +165,7 @@ class ShmLink(Link):
         try:
             off = 0
             for a in arrays:
-                shm.buf[off : off + a.nbytes] = memoryview(a).cast("B")
+                shm.buf[off : off + a.nbytes] = _bytes(a)
                 off += a.nbytes
         except BaseException:
             shm.close()
