@@ -133,7 +133,7 @@ class PrefillRouter:
             while True:
                 header, arrays = link.recv()
                 self.inbox.put((addr, link, header, arrays, time.time()))
-        except (LinkClosed, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - whatever ends the reader fails what the link owed
             self.inbox.put((addr, link, None, e, time.time()))
 
     def wait(self, timeout: float) -> None:

@@ -261,6 +261,10 @@ class PrefillServer:
             except LinkClosed as e:
                 log.info("%s", e)
                 conn.alive = False
+            except Exception as e:  # noqa: BLE001 - the decode engine must hear of it, not wait forever
+                log.exception("handing over %s failed", getattr(item, "rid", "?"))
+                if isinstance(item, Handoff):
+                    conn.outbox.put({"type": "error", "rid": item.header["rid"], "message": f"prefill engine: {e}"})
 
     # ---- the engine thread ----------------------------------------------------------------------
 
