@@ -16,6 +16,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from sync_guard import count_device_reads
 
 import jspec
 from jspec.disaggregation import kv_io
@@ -100,7 +101,7 @@ def decode(dirs, spec, prefill):
 def reference(dirs, spec):
     engine = jspec.Engine(dirs[0], spec=spec, page_size=8, num_pages=96, max_running_requests=2,
                           attention_backend="reference")
-    return lambda prompts, max_new: engine.generate(prompts, jspec.SamplingParams(max_new_tokens=max_new))
+    return engine.generate
 
 
 PROMPTS = ["Hello there", "jspec splits prefill from decode", "abc" * 9, "x", "The quick brown fox " * 3]
@@ -113,10 +114,15 @@ def check_same(got, ref):
 
 
 def test_two_processes_match_one_engine(decode, reference):
-    """EAGLE-3 (tree, topk 2) and the overlap loop on both sides; different page sizes."""
+    """EAGLE-3 (tree, topk 2) and the overlap loop on both sides; different page sizes. The
+    second request samples with a seed and penalties: its first token is drawn by the prefill
+    engine, the rest by the decode engine from the transferred penalty counts."""
     assert decode.overlap
-    got = decode.generate(PROMPTS[:2], jspec.SamplingParams(max_new_tokens=16))
-    check_same(got, reference(PROMPTS[:2], 16))
+    params = [jspec.SamplingParams(max_new_tokens=16),
+              jspec.SamplingParams(max_new_tokens=16, temperature=0.8, seed=7, frequency_penalty=0.5,
+                                   repetition_penalty=1.3)]
+    got = decode.generate(PROMPTS[:2], params)
+    check_same(got, reference(PROMPTS[:2], params))
     assert sorted(t.num_tokens for t in decode.scheduler.transfers) == sorted(len(o.prompt_token_ids) for o in got)
     decode.check_idle_no_leaks()
 
@@ -124,8 +130,9 @@ def test_two_processes_match_one_engine(decode, reference):
 def test_full_decode_engine_queues_transfers(decode, reference):
     """Five requests, two slots: arrived KV waits on the host until a slot frees, none is dropped."""
     decode.scheduler.max_queued = 0
-    got = decode.generate(PROMPTS, jspec.SamplingParams(max_new_tokens=12))
-    check_same(got, reference(PROMPTS, 12))
+    with count_device_reads():  # the designated read of each step, and no other (admission included)
+        got = decode.generate(PROMPTS, jspec.SamplingParams(max_new_tokens=12))
+    check_same(got, reference(PROMPTS, jspec.SamplingParams(max_new_tokens=12)))
     assert decode.scheduler.max_queued >= 1
     assert all(o.finish_reason == "length" for o in got)
     decode.check_idle_no_leaks()
