@@ -102,6 +102,9 @@ def write_request(state, arrays: list[np.ndarray], pages: list[int], page_size: 
     nb = token_bucket(n)
     padded = []
     for a, t in zip(paged, arrays[:k]):
+        if t.shape[1] == nb:  # a bucket-sized prompt: no host copy
+            padded.append(t)
+            continue
         buf = np.zeros((t.shape[0], nb, *t.shape[2:]), t.dtype)
         buf[:, :n] = t[:, :n]
         padded.append(buf)
