@@ -167,6 +167,12 @@ class DecodeScheduler(Scheduler):
     def add(self, req: Request) -> None:
         super().add(req)  # the pool-size check and bookkeeping; then it waits on a prefill engine instead
         self.waiting.remove(req)
+        done = req.stop_checker.finish_reason
+        if done is not None:  # the prompt fills the context: it ends with no token, as in one engine
+            req.finish(done.type)
+            self._retire(req)
+            self.outputs.append(self._make_output(req, 0, 0, 0, 0))
+            return
         wire = dataclasses.asdict(req.params)
         t = time.time()
         self.awaiting[req.rid] = (req, t)
@@ -332,6 +338,12 @@ class DecodeScheduler(Scheduler):
     def add(self, req: Request) -> None:
         super().add(req)  # the pool-size check and bookkeeping; then it waits on a prefill engine instead
         self.waiting.remove(req)
+        done = req.stop_checker.finish_reason
+        if done is not None:  # the prompt fills the context: it ends with no token, as in one engine
+            req.finish(done.type)
+            self._retire(req)
+            self.outputs.append(self._make_output(req, 0, 0, 0, 0))
+            return
         wire = dataclasses.asdict(req.params)
         t = time.time()
         self.awaiting[req.rid] = (req, t)

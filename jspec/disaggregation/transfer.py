@@ -215,7 +215,7 @@ def make_link(sock: socket.socket, peer: str, backend: str) -> Link:
     return (ShmLink if backend == "shm" else Link)(sock, peer)
 
 
-def connect(addr: str, backend: str, timeout: float = 10.0) -> Link:
+def connect(addr: str, backend: str, timeout: float = 5.0) -> Link:
     host, port = parse_addr(addr)
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
