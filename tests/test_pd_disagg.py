@@ -182,6 +182,15 @@ def test_killed_prefill_engine_fails_requests_and_leaks_nothing(decode, prefill,
     decode.check_idle_no_leaks()
 
 
+def test_after_the_prefill_engine_is_gone(decode):
+    """(After the kill above.) New requests fail at once, saying the engine cannot be reached."""
+    from jspec.disaggregation.decode import PrefillUnavailable
+
+    with pytest.raises(PrefillUnavailable, match="cannot reach the prefill engine"):
+        decode.generate(["anyone there?", "hello?"], jspec.SamplingParams(max_new_tokens=4))
+    decode.check_idle_no_leaks()
+
+
 def test_request_state_round_trip_is_exact(dirs, spec):
     """A prefilled request's every state leaf (target and draft KV, carry, penalty rows) read out
     of a page-4 engine, written into a page-8 engine and read out again is unchanged."""

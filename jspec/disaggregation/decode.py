@@ -163,23 +163,20 @@ class DecodeScheduler(Scheduler):
         self.transfers: list[TransferRecord] = []
         self.max_queued = 0  # most arrived requests that waited for room at once
         self.errors: dict[str, str] = {}  # rid -> why it failed (Engine.generate raises them)
+        self.deferred: list[tuple[Request, str]] = []  # failed in add(): (req, why)
 
     def add(self, req: Request) -> None:
         super().add(req)  # the pool-size check and bookkeeping; then it waits on a prefill engine instead
         self.waiting.remove(req)
-        done = req.stop_checker.finish_reason
-        if done is not None:  # the prompt fills the context: it ends with no token, as in one engine
-            req.finish(done.type)
-            self._retire(req)
-            self.outputs.append(self._make_output(req, 0, 0, 0, 0))
-            return
         wire = dataclasses.asdict(req.params)
         t = time.time()
+        self._take_arrivals()  # a link that died while this engine idled is dropped now, not used
         self.awaiting[req.rid] = (req, t)
         try:
             self.router.submit(req.rid, list(req.prompt), wire, req.seed)
         except LinkClosed as e:
-            self._fail(req, f"no prefill engine could take the request: {e}")
+            # Reported by the next step: the caller (Engine.generate) still finds the request now.
+            self.deferred.append((req, f"no prefill engine could take the request: {e}"))
 
     def abort(self, rid: str) -> bool:
         if rid in self.awaiting:
@@ -197,9 +194,13 @@ class DecodeScheduler(Scheduler):
         return super().abort(rid)
 
     def has_work(self) -> bool:
-        return super().has_work() or bool(self.awaiting or self.arrived or self.outputs)
+        return super().has_work() or bool(self.awaiting or self.arrived or self.outputs or self.deferred)
 
     def schedule(self):
+        for req, error in self.deferred:
+            if not req.finished:  # else aborted meanwhile
+                self._fail(req, error)
+        self.deferred = []
         self._take_arrivals()
         self._admit_arrived()
         batch = super().schedule()
@@ -222,7 +223,10 @@ class DecodeScheduler(Scheduler):
             except queue.Empty:
                 return
             if header is None:  # the link died: everything it owed fails
-                for rid in self.router.lost(addr, link):
+                owed = self.router.lost(addr, link)
+                log.warning("link to the prefill engine at %s lost (%s); failing the %d requests it owed",
+                            addr, arrays, len(owed))
+                for rid in owed:
                     if rid in self.awaiting:
                         self._fail(self.awaiting[rid][0], f"the prefill engine at {addr} went away before this "
                                                           f"request's KV arrived ({arrays})")
@@ -312,187 +316,6 @@ class DecodeEngine(Engine):
         results = super().generate(prompts, params)
         if self.scheduler.errors:
             errors, self.scheduler.errors = self.scheduler.errors, {}
-            raise PrefillUnavailable("; ".join(f"{rid}: {e}" for rid, e in sorted(errors.items())))
-        return results
-
-    def close(self) -> None:
-        for link in list(self.links.values()):
-            link.close()
-        self.links.clear()
-
-
-class DecodeScheduler(Scheduler):
-    """The ordinary scheduler, whose new requests get their prompt's KV from a prefill engine."""
-
-    def __init__(self, worker, *, router: PrefillRouter, make_output, **kw):
-        super().__init__(worker, **kw)
-        self.router = router
-        self._make_output = make_output  # Engine._output: a RequestOutput from a snapshot
-        self.awaiting: dict[str, tuple[Request, float]] = {}  # rid -> (req, submit time)
-        self.arrived: collections.deque = collections.deque()  # (req, n, arrays, record): KV on the host
-        self.outputs: list = []  # first tokens and failures, for the engine's next step()
-        self.transfers: list[TransferRecord] = []
-        self.max_queued = 0  # most arrived requests that waited for room at once
-        self.errors: dict[str, str] = {}  # rid -> why it failed (Engine.generate raises them)
-
-    def add(self, req: Request) -> None:
-        super().add(req)  # the pool-size check and bookkeeping; then it waits on a prefill engine instead
-        self.waiting.remove(req)
-        done = req.stop_checker.finish_reason
-        if done is not None:  # the prompt fills the context: it ends with no token, as in one engine
-            req.finish(done.type)
-            self._retire(req)
-            self.outputs.append(self._make_output(req, 0, 0, 0, 0))
-            return
-        wire = dataclasses.asdict(req.params)
-        t = time.time()
-        self.awaiting[req.rid] = (req, t)
-        try:
-            self.router.submit(req.rid, list(req.prompt), wire, req.seed)
-        except LinkClosed as e:
-            self._fail(req, f"no prefill engine could take the request: {e}")
-
-    def abort(self, rid: str) -> bool:
-        if rid in self.awaiting:
-            req, _ = self.awaiting.pop(rid)
-            self.router.abort(rid)
-            req.finish("abort")
-            self._retire(req)
-            return True
-        for item in self.arrived:
-            if item[0].rid == rid:
-                self.arrived.remove(item)
-                item[0].finish("abort")
-                self._retire(item[0])
-                return True
-        return super().abort(rid)
-
-    def has_work(self) -> bool:
-        return super().has_work() or bool(self.awaiting or self.arrived or self.outputs)
-
-    def schedule(self):
-        self._take_arrivals()
-        self._admit_arrived()
-        batch = super().schedule()
-        if batch is None and self.awaiting and not (self.arrived or self.outputs or super().has_work()):
-            self.router.wait(0.01)  # nothing to run until a prefill engine answers: do not spin
-        return batch
-
-    def _fail(self, req: Request, message: str) -> None:
-        self.awaiting.pop(req.rid, None)
-        before = (len(req.output), len(req.text), len(req.output_logprobs), len(req.output_top_logprobs))
-        req.finish("abort")
-        self._retire(req)
-        self.errors[req.rid] = message
-        self.outputs.append(dataclasses.replace(self._make_output(req, *before), error=message))
-
-    def _take_arrivals(self) -> None:
-        while True:
-            try:
-                addr, link, header, arrays, t_recv = self.router.inbox.get_nowait()
-            except queue.Empty:
-                return
-            if header is None:  # the link died: everything it owed fails
-                for rid in self.router.lost(addr, link):
-                    if rid in self.awaiting:
-                        self._fail(self.awaiting[rid][0], f"the prefill engine at {addr} went away before this "
-                                                          f"request's KV arrived ({arrays})")
-                continue
-            rid = header.get("rid")
-            self.router.take(rid)
-            if rid not in self.awaiting:
-                continue  # aborted meanwhile
-            req, t_submit = self.awaiting[rid]
-            if header.get("type") == "error":
-                self._fail(req, header.get("message") or "prefill failed")
-                continue
-            del self.awaiting[rid]
-            n = int(header["num_tokens"])
-            rec = TransferRecord(rid, n, sum(a.nbytes for a in arrays), t_submit, header["t_extract"],
-                                 header["t_sent"], t_recv)
-            self.transfers.append(rec)
-            self._first_token(req, header)
-            if req.finished:
-                self._retire(req)
-                continue
-            self.arrived.append((req, n, arrays, rec))
-
-    def _first_token(self, req: Request, header: dict) -> None:
-        before = (len(req.output), len(req.text), len(req.output_logprobs), len(req.output_top_logprobs))
-        top = header.get("top_logprobs")
-        top_ids = [[t for t, _ in top]] if top else None
-        top_lp = [[v for _, v in top]] if top else None
-        lp = header.get("logprob")
-        req.append([header["first_token"]], [lp] if lp is not None else None, top_ids, top_lp)
-        if header.get("input_logprobs") is not None:
-            req.input_logprobs = header["input_logprobs"]
-            req.input_top_logprobs = [[tuple(x) for x in row] if row is not None else None
-                                      for row in header["input_top_logprobs"]]
-        req.num_cached_tokens = header.get("cached_tokens", 0)
-        self.outputs.append(self._make_output(req, *before))
-
-    def _admit_arrived(self) -> None:
-        w = self.worker
-        # Room kept for the running requests' next iteration, so an admission never forces a retraction.
-        reserve = len(self.running) * self.pages_for(w.max_emit + w.kv_margin)
-        while self.arrived:
-            req, n, arrays, rec = self.arrived[0]
-            need = self.pages_for(n + w.kv_margin)
-            self._evict_for(need + reserve)
-            if not w.free_slots or need + reserve > w.allocator.num_free:
-                break
-            self.arrived.popleft()
-            req.slot = w.alloc_slot()
-            req.pages = w.allocator.alloc(need)
-            with w.on_mesh():
-                w.state = kv_io.write_request(w.state, arrays, req.pages, self.page_size, n, req.slot)
-            req.prefill_ids, req.prefilled, req.kv_len = list(req.prompt), n, n
-            req.status = Status.RUNNING
-            self.running.append(req)
-            rec.t_admitted = time.time()
-        self.max_queued = max(self.max_queued, len(self.arrived))
-
-
-class DecodeEngine(Engine):
-    """Engine(...) whose prompts are prefilled by the prefill engines at prefill_addrs."""
-
-    def __init__(self, model, *, prefill_addrs: list[str], transfer_backend: str = "socket", **kw):
-        check_disaggregation_args(kw.get("tp_size", 1))
-        super().__init__(model, **kw)
-        self.router = PrefillRouter(prefill_addrs, transfer_backend, kv_io.layout(self.worker.state))
-        self.scheduler = DecodeScheduler(self.worker, router=self.router, make_output=self._output,
-                                         chunked_prefill_size=self.scheduler.chunked_prefill_size,
-                                         prefix_cache=self.prefix_cache)
-
-    def warmup(self, sampling_modes=None, prompt_logprobs: bool = True) -> int:
-        """Engine.warmup (decode programs; the prefill ones serve retracted requests) plus the
-        KV write of every token bucket."""
-        from jspec.disaggregation.prefill import warmup_transfers
-
-        return super().warmup(sampling_modes, prompt_logprobs) + warmup_transfers(self.worker, kv_io.write_request)
-
-    def step(self):
-        outs = self.scheduler.outputs
-        outs += super().step()
-        self.scheduler.outputs = []
-        return outs
-
-    def generate(self, prompts, params=None):
-        """As Engine.generate; a request the prefill side failed raises PrefillUnavailable."""
-        errors = {}
-        orig_step = self.step
-
-        def step():
-            outs = orig_step()
-            errors.update({o.rid: o.error for o in outs if o.error})
-            return outs
-
-        self.step = step
-        try:
-            results = super().generate(prompts, params)
-        finally:
-            del self.step
-        if errors:
             raise PrefillUnavailable("; ".join(f"{rid}: {e}" for rid, e in sorted(errors.items())))
         return results
 

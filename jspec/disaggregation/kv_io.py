@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jspec.paged_kv.pool import KVPool

@@ -113,11 +113,6 @@ class PrefillEngine(Engine):
         for req, pages, slot in ending:
             if req.finish_reason == "abort":
                 continue
-            if not req.output:  # no room for a token: the prompt fills the model's context
-                self.handoffs.append(Handoff(req.rid, {"type": "error", "rid": req.rid, "message": (
-                    f"prefill engine: the prompt ({len(req.prompt)} tokens) leaves no room for an output token")},
-                    [], 0, 0))
-                continue
             self.handoffs.append(self._extract(req, pages, slot))
         for req, _, _ in ending:
             if not req.finished:  # the output budget of 1 normally ends it; stop it here in any case
