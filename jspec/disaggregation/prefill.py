@@ -69,6 +69,7 @@ class PrefillEngine(Engine):
                                           prefix_cache=self.prefix_cache)
         self.num_paged = len(kv_io.split_state(self.worker.state)[0])
         self.handoffs: list[Handoff] = []
+        self._reading: dict[str, tuple] = {}  # rid -> (its read-out's device arrays, dispatch time)
 
     def layout(self) -> list:
         return kv_io.layout(self.worker.state)
@@ -100,31 +101,39 @@ class PrefillEngine(Engine):
                                 seed=seed)
         return self.add_request(ids, p, rid)
 
+    def _launch(self, batch):
+        """Launches a step as Engine does, then dispatches the read-out of every request whose
+        prompt ends in it, from this step's output state: before the next launch can donate that
+        state, and without waiting for the next step to finish. The copy to the host starts at
+        once; only the first token waits for this step's designated read."""
+        launched = super()._launch(batch)
+        if isinstance(batch, PrefillBatch):
+            for req, following in zip(batch.reqs, batch.following):
+                if following is None:
+                    with self.worker.on_mesh():
+                        arrays = kv_io.extract_request(self.worker.state, req.pages, self.worker.page_size,
+                                                       len(req.prompt), req.slot)
+                    self._reading[req.rid] = (start_host_copy(arrays), time.time())
+        return launched
+
     def _process(self, launched):
-        """Processes a step as Engine does; then every request whose prompt ended in it is read
-        out. Its pages and slot are intact in the current state: a later step cannot have been
-        scheduled onto them, since the request held them until now, and the extraction below is
-        dispatched before the next launch."""
+        """Processes a step as Engine does; a request whose prompt ended in it leaves as a Handoff."""
         ending = []
         if isinstance(launched.batch, PrefillBatch):
-            ending = [(r, list(r.pages), r.slot) for r, f in zip(launched.batch.reqs, launched.batch.following)
-                      if f is None and not r.finished]
+            ending = [r for r, f in zip(launched.batch.reqs, launched.batch.following) if f is None]
         outs = super()._process(launched)
-        for req, pages, slot in ending:
-            if req.finish_reason == "abort":
-                continue
-            self.handoffs.append(self._extract(req, pages, slot))
-        for req, _, _ in ending:
-            if not req.finished:  # the output budget of 1 normally ends it; stop it here in any case
+        for req in ending:
+            arrays, t_extract = self._reading.pop(req.rid)
+            if req.finish_reason == "abort" or not req.output:
+                continue  # aborted while its prefill ran
+            self.handoffs.append(self._handoff(req, arrays, t_extract))
+            if not req.finished:  # the output budget of 1 ends it; its pages go to the prefix cache
                 req.finish("length")
                 self.scheduler._retire(req)
         return outs
 
-    def _extract(self, req, pages: list[int], slot: int) -> Handoff:
+    def _handoff(self, req, arrays, t_extract: float) -> Handoff:
         n = len(req.prompt)
-        with self.worker.on_mesh():
-            arrays = kv_io.extract_request(self.worker.state, pages, self.worker.page_size, n, slot)
-        start_host_copy(arrays)
         lp = req.params.return_logprob
         header = {
             "type": "kv", "rid": req.rid, "num_tokens": n, "first_token": int(req.output[0]),
@@ -132,7 +141,7 @@ class PrefillEngine(Engine):
             "top_logprobs": req.output_top_logprobs[0] if lp and req.output_top_logprobs else None,
             "input_logprobs": req.input_logprobs if req.params.wants_prompt_logprobs else None,
             "input_top_logprobs": req.input_top_logprobs if req.params.wants_prompt_logprobs else None,
-            "cached_tokens": req.num_cached_tokens, "t_extract": time.time(),
+            "cached_tokens": req.num_cached_tokens, "t_extract": t_extract,
         }
         return Handoff(req.rid, header, arrays, self.num_paged, n)
 
