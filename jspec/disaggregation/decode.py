@@ -47,7 +47,7 @@ class TransferRecord:
     num_tokens: int
     nbytes: int
     t_submit: float
-    t_extract: float  # the prefill engine dispatched the read-out of the KV
+    t_extract: float  # the prefill engine dispatched the read-out (with the step ending the prompt)
     t_sent: float  # the arrays were on the prefill host and started over the link
     t_received: float
     t_admitted: float | None = None  # written into this engine's pages
