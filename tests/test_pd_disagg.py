@@ -138,6 +138,18 @@ def test_full_decode_engine_queues_transfers(decode, reference):
     decode.check_idle_no_leaks()
 
 
+def test_mismatched_decode_engine_is_refused(dirs, prefill):
+    """A decode engine without the prefill engine's EAGLE-3 draft cannot take its requests' state."""
+    from jspec.disaggregation.decode import PrefillUnavailable
+
+    plain = DecodeEngine(dirs[0], page_size=8, num_pages=32, max_running_requests=2, attention_backend="reference",
+                         prefill_addrs=[prefill.addr])
+    with pytest.raises(PrefillUnavailable, match="refused this decode engine: .*different state layouts"):
+        plain.generate(["hi"], jspec.SamplingParams(max_new_tokens=2))
+    plain.check_idle_no_leaks()
+    plain.close()
+
+
 def test_killed_prefill_engine_fails_requests_and_leaks_nothing(decode, prefill, dirs):
     """Over HTTP (the decode server's app): a request admitted before the kill finishes; those the
     dead prefill engine still owed fail with 503 and a message; no decode page stays held."""

@@ -27,7 +27,7 @@ import time
 
 from jspec.disaggregation import kv_io
 from jspec.disaggregation.prefill import PROTOCOL, check_disaggregation_args
-from jspec.disaggregation.transfer import Link, LinkClosed, connect
+from jspec.disaggregation.transfer import Link, LinkClosed, connect, host_id
 from jspec.engine import Engine
 from jspec.scheduler.request import Request, Status
 from jspec.scheduler.scheduler import Scheduler
@@ -114,7 +114,7 @@ class PrefillRouter:
             return link
         link = connect(addr, self.backend)
         link.send({"type": "hello", "protocol": PROTOCOL, "backend": self.backend, "pid": os.getpid(),
-                   "layout": self.layout})
+                   "host": host_id(), "layout": self.layout})
         link.sock.settimeout(60)
         try:
             hello, _ = link.recv()
@@ -239,8 +239,15 @@ class DecodeScheduler(Scheduler):
             if header.get("type") == "error":
                 self._fail(req, header.get("message") or "prefill failed")
                 continue
-            del self.awaiting[rid]
             n = int(header["num_tokens"])
+            try:
+                if n != len(req.prompt):
+                    raise ValueError(f"KV of {n} tokens for a prompt of {len(req.prompt)}")
+                kv_io.check_arrays(self.worker.state, arrays, n)
+            except ValueError as e:
+                self._fail(req, f"the prefill engine at {addr} sent an unusable transfer: {e}")
+                continue
+            del self.awaiting[rid]
             rec = TransferRecord(rid, n, sum(a.nbytes for a in arrays), t_submit, header["t_extract"],
                                  header["t_sent"], t_recv)
             self.transfers.append(rec)

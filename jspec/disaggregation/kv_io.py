@@ -53,6 +53,22 @@ def layout(state) -> list[list]:
             + [["row", list(a.shape[1:]), str(a.dtype)] for a in rows])
 
 
+def check_arrays(state, arrays, n: int) -> None:
+    """ValueError unless `arrays` are one n-token request of this state's layout: a malformed
+    message must fail its request, not the jitted write (and with it the engine loop)."""
+    want = layout(state)
+    got, tokens = [], set()
+    for (kind, _, _), a in zip(want, arrays):
+        if kind == "paged" and a.ndim > 1:
+            got.append([kind, [a.shape[0], *a.shape[2:]], str(a.dtype)])
+            tokens.add(a.shape[1])
+        else:
+            got.append([kind, list(a.shape), str(a.dtype)])
+    if len(arrays) != len(want) or got != want or tokens != {n}:
+        raise ValueError(f"the transferred arrays do not match this engine's state for a {n}-token prompt: got "
+                         f"{[(list(a.shape), str(a.dtype)) for a in arrays]}, layout {want}")
+
+
 def token_bucket(n: int) -> int:
     return bucket(n, MIN_TOKENS)
 

@@ -23,8 +23,11 @@ import socket
 import threading
 import time
 
+import jax
+import numpy as np
+
 from jspec.disaggregation import kv_io
-from jspec.disaggregation.transfer import Link, LinkClosed, make_link
+from jspec.disaggregation.transfer import Link, LinkClosed, host_id, make_link
 from jspec.disaggregation.transfer import dtype as transfer_dtype
 from jspec.engine import Engine
 from jspec.sampling_params import SamplingParams
@@ -149,9 +152,6 @@ class PrefillEngine(Engine):
 def warmup_transfers(worker, fn) -> int:
     """Runs fn (kv_io.extract_request or write_request) once per token bucket on the scratch page
     and slot, so no transfer compiles in the serving loop."""
-    import jax
-    import numpy as np
-
     n, count = kv_io.MIN_TOKENS, 0
     ctx = worker.cfg.max_position_embeddings
     while True:
@@ -219,12 +219,16 @@ class PrefillServer:
             link = make_link(sock, peer, hello.get("backend", "socket"))
             link.peer_pid = hello.get("pid")
             mine = self.engine.layout()
-            ok = hello.get("layout") == mine
-            link.send({"type": "hello", "ok": ok, "pid": os.getpid(), "protocol": PROTOCOL, "layout": mine,
-                       "message": None if ok else "the prefill and decode engines hold different state layouts "
-                                                  "(model, draft or speculative method differ)"})
-            if not ok:
-                raise LinkClosed(f"refused {peer}: state layout differs")
+            problem = None
+            if hello.get("layout") != mine:
+                problem = "the prefill and decode engines hold different state layouts (model, draft, speculative " \
+                          "method or dtype differ)"
+            elif link.backend == "shm" and hello.get("host") != host_id():
+                problem = "the shm transfer backend needs both engines on one host; use the socket backend"
+            link.send({"type": "hello", "ok": problem is None, "pid": os.getpid(), "protocol": PROTOCOL,
+                       "layout": mine, "message": problem})
+            if problem is not None:
+                raise LinkClosed(f"refused {peer}: {problem}")
         except (LinkClosed, ValueError) as e:
             log.warning("%s", e)
             link.close()
@@ -255,8 +259,6 @@ class PrefillServer:
                 continue
             try:
                 if isinstance(item, Handoff):
-                    import numpy as np
-
                     host = [np.asarray(a) for a in item.arrays]  # waits for the copy started at extraction
                     host = [a[:, : item.num_tokens] if i < item.num_paged else a for i, a in enumerate(host)]
                     conn.link.send(dict(item.header, t_sent=time.time()), host)

@@ -40,6 +40,16 @@ class LinkClosed(ConnectionError):
     """The peer went away (closed, crashed or was killed), possibly in the middle of a message."""
 
 
+def host_id() -> str:
+    """Names this machine (boot instance included): the shm backend needs both ends on one."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
 def parse_addr(addr: str) -> tuple[str, int]:
     host, sep, port = addr.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
