@@ -27,7 +27,7 @@ import time
 
 from jspec.disaggregation import kv_io
 from jspec.disaggregation.prefill import PROTOCOL, check_disaggregation_args
-from jspec.disaggregation.transfer import Link, LinkClosed, connect, host_id
+from jspec.disaggregation.transfer import BACKENDS, Link, LinkClosed, connect, host_id, parse_addr
 from jspec.engine import Engine
 from jspec.scheduler.request import Request, Status
 from jspec.scheduler.scheduler import Scheduler
@@ -59,6 +59,10 @@ class PrefillRouter:
     def __init__(self, addrs: list[str], backend: str, layout: list):
         if not addrs:
             raise ValueError("a decode engine needs at least one prefill engine address (HOST:PORT)")
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown transfer backend {backend!r}; choose from {BACKENDS}")
+        for a in addrs:
+            parse_addr(a)  # a bad address is refused now, not at the first request
         self.addrs, self.backend, self.layout = list(addrs), backend, layout
         self.links: dict[str, Link] = {}
         self.sent: dict[str, Link] = {}  # rid -> the link that owes its KV

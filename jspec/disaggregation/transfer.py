@@ -76,6 +76,11 @@ def _bytes(a: np.ndarray) -> memoryview:
     return memoryview(a.reshape(-1).view(np.uint8))
 
 
+def _nbytes(header: dict) -> int:
+    return sum(int(np.prod(m["shape"], dtype=np.int64)) * dtype(m["dtype"]).itemsize
+               for m in header.get("arrays", []))
+
+
 class Link:
     """One bidirectional connection; send() is thread-safe, recv() belongs to one reader thread."""
 
@@ -125,6 +130,8 @@ class Link:
         return header, arrays
 
     def _take_arrays(self, header: dict, body) -> list[np.ndarray]:
+        if _nbytes(header) != (len(body) if body is not None else 0):
+            raise LinkClosed(f"link to {self.peer}: a message's arrays do not add up to its body")
         out, off = [], 0
         for m in header.get("arrays", []):
             dt = dtype(m["dtype"])
@@ -135,7 +142,7 @@ class Link:
         return out
 
     def _read_exact(self, n: int, what: str) -> memoryview:
-        buf = bytearray(n)
+        buf = np.empty(n, np.uint8)  # not bytearray(n): zero-filling a GB-sized payload costs ~0.1 s
         view, got = memoryview(buf), 0
         while got < n:
             try:
@@ -197,7 +204,9 @@ class ShmLink(Link):
             raise LinkClosed(f"shared-memory block {name} from {self.peer} is gone") from e
         try:
             # One copy out of the block, so it can be unlinked now whatever the arrays' lifetime.
-            data = bytearray(shm.buf)
+            view = np.frombuffer(shm.buf, np.uint8, _nbytes(header))
+            data = view.copy()
+            del view  # the block cannot close while a view of it is alive
         finally:
             shm.close()
             shm.unlink()  # also unregisters it from this process's tracker
