@@ -227,6 +227,25 @@ def test_request_state_round_trip_is_exact(dirs, spec):
     src.check_idle_no_leaks()
 
 
+def test_serve_flags_make_a_decode_engine(dirs):
+    """scripts/serve.py's decode-mode flags (the prefill mode runs in the fixture above)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("serve", os.path.join(ROOT, "scripts", "serve.py"))
+    serve = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve)
+    ap = serve.build_parser()
+    base = ["--page-size", "8", "--max-total-tokens", "256", "--attention-backend", "reference",
+            "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "shm"]
+    model = jspec.load(dirs[0])
+    args = ap.parse_args(base + ["--disaggregation-prefill-addrs", "127.0.0.1:1", "localhost:2"])
+    engine = serve.make_engine(args, model, None)
+    assert isinstance(engine, DecodeEngine) and engine.router.addrs == ["127.0.0.1:1", "localhost:2"]
+    assert engine.router.backend == "shm"
+    with pytest.raises(ValueError, match="must be HOST:PORT"):
+        serve.make_engine(ap.parse_args(base + ["--disaggregation-prefill-addrs", "nohost"]), model, None)
+
+
 @pytest.mark.parametrize("cls", [Link, ShmLink])
 def test_link_carries_arrays_and_fails_clearly_mid_message(cls):
     a, b = socket.socketpair()
