@@ -138,16 +138,19 @@ def test_full_decode_engine_queues_transfers(decode, reference):
     decode.check_idle_no_leaks()
 
 
-def test_mismatched_decode_engine_is_refused(dirs, prefill):
-    """A decode engine without the prefill engine's EAGLE-3 draft cannot take its requests' state."""
+def test_mismatched_decode_engine_is_refused(dirs, spec, prefill, tmp_path):
+    """A decode engine without the prefill engine's EAGLE-3 draft, or with other weights of the
+    same shapes, cannot take its requests' state."""
     from jspec.disaggregation.decode import PrefillUnavailable
 
-    plain = DecodeEngine(dirs[0], page_size=8, num_pages=32, max_running_requests=2, attention_backend="reference",
-                         prefill_addrs=[prefill.addr])
-    with pytest.raises(PrefillUnavailable, match="refused this decode engine: .*different state layouts"):
-        plain.generate(["hi"], jspec.SamplingParams(max_new_tokens=2))
-    plain.check_idle_no_leaks()
-    plain.close()
+    other = make_tiny_model(str(tmp_path / "other"), seed=3, max_position_embeddings=256)
+    for model, sp, why in ((dirs[0], None, "different state layouts"), (other, spec, "different weights")):
+        engine = DecodeEngine(model, spec=sp, page_size=8, num_pages=32, max_running_requests=2,
+                              attention_backend="reference", prefill_addrs=[prefill.addr])
+        with pytest.raises(PrefillUnavailable, match=f"refused this decode engine: .*{why}"):
+            engine.generate(["hi"], jspec.SamplingParams(max_new_tokens=2))
+        engine.check_idle_no_leaks()
+        engine.close()
 
 
 def test_killed_prefill_engine_fails_requests_and_leaks_nothing(decode, prefill, dirs):

@@ -56,14 +56,14 @@ class TransferRecord:
 class PrefillRouter:
     """Links to the prefill engines, made on first use and again after a link drops."""
 
-    def __init__(self, addrs: list[str], backend: str, layout: list):
+    def __init__(self, addrs: list[str], backend: str, identity: dict):
         if not addrs:
             raise ValueError("a decode engine needs at least one prefill engine address (HOST:PORT)")
         if backend not in BACKENDS:
             raise ValueError(f"unknown transfer backend {backend!r}; choose from {BACKENDS}")
         for a in addrs:
             parse_addr(a)  # a bad address is refused now, not at the first request
-        self.addrs, self.backend, self.layout = list(addrs), backend, layout
+        self.addrs, self.backend, self.identity = list(addrs), backend, identity  # layout and weights
         self.links: dict[str, Link] = {}
         self.sent: dict[str, Link] = {}  # rid -> the link that owes its KV
         # (addr, link, header, arrays, t_received); header None: the link died, arrays is the error
@@ -118,7 +118,7 @@ class PrefillRouter:
             return link
         link = connect(addr, self.backend)
         link.send({"type": "hello", "protocol": PROTOCOL, "backend": self.backend, "pid": os.getpid(),
-                   "host": host_id(), "layout": self.layout})
+                   "host": host_id(), **self.identity})
         link.sock.settimeout(60)
         try:
             hello, _ = link.recv()
@@ -303,7 +303,8 @@ class DecodeEngine(Engine):
     def __init__(self, model, *, prefill_addrs: list[str], transfer_backend: str = "socket", **kw):
         check_disaggregation_args(kw.get("tp_size", 1))
         super().__init__(model, **kw)
-        self.router = PrefillRouter(prefill_addrs, transfer_backend, kv_io.layout(self.worker.state))
+        self.router = PrefillRouter(prefill_addrs, transfer_backend, {
+            "layout": kv_io.layout(self.worker.state), "weights": kv_io.weights_fingerprint(self.worker)})
         self.scheduler = DecodeScheduler(self.worker, router=self.router, make_output=self._output,
                                          chunked_prefill_size=self.scheduler.chunked_prefill_size,
                                          prefix_cache=self.prefix_cache)

@@ -16,6 +16,7 @@ Lengths are bucketed to powers of two so both compile a few programs, not one pe
 from __future__ import annotations
 
 import functools
+import hashlib
 
 import jax
 import numpy as np
@@ -51,6 +52,18 @@ def layout(state) -> list[list]:
     paged, rows, _ = split_state(state)
     return ([["paged", [a.shape[0], *a.shape[3:]], str(a.dtype)] for a in paged]
             + [["row", list(a.shape[1:]), str(a.dtype)] for a in rows])
+
+
+def weights_fingerprint(worker) -> str:
+    """A digest of a few values of the target's (and draft's) weights: equal layouts do not make
+    equal models, and KV computed by other weights would decode into fluent-looking garbage.
+    Read once, when an engine is made, never in the loop."""
+    h = hashlib.sha1()
+    for tree in (worker.params, getattr(worker, "dparams", None)):
+        leaves = jax.tree.leaves(tree)
+        for a in leaves[:4] + leaves[-2:]:
+            h.update(np.asarray(a.reshape(-1)[:16], np.float32).tobytes())
+    return h.hexdigest()
 
 
 def check_arrays(state, arrays, n: int) -> None:

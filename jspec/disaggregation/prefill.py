@@ -71,11 +71,13 @@ class PrefillEngine(Engine):
         self.scheduler = PrefillScheduler(self.worker, chunked_prefill_size=self.scheduler.chunked_prefill_size,
                                           prefix_cache=self.prefix_cache)
         self.num_paged = len(kv_io.split_state(self.worker.state)[0])
+        self.weights = kv_io.weights_fingerprint(self.worker)
         self.handoffs: list[Handoff] = []
         self._reading: dict[str, tuple] = {}  # rid -> (its read-out's device arrays, dispatch time)
 
-    def layout(self) -> list:
-        return kv_io.layout(self.worker.state)
+    def identity(self) -> dict:
+        """What a decode engine must share with this one to take its requests."""
+        return {"layout": kv_io.layout(self.worker.state), "weights": self.weights}
 
     def warmup(self, sampling_modes=None, prompt_logprobs: bool = True) -> int:
         """Compiles the prefill programs and the read-out of every token bucket (this engine never
@@ -218,15 +220,17 @@ class PrefillServer:
                 raise LinkClosed(f"{peer} is not a jspec decode engine of protocol {PROTOCOL}: {hello}")
             link = make_link(sock, peer, hello.get("backend", "socket"))
             link.peer_pid = hello.get("pid")
-            mine = self.engine.layout()
+            mine = self.engine.identity()
             problem = None
-            if hello.get("layout") != mine:
+            if hello.get("layout") != mine["layout"]:
                 problem = "the prefill and decode engines hold different state layouts (model, draft, speculative " \
                           "method or dtype differ)"
+            elif hello.get("weights") != mine["weights"]:
+                problem = "the prefill and decode engines hold different weights (another checkpoint or draft)"
             elif link.backend == "shm" and hello.get("host") != host_id():
                 problem = "the shm transfer backend needs both engines on one host; use the socket backend"
             link.send({"type": "hello", "ok": problem is None, "pid": os.getpid(), "protocol": PROTOCOL,
-                       "layout": mine, "message": problem})
+                       "message": problem, **mine})
             if problem is not None:
                 raise LinkClosed(f"refused {peer}: {problem}")
         except (LinkClosed, ValueError) as e:
