@@ -66,7 +66,9 @@ class PrefillProcess:
         deadline = time.time() + 180
         while "listening on" not in self.output():
             if self.proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"prefill engine did not come up: {self.output()}")
+                out = self.output()
+                self.kill()
+                raise RuntimeError(f"prefill engine did not come up: {out}")
             time.sleep(0.2)
 
     def output(self) -> str:
@@ -170,14 +172,18 @@ def test_killed_prefill_engine_fails_requests_and_leaks_nothing(decode, prefill,
                 return {"model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0,
                         "ignore_eos": True}
 
+            async def until(cond, what):
+                deadline = time.time() + 120
+                while not cond():
+                    assert time.time() < deadline, f"timed out waiting until {what}"
+                    await asyncio.sleep(0.005)
+
             survivor = asyncio.create_task(client.post("/v1/completions", json=body("survivor", 60)))
-            while not decode.scheduler.running:  # its KV has arrived and it decodes
-                await asyncio.sleep(0.01)
+            await until(lambda: decode.scheduler.running, "the first request decodes")
             # Prompts of a length the prefill engine has not compiled yet: it is busy with them when killed.
             doomed = [asyncio.create_task(client.post("/v1/completions", json=body("z" * 150 + str(i), 8)))
                       for i in range(3)]
-            while len(decode.scheduler.awaiting) < 3:
-                await asyncio.sleep(0.005)
+            await until(lambda: len(decode.scheduler.awaiting) == 3, "three requests wait on the prefill engine")
             prefill.kill()
             failed = await asyncio.gather(*doomed)
             ok = await survivor
