@@ -255,6 +255,31 @@ def test_serve_flags_make_a_decode_engine(dirs):
         serve.make_engine(ap.parse_args(base + ["--disaggregation-prefill-addrs", "nohost"]), model, None)
 
 
+@pytest.mark.parametrize("n", [1024, 8192])
+def test_transfer_steps_lower_for_cuda(n):
+    """The read-out and the donated write at the Llama-3.1-8B shape with an EAGLE-3 head (bf16,
+    page 16, 32 slots), lowered for an abstract H200 (DESIGN.md: every step gets this test)."""
+    from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+
+    from jspec.paged_kv.pool import KVPool
+    from jspec.penalties import PenaltyState
+
+    bf16, i32, sds = jax.numpy.bfloat16, np.int32, jax.ShapeDtypeStruct
+    slots, pages, vocab = 33, 4096, 128256
+    target = KVPool(*[sds((32, pages, 16, 8, 128), bf16)] * 2)
+    draft = KVPool(*[sds((1, pages, 16, 8, 128), bf16)] * 2)
+    carry = (sds((slots,), i32), sds((slots,), i32), (sds((slots, 1), np.float32), sds((slots, 1), i32),
+                                                     sds((slots, 4096), bf16)))
+    state = (target, draft, carry, PenaltyState(sds((slots, vocab), i32), sds((slots, vocab), bool)))
+    paged = [sds((a.shape[0], n, 8, 128), bf16) for a in (*target, *draft)]
+    rows = [sds(a.shape[1:], a.dtype) for a in jax.tree.leaves(state[2:])]
+    h200 = AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    with use_abstract_mesh(AbstractMesh((), (), abstract_device=h200)):
+        kv_io._extract.trace(state, sds((n,), i32), sds((), i32)).lower(lowering_platforms=("cuda",))
+        w = kv_io._write.trace(state, paged, rows, sds((n,), i32), sds((), i32)).lower(lowering_platforms=("cuda",))
+    assert "tf.aliasing_output" in w.as_text()  # the state is donated: updated in place
+
+
 @pytest.mark.parametrize("cls", [Link, ShmLink])
 def test_link_carries_arrays_and_fails_clearly_mid_message(cls):
     a, b = socket.socketpair()
