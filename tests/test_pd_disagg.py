@@ -92,9 +92,10 @@ def prefill(dirs):
 
 @pytest.fixture(scope="module")
 def decode(dirs, spec, prefill):
-    """Two request slots, so a third request's transfer has to wait for one."""
+    """Two request slots, so a third request's transfer has to wait for one; room on the device for
+    about two requests' arrived KV, so later ones wait on the host (both paths run)."""
     engine = DecodeEngine(dirs[0], spec=spec, page_size=8, num_pages=96, max_running_requests=2,
-                          attention_backend="reference", prefill_addrs=[prefill.addr])
+                          attention_backend="reference", prefill_addrs=[prefill.addr], transfer_stage_bytes=60_000)
     yield engine
     engine.close()
 
@@ -136,6 +137,7 @@ def test_full_decode_engine_queues_transfers(decode, reference):
         got = decode.generate(PROMPTS, jspec.SamplingParams(max_new_tokens=12))
     check_same(got, reference(PROMPTS, jspec.SamplingParams(max_new_tokens=12)))
     assert decode.scheduler.max_queued >= 1
+    assert {t.on_device for t in decode.scheduler.transfers} == {True, False}
     assert all(o.finish_reason == "length" for o in got)
     decode.check_idle_no_leaks()
 
@@ -226,7 +228,8 @@ def test_request_state_round_trip_is_exact(dirs, spec):
     dst = jspec.Engine(dirs[0], spec=spec, page_size=8, num_pages=64, max_running_requests=2,
                        attention_backend="reference").worker
     pages, slot = dst.allocator.alloc(6), dst.alloc_slot()
-    dst.state = kv_io.write_request(dst.state, out, pages, 8, h.num_tokens, slot)
+    staged = kv_io.stage_request(kv_io.layout(dst.state), out, h.num_tokens, to_device=True)
+    dst.state = kv_io.write_request(dst.state, staged, pages, 8, h.num_tokens, slot)
     back = [np.asarray(a) for a in kv_io.extract_request(dst.state, pages, 8, h.num_tokens, slot)]
     assert len(back) == len(out) > h.num_paged >= 4  # target and draft K/V, then the slot rows
     for i, (a, b) in enumerate(zip(out, back)):

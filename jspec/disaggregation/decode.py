@@ -50,13 +50,15 @@ class TransferRecord:
     t_extract: float  # the prefill engine dispatched the read-out (with the step ending the prompt)
     t_sent: float  # the arrays were on the prefill host and started over the link
     t_received: float
+    t_staged: float  # checked, padded (and uploaded, if on_device) by the link's reader thread
+    on_device: bool  # uploaded before admission (within the router's stage_bytes)
     t_admitted: float | None = None  # written into this engine's pages
 
 
 class PrefillRouter:
     """Links to the prefill engines, made on first use and again after a link drops."""
 
-    def __init__(self, addrs: list[str], backend: str, identity: dict):
+    def __init__(self, addrs: list[str], backend: str, identity: dict, stage_bytes: int = 2 << 30):
         if not addrs:
             raise ValueError("a decode engine needs at least one prefill engine address (HOST:PORT)")
         if backend not in BACKENDS:
@@ -64,6 +66,10 @@ class PrefillRouter:
         for a in addrs:
             parse_addr(a)  # a bad address is refused now, not at the first request
         self.addrs, self.backend, self.identity = list(addrs), backend, identity  # layout and weights
+        # Arrived KV is uploaded to the device by the reader thread while at most stage_bytes of it
+        # wait there for admission; past that it waits on the host and the loop uploads it.
+        self.stage_bytes, self.staged_bytes = stage_bytes, 0
+        self._stage_lock = threading.Lock()
         self.links: dict[str, Link] = {}
         self.sent: dict[str, Link] = {}  # rid -> the link that owes its KV
         # (addr, link, header, arrays, t_received); header None: the link died, arrays is the error
@@ -136,9 +142,29 @@ class PrefillRouter:
         try:
             while True:
                 header, arrays = link.recv()
-                self.inbox.put((addr, link, header, arrays, time.time()))
+                t_received = time.time()
+                if header.get("type") == "kv":
+                    header, arrays = self._stage(addr, header, arrays)
+                self.inbox.put((addr, link, header, arrays, t_received))
         except Exception as e:  # noqa: BLE001 - whatever ends the reader fails what the link owed
             self.inbox.put((addr, link, None, e, time.time()))
+
+    def _stage(self, addr: str, header: dict, arrays) -> tuple[dict, list]:
+        nbytes = sum(a.nbytes for a in arrays)
+        with self._stage_lock:
+            on_device = self.staged_bytes + nbytes <= self.stage_bytes
+            self.staged_bytes += nbytes if on_device else 0
+        try:
+            arrays = kv_io.stage_request(self.identity["layout"], arrays, int(header["num_tokens"]), on_device)
+        except (ValueError, KeyError) as e:
+            self.unstage(nbytes if on_device else 0)
+            return {"type": "error", "rid": header.get("rid"),
+                    "message": f"the prefill engine at {addr} sent an unusable transfer: {e}"}, []
+        return dict(header, staged_bytes=nbytes if on_device else 0, t_staged=time.time()), arrays
+
+    def unstage(self, nbytes: int) -> None:
+        with self._stage_lock:
+            self.staged_bytes -= nbytes
 
     def wait(self, timeout: float) -> None:
         """Blocks until something arrives (it is put back) or timeout."""
@@ -162,7 +188,8 @@ class DecodeScheduler(Scheduler):
         self.router = router
         self._make_output = make_output  # Engine._output: a RequestOutput from a snapshot
         self.awaiting: dict[str, tuple[Request, float]] = {}  # rid -> (req, submit time)
-        self.arrived: collections.deque = collections.deque()  # (req, n, arrays, record): KV on the host
+        # (req, n, arrays, record, bytes staged on the device): arrived, waiting for a slot and pages
+        self.arrived: collections.deque = collections.deque()
         self.outputs: list = []  # first tokens and failures, for the engine's next step()
         self.transfers: list[TransferRecord] = []
         self.max_queued = 0  # most arrived requests that waited for room at once
@@ -192,6 +219,7 @@ class DecodeScheduler(Scheduler):
         for item in self.arrived:
             if item[0].rid == rid:
                 self.arrived.remove(item)
+                self.router.unstage(item[4])
                 item[0].finish("abort")
                 self._retire(item[0])
                 return True
@@ -238,28 +266,28 @@ class DecodeScheduler(Scheduler):
             rid = header.get("rid")
             self.router.take(rid)
             if rid not in self.awaiting:
+                self.router.unstage(header.get("staged_bytes", 0))
                 continue  # aborted meanwhile
             req, t_submit = self.awaiting[rid]
             if header.get("type") == "error":
                 self._fail(req, header.get("message") or "prefill failed")
                 continue
-            n = int(header["num_tokens"])
-            try:
-                if n != len(req.prompt):
-                    raise ValueError(f"KV of {n} tokens for a prompt of {len(req.prompt)}")
-                kv_io.check_arrays(self.worker.state, arrays, n)
-            except ValueError as e:
-                self._fail(req, f"the prefill engine at {addr} sent an unusable transfer: {e}")
+            n, staged = int(header["num_tokens"]), header["staged_bytes"]
+            if n != len(req.prompt):
+                self.router.unstage(staged)
+                self._fail(req, f"the prefill engine at {addr} sent the KV of {n} tokens for a prompt of "
+                                f"{len(req.prompt)}")
                 continue
             del self.awaiting[rid]
             rec = TransferRecord(rid, n, sum(a.nbytes for a in arrays), t_submit, header["t_extract"],
-                                 header["t_sent"], t_recv)
+                                 header["t_sent"], t_recv, header["t_staged"], staged > 0)
             self.transfers.append(rec)
             self._first_token(req, header)
             if req.finished:
+                self.router.unstage(staged)
                 self._retire(req)
                 continue
-            self.arrived.append((req, n, arrays, rec))
+            self.arrived.append((req, n, arrays, rec, staged))
 
     def _first_token(self, req: Request, header: dict) -> None:
         before = (len(req.output), len(req.text), len(req.output_logprobs), len(req.output_top_logprobs))
@@ -280,7 +308,7 @@ class DecodeScheduler(Scheduler):
         # Room kept for the running requests' next iteration, so an admission never forces a retraction.
         reserve = len(self.running) * self.pages_for(w.max_emit + w.kv_margin)
         while self.arrived:
-            req, n, arrays, rec = self.arrived[0]
+            req, n, arrays, rec, staged = self.arrived[0]
             need = self.pages_for(n + w.kv_margin)
             self._evict_for(need + reserve)
             if not w.free_slots or need + reserve > w.allocator.num_free:
@@ -290,6 +318,7 @@ class DecodeScheduler(Scheduler):
             req.pages = w.allocator.alloc(need)
             with w.on_mesh():
                 w.state = kv_io.write_request(w.state, arrays, req.pages, self.page_size, n, req.slot)
+            self.router.unstage(staged)  # the write owns the device copy now; it is freed with the step
             req.prefill_ids, req.prefilled, req.kv_len = list(req.prompt), n, n
             req.status = Status.RUNNING
             self.running.append(req)
@@ -300,11 +329,13 @@ class DecodeScheduler(Scheduler):
 class DecodeEngine(Engine):
     """Engine(...) whose prompts are prefilled by the prefill engines at prefill_addrs."""
 
-    def __init__(self, model, *, prefill_addrs: list[str], transfer_backend: str = "socket", **kw):
+    def __init__(self, model, *, prefill_addrs: list[str], transfer_backend: str = "socket",
+                 transfer_stage_bytes: int = 2 << 30, **kw):
         check_disaggregation_args(kw.get("tp_size", 1))
         super().__init__(model, **kw)
         self.router = PrefillRouter(prefill_addrs, transfer_backend, {
-            "layout": kv_io.layout(self.worker.state), "weights": kv_io.weights_fingerprint(self.worker)})
+            "layout": kv_io.layout(self.worker.state), "weights": kv_io.weights_fingerprint(self.worker)},
+            transfer_stage_bytes)
         self.scheduler = DecodeScheduler(self.worker, router=self.router, make_output=self._output,
                                          chunked_prefill_size=self.scheduler.chunked_prefill_size,
                                          prefix_cache=self.prefix_cache)
@@ -315,6 +346,11 @@ class DecodeEngine(Engine):
         from jspec.disaggregation.prefill import warmup_transfers
 
         return super().warmup(sampling_modes, prompt_logprobs) + warmup_transfers(self.worker, kv_io.write_request)
+
+    def check_idle_no_leaks(self) -> None:
+        super().check_idle_no_leaks()
+        if self.router.staged_bytes:
+            raise AssertionError(f"{self.router.staged_bytes} bytes of transferred KV still counted as staged")
 
     def step(self):
         outs = self.scheduler.outputs

@@ -66,10 +66,9 @@ def weights_fingerprint(worker) -> str:
     return h.hexdigest()
 
 
-def check_arrays(state, arrays, n: int) -> None:
-    """ValueError unless `arrays` are one n-token request of this state's layout: a malformed
-    message must fail its request, not the jitted write (and with it the engine loop)."""
-    want = layout(state)
+def check_arrays(want: list, arrays, n: int) -> None:
+    """ValueError unless `arrays` are one n-token request of layout `want`: a malformed message
+    must fail its request, not the jitted write (and with it the engine loop)."""
     got, tokens = [], set()
     for (kind, _, _), a in zip(want, arrays):
         if kind == "paged" and a.ndim > 1:
@@ -80,6 +79,22 @@ def check_arrays(state, arrays, n: int) -> None:
     if len(arrays) != len(want) or got != want or tokens != {n}:
         raise ValueError(f"the transferred arrays do not match this engine's state for a {n}-token prompt: got "
                          f"{[(list(a.shape), str(a.dtype)) for a in arrays]}, layout {want}")
+
+
+def stage_request(want: list, arrays: list[np.ndarray], n: int, to_device: bool) -> list:
+    """Checks one arrived request's arrays against layout `want` and pads its KV to the token
+    bucket; with to_device, also starts their copy to the device. Runs on the link's reader
+    thread, so neither the host copies nor the upload of a long prompt stall the decode loop."""
+    check_arrays(want, arrays, n)
+    nb = token_bucket(n)
+    out = []
+    for (kind, _, _), t in zip(want, arrays):
+        if kind == "paged" and nb != n:
+            buf = np.zeros((t.shape[0], nb, *t.shape[2:]), t.dtype)
+            buf[:, :n] = t
+            t = buf
+        out.append(t)
+    return jax.device_put(out) if to_device else out
 
 
 def token_bucket(n: int) -> int:
@@ -119,25 +134,13 @@ def _write(state, paged_in, rows_in, flat_slots, slot):
     return rebuild(new_paged, new_rows)
 
 
-def write_request(state, arrays: list[np.ndarray], pages: list[int], page_size: int, n: int, slot: int):
-    """The new state with one request's arrays (extract_request's, trimmed to n tokens) written
+def write_request(state, staged: list, pages: list[int], page_size: int, n: int, slot: int):
+    """The new state with one request's staged arrays (stage_request's, host or device) written
     into `pages` (covering positions 0..n-1) and `slot`. Donates `state`."""
-    paged, rows, _ = split_state(state)
-    k = len(paged)
-    if len(arrays) != k + len(rows):
-        raise ValueError(f"a transferred request has {len(arrays)} arrays; this engine's state needs "
-                         f"{k + len(rows)}")
+    k = len(split_state(state)[0])
     nb = token_bucket(n)
-    padded = []
-    for a, t in zip(paged, arrays[:k]):
-        if t.shape[1] == nb:  # a bucket-sized prompt: no host copy
-            padded.append(t)
-            continue
-        buf = np.zeros((t.shape[0], nb, *t.shape[2:]), t.dtype)
-        buf[:, :n] = t[:, :n]
-        padded.append(buf)
     pos = np.arange(nb)
     pt = np.asarray(pages, np.int32)
-    drop = paged[0].shape[1] * page_size
+    drop = split_state(state)[0][0].shape[1] * page_size
     flat = np.where(pos < n, pt[np.minimum(pos // page_size, len(pt) - 1)] * page_size + pos % page_size, drop)
-    return _write(state, padded, list(arrays[k:]), flat.astype(np.int32), np.int32(slot))
+    return _write(state, list(staged[:k]), list(staged[k:]), flat.astype(np.int32), np.int32(slot))

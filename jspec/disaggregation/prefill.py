@@ -162,9 +162,11 @@ def warmup_transfers(worker, fn) -> int:
             if fn is kv_io.extract_request:
                 jax.block_until_ready(fn(worker.state, pages, worker.page_size, n, worker.scratch_slot))
             else:
+                want = kv_io.layout(worker.state)
                 arrays = [np.zeros((s[0], n, *s[1:]) if kind == "paged" else s, transfer_dtype(dt))
-                          for kind, s, dt in kv_io.layout(worker.state)]
-                worker.state = fn(worker.state, arrays, pages, worker.page_size, n, worker.scratch_slot)
+                          for kind, s, dt in want]
+                staged = kv_io.stage_request(want, arrays, n, to_device=True)
+                worker.state = fn(worker.state, staged, pages, worker.page_size, n, worker.scratch_slot)
         count += 1
         if n >= ctx:
             return count
