@@ -19,7 +19,9 @@ every program the requests meet, --repeats requests one at a time:
   which it waits on, so it cannot be timed there without a sync);
 - staged_GBps = bytes / (d2h + wire + h2d): what the whole host-staged path moves per second;
 - readout_to_host_s: the read-out dispatched (with the prompt's last prefill step) -> the
-  arrays on the prefill host: that step's compute plus the device->host copy.
+  arrays on the prefill host: that step's compute plus the device->host copy;
+- stage_s: the decode side's reader thread checking, padding and uploading the arrays (the
+  upload is asynchronous: this is mostly the host part).
 The colocated row runs the same requests through one jspec.Engine (prefill and decode in
 one loop) for comparison. Medians over the repeats; the JSON goes to
 benchmarks/results/bench_pd.json.
@@ -201,6 +203,8 @@ def run_decode(args) -> None:
                            wire_s=wire, wire_GBps=nbytes / wire / 1e9, d2h_GBps=nbytes / d2h / 1e9,
                            h2d_GBps=nbytes / h2d / 1e9, staged_GBps=nbytes / (d2h + wire + h2d) / 1e9,
                            readout_to_host_s=median([t.t_sent - t.t_extract for t in tr]),
+                           stage_s=median([t.t_staged - t.t_received for t in tr]),
+                           staged_on_device=sum(t.on_device for t in tr) / len(tr),
                            admit_dispatch_s=median([t.t_admitted - t.t_received for t in tr]))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
