@@ -6,8 +6,9 @@ here. When its KV arrives (a reader thread per link puts it on a queue), the sch
 emits its first token and, as soon as a request slot and the pages for its prompt are
 free, writes the arrays into them (kv_io.write_request: one jitted, donated dispatch in
 the loop's launch order, no host sync) and lets the request join the next decode batch.
-Until then arrived requests wait in arrival order, holding only host memory: a full
-decode engine queues transfers, it never drops them.
+Until then arrived requests wait in arrival order, their KV on the device while it fits in
+the staging budget and on the host past it: a full decode engine queues transfers, it
+never drops them.
 
 A prefill engine that goes away (closed, crashed, killed mid-message) fails every request
 it still owed with an error the client sees; those requests never held decode pages.
@@ -41,7 +42,8 @@ class PrefillUnavailable(RuntimeError):
 
 @dataclasses.dataclass
 class TransferRecord:
-    """Timings (time.time(), one host's clock) and size of one request's transfer."""
+    """Timings (time.time(); t_extract and t_sent are the prefill host's clock, so compare them
+    with the rest only when both engines share a host) and size of one request's transfer."""
 
     rid: str
     num_tokens: int
