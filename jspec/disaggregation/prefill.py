@@ -2,10 +2,11 @@
 and the server that takes prefill jobs from decode engines.
 
 PrefillEngine runs the ordinary scheduler and steps (chunked prefill, prefix cache, the
-overlap loop) but never decodes: when a prompt's last chunk has been processed it reads
-the request's KV and carry out of the device (kv_io.extract_request, dispatched before
-the next step can reuse those pages) and starts their copy to the host. The request then
-ends here; its first token and state go to the decode engine, which continues it.
+overlap loop) but never decodes: as soon as the step holding a prompt's last chunk is
+launched it dispatches the read-out of the request's KV and carry from that step's output
+state (kv_io.extract_request) and starts their copy to the host; when the step's outputs
+are processed, the first token joins them and the request ends here. The decode engine
+continues it.
 
 PrefillServer listens on the bootstrap port. Each decode engine holds one connection
 (transfer.Link); over it come `prefill` / `abort` messages and back go `kv` (header +
