@@ -5,6 +5,10 @@
         --speculative-draft-model-path HEAD_DIR --speculative-num-steps 3 --speculative-eagle-topk 1 \\
         --speculative-num-draft-tokens 4 --page-size 16
 
+PD disaggregation (README): a prefill engine with --disaggregation-mode prefill
+--disaggregation-bootstrap-port PORT, and this server with --disaggregation-mode decode
+--disaggregation-prefill-addrs HOST:PORT.
+
 Endpoints: /v1/completions, /v1/chat/completions, /v1/models (OpenAI), /generate (SGLang),
 /health, /metrics (Prometheus), /debug/state. SIGINT / SIGTERM stop it cleanly: running
 requests are aborted and the step in flight is drained.
