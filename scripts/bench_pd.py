@@ -153,6 +153,32 @@ def median(xs):
     return float(np.median(xs)) if xs else None
 
 
+def pd_rows(engine, backend, lens, rng, vocab, rows, save, args) -> None:
+    """The PD rows of one transfer backend."""
+    for n in lens:
+        prompts = [list(map(int, rng.integers(0, vocab, n))) for _ in range(args.repeats + 2)]
+        for p in prompts[:2]:  # untimed: compiles what these requests meet, on both sides
+            one_request(engine, p, args.new_tokens)
+        engine.scheduler.transfers.clear()
+        times = [one_request(engine, p, args.new_tokens) for p in prompts[2:]]
+        tr = engine.scheduler.transfers
+        wire = median([t.t_received - t.t_sent for t in tr])
+        nbytes = tr[0].nbytes
+        d2h, h2d = staging_legs(engine, n, args.repeats)
+        row = dict(mode="pd", backend=backend, prompt_len=n, ttft_s=median([t for t, _ in times]),
+                   first_decode_token_s=median([d for _, d in times]), transfer_bytes=nbytes,
+                   wire_s=wire, wire_GBps=nbytes / wire / 1e9, d2h_GBps=nbytes / d2h / 1e9,
+                   h2d_GBps=nbytes / h2d / 1e9, staged_GBps=nbytes / (d2h + wire + h2d) / 1e9,
+                   readout_to_host_s=median([t.t_sent - t.t_extract for t in tr]),
+                   stage_s=median([t.t_staged - t.t_received for t in tr]),
+                   staged_on_device=sum(t.on_device for t in tr) / len(tr),
+                   admit_dispatch_s=median([t.t_admitted - t.t_received for t in tr]))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        save()
+    engine.check_idle_no_leaks()
+
+
 def run_decode(args) -> None:
     from jspec.disaggregation.decode import DecodeEngine
 
@@ -188,28 +214,12 @@ def run_decode(args) -> None:
         vocab = model[0].vocab_size
         for backend in args.backends.split(","):
             engine = DecodeEngine(model, prefill_addrs=[addr], transfer_backend=backend, **kw)
-            for n in lens:
-                prompts = [list(map(int, rng.integers(0, vocab, n))) for _ in range(args.repeats + 2)]
-                for p in prompts[:2]:  # untimed: compiles what these requests meet, on both sides
-                    one_request(engine, p, args.new_tokens)
-                engine.scheduler.transfers.clear()
-                times = [one_request(engine, p, args.new_tokens) for p in prompts[2:]]
-                tr = engine.scheduler.transfers
-                wire = median([t.t_received - t.t_sent for t in tr])
-                nbytes = tr[0].nbytes
-                d2h, h2d = staging_legs(engine, n, args.repeats)
-                row = dict(mode="pd", backend=backend, prompt_len=n, ttft_s=median([t for t, _ in times]),
-                           first_decode_token_s=median([d for _, d in times]), transfer_bytes=nbytes,
-                           wire_s=wire, wire_GBps=nbytes / wire / 1e9, d2h_GBps=nbytes / d2h / 1e9,
-                           h2d_GBps=nbytes / h2d / 1e9, staged_GBps=nbytes / (d2h + wire + h2d) / 1e9,
-                           readout_to_host_s=median([t.t_sent - t.t_extract for t in tr]),
-                           stage_s=median([t.t_staged - t.t_received for t in tr]),
-                           staged_on_device=sum(t.on_device for t in tr) / len(tr),
-                           admit_dispatch_s=median([t.t_admitted - t.t_received for t in tr]))
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+            try:
+                pd_rows(engine, backend, lens, rng, vocab, rows, save, args)
+            except RuntimeError as e:  # e.g. a /dev/shm too small for the shm backend: keep the other rows
+                rows.append(dict(mode="pd", backend=backend, error=str(e)))
+                print(f"{backend}: {e}", flush=True)
                 save()
-            engine.check_idle_no_leaks()
             engine.close()
             del engine
             gc.collect()
@@ -234,6 +244,9 @@ def run_decode(args) -> None:
     print(f"{'mode':>9} {'backend':>7} {'prompt':>6} {'ttft ms':>8} {'1st dec ms':>10} {'MB':>7} {'wire GB/s':>9} "
           f"{'d2h GB/s':>8} {'h2d GB/s':>8} {'staged':>6}")
     for r in rows:
+        if "error" in r:
+            print(f"{r['mode']:>9} {str(r['backend']):>7} failed: {r['error']}")
+            continue
         print(f"{r['mode']:>9} {str(r['backend']):>7} {r['prompt_len']:>6} {r['ttft_s'] * 1e3:>8.2f} "
               f"{r['first_decode_token_s'] * 1e3:>10.2f} {r.get('transfer_bytes', 0) / 1e6 or nan:>7.1f} "
               f"{r.get('wire_GBps', nan):>9.2f} {r.get('d2h_GBps', nan):>8.2f} {r.get('h2d_GBps', nan):>8.2f} "

@@ -177,6 +177,14 @@ class ShmLink(Link):
         total = sum(a.nbytes for a in arrays)
         if not total:
             return []
+        if os.path.isdir(_SHM_DIR):
+            st = os.statvfs(_SHM_DIR)
+            free = st.f_bavail * st.f_frsize
+            # A block larger than the tmpfs is created sparse and then kills this process with
+            # SIGBUS on the first write past the end: refuse it while it is only an error.
+            if total > free:
+                raise OSError(f"{_SHM_DIR} has {free / 2**20:.0f} MiB free and this transfer needs "
+                              f"{total / 2**20:.0f} MiB: enlarge it (docker --shm-size) or use the socket backend")
         name = f"jspd_{os.getpid()}_{next(self._counter)}"
         shm = shared_memory.SharedMemory(name=name, create=True, size=total)
         try:
