@@ -23,6 +23,12 @@ from jspec.engine import Engine, RequestOutput
 from jspec.sampling_params import SamplingParams
 
 
+class RequestFailed(RuntimeError):
+    """The engine could not serve a request for a reason of its own (not the request's)."""
+
+    status = 503
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -51,6 +57,8 @@ class AsyncEngine:
                 if isinstance(out, BaseException):
                     raise out
                 finished = out.finished
+                if out.error is not None:
+                    raise RequestFailed(out.error)
                 yield out
         finally:
             if not finished:

@@ -104,6 +104,7 @@ class RequestOutput:
     cached_tokens: int = 0  # prompt tokens read from the prefix cache
     spec_verify_ct: int = 0  # speculative iterations so far (0 without speculation)
     matched_stop: int | str | None = None
+    error: str | None = None  # why the request failed on the server's side (e.g. its prefill engine died)
 
 
 @dataclasses.dataclass

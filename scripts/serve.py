@@ -5,6 +5,10 @@
         --speculative-draft-model-path HEAD_DIR --speculative-num-steps 3 --speculative-eagle-topk 1 \\
         --speculative-num-draft-tokens 4 --page-size 16
 
+PD disaggregation (README): a prefill engine with --disaggregation-mode prefill
+--disaggregation-bootstrap-port PORT, and this server with --disaggregation-mode decode
+--disaggregation-prefill-addrs HOST:PORT.
+
 Endpoints: /v1/completions, /v1/chat/completions, /v1/models (OpenAI), /generate (SGLang),
 /health, /metrics (Prometheus), /debug/state. SIGINT / SIGTERM stop it cleanly: running
 requests are aborted and the step in flight is drained.
@@ -75,7 +79,23 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "among --lora-paths, at least 16)")
     ap.add_argument("--log-level", default="info")
     add_speculative_args(ap)
+    add_disaggregation_args(ap)
     return ap
+
+
+def add_disaggregation_args(ap) -> None:
+    g = ap.add_argument_group("PD disaggregation (SGLang's flag names, plus the decode side's prefill list)")
+    g.add_argument("--disaggregation-mode", choices=["null", "prefill", "decode"], default="null",
+                   help="prefill: compute prompts' KV and hand them to decode engines (serves no HTTP, listens "
+                        "on --disaggregation-bootstrap-port); decode: the HTTP server, which sends each prompt "
+                        "to a prefill engine and decodes it here")
+    g.add_argument("--disaggregation-bootstrap-port", type=int, default=8998,
+                   help="prefill: the port decode engines connect to (on --host)")
+    g.add_argument("--disaggregation-transfer-backend", choices=["socket", "shm"], default="socket",
+                   help="decode: how KV arrays cross (socket: in the TCP stream, works between hosts; shm: "
+                        "POSIX shared memory, one host)")
+    g.add_argument("--disaggregation-prefill-addrs", nargs="+", default=["127.0.0.1:8998"], metavar="HOST:PORT",
+                   help="decode: the prefill engines' bootstrap addresses (each request goes to the least loaded)")
 
 
 def kv_pages(args, model, page_size: int) -> int | None:
@@ -107,8 +127,16 @@ def kv_pages(args, model, page_size: int) -> int | None:
 def make_engine(args, model, spec):
     import jspec
 
-    return jspec.Engine(
-        model, spec=spec, page_size=args.page_size, max_running_requests=args.max_running_requests,
+    cls, extra = jspec.Engine, {}
+    if args.disaggregation_mode == "prefill":
+        from jspec.disaggregation.prefill import PrefillEngine as cls
+    elif args.disaggregation_mode == "decode":
+        from jspec.disaggregation.decode import DecodeEngine as cls
+
+        extra = dict(prefill_addrs=args.disaggregation_prefill_addrs,
+                     transfer_backend=args.disaggregation_transfer_backend)
+    return cls(
+        model, **extra, spec=spec, page_size=args.page_size, max_running_requests=args.max_running_requests,
         num_pages=kv_pages(args, model, args.page_size), chunked_prefill_size=args.chunked_prefill_size,
         disable_overlap_schedule=args.disable_overlap_schedule, disable_radix_cache=args.disable_radix_cache,
         max_top_logprobs=args.max_top_logprobs, attention_backend=args.attention_backend, seed=args.random_seed,
@@ -178,6 +206,8 @@ def main(argv=None) -> None:
         except ValueError as e:
             ap.error(f"--warmup-sampling-modes: {e}")
         log.info("compiled %d programs", n)
+    if args.disaggregation_mode == "prefill":
+        return serve_prefill(engine, args, log)
     async_engine = AsyncEngine(engine)
     name = args.served_model_name or os.path.basename(os.path.normpath(path))
 
@@ -190,6 +220,25 @@ def main(argv=None) -> None:
     app = create_app(async_engine, name, lifespan=lifespan)
     log.info("serving %s on http://%s:%d", name, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+
+
+def serve_prefill(engine, args, log) -> None:
+    """A prefill engine: no HTTP, only the bootstrap port; SIGTERM / SIGINT stop it."""
+    import signal
+    import threading
+
+    from jspec.disaggregation.prefill import PrefillServer
+
+    server = PrefillServer(engine, args.host, args.disaggregation_bootstrap_port)
+
+    def stop(signum, frame):
+        log.warning("shutting down the prefill engine")
+        server.stop()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+    server.serve_forever()
 
 
 if __name__ == "__main__":

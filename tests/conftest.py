@@ -31,7 +31,8 @@ SLOW_FILES_FIRST = ("test_engine.py", "test_spec_methods.py", "test_spec_eagle.p
                     "test_tensor_parallel.py", "test_dp_attention.py", "test_penalties.py", "test_real_model.py",
                     "test_hf_parity.py",
                     "test_lora.py", "test_moe.py", "test_train_eagle.py", "test_logprobs.py",
-                    "test_spec_sampling.py", "test_sampling.py", "test_kernels.py", "test_generate.py")
+                    "test_spec_sampling.py", "test_sampling.py", "test_kernels.py", "test_generate.py",
+                    "test_pd_disagg.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -117,7 +117,8 @@ def create_app(engine: AsyncEngine, model_name: str, lifespan=None) -> FastAPI:
         except (ValueError, RuntimeError) as e:
             for _, agen, _ in streams:
                 await agen.aclose()
-            raise APIError(str(e)) from None
+            status = getattr(e, "status", 400)  # RequestFailed: the server's fault, not the request's
+            raise APIError(str(e), status, "server_error" if status >= 500 else "invalid_request_error") from None
         return streams
 
     async def merged(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
