@@ -17,6 +17,8 @@ for v in ${@:-default no_cmdbuf cmdbuf_all}; do
   extra=()
   [ "$v" = default ] && extra=(--parts)
   echo "== $v: XLA_FLAGS=${FLAGS[$v]}" >&2
-  XLA_FLAGS="${XLA_FLAGS:-} ${FLAGS[$v]}" $PY scripts/bench_decode.py --quick --no-stacked --batches 1,32 \
+  # XLA reads a value that does not start with "--" as a file name: no stray space when empty.
+  flags="${XLA_FLAGS:-} ${FLAGS[$v]}"; flags="${flags# }"; flags="${flags% }"
+  XLA_FLAGS="$flags" $PY scripts/bench_decode.py --quick --no-stacked --batches 1,32 \
       --contexts 1024 --tag "$v" --out "$OUT_DIR" "${extra[@]}" 2>&1 | grep -v '^{' | tail -12
 done
