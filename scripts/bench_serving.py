@@ -148,6 +148,16 @@ async def run(args, requests, rate):
     )
 
 
+def server_info(url: str) -> dict | None:
+    """The server's device, jax version and settings (jspec's and SGLang's /get_server_info)."""
+    import urllib.request
+
+    try:
+        return json.loads(urllib.request.urlopen(url + "/get_server_info", timeout=10).read())
+    except Exception:  # noqa: BLE001 - a server without the endpoint
+        return None
+
+
 def write_results(args, url: str, rows: list[dict]) -> None:
     """Appends rows to --output-file's list (several runs, e.g. spec on and off, share one file)."""
     try:
@@ -155,6 +165,7 @@ def write_results(args, url: str, rows: list[dict]) -> None:
             ["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
     except Exception:  # noqa: BLE001
         commit = "unknown"
+    rows = [dict(r, commit=commit, server=server_info(url)) for r in rows]
     existing = []
     if os.path.exists(args.output_file):
         with open(args.output_file) as f:

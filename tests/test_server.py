@@ -147,6 +147,8 @@ def test_openai_client_matches_generate_with_eagle(model_dir, tmp_path):
         r = srv.post_raw("/generate", json.dumps({"text": "abc", "sampling_params": {
             "max_new_tokens": 8, "temperature": 0}}).encode())[1]
         assert r["meta_info"]["spec_verify_ct"] >= 1
+        info = json.loads(srv.get("/get_server_info"))["speculative"]
+        assert (info["algorithm"], info["num_steps"], info["eagle_topk"], info["num_draft_tokens"]) == ("EAGLE3", 3, 2, 5)
     finally:
         assert srv.stop()
 
@@ -226,6 +228,9 @@ def test_metrics_parse_and_move(server):
     after = sample("jspec_generation_tokens_total"), sample("jspec_time_to_first_token_seconds_count")
     assert after[0] == before[0] + 5 and after[1] == before[1] + 1
     assert sample("jspec_kv_pages_total") > 0
+    info = json.loads(server.get("/get_server_info"))
+    assert info["device_kind"] and info["jax_version"] and info["speculative"] is None
+    assert info["page_size"] >= 1 and info["context_length"] > 0
 
 
 def test_logprobs_and_native_generate(server, model_dir):

@@ -412,6 +412,21 @@ def create_app(engine: AsyncEngine, model_name: str, lifespan=None) -> FastAPI:
     async def prometheus():
         return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.get("/get_server_info")
+    async def server_info():
+        """What serves (SGLang's endpoint): device, jax version and engine settings, so a
+        benchmark client can record what it measured."""
+        import dataclasses
+
+        import jax
+
+        spec = core.spec
+        return {"model": model_name, "device_kind": jax.devices()[0].device_kind, "num_devices": jax.device_count(),
+                "jax_version": jax.__version__, "dtype": str(core.worker.dtype),
+                "context_length": model.cfg.max_position_embeddings, "page_size": core.worker.page_size,
+                "max_running_requests": core.worker.max_slots, "overlap_schedule": core.overlap,
+                "speculative": dataclasses.asdict(spec) if spec is not None else None}
+
     @app.get("/debug/state")
     async def debug_state():
         """KV and request bookkeeping, for leak checks: at idle every page is free or cached."""
