@@ -99,3 +99,20 @@ def test_saved_head_loads_and_is_lossless_and_accepted(setup):
     ev = eagle3.evaluate_head(model, setup["trained"], setup["cfg"], setup["data"])
     print(f"replayed accept length {ev['accept_length']:.3f}, per step acc {ev['step_acc']}")
     assert abs(ev["accept_length"] - accept["trained"]) < 0.35
+
+
+def test_generate_examples_greedy_first_then_seeded_samples(setup):
+    model, ids = setup["model"], setup["ids"][:3]
+    engine = jspec.Engine(model, **ENGINE_KW)
+    prompts = split_prompts(3, 0)[0]
+    examples = eagle3.generate_examples(model, prompts, NEW_TOKENS, engine=engine, sampled_answers=2,
+                                        temperature=1.0, seed=7)
+    assert len(examples) == 9 and [e.prompt_len for e in examples] == [len(i) for i in ids] * 3
+    # The greedy answers come first, in prompt order, and are the plain greedy output.
+    assert [e.tokens for e in examples[:3]] == [i + o.token_ids for i, o in zip(ids, setup["base"][:3])]
+    sampled = [e.tokens for e in examples[3:]]
+    assert all(s[:len(i)] == i for s, i in zip(sampled, ids * 2))
+    assert any(s != g.tokens for s, g in zip(sampled, examples[:3] * 2))  # temperature 1 leaves the greedy loop
+    again = eagle3.generate_examples(model, prompts, NEW_TOKENS, engine=engine, sampled_answers=2,
+                                     temperature=1.0, seed=7)
+    assert [e.tokens for e in again] == [e.tokens for e in examples]  # seeded: the data is reproducible
