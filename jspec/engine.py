@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import time
 
 import numpy as np
 
@@ -105,6 +106,32 @@ class RequestOutput:
     spec_verify_ct: int = 0  # speculative iterations so far (0 without speculation)
     matched_stop: int | str | None = None
     error: str | None = None  # why the request failed on the server's side (e.g. its prefill engine died)
+
+
+@dataclasses.dataclass
+class LoopTimes:
+    """Where the loop's host time goes, summed over iterations (seconds).
+
+    `wait_s` is the time blocked on the device at the designated read; everything else is
+    host work that the overlap loop must hide behind the device's step (issue 8, target 5).
+    Two perf_counter calls per phase cost well under a microsecond.
+    """
+
+    iterations: int = 0
+    schedule_s: float = 0.0  # Scheduler.schedule: admission, page growth, batch building
+    launch_s: float = 0.0  # building the step's inputs and dispatching the jitted step
+    wait_s: float = 0.0  # blocked on the previous step's outputs
+    process_s: float = 0.0  # accept bookkeeping, detokenizing, stop checks, outputs
+
+    @property
+    def host_s(self) -> float:
+        return self.schedule_s + self.launch_s + self.process_s
+
+    def per_iteration_ms(self) -> dict:
+        n = max(self.iterations, 1)
+        return {k: 1e3 * v / n for k, v in (("schedule", self.schedule_s), ("launch", self.launch_s),
+                                            ("process", self.process_s), ("host", self.host_s),
+                                            ("wait", self.wait_s))}
 
 
 @dataclasses.dataclass
@@ -205,6 +232,7 @@ class Engine:
         self._ids = itertools.count()
         self._arrival = itertools.count()
         self.num_steps = 0
+        self.loop_times = LoopTimes()
 
     # ---- LoRA adapters -----------------------------------------------------------------------
 
@@ -303,8 +331,13 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Schedules and launches one batch, and processes the previous one (overlap) or this one (sync)."""
+        times, t0 = self.loop_times, time.perf_counter()
         batch = self.scheduler.schedule()
+        t1 = time.perf_counter()
         launched = self._launch(batch) if batch is not None else None
+        times.schedule_s += t1 - t0
+        times.launch_s += time.perf_counter() - t1
+        times.iterations += 1
         if self.overlap:
             done, self._inflight = self._inflight, launched
         else:
@@ -328,14 +361,21 @@ class Engine:
         return _Launched(batch, out)
 
     def _process(self, launched: _Launched) -> list[RequestOutput]:
+        t_start = time.perf_counter()
         before = {id(r): (len(r.output), len(r.text), len(r.output_logprobs), len(r.output_top_logprobs))
                   for r in launched.batch.reqs}
+        t0 = time.perf_counter()
         host = designated_read(launched.outputs)
+        t1 = time.perf_counter()
         if isinstance(launched.batch, PrefillBatch):
             touched = self.scheduler.on_prefill_done(launched.batch, host)
         else:
             touched = self.scheduler.on_decode_done(launched.batch, host, self.spec is not None)
-        return [self._output(r, *before[id(r)]) for r in touched]
+        outputs = [self._output(r, *before[id(r)]) for r in touched]
+        times = self.loop_times
+        times.wait_s += t1 - t0
+        times.process_s += time.perf_counter() - t1 + (t0 - t_start)
+        return outputs
 
     @staticmethod
     def _output(r, n_out: int, n_text: int, n_lp: int, n_top: int) -> RequestOutput:
