@@ -12,7 +12,10 @@ for big batches the matmul FLOPs over the measured bf16 matmul rate.
 --parts adds rows that split a bs=1 step's time: each GEMV shape alone, and the step's
 matmuls only (every layer's QKV, O, gate-up and down, then the LM head, nothing else), so
 the gap to the floor divides into GEMV efficiency and everything else (norms, RoPE,
-attention, KV writes, launches). --tag names the JSON (bench_decode_TAG.json), for runs
+attention, KV writes, launches). Each GEMV shape is timed three ways: XLA with W [K, N] (the
+models' layout), XLA with W stored transposed [N, K], and the Pallas skinny_matmul over a small
+sweep of tile configs (each checked against the jnp reference), ending in a per-shape TB/s
+table of the three. --tag names the JSON (bench_decode_TAG.json), for runs
 under different XLA_FLAGS (recorded in the JSON).
 """
 
@@ -112,24 +115,98 @@ def measure_matmul_flops(small=False) -> float:
     return 2 * n**3 / timed(lambda: f(a, b), 10, 5)
 
 
+# Pallas skinny_matmul configs per weight shape: (block_n, block_k, num_stages, splits x the plan's).
+# Shared memory is about block_k * block_n * 2 bytes * num_stages (of 227 KiB per SM): 32 KiB tiles x 3
+# stages (96 KiB) leave room for two programs per SM, x 4 stages (128 KiB) for one; the 64 KiB-tile
+# configs (192 KiB) fit one program per SM and are the first to fail if Triton needs more than that.
+PALLAS_SWEEP = (
+    (128, 128, 3, 1),  # the plan's default
+    (128, 128, 3, 2),
+    (128, 128, 4, 1),
+    (64, 256, 3, 1),
+    (64, 128, 4, 1),
+    (256, 128, 3, 1),
+    (128, 256, 3, 1),
+    (64, 512, 3, 1),
+)
+
+
+def pallas_configs(B: int, k: int, n: int) -> list[dict]:
+    """PALLAS_SWEEP resolved for one shape: blocks no larger than the (power-of-two padded) dims, splits
+    from skinny_matmul_plan (x1 or x2), duplicates dropped (a tiny model's shapes collapse several)."""
+    from jspec.pallas.paged_tiles import next_pow2
+    from jspec.pallas.skinny_matmul import skinny_matmul_plan
+
+    configs = []
+    for bn, bk, stages, mult in PALLAS_SWEEP:
+        bn, bk = min(bn, max(16, next_pow2(n))), min(bk, max(16, next_pow2(k)))
+        plan = skinny_matmul_plan(B, k, n, block_n=bn, block_k=bk)
+        cfg = dict(block_n=bn, block_k=bk, num_splits=plan.num_splits * mult, num_stages=stages, num_warps=4)
+        # The splits the kernel will really run (the plan clamps and drops empty ones).
+        cfg["num_splits"] = skinny_matmul_plan(B, k, n, block_n=bn, block_k=bk, num_splits=cfg["num_splits"]).num_splits
+        if cfg not in configs:
+            configs.append(cfg)
+    return configs
+
+
 def gemv_rows(cfg: ModelConfig, dtype, bw: float, batches=(1,), copies=4) -> list[dict]:
     """Time of x @ W for each decode weight shape, over `copies` distinct W (so L2 holds none),
-    and of the whole step's matmul chain. Bandwidth = weight bytes / time."""
+    and of the whole step's matmul chain. Bandwidth = weight bytes / time.
+
+    Per shape: XLA with W [K, N] (the models' layout, part gemv_NAME), XLA with W stored
+    transposed [N, K] (gemv_NAME_nk), and the Pallas skinny_matmul over pallas_configs
+    (pallas_NAME, each checked against the jnp reference; a config that fails to compile or
+    run is recorded with ok=False and the sweep goes on)."""
+    from jspec.pallas.ref import skinny_matmul_ref
+    from jspec.pallas.skinny_matmul import MAX_ROWS, skinny_matmul
+
     q = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     shapes = {"qkv": (cfg.hidden_size, q), "o": (cfg.num_heads * cfg.head_dim, cfg.hidden_size),
               "gate_up": (cfg.hidden_size, 2 * cfg.intermediate_size), "down": (cfg.intermediate_size, cfg.hidden_size),
               "lm_head": (cfg.hidden_size, cfg.vocab_size)}
     key = iter(jax.random.split(jax.random.key(20), 64))
     rows = []
+
+    def time_row(part, f, x, ws, B, k, n, **extra):
+        jax.block_until_ready(f(x, ws))
+        t = timed(lambda: f(x, ws), 10, 5) / copies
+        row = dict(part=part, batch=B, shape=[k, n], us=t * 1e6, TBps=k * n * 2 / t / 1e12,
+                   x_floor=t / (k * n * 2 / bw), **extra)
+        print(json.dumps(row), flush=True)
+        return row
+
     for B in batches:
         for name, (k, n) in shapes.items():
             ws = [jax.random.normal(next(key), (k, n), dtype) * 0.02 for _ in range(copies)]
             x = jax.random.normal(next(key), (B, k), dtype)
             f = jax.jit(lambda x, ws: [jnp.dot(x, w, preferred_element_type=jnp.float32).astype(dtype) for w in ws])
-            jax.block_until_ready(f(x, ws))
-            t = timed(lambda: f(x, ws), 10, 5) / copies
-            rows.append(dict(part=f"gemv_{name}", batch=B, shape=[k, n], us=t * 1e6, TBps=k * n * 2 / t / 1e12,
-                             x_floor=t / (k * n * 2 / bw)))
+            rows.append(time_row(f"gemv_{name}", f, x, ws, B, k, n))
+
+            if B <= MAX_ROWS:
+                ref = skinny_matmul_ref(x, ws[0])
+                for conf in pallas_configs(B, k, n):
+                    # f32 out, uncast: the check reads the timed program's own output (one compile per
+                    # config); writing M * N * 4 bytes instead of 2 is noise against K * N * 2 read.
+                    f = jax.jit(lambda x, ws, conf=conf: [skinny_matmul(x, w, **conf) for w in ws])
+                    try:
+                        out = f(x, ws)[0]
+                        err = float(jnp.max(jnp.abs(out - ref)))
+                        ok = bool(jnp.allclose(out, ref, rtol=2e-3, atol=2e-3))
+                        rows.append(time_row(f"pallas_{name}", f, x, ws, B, k, n, config=conf, max_abs_err=err,
+                                             ok=ok))
+                    except Exception as e:  # keep going: one config that does not compile must not hide the others
+                        row = dict(part=f"pallas_{name}", batch=B, shape=[k, n], config=conf, ok=False,
+                                   error=f"{type(e).__name__}: {str(e)[:300]}")
+                        print(json.dumps(row), flush=True)
+                        rows.append(row)
+            del ws
+
+            # The same product with W stored transposed, [N, K]: contract x's dim 1 with W's dim 1.
+            ws = [jax.random.normal(next(key), (n, k), dtype) * 0.02 for _ in range(copies)]
+            f = jax.jit(lambda x, ws: [jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())),
+                                                           preferred_element_type=jnp.float32).astype(dtype)
+                                       for w in ws])
+            rows.append(time_row(f"gemv_{name}_nk", f, x, ws, B, k, n))
             del ws
         # The step's matmuls alone: 32 layers x (qkv, o, gate_up, down) + lm_head, chained through x.
         layers = [{nm: jax.random.normal(jax.random.key(100 * i + j), shapes[nm], dtype) * 0.02
@@ -152,10 +229,26 @@ def gemv_rows(cfg: ModelConfig, dtype, bw: float, batches=(1,), copies=4) -> lis
         t = timed(lambda: chain(x, layers, head), 10, 5)
         nbytes = sum(w.nbytes for lp in layers for w in lp.values()) + head.nbytes
         rows.append(dict(part="matmul_chain", batch=B, us=t * 1e6, TBps=nbytes / t / 1e12, x_floor=t / (nbytes / bw)))
+        print(json.dumps(rows[-1]), flush=True)
         del layers, head
-    for r in rows:
-        print(json.dumps(r), flush=True)
     return rows
+
+
+def print_gemv_summary(parts: list[dict]) -> None:
+    """One line per (batch, shape): XLA [K, N], XLA [N, K], and the best Pallas config that matched
+    the reference, in TB/s."""
+    print(f"{'shape':>8} {'B':>3} {'xla kn':>7} {'xla nk':>7} {'pallas':>7}  best pallas config (ok/tried)")
+    for r in parts:
+        if not r["part"].startswith("gemv_") or r["part"].endswith("_nk"):
+            continue
+        name, B = r["part"][len("gemv_"):], r["batch"]
+        nk = [p["TBps"] for p in parts if p["part"] == f"gemv_{name}_nk" and p["batch"] == B]
+        tried = [p for p in parts if p["part"] == f"pallas_{name}" and p["batch"] == B]
+        good = [p for p in tried if p.get("ok")]
+        best = max(good, key=lambda p: p["TBps"]) if good else None
+        print(f"{name:>8} {B:>3} {r['TBps']:>7.2f} {nk[0] if nk else float('nan'):>7.2f} "
+              f"{best['TBps'] if best else float('nan'):>7.2f}  "
+              f"{json.dumps(best['config']) if best else '-'} ({len(good)}/{len(tried)})")
 
 
 def main():
@@ -273,7 +366,16 @@ def main():
     path = save()
     print(f"\nwrote {path}\n")
     for r in parts:
-        print(f"{r['part']:>14} B={r['batch']:<3} {r['us']:>9.1f} us {r['TBps']:>5.2f} TB/s {r['x_floor']:>5.2f}x floor")
+        if "us" not in r:
+            print(f"{r['part']:>14} B={r['batch']:<3} FAILED {json.dumps(r['config'])} {r['error'][:100]}")
+            continue
+        conf = f" {json.dumps(r['config'])} ok={r['ok']} err={r['max_abs_err']:.1e}" if "config" in r else ""
+        print(f"{r['part']:>14} B={r['batch']:<3} {r['us']:>9.1f} us {r['TBps']:>5.2f} TB/s {r['x_floor']:>5.2f}x floor"
+              f"{conf}")
+    if parts:
+        print()
+        print_gemv_summary(parts)
+        print()
     print(f"{'B':>4} {'ctx':>5} {'layout':>12} {'step ms':>8} {'floor ms':>8} {'x floor':>7} {'mm floor':>8} {'tok/s':>8}")
     for r in rows:
         print(f"{r['batch']:>4} {r['context']:>5} {r['layout']:>12} {r['step_ms']:>8.3f} "

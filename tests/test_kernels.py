@@ -1,11 +1,14 @@
-"""Pallas paged attention kernels against their jnp references (interpret mode on the CPU).
+"""Pallas kernels against their jnp references (interpret mode on the CPU).
 
-Every input is random normal. Everything a kernel must not read is poisoned
+Paged attention: every input is random normal. Everything a kernel must not read is poisoned
 with NaN: other layers of the cache, pages in no page table, the tail of each
 sequence's last page, page-table slots past a sequence's pages (which also point
 at NaN pages or far out of range), and q's padding rows. A single stray read
 turns the output NaN, so "no NaN and equal to the reference" proves the
 kernels read only what they should.
+
+Skinny matmul: random x and bf16 weights at shapes that hit every masked edge
+(ragged N, ragged K, uneven splits, M from 1 to 16).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from jspec.pallas.backend import interpret_mode
 from jspec.pallas.paged_decode import paged_decode
 from jspec.pallas.paged_extend import paged_extend
 from jspec.pallas.paged_tiles import choose_splits
-from jspec.pallas.ref import paged_decode_ref, paged_extend_ref
+from jspec.pallas.ref import paged_decode_ref, paged_extend_ref, skinny_matmul_ref
+from jspec.pallas.skinny_matmul import skinny_matmul, skinny_matmul_plan
 
 LAYERS = 3
 LAYER = 1  # not 0: a kernel that ignores the layer index reads NaN
@@ -250,3 +254,41 @@ def test_bfloat16_inputs():
                            sm_scale=SM_SCALE)
     assert out.dtype == jnp.bfloat16
     assert rel_err(out, ref) < 2e-2
+
+
+@pytest.mark.parametrize(
+    "M,K,N,tuning",
+    [
+        (1, 512, 384, {}),
+        (5, 256, 1000, dict(block_n=64)),  # ragged N: the last strip is masked
+        (16, 512, 256, dict(block_k=64, num_splits=4)),
+        (3, 300, 200, dict(block_n=32, block_k=32, num_splits=3)),  # ragged K and N, uneven splits
+        (1, 1024, 128, dict(block_k=64, num_splits=16)),  # one tile per split
+        (7, 128, 64, dict(num_splits=1, num_stages=4)),
+    ],
+)
+def test_skinny_matmul_matches_reference(M, K, N, tuning):
+    """f32 x against bf16 weights; only the summation order differs from the reference."""
+    rng = np.random.default_rng(M * 1000 + N)
+    x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((K, N)), jnp.bfloat16)
+    out = skinny_matmul(x, w, **tuning)
+    ref = skinny_matmul_ref(x, w)
+    assert out.shape == (M, N) and out.dtype == jnp.float32
+    # Products of bf16 values are exact in f32; the sums of K terms of size ~sqrt(K) differ by rounding only.
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5 * np.sqrt(K))
+
+
+def test_skinny_matmul_plan():
+    """Splits fill the GPU for narrow N, never go below MIN_TILES_PER_SPLIT tiles, and tile K exactly."""
+    qkv, lm_head, down = skinny_matmul_plan(1, 4096, 6144), skinny_matmul_plan(1, 4096, 128256), \
+        skinny_matmul_plan(1, 14336, 4096)
+    assert lm_head.num_splits == 1  # 1002 strips are already enough programs
+    assert qkv.num_splits == 8 and qkv.split_len == 512
+    assert down.num_splits * down.split_len >= 14336 > (down.num_splits - 1) * down.split_len
+    tiny = skinny_matmul_plan(4, 64, 48)
+    assert (tiny.block_n, tiny.block_k, tiny.num_splits) == (64, 64, 1)
+    with pytest.raises(ValueError):
+        skinny_matmul_plan(17, 64, 64)
+    with pytest.raises(ValueError):
+        skinny_matmul_plan(1, 64, 64, block_n=96)

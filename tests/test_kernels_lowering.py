@@ -25,6 +25,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
 from jspec.pallas.paged_decode import paged_decode
 from jspec.pallas.paged_extend import paged_extend
+from jspec.pallas.skinny_matmul import skinny_matmul
 
 H200 = AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
 BF16, I32 = jnp.bfloat16, jnp.int32
@@ -115,4 +116,23 @@ def test_paged_extend_lowers_for_cuda(batch, q_len, ctx, page_size, num_kv_heads
         return paged_extend(*args[:7], sm_scale=head_dim ** -0.5, max_q_len=q_len, mask=mask, interpret=False,
                             **tuning)
 
+    assert_has_triton_call(lower_for_cuda(fn, *specs))
+
+
+@pytest.mark.parametrize(
+    "K,N,tuning",
+    [
+        (4096, 6144, {}),  # Llama-3.1-8B qkv
+        (4096, 4096, {}),  # o
+        (4096, 28672, {}),  # gate_up
+        (14336, 4096, {}),  # down
+        (4096, 128256, {}),  # lm_head
+        (4096, 128256, dict(block_n=512, block_k=32)),  # 128256 / 512 = 250.5 strips: ragged N, masked
+        (14336, 4096, dict(block_k=512, num_splits=3)),  # uneven splits: a dynamic trip count
+        (4000, 1000, dict(block_n=64, block_k=256, num_warps=8, num_stages=4)),  # ragged K and N
+    ],
+)
+def test_skinny_matmul_lowers_for_cuda(K, N, tuning):
+    specs = (jax.ShapeDtypeStruct((1, K), BF16), jax.ShapeDtypeStruct((K, N), BF16))
+    fn = functools.partial(skinny_matmul, interpret=False, **tuning)
     assert_has_triton_call(lower_for_cuda(fn, *specs))

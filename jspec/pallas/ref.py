@@ -128,3 +128,12 @@ def paged_extend_ref(
     owner, index_in_seq, real = ragged_row_owner(query_start, num_rows)
     flat = out[owner, jnp.clip(index_in_seq, 0, max_q_len - 1)]
     return jnp.where(real[:, None, None], flat, 0.0).astype(q.dtype)
+
+
+def skinny_matmul_ref(x, w):
+    """x [M, K] @ w [K, N] -> f32 [M, N]: x cast to w's dtype, products accumulated in f32.
+
+    The same contract as the skinny_matmul kernel (and the models' jnp.dot with
+    preferred_element_type=f32), so the two differ only in summation order.
+    """
+    return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
