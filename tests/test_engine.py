@@ -111,11 +111,19 @@ def test_loop_reads_the_device_only_at_the_designated_point(tiny):
     arrivals = workload(n=12, seed=1)
     # Warm up (compilation, first transfers) outside the guard, then the guarded run.
     run_workload(engine, workload(n=12, seed=1))
+    engine.loop_times = type(engine.loop_times)()
+    steps_before = engine.num_steps
     with count_device_reads() as reads:
         run_workload(engine, arrivals)
     assert reads.designated, "the loop must read step outputs somewhere"
     assert not reads.hidden, reads.report()
     engine.check_idle_no_leaks()
+    # Every launched step was timed, and the phases are each accounted once (no overlap).
+    times = engine.loop_times
+    assert times.iterations >= engine.num_steps - steps_before > 0
+    assert min(times.schedule_s, times.launch_s, times.wait_s, times.process_s) > 0
+    per = times.per_iteration_ms()
+    assert per["host"] == pytest.approx(per["schedule"] + per["launch"] + per["process"])
 
 
 def test_retraction_finishes_everything_with_the_same_outputs(tiny):
