@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 8, target 3 (bs=1 decode step vs its bandwidth floor): the step under XLA command
 # buffer settings (CUDA graphs of a step's kernels, which remove per-kernel launch gaps),
-# plus the --parts split of the step's time. One JSON per variant:
+# plus the --parts split of the step's time, and the step with its skinny matmuls in Pallas. One JSON per variant:
 # $OUT_DIR/bench_decode_<variant>.json.
 #   OUT_DIR=... bash scripts/bench_decode_xla_flags.sh [variant ...]
 set -uo pipefail
@@ -12,13 +12,16 @@ declare -A FLAGS=(
   [default]=""
   [no_cmdbuf]="--xla_gpu_enable_command_buffer="
   [cmdbuf_all]="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION --xla_gpu_graph_min_graph_size=1"
+  [pallas_gemv]=""
 )
+# Variants that change jspec rather than XLA: the skinny projections through Pallas (jspec/models/matmul.py).
+declare -A SKINNY=([pallas_gemv]=pallas)
 for v in ${@:-default no_cmdbuf cmdbuf_all}; do
   extra=()
   [ "$v" = default ] && extra=(--parts)
   echo "== $v: XLA_FLAGS=${FLAGS[$v]}" >&2
   # XLA reads a value that does not start with "--" as a file name: no stray space when empty.
   flags="${XLA_FLAGS:-} ${FLAGS[$v]}"; flags="${flags# }"; flags="${flags% }"
-  XLA_FLAGS="$flags" $PY scripts/bench_decode.py --quick --no-stacked --batches 1,32 \
-      --contexts 1024 --tag "$v" --out "$OUT_DIR" "${extra[@]}" 2>&1 | grep -v '^{' | tail -12
+  XLA_FLAGS="$flags" JSPEC_SKINNY_MATMUL=${SKINNY[$v]:-xla} $PY scripts/bench_decode.py --quick --no-stacked --batches 1,32 \
+      --contexts 1024 --tag "$v" --out "$OUT_DIR" "${extra[@]}" 2>&1 | grep -v "^{" | tail -20
 done

@@ -292,3 +292,17 @@ def test_skinny_matmul_plan():
         skinny_matmul_plan(17, 64, 64)
     with pytest.raises(ValueError):
         skinny_matmul_plan(1, 64, 64, block_n=96)
+
+
+def test_dense_matmul_switch(monkeypatch):
+    """JSPEC_SKINNY_MATMUL picks the projections' matmul; a bad value is refused, and off
+    the GPU the XLA dot runs whatever it says (the kernel lowers through Triton only there)."""
+    from jspec.models import matmul
+
+    x = jax.random.normal(jax.random.key(0), (3, 64), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (64, 48), jnp.bfloat16)
+    monkeypatch.setenv(matmul.SKINNY_MATMUL_ENV, "cublas")
+    with pytest.raises(ValueError, match="expected 'xla' or 'pallas'"):
+        matmul.dense_f32(x, w)
+    monkeypatch.setenv(matmul.SKINNY_MATMUL_ENV, "pallas")
+    np.testing.assert_array_equal(matmul.dense_f32(x, w), jnp.dot(x, w, preferred_element_type=jnp.float32))

@@ -21,6 +21,7 @@ from jspec.config import ModelConfig
 from jspec.lora import LoraBatch, down_delta, gate_up_delta, layer_weights, o_delta, qkv_delta, slot_mask
 from jspec.models.attention import paged_attention
 from jspec.models.batch import AttentionMode, ForwardBatch
+from jspec.models.matmul import dense_f32
 from jspec.models.moe import moe_mlp_on_mesh
 from jspec.paged_kv.pool import KVPool, write_kv
 
@@ -66,13 +67,13 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def _linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    return dense_f32(x, w).astype(x.dtype)
 
 
 def _project(h: jax.Array, w: jax.Array) -> jax.Array:
     """h [T, in] @ w -> f32 [T, shards, n]; w is [in, n] (one shard) or [in, tp, n / tp]."""
     if w.ndim == 2:
-        return jnp.dot(h, w, preferred_element_type=jnp.float32)[:, None, :]
+        return dense_f32(h, w)[:, None, :]
     return jnp.einsum("ti,isn->tsn", h, w, preferred_element_type=jnp.float32)
 
 
@@ -122,7 +123,7 @@ def _linear_lora(lp, x: jax.Array, name: str, delta) -> jax.Array:
     """x @ lp[name], plus the layer's LoRA delta when it has one (added before the cast)."""
     if "lora" not in lp:
         return _linear(x, lp[name])
-    y = jnp.dot(x, lp[name], preferred_element_type=jnp.float32) + delta(*lp["lora"], x)
+    y = dense_f32(x, lp[name]) + delta(*lp["lora"], x)
     return y.astype(x.dtype)
 
 
@@ -162,7 +163,7 @@ def lm_head_weight(params) -> jax.Array:
 
 
 def compute_logits(params, cfg: ModelConfig, hidden_normed: jax.Array) -> jax.Array:
-    return jnp.dot(hidden_normed, lm_head_weight(params), preferred_element_type=jnp.float32)
+    return dense_f32(hidden_normed, lm_head_weight(params))
 
 
 def forward(
