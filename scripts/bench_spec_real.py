@@ -42,7 +42,9 @@ tok = transformers.AutoTokenizer.from_pretrained(path)
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 load = lambda p: transformers.AutoModelForCausalLM.from_pretrained(p, dtype=torch.bfloat16).to(dev).eval()
 model = load(path)
-kw = {"assistant_model": load(assistant)} if assistant else {}
+# "prompt_lookup": HF's draft-free assisted generation (n-gram candidates from the context).
+kw = ({"prompt_lookup_num_tokens": 4} if assistant == "prompt_lookup"
+      else {"assistant_model": load(assistant)} if assistant else {})
 ids = [tok(p, add_special_tokens=False, return_tensors="pt").input_ids.to(dev) for p in prompts]
 with torch.no_grad():
     model.generate(ids[0], do_sample=False, max_new_tokens=8, **kw)  # warm-up
@@ -120,7 +122,8 @@ def main():
             save()
             del engine
     if args.hf_peer:
-        peers = [("hf transformers greedy (bf16, eager)", "")]
+        peers = [("hf transformers greedy (bf16, eager)", ""),
+                 ("hf transformers assisted generation, prompt lookup 4 (bf16, eager)", "prompt_lookup")]
         if args.algorithm == "STANDALONE":
             peers.append(("hf transformers assisted generation (same draft)", args.draft_model_path))
         for label, assistant in peers:
