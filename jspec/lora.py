@@ -6,18 +6,25 @@ stores lora_A [r, in] and lora_B [out, r]. Several adapters are resident at once
 `LoraPool`; each token of a batch names the pool slot of its request's adapter (slot 0 is
 "no adapter"), and the forward adds every token's own delta (models/llama.py).
 
-Pool layout, per group of modules whose A (or B) matrices share a shape:
-    a[group] [L, G, S, in, r_max]      b[group] [L, G, S, r_max, out]
-(L layers, G modules in the group, S = max_loras: slot s > 0 is stored at index s - 1, and
-slot 0 takes no storage and no compute, its mask column being implicit; ranks are
-zero-padded to r_max). Layers lead so
-each layer's slice is contiguous (the unrolled forward takes it without a copy, a scan
-takes it as xs); grouping keeps the step's argument count small (dispatch cost grows with
-leaves) and lets q/k/v (and gate/up) share one A matmul, whose deltas come out
-concatenated in the fused wqkv (w_gate_up) column order.
+Pool layout, per layer (a list of L dicts, like the unrolled model's weights), for each
+fused projection P of the model (qkv, gate_up, o, down) with G modules (3, 2, 1, 1):
+    a_P [in, S * G * r_max]      b_P [S * G * r_max, out of the fused weight]
+columns of a_P (rows of b_P) ordered (slot, module, rank): S = max_loras, slot s > 0 at
+index s - 1 (slot 0 takes no storage and no compute), ranks zero-padded to r_max. b_P is
+block-diagonal over modules: module g's rows are nonzero only in g's columns of the fused
+weight (wqkv's q | k | v, w_gate_up's gate | up), so a projection's delta is two plain
+matmuls, x @ a_P, a mask to each token's own slot, @ b_P, and comes out in the fused
+weight's column order with no concatenation or transposes. A slot is one contiguous
+column block of a_P and row block of b_P, which a load overwrites.
+
+Why this shape (benchmarks/NOTES.md, LoRA): at bs=32 the delta's matmuls are tiny, so its
+cost is the number of kernels. Per-layer arrays are step arguments of their own, since
+XLA copies a weight sliced out of a stacked array before a matmul (as for the model's
+weights); the zero blocks of b_P cost reads of at most G times the adapter bytes, small
+beside the model's weights.
 
 The forward computes every slot's delta for every token and masks it to the token's own
-slot: dense matmuls with S * r_max columns and no per-token weight gather, so its cost
+slot: dense matmuls with S * G * r_max columns and no per-token weight gather, so its cost
 does not depend on how many distinct adapters a batch mixes.
 """
 
@@ -39,20 +46,13 @@ from jspec.models.loader import CheckpointError, read_safetensors_file
 
 SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
-# module -> (A group, index in it, B group, index in it). A groups by input width, B groups
-# by output width; q/k/v and gate/up sit side by side in "a_hidden" so each set is one matmul.
-_PLACE = {
-    "q_proj": ("a_hidden", 0, "b_q", 0),
-    "k_proj": ("a_hidden", 1, "b_kv", 0),
-    "v_proj": ("a_hidden", 2, "b_kv", 1),
-    "gate_proj": ("a_hidden", 3, "b_gate_up", 0),
-    "up_proj": ("a_hidden", 4, "b_gate_up", 1),
-    "o_proj": ("a_o", 0, "b_hidden", 0),
-    "down_proj": ("a_down", 0, "b_hidden", 1),
+# fused projection -> its modules, in the fused weight's column order (models/llama.py).
+FUSED_PROJECTIONS = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "gate_up": ("gate_proj", "up_proj"),
+    "o": ("o_proj",),
+    "down": ("down_proj",),
 }
-_A_GROUPS = {"a_hidden": 5, "a_o": 1, "a_down": 1}
-_B_GROUPS = {"b_q": 1, "b_kv": 2, "b_gate_up": 2, "b_hidden": 2}
-
 _TENSOR_NAME = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
 
@@ -179,8 +179,7 @@ def load_adapter(name: str, path: str | os.PathLike, cfg: ModelConfig, max_rank:
 class LoraWeights(NamedTuple):
     """The pool on the device (a step argument): see the module docstring for the layout."""
 
-    a: dict  # group -> [L, G, S, in, r_max]
-    b: dict  # group -> [L, G, S, r_max, out]
+    layers: list  # per layer: {"a_qkv", "b_qkv", "a_gate_up", ...: arrays}
     scale: jax.Array  # [S] float32, scale of slot index + 1 (0 where empty)
 
 
@@ -191,9 +190,13 @@ class LoraBatch(NamedTuple):
     token_slots: jax.Array  # [T] int32, 0 = no adapter
 
 
-def layer_weights(weights: LoraWeights, i) -> LoraWeights:
-    """Layer i's slice of the pool (the scale is shared by all layers)."""
-    return LoraWeights({k: v[i] for k, v in weights.a.items()}, {k: v[i] for k, v in weights.b.items()}, weights.scale)
+def layer_weights(weights: LoraWeights, i: int) -> dict:
+    return weights.layers[i]
+
+
+def stacked_layer_weights(weights: LoraWeights) -> dict:
+    """The pool's layers stacked on a leading axis (for a scan over stacked model weights)."""
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *weights.layers)
 
 
 def slot_mask(weights: LoraWeights, token_slots: jax.Array) -> jax.Array:
@@ -202,41 +205,28 @@ def slot_mask(weights: LoraWeights, token_slots: jax.Array) -> jax.Array:
     return (token_slots[:, None] == jnp.arange(1, S + 1, dtype=jnp.int32)[None]) * weights.scale[None]
 
 
-def lora_delta(lw: LoraWeights, mask: jax.Array, h: jax.Array, a_group: str, a_range: tuple[int, int],
-               b_group: str, b_range: tuple[int, int]) -> jax.Array:
-    """Sum over modules a_range of group a_group (paired with b_range of b_group) of each
-    token's own low-rank delta, concatenated on the output axis in module order:
-    f32 [T, sum of outs]. lw is one layer's slice."""
-    a = lw.a[a_group][a_range[0] : a_range[1]]  # [G, S, in, r]
-    b = lw.b[b_group][b_range[0] : b_range[1]]  # [G, S, r, out]
-    u = jnp.einsum("ti,gsir->tgsr", h, a.astype(h.dtype), preferred_element_type=jnp.float32)
-    u = (u * mask[:, None, :, None]).astype(h.dtype)
-    d = jnp.einsum("tgsr,gsro->tgo", u, b.astype(h.dtype), preferred_element_type=jnp.float32)
-    return d.reshape(h.shape[0], -1)
+def lora_delta(layer: dict, mask: jax.Array, h: jax.Array, projection: str) -> jax.Array:
+    """Each token's own low-rank delta of a fused projection, in the fused weight's column
+    order: f32 [T, out]. layer: one layer's pool arrays; mask: slot_mask's [T, S]."""
+    a, b = layer["a_" + projection], layer["b_" + projection]
+    T, S = h.shape[0], mask.shape[1]
+    u = jnp.dot(h, a.astype(h.dtype), preferred_element_type=jnp.float32)  # [T, S * G * r]
+    u = (u.reshape(T, S, -1) * mask[:, :, None]).reshape(T, -1).astype(h.dtype)
+    return jnp.dot(u, b.astype(h.dtype), preferred_element_type=jnp.float32)
 
 
-def qkv_delta(lw, mask, h):
-    return jnp.concatenate([lora_delta(lw, mask, h, "a_hidden", (0, 1), "b_q", (0, 1)),
-                            lora_delta(lw, mask, h, "a_hidden", (1, 3), "b_kv", (0, 2))], axis=-1)
+def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, list[int]]]:
+    """fused projection -> (input width, output width of each of its modules)."""
+    shapes = module_shapes(cfg)
+    return {p: (shapes[ms[0]][0], [shapes[m][1] for m in ms]) for p, ms in FUSED_PROJECTIONS.items()}
 
 
-def gate_up_delta(lw, mask, h):
-    return lora_delta(lw, mask, h, "a_hidden", (3, 5), "b_gate_up", (0, 2))
+def _write(arr, val, row, col):
+    return jax.lax.dynamic_update_slice(arr, val.astype(arr.dtype), (row, col))
 
 
-def o_delta(lw, mask, h):
-    return lora_delta(lw, mask, h, "a_o", (0, 1), "b_hidden", (0, 1))
-
-
-def down_delta(lw, mask, h):
-    return lora_delta(lw, mask, h, "a_down", (0, 1), "b_hidden", (1, 2))
-
-
-def _write(arr, val, g, s):
-    return arr.at[:, g, s].set(val.astype(arr.dtype))
-
-
-# Donated, so a load does not hold two copies of the pool.
+# Donated, so a load does not hold two copies of the pool; offsets traced, so one compile
+# per array shape whatever the slot.
 _write_donated = jax.jit(_write, donate_argnums=0)
 
 
@@ -257,13 +247,12 @@ class LoraPool:
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"max_loras ({max_loras}) and max_lora_rank ({max_rank}) must be >= 1")
         self.cfg, self.max_loras, self.max_rank = cfg, max_loras, max_rank
-        L, S, r = cfg.num_layers, max_loras, max_rank
-        shapes = module_shapes(cfg)
-        a_in = {g: shapes[next(m for m, p in _PLACE.items() if p[0] == g)][0] for g in _A_GROUPS}
-        b_out = {g: shapes[next(m for m, p in _PLACE.items() if p[2] == g)][1] for g in _B_GROUPS}
+        S, r = max_loras, max_rank
         self.weights = LoraWeights(
-            {g: jnp.zeros((L, n, S, a_in[g], r), dtype) for g, n in _A_GROUPS.items()},
-            {g: jnp.zeros((L, n, S, r, b_out[g]), dtype) for g, n in _B_GROUPS.items()},
+            [{k: v for p, (fan_in, outs) in projection_shapes(cfg).items()
+              for k, v in (("a_" + p, jnp.zeros((fan_in, S * len(outs) * r), dtype)),
+                           ("b_" + p, jnp.zeros((S * len(outs) * r, sum(outs)), dtype)))}
+             for _ in range(cfg.num_layers)],
             jnp.zeros(S, jnp.float32),
         )
         self.slots: dict[str, int] = {}  # adapter name -> slot
@@ -281,19 +270,25 @@ class LoraPool:
             raise ValueError(f"all {self.max_loras} LoRA slots are in use ({sorted(self.slots)}); unload one or "
                              f"raise max_loras")
         slot = free[0]
-        r = adapter.rank
-        a, b = dict(self.weights.a), dict(self.weights.b)
-        # Every module of the slot is written (zeros where the adapter has none), so nothing of
-        # the slot's previous adapter survives.
-        for module, (ag, ai, bg, bi) in _PLACE.items():
-            A = np.zeros(a[ag].shape[:1] + a[ag].shape[3:], np.float32)  # [L, in, r_max]
-            B = np.zeros(b[bg].shape[:1] + b[bg].shape[3:], np.float32)  # [L, r_max, out]
-            if module in adapter.weights:
-                A[:, :, :r], B[:, :r, :] = adapter.weights[module]
-            a[ag] = _write_donated(a[ag], jnp.asarray(A), ai, slot - 1)
-            b[bg] = _write_donated(b[bg], jnp.asarray(B), bi, slot - 1)
+        r, R = adapter.rank, self.max_rank
+        layers = [dict(lw) for lw in self.weights.layers]
+        # The slot's whole block is written (zeros where the adapter has no module or its rank
+        # is below r_max), so nothing of the slot's previous adapter survives.
+        for p, (fan_in, outs) in projection_shapes(self.cfg).items():
+            G = len(outs)
+            col_of = np.cumsum([0] + outs)
+            for layer, lw in enumerate(layers):
+                A = np.zeros((fan_in, G * R), np.float32)
+                B = np.zeros((G * R, sum(outs)), np.float32)
+                for g, module in enumerate(FUSED_PROJECTIONS[p]):
+                    if module in adapter.weights:
+                        A[:, g * R : g * R + r] = adapter.weights[module][0][layer]
+                        B[g * R : g * R + r, col_of[g] : col_of[g + 1]] = adapter.weights[module][1][layer]
+                off = (slot - 1) * G * R
+                lw["a_" + p] = _write_donated(lw["a_" + p], jnp.asarray(A), 0, off)
+                lw["b_" + p] = _write_donated(lw["b_" + p], jnp.asarray(B), off, 0)
         scale = self.weights.scale.at[slot - 1].set(adapter.scaling)
-        self.weights = LoraWeights(a, b, scale)
+        self.weights = LoraWeights(layers, scale)
         self.num_loads += 1
         adapter.uid = self.num_loads
         self.slots[adapter.name] = slot

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -68,8 +69,25 @@ def run_workload(engine, B, prompt_len, new_tokens, seed, use):
     return time.perf_counter() - t0, steps
 
 
-def device_step_ms(engine, B: int, n0: int, pages_per_req: int, lora_ids) -> float:
-    """The compiled decode step on prebuilt inputs, back to back, at context n0 (ms)."""
+def kernel_count(hlo_text: str) -> int:
+    """Kernels in a compiled program: its fusions and custom calls (cuBLAS, Triton), each
+    counted once even inside a loop body; what the LoRA delta adds is in their difference."""
+    return len(re.findall(r"= \S+ (?:fusion|custom-call)\(", hlo_text))
+
+
+def step_kernels(engine, inputs, lora) -> int:
+    """kernel_count of the speculative decode step the engine launches (its cached compile)."""
+    from jspec.spec.method import spec_decode_step
+
+    w = engine.worker
+    lowered = spec_decode_step.lower(w.params, w.dparams, w.state, *inputs, lora, cfg=w.cfg, method=w.method,
+                                     backend=w.backend, top_n=w.top_n, sampling="greedy")
+    return kernel_count(lowered.compile().as_text())
+
+
+def device_step_ms(engine, B: int, n0: int, pages_per_req: int, lora_ids, count_kernels: bool = False):
+    """The compiled decode step on prebuilt inputs, back to back, at context n0:
+    (ms, kernels in the program or None)."""
     w = engine.worker
     slots = [w.alloc_slot() for _ in range(B)]
     pages = [w.allocator.alloc(pages_per_req) for _ in range(B)]
@@ -88,11 +106,12 @@ def device_step_ms(engine, B: int, n0: int, pages_per_req: int, lora_ids) -> flo
     for _ in range(3):
         reset_lengths()
         times.append(timed(decode, 10, 1))
+    kernels = step_kernels(engine, inputs, lora) if count_kernels else None
     for s in slots:
         w.free_slot(s)
     for p in pages:
         w.allocator.free(p)
-    return float(np.median(times)) * 1e3
+    return float(np.median(times)) * 1e3, kernels
 
 
 def main():
@@ -148,20 +167,21 @@ def main():
                     wall, steps = run_workload(engine, B, prompt_len, new_tokens, 2, use)
                     engine.check_idle_no_leaks()
                     ids = [engine.lora.slot_of(u) for u in use] if pool else None
-                    step = device_step_ms(engine, B, prompt_len + new_tokens // 2, -(-ctx // 16), ids)
+                    step, kernels = device_step_ms(engine, B, prompt_len + new_tokens // 2, -(-ctx // 16), ids,
+                                                   count_kernels=distinct == 0)
                     base = base if pool else step
                     row = dict(model=name, lora_pool=pool, distinct_adapters=distinct, batch=B,
-                               device_step_ms=step, loop_step_ms=wall / steps * 1e3,
+                               device_step_ms=step, loop_step_ms=wall / steps * 1e3, step_kernels=kernels,
                                overhead_vs_no_pool=step / base - 1)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                     save()
     path = save()
     print(f"\nwrote {path}\n")
-    print(f"{'model':>6} {'pool':>5} {'adapters':>8} {'dev ms':>8} {'loop ms':>8} {'overhead':>8}")
+    print(f"{'model':>6} {'pool':>5} {'adapters':>8} {'dev ms':>8} {'loop ms':>8} {'overhead':>8} {'kernels':>8}")
     for r in rows:
         print(f"{r['model']:>6} {str(r['lora_pool']):>5} {r['distinct_adapters']:>8} {r['device_step_ms']:>8.3f} "
-              f"{r['loop_step_ms']:>8.3f} {r['overhead_vs_no_pool']:>8.1%}")
+              f"{r['loop_step_ms']:>8.3f} {r['overhead_vs_no_pool']:>8.1%} {str(r['step_kernels'] or ''):>8}")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.config import ModelConfig
-from jspec.lora import LoraBatch, down_delta, gate_up_delta, layer_weights, o_delta, qkv_delta, slot_mask
+from jspec.lora import LoraBatch, layer_weights, lora_delta, slot_mask, stacked_layer_weights
 from jspec.models.attention import paged_attention
 from jspec.models.batch import AttentionMode, ForwardBatch
 from jspec.models.matmul import dense_f32
@@ -87,7 +87,7 @@ def qkv_heads(cfg: ModelConfig, lp, h: jax.Array, cos, sin):
     if cfg.qkv_bias:
         qkv = qkv + lp["bqkv"].reshape(shards, -1).astype(jnp.float32)
     if "lora" in lp:  # only with one shard (LoraPool refuses a mesh): q | k | v as wqkv's columns
-        qkv = qkv + qkv_delta(*lp["lora"], h)[:, None, :]
+        qkv = qkv + lora_delta(*lp["lora"], h, "qkv")[:, None, :]
     qkv = qkv.astype(h.dtype)
     ql, kvl = cfg.q_size // shards, cfg.kv_size // shards
     q = qkv[..., :ql].reshape(T, cfg.num_heads, cfg.head_dim)
@@ -112,18 +112,18 @@ def mlp_block(cfg: ModelConfig, lp, x: jax.Array) -> jax.Array:
         return x + dense_mlp_over_ranks(lp, h).astype(x.dtype)
     gate_up = _project(h, lp["w_gate_up"])  # [in, 2I], or [in, tp, 2I / tp] (as wqkv)
     if "lora" in lp:
-        gate_up = gate_up + gate_up_delta(*lp["lora"], h)[:, None, :]
+        gate_up = gate_up + lora_delta(*lp["lora"], h, "gate_up")[:, None, :]
     half = gate_up.shape[-1] // 2
     T = x.shape[0]
     gate, up = gate_up[..., :half].reshape(T, -1), gate_up[..., half:].reshape(T, -1)
-    return x + _linear_lora(lp, (jax.nn.silu(gate) * up).astype(x.dtype), "w_down", down_delta)
+    return x + _linear_lora(lp, (jax.nn.silu(gate) * up).astype(x.dtype), "w_down", "down")
 
 
-def _linear_lora(lp, x: jax.Array, name: str, delta) -> jax.Array:
+def _linear_lora(lp, x: jax.Array, name: str, projection: str) -> jax.Array:
     """x @ lp[name], plus the layer's LoRA delta when it has one (added before the cast)."""
     if "lora" not in lp:
         return _linear(x, lp[name])
-    y = dense_f32(x, lp[name]) + delta(*lp["lora"], x)
+    y = dense_f32(x, lp[name]) + lora_delta(*lp["lora"], x, projection)
     return y.astype(x.dtype)
 
 
@@ -149,7 +149,7 @@ def decoder_layer(cfg: ModelConfig, lp, x, h, cos, sin, attend, caches):
     """
     q, k, v = qkv_heads(cfg, lp, h, cos, sin)
     attn, caches = attend(q, k, v, caches)
-    x = x + _linear_lora(lp, attn.reshape(x.shape[0], cfg.q_size), "wo", o_delta)
+    x = x + _linear_lora(lp, attn.reshape(x.shape[0], cfg.q_size), "wo", "o")
     return mlp_block(cfg, lp, x), caches
 
 
@@ -242,12 +242,8 @@ def forward(
 
 
 def _scanned_lora(lora: LoraBatch | None):
-    """The pool as scan xs (layers lead; the scale, shared by all layers, repeated)."""
-    if lora is None:
-        return None
-    w = lora.weights
-    L = next(iter(w.a.values())).shape[0]
-    return w._replace(scale=jnp.broadcast_to(w.scale, (L,) + w.scale.shape))
+    """The pool's layers as scan xs (stacked: a copy, only on the scan path)."""
+    return None if lora is None else stacked_layer_weights(lora.weights)
 
 
 def unstack_layers(params):
