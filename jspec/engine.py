@@ -246,6 +246,7 @@ class Engine:
             max_rank = max([16] + [read_rank(p) for p in paths.values()])
         self.lora = LoraPool(self.model.cfg, max_loras, max_rank, self.worker.dtype, self.worker.mesh)
         self.worker.lora = self.lora
+        self.worker.params = self.lora.extend_params(self.worker.params)
         for name, path in paths.items():
             self.load_lora(name, path)
 
@@ -257,7 +258,9 @@ class Engine:
         if self.lora is None:
             raise ValueError("this engine serves no LoRA adapters; create it with max_loras (and max_lora_rank) "
                              "or lora_paths")
-        return self.lora.load(load_adapter(name, path, self.model.cfg, self.lora.max_rank))
+        slot, self.worker.params = self.lora.load(load_adapter(name, path, self.model.cfg, self.lora.max_rank),
+                                                  self.worker.params)
+        return slot
 
     def unload_lora(self, name: str) -> None:
         """Frees an adapter's slot; refused while a request that uses it is queued or running."""

@@ -6,26 +6,29 @@ stores lora_A [r, in] and lora_B [out, r]. Several adapters are resident at once
 `LoraPool`; each token of a batch names the pool slot of its request's adapter (slot 0 is
 "no adapter"), and the forward adds every token's own delta (models/llama.py).
 
-Pool layout, per layer (a list of L dicts, like the unrolled model's weights), for each
-fused projection P of the model (qkv, gate_up, o, down) with G modules (3, 2, 1, 1):
-    a_P [in, S * G * r_max]      b_P [S * G * r_max, out of the fused weight]
-columns of a_P (rows of b_P) ordered (slot, module, rank): S = max_loras, slot s > 0 at
-index s - 1 (slot 0 takes no storage and no compute), ranks zero-padded to r_max. b_P is
-block-diagonal over modules: module g's rows are nonzero only in g's columns of the fused
-weight (wqkv's q | k | v, w_gate_up's gate | up), so a projection's delta is two plain
-matmuls, x @ a_P, a mask to each token's own slot, @ b_P, and comes out in the fused
-weight's column order with no concatenation or transposes. A slot is one contiguous
-column block of a_P and row block of b_P, which a load overwrites.
+How a projection gets its delta: for a fused projection P of the model (qkv, gate_up, o,
+down: G = 3, 2, 1, 1 modules) the pool adds N = S * G * r_max columns to P's input and as
+many rows to P's weight (S = max_loras; slot s > 0 at index s - 1, slot 0 takes no storage
+and no compute; ranks zero-padded to r_max), ordered (slot, module, rank):
+    a_P [in, N]  (the pool's own array, per layer)
+    W_P -> [W_P; b_P]  with b_P [N, out]  (rows appended to the model's fused weight)
+    x @ W_P + delta  =  [x | mask(x @ a_P)] @ [W_P; b_P]
+where mask scales each token's own slot's columns by the adapter's scale and zeroes the
+rest. b_P is block-diagonal over modules: module g's rows are nonzero only in g's columns
+of the fused weight (wqkv's q | k | v, w_gate_up's gate | up), so every module gets its
+own delta from one matmul. A slot is one contiguous column block of a_P and row block of
+b_P, which a load overwrites.
 
 Why this shape (benchmarks/NOTES.md, LoRA): at bs=32 the delta's matmuls are tiny, so its
-cost is the number of kernels. Per-layer arrays are step arguments of their own, since
-XLA copies a weight sliced out of a stacked array before a matmul (as for the model's
-weights); the zero blocks of b_P cost reads of at most G times the adapter bytes, small
-beside the model's weights.
+cost is the number of kernels it adds: here one small matmul (x @ a_P) and one fusion
+(mask, cast, concatenation) per projection, the B matmul and the add riding inside the
+model's own matmul. The a_P are per-layer arrays (step arguments of their own) because
+XLA copies a weight sliced out of a stacked array before a matmul, as for the model's
+weights.
 
 The forward computes every slot's delta for every token and masks it to the token's own
-slot: dense matmuls with S * G * r_max columns and no per-token weight gather, so its cost
-does not depend on how many distinct adapters a batch mixes.
+slot: dense matmuls with N columns and no per-token weight gather, so its cost does not
+depend on how many distinct adapters a batch mixes.
 """
 
 from __future__ import annotations
@@ -176,10 +179,15 @@ def load_adapter(name: str, path: str | os.PathLike, cfg: ModelConfig, max_rank:
     return LoraAdapter(name, path, r, scaling, weights)
 
 
-class LoraWeights(NamedTuple):
-    """The pool on the device (a step argument): see the module docstring for the layout."""
+# fused projection -> the model's weight that carries its b_P rows (models/llama.py).
+PROJECTION_WEIGHT = {"qkv": "wqkv", "gate_up": "w_gate_up", "o": "wo", "down": "w_down"}
 
-    layers: list  # per layer: {"a_qkv", "b_qkv", "a_gate_up", ...: arrays}
+
+class LoraWeights(NamedTuple):
+    """The pool's device arrays other than the b_P rows (which ride in the model's weights):
+    a step argument. See the module docstring for the layout."""
+
+    layers: list  # per layer: {"a_qkv", "a_gate_up", "a_o", "a_down": [in, N] arrays}
     scale: jax.Array  # [S] float32, scale of slot index + 1 (0 where empty)
 
 
@@ -205,14 +213,14 @@ def slot_mask(weights: LoraWeights, token_slots: jax.Array) -> jax.Array:
     return (token_slots[:, None] == jnp.arange(1, S + 1, dtype=jnp.int32)[None]) * weights.scale[None]
 
 
-def lora_delta(layer: dict, mask: jax.Array, h: jax.Array, projection: str) -> jax.Array:
-    """Each token's own low-rank delta of a fused projection, in the fused weight's column
-    order: f32 [T, out]. layer: one layer's pool arrays; mask: slot_mask's [T, S]."""
-    a, b = layer["a_" + projection], layer["b_" + projection]
-    T, S = h.shape[0], mask.shape[1]
-    u = jnp.dot(h, a.astype(h.dtype), preferred_element_type=jnp.float32)  # [T, S * G * r]
-    u = (u.reshape(T, S, -1) * mask[:, :, None]).reshape(T, -1).astype(h.dtype)
-    return jnp.dot(u, b.astype(h.dtype), preferred_element_type=jnp.float32)
+def lora_input(layer: dict, mask: jax.Array, x: jax.Array, projection: str) -> jax.Array:
+    """x [T, in] -> [x | mask(x @ a_P)] [T, in + N]: the input of P's weight with its b_P
+    rows appended. layer: one layer's pool arrays; mask: slot_mask's [T, S]."""
+    a = layer["a_" + projection]
+    T, S = x.shape[0], mask.shape[1]
+    u = jnp.dot(x, a.astype(x.dtype), preferred_element_type=jnp.float32)  # [T, S * G * r]
+    u = (u.reshape(T, S, -1) * mask[:, :, None]).reshape(T, -1).astype(x.dtype)
+    return jnp.concatenate([x, u], axis=-1)
 
 
 def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, list[int]]]:
@@ -249,17 +257,37 @@ class LoraPool:
         self.cfg, self.max_loras, self.max_rank = cfg, max_loras, max_rank
         S, r = max_loras, max_rank
         self.weights = LoraWeights(
-            [{k: v for p, (fan_in, outs) in projection_shapes(cfg).items()
-              for k, v in (("a_" + p, jnp.zeros((fan_in, S * len(outs) * r), dtype)),
-                           ("b_" + p, jnp.zeros((S * len(outs) * r, sum(outs)), dtype)))}
-             for _ in range(cfg.num_layers)],
+            [{"a_" + p: jnp.zeros((fan_in, S * len(outs) * r), dtype) for p, (fan_in, outs) in
+              projection_shapes(cfg).items()} for _ in range(cfg.num_layers)],
             jnp.zeros(S, jnp.float32),
         )
         self.slots: dict[str, int] = {}  # adapter name -> slot
         self.num_loads = 0  # gives each load its uid
         self.adapters: dict[str, LoraAdapter] = {}
 
-    def load(self, adapter: LoraAdapter) -> int:
+    def extend_params(self, params) -> dict:
+        """The model's params with every fused projection weight grown by its b_P rows
+        (zeros: no adapter yet). Per-layer weights (llama.unstack_layers) only; a copy, the
+        caller's params are left as they were."""
+        layers = params["layers"]
+        if not isinstance(layers, (list, tuple)):
+            raise ValueError("LoraPool.extend_params takes per-layer weights (llama.unstack_layers)")
+        out = []
+        for lp in layers:
+            lp = dict(lp)
+            for p, (fan_in, outs) in projection_shapes(self.cfg).items():
+                w = lp[PROJECTION_WEIGHT[p]]
+                if w.shape != (fan_in, sum(outs)):
+                    raise ValueError(f"{PROJECTION_WEIGHT[p]} has shape {w.shape}, expected {(fan_in, sum(outs))} "
+                                     f"(already extended, or not this model's weights)")
+                n = self.max_loras * len(outs) * self.max_rank
+                lp[PROJECTION_WEIGHT[p]] = jnp.concatenate([w, jnp.zeros((n, w.shape[1]), w.dtype)], axis=0)
+            out.append(lp)
+        return {**params, "layers": out}
+
+    def load(self, adapter: LoraAdapter, params) -> tuple[int, dict]:
+        """Writes the adapter into a free slot: its a_P into the pool, its b_P into params
+        (extend_params' result, donated). Returns (slot, the new params)."""
         if adapter.name in self.slots:
             raise ValueError(f"a LoRA adapter named {adapter.name!r} is already loaded (unload it first)")
         if adapter.rank > self.max_rank:
@@ -272,12 +300,13 @@ class LoraPool:
         slot = free[0]
         r, R = adapter.rank, self.max_rank
         layers = [dict(lw) for lw in self.weights.layers]
+        model_layers = [dict(lp) for lp in params["layers"]]
         # The slot's whole block is written (zeros where the adapter has no module or its rank
         # is below r_max), so nothing of the slot's previous adapter survives.
         for p, (fan_in, outs) in projection_shapes(self.cfg).items():
-            G = len(outs)
+            G, name = len(outs), PROJECTION_WEIGHT[p]
             col_of = np.cumsum([0] + outs)
-            for layer, lw in enumerate(layers):
+            for layer, (lw, lp) in enumerate(zip(layers, model_layers)):
                 A = np.zeros((fan_in, G * R), np.float32)
                 B = np.zeros((G * R, sum(outs)), np.float32)
                 for g, module in enumerate(FUSED_PROJECTIONS[p]):
@@ -286,14 +315,14 @@ class LoraPool:
                         B[g * R : g * R + r, col_of[g] : col_of[g + 1]] = adapter.weights[module][1][layer]
                 off = (slot - 1) * G * R
                 lw["a_" + p] = _write_donated(lw["a_" + p], jnp.asarray(A), 0, off)
-                lw["b_" + p] = _write_donated(lw["b_" + p], jnp.asarray(B), off, 0)
+                lp[name] = _write_donated(lp[name], jnp.asarray(B), fan_in + off, 0)
         scale = self.weights.scale.at[slot - 1].set(adapter.scaling)
         self.weights = LoraWeights(layers, scale)
         self.num_loads += 1
         adapter.uid = self.num_loads
         self.slots[adapter.name] = slot
         self.adapters[adapter.name] = adapter
-        return slot
+        return slot, {**params, "layers": model_layers}
 
     def unload(self, name: str) -> None:
         if name not in self.slots:

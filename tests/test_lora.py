@@ -279,4 +279,6 @@ def test_lora_decode_step_lowers_for_cuda(tmp_path):
     lowered = lower_for_cuda(functools.partial(plain_decode_step, cfg=w.cfg, backend="pallas", sampling="greedy"),
                              *specs)
     text = lowered.as_text()
-    assert "bf16" in text and text.count("dot_general") > 2 * w.cfg.num_layers * 7  # base + LoRA matmuls
+    # Per layer, 4 fused projections (their weights carrying the pool's B rows) and 4 LoRA A
+    # matmuls; then the logits.
+    assert "bf16" in text and text.count("dot_general") >= 8 * w.cfg.num_layers + 1

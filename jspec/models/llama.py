@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.config import ModelConfig
-from jspec.lora import LoraBatch, layer_weights, lora_delta, slot_mask, stacked_layer_weights
+from jspec.lora import LoraBatch, layer_weights, lora_input, slot_mask, stacked_layer_weights
 from jspec.models.attention import paged_attention
 from jspec.models.batch import AttentionMode, ForwardBatch
 from jspec.models.matmul import dense_f32
@@ -82,12 +82,11 @@ def qkv_heads(cfg: ModelConfig, lp, h: jax.Array, cos, sin):
     T = h.shape[0]
     # wqkv [in, n], or the tensor-parallel layout [in, tp, n / tp] (jspec.parallel): q, k, v
     # of each shard's heads side by side, so the split below stays within a shard.
-    qkv = _project(h, lp["wqkv"])
+    # With LoRA (one shard only: LoraPool refuses a mesh) wqkv carries the pool's rows.
+    qkv = _project(lora_input(*lp["lora"], h, "qkv") if "lora" in lp else h, lp["wqkv"])
     shards = qkv.shape[1]
     if cfg.qkv_bias:
         qkv = qkv + lp["bqkv"].reshape(shards, -1).astype(jnp.float32)
-    if "lora" in lp:  # only with one shard (LoraPool refuses a mesh): q | k | v as wqkv's columns
-        qkv = qkv + lora_delta(*lp["lora"], h, "qkv")[:, None, :]
     qkv = qkv.astype(h.dtype)
     ql, kvl = cfg.q_size // shards, cfg.kv_size // shards
     q = qkv[..., :ql].reshape(T, cfg.num_heads, cfg.head_dim)
@@ -110,9 +109,8 @@ def mlp_block(cfg: ModelConfig, lp, x: jax.Array) -> jax.Array:
         from jspec.parallel.dp_attention import dense_mlp_over_ranks
 
         return x + dense_mlp_over_ranks(lp, h).astype(x.dtype)
-    gate_up = _project(h, lp["w_gate_up"])  # [in, 2I], or [in, tp, 2I / tp] (as wqkv)
-    if "lora" in lp:
-        gate_up = gate_up + lora_delta(*lp["lora"], h, "gate_up")[:, None, :]
+    # [in, 2I], or [in, tp, 2I / tp] (as wqkv); with LoRA, w_gate_up carries the pool's rows
+    gate_up = _project(lora_input(*lp["lora"], h, "gate_up") if "lora" in lp else h, lp["w_gate_up"])
     half = gate_up.shape[-1] // 2
     T = x.shape[0]
     gate, up = gate_up[..., :half].reshape(T, -1), gate_up[..., half:].reshape(T, -1)
@@ -120,11 +118,11 @@ def mlp_block(cfg: ModelConfig, lp, x: jax.Array) -> jax.Array:
 
 
 def _linear_lora(lp, x: jax.Array, name: str, projection: str) -> jax.Array:
-    """x @ lp[name], plus the layer's LoRA delta when it has one (added before the cast)."""
-    if "lora" not in lp:
-        return _linear(x, lp[name])
-    y = dense_f32(x, lp[name]) + lora_delta(*lp["lora"], x, projection)
-    return y.astype(x.dtype)
+    """x @ lp[name], with the layer's LoRA delta when it has one (jspec.lora: the weight
+    then carries the pool's rows, fed by lora_input's extra columns)."""
+    if "lora" in lp:
+        return dense_f32(lora_input(*lp["lora"], x, projection), lp[name]).astype(x.dtype)
+    return _linear(x, lp[name])
 
 
 def paged_attend(cfg: ModelConfig, mode: AttentionMode, batch: ForwardBatch, layer, mask=None):
