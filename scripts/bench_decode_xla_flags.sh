@@ -8,20 +8,11 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${OUT_DIR:-benchmarks/results}
 PY=${PY:-python}
-declare -A FLAGS=(
-  [default]=""
-  [no_cmdbuf]="--xla_gpu_enable_command_buffer="
-  [cmdbuf_all]="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION --xla_gpu_graph_min_graph_size=1"
-  [pallas_gemv]=""
-)
-# Variants that change jspec rather than XLA: the skinny projections through Pallas (jspec/models/matmul.py).
-declare -A SKINNY=([pallas_gemv]=pallas)
+source scripts/xla_flag_variants.sh
 for v in ${@:-default no_cmdbuf cmdbuf_all}; do
   extra=()
   [ "$v" = default ] && extra=(--parts)
   echo "== $v: XLA_FLAGS=${FLAGS[$v]}" >&2
-  # XLA reads a value that does not start with "--" as a file name: no stray space when empty.
-  flags="${XLA_FLAGS:-} ${FLAGS[$v]}"; flags="${flags# }"; flags="${flags% }"
-  XLA_FLAGS="$flags" JSPEC_SKINNY_MATMUL=${SKINNY[$v]:-xla} $PY scripts/bench_decode.py --quick --no-stacked --batches 1,32 \
+  XLA_FLAGS="$(variant_flags "$v")" JSPEC_SKINNY_MATMUL=${SKINNY[$v]:-xla} $PY scripts/bench_decode.py --quick --no-stacked --batches 1,32 \
       --contexts 1024 --tag "$v" --out "$OUT_DIR" "${extra[@]}" 2>&1 | grep -v "^{" | tail -20
 done
