@@ -251,6 +251,43 @@ def print_gemv_summary(parts: list[dict]) -> None:
               f"{json.dumps(best['config']) if best else '-'} ({len(good)}/{len(tried)})")
 
 
+def forward_ms(weights, cfg: ModelConfig, kv: KVPool, page_tables, ctx: int, q: int, iters: int, repeats: int):
+    """The target's forward over q new tokens per sequence at context ctx, every token's
+    logits wanted (what verify runs; q = 1 is a decode step's forward): (ms, kv).
+    q > 1 takes a tree-shaped mask (a node sees the root and the nodes on its branch, two
+    branches), which costs what any mask of that size does."""
+    from jspec.models.attention import AttentionMode
+    from jspec.models.batch import ForwardBatch
+    from jspec.models.llama import forward
+    from jspec.scheduler.batch_builder import bucket
+
+    B, S = page_tables.shape[0], kv.page_size
+    pos = ctx + np.arange(q)[None] + np.zeros((B, 1), np.int64)
+    pt = np.asarray(page_tables)
+    slots = pt[np.arange(B)[:, None], pos // S] * S + pos % S
+    Q = bucket(q) if q > 1 else 1
+    mask = None
+    if q > 1:
+        tree = np.tril(np.ones((q, q), bool))
+        tree[1 + (q - 1) // 2 :, 1 : 1 + (q - 1) // 2] = False  # the second branch does not see the first
+        mask = jnp.asarray(np.zeros((B, Q, Q), bool)).at[:, :q, :q].set(jnp.asarray(tree))
+    batch = ForwardBatch(
+        tokens=jnp.asarray(np.random.default_rng(q).integers(0, cfg.vocab_size, B * q), jnp.int32),
+        positions=jnp.asarray(pos.reshape(-1), jnp.int32), slots=jnp.asarray(slots.reshape(-1), jnp.int32),
+        seq_lens=jnp.full(B, ctx + q, jnp.int32), page_tables=jnp.asarray(pt, jnp.int32),
+        query_start=jnp.arange(B + 1, dtype=jnp.int32) * q, logits_indices=jnp.arange(B * q, dtype=jnp.int32))
+    mode = AttentionMode(q == 1, Q, "pallas")
+    run = jax.jit(lambda w, kv, batch, mask: forward(w, cfg, kv, batch, mode, mask=mask), donate_argnums=1)
+    state = {"kv": kv}
+
+    def step():
+        state["kv"], out = run(weights, state["kv"], batch, mask)
+        return out.logits
+
+    jax.block_until_ready(step())
+    return timed(step, iters, repeats) * 1e3, state["kv"]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], help="e.g. 1,32")
@@ -262,6 +299,9 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="a tiny model: a CPU dry run of the script itself")
     ap.add_argument("--parts", action="store_true", help="also time each GEMV shape and the matmul-only step")
     ap.add_argument("--tag", help="results file bench_decode_TAG.json (e.g. an XLA_FLAGS variant)")
+    ap.add_argument("--verify-tokens", type=int, default=8,
+                    help="also time the target forward over this many tokens per sequence against a decode "
+                         "forward (issue 8 target 4; 0: skip)")
     args = ap.parse_args()
 
     cfg, dtype, S = LLAMA_8B, jnp.bfloat16, args.page_size
@@ -359,6 +399,16 @@ def main():
         row = dict(batch=B, context=ctx, layout=layout, step_ms=t * 1e3, compile_s=compile_s,
                    bandwidth_floor_ms=bw_floor * 1e3, matmul_floor_ms=flop_floor * 1e3,
                    x_bandwidth_floor=t / bw_floor, tokens_per_s=B / t)
+        if args.verify_tokens and layout == "per_layer":
+            try:
+                it, rep = (5, 3) if args.quick else (20, 5)
+                row["forward_decode_ms"], kv = forward_ms(weights, cfg, kv, page_tables, ctx, 1, it, rep)
+                row["forward_verify_ms"], kv = forward_ms(weights, cfg, kv, page_tables, ctx, args.verify_tokens,
+                                                          it, rep)
+                row["verify_tokens"] = args.verify_tokens
+                row["verify_over_decode"] = row["forward_verify_ms"] / row["forward_decode_ms"]
+            except Exception as e:  # keep the decode row
+                print(f"FAILED verify B={B} ctx={ctx}: {type(e).__name__}: {str(e)[:300]}", flush=True)
         rows.append(row)
         print(json.dumps(row), flush=True)
         save()
@@ -381,6 +431,12 @@ def main():
         print(f"{r['batch']:>4} {r['context']:>5} {r['layout']:>12} {r['step_ms']:>8.3f} "
               f"{r['bandwidth_floor_ms']:>8.3f} {r['x_bandwidth_floor']:>7.2f} {r['matmul_floor_ms']:>8.3f} "
               f"{r['tokens_per_s']:>8.0f}")
+    ver = [r for r in rows if "verify_over_decode" in r]
+    if ver:
+        print(f"\n{'B':>4} {'ctx':>5} {'fwd 1 ms':>9} {'fwd N ms':>9} {'N':>3} {'ratio':>6}   (issue 8 target 4: <= 1.1)")
+        for r in ver:
+            print(f"{r['batch']:>4} {r['context']:>5} {r['forward_decode_ms']:>9.3f} {r['forward_verify_ms']:>9.3f} "
+                  f"{r['verify_tokens']:>3} {r['verify_over_decode']:>6.2f}")
 
 
 if __name__ == "__main__":
