@@ -308,3 +308,22 @@ def test_link_carries_arrays_and_fails_clearly_mid_message(cls):
         rx.recv()
     for s in (b, *whole):
         s.close()
+
+
+def test_shm_link_hands_over_views_of_an_unlinked_file():
+    """The receiver's arrays are read-only views of the sender's file (no copy), and the file's
+    name is gone as soon as it is mapped; a header naming anything but a jspec transfer file
+    is refused before it is opened."""
+    a, b = socket.socketpair()
+    tx, rx = ShmLink(a, "tx"), ShmLink(b, "rx")
+    big = np.arange(1 << 20, dtype=np.float32)
+    tx.send({"type": "kv", "rid": "v"}, [big, np.ones(3, np.int8)])
+    _, (got, small) = rx.recv()
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"jspd_{os.getpid()}_")]
+    assert not got.flags.writeable and not got.flags.owndata and got.base is not None
+    np.testing.assert_array_equal(got, big)
+    np.testing.assert_array_equal(small, np.ones(3, np.int8))
+    with pytest.raises(LinkClosed, match="is not a jspec transfer file"):
+        rx._take_arrays({"shm": "../etc/passwd", "arrays": []}, None)
+    for s in (a, b):
+        s.close()
