@@ -255,15 +255,18 @@ class LoraPool:
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"max_loras ({max_loras}) and max_lora_rank ({max_rank}) must be >= 1")
         self.cfg, self.max_loras, self.max_rank = cfg, max_loras, max_rank
-        S, r = max_loras, max_rank
         self.weights = LoraWeights(
-            [{"a_" + p: jnp.zeros((fan_in, S * len(outs) * r), dtype) for p, (fan_in, outs) in
+            [{"a_" + p: jnp.zeros((fan_in, self._columns(outs)), dtype) for p, (fan_in, outs) in
               projection_shapes(cfg).items()} for _ in range(cfg.num_layers)],
-            jnp.zeros(S, jnp.float32),
+            jnp.zeros(max_loras, jnp.float32),
         )
         self.slots: dict[str, int] = {}  # adapter name -> slot
         self.num_loads = 0  # gives each load its uid
         self.adapters: dict[str, LoraAdapter] = {}
+
+    def _columns(self, outs: list[int]) -> int:
+        """N of a fused projection whose modules have these output widths: S * G * r_max."""
+        return self.max_loras * len(outs) * self.max_rank
 
     def extend_params(self, params) -> dict:
         """The model's params with every fused projection weight grown by its b_P rows
@@ -280,8 +283,8 @@ class LoraPool:
                 if w.shape != (fan_in, sum(outs)):
                     raise ValueError(f"{PROJECTION_WEIGHT[p]} has shape {w.shape}, expected {(fan_in, sum(outs))} "
                                      f"(already extended, or not this model's weights)")
-                n = self.max_loras * len(outs) * self.max_rank
-                lp[PROJECTION_WEIGHT[p]] = jnp.concatenate([w, jnp.zeros((n, w.shape[1]), w.dtype)], axis=0)
+                lp[PROJECTION_WEIGHT[p]] = jnp.concatenate([w, jnp.zeros((self._columns(outs), w.shape[1]), w.dtype)],
+                                                            axis=0)
             out.append(lp)
         return {**params, "layers": out}
 

@@ -12,7 +12,6 @@ source scripts/xla_flag_variants.sh
 for v in ${@:-default no_cmdbuf cmdbuf_all}; do
   extra=()
   [ "$v" = default ] && extra=(--parts)
-  echo "== $v: XLA_FLAGS=${FLAGS[$v]}" >&2
-  XLA_FLAGS="$(variant_flags "$v")" JSPEC_SKINNY_MATMUL=${SKINNY[$v]:-xla} $PY scripts/bench_decode.py --quick --no-stacked --batches 1,32 \
+  run_variant "$v" $PY scripts/bench_decode.py --quick --no-stacked --batches 1,32 \
       --contexts 1024 --tag "$v" --out "$OUT_DIR" "${extra[@]}" 2>&1 | grep -v "^{" | tail -20
 done

@@ -12,8 +12,7 @@ OUT_DIR=${OUT_DIR:-benchmarks/results}
 PY=${PY:-python}
 source scripts/xla_flag_variants.sh
 for v in ${@:-default cmdbuf_all cmdbuf_loops}; do
-  echo "== $v: XLA_FLAGS=${FLAGS[$v]}" >&2
-  XLA_FLAGS="$(variant_flags "$v")" JSPEC_SKINNY_MATMUL=${SKINNY[$v]:-xla} $PY scripts/bench_overlap.py \
+  run_variant "$v" $PY scripts/bench_overlap.py \
       --models "${MODELS:-small,8b}" --batches "${BATCHES:-1}" --name "bench_overlap_host_$v" --out "$OUT_DIR" \
       2>&1 | grep -v "^{" | tail -8
 done

@@ -13,9 +13,12 @@ declare -A FLAGS=(
 # Variants that change jspec rather than XLA: the skinny projections through Pallas (jspec/models/matmul.py).
 declare -A SKINNY=([pallas_gemv]=pallas)
 
-# XLA_FLAGS for variant $1 on top of the caller's; XLA reads a value that does not start
-# with "--" as a file name, so no stray space when empty.
-variant_flags() {
-  local flags="${XLA_FLAGS:-} ${FLAGS[$1]}"
-  flags="${flags# }"; echo "${flags% }"
+# Runs "${@:2}" under variant $1: its XLA flags on top of the caller's, and its jspec switches.
+run_variant() {
+  local v=$1 flags
+  shift
+  echo "== $v: XLA_FLAGS=${FLAGS[$v]}" >&2
+  # XLA reads a value that does not start with "--" as a file name: no stray space when empty.
+  flags="${XLA_FLAGS:-} ${FLAGS[$v]}"; flags="${flags# }"; flags="${flags% }"
+  XLA_FLAGS="$flags" JSPEC_SKINNY_MATMUL=${SKINNY[$v]:-xla} "$@"
 }
