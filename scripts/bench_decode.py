@@ -29,6 +29,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,8 @@ from jspec.paged_kv.pool import KVPool
 from jspec.penalties import init_penalty_state
 from jspec.sampling import sampling_rows
 from jspec.steps import PlainCarry, PlainState, plain_decode_step
+
+from device_profile import print_summary, profile_calls
 
 LLAMA_8B = ModelConfig(
     family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
@@ -299,6 +302,9 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="a tiny model: a CPU dry run of the script itself")
     ap.add_argument("--parts", action="store_true", help="also time each GEMV shape and the matmul-only step")
     ap.add_argument("--tag", help="results file bench_decode_TAG.json (e.g. an XLA_FLAGS variant)")
+    ap.add_argument("--profile", action="store_true",
+                    help="trace a few decode steps per case and split their device time by kernel "
+                         "(scripts/device_profile.py): busy vs launch gaps, matmuls vs attention vs the rest")
     ap.add_argument("--verify-tokens", type=int, default=8,
                     help="also time the target forward over this many tokens per sequence against a decode "
                          "forward (issue 8 target 4; 0: skip)")
@@ -399,6 +405,10 @@ def main():
         row = dict(batch=B, context=ctx, layout=layout, step_ms=t * 1e3, compile_s=compile_s,
                    bandwidth_floor_ms=bw_floor * 1e3, matmul_floor_ms=flop_floor * 1e3,
                    x_bandwidth_floor=t / bw_floor, tokens_per_s=B / t)
+        if args.profile and layout == "per_layer":
+            row["profile"] = profile_calls(step, calls=5)
+            kv = state["s"].target_kv  # the profiled calls donated the pool again
+            print_summary(f"profile B={B} ctx={ctx}", row["profile"])
         if args.verify_tokens and layout == "per_layer":
             try:
                 it, rep = (5, 3) if args.quick else (20, 5)

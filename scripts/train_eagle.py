@@ -38,7 +38,7 @@ from jspec.train.prompts import split_prompts
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", help="target HF checkpoint directory (default: the demo SmolLM2-135M)")
-    ap.add_argument("--out", required=True, help="directory to write the draft head into")
+    ap.add_argument("--out", help="directory to write the draft head into (needed unless --save-examples)")
     ap.add_argument("--num-prompts", type=int, default=448, help="training prompts (of jspec's 544)")
     ap.add_argument("--num-heldout", type=int, default=64, help="held-out prompts for the final evaluation")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="length of the target's answers")
@@ -57,7 +57,15 @@ def parse_args(argv=None):
     ap.add_argument("--eval-spec-prompts", type=int, default=16,
                     help="held-out prompts to run through the engine with the trained head (0: skip)")
     ap.add_argument("--max-running-requests", type=int, default=64, help="engine batch for data generation")
-    return ap.parse_args(argv)
+    ap.add_argument("--save-examples", metavar="NPZ",
+                    help="generate the training answers, write them to NPZ and stop (train elsewhere with --examples)")
+    ap.add_argument("--examples", metavar="NPZ",
+                    help="training answers from --save-examples instead of generating them (the held-out "
+                         "answers are still generated here, so the engine check compares on one device)")
+    args = ap.parse_args(argv)
+    if not args.out and not args.save_examples:
+        ap.error("--out is required (unless --save-examples only generates answers)")
+    return args
 
 
 def model_path(args) -> str:
@@ -92,10 +100,22 @@ def main(argv=None):
     train_prompts, heldout_prompts = split_prompts(args.num_prompts, args.num_heldout, seed=args.seed)
     t = time.perf_counter()
     engine = jspec.Engine(model, max_running_requests=args.max_running_requests)
+    gen_settings = {k: getattr(args, k) for k in ("num_prompts", "num_heldout", "max_new_tokens",
+                                                  "sampled_answers", "temperature", "seed")}
+    if args.examples:
+        train_ex, meta = eagle3.load_examples(args.examples, cfg.vocab_size)
+        print(f"[train_eagle] {len(train_ex)} training answers from {args.examples} ({meta})")
+    else:
+        train_ex = eagle3.generate_examples(model, train_prompts, args.max_new_tokens, engine=engine,
+                                            sampled_answers=args.sampled_answers, temperature=args.temperature,
+                                            seed=args.seed)
+    if args.save_examples:
+        eagle3.save_examples(args.save_examples, train_ex, cfg.vocab_size, meta=gen_settings)
+        n_resp = sum(len(e.tokens) - e.prompt_len for e in train_ex)
+        print(f"[train_eagle] wrote {len(train_ex)} answers, {n_resp} tokens, to {args.save_examples} "
+              f"in {time.perf_counter() - t:.1f} s")
+        return
     # Held-out answers are greedy only: the engine check below compares speculative output with them.
-    train_ex = eagle3.generate_examples(model, train_prompts, args.max_new_tokens, engine=engine,
-                                        sampled_answers=args.sampled_answers, temperature=args.temperature,
-                                        seed=args.seed)
     heldout_ex = eagle3.generate_examples(model, heldout_prompts, args.max_new_tokens, engine=engine)
     examples = train_ex + heldout_ex
     del engine

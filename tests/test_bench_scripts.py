@@ -34,3 +34,26 @@ def test_bench_lora_rows_and_kernel_counts(tmp_path):
     # The pool's step has more kernels than the one without it (its A matmuls, masks).
     assert rows[1]["step_kernels"] > rows[0]["step_kernels"] > 0
     assert all(r["device_step_ms"] > 0 and r["loop_step_ms"] > 0 for r in rows)
+
+
+def test_device_profile_splits_busy_time_and_gaps_per_call():
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    from device_profile import _device_kernel_events, summarise
+
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #7(Compute)"}},
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 9, "args": {"name": "XLA Ops"}}]
+    kernels = []
+    for call in range(2):  # each call: a gemv (10 us), a gap of 2 us, the attention kernel (4 us)
+        t0 = call * 20.0
+        kernels += [{"ph": "X", "pid": 1, "tid": 7, "ts": t0, "dur": 10.0, "name": "gemv_fusion"},
+                    {"ph": "X", "pid": 1, "tid": 7, "ts": t0 + 12, "dur": 4.0, "name": "paged_decode_s16_g4_n64"},
+                    {"ph": "X", "pid": 1, "tid": 9, "ts": t0, "dur": 16.0, "name": "fusion.1"},  # op summary: ignored
+                    {"ph": "X", "pid": 2, "tid": 3, "ts": t0, "dur": 50.0, "name": "PjitFunction(step)"}]
+    s = summarise(_device_kernel_events({"traceEvents": meta + kernels}), calls=2)
+    assert s["kernels"] == 2 and s["busy_us"] == 14.0
+    assert s["span_us"] == (20 + 16) / 2 and s["gaps_us"] == s["span_us"] - 14.0
+    assert s["by_kind"]["matmul (cuBLAS / XLA gemm)"] == {"us": 10.0, "kernels": 1}
+    assert s["by_kind"]["attention (Pallas)"] == {"us": 4.0, "kernels": 1}
+    assert [t["name"] for t in s["top"]] == ["gemv_fusion", "paged_decode_s16_g4_n64"]

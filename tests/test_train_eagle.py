@@ -116,3 +116,13 @@ def test_generate_examples_greedy_first_then_seeded_samples(setup):
     again = eagle3.generate_examples(model, prompts, NEW_TOKENS, engine=engine, sampled_answers=2,
                                      temperature=1.0, seed=7)
     assert [e.tokens for e in again] == [e.tokens for e in examples]  # seeded: the data is reproducible
+
+
+def test_examples_file_round_trips_and_refuses_another_vocabulary(tmp_path):
+    examples = [eagle3.Example([5, 6, 7, 8, 9], 2), eagle3.Example([1, 2, 3], 1), eagle3.Example([4, 4, 4, 4], 3)]
+    path = tmp_path / "answers.npz"
+    eagle3.save_examples(path, examples, vocab_size=10, meta={"sampled_answers": 7})
+    back, meta = eagle3.load_examples(path, vocab_size=10)
+    assert back == examples and meta == {"sampled_answers": 7}
+    with pytest.raises(ValueError, match="10-token vocabulary, the target has 512"):
+        eagle3.load_examples(path, vocab_size=512)

@@ -104,6 +104,29 @@ def generate_examples(model, prompts: Sequence[str], max_new_tokens: int = 128, 
     return [Example(list(p) + list(o.token_ids), len(p)) for p, o in zip(prompt_ids, outs)]
 
 
+def save_examples(path: str | os.PathLike, examples: Sequence[Example], vocab_size: int,
+                  meta: dict[str, Any] | None = None) -> None:
+    """Writes examples to one .npz (tokens concatenated, with offsets), so the target's answers
+    can be generated once, on any machine, and trained on elsewhere (load_examples)."""
+    lens = np.array([len(e.tokens) for e in examples], np.int64)
+    np.savez_compressed(path, tokens=np.concatenate([np.asarray(e.tokens, np.int32) for e in examples]),
+                        offsets=np.concatenate([[0], np.cumsum(lens)]),
+                        prompt_lens=np.array([e.prompt_len for e in examples], np.int32),
+                        vocab_size=np.int64(vocab_size), meta=json.dumps(meta or {}))
+
+
+def load_examples(path: str | os.PathLike, vocab_size: int) -> tuple[list[Example], dict[str, Any]]:
+    """(examples, meta) from save_examples' file; refuses a file made for another vocabulary."""
+    with np.load(path) as f:
+        tokens, offsets, prompt_lens = f["tokens"], f["offsets"], f["prompt_lens"]
+        file_vocab, meta = int(f["vocab_size"]), json.loads(str(f["meta"]))
+    if file_vocab != vocab_size or (tokens.size and int(tokens.max()) >= vocab_size):
+        raise ValueError(f"{path}: examples of a {file_vocab}-token vocabulary, the target has {vocab_size}")
+    if len(offsets) != len(prompt_lens) + 1 or np.any(prompt_lens >= np.diff(offsets)):
+        raise ValueError(f"{path}: inconsistent offsets / prompt lengths")
+    return [Example(tokens[a:b].tolist(), int(p)) for a, b, p in zip(offsets[:-1], offsets[1:], prompt_lens)], meta
+
+
 class Batch(NamedTuple):
     tokens: np.ndarray  # [N, S] int32, right-padded with 0
     prompt_lens: np.ndarray  # [N] int32
