@@ -27,12 +27,14 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import jax
 import numpy as np
 
 import jspec
 from jspec.train import eagle3
-from jspec.train.prompts import split_prompts
+from jspec.train.prompts import all_prompts, split_prompts
 
 
 def parse_args(argv=None):
@@ -62,6 +64,8 @@ def parse_args(argv=None):
     ap.add_argument("--examples", metavar="NPZ",
                     help="training answers from --save-examples instead of generating them (the held-out "
                          "answers are still generated here, so the engine check compares on one device)")
+    ap.add_argument("--results", metavar="JSON",
+                    help="also write the run's record (device, jax, commit, settings, curve, held-out figures) here")
     args = ap.parse_args(argv)
     if not args.out and not args.save_examples:
         ap.error("--out is required (unless --save-examples only generates answers)")
@@ -104,6 +108,11 @@ def main(argv=None):
                                                   "sampled_answers", "temperature", "seed")}
     if args.examples:
         train_ex, meta = eagle3.load_examples(args.examples, cfg.vocab_size)
+        # The held-out prompts are the shuffled set's tail: the file's prompts must come from its head.
+        if meta.get("seed") != args.seed or meta.get("num_prompts", 10**9) + args.num_heldout > len(all_prompts(args.seed)):
+            raise SystemExit(f"[train_eagle] {args.examples} was generated for prompt seed {meta.get('seed')} and "
+                             f"{meta.get('num_prompts')} training prompts: its prompts may overlap the "
+                             f"{args.num_heldout} held-out ones of seed {args.seed}")
         print(f"[train_eagle] {len(train_ex)} training answers from {args.examples} ({meta})")
     else:
         train_ex = eagle3.generate_examples(model, train_prompts, args.max_new_tokens, engine=engine,
@@ -120,7 +129,8 @@ def main(argv=None):
     examples = train_ex + heldout_ex
     del engine
     n_resp = sum(len(e.tokens) - e.prompt_len for e in examples)
-    print(f"[train_eagle] generated {len(examples)} answers, {n_resp} tokens, in {time.perf_counter() - t:.1f} s")
+    generate_s = time.perf_counter() - t
+    print(f"[train_eagle] {len(examples)} answers, {n_resp} tokens, generated or read in {generate_s:.1f} s")
 
     tc = eagle3.TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                             ttt_steps=args.ttt_steps, draft_vocab_size=args.draft_vocab_size, seed=args.seed,
@@ -131,7 +141,9 @@ def main(argv=None):
     train_s = time.perf_counter() - t
     print(f"[train_eagle] trained {args.steps} steps in {train_s:.1f} s")
 
-    report: dict = {"args": vars(args), "train_s": train_s, "num_train_sequences": len(train_data.lengths)}
+    report: dict = {"args": vars(args), "train_s": train_s, "num_train_sequences": len(train_data.lengths),
+                    "answer_tokens": n_resp, "generate_s": generate_s,
+                    "examples_from": args.examples or "generated here"}
     if heldout_ex:
         ev = eagle3.evaluate_head(model, result, tc, eagle3.pack_examples(heldout_ex, args.seq_len))
         report["heldout_teacher_forced"] = {k: v for k, v in ev.items() if k != "accept_lengths"}
@@ -154,7 +166,17 @@ def main(argv=None):
             meta = json.load(f)
         with open(os.path.join(out, "train_meta.json"), "w") as f:
             json.dump({**meta, "heldout_engine": spec}, f, indent=2)
-    print(f"[train_eagle] total {time.perf_counter() - t_start:.1f} s")
+    total_s = time.perf_counter() - t_start
+    print(f"[train_eagle] total {total_s:.1f} s")
+    if args.results:
+        from bench_decode import git_commit
+
+        os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
+        with open(args.results, "w") as f:
+            json.dump({"name": "train_eagle3", "gpu": jax.devices()[0].device_kind, "jax": jax.__version__,
+                       "commit": git_commit(), "command": " ".join(["python3", *sys.argv]), "total_s": total_s,
+                       **report, "history": result.history}, f, indent=1)
+        print(f"[train_eagle] wrote {args.results}")
 
 
 if __name__ == "__main__":
