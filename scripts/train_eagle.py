@@ -60,7 +60,7 @@ def parse_args(argv=None):
                     help="held-out prompts to run through the engine with the trained head (0: skip)")
     ap.add_argument("--max-running-requests", type=int, default=64, help="engine batch for data generation")
     ap.add_argument("--save-examples", metavar="NPZ",
-                    help="generate the training answers, write them to NPZ and stop (train elsewhere with --examples)")
+                    help="also write the training answers to NPZ (reuse them with --examples); without --out, stop there")
     ap.add_argument("--examples", metavar="NPZ",
                     help="training answers from --save-examples instead of generating them (the held-out "
                          "answers are still generated here, so the engine check compares on one device)")
@@ -123,7 +123,8 @@ def main(argv=None):
         n_resp = sum(len(e.tokens) - e.prompt_len for e in train_ex)
         print(f"[train_eagle] wrote {len(train_ex)} answers, {n_resp} tokens, to {args.save_examples} "
               f"in {time.perf_counter() - t:.1f} s")
-        return
+        if not args.out:
+            return
     # Held-out answers are greedy only: the engine check below compares speculative output with them.
     heldout_ex = eagle3.generate_examples(model, heldout_prompts, args.max_new_tokens, engine=engine)
     examples = train_ex + heldout_ex
