@@ -11,7 +11,7 @@ import functools
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from jspec.server.protocol import APIError
+from jspec.server.errors import APIError
 
 
 def _raise(message: str):
