@@ -57,3 +57,65 @@ def test_device_profile_splits_busy_time_and_gaps_per_call():
     assert s["by_kind"]["matmul (cuBLAS / XLA gemm)"] == {"us": 10.0, "kernels": 1}
     assert s["by_kind"]["attention (Pallas)"] == {"us": 4.0, "kernels": 1}
     assert [t["name"] for t in s["top"]] == ["gemv_fusion", "paged_decode_s16_g4_n64"]
+
+
+def _kernel_case(name, median_us, fraction, tbps, bundled_tbps=None):
+    results = [{"variant": "default", "kernel": "jspec", "ok": True, "median_us": median_us,
+                "fraction_of_copy_bw": fraction, "achieved_tbps": tbps}]
+    if bundled_tbps:
+        results.append({"variant": "bundled", "kernel": "jax_bundled", "ok": True, "median_us": 2 * median_us,
+                        "fraction_of_copy_bw": fraction / 2, "achieved_tbps": bundled_tbps})
+    return {"name": name, "results": results}
+
+
+def test_roofline_verdicts_follow_the_issue_thresholds():
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    from bench_roofline import evaluate
+
+    kernels = {"cases": [_kernel_case("decode_b32_ctx4096_s16", 137.0, 0.91, 3.9, bundled_tbps=1.96),
+                         _kernel_case("decode_b32_ctx4096_s1", 160.0, 0.78, 3.4),   # 1.168x page 16: over 15%
+                         _kernel_case("decode_b32_ctx4096_s64", 136.0, 0.92, 3.94),
+                         _kernel_case("tree_b32_q8_ctx4096_s16", 165.0, 0.59, 3.25)]}  # under 60%
+    decode = {"rows": [{"batch": 64, "context": 1024, "layout": "per_layer", "step_ms": 7.7, "x_bandwidth_floor": 1.44,
+                        "bandwidth_floor_ms": 5.34, "matmul_floor_ms": 1.29, "verify_over_decode": 2.1,
+                        "verify_tokens": 8, "forward_verify_ms": 17.1, "forward_decode_ms": 8.2},
+                       {"batch": 1, "context": 1024, "layout": "per_layer", "step_ms": 3.8, "x_bandwidth_floor": 1.12,
+                        "bandwidth_floor_ms": 3.38, "matmul_floor_ms": 0.02, "verify_over_decode": 1.2,
+                        "verify_tokens": 8, "forward_verify_ms": 6.0, "forward_decode_ms": 5.0}]}
+    host = lambda model, method, h, d: {"model": model, "method": method, "batch": 1,  # noqa: E731
+                                        "device_step_ms": d, "overlap_host_ms": {"host": h, "launch": h - 0.1}}
+    overlap = {"rows": [host("small", "eagle3", 2.1, 1.3), host("8b", "eagle3", 2.3, 5.3),
+                        host("8b", "none", 2.3, 2.0)]}
+    rows = {r["target"]: r for r in evaluate(kernels, decode, overlap)}
+    met = {k: r["met"] for k, r in rows.items()}
+    assert met["1 decode attention B=32 ctx 4096 page 16"] is True
+    assert "1.96 TB/s" in rows["1 decode attention B=32 ctx 4096 page 16"]["note"]
+    assert met["1 decode attention page 1 vs page 16"] is False
+    assert met["1 decode attention page 64 vs page 16"] is True
+    assert met["2 tree verify attention B=32 x 8 ctx 4096"] is False
+    assert met["3 decode step bs=1 ctx 1024"] is True          # the bs=1 row, whatever the order
+    assert met["3 decode step bs=64 ctx 1024"] is None         # reported, not graded
+    assert "6.0x matmul floor" in rows["3 decode step bs=64 ctx 1024"]["figure"]
+    assert met["4 verify 8 tokens vs decode, bs=1"] is False   # 1.2x > 1.1x
+    assert met["5 host per iteration, small eagle3 bs=1"] is None
+    graded = [r["met"] for r in evaluate(None, None, overlap) if r["target"].startswith("5") and "8b" in r["target"]]
+    assert graded == [True, False]
+
+
+def test_roofline_marks_what_did_not_run():
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    from bench_roofline import evaluate
+
+    rows = evaluate(None, None, None)
+    assert [r["target"][0] for r in rows] == ["1", "2", "3", "4", "5"]
+    assert all(r["figure"] == "not run" and r["met"] is None for r in rows)
+
+
+def test_bench_roofline_dry_run_runs_every_part_and_grades_every_target(tmp_path):
+    run_script("bench_roofline.py", "--out", str(tmp_path))
+    result = json.load(open(tmp_path / "bench_roofline.json"))
+    assert {name: run["rc"] for name, run in result["runs"].items()} == {"kernels": 0, "decode": 0, "overlap": 0}
+    assert all(result["records"][name] for name in ("kernels", "decode", "overlap"))
+    targets = result["targets"]
+    assert {r["target"][0] for r in targets} == {"1", "2", "3", "4", "5"}
+    assert not [r for r in targets if r["figure"] == "not run"]
