@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench_decode import git_commit, random_params, timed
+from device_profile import print_summary
 from bench_overlap import EAGLE3_8B_CTX, LLAMA_8B_CTX, SMALL, SMALL_DRAFT, TINY, TINY_DRAFT
 import jspec
 from jspec.lora import SUPPORTED_MODULES, module_shapes
@@ -85,9 +86,10 @@ def step_kernels(engine, inputs, lora) -> int:
     return kernel_count(lowered.compile().as_text())
 
 
-def device_step_ms(engine, B: int, n0: int, pages_per_req: int, lora_ids, count_kernels: bool = False):
+def device_step_ms(engine, B: int, n0: int, pages_per_req: int, lora_ids, count_kernels: bool = False,
+                   profile: bool = False):
     """The compiled decode step on prebuilt inputs, back to back, at context n0:
-    (ms, kernels in the program or None)."""
+    (ms, kernels in the program or None, the step's per-kernel device profile or None)."""
     w = engine.worker
     slots = [w.alloc_slot() for _ in range(B)]
     pages = [w.allocator.alloc(pages_per_req) for _ in range(B)]
@@ -107,11 +109,17 @@ def device_step_ms(engine, B: int, n0: int, pages_per_req: int, lora_ids, count_
         reset_lengths()
         times.append(timed(decode, 10, 1))
     kernels = step_kernels(engine, inputs, lora) if count_kernels else None
+    summary = None
+    if profile:
+        from device_profile import profile_calls
+
+        reset_lengths()
+        summary = profile_calls(decode, calls=5)
     for s in slots:
         w.free_slot(s)
     for p in pages:
         w.allocator.free(p)
-    return float(np.median(times)) * 1e3, kernels
+    return float(np.median(times)) * 1e3, kernels, summary
 
 
 def main():
@@ -121,6 +129,9 @@ def main():
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--max-loras", type=int, default=4, help="pool slots (adapters resident at once)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model: a CPU dry run of the script itself")
+    ap.add_argument("--profile", action="store_true",
+                    help="also split the step's device time per kernel (scripts/device_profile.py), without "
+                         "a pool and with one: which kernels the adapters add")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--name", default="bench_lora", help="JSON file name under --out")
     args = ap.parse_args()
@@ -167,14 +178,18 @@ def main():
                     wall, steps = run_workload(engine, B, prompt_len, new_tokens, 2, use)
                     engine.check_idle_no_leaks()
                     ids = [engine.lora.slot_of(u) for u in use] if pool else None
-                    step, kernels = device_step_ms(engine, B, prompt_len + new_tokens // 2, -(-ctx // 16), ids,
-                                                   count_kernels=distinct == 0)
+                    step, kernels, prof = device_step_ms(engine, B, prompt_len + new_tokens // 2, -(-ctx // 16),
+                                                         ids, count_kernels=distinct == 0,
+                                                         profile=args.profile and distinct == 0)
                     base = base if pool else step
                     row = dict(model=name, lora_pool=pool, distinct_adapters=distinct, batch=B,
                                device_step_ms=step, loop_step_ms=wall / steps * 1e3, step_kernels=kernels,
                                overhead_vs_no_pool=step / base - 1)
+                    if prof is not None:
+                        row["profile"] = prof
+                        print_summary(f"profile {name} pool={pool}", prof)
                     rows.append(row)
-                    print(json.dumps(row), flush=True)
+                    print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
                     save()
     path = save()
     print(f"\nwrote {path}\n")

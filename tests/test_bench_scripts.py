@@ -27,8 +27,10 @@ def test_bench_decode_times_verify_against_decode(tmp_path):
 
 
 def test_bench_lora_rows_and_kernel_counts(tmp_path):
-    run_script("bench_lora.py", "--out", str(tmp_path))
+    run_script("bench_lora.py", "--profile", "--out", str(tmp_path))
     rows = json.load(open(tmp_path / "bench_lora.json"))["rows"]
+    # Profiled: the step without a pool and with one (the CPU trace has no device kernels: an error entry).
+    assert ["profile" in r for r in rows] == [True, True, False, False]
     assert [(r["lora_pool"], r["distinct_adapters"]) for r in rows] == [(False, 0), (True, 0), (True, 1), (True, 4)]
     assert rows[0]["overhead_vs_no_pool"] == 0.0
     # The pool's step has more kernels than the one without it (its A matmuls, masks).
