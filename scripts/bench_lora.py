@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench_decode import git_commit, random_params, timed
-from device_profile import print_summary
+from device_profile import print_summary, profile_calls
 from bench_overlap import EAGLE3_8B_CTX, LLAMA_8B_CTX, SMALL, SMALL_DRAFT, TINY, TINY_DRAFT
 import jspec
 from jspec.lora import SUPPORTED_MODULES, module_shapes
@@ -111,8 +111,6 @@ def device_step_ms(engine, B: int, n0: int, pages_per_req: int, lora_ids, count_
     kernels = step_kernels(engine, inputs, lora) if count_kernels else None
     summary = None
     if profile:
-        from device_profile import profile_calls
-
         reset_lengths()
         summary = profile_calls(decode, calls=5)
     for s in slots:

@@ -26,9 +26,8 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, SCRIPTS)
 
 DECODE_FRACTION, PAGE_SPREAD, TREE_FRACTION, STEP_RATIO, VERIFY_RATIO = 0.75, 1.15, 0.60, 1.15, 1.1
 
@@ -118,22 +117,22 @@ def evaluate(kernels: dict | None, decode: dict | None, overlap: dict | None) ->
     return rows
 
 
-def run_part(name: str, argv: list[str], out: str, timeout: int) -> tuple[dict | None, dict]:
-    """Runs one benchmark script into `out`; (its JSON or None, what happened)."""
+def run_part(name: str, argv: list[str], record_name: str, out: str, timeout: int) -> tuple[dict | None, dict]:
+    """Runs one benchmark script into `out`; (its JSON `record_name` or None, what happened)."""
     t = time.perf_counter()
     try:
         done = subprocess.run([sys.executable, os.path.join(SCRIPTS, argv[0]), *argv[1:], "--out", out],
                               capture_output=True, text=True, timeout=timeout)
         rc, tail = done.returncode, (done.stdout + done.stderr)[-1500:]
     except subprocess.TimeoutExpired as e:
-        rc, tail = "timeout", str(e.stdout or "")[-1500:]
+        partial = e.stdout or b""  # bytes even with text=True
+        rc, tail = "timeout", (partial.decode(errors="replace") if isinstance(partial, bytes) else partial)[-1500:]
     info = {"command": " ".join(argv), "rc": rc, "wall_s": round(time.perf_counter() - t, 1)}
     print(f"[roofline] {name}: rc {rc} in {info['wall_s']} s", flush=True)
     if rc != 0:
         info["output_tail"] = tail
         print(tail, flush=True)
-    path = os.path.join(out, {"kernels": "bench_kernels.json", "decode": "bench_decode.json",
-                              "overlap": "bench_overlap_host.json"}[name])
+    path = os.path.join(out, record_name + ".json")
     # A part cut short still leaves the rows it finished (each script writes after every row).
     record = json.load(open(path)) if os.path.exists(path) else None
     return record, info
@@ -150,12 +149,12 @@ def main(argv=None):
     skip = set(filter(None, args.skip.split(",")))
 
     t = ["--tiny"] if args.tiny else []
-    parts = {
-        "kernels": ["bench_kernels.py", "--quick"] + (["--smoke"] if args.tiny else []),
-        "decode": ["bench_decode.py", "--quick", "--no-stacked", "--profile"] + t
-                  + ([] if args.tiny else ["--batches", "1,64", "--contexts", "1024"]),
-        "overlap": ["bench_overlap.py", "--name", "bench_overlap_host"] + t
-                   + ([] if args.tiny else ["--models", "small,8b", "--batches", "1"]),
+    parts = {  # name: (command, the JSON it writes under --out)
+        "kernels": (["bench_kernels.py", "--quick"] + (["--smoke"] if args.tiny else []), "bench_kernels"),
+        "decode": (["bench_decode.py", "--quick", "--no-stacked", "--profile"] + t
+                   + ([] if args.tiny else ["--batches", "1,64", "--contexts", "1024"]), "bench_decode"),
+        "overlap": (["bench_overlap.py", "--name", "bench_overlap_host"] + t
+                    + ([] if args.tiny else ["--models", "small,8b", "--batches", "1"]), "bench_overlap_host"),
     }
     import jax
 
@@ -163,11 +162,11 @@ def main(argv=None):
 
     records, runs = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, part in parts.items():
+        for name, (command, record_name) in parts.items():
             if name in skip:
                 records[name], runs[name] = None, {"skipped": True}
                 continue
-            records[name], runs[name] = run_part(name, part, tmp, args.part_timeout)
+            records[name], runs[name] = run_part(name, command, record_name, tmp, args.part_timeout)
     targets = evaluate(records["kernels"], records["decode"], records["overlap"])
     result = dict(name=args.name, gpu=jax.devices()[0].device_kind, jax_version=jax.__version__,
                   commit=git_commit(), xla_flags=os.environ.get("XLA_FLAGS", ""), tiny=args.tiny,
