@@ -7,12 +7,12 @@ stores lora_A [r, in] and lora_B [out, r]. Several adapters are resident at once
 "no adapter"), and the forward adds every token's own delta (models/llama.py).
 
 How a projection gets its delta: for a fused projection P of the model (qkv, gate_up, o,
-down: G = 3, 2, 1, 1 modules) the pool adds N = S * G * r_max columns to P's input and as
-many rows to P's weight (S = max_loras; slot s > 0 at index s - 1, slot 0 takes no storage
-and no compute; ranks zero-padded to r_max), ordered (slot, module, rank):
-    a_P [in, N]  (the pool's own array, per layer)
-    W_P -> [W_P; b_P]  with b_P [N, out]  (rows appended to the model's fused weight)
-    x @ W_P + delta  =  [x | mask(x @ a_P)] @ [W_P; b_P]
+down: G = 3, 2, 1, 1 modules) the pool adds N = S * G * r_max columns to P's weight
+(S = max_loras; slot s > 0 at index s - 1, slot 0 takes no storage and no compute; ranks
+zero-padded to r_max), ordered (slot, module, rank):
+    W_P -> [W_P | a_P]  with a_P [in, N]  (columns appended to the model's fused weight)
+    b_P [N, out]  (the pool's own array, per layer)
+    x @ [W_P | a_P]  =  [y | u],   y + mask(u) @ b_P  =  x @ W_P + delta
 where mask scales each token's own slot's columns by the adapter's scale and zeroes the
 rest. b_P is block-diagonal over modules: module g's rows are nonzero only in g's columns
 of the fused weight (wqkv's q | k | v, w_gate_up's gate | up), so every module gets its
@@ -20,11 +20,13 @@ own delta from one matmul. A slot is one contiguous column block of a_P and row 
 b_P, which a load overwrites.
 
 Why this shape (benchmarks/NOTES.md, LoRA): at bs=32 the delta's matmuls are tiny, so its
-cost is the number of kernels it adds: here one small matmul (x @ a_P) and one fusion
-(mask, cast, concatenation) per projection, the B matmul and the add riding inside the
-model's own matmul. The a_P are per-layer arrays (step arguments of their own) because
-XLA copies a weight sliced out of a stacked array before a matmul, as for the model's
-weights.
+cost is the number of kernels it adds. Here the A matmul rides inside the model's own
+matmul, the mask is a prologue XLA fuses into the small B matmul, and the add fuses into
+whatever consumes the projection (RoPE, SwiGLU, the residual add): about one kernel per
+projection. (Appending B's rows to the weight and mask(x @ A) to the input instead costs an
+A matmul and a mask-and-concatenate fusion per projection.) The b_P are per-layer arrays
+(step arguments of their own) because XLA copies a weight sliced out of a stacked array
+before a matmul, as for the model's weights.
 
 The forward computes every slot's delta for every token and masks it to the token's own
 slot: dense matmuls with N columns and no per-token weight gather, so its cost does not
@@ -46,6 +48,7 @@ import numpy as np
 
 from jspec.config import ModelConfig
 from jspec.models.loader import CheckpointError, read_safetensors_file
+from jspec.models.matmul import dense_f32
 
 SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -179,15 +182,15 @@ def load_adapter(name: str, path: str | os.PathLike, cfg: ModelConfig, max_rank:
     return LoraAdapter(name, path, r, scaling, weights)
 
 
-# fused projection -> the model's weight that carries its b_P rows (models/llama.py).
+# fused projection -> the model's weight that carries its a_P columns (models/llama.py).
 PROJECTION_WEIGHT = {"qkv": "wqkv", "gate_up": "w_gate_up", "o": "wo", "down": "w_down"}
 
 
 class LoraWeights(NamedTuple):
-    """The pool's device arrays other than the b_P rows (which ride in the model's weights):
-    a step argument. See the module docstring for the layout."""
+    """The pool's device arrays other than the a_P columns (which ride in the model's
+    weights): a step argument. See the module docstring for the layout."""
 
-    layers: list  # per layer: {"a_qkv", "a_gate_up", "a_o", "a_down": [in, N] arrays}
+    layers: list  # per layer: {"b_qkv", "b_gate_up", "b_o", "b_down": [N, out] arrays}
     scale: jax.Array  # [S] float32, scale of slot index + 1 (0 where empty)
 
 
@@ -213,14 +216,20 @@ def slot_mask(weights: LoraWeights, token_slots: jax.Array) -> jax.Array:
     return (token_slots[:, None] == jnp.arange(1, S + 1, dtype=jnp.int32)[None]) * weights.scale[None]
 
 
-def lora_input(layer: dict, mask: jax.Array, x: jax.Array, projection: str) -> jax.Array:
-    """x [T, in] -> [x | mask(x @ a_P)] [T, in + N]: the input of P's weight with its b_P
-    rows appended. layer: one layer's pool arrays; mask: slot_mask's [T, S]."""
-    a = layer["a_" + projection]
-    T, S = x.shape[0], mask.shape[1]
-    u = jnp.dot(x, a.astype(x.dtype), preferred_element_type=jnp.float32)  # [T, S * G * r]
+def lora_dense(layer: dict, mask: jax.Array, x: jax.Array, w: jax.Array, projection: str) -> jax.Array:
+    """x [T, in] @ P's weight plus each token's delta, float32 [T, out]. w: the weight with
+    its a_P columns appended [in, out + N]; layer: one layer's pool arrays; mask: slot_mask's
+    [T, S]."""
+    b = layer["b_" + projection]
+    T, S, out = x.shape[0], mask.shape[1], w.shape[1] - b.shape[0]
+    yu = dense_f32(x, w)
+    y, u = yu[:, :out], yu[:, out:]  # [T, out], [T, S * G * r]
     u = (u.reshape(T, S, -1) * mask[:, :, None]).reshape(T, -1).astype(x.dtype)
-    return jnp.concatenate([x, u], axis=-1)
+    # The delta comes out in x's dtype and is widened for the add: a float32 dot followed by
+    # the add is a bias-add XLA folds into the B matmul (cuBLAS beta = 1), which first copies
+    # the y slice into a buffer of its own; this way the add fuses into y's consumer.
+    delta = jnp.dot(u, b.astype(x.dtype), preferred_element_type=x.dtype)
+    return y + delta.astype(jnp.float32)
 
 
 def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, list[int]]]:
@@ -256,7 +265,7 @@ class LoraPool:
             raise ValueError(f"max_loras ({max_loras}) and max_lora_rank ({max_rank}) must be >= 1")
         self.cfg, self.max_loras, self.max_rank = cfg, max_loras, max_rank
         self.weights = LoraWeights(
-            [{"a_" + p: jnp.zeros((fan_in, self._columns(outs)), dtype) for p, (fan_in, outs) in
+            [{"b_" + p: jnp.zeros((self._columns(outs), sum(outs)), dtype) for p, (fan_in, outs) in
               projection_shapes(cfg).items()} for _ in range(cfg.num_layers)],
             jnp.zeros(max_loras, jnp.float32),
         )
@@ -269,7 +278,7 @@ class LoraPool:
         return self.max_loras * len(outs) * self.max_rank
 
     def extend_params(self, params) -> dict:
-        """The model's params with every fused projection weight grown by its b_P rows
+        """The model's params with every fused projection weight grown by its a_P columns
         (zeros: no adapter yet). Per-layer weights (llama.unstack_layers) only; a copy, the
         caller's params are left as they were."""
         layers = params["layers"]
@@ -283,13 +292,13 @@ class LoraPool:
                 if w.shape != (fan_in, sum(outs)):
                     raise ValueError(f"{PROJECTION_WEIGHT[p]} has shape {w.shape}, expected {(fan_in, sum(outs))} "
                                      f"(already extended, or not this model's weights)")
-                lp[PROJECTION_WEIGHT[p]] = jnp.concatenate([w, jnp.zeros((self._columns(outs), w.shape[1]), w.dtype)],
-                                                            axis=0)
+                lp[PROJECTION_WEIGHT[p]] = jnp.concatenate([w, jnp.zeros((fan_in, self._columns(outs)), w.dtype)],
+                                                            axis=1)
             out.append(lp)
         return {**params, "layers": out}
 
     def load(self, adapter: LoraAdapter, params) -> tuple[int, dict]:
-        """Writes the adapter into a free slot: its a_P into the pool, its b_P into params
+        """Writes the adapter into a free slot: its b_P into the pool, its a_P into params
         (extend_params' result, donated). Returns (slot, the new params)."""
         if adapter.name in self.slots:
             raise ValueError(f"a LoRA adapter named {adapter.name!r} is already loaded (unload it first)")
@@ -317,8 +326,8 @@ class LoraPool:
                         A[:, g * R : g * R + r] = adapter.weights[module][0][layer]
                         B[g * R : g * R + r, col_of[g] : col_of[g + 1]] = adapter.weights[module][1][layer]
                 off = (slot - 1) * G * R
-                lw["a_" + p] = _write_donated(lw["a_" + p], jnp.asarray(A), 0, off)
-                lp[name] = _write_donated(lp[name], jnp.asarray(B), fan_in + off, 0)
+                lw["b_" + p] = _write_donated(lw["b_" + p], jnp.asarray(B), off, 0)
+                lp[name] = _write_donated(lp[name], jnp.asarray(A), 0, sum(outs) + off)
         scale = self.weights.scale.at[slot - 1].set(adapter.scaling)
         self.weights = LoraWeights(layers, scale)
         self.num_loads += 1

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.config import ModelConfig
-from jspec.lora import LoraBatch, layer_weights, lora_input, slot_mask, stacked_layer_weights
+from jspec.lora import LoraBatch, layer_weights, lora_dense, slot_mask, stacked_layer_weights
 from jspec.models.attention import paged_attention
 from jspec.models.batch import AttentionMode, ForwardBatch
 from jspec.models.matmul import dense_f32
@@ -82,8 +82,8 @@ def qkv_heads(cfg: ModelConfig, lp, h: jax.Array, cos, sin):
     T = h.shape[0]
     # wqkv [in, n], or the tensor-parallel layout [in, tp, n / tp] (jspec.parallel): q, k, v
     # of each shard's heads side by side, so the split below stays within a shard.
-    # With LoRA (one shard only: LoraPool refuses a mesh) wqkv carries the pool's rows.
-    qkv = _project(lora_input(*lp["lora"], h, "qkv") if "lora" in lp else h, lp["wqkv"])
+    # With LoRA (one shard only: LoraPool refuses a mesh) wqkv carries the pool's columns.
+    qkv = _project_lora(lp, h, "wqkv", "qkv")
     shards = qkv.shape[1]
     if cfg.qkv_bias:
         qkv = qkv + lp["bqkv"].reshape(shards, -1).astype(jnp.float32)
@@ -109,19 +109,26 @@ def mlp_block(cfg: ModelConfig, lp, x: jax.Array) -> jax.Array:
         from jspec.parallel.dp_attention import dense_mlp_over_ranks
 
         return x + dense_mlp_over_ranks(lp, h).astype(x.dtype)
-    # [in, 2I], or [in, tp, 2I / tp] (as wqkv); with LoRA, w_gate_up carries the pool's rows
-    gate_up = _project(lora_input(*lp["lora"], h, "gate_up") if "lora" in lp else h, lp["w_gate_up"])
+    # [in, 2I], or [in, tp, 2I / tp] (as wqkv); with LoRA, w_gate_up carries the pool's columns
+    gate_up = _project_lora(lp, h, "w_gate_up", "gate_up")
     half = gate_up.shape[-1] // 2
     T = x.shape[0]
     gate, up = gate_up[..., :half].reshape(T, -1), gate_up[..., half:].reshape(T, -1)
     return x + _linear_lora(lp, (jax.nn.silu(gate) * up).astype(x.dtype), "w_down", "down")
 
 
-def _linear_lora(lp, x: jax.Array, name: str, projection: str) -> jax.Array:
-    """x @ lp[name], with the layer's LoRA delta when it has one (jspec.lora: the weight
-    then carries the pool's rows, fed by lora_input's extra columns)."""
+def _project_lora(lp, h: jax.Array, name: str, projection: str) -> jax.Array:
+    """_project(h, lp[name]), with the layer's LoRA delta when it has one (jspec.lora: the
+    weight then carries the pool's columns)."""
     if "lora" in lp:
-        return dense_f32(lora_input(*lp["lora"], x, projection), lp[name]).astype(x.dtype)
+        return lora_dense(*lp["lora"], h, lp[name], projection)[:, None, :]
+    return _project(h, lp[name])
+
+
+def _linear_lora(lp, x: jax.Array, name: str, projection: str) -> jax.Array:
+    """x @ lp[name], with the layer's LoRA delta when it has one."""
+    if "lora" in lp:
+        return lora_dense(*lp["lora"], x, lp[name], projection).astype(x.dtype)
     return _linear(x, lp[name])
 
 
