@@ -48,6 +48,7 @@ import numpy as np
 
 from jspec.config import ModelConfig
 from jspec.models.loader import CheckpointError, read_safetensors_file
+from jspec.models.matmul import dense_f32
 
 SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -221,16 +222,14 @@ def lora_dense(layer: dict, mask: jax.Array, x: jax.Array, w: jax.Array, project
     [T, S]."""
     b = layer["b_" + projection]
     T, S, out = x.shape[0], mask.shape[1], w.shape[1] - b.shape[0]
-    # In x's dtype, as its consumers cast it: a float32 output would be converted in a
-    # kernel of its own once sliced.
-    yu = jnp.dot(x, w, preferred_element_type=x.dtype)
+    yu = dense_f32(x, w)
     y, u = yu[:, :out], yu[:, out:]  # [T, out], [T, S * G * r]
-    u = (u.reshape(T, S, -1) * mask[:, :, None].astype(x.dtype)).reshape(T, -1)
+    u = (u.reshape(T, S, -1) * mask[:, :, None]).reshape(T, -1).astype(x.dtype)
     # The delta comes out in x's dtype and is widened for the add: a float32 dot followed by
     # the add is a bias-add XLA folds into the B matmul (cuBLAS beta = 1), which first copies
     # the y slice into a buffer of its own; this way the add fuses into y's consumer.
     delta = jnp.dot(u, b.astype(x.dtype), preferred_element_type=x.dtype)
-    return y.astype(jnp.float32) + delta.astype(jnp.float32)
+    return y + delta.astype(jnp.float32)
 
 
 def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, list[int]]]:
