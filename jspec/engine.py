@@ -168,9 +168,6 @@ class Engine:
     ):
         self.model = as_model(model)
         cfg, params = self.model.cfg, self.model.params
-        if (lora_paths or max_loras) and tp_size != 1:
-            raise ValueError(f"LoRA adapters with tp_size={tp_size} are not supported yet (the adapter pool is not "
-                             f"laid out for the tensor-parallel projections); use tp_size=1")
         if ep_size != 1 and not (cfg.is_moe and ep_size == tp_size):
             raise ValueError(f"ep_size={ep_size}: expert parallelism splits an MoE model's experts over its "
                              f"tensor-parallel devices, so it must equal tp_size ({tp_size}) on an MoE model "

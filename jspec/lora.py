@@ -37,6 +37,7 @@ depend on how many distinct adapters a batch mixes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -218,18 +219,26 @@ def slot_mask(weights: LoraWeights, token_slots: jax.Array) -> jax.Array:
 
 
 def lora_dense(layer: dict, mask: jax.Array, x: jax.Array, w: jax.Array, projection: str) -> jax.Array:
-    """x [T, in] @ P's weight plus each token's delta, float32 [T, out]. w: the weight with
-    its a_P columns appended [in, out + N]; layer: one layer's pool arrays; mask: slot_mask's
-    [T, S]."""
-    b = layer["b_" + projection]
-    T, S, out = x.shape[0], mask.shape[1], w.shape[1] - b.shape[0]
-    yu = dense_f32(x, w)
-    y, u = yu[:, :out], yu[:, out:]  # [T, out], [T, S * G * r]
-    u = (u.reshape(T, S, -1) * mask[:, :, None]).reshape(T, -1).astype(x.dtype)
+    """x [T, in] @ P's weight plus each token's delta, float32. w: the weight with its a_P
+    columns appended, [in, out + N] (-> [T, out]) or, column-parallel under tensor
+    parallelism, [in, tp, out / tp + N] with a_P on every shard (-> [T, tp, out / tp]);
+    layer: one layer's pool arrays; mask: slot_mask's [T, S]."""
+    b = layer["b_" + projection]  # [N, out], or [N, tp, out / tp]
+    T, S, N = x.shape[0], mask.shape[1], b.shape[0]
+    if w.ndim == 2:
+        yu = dense_f32(x, w)
+    else:
+        yu = jnp.einsum("ti,isn->tsn", x, w, preferred_element_type=jnp.float32)
+    y, u = yu[..., :-N], yu[..., -N:]  # [T, (tp,) out], [T, (tp,) S * G * r]
+    lead = u.shape[:-1]
+    u = (u.reshape(*lead, S, -1) * mask.reshape(T, *(1,) * (u.ndim - 2), S, 1)).reshape(*lead, N).astype(x.dtype)
     # The delta comes out in x's dtype and is widened for the add: a float32 dot followed by
     # the add is a bias-add XLA folds into the B matmul (cuBLAS beta = 1), which first copies
     # the y slice into a buffer of its own; this way the add fuses into y's consumer.
-    delta = jnp.dot(u, b.astype(x.dtype), preferred_element_type=x.dtype)
+    if b.ndim == 2:
+        delta = jnp.dot(u, b.astype(x.dtype), preferred_element_type=x.dtype)
+    else:  # each shard its own columns of B, from its own copy of u: no communication
+        delta = jnp.einsum("tsk,ksn->tsn", u, b.astype(x.dtype), preferred_element_type=x.dtype)
     return y + delta.astype(jnp.float32)
 
 
@@ -239,13 +248,28 @@ def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, list[int]]]:
     return {p: (shapes[ms[0]][0], [shapes[m][1] for m in ms]) for p, ms in FUSED_PROJECTIONS.items()}
 
 
-def _write(arr, val, row, col):
-    return jax.lax.dynamic_update_slice(arr, val.astype(arr.dtype), (row, col))
+# Tensor parallelism (jspec.parallel.tensor_parallel): qkv and gate_up are column-parallel,
+# their weights blocked [in, tp, out / tp]; o and down are row-parallel, [in, out] split
+# over `in`. A column-parallel projection gets a_P on every shard (u is tiny, computing it
+# tp times costs nothing) and B split as its weight; a row-parallel one gets a_P split over
+# `in` like its weight, so u comes out of the all-reduce XLA already puts after the matmul,
+# and B replicated. No collective beyond the model's own.
+COLUMN_PARALLEL = ("qkv", "gate_up")
 
 
-# Donated, so a load does not hold two copies of the pool; offsets traced, so one compile
-# per array shape whatever the slot.
-_write_donated = jax.jit(_write, donate_argnums=0)
+def _write(arr, val, start):
+    return jax.lax.dynamic_update_slice(arr, val.astype(arr.dtype), start)
+
+
+@functools.lru_cache(maxsize=None)
+def _writer(sharding):
+    # Donated, so a load does not hold two copies of the pool; offsets traced, so one compile
+    # per array shape whatever the slot; the result placed as the array was.
+    return jax.jit(_write, donate_argnums=0, out_shardings=sharding)
+
+
+def _write_donated(arr, val, *start):
+    return _writer(arr.sharding)(arr, val, tuple(jnp.int32(i) for i in start))
 
 
 class LoraPool:
@@ -253,22 +277,30 @@ class LoraPool:
 
     max_loras adapters fit at once (slots 1..max_loras; slot 0 is no adapter). Loading writes
     an adapter's matrices into a free slot without touching the compiled steps (the pool's
-    shapes never change); unloading frees the slot for the next load.
+    shapes never change); unloading frees the slot for the next load. cfg is the
+    checkpoint's config (what adapters are checked against); mesh, the tensor-parallel mesh
+    the model's params are laid out on (shard_params), or None.
     """
 
     def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, mesh=None):
-        if mesh is not None:
-            raise ValueError("LoRA with tensor parallelism (tp_size > 1) is not supported yet: the pool is not "
-                             "laid out for the blocked per-shard projections; use tp_size=1")
+        from jspec.parallel.tensor_parallel import TENSOR, tp_size_of
+
+        if mesh is not None and set(mesh.axis_names) != {TENSOR}:
+            raise ValueError(f"LoRA on a mesh with axes {mesh.axis_names} (DP attention) is not supported yet; "
+                             f"LoRA runs on one device or tensor-parallel (tp_size > 1, dp_size = 1)")
         if cfg.is_moe:
             raise ValueError("LoRA on mixture-of-experts models is not supported yet")
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"max_loras ({max_loras}) and max_lora_rank ({max_rank}) must be >= 1")
-        self.cfg, self.max_loras, self.max_rank = cfg, max_loras, max_rank
+        self.cfg, self.max_loras, self.max_rank, self.mesh = cfg, max_loras, max_rank, mesh
+        self.tp = tp_size_of(mesh)
+        # With fewer KV heads than shards the model repeats each one (replicate_kv_heads);
+        # an adapter's k / v columns are repeated the same way.
+        self.kv_repeat = self.tp // cfg.num_kv_heads if cfg.num_kv_heads < self.tp else 1
         self.weights = LoraWeights(
-            [{"b_" + p: jnp.zeros((self._columns(outs), sum(outs)), dtype) for p, (fan_in, outs) in
-              projection_shapes(cfg).items()} for _ in range(cfg.num_layers)],
-            jnp.zeros(max_loras, jnp.float32),
+            [{"b_" + p: self._place(jnp.zeros(self._b_shape(p, outs), dtype), self._b_spec(p))
+              for p, (_, outs) in projection_shapes(cfg).items()} for _ in range(cfg.num_layers)],
+            self._place(jnp.zeros(max_loras, jnp.float32), ()),
         )
         self.slots: dict[str, int] = {}  # adapter name -> slot
         self.num_loads = 0  # gives each load its uid
@@ -277,6 +309,35 @@ class LoraPool:
     def _columns(self, outs: list[int]) -> int:
         """N of a fused projection whose modules have these output widths: S * G * r_max."""
         return self.max_loras * len(outs) * self.max_rank
+
+    def _outs(self, p: str, outs: list[int]) -> list[int]:
+        """The module widths of P as the model holds them (k and v widened by kv_repeat)."""
+        return [outs[0]] + [o * self.kv_repeat for o in outs[1:]] if p == "qkv" else outs
+
+    def _blocked(self, p: str) -> bool:
+        return self.mesh is not None and p in COLUMN_PARALLEL
+
+    def _b_shape(self, p: str, outs: list[int]) -> tuple[int, ...]:
+        n = sum(self._outs(p, outs))
+        return (self._columns(outs), self.tp, n // self.tp) if self._blocked(p) else (self._columns(outs), n)
+
+    def _b_spec(self, p: str) -> tuple:
+        from jspec.parallel.tensor_parallel import TENSOR
+
+        return (None, TENSOR, None) if self._blocked(p) else ()
+
+    def _w_spec(self, p: str) -> tuple:
+        from jspec.parallel.tensor_parallel import TENSOR
+
+        return (None, TENSOR, None) if self._blocked(p) else (TENSOR, None)
+
+    def _place(self, x, spec: tuple):
+        if self.mesh is None:
+            return x
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        return jax.device_put(x, NamedSharding(self.mesh, P(*spec)))
 
     def extend_params(self, params) -> dict:
         """The model's params with every fused projection weight grown by its a_P columns
@@ -289,18 +350,28 @@ class LoraPool:
         for lp in layers:
             lp = dict(lp)
             for p, (fan_in, outs) in projection_shapes(self.cfg).items():
-                w = lp[PROJECTION_WEIGHT[p]]
-                if w.shape != (fan_in, sum(outs)):
-                    raise ValueError(f"{PROJECTION_WEIGHT[p]} has shape {w.shape}, expected {(fan_in, sum(outs))} "
+                w, n, N = lp[PROJECTION_WEIGHT[p]], sum(self._outs(p, outs)), self._columns(outs)
+                want = (fan_in, self.tp, n // self.tp) if self._blocked(p) else (fan_in, n)
+                if w.shape != want:
+                    raise ValueError(f"{PROJECTION_WEIGHT[p]} has shape {w.shape}, expected {want} "
                                      f"(already extended, or not this model's weights)")
-                lp[PROJECTION_WEIGHT[p]] = jnp.concatenate([w, jnp.zeros((fan_in, self._columns(outs)), w.dtype)],
-                                                            axis=1)
+                zeros = jnp.zeros((*w.shape[:-1], N), w.dtype)
+                lp[PROJECTION_WEIGHT[p]] = self._place(jnp.concatenate([w, zeros], axis=-1), self._w_spec(p))
             out.append(lp)
         return {**params, "layers": out}
+
+    def _widen_kv(self, B: np.ndarray, outs: list[int]) -> np.ndarray:
+        """qkv's B [rows, q + 2 kv] -> [rows, q + 2 r kv]: each KV head's columns repeated r
+        times in place, as replicate_kv_heads does to wqkv."""
+        q, kv, D, r = outs[0], outs[1], self.cfg.head_dim, self.kv_repeat
+        rep = lambda a: np.repeat(a.reshape(a.shape[0], -1, D), r, axis=1).reshape(a.shape[0], -1)
+        return np.concatenate([B[:, :q], rep(B[:, q : q + kv]), rep(B[:, q + kv :])], axis=1)
 
     def load(self, adapter: LoraAdapter, params) -> tuple[int, dict]:
         """Writes the adapter into a free slot: its b_P into the pool, its a_P into params
         (extend_params' result, donated). Returns (slot, the new params)."""
+        from jspec.parallel.tensor_parallel import block_columns
+
         if adapter.name in self.slots:
             raise ValueError(f"a LoRA adapter named {adapter.name!r} is already loaded (unload it first)")
         if adapter.rank > self.max_rank:
@@ -317,8 +388,9 @@ class LoraPool:
         # The slot's whole block is written (zeros where the adapter has no module or its rank
         # is below r_max), so nothing of the slot's previous adapter survives.
         for p, (fan_in, outs) in projection_shapes(self.cfg).items():
-            G, name = len(outs), PROJECTION_WEIGHT[p]
+            G, name, held = len(outs), PROJECTION_WEIGHT[p], self._outs(p, outs)
             col_of = np.cumsum([0] + outs)
+            off = (slot - 1) * G * R
             for layer, (lw, lp) in enumerate(zip(layers, model_layers)):
                 A = np.zeros((fan_in, G * R), np.float32)
                 B = np.zeros((G * R, sum(outs)), np.float32)
@@ -326,11 +398,19 @@ class LoraPool:
                     if module in adapter.weights:
                         A[:, g * R : g * R + r] = adapter.weights[module][0][layer]
                         B[g * R : g * R + r, col_of[g] : col_of[g + 1]] = adapter.weights[module][1][layer]
-                off = (slot - 1) * G * R
-                lw["b_" + p] = _write_donated(lw["b_" + p], jnp.asarray(B), off, 0)
-                lp[name] = _write_donated(lp[name], jnp.asarray(A), 0, sum(outs) + off)
+                if p == "qkv" and self.kv_repeat > 1:
+                    B = self._widen_kv(B, outs)
+                if self._blocked(p):
+                    n = sum(held) // self.tp  # each shard: its columns of B, and all of A after its own
+                    B = np.asarray(block_columns(B, tuple(held), self.tp))
+                    A = np.broadcast_to(A[:, None], (fan_in, self.tp, G * R))
+                    lw["b_" + p] = _write_donated(lw["b_" + p], jnp.asarray(B), off, 0, 0)
+                    lp[name] = _write_donated(lp[name], jnp.asarray(A), 0, 0, n + off)
+                else:
+                    lw["b_" + p] = _write_donated(lw["b_" + p], jnp.asarray(B), off, 0)
+                    lp[name] = _write_donated(lp[name], jnp.asarray(A), 0, sum(held) + off)
         scale = self.weights.scale.at[slot - 1].set(adapter.scaling)
-        self.weights = LoraWeights(layers, scale)
+        self.weights = LoraWeights(layers, self._place(scale, ()))
         self.num_loads += 1
         adapter.uid = self.num_loads
         self.slots[adapter.name] = slot
@@ -343,7 +423,7 @@ class LoraPool:
         slot = self.slots.pop(name)
         del self.adapters[name]
         # Zero its scale: a token that still names the slot (none should) gets no delta.
-        self.weights = self.weights._replace(scale=self.weights.scale.at[slot - 1].set(0.0))
+        self.weights = self.weights._replace(scale=self._place(self.weights.scale.at[slot - 1].set(0.0), ()))
 
     def slot_of(self, name: str | None) -> int:
         if name is None:

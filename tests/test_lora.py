@@ -171,8 +171,34 @@ def test_bad_adapters_are_refused_by_name(tiny, tmp_path):
         engine.add_request([1, 2, 3], jspec.SamplingParams(lora_path="a"))
     with pytest.raises(ValueError, match="serves no LoRA adapters"):
         jspec.Engine(tiny, **ENGINE).add_request([1, 2, 3], jspec.SamplingParams(lora_path="a"))
-    with pytest.raises(ValueError, match="tp_size=2 are not supported"):
-        jspec.Engine(tiny, tp_size=2, **LORA, **ENGINE)
+    with pytest.raises(ValueError, match="LoRA adapters with DP attention are not supported yet"):
+        jspec.Engine(tiny, tp_size=2, dp_size=2, enable_dp_attention=True, **LORA, **ENGINE)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_mixed_batch_with_eagle3_equals_merged_models(tiny, adapters, references, tp):
+    # The tiny model has 2 KV heads: tp 2 splits them, tp 4 repeats each (and so the pool
+    # repeats the adapters' k / v columns).
+    from test_tensor_parallel import eagle3
+
+    spec = jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=1, num_draft_tokens=4)
+    engine = jspec.Engine(tiny, spec=spec, draft=eagle3(tiny), lora_paths={n: a[0] for n, a in adapters.items()},
+                          tp_size=tp, **LORA, **ENGINE)
+    got, _ = greedy(engine, PROMPTS, USE)
+    assert got == expected(references, USE, range(len(PROMPTS)))
+    lw = engine.lora.weights.layers[0]
+    # Column-parallel B is split over the shards as its weight is; row-parallel B is whole on each.
+    assert lw["b_qkv"].sharding.spec[1] == "tensor" and lw["b_qkv"].addressable_shards[0].data.shape[1] == 1
+    assert lw["b_o"].sharding.is_fully_replicated
+    wo = engine.worker.params["layers"][0]["wo"]
+    assert wo.sharding.spec[0] == "tensor" and wo.shape[1] > tiny.cfg.hidden_size  # A's columns, split over `in`
+    # Unload and reload under TP: the donated writes keep every array where it was.
+    engine.unload_lora("a")
+    engine.load_lora("a", adapters["a"][0])
+    assert engine.worker.params["layers"][0]["wo"].sharding == wo.sharding
+    got, _ = greedy(engine, PROMPTS, USE)
+    assert got == expected(references, USE, range(len(PROMPTS)))
+    engine.check_idle_no_leaks()
 
 
 def test_load_use_unload_reload_without_restart(tiny, adapters, references):
@@ -279,6 +305,6 @@ def test_lora_decode_step_lowers_for_cuda(tmp_path):
     lowered = lower_for_cuda(functools.partial(plain_decode_step, cfg=w.cfg, backend="pallas", sampling="greedy"),
                              *specs)
     text = lowered.as_text()
-    # Per layer, 4 fused projections (their weights carrying the pool's B rows) and 4 LoRA A
-    # matmuls; then the logits.
+    # Per layer, 4 fused projections (their weights carrying the pool's A columns) and 4 LoRA
+    # B matmuls; then the logits.
     assert "bf16" in text and text.count("dot_general") >= 8 * w.cfg.num_layers + 1

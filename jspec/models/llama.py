@@ -82,7 +82,7 @@ def qkv_heads(cfg: ModelConfig, lp, h: jax.Array, cos, sin):
     T = h.shape[0]
     # wqkv [in, n], or the tensor-parallel layout [in, tp, n / tp] (jspec.parallel): q, k, v
     # of each shard's heads side by side, so the split below stays within a shard.
-    # With LoRA (one shard only: LoraPool refuses a mesh) wqkv carries the pool's columns.
+    # With LoRA wqkv carries the pool's columns (jspec.lora).
     qkv = _project_lora(lp, h, "wqkv", "qkv")
     shards = qkv.shape[1]
     if cfg.qkv_bias:
@@ -121,7 +121,8 @@ def _project_lora(lp, h: jax.Array, name: str, projection: str) -> jax.Array:
     """_project(h, lp[name]), with the layer's LoRA delta when it has one (jspec.lora: the
     weight then carries the pool's columns)."""
     if "lora" in lp:
-        return lora_dense(*lp["lora"], h, lp[name], projection)[:, None, :]
+        out = lora_dense(*lp["lora"], h, lp[name], projection)
+        return out[:, None, :] if out.ndim == 2 else out
     return _project(h, lp[name])
 
 
