@@ -182,8 +182,6 @@ class Engine:
             from jspec.parallel.dp_attention import check_dp_args, make_dp_mesh, shard_params_dp
 
             check_dp_args(tp_size, dp_size, enable_dp_attention, load_balance_method)
-            if lora_paths or max_loras:
-                raise ValueError("LoRA adapters with DP attention are not supported yet; use dp_size=1")
             dp_mesh = make_dp_mesh(tp_size, dp_size)
             cfg, params = shard_params_dp(cfg, params, dp_mesh)
             max_running_requests = max(1, max_running_requests // dp_size)

@@ -17,7 +17,8 @@ where mask scales each token's own slot's columns by the adapter's scale and zer
 rest. b_P is block-diagonal over modules: module g's rows are nonzero only in g's columns
 of the fused weight (wqkv's q | k | v, w_gate_up's gate | up), so every module gets its
 own delta from one matmul. A slot is one contiguous column block of a_P and row block of
-b_P, which a load overwrites.
+b_P, which a load overwrites. Under tensor parallelism or DP attention the same parts take
+the sharded weights' layouts (ProjectionLayout), so the delta adds no collective.
 
 Why this shape (benchmarks/NOTES.md, LoRA): at bs=32 the delta's matmuls are tiny, so its
 cost is the number of kernels it adds. Here the A matmul rides inside the model's own
@@ -223,22 +224,27 @@ def lora_dense(layer: dict, mask: jax.Array, x: jax.Array, w: jax.Array, project
     columns appended, [in, out + N] (-> [T, out]) or, column-parallel under tensor
     parallelism, [in, tp, out / tp + N] with a_P on every shard (-> [T, tp, out / tp]);
     layer: one layer's pool arrays; mask: slot_mask's [T, S]."""
-    b = layer["b_" + projection]  # [N, out], or [N, tp, out / tp]
-    T, S, N = x.shape[0], mask.shape[1], b.shape[0]
     if w.ndim == 2:
         yu = dense_f32(x, w)
     else:
         yu = jnp.einsum("ti,isn->tsn", x, w, preferred_element_type=jnp.float32)
+    return add_lora_delta(yu, mask, layer["b_" + projection], x.dtype)
+
+
+def add_lora_delta(yu: jax.Array, mask: jax.Array, b: jax.Array, dtype) -> jax.Array:
+    """[y | u] (float32, out of a weight with a_P appended) -> y + mask(u) @ b, float32.
+    yu [T, out + N] with b [N, out], or blocked yu [T, tp, out / tp + N] with b [N, tp, out / tp]."""
+    T, S, N = yu.shape[0], mask.shape[1], b.shape[0]
     y, u = yu[..., :-N], yu[..., -N:]  # [T, (tp,) out], [T, (tp,) S * G * r]
     lead = u.shape[:-1]
-    u = (u.reshape(*lead, S, -1) * mask.reshape(T, *(1,) * (u.ndim - 2), S, 1)).reshape(*lead, N).astype(x.dtype)
-    # The delta comes out in x's dtype and is widened for the add: a float32 dot followed by
-    # the add is a bias-add XLA folds into the B matmul (cuBLAS beta = 1), which first copies
-    # the y slice into a buffer of its own; this way the add fuses into y's consumer.
+    u = (u.reshape(*lead, S, -1) * mask.reshape(T, *(1,) * (u.ndim - 2), S, 1)).reshape(*lead, N).astype(dtype)
+    # The delta comes out in the activations' dtype and is widened for the add: a float32 dot
+    # followed by the add is a bias-add XLA folds into the B matmul (cuBLAS beta = 1), which
+    # first copies the y slice into a buffer of its own; this way the add fuses into y's consumer.
     if b.ndim == 2:
-        delta = jnp.dot(u, b.astype(x.dtype), preferred_element_type=x.dtype)
+        delta = jnp.dot(u, b.astype(dtype), preferred_element_type=dtype)
     else:  # each shard its own columns of B, from its own copy of u: no communication
-        delta = jnp.einsum("tsk,ksn->tsn", u, b.astype(x.dtype), preferred_element_type=x.dtype)
+        delta = jnp.einsum("tsk,ksn->tsn", u, b.astype(dtype), preferred_element_type=dtype)
     return y + delta.astype(jnp.float32)
 
 
@@ -248,13 +254,86 @@ def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, list[int]]]:
     return {p: (shapes[ms[0]][0], [shapes[m][1] for m in ms]) for p, ms in FUSED_PROJECTIONS.items()}
 
 
-# Tensor parallelism (jspec.parallel.tensor_parallel): qkv and gate_up are column-parallel,
-# their weights blocked [in, tp, out / tp]; o and down are row-parallel, [in, out] split
-# over `in`. A column-parallel projection gets a_P on every shard (u is tiny, computing it
-# tp times costs nothing) and B split as its weight; a row-parallel one gets a_P split over
-# `in` like its weight, so u comes out of the all-reduce XLA already puts after the matmul,
-# and B replicated. No collective beyond the model's own.
-COLUMN_PARALLEL = ("qkv", "gate_up")
+@dataclasses.dataclass(frozen=True)
+class ProjectionLayout:
+    """How a fused projection's weight lies on the mesh, and so where the pool's parts go.
+
+    plain: [in, out] (one device; or row-parallel o / down under TP, split over `in`, so u
+    comes out of the all-reduce XLA already puts after the matmul, and B is whole on each
+    device). blocked: column-parallel qkv / gate_up under TP, [in, k, out / k] (k = the
+    "tensor" size): a_P on every shard (u is tiny, computing it k times costs nothing), B
+    split as the weight. DP attention's MLP adds a rank axis: ranked_blocked gate_up [in,
+    dp, k, out / tp] (A on every block, B split over both axes), ranked_rows down [dp,
+    in / dp, out] (A split over `in` as the weight, B whole). None of it adds a collective.
+    """
+
+    kind: str  # "plain", "blocked", "ranked_blocked" or "ranked_rows"
+    fan_in: int
+    held: tuple[int, ...]  # module widths as the model holds them (k / v widened by kv_repeat)
+    dp: int = 1
+    k: int = 1
+    w_spec: tuple | None = None  # None: one device, nothing to place
+    b_spec: tuple = ()
+
+    @property
+    def out(self) -> int:
+        """The weight's last axis before the pool's columns."""
+        return sum(self.held) // {"blocked": self.k, "ranked_blocked": self.dp * self.k}.get(self.kind, 1)
+
+    def w_lead(self) -> tuple[int, ...]:
+        return {"plain": (self.fan_in,), "blocked": (self.fan_in, self.k),
+                "ranked_blocked": (self.fan_in, self.dp, self.k),
+                "ranked_rows": (self.dp, self.fan_in // self.dp)}[self.kind]
+
+    def b_shape(self, rows: int) -> tuple[int, ...]:
+        if self.kind == "blocked":
+            return (rows, self.k, self.out)
+        if self.kind == "ranked_blocked":
+            return (rows, self.dp, self.k, self.out)
+        return (rows, sum(self.held))
+
+    def lay_a(self, A: np.ndarray) -> np.ndarray:
+        """A [in, cols] -> the weight's leading shape + (cols,)."""
+        if self.kind == "ranked_rows":
+            return A.reshape(self.dp, -1, A.shape[1])
+        return np.broadcast_to(A.reshape(A.shape[0], *(1,) * (len(self.w_lead()) - 1), A.shape[1]),
+                               (*self.w_lead(), A.shape[1]))
+
+    def lay_b(self, B: np.ndarray) -> np.ndarray:
+        """B [rows, sum(held)] -> b_shape(rows)."""
+        from jspec.parallel.tensor_parallel import block_columns
+
+        if self.kind not in ("blocked", "ranked_blocked"):
+            return B
+        return np.asarray(block_columns(B, self.held, self.dp * self.k)).reshape(self.b_shape(B.shape[0]))
+
+
+def projection_layouts(cfg: ModelConfig, mesh) -> tuple[dict[str, ProjectionLayout], int]:
+    """Each fused projection's layout on mesh (None, TP's ("tensor",) or DP attention's
+    ("data", "tensor")), and the factor the model repeats KV heads by (replicate_kv_heads)."""
+    from jspec.parallel.dp_attention import DATA
+    from jspec.parallel.tensor_parallel import TENSOR
+
+    shapes = projection_shapes(cfg)
+    if mesh is None:
+        return {p: ProjectionLayout("plain", fan_in, tuple(outs)) for p, (fan_in, outs) in shapes.items()}, 1
+    if set(mesh.axis_names) - {DATA, TENSOR}:
+        raise ValueError(f"LoRA on a mesh with axes {mesh.axis_names} is not supported")
+    dp, k = mesh.shape.get(DATA, 1), mesh.shape[TENSOR]
+    kv_repeat = k // cfg.num_kv_heads if cfg.num_kv_heads < k else 1
+    held = {p: tuple([outs[0]] + [o * kv_repeat for o in outs[1:]] if p == "qkv" else outs)
+            for p, (_, outs) in shapes.items()}
+    L = lambda p, kind, **kw: ProjectionLayout(kind, shapes[p][0], held[p], **kw)  # noqa: E731
+    out = {"qkv": L("qkv", "blocked", k=k, w_spec=(None, TENSOR, None), b_spec=(None, TENSOR, None)),
+           "o": L("o", "plain", w_spec=(TENSOR, None))}
+    if DATA in mesh.axis_names:
+        out["gate_up"] = L("gate_up", "ranked_blocked", dp=dp, k=k, w_spec=(None, DATA, TENSOR, None),
+                           b_spec=(None, DATA, TENSOR, None))
+        out["down"] = L("down", "ranked_rows", dp=dp, w_spec=(DATA, TENSOR, None))
+    else:
+        out["gate_up"] = L("gate_up", "blocked", k=k, w_spec=(None, TENSOR, None), b_spec=(None, TENSOR, None))
+        out["down"] = L("down", "plain", w_spec=(TENSOR, None))
+    return out, kv_repeat
 
 
 def _write(arr, val, start):
@@ -278,60 +357,31 @@ class LoraPool:
     max_loras adapters fit at once (slots 1..max_loras; slot 0 is no adapter). Loading writes
     an adapter's matrices into a free slot without touching the compiled steps (the pool's
     shapes never change); unloading frees the slot for the next load. cfg is the
-    checkpoint's config (what adapters are checked against); mesh, the tensor-parallel mesh
-    the model's params are laid out on (shard_params), or None.
+    checkpoint's config (what adapters are checked against); mesh, the mesh the model's
+    params are laid out on (TP's shard_params or DP attention's shard_params_dp), or None.
     """
 
     def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, mesh=None):
-        from jspec.parallel.tensor_parallel import TENSOR, tp_size_of
-
-        if mesh is not None and set(mesh.axis_names) != {TENSOR}:
-            raise ValueError(f"LoRA on a mesh with axes {mesh.axis_names} (DP attention) is not supported yet; "
-                             f"LoRA runs on one device or tensor-parallel (tp_size > 1, dp_size = 1)")
         if cfg.is_moe:
             raise ValueError("LoRA on mixture-of-experts models is not supported yet")
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"max_loras ({max_loras}) and max_lora_rank ({max_rank}) must be >= 1")
         self.cfg, self.max_loras, self.max_rank, self.mesh = cfg, max_loras, max_rank, mesh
-        self.tp = tp_size_of(mesh)
-        # With fewer KV heads than shards the model repeats each one (replicate_kv_heads);
-        # an adapter's k / v columns are repeated the same way.
-        self.kv_repeat = self.tp // cfg.num_kv_heads if cfg.num_kv_heads < self.tp else 1
+        self.layouts, self.kv_repeat = projection_layouts(cfg, mesh)
         self.weights = LoraWeights(
-            [{"b_" + p: self._place(jnp.zeros(self._b_shape(p, outs), dtype), self._b_spec(p))
-              for p, (_, outs) in projection_shapes(cfg).items()} for _ in range(cfg.num_layers)],
+            [{"b_" + p: self._place(jnp.zeros(lay.b_shape(self._columns(p)), dtype), lay.b_spec)
+              for p, lay in self.layouts.items()} for _ in range(cfg.num_layers)],
             self._place(jnp.zeros(max_loras, jnp.float32), ()),
         )
         self.slots: dict[str, int] = {}  # adapter name -> slot
         self.num_loads = 0  # gives each load its uid
         self.adapters: dict[str, LoraAdapter] = {}
 
-    def _columns(self, outs: list[int]) -> int:
-        """N of a fused projection whose modules have these output widths: S * G * r_max."""
-        return self.max_loras * len(outs) * self.max_rank
+    def _columns(self, p: str) -> int:
+        """N of fused projection P: S * G * r_max."""
+        return self.max_loras * len(FUSED_PROJECTIONS[p]) * self.max_rank
 
-    def _outs(self, p: str, outs: list[int]) -> list[int]:
-        """The module widths of P as the model holds them (k and v widened by kv_repeat)."""
-        return [outs[0]] + [o * self.kv_repeat for o in outs[1:]] if p == "qkv" else outs
-
-    def _blocked(self, p: str) -> bool:
-        return self.mesh is not None and p in COLUMN_PARALLEL
-
-    def _b_shape(self, p: str, outs: list[int]) -> tuple[int, ...]:
-        n = sum(self._outs(p, outs))
-        return (self._columns(outs), self.tp, n // self.tp) if self._blocked(p) else (self._columns(outs), n)
-
-    def _b_spec(self, p: str) -> tuple:
-        from jspec.parallel.tensor_parallel import TENSOR
-
-        return (None, TENSOR, None) if self._blocked(p) else ()
-
-    def _w_spec(self, p: str) -> tuple:
-        from jspec.parallel.tensor_parallel import TENSOR
-
-        return (None, TENSOR, None) if self._blocked(p) else (TENSOR, None)
-
-    def _place(self, x, spec: tuple):
+    def _place(self, x, spec: tuple | None):
         if self.mesh is None:
             return x
         from jax.sharding import NamedSharding
@@ -349,14 +399,13 @@ class LoraPool:
         out = []
         for lp in layers:
             lp = dict(lp)
-            for p, (fan_in, outs) in projection_shapes(self.cfg).items():
-                w, n, N = lp[PROJECTION_WEIGHT[p]], sum(self._outs(p, outs)), self._columns(outs)
-                want = (fan_in, self.tp, n // self.tp) if self._blocked(p) else (fan_in, n)
+            for p, lay in self.layouts.items():
+                w, want = lp[PROJECTION_WEIGHT[p]], (*lay.w_lead(), lay.out)
                 if w.shape != want:
                     raise ValueError(f"{PROJECTION_WEIGHT[p]} has shape {w.shape}, expected {want} "
                                      f"(already extended, or not this model's weights)")
-                zeros = jnp.zeros((*w.shape[:-1], N), w.dtype)
-                lp[PROJECTION_WEIGHT[p]] = self._place(jnp.concatenate([w, zeros], axis=-1), self._w_spec(p))
+                zeros = jnp.zeros((*w.shape[:-1], self._columns(p)), w.dtype)
+                lp[PROJECTION_WEIGHT[p]] = self._place(jnp.concatenate([w, zeros], axis=-1), lay.w_spec)
             out.append(lp)
         return {**params, "layers": out}
 
@@ -364,14 +413,12 @@ class LoraPool:
         """qkv's B [rows, q + 2 kv] -> [rows, q + 2 r kv]: each KV head's columns repeated r
         times in place, as replicate_kv_heads does to wqkv."""
         q, kv, D, r = outs[0], outs[1], self.cfg.head_dim, self.kv_repeat
-        rep = lambda a: np.repeat(a.reshape(a.shape[0], -1, D), r, axis=1).reshape(a.shape[0], -1)
+        rep = lambda a: np.repeat(a.reshape(a.shape[0], -1, D), r, axis=1).reshape(a.shape[0], -1)  # noqa: E731
         return np.concatenate([B[:, :q], rep(B[:, q : q + kv]), rep(B[:, q + kv :])], axis=1)
 
     def load(self, adapter: LoraAdapter, params) -> tuple[int, dict]:
         """Writes the adapter into a free slot: its b_P into the pool, its a_P into params
         (extend_params' result, donated). Returns (slot, the new params)."""
-        from jspec.parallel.tensor_parallel import block_columns
-
         if adapter.name in self.slots:
             raise ValueError(f"a LoRA adapter named {adapter.name!r} is already loaded (unload it first)")
         if adapter.rank > self.max_rank:
@@ -388,7 +435,7 @@ class LoraPool:
         # The slot's whole block is written (zeros where the adapter has no module or its rank
         # is below r_max), so nothing of the slot's previous adapter survives.
         for p, (fan_in, outs) in projection_shapes(self.cfg).items():
-            G, name, held = len(outs), PROJECTION_WEIGHT[p], self._outs(p, outs)
+            G, name, lay = len(outs), PROJECTION_WEIGHT[p], self.layouts[p]
             col_of = np.cumsum([0] + outs)
             off = (slot - 1) * G * R
             for layer, (lw, lp) in enumerate(zip(layers, model_layers)):
@@ -400,15 +447,9 @@ class LoraPool:
                         B[g * R : g * R + r, col_of[g] : col_of[g + 1]] = adapter.weights[module][1][layer]
                 if p == "qkv" and self.kv_repeat > 1:
                     B = self._widen_kv(B, outs)
-                if self._blocked(p):
-                    n = sum(held) // self.tp  # each shard: its columns of B, and all of A after its own
-                    B = np.asarray(block_columns(B, tuple(held), self.tp))
-                    A = np.broadcast_to(A[:, None], (fan_in, self.tp, G * R))
-                    lw["b_" + p] = _write_donated(lw["b_" + p], jnp.asarray(B), off, 0, 0)
-                    lp[name] = _write_donated(lp[name], jnp.asarray(A), 0, 0, n + off)
-                else:
-                    lw["b_" + p] = _write_donated(lw["b_" + p], jnp.asarray(B), off, 0)
-                    lp[name] = _write_donated(lp[name], jnp.asarray(A), 0, sum(held) + off)
+                B, A = lay.lay_b(B), lay.lay_a(A)
+                lw["b_" + p] = _write_donated(lw["b_" + p], jnp.asarray(B), off, *(0,) * (B.ndim - 1))
+                lp[name] = _write_donated(lp[name], jnp.asarray(A), *(0,) * (A.ndim - 1), lay.out + off)
         scale = self.weights.scale.at[slot - 1].set(adapter.scaling)
         self.weights = LoraWeights(layers, self._place(scale, ()))
         self.num_loads += 1

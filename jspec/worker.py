@@ -35,6 +35,23 @@ def default_attention_backend() -> str:
     return "pallas"
 
 
+def prefill_lora_slots(batch, chunks, loras) -> np.ndarray:
+    """Each prefill token's adapter slot [T] (padding rows, or no loras: 0)."""
+    ids = np.zeros(batch.tokens.shape[0], np.int32)
+    for i, c in enumerate(chunks if loras is not None else ()):
+        start = batch.query_start[i]
+        ids[start : start + len(c.tokens)] = loras[i]
+    return ids
+
+
+def decode_lora_slots(B: int, loras) -> np.ndarray:
+    """Each decode row's adapter slot [B] (padding rows, or no loras: 0)."""
+    ids = np.zeros(B, np.int32)
+    if loras is not None:
+        ids[: len(loras)] = loras
+    return ids
+
+
 class WorkerBase:
     top_n = 0  # top logprobs each step returns (static: part of the compiled programs)
     lora = None  # a jspec.lora.LoraPool when the engine serves adapters (then every step takes it)
@@ -196,18 +213,10 @@ class WorkerBase:
         return LoraBatch(self.lora.weights, per_token)
 
     def _prefill_loras(self, batch, chunks, loras):
-        """Each token's adapter slot [T] (padding rows: 0)."""
-        ids = np.zeros(batch.tokens.shape[0], np.int32)
-        for i, c in enumerate(chunks if loras is not None else ()):
-            start = batch.query_start[i]
-            ids[start : start + len(c.tokens)] = loras[i]
-        return self._lora_batch(ids)
+        return self._lora_batch(prefill_lora_slots(batch, chunks, loras))
 
     def _decode_loras(self, B: int, loras):
-        ids = np.zeros(B, np.int32)
-        if loras is not None:
-            ids[: len(loras)] = loras
-        return self._lora_batch(ids)
+        return self._lora_batch(decode_lora_slots(B, loras))
 
     def _decode_inputs(self, slots: list[int], page_tables: list[list[int]], sampling):
         B = bucket(len(slots))

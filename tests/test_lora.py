@@ -171,8 +171,6 @@ def test_bad_adapters_are_refused_by_name(tiny, tmp_path):
         engine.add_request([1, 2, 3], jspec.SamplingParams(lora_path="a"))
     with pytest.raises(ValueError, match="serves no LoRA adapters"):
         jspec.Engine(tiny, **ENGINE).add_request([1, 2, 3], jspec.SamplingParams(lora_path="a"))
-    with pytest.raises(ValueError, match="LoRA adapters with DP attention are not supported yet"):
-        jspec.Engine(tiny, tp_size=2, dp_size=2, enable_dp_attention=True, **LORA, **ENGINE)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -198,6 +196,21 @@ def test_tensor_parallel_mixed_batch_with_eagle3_equals_merged_models(tiny, adap
     assert engine.worker.params["layers"][0]["wo"].sharding == wo.sharding
     got, _ = greedy(engine, PROMPTS, USE)
     assert got == expected(references, USE, range(len(PROMPTS)))
+    engine.check_idle_no_leaks()
+
+
+@pytest.mark.parametrize("tp,dp", [(2, 2), (4, 2)])
+def test_dp_attention_mixed_batch_with_eagle3_equals_merged_models(tiny, adapters, references, tp, dp):
+    # Each rank gets its own requests; the MLP's deltas are computed for every rank's tokens
+    # (ranked pool layouts), attention's per rank over tp / dp devices.
+    from test_tensor_parallel import eagle3
+
+    spec = jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=1, num_draft_tokens=4)
+    engine = jspec.Engine(tiny, spec=spec, draft=eagle3(tiny), lora_paths={n: a[0] for n, a in adapters.items()},
+                          tp_size=tp, dp_size=dp, enable_dp_attention=True, **LORA, **ENGINE)
+    got, _ = greedy(engine, PROMPTS, USE)
+    assert got == expected(references, USE, range(len(PROMPTS)))
+    assert engine.lora.weights.layers[0]["b_gate_up"].sharding.spec[1:3] == ("data", "tensor")
     engine.check_idle_no_leaks()
 
 

@@ -22,7 +22,7 @@ from jspec.penalties import PrefillCounts
 from jspec.sampling import SAMPLING_MODES, sampling_mode, sampling_rows
 from jspec.sampling_params import SamplingParams
 from jspec.scheduler.batch_builder import bucket
-from jspec.worker import SpecWorker, WorkerBase
+from jspec.worker import SpecWorker, WorkerBase, decode_lora_slots, prefill_lora_slots
 
 
 class RankView:
@@ -79,14 +79,41 @@ class DPWorker:
             from jspec.steps import plain_decode_step, plain_prefill_step
 
             steps = plain_prefill_step, plain_decode_step
-        self._prefill = RankStep(steps[0], mesh, tuple(shared))
-        self._decode = RankStep(steps[1], mesh, tuple(shared))
+        self._shared, self._steps = tuple(shared), steps
+        self._lora = None
+        self._build_steps()
         self.state = lift_state(inner.state, mesh)
         inner.state = None  # the one-rank copy; each rank now holds its own
 
+    def _build_steps(self) -> None:
+        shared, steps = self._shared, self._steps
+        if self._lora is not None:
+            # The pool is shared by the ranks like the params (each gets its "data" slice);
+            # each rank's tokens name their adapter slots.
+            shared = shared + (jax.tree.map(lambda x: data_part(x.sharding.spec), self._lora.weights),)
+            steps = tuple(_with_lora(step, len(self._shared)) for step in steps)
+        self._prefill = RankStep(steps[0], self.mesh, shared)
+        self._decode = RankStep(steps[1], self.mesh, shared)
+
     # ---- what the engine and the server read ------------------------------------------------
 
-    lora = None  # refused with DP attention (the engine checks)
+    @property
+    def lora(self):
+        return self._lora
+
+    @lora.setter
+    def lora(self, pool) -> None:
+        """The engine's jspec.lora.LoraPool (laid out on this mesh), or None."""
+        self._lora = pool
+        self._build_steps()
+
+    @property
+    def params(self):
+        return self.inner.params
+
+    @params.setter
+    def params(self, params) -> None:
+        self.inner.params = params
 
     @property
     def top_n(self) -> int:
@@ -142,7 +169,8 @@ class DPWorker:
             b.chunks, b.following, b.slots, b.output_starts, b.first_chunks, min_tokens=T)
         assert mode.max_q_len == T, (mode, T)
         rows = sampling_rows([r.params for r in b.reqs], [r.seed for r in b.reqs], slot_ids.shape[0])
-        return batch, draft_tokens, finish_rows, slot_ids, counts, rows
+        return (batch, draft_tokens, finish_rows, slot_ids, counts, rows,
+                prefill_lora_slots(batch, b.chunks, [r.lora_slot for r in b.reqs]))
 
     def _idle_prefill_inputs(self, T: int):
         """A rank with nothing to prefill: T padding tokens (their KV writes are dropped), no
@@ -156,7 +184,7 @@ class DPWorker:
                              np.zeros(B, np.int32))
         counts = PrefillCounts(np.full(B, scratch, np.int32), np.full(T, scratch, np.int32), np.zeros(T, bool))
         return (batch, np.zeros(T, np.int32), np.full(B, T, np.int32), np.full(B, scratch, np.int32), counts,
-                sampling_rows([], [], B))
+                sampling_rows([], [], B), np.zeros(T, np.int32))
 
     def _decode_inputs(self, b, B: int):
         """One rank's decode arrays with B rows (an idle rank: B scratch rows)."""
@@ -167,36 +195,45 @@ class DPWorker:
         pad = B - len(slots)
         slot_ids, pt, rows = inner._decode_inputs(slots + [inner.scratch_slot] * pad, tables + [[]] * pad,
                                                   [(r.params, r.seed) for r in reqs])
-        return slot_ids, pt, rows
+        return slot_ids, pt, rows, decode_lora_slots(slot_ids.shape[0], [r.lora_slot for r in reqs])
 
     def _launch_prefill(self, ranks, T: int, with_prompt_logprobs: bool):
         inner = self.inner
         mode = AttentionMode(False, T, inner.backend)
-        stacked = rank_inputs(ranks, self.mesh)
-        batch, draft_tokens, finish_rows, slot_ids, counts, rows = stacked
+        batch, draft_tokens, finish_rows, slot_ids, counts, rows, loras = self._stack(ranks)
         if self.spec:
             self.state, out = self._prefill(
-                inner.params, inner.dparams, self.state, batch, draft_tokens, finish_rows, slot_ids, counts, rows,
-                None, cfg=inner.cfg, method=inner.method, mode=mode, top_n=inner.top_n,
+                inner.params, inner.dparams, *self._pool(), self.state, batch, draft_tokens, finish_rows, slot_ids,
+                counts, rows, loras, cfg=inner.cfg, method=inner.method, mode=mode, top_n=inner.top_n,
                 with_prompt_logprobs=with_prompt_logprobs)
         else:
             self.state, out = self._prefill(
-                inner.params, self.state, batch, draft_tokens, slot_ids, counts, rows, None, cfg=inner.cfg,
-                mode=mode, top_n=inner.top_n, with_prompt_logprobs=with_prompt_logprobs)
+                inner.params, *self._pool(), self.state, batch, draft_tokens, slot_ids, counts, rows, loras,
+                cfg=inner.cfg, mode=mode, top_n=inner.top_n, with_prompt_logprobs=with_prompt_logprobs)
         return out
+
+    def _stack(self, ranks: list[tuple]) -> tuple:
+        """Per-rank input tuples (their last entry each token's adapter slot) -> [dp, ...]
+        arrays split over "data"; the slots are None without a pool (the steps without LoRA)."""
+        stacked = rank_inputs([r[:-1] for r in ranks], self.mesh)
+        loras = rank_inputs([r[-1] for r in ranks], self.mesh) if self._lora is not None else None
+        return (*stacked, loras)
+
+    def _pool(self) -> tuple:
+        return (self._lora.weights,) if self._lora is not None else ()
 
     def _launch_decode(self, ranks, mode: str):
         inner = self.inner
-        M = max(pt.shape[1] for _, pt, _ in ranks)
-        ranks = [(s, np.pad(pt, ((0, 0), (0, M - pt.shape[1]))), r) for s, pt, r in ranks]
-        slot_ids, pt, rows = rank_inputs(ranks, self.mesh)
+        M = max(pt.shape[1] for _, pt, _, _ in ranks)
+        ranks = [(s, np.pad(pt, ((0, 0), (0, M - pt.shape[1]))), r, ids) for s, pt, r, ids in ranks]
+        slot_ids, pt, rows, loras = self._stack(ranks)
         if self.spec:
-            self.state, out = self._decode(inner.params, inner.dparams, self.state, slot_ids, pt, rows, None,
-                                           cfg=inner.cfg, method=inner.method, backend=inner.backend,
+            self.state, out = self._decode(inner.params, inner.dparams, *self._pool(), self.state, slot_ids, pt, rows,
+                                           loras, cfg=inner.cfg, method=inner.method, backend=inner.backend,
                                            top_n=inner.top_n, sampling=mode)
         else:
-            self.state, out = self._decode(inner.params, self.state, slot_ids, pt, rows, None, cfg=inner.cfg,
-                                           backend=inner.backend, top_n=inner.top_n, sampling=mode)
+            self.state, out = self._decode(inner.params, *self._pool(), self.state, slot_ids, pt, rows, loras,
+                                           cfg=inner.cfg, backend=inner.backend, top_n=inner.top_n, sampling=mode)
         return out
 
     def warmup(self, chunked_prefill_size: int, sampling_modes=SAMPLING_MODES, prompt_logprobs: bool = True) -> int:
@@ -211,9 +248,21 @@ class DPWorker:
                 self._launch_prefill([self._idle_prefill_inputs(T)] * self.dp, T, with_prompt)
                 n += 1
         for B, M in inner.decode_buckets():
-            idle = inner._decode_inputs([inner.scratch_slot] * B, [[0] * M] * B, [(SamplingParams(), 0)])
+            idle = (*inner._decode_inputs([inner.scratch_slot] * B, [[0] * M] * B, [(SamplingParams(), 0)]),
+                    np.zeros(B, np.int32))
             for mode in sampling_modes:
                 self._launch_decode([idle] * self.dp, mode)
                 n += 1
         jax.block_until_ready(jax.tree.leaves(self.state))
         return n
+
+
+def _with_lora(step, n_shared: int):
+    """A step taking (*shared, pool weights, state, ..., token slots) -> the one-rank step's
+    (*shared, state, ..., LoraBatch) (LoRA is every step's last positional argument)."""
+    from jspec.lora import LoraBatch
+
+    def run(*args, **static):
+        return step(*args[:n_shared], *args[n_shared + 1 : -1], LoraBatch(args[n_shared], args[-1]), **static)
+
+    return run
