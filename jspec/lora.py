@@ -54,6 +54,7 @@ from jspec.models.loader import CheckpointError, read_safetensors_file
 from jspec.models.matmul import dense_f32
 
 SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 
 # fused projection -> its modules, in the fused weight's column order (models/llama.py).
 FUSED_PROJECTIONS = {
@@ -142,8 +143,6 @@ def load_adapter(name: str, path: str | os.PathLike, cfg: ModelConfig, max_rank:
     if bad:
         raise LoraError(f"{where}: target modules {bad} are not supported; jspec applies LoRA to "
                         f"{list(SUPPORTED_MODULES)}")
-    if cfg.is_moe:
-        raise LoraError(f"{where}: LoRA on mixture-of-experts models is not supported yet")
     scaling = alpha / math.sqrt(r) if ac.get("use_rslora", False) else alpha / r
 
     files = [os.path.join(path, "adapter_model.safetensors")]
@@ -167,6 +166,9 @@ def load_adapter(name: str, path: str | os.PathLike, cfg: ModelConfig, max_rank:
                             f"target_modules {targets} does not list")
         if not 0 <= layer < L:
             raise LoraError(f"{where}: tensor {key!r} is for layer {layer}; the base model has {L} layers")
+        if layer in cfg.moe_layers and module in MLP_MODULES:
+            raise LoraError(f"{where}: tensor {key!r} is for the MLP of layer {layer}, a mixture-of-experts "
+                            f"layer; on MoE layers jspec applies LoRA to the attention projections only")
         fan_in, fan_out = shapes[module]
         want = (r, fan_in) if ab == "A" else (fan_out, r)
         if tuple(t.shape) != want:
@@ -209,7 +211,8 @@ def layer_weights(weights: LoraWeights, i: int) -> dict:
 
 
 def stacked_layer_weights(weights: LoraWeights) -> dict:
-    """The pool's layers stacked on a leading axis (for a scan over stacked model weights)."""
+    """The pool's layers stacked on a leading axis (for a scan over stacked model weights,
+    whose layers are alike: so are the pool's)."""
     return jax.tree.map(lambda *xs: jnp.stack(xs), *weights.layers)
 
 
@@ -362,15 +365,17 @@ class LoraPool:
     """
 
     def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, mesh=None):
-        if cfg.is_moe:
-            raise ValueError("LoRA on mixture-of-experts models is not supported yet")
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"max_loras ({max_loras}) and max_lora_rank ({max_rank}) must be >= 1")
         self.cfg, self.max_loras, self.max_rank, self.mesh = cfg, max_loras, max_rank, mesh
         self.layouts, self.kv_repeat = projection_layouts(cfg, mesh)
+        # An MoE layer's MLP is its experts: no adapter there, so no pool parts either.
+        self.projections = [tuple(p for p in FUSED_PROJECTIONS if p in ("qkv", "o") or i not in cfg.moe_layers)
+                            for i in range(cfg.num_layers)]
         self.weights = LoraWeights(
-            [{"b_" + p: self._place(jnp.zeros(lay.b_shape(self._columns(p)), dtype), lay.b_spec)
-              for p, lay in self.layouts.items()} for _ in range(cfg.num_layers)],
+            [{"b_" + p: self._place(jnp.zeros(self.layouts[p].b_shape(self._columns(p)), dtype),
+                                    self.layouts[p].b_spec)
+              for p in self.projections[i]} for i in range(cfg.num_layers)],
             self._place(jnp.zeros(max_loras, jnp.float32), ()),
         )
         self.slots: dict[str, int] = {}  # adapter name -> slot
@@ -397,9 +402,10 @@ class LoraPool:
         if not isinstance(layers, (list, tuple)):
             raise ValueError("LoraPool.extend_params takes per-layer weights (llama.unstack_layers)")
         out = []
-        for lp in layers:
+        for i, lp in enumerate(layers):
             lp = dict(lp)
-            for p, lay in self.layouts.items():
+            for p in self.projections[i]:
+                lay = self.layouts[p]
                 w, want = lp[PROJECTION_WEIGHT[p]], (*lay.w_lead(), lay.out)
                 if w.shape != want:
                     raise ValueError(f"{PROJECTION_WEIGHT[p]} has shape {w.shape}, expected {want} "
@@ -439,6 +445,8 @@ class LoraPool:
             col_of = np.cumsum([0] + outs)
             off = (slot - 1) * G * R
             for layer, (lw, lp) in enumerate(zip(layers, model_layers)):
+                if p not in self.projections[layer]:
+                    continue
                 A = np.zeros((fan_in, G * R), np.float32)
                 B = np.zeros((G * R, sum(outs)), np.float32)
                 for g, module in enumerate(FUSED_PROJECTIONS[p]):

@@ -214,6 +214,26 @@ def test_dp_attention_mixed_batch_with_eagle3_equals_merged_models(tiny, adapter
     engine.check_idle_no_leaks()
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_moe_model_attention_adapter_equals_merged_model(tmp_path, tp):
+    # On an MoE model (Qwen3-MoE, every layer's MLP is experts) adapters apply to the attention
+    # projections; one on an experts layer's MLP is refused by name. tp 2 splits the experts
+    # over the devices (EP) while attention stays tensor-parallel.
+    moe = jspec.load(make_tiny_model(str(tmp_path / "moe"), arch="qwen3_moe", seed=12, num_experts=8,
+                                     num_experts_per_tok=2, max_position_embeddings=512))
+    path, raw, scale = write_adapter(tmp_path / "attn", moe.cfg, 4, ["q_proj", "k_proj", "v_proj", "o_proj"], seed=4)
+    ref = greedy(jspec.Engine(merged(moe, raw, scale), **ENGINE), PROMPTS[:3], [None] * 3)[0]
+    base = greedy(jspec.Engine(moe, **ENGINE), PROMPTS[:3], [None] * 3)[0]
+    assert all(r != b for r, b in zip(ref, base))
+    engine = jspec.Engine(moe, lora_paths={"attn": path}, tp_size=tp, ep_size=tp, **LORA, **ENGINE)
+    assert greedy(engine, PROMPTS[:3], ["attn", None, "attn"])[0] == [ref[0], base[1], ref[2]]
+    mlp = write_adapter(tmp_path / "mlp", moe.cfg, 4, ["q_proj", "gate_proj"], seed=5)[0]
+    with pytest.raises(LoraError, match=r"layers\.0\.mlp\.gate_proj.* the MLP of layer 0, a mixture-of-experts layer"):
+        engine.load_lora("mlp", mlp)
+    assert set(engine.lora.slots) == {"attn"}
+    engine.check_idle_no_leaks()
+
+
 def test_load_use_unload_reload_without_restart(tiny, adapters, references):
     # Batches of the shapes above, so the programs compiled there serve here too.
     import re
