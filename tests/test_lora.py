@@ -190,19 +190,22 @@ def test_tensor_parallel_mixed_batch_with_eagle3_equals_merged_models(tiny, adap
     assert lw["b_o"].sharding.is_fully_replicated
     wo = engine.worker.params["layers"][0]["wo"]
     assert wo.sharding.spec[0] == "tensor" and wo.shape[1] > tiny.cfg.hidden_size  # A's columns, split over `in`
-    # Unload and reload under TP: the donated writes keep every array where it was.
-    engine.unload_lora("a")
-    engine.load_lora("a", adapters["a"][0])
+    # Rank-4 "a" again, now in the slot rank-8 "b" held: the donated writes keep every array
+    # where it was, and nothing of b's higher ranks survives there.
+    engine.unload_lora("b")
+    assert engine.load_lora("a2", adapters["a"][0]) == engine.lora.slots["a2"] == 2
     assert engine.worker.params["layers"][0]["wo"].sharding == wo.sharding
-    got, _ = greedy(engine, PROMPTS, USE)
-    assert got == expected(references, USE, range(len(PROMPTS)))
+    use = ["a2" if u == "b" else u for u in USE]
+    got, _ = greedy(engine, PROMPTS, use)
+    assert got == expected(references, ["a" if u == "a2" else u for u in use], range(len(PROMPTS)))
     engine.check_idle_no_leaks()
 
 
-@pytest.mark.parametrize("tp,dp", [(2, 2), (4, 2)])
+@pytest.mark.parametrize("tp,dp", [(2, 2), (4, 2), (8, 2)])
 def test_dp_attention_mixed_batch_with_eagle3_equals_merged_models(tiny, adapters, references, tp, dp):
     # Each rank gets its own requests; the MLP's deltas are computed for every rank's tokens
-    # (ranked pool layouts), attention's per rank over tp / dp devices.
+    # (ranked pool layouts), attention's per rank over tp / dp devices (at 8 / 2, 4 devices
+    # for 2 KV heads: each repeated, and so the adapters' k / v columns).
     from test_tensor_parallel import eagle3
 
     spec = jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=1, num_draft_tokens=4)
