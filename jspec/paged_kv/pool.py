@@ -52,7 +52,5 @@ def write_kv(
     Slots out of range (the padding convention: slot = pages * page_size) are
     dropped, so padded tokens write nothing.
     """
-    L, P, S, H, D = cache.shape
-    flat = cache.reshape(L, P * S, H, D)
-    flat = flat.at[layer, slots].set(new.astype(cache.dtype), mode="drop")
-    return flat.reshape(L, P, S, H, D)
+    S = cache.shape[2]
+    return cache.at[layer, slots // S, slots % S].set(new.astype(cache.dtype), mode="drop")
