@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--nnodes", type=int, default=1, help="hosts in a multi-host run (jax.distributed)")
     ap.add_argument("--node-rank", type=int, default=0, help="this host's rank in [0, nnodes)")
     ap.add_argument("--dist-init-addr", help="HOST:PORT of node 0's jax.distributed coordinator (nnodes > 1)")
-    ap.add_argument("--attention-backend", choices=["pallas", "reference"], help="default: pallas")
+    ap.add_argument("--attention-backend", choices=["pallas", "reference"], help="default: pallas on the GPU, the jnp reference elsewhere (Pallas would run interpreted)")
     ap.add_argument("--skip-warmup", action="store_true", help="compile lazily instead of at start-up")
     ap.add_argument("--warmup-sampling-modes", default="all",
                     help="comma list of greedy,temperature,top_k,filtered to compile at start-up, or 'all' "
