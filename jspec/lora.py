@@ -424,7 +424,9 @@ class LoraPool:
 
     def load(self, adapter: LoraAdapter, params) -> tuple[int, dict]:
         """Writes the adapter into a free slot: its b_P into the pool, its a_P into params
-        (extend_params' result, donated). Returns (slot, the new params)."""
+        (extend_params' result, donated). Returns (slot, the new params). Every check runs
+        before the first write; the writes donate (the weights are not held twice), so a
+        device failure part way (out of memory) leaves the engine to be restarted."""
         if adapter.name in self.slots:
             raise ValueError(f"a LoRA adapter named {adapter.name!r} is already loaded (unload it first)")
         if adapter.rank > self.max_rank:
