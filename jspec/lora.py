@@ -315,7 +315,7 @@ def projection_layouts(cfg: ModelConfig, mesh) -> tuple[dict[str, ProjectionLayo
     """Each fused projection's layout on mesh (None, TP's ("tensor",) or DP attention's
     ("data", "tensor")), and the factor the model repeats KV heads by (replicate_kv_heads)."""
     from jspec.parallel.dp_attention import DATA
-    from jspec.parallel.tensor_parallel import TENSOR
+    from jspec.parallel.tensor_parallel import TENSOR, kv_head_repeat
 
     shapes = projection_shapes(cfg)
     if mesh is None:
@@ -323,7 +323,7 @@ def projection_layouts(cfg: ModelConfig, mesh) -> tuple[dict[str, ProjectionLayo
     if set(mesh.axis_names) - {DATA, TENSOR}:
         raise ValueError(f"LoRA on a mesh with axes {mesh.axis_names} is not supported")
     dp, k = mesh.shape.get(DATA, 1), mesh.shape[TENSOR]
-    kv_repeat = k // cfg.num_kv_heads if cfg.num_kv_heads < k else 1
+    kv_repeat = kv_head_repeat(cfg, k)
     held = {p: tuple([outs[0]] + [o * kv_repeat for o in outs[1:]] if p == "qkv" else outs)
             for p, (_, outs) in shapes.items()}
     L = lambda p, kind, **kw: ProjectionLayout(kind, shapes[p][0], held[p], **kw)  # noqa: E731
@@ -415,18 +415,13 @@ class LoraPool:
             out.append(lp)
         return {**params, "layers": out}
 
-    def _widen_kv(self, B: np.ndarray, outs: list[int]) -> np.ndarray:
-        """qkv's B [rows, q + 2 kv] -> [rows, q + 2 r kv]: each KV head's columns repeated r
-        times in place, as replicate_kv_heads does to wqkv."""
-        q, kv, D, r = outs[0], outs[1], self.cfg.head_dim, self.kv_repeat
-        rep = lambda a: np.repeat(a.reshape(a.shape[0], -1, D), r, axis=1).reshape(a.shape[0], -1)  # noqa: E731
-        return np.concatenate([B[:, :q], rep(B[:, q : q + kv]), rep(B[:, q + kv :])], axis=1)
-
     def load(self, adapter: LoraAdapter, params) -> tuple[int, dict]:
         """Writes the adapter into a free slot: its b_P into the pool, its a_P into params
         (extend_params' result, donated). Returns (slot, the new params). Every check runs
         before the first write; the writes donate (the weights are not held twice), so a
         device failure part way (out of memory) leaves the engine to be restarted."""
+        from jspec.parallel.tensor_parallel import repeat_kv_columns
+
         if adapter.name in self.slots:
             raise ValueError(f"a LoRA adapter named {adapter.name!r} is already loaded (unload it first)")
         if adapter.rank > self.max_rank:
@@ -456,7 +451,7 @@ class LoraPool:
                         A[:, g * R : g * R + r] = adapter.weights[module][0][layer]
                         B[g * R : g * R + r, col_of[g] : col_of[g + 1]] = adapter.weights[module][1][layer]
                 if p == "qkv" and self.kv_repeat > 1:
-                    B = self._widen_kv(B, outs)
+                    B = np.asarray(repeat_kv_columns(self.cfg, B, self.kv_repeat))
                 B, A = lay.lay_b(B), lay.lay_a(A)
                 lw["b_" + p] = _write_donated(lw["b_" + p], jnp.asarray(B), off, *(0,) * (B.ndim - 1))
                 lp[name] = _write_donated(lp[name], jnp.asarray(A), *(0,) * (A.ndim - 1), lay.out + off)

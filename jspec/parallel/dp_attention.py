@@ -26,7 +26,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jspec.config import ModelConfig
-from jspec.lora import add_lora_delta, lora_dense
+from jspec.lora import add_lora_delta
 from jspec.parallel.tensor_parallel import TENSOR, block_columns, param_specs, replicate_kv_heads
 
 DATA = "data"
@@ -137,16 +137,14 @@ def dense_mlp_over_ranks(lp, h: jax.Array) -> jax.Array:
     rank's tokens are gathered, this slice's partial output is summed over the ranks and each
     rank keeps its own rows (all-gather, then reduce-scatter): [T, H] float32."""
     everyone = jax.lax.all_gather(h, DATA, axis=0, tiled=True)
+    gate_up = jnp.einsum("ti,isn->tsn", everyone, lp["w_gate_up"][:, 0], preferred_element_type=jnp.float32)
     if "lora" in lp:
         # The weights carry the pool's A columns (jspec.lora, ranked layouts): gate_up's
         # delta for every rank's tokens (so their slot masks are gathered too), down's u
         # summed over the ranks with y by the same reduce-scatter.
         lw, mask = lp["lora"]
         everyone_mask = jax.lax.all_gather(mask, DATA, axis=0, tiled=True)
-        gate_up = lora_dense({"b_gate_up": lw["b_gate_up"][:, 0]}, everyone_mask, everyone, lp["w_gate_up"][:, 0],
-                             "gate_up")
-    else:
-        gate_up = jnp.einsum("ti,isn->tsn", everyone, lp["w_gate_up"][:, 0], preferred_element_type=jnp.float32)
+        gate_up = add_lora_delta(gate_up, everyone_mask, lw["b_gate_up"][:, 0], h.dtype)
     half = gate_up.shape[-1] // 2
     T = everyone.shape[0]
     act = jax.nn.silu(gate_up[..., :half].reshape(T, -1)) * gate_up[..., half:].reshape(T, -1)

@@ -61,19 +61,29 @@ def check_tp_config(cfg: ModelConfig, tp: int) -> None:
         raise ValueError(f"--tp-size {tp} must divide " + ", ".join(problems))
 
 
+def kv_head_repeat(cfg: ModelConfig, tp: int) -> int:
+    """How many times each KV head is held over tp shards: tp / Hkv with fewer KV heads than
+    shards (every shard then holds one), else 1."""
+    return tp // cfg.num_kv_heads if cfg.num_kv_heads < tp else 1
+
+
+def repeat_kv_columns(cfg: ModelConfig, w, r: int):
+    """[..., Q + 2 KV] (a fused qkv weight's columns) -> [..., Q + 2 r KV], each K/V head's
+    columns repeated r times in place."""
+    D, Q, KV = cfg.head_dim, cfg.q_size, cfg.kv_size
+    q, k, v = w[..., :Q], w[..., Q : Q + KV], w[..., Q + KV :]
+    rep = lambda a: jax.numpy.repeat(a.reshape(*a.shape[:-1], cfg.num_kv_heads, D), r, axis=-2).reshape(  # noqa: E731
+        *a.shape[:-1], r * KV)
+    return jax.numpy.concatenate([q, rep(k), rep(v)], axis=-1)
+
+
 def replicate_kv_heads(cfg: ModelConfig, params, tp: int):
     """With fewer KV heads than shards, repeats each KV head tp / Hkv times (so every shard
     holds one); the query heads of a group then read copies of their own K and V."""
-    if cfg.num_kv_heads >= tp:
+    r = kv_head_repeat(cfg, tp)
+    if r == 1:
         return cfg, params
-    r = tp // cfg.num_kv_heads
-    D, Q, KV = cfg.head_dim, cfg.q_size, cfg.kv_size
-
-    def widen(w):  # [..., Q + 2 KV] -> [..., Q + 2 r KV], each K/V head repeated r times in place
-        q, k, v = w[..., :Q], w[..., Q : Q + KV], w[..., Q + KV :]
-        rep = lambda a: jax.numpy.repeat(a.reshape(*a.shape[:-1], cfg.num_kv_heads, D), r, axis=-2).reshape(
-            *a.shape[:-1], r * KV)
-        return jax.numpy.concatenate([q, rep(k), rep(v)], axis=-1)
+    widen = lambda w: repeat_kv_columns(cfg, w, r)  # noqa: E731
 
     def layer(lp):
         lp = dict(lp)
