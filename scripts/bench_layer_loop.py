@@ -1,0 +1,176 @@
+"""Stacked layers under lax.scan against per-layer weight arrays, on the GPU.
+
+For each variant (a layer layout and the XLA flags it runs under, each in its own process so
+the flags apply) and each model shape and batch: the plain decode step's device busy time
+(profiler), its pipelined wall time per step, the host's dispatch time, the GPU idle fraction
+under back-to-back dispatch, the compile time, and the weight-shaped copies in the optimized
+HLO (a scanned weight sliced into a buffer of its own before its matmul).
+
+    python scripts/bench_layer_loop.py [--out DIR] [--tiny] [--variants per_layer,scan,scan_dsf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+VARIANTS = {
+    "per_layer": ("per_layer", ""),
+    "scan": ("scan", ""),
+    "scan_dsf": ("scan", "--xla_gpu_enable_dynamic_slice_fusion=true"),
+}
+
+
+def weight_copies(hlo: str, shapes: set[str]) -> dict:
+    """Ops in the optimized HLO whose result is a per-layer weight's shape and that write it
+    (copies, dynamic slices, loop fusions): each is a weight materialised before its use."""
+    n, ops = 0, {}
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%?[\w.\-]+ = (\w+\[[\d,]*\])(?:\{[^}]*\})? ([\w\-]+)\(", line)
+        if not m or m.group(1) not in shapes:
+            continue
+        op = m.group(2)
+        if op in ("parameter", "get-tuple-element", "bitcast", "tuple", "constant"):
+            continue
+        n += 1
+        ops[op] = ops.get(op, 0) + 1
+    return {"count": n, "ops": ops}
+
+
+def child(variant: str, tiny: bool) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from bench_decode import random_params, timed
+    from device_profile import profile_calls
+    from jspec.config import ModelConfig
+    from jspec.models.llama import unstack_layers
+    from jspec.paged_kv.pool import KVPool
+    from jspec.penalties import init_penalty_state
+    from jspec.sampling import sampling_rows
+    from jspec.steps import PlainCarry, PlainState, plain_decode_step
+
+    layout, _ = VARIANTS[variant]
+    root = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "shapes")
+    shapes = [("llama-3.1-8b", 1024), ("smollm2-135m", 1024)]
+    batches = (1, 16, 64)
+    dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    rows = []
+    for name, ctx in shapes:
+        cfg = ModelConfig.from_pretrained(os.path.join(root, name))
+        if tiny:
+            import dataclasses
+            cfg = dataclasses.replace(cfg, vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=3,
+                                      num_heads=4, num_kv_heads=2, head_dim=16)
+            ctx, batches = 64, (1, 4)
+        params = random_params(cfg, dtype)
+        per_layer_shapes = {f"{jnp.dtype(dtype).name}[{','.join(map(str, v.shape[1:]))}]"
+                            for v in params["layers"].values() if v.ndim >= 3}
+        weights = unstack_layers(params) if layout == "per_layer" else params
+        if layout == "per_layer":
+            del params
+        S = 16
+        per_seq = (ctx + 128) // S
+        num_pages = max(batches) * per_seq + 2
+        kv_shape = (cfg.num_layers, num_pages, S, cfg.num_kv_heads, cfg.head_dim)
+        fill = jax.jit(lambda k: jax.lax.map(lambda kk: jax.random.normal(kk, kv_shape[1:], dtype),
+                                             jax.random.split(k, kv_shape[0])))
+        kv = KVPool(fill(jax.random.key(10)), fill(jax.random.key(11)))
+        rng = np.random.default_rng(0)
+        for B in batches:
+            pages = rng.permutation(np.arange(1, num_pages))[: B * per_seq].reshape(B, per_seq)
+            slot_ids = jnp.arange(B, dtype=jnp.int32)
+            page_tables = jnp.asarray(pages, jnp.int32)
+            greedy = jax.tree.map(jnp.asarray, sampling_rows([], [], B))
+            carry = PlainCarry(jnp.asarray(rng.integers(0, cfg.vocab_size, B + 1), jnp.int32),
+                               jnp.full(B + 1, ctx - 64, jnp.int32).at[B].set(0))
+            state = {"s": PlainState(kv, carry, init_penalty_state(B, cfg.vocab_size))}
+
+            def step():
+                state["s"], out = plain_decode_step(weights, state["s"], slot_ids, page_tables, greedy,
+                                                    cfg=cfg, sampling="greedy")
+                return out.tokens
+
+            t0 = time.perf_counter()
+            hlo = plain_decode_step.lower(weights, state["s"], slot_ids, page_tables, greedy, cfg=cfg,
+                                          sampling="greedy").compile().as_text()
+            compile_s = time.perf_counter() - t0
+            jax.block_until_ready(step())
+            wall = timed(step, 20, 3)
+            # Host dispatch alone: a few launches back to back, not waited for.
+            jax.block_until_ready(step())
+            t0 = time.perf_counter()
+            for _ in range(10):
+                out = step()
+            launch = (time.perf_counter() - t0) / 10
+            jax.block_until_ready(out)
+            prof = profile_calls(step, calls=5)
+            kv = state["s"].target_kv
+            busy = prof.get("busy_us", float("nan")) / 1e3
+            row = dict(variant=variant, layout=layout, shape=name, batch=B, context=ctx, compile_s=compile_s,
+                       wall_ms=wall * 1e3, launch_ms=launch * 1e3, device_busy_ms=busy,
+                       gpu_idle=1 - busy / (wall * 1e3) if busy == busy else None,
+                       kernels=prof.get("kernels"), weight_copies=weight_copies(hlo, per_layer_shapes),
+                       by_kind=prof.get("by_kind"))
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        del weights, kv, state
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model: a CPU dry run of the script")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        with open(os.environ["JSPEC_CHILD_OUT"], "w") as f:
+            json.dump(child(args.child, args.tiny), f)
+        return
+    import jax
+
+    from bench_decode import git_commit
+
+    rows, failures = [], {}
+    for v in args.variants.split(","):
+        env = dict(os.environ)
+        flags = VARIANTS[v][1]
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flags).strip()
+        env["JSPEC_CHILD_OUT"] = out_file = f"/tmp/bench_layer_loop_{v}.json"
+        cmd = [sys.executable, __file__, "--child", v] + (["--tiny"] if args.tiny else [])
+        r = subprocess.run(cmd, env=env)
+        if r.returncode == 0:
+            rows += json.load(open(out_file))
+        else:
+            failures[v] = r.returncode
+    result = dict(name="bench_layer_loop", device=jax.devices()[0].device_kind, jax_version=jax.__version__,
+                  commit=git_commit(), settings=dict(tiny=args.tiny, variants=args.variants,
+                                                     flags={v: VARIANTS[v][1] for v in VARIANTS}),
+                  rows=rows, failures=failures)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "bench_layer_loop.json")
+    json.dump(result, open(path, "w"), indent=1)
+    print(f"\nwrote {path}")
+    print(f"{'variant':>10} {'shape':>14} {'B':>3} {'busy ms':>8} {'wall ms':>8} {'launch':>7} {'idle':>5} "
+          f"{'kern':>5} {'wcopies':>7} {'compile':>7}")
+    for r in rows:
+        print(f"{r['variant']:>10} {r['shape']:>14} {r['batch']:>3} {r['device_busy_ms']:>8.3f} {r['wall_ms']:>8.3f} "
+              f"{r['launch_ms']:>7.3f} {r['gpu_idle'] or 0:>5.2f} {r['kernels'] or 0:>5} "
+              f"{r['weight_copies']['count']:>7} {r['compile_s']:>7.1f}")
+    if failures:
+        print("failed:", failures)
+
+
+if __name__ == "__main__":
+    main()
