@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.config import ModelConfig
-from jspec.models.llama import decoder_layer, rms_norm
+from jspec.models.llama import decoder_layer, lm_head_logits, rms_norm
 
 
 def layer_config(dcfg) -> ModelConfig:
@@ -106,13 +106,7 @@ def draft_logits(dparams, dcfg, target_params, out: jax.Array) -> jax.Array:
         h = rms_norm(out, dparams["final_norm"], dcfg.rms_norm_eps)
     else:
         h = out
-    if "lm_head" in dparams:
-        w = dparams["lm_head"]
-    elif "lm_head" in target_params:
-        w = target_params["lm_head"]
-    else:
-        w = target_params["embed"].T
-    return jnp.dot(h, w, preferred_element_type=jnp.float32)
+    return lm_head_logits(dparams if "lm_head" in dparams else target_params, h)
 
 
 def to_target_ids(dparams, draft_ids: jax.Array) -> jax.Array:

@@ -164,12 +164,18 @@ def rope_cos_sin(cfg: ModelConfig, positions: jax.Array):
     return jnp.cos(angles), jnp.sin(angles)
 
 
-def lm_head_weight(params) -> jax.Array:
-    return params["lm_head"] if "lm_head" in params else params["embed"].T
-
-
 def compute_logits(params, cfg: ModelConfig, hidden_normed: jax.Array) -> jax.Array:
-    return dense_f32(hidden_normed, lm_head_weight(params))
+    return lm_head_logits(params, hidden_normed)
+
+
+def lm_head_logits(params, h: jax.Array) -> jax.Array:
+    """h [T, H] -> f32 logits [T, V] from params' lm_head [H, V], or the tied embedding [V, H].
+
+    The tied case contracts the embedding's own axis: written as h @ embed.T, XLA:CPU
+    materialises the transposed table on every call."""
+    if "lm_head" in params:
+        return dense_f32(h, params["lm_head"])
+    return jax.lax.dot_general(h, params["embed"], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 def forward(
