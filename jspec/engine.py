@@ -24,6 +24,7 @@ import numpy as np
 
 from jspec.config import ModelConfig, SpecConfig
 from jspec.paged_kv.radix_cache import RadixCache
+from jspec.programs import DEFAULT_CACHE_DIR, enable_compilation_cache
 from jspec.sampling_params import SamplingParams
 from jspec.scheduler.detokenize import IncrementalDetokenizer, StopChecker
 from jspec.scheduler.dp_scheduler import DPBatch
@@ -165,7 +166,11 @@ class Engine:
         max_loras: int | None = None,
         max_lora_rank: int | None = None,
         lora_paths: dict[str, str] | None = None,
+        layer_loop: str = "scan",
+        compilation_cache_dir: str | None = DEFAULT_CACHE_DIR,
     ):
+        # Before anything compiles: a second process reuses this one's programs (None: off).
+        enable_compilation_cache(compilation_cache_dir)
         self.model = as_model(model)
         cfg, params = self.model.cfg, self.model.params
         if ep_size != 1 and not (cfg.is_moe and ep_size == tp_size):
@@ -192,7 +197,8 @@ class Engine:
             mesh = make_mesh(tp_size)
             cfg, params = shard_params(cfg, params, mesh)  # cfg changes only if KV heads are repeated
         kw = dict(page_size=page_size, num_pages=num_pages, max_slots=max_running_requests,
-                  kv_memory_bytes=kv_memory_bytes, attention_backend=attention_backend, mesh=mesh)
+                  kv_memory_bytes=kv_memory_bytes, attention_backend=attention_backend, mesh=mesh,
+                  layer_loop=layer_loop)
         if spec is None:
             self.worker = PlainWorker(cfg, params, **kw)
         else:
@@ -204,7 +210,7 @@ class Engine:
         if dp_mesh is not None:
             from jspec.parallel.dp_worker import DPWorker
 
-            self.worker = DPWorker(self.worker, dp_mesh)
+            self.worker = DPWorker(self.worker, dp_mesh, chunked_prefill_size)
         self.spec = spec
         self.worker.top_n = max_top_logprobs
         self.lora = None
@@ -213,8 +219,7 @@ class Engine:
         if dp_mesh is not None:
             from jspec.scheduler.dp_scheduler import DPScheduler
 
-            self.scheduler = DPScheduler(self.worker, chunked_prefill_size=chunked_prefill_size,
-                                         disable_radix_cache=disable_radix_cache,
+            self.scheduler = DPScheduler(self.worker, disable_radix_cache=disable_radix_cache,
                                          load_balance_method=load_balance_method)
             self.prefix_cache = self.scheduler.prefix_cache
         else:
@@ -239,7 +244,8 @@ class Engine:
         max_loras = max_loras or max(1, len(paths))
         if max_rank is None:
             max_rank = max([16] + [read_rank(p) for p in paths.values()])
-        self.lora = LoraPool(self.model.cfg, max_loras, max_rank, self.worker.dtype, self.worker.mesh)
+        self.lora = LoraPool(self.model.cfg, max_loras, max_rank, self.worker.dtype, self.worker.mesh,
+                             stacked=not isinstance(self.worker.params["layers"], (list, tuple)))
         self.worker.lora = self.lora
         self.worker.params = self.lora.extend_params(self.worker.params)
         for name, path in paths.items():
@@ -268,10 +274,11 @@ class Engine:
                              f"until they finish before unloading it")
         self.lora.unload(name)
 
-    def warmup(self, sampling_modes=None, prompt_logprobs: bool = True) -> int:
-        """Compiles (by running on scratch inputs) every bucketed program the loop can launch;
-        sampling_modes (default all of jspec.sampling.SAMPLING_MODES) and prompt_logprobs
-        narrow it, leaving the rest to compile at first use. Returns the programs run."""
+    def warmup(self, sampling_modes=None, prompt_logprobs: bool = False) -> int:
+        """Compiles every bucketed program the loop can launch; sampling_modes (default all of
+        jspec.sampling.SAMPLING_MODES) narrows it, leaving the rest to compile at first use, and
+        prompt_logprobs adds the prefills that score prompt tokens (otherwise compiled in the
+        background when a request first asks). Returns the programs compiled."""
         from jspec.sampling import SAMPLING_MODES
 
         return self.worker.warmup(self.scheduler.chunked_prefill_size, sampling_modes or SAMPLING_MODES,
@@ -331,6 +338,9 @@ class Engine:
         """Schedules and launches one batch, and processes the previous one (overlap) or this one (sync)."""
         times, t0 = self.loop_times, time.perf_counter()
         batch = self.scheduler.schedule()
+        if batch is None and self._inflight is None and self.scheduler.has_work():
+            # Nothing could run: the waiting requests' programs are still compiling.
+            self.worker.wait_for_programs()
         t1 = time.perf_counter()
         launched = self._launch(batch) if batch is not None else None
         times.schedule_s += t1 - t0
@@ -351,7 +361,8 @@ class Engine:
         loras = [r.lora_slot for r in batch.reqs] if self.lora is not None else None
         if isinstance(batch, PrefillBatch):
             out = self.worker.prefill(batch.chunks, batch.following, batch.slots, sampling, batch.output_starts,
-                                      batch.first_chunks, batch.with_prompt_logprobs, loras=loras)
+                                      batch.first_chunks, batch.with_prompt_logprobs, loras=loras,
+                                      chunked_prefill_size=self.scheduler.chunked_prefill_size)
         else:
             out = self.worker.decode(batch.slots, batch.page_tables, sampling, loras=loras)
         start_host_copy(out)

@@ -195,7 +195,8 @@ class LoraWeights(NamedTuple):
     """The pool's device arrays other than the a_P columns (which ride in the model's
     weights): a step argument. See the module docstring for the layout."""
 
-    layers: list  # per layer: {"b_qkv", "b_gate_up", "b_o", "b_down": [N, out] arrays}
+    layers: dict | list  # {"b_qkv", "b_gate_up", "b_o", "b_down"}: [L, N, out] arrays when the model's layers
+    # are stacked, or one dict of [N, out] arrays per layer when they are per-layer arrays
     scale: jax.Array  # [S] float32, scale of slot index + 1 (0 where empty)
 
 
@@ -204,16 +205,6 @@ class LoraBatch(NamedTuple):
 
     weights: LoraWeights
     token_slots: jax.Array  # [T] int32, 0 = no adapter
-
-
-def layer_weights(weights: LoraWeights, i: int) -> dict:
-    return weights.layers[i]
-
-
-def stacked_layer_weights(weights: LoraWeights) -> dict:
-    """The pool's layers stacked on a leading axis (for a scan over stacked model weights,
-    whose layers are alike: so are the pool's)."""
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *weights.layers)
 
 
 def slot_mask(weights: LoraWeights, token_slots: jax.Array) -> jax.Array:
@@ -364,7 +355,7 @@ class LoraPool:
     params are laid out on (TP's shard_params or DP attention's shard_params_dp), or None.
     """
 
-    def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, mesh=None):
+    def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, mesh=None, stacked: bool = True):
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"max_loras ({max_loras}) and max_lora_rank ({max_rank}) must be >= 1")
         self.cfg, self.max_loras, self.max_rank, self.mesh = cfg, max_loras, max_rank, mesh
@@ -372,12 +363,19 @@ class LoraPool:
         # An MoE layer's MLP is its experts: no adapter there, so no pool parts either.
         self.projections = [tuple(p for p in FUSED_PROJECTIONS if p in ("qkv", "o") or i not in cfg.moe_layers)
                             for i in range(cfg.num_layers)]
-        self.weights = LoraWeights(
-            [{"b_" + p: self._place(jnp.zeros(self.layouts[p].b_shape(self._columns(p)), dtype),
-                                    self.layouts[p].b_spec)
-              for p in self.projections[i]} for i in range(cfg.num_layers)],
-            self._place(jnp.zeros(max_loras, jnp.float32), ()),
-        )
+        # Stacked like the model's layers (a scan slices both alike), which are then all alike.
+        self.stacked = stacked
+        if stacked and len(set(self.projections)) > 1:
+            raise ValueError("a stacked LoRA pool needs alike layers; this model mixes dense and MoE layers")
+
+        def b_zeros(p, *lead):
+            shape, spec = self.layouts[p].b_shape(self._columns(p)), self.layouts[p].b_spec
+            return self._place(jnp.zeros((*lead, *shape), dtype), (None,) * len(lead) + tuple(spec or ()))
+
+        L = cfg.num_layers
+        layers = ({"b_" + p: b_zeros(p, L) for p in self.projections[0]} if stacked else
+                  [{"b_" + p: b_zeros(p) for p in self.projections[i]} for i in range(L)])
+        self.weights = LoraWeights(layers, self._place(jnp.zeros(max_loras, jnp.float32), ()))
         self.slots: dict[str, int] = {}  # adapter name -> slot
         self.num_loads = 0  # gives each load its uid
         self.adapters: dict[str, LoraAdapter] = {}
@@ -396,24 +394,29 @@ class LoraPool:
 
     def extend_params(self, params) -> dict:
         """The model's params with every fused projection weight grown by its a_P columns
-        (zeros: no adapter yet). Per-layer weights (llama.unstack_layers) only; a copy, the
-        caller's params are left as they were."""
+        (zeros: no adapter yet); a copy, the caller's params are left as they were. The
+        layers are stacked or per-layer, as this pool is."""
         layers = params["layers"]
-        if not isinstance(layers, (list, tuple)):
-            raise ValueError("LoraPool.extend_params takes per-layer weights (llama.unstack_layers)")
-        out = []
-        for i, lp in enumerate(layers):
+        if isinstance(layers, (list, tuple)) == self.stacked:
+            raise ValueError(f"this LoRA pool is {'stacked' if self.stacked else 'per-layer'}; the model's layers "
+                             f"are not")
+
+        def extend(lp, projections, lead):
             lp = dict(lp)
-            for p in self.projections[i]:
+            for p in projections:
                 lay = self.layouts[p]
-                w, want = lp[PROJECTION_WEIGHT[p]], (*lay.w_lead(), lay.out)
+                w, want = lp[PROJECTION_WEIGHT[p]], (*lead, *lay.w_lead(), lay.out)
                 if w.shape != want:
                     raise ValueError(f"{PROJECTION_WEIGHT[p]} has shape {w.shape}, expected {want} "
                                      f"(already extended, or not this model's weights)")
                 zeros = jnp.zeros((*w.shape[:-1], self._columns(p)), w.dtype)
-                lp[PROJECTION_WEIGHT[p]] = self._place(jnp.concatenate([w, zeros], axis=-1), lay.w_spec)
-            out.append(lp)
-        return {**params, "layers": out}
+                spec = lay.w_spec and (None,) * len(lead) + tuple(lay.w_spec)
+                lp[PROJECTION_WEIGHT[p]] = self._place(jnp.concatenate([w, zeros], axis=-1), spec)
+            return lp
+
+        if self.stacked:
+            return {**params, "layers": extend(layers, self.projections[0], (self.cfg.num_layers,))}
+        return {**params, "layers": [extend(lp, self.projections[i], ()) for i, lp in enumerate(layers)]}
 
     def load(self, adapter: LoraAdapter, params) -> tuple[int, dict]:
         """Writes the adapter into a free slot: its b_P into the pool, its a_P into params
@@ -433,27 +436,39 @@ class LoraPool:
                              f"raise max_loras")
         slot = free[0]
         r, R = adapter.rank, self.max_rank
-        layers = [dict(lw) for lw in self.weights.layers]
-        model_layers = [dict(lp) for lp in params["layers"]]
+        # A stacked pool is written whole per projection (the layer axis leads); a per-layer
+        # one layer by layer: either way, one writer program per array shape.
+        if self.stacked:
+            layers, model_layers = dict(self.weights.layers), dict(params["layers"])
+            targets = [(layers, model_layers, list(range(self.cfg.num_layers)))]
+        else:
+            layers = [dict(lw) for lw in self.weights.layers]
+            model_layers = [dict(lp) for lp in params["layers"]]
+            targets = [(lw, lp, [i]) for i, (lw, lp) in enumerate(zip(layers, model_layers))]
         # The slot's whole block is written (zeros where the adapter has no module or its rank
         # is below r_max), so nothing of the slot's previous adapter survives.
         for p, (fan_in, outs) in projection_shapes(self.cfg).items():
             G, name, lay = len(outs), PROJECTION_WEIGHT[p], self.layouts[p]
             col_of = np.cumsum([0] + outs)
             off = (slot - 1) * G * R
-            for layer, (lw, lp) in enumerate(zip(layers, model_layers)):
-                if p not in self.projections[layer]:
+            for lw, lp, layer_ids in targets:
+                if p not in self.projections[layer_ids[0]]:
                     continue
-                A = np.zeros((fan_in, G * R), np.float32)
-                B = np.zeros((G * R, sum(outs)), np.float32)
-                for g, module in enumerate(FUSED_PROJECTIONS[p]):
-                    if module in adapter.weights:
-                        A[:, g * R : g * R + r] = adapter.weights[module][0][layer]
-                        B[g * R : g * R + r, col_of[g] : col_of[g + 1]] = adapter.weights[module][1][layer]
-                if p == "qkv" and self.kv_repeat > 1:
-                    B = np.asarray(repeat_kv_columns(self.cfg, B, self.kv_repeat))
-                B, A = lay.lay_b(B), lay.lay_a(A)
-                lw["b_" + p] = _write_donated(lw["b_" + p], jnp.asarray(B), off, *(0,) * (B.ndim - 1))
+                As, Bs = [], []
+                for layer in layer_ids:
+                    A = np.zeros((fan_in, G * R), np.float32)
+                    B = np.zeros((G * R, sum(outs)), np.float32)
+                    for g, module in enumerate(FUSED_PROJECTIONS[p]):
+                        if module in adapter.weights:
+                            A[:, g * R : g * R + r] = adapter.weights[module][0][layer]
+                            B[g * R : g * R + r, col_of[g] : col_of[g + 1]] = adapter.weights[module][1][layer]
+                    if p == "qkv" and self.kv_repeat > 1:
+                        B = np.asarray(repeat_kv_columns(self.cfg, B, self.kv_repeat))
+                    Bs.append(lay.lay_b(B))
+                    As.append(lay.lay_a(A))
+                B, A = (np.stack(Bs), np.stack(As)) if self.stacked else (Bs[0], As[0])
+                lead = (0,) if self.stacked else ()
+                lw["b_" + p] = _write_donated(lw["b_" + p], jnp.asarray(B), *lead, off, *(0,) * (B.ndim - 1 - len(lead)))
                 lp[name] = _write_donated(lp[name], jnp.asarray(A), *(0,) * (A.ndim - 1), lay.out + off)
         scale = self.weights.scale.at[slot - 1].set(adapter.scaling)
         self.weights = LoraWeights(layers, self._place(scale, ()))

@@ -46,9 +46,9 @@ def sampling_rows(params_list, seeds, rows: int) -> SamplingRows:
 # {x >= threshold} and finding the threshold replaces sorting the vocabulary:
 #   count(x > x_i) < top_k,   mass(x > x_i) < top_p,   x_i - max(x) >= log(min_p).
 # Tokens with equal logits are kept or dropped together (as vLLM's threshold top-k does).
-TOP_K_CAP = 128  # mode "top_k" finds thresholds among each row's 128 largest logits
+TOP_K_CAP = 128  # method "candidates" finds thresholds among each row's 128 largest logits
 _GROUP = 32  # ... which lie in the 128 groups of 32 logits with the largest maxima
-SEARCH_BITS = 1  # mode "filtered" settles this many bits of the threshold per pass over the row
+SEARCH_BITS = 1  # method "search" settles this many bits of the threshold per pass over the row
 SEARCH_SPLITS = 1  # ... reading each row as this many pieces
 
 
@@ -65,7 +65,7 @@ def _float_of_key(key: jax.Array) -> jax.Array:
 
 def _top_k_top_p_threshold_from_candidates(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """x [R, V] scaled logits -> [R] threshold for rows with 1 <= top_k <= TOP_K_CAP (-inf where
-    top_k <= 0: no top-k, and then no top-p either, as sampling_mode guarantees). The row's TOP_K_CAP
+    top_k <= 0: no top-k, and then no top-p either, as keep_mask guarantees). The row's TOP_K_CAP
     largest logits lie in the TOP_K_CAP groups with the largest maxima (a group whose maximum ranks
     below that has TOP_K_CAP larger logits elsewhere), so a max per group, a top-k over the group
     maxima and a sort of TOP_K_CAP * _GROUP candidates stand in for a sort of the vocabulary."""
@@ -122,14 +122,29 @@ def _top_k_top_p_threshold_by_search(x: jax.Array, top_k: jax.Array, top_p: jax.
     return _float_of_key(base)
 
 
-def keep_mask(x: jax.Array, params: jax.Array, mode: str, search_bits: int = SEARCH_BITS,
+def keep_mask(x: jax.Array, params: jax.Array, method: str = "auto", search_bits: int = SEARCH_BITS,
               search_splits: int = SEARCH_SPLITS) -> jax.Array:
-    """x [R, V] temperature-scaled logits -> [R, V] bool: the tokens top-k, top-p and min-p keep."""
+    """x [R, V] temperature-scaled logits -> [R, V] bool: the tokens top-k, top-p and min-p keep.
+
+    method "search" finds every row's threshold by the bit search (any filter); "candidates"
+    among the largest logits (rows with 1 <= top_k <= TOP_K_CAP, or no top-k / top-p at all);
+    "auto" picks per batch: on the GPU always the search, since a branch on the data costs it a
+    host round trip; elsewhere the cheapest method that covers every row, or none when no row
+    filters by top-k / top-p (temperature-only sampling then reads the row once)."""
     top_k, top_p = params[:, TOP_K].astype(jnp.int32), params[:, TOP_P]
-    if mode == "top_k":
-        tau = _top_k_top_p_threshold_from_candidates(x, top_k, top_p)
+    search = lambda: _top_k_top_p_threshold_by_search(x, top_k, top_p, search_bits, search_splits)  # noqa: E731
+    candidates = lambda: _top_k_top_p_threshold_from_candidates(x, top_k, top_p)  # noqa: E731
+    if method == "search" or (method == "auto" and jax.default_backend() == "gpu"):
+        tau = search()
+    elif method == "candidates":
+        tau = candidates()
     else:
-        tau = _top_k_top_p_threshold_by_search(x, top_k, top_p, search_bits, search_splits)
+        sampled = params[:, TEMPERATURE] > 0
+        wide = sampled & ((top_p < 1) | (top_k > TOP_K_CAP))
+        narrow = sampled & (top_k >= 1)
+        none = lambda: jnp.full(x.shape[:1], -jnp.inf, x.dtype)  # noqa: E731
+        tau = jax.lax.cond(jnp.any(wide), search,
+                           lambda: jax.lax.cond(jnp.any(narrow), candidates, none))
     m = x.max(axis=-1, keepdims=True)
     return (x >= tau[:, None]) & (x - m >= jnp.log(params[:, MIN_P])[:, None])
 
@@ -138,29 +153,20 @@ def row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
     return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)
 
 
-# What a batch's sampling needs, chosen on the host from its requests' SamplingParams (a static
-# argument of the steps): "greedy" = argmax only; "temperature" = Gumbel-max over the scaled
-# logits; "top_k" adds thresholds found among each row's TOP_K_CAP largest logits (every filtered
-# row has 1 <= top_k <= TOP_K_CAP); "filtered" finds them by a search over the whole row (any
-# top_k / top_p). A row gets the same token in every mode that covers it (the noise belongs to the
-# token id, and the modes keep the same tokens), so a seeded request's output does not depend on
-# what it is batched with.
-SAMPLING_MODES = ("greedy", "temperature", "top_k", "filtered")
+# A batch's sampling is one of two programs, chosen on the host from its requests' SamplingParams
+# (a static argument of the steps): "greedy" = argmax only; "sampled" = per-row temperature,
+# top-k, top-p and min-p (greedy rows stay argmax). A row gets the same token whichever program
+# runs it (the noise belongs to the token id, and every threshold method keeps the same tokens),
+# so a seeded request's output does not depend on what it is batched with.
+SAMPLING_MODES = ("greedy", "sampled")
 
 
 def sampling_mode(params_list) -> str:
-    """The cheapest mode that samples every SamplingParams in params_list exactly."""
-    sampled = [p for p in params_list if p.temperature > 0]
-    if not sampled:
-        return "greedy"
-    if all(p.top_k <= 0 and p.top_p >= 1 and p.min_p <= 0 for p in sampled):
-        return "temperature"
-    if all(1 <= p.top_k <= TOP_K_CAP or (p.top_k <= 0 and p.top_p >= 1) for p in sampled):
-        return "top_k"
-    return "filtered"
+    """The program that samples every SamplingParams in params_list exactly."""
+    return "sampled" if any(p.temperature > 0 for p in params_list) else "greedy"
 
 
-def sample_tokens(logits: jax.Array, rows: SamplingRows, positions: jax.Array, mode: str = "filtered") -> jax.Array:
+def sample_tokens(logits: jax.Array, rows: SamplingRows, positions: jax.Array, mode: str = "sampled") -> jax.Array:
     """logits [B, V]; positions [B]: the sequence position of the token being sampled -> [B] int32."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if mode == "greedy":
@@ -168,8 +174,7 @@ def sample_tokens(logits: jax.Array, rows: SamplingRows, positions: jax.Array, m
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(row_keys(rows.seeds, positions))
     t = rows.params[:, TEMPERATURE]
     x = logits.astype(jnp.float32) / jnp.where(t > 0, t, 1.0)[:, None]
-    if mode != "temperature":
-        x = jnp.where(keep_mask(x, rows.params, mode), x, -jnp.inf)
+    x = jnp.where(keep_mask(x, rows.params), x, -jnp.inf)
     sampled = jnp.argmax(x + gumbel, axis=-1).astype(jnp.int32)
     return jnp.where(t > 0, sampled, greedy)
 

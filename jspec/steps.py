@@ -96,7 +96,7 @@ def gather_slots(carry, slot_ids: jax.Array):
                    donate_argnames=("state",))
 def plain_prefill_step(params, state: PlainState, batch: ForwardBatch, next_tokens, slot_ids, counts: PrefillCounts,
                        rows: SamplingRows, lora: LoraBatch | None = None, *, cfg: ModelConfig, mode: AttentionMode,
-                       top_n: int = 0, with_prompt_logprobs: bool = False, sampling: str = "filtered"):
+                       top_n: int = 0, with_prompt_logprobs: bool = False, sampling: str = "sampled"):
     """Prefills one ragged chunk batch. slot_ids [B]: carry slot of each sequence whose prompt
     ends in this chunk (it receives the sampled first token), else the scratch slot.
     next_tokens [T]: the prompt token after each token (scored when with_prompt_logprobs).
@@ -121,11 +121,11 @@ def sample_first_tokens(logits, pen: PenaltyState, batch: ForwardBatch, slot_ids
     return first, logits, record_emitted(pen, slot_ids, first[:, None])
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "backend", "unroll_layers", "top_n", "sampling"),
+@functools.partial(jax.jit, static_argnames=("cfg", "backend", "top_n", "sampling"),
                    donate_argnames=("state",))
 def plain_decode_step(params, state: PlainState, slot_ids, page_tables, rows: SamplingRows,
                       lora: LoraBatch | None = None, *, cfg: ModelConfig, backend: str = "pallas",
-                      unroll_layers: bool = False, top_n: int = 0, sampling: str = "filtered"):
+                      top_n: int = 0, sampling: str = "sampled"):
     """One token for each slot in slot_ids [B]; page_tables [B, M] cover position seq_len.
     lora: the adapter pool and each row's adapter slot [B] (None: no LoRA)."""
     B = slot_ids.shape[0]
@@ -141,8 +141,7 @@ def plain_decode_step(params, state: PlainState, slot_ids, page_tables, rows: Sa
         query_start=jnp.arange(B + 1, dtype=jnp.int32),
         logits_indices=jnp.arange(B, dtype=jnp.int32),
     )
-    kv, out = forward(params, cfg, state.target_kv, batch, AttentionMode(True, 1, backend), unroll_layers=unroll_layers,
-                      lora=lora)
+    kv, out = forward(params, cfg, state.target_kv, batch, AttentionMode(True, 1, backend), lora=lora)
     logits = apply_penalties(out.logits, state.penalties, slot_ids, rows.params)
     tok = sample_tokens(logits, rows, n + 1, sampling)
     new = PlainCarry(tok, n + 1)

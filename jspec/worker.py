@@ -21,6 +21,7 @@ import numpy as np
 
 from jspec.config import ModelConfig
 from jspec.paged_kv.allocator import PageAllocator
+from jspec.programs import Job, Programs
 from jspec.paged_kv.pool import create_kv_pool, kv_bytes_per_page
 from jspec.penalties import PrefillCounts, init_penalty_state
 from jspec.scheduler.batch_builder import SeqChunk, bucket, build_forward_batch
@@ -29,6 +30,26 @@ from jspec.sampling_params import SamplingParams
 from jspec.steps import PlainState, init_plain_carry, plain_decode_step, plain_prefill_step
 
 DEFAULT_KV_BYTES = 256 * 2**20
+
+
+LAYER_LOOPS = ("scan", "unrolled")
+
+
+def check_layer_loop(layer_loop: str) -> str:
+    if layer_loop not in LAYER_LOOPS:
+        raise ValueError(f"unknown layer_loop {layer_loop!r}; choose one of {LAYER_LOOPS}")
+    return layer_loop
+
+
+def lay_out_layers(params, layer_loop: str):
+    """params with layers as the layer loop runs them: stacked for "scan" (one compiled layer
+    body), per-layer arrays for "unrolled" (each layer compiled, no weight sliced out of a
+    stack). A model that mixes dense and MoE layers has per-layer arrays either way."""
+    from jspec.models.llama import unstack_layers
+
+    if params is None or not isinstance(params, dict) or "layers" not in params:
+        return params
+    return unstack_layers(params) if layer_loop == "unrolled" else params
 
 
 def default_attention_backend() -> str:
@@ -58,23 +79,31 @@ def decode_lora_slots(B: int, loras) -> np.ndarray:
 
 class WorkerBase:
     top_n = 0  # top logprobs each step returns (static: part of the compiled programs)
-    lora = None  # a jspec.lora.LoraPool when the engine serves adapters (then every step takes it)
+    _lora = None
+
+    @property
+    def lora(self):
+        """A jspec.lora.LoraPool when the engine serves adapters (then every step takes it)."""
+        return self._lora
+
+    @lora.setter
+    def lora(self, pool) -> None:
+        self._lora = pool
+        self.programs.clear()  # every step's arguments change
 
     def __init__(self, cfg: ModelConfig, params, *, page_size: int, num_pages: int, max_slots: int,
-                 attention_backend: str | None, mesh=None):
-        from jspec.models.llama import unstack_layers
-
+                 attention_backend: str | None, mesh=None, layer_loop: str = "scan"):
         # Tensor parallel (jspec.parallel): params arrive sharded over mesh; steps run under it.
         self.mesh = mesh
-
-        # Per-layer weight arrays: XLA would copy a weight sliced out of a stacked array.
-        self.cfg, self.params = cfg, unstack_layers(params)
+        self.layer_loop = check_layer_loop(layer_loop)
+        self.cfg, self.params = cfg, lay_out_layers(params, layer_loop)
         self.dtype = params["embed"].dtype
         self.page_size = page_size
         self.allocator = PageAllocator(int(num_pages))
         self.max_slots = max_slots
         self.free_slots = list(range(max_slots - 1, -1, -1))
         self.backend = attention_backend or default_attention_backend()
+        self.programs = Programs(self.on_mesh)
 
     def _place(self, state):
         """Device state on the mesh: the target's KV pool split over KV heads, the rest
@@ -99,6 +128,15 @@ class WorkerBase:
         """Context for launching steps: the mesh, so attention runs per shard (shard_map)."""
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
+    def _launch(self, job: Job):
+        """Runs a step program over the donated state; returns its StepOutput (None while
+        warm-up only collects the programs)."""
+        result = self.programs.run(job)
+        if result is None:
+            return None
+        self.state, out = result
+        return out
+
     @property
     def scratch_slot(self) -> int:
         return self.max_slots
@@ -107,58 +145,88 @@ class WorkerBase:
     def max_pages_per_request(self) -> int:
         return -(-(self.cfg.max_position_embeddings + self.kv_margin + self.max_emit) // self.page_size)
 
-    # Bucketed shapes, so warm-up can compile every program the loop will run:
-    # prefill batches always have max_slots rows and full-context page tables
-    # (only the token count T varies); decode batches vary in rows and page-table width.
-    # The narrowest decode page table covers 128 tokens whatever the page size: counted in
-    # pages, page size 1 would get 5 more widths (programs to compile) than page size 16.
-    MIN_DECODE_TOKENS = 128
-
     @property
-    def min_decode_pages(self) -> int:
-        return max(1, self.MIN_DECODE_TOKENS // self.page_size)
+    def table_width(self) -> int:
+        """Columns of every page table a step gets: the most pages a request can hold. One
+        width for all, so it is no dimension of the programs; the kernels read a sequence's
+        pages only."""
+        return bucket(self.max_pages_per_request)
+
+    # Bucketed shapes, so warm-up can compile every program the loop will run: prefill batches
+    # always have max_slots rows and vary in tokens T; decode batches vary in rows B.
+    MIN_PREFILL_TOKENS = 16
 
     def prefill_token_buckets(self, chunked_prefill_size: int) -> list[int]:
-        out, t = [], 8
+        """Token counts a prefill pads to: powers of four up to the chunk size (coarse, so
+        there are few programs; a prefill is one read of the weights whatever its T)."""
+        out, t = [], self.MIN_PREFILL_TOKENS
         while t < chunked_prefill_size:
             out.append(t)
-            t *= 2
-        return out + [bucket(chunked_prefill_size, 8)]
+            t *= 4
+        return out + [max(bucket(chunked_prefill_size, 8), self.MIN_PREFILL_TOKENS)]
 
-    def decode_buckets(self) -> list[tuple[int, int]]:
-        rows = [1 << i for i in range(bucket(self.max_slots).bit_length())]
-        pages, m = [], self.min_decode_pages
-        while m < self.max_pages_per_request:
-            pages.append(m)
-            m *= 2
-        pages.append(bucket(self.max_pages_per_request, self.min_decode_pages))
-        return [(b, m) for b in rows for m in pages]
+    def prefill_tokens(self, total: int, chunked_prefill_size: int) -> int:
+        """The bucket a prefill of `total` tokens pads to."""
+        for t in self.prefill_token_buckets(chunked_prefill_size):
+            if total <= t:
+                return t
+        return bucket(total)
 
-    def warmup(self, chunked_prefill_size: int, sampling_modes=SAMPLING_MODES, prompt_logprobs: bool = True) -> int:
-        """Runs every bucketed program once on scratch inputs (padding rows write only the
-        scratch page and slot), so the serving loop never compiles. Returns programs run.
-        A subset of sampling modes (or no prompt-logprob prefill) leaves the others to
-        compile at their first use: each mode is its own set of decode programs."""
+    def decode_buckets(self) -> list[int]:
+        """Row counts a decode pads to."""
+        return [1 << i for i in range(bucket(self.max_slots).bit_length())]
+
+    def warmup(self, chunked_prefill_size: int, sampling_modes=SAMPLING_MODES, prompt_logprobs: bool = False) -> int:
+        """Compiles every bucketed program the loop runs (without running them), so the serving
+        loop never compiles. Returns the number of programs. Prompt-logprob prefills are left
+        out unless asked for: they compile in the background when a request first needs them."""
+        return self.programs.compile_all(self.warmup_jobs(chunked_prefill_size, sampling_modes, prompt_logprobs))
+
+    def warmup_jobs(self, chunked_prefill_size: int, sampling_modes=SAMPLING_MODES,
+                    prompt_logprobs: bool = False) -> list[Job]:
+        """The programs warm-up compiles: every launch shape, built on scratch inputs (padding
+        rows write only the scratch page and slot) and recorded, not run."""
         unknown = set(sampling_modes) - set(SAMPLING_MODES)
         if unknown:
             raise ValueError(f"unknown sampling modes {sorted(unknown)}; choose from {SAMPLING_MODES}")
-        greedy = (SamplingParams(), 0)
-        n = 0
-        for T in self.prefill_token_buckets(chunked_prefill_size):
-            # One sequence of T tokens on the scratch page; `following` set, so no slot is touched.
-            pages = [0] * (-(-T // self.page_size))
+        scratch = {"greedy": (SamplingParams(), 0), "sampled": (SamplingParams(temperature=1.0), 0)}
+        self.programs.collecting = jobs = []
+        try:
             for with_prompt in (False, True) if prompt_logprobs else (False,):
-                self.prefill([SeqChunk([0] * T, 0, pages)], [0], [None], [greedy], with_prompt_logprobs=with_prompt)
-                n += 1
-        sampled = {"greedy": greedy, "temperature": (SamplingParams(temperature=1.0), 0),
-                   "top_k": (SamplingParams(temperature=1.0, top_k=20), 0),
-                   "filtered": (SamplingParams(temperature=1.0, top_p=0.9), 0)}
-        for B, M in self.decode_buckets():
-            for mode in sampling_modes:
-                self.decode([self.scratch_slot] * B, [[0] * M] * B, [sampled[mode]] * B)
-                n += 1
-        jax.block_until_ready(jax.tree.leaves(self.state))
-        return n
+                jobs += self.prefill_jobs(chunked_prefill_size, with_prompt)
+            for B in self.decode_buckets():
+                for mode in sampling_modes:
+                    self.decode([self.scratch_slot] * B, [[0]] * B, [scratch[mode]] * B)
+        finally:
+            self.programs.collecting = None
+        return jobs
+
+    def prefill_jobs(self, chunked_prefill_size: int, with_prompt_logprobs: bool) -> list[Job]:
+        """The prefill programs of every token bucket (recorded, not run)."""
+        collecting, self.programs.collecting = self.programs.collecting, []
+        try:
+            for T in self.prefill_token_buckets(chunked_prefill_size):
+                # One sequence of T tokens on the scratch page; `following` set, so no slot is touched.
+                pages = [0] * (-(-T // self.page_size))
+                self.prefill([SeqChunk([0] * T, 0, pages)], [0], [None], [(SamplingParams(), 0)],
+                             with_prompt_logprobs=with_prompt_logprobs, chunked_prefill_size=chunked_prefill_size)
+            return self.programs.collecting
+        finally:
+            self.programs.collecting = collecting
+
+    def wait_for_programs(self) -> None:
+        """Blocks until the programs compiling in the background are ready."""
+        self.programs.wait_pending()
+
+    def prompt_logprob_programs_ready(self, chunked_prefill_size: int) -> bool:
+        """Whether the prefills that score prompt tokens are compiled; if not, starts compiling
+        them in the background (the loop goes on with requests that do not need them)."""
+        jobs = self.prefill_jobs(chunked_prefill_size, True)
+        if all(self.programs.ready(j.key) for j in jobs):
+            return True
+        for j in jobs:
+            self.programs.compile_in_background(j)
+        return False
 
     def alloc_slot(self) -> int:
         if not self.free_slots:
@@ -176,14 +244,18 @@ class WorkerBase:
             raise AssertionError(f"request slot leak: {self.max_slots - len(self.free_slots)} slots held")
 
     def _prefill_inputs(self, chunks: list[SeqChunk], following: list[int | None], slots: list[int | None],
-                        output_starts: list[int] | None, first_chunks: list[bool] | None, min_tokens: int = 8):
+                        output_starts: list[int] | None, first_chunks: list[bool] | None, min_tokens: int = 8,
+                        chunked_prefill_size: int | None = None):
         """output_starts: per chunk, the position where its request's generated tokens begin
         (the prompt length; a re-prefill after retraction runs over both); first_chunks: the
         chunk is its request's first (its penalty counts start afresh). None: prompts only, all first.
-        min_tokens: the smallest token bucket (DP attention gives every rank the largest rank's)."""
+        min_tokens: the smallest token bucket (DP attention gives every rank the largest rank's).
+        chunked_prefill_size: the largest prefill, whose buckets T pads to (None: powers of two)."""
+        total = max(sum(len(c.tokens) for c in chunks), min_tokens)
+        T = self.prefill_tokens(total, chunked_prefill_size) if chunked_prefill_size else bucket(total, 8)
         batch, mode = build_forward_batch(chunks, page_size=self.page_size, num_pages=self.allocator.num_pages,
-                                          min_tokens=min_tokens, min_seqs=self.max_slots,
-                                          min_pages=self.max_pages_per_request, allow_decode_only=False)
+                                          min_seqs=self.max_slots, min_pages=self.table_width,
+                                          allow_decode_only=False, num_tokens=T)
         mode = mode._replace(backend=self.backend)
         T, B = batch.tokens.shape[0], batch.seq_lens.shape[0]
         draft_tokens = np.zeros(T, np.int32)  # the token after each row (draft inputs, prompt logprobs)
@@ -223,9 +295,7 @@ class WorkerBase:
         return self._lora_batch(decode_lora_slots(B, loras))
 
     def _decode_inputs(self, slots: list[int], page_tables: list[list[int]], sampling):
-        B = bucket(len(slots))
-        M = min(bucket(max(len(p) for p in page_tables), self.min_decode_pages),
-                bucket(self.max_pages_per_request, self.min_decode_pages))
+        B, M = bucket(len(slots)), self.table_width
         slot_ids = np.full(B, self.scratch_slot, np.int32)
         slot_ids[: len(slots)] = slots
         pt = np.zeros((B, M), np.int32)
@@ -246,35 +316,38 @@ class PlainWorker(WorkerBase):
 
     def __init__(self, cfg: ModelConfig, params, *, page_size: int = 16, num_pages: int | None = None,
                  max_slots: int = 64, kv_memory_bytes: int | None = None, attention_backend: str | None = None,
-                 mesh=None):
+                 mesh=None, layer_loop: str = "scan"):
         if num_pages is None:
             per_page = kv_bytes_per_page(cfg, page_size, params["embed"].dtype)
             num_pages = max(2, (kv_memory_bytes or DEFAULT_KV_BYTES) // per_page)
         super().__init__(cfg, params, page_size=page_size, num_pages=num_pages, max_slots=max_slots,
-                         attention_backend=attention_backend, mesh=mesh)
+                         attention_backend=attention_backend, mesh=mesh, layer_loop=layer_loop)
         self.state = self._place(PlainState(create_kv_pool(cfg, int(num_pages), page_size, self.dtype),
                                             init_plain_carry(max_slots), init_penalty_state(max_slots, cfg.vocab_size)))
 
     def prefill(self, chunks, following, slots, sampling, output_starts=None, first_chunks=None,
-                with_prompt_logprobs=False, loras=None):
+                with_prompt_logprobs=False, loras=None, chunked_prefill_size=None):
         batch, mode, next_tokens, _, slot_ids, counts = self._prefill_inputs(chunks, following, slots, output_starts,
-                                                                             first_chunks)
+                                                                             first_chunks,
+                                                                             chunked_prefill_size=chunked_prefill_size)
         rows = _rows(sampling, slot_ids.shape[0])
         lora = self._prefill_loras(batch, chunks, loras)
-        with self.on_mesh():
-            self.state, out = plain_prefill_step(self.params, self.state, batch, next_tokens, slot_ids, counts, rows,
-                                                 lora, cfg=self.cfg, mode=mode, top_n=self.top_n,
-                                                 with_prompt_logprobs=with_prompt_logprobs)
-        return out
+        T = batch.tokens.shape[0]
+        return self._launch(Job(
+            ("prefill", T, with_prompt_logprobs, self.top_n), plain_prefill_step,
+            (self.params, self.state, batch, next_tokens, slot_ids, counts, rows, lora),
+            dict(cfg=self.cfg, mode=mode, top_n=self.top_n, with_prompt_logprobs=with_prompt_logprobs),
+            f"prefill T={T}{' prompt logprobs' if with_prompt_logprobs else ''}"))
 
     def decode_arrays(self, slot_ids, page_tables, rows, mode: str, lora=None):
         """decode() on prebuilt (bucketed) arrays: the launch alone."""
         if lora is None and self.lora is not None:
             lora = self._decode_loras(slot_ids.shape[0], None)
-        with self.on_mesh():
-            self.state, out = plain_decode_step(self.params, self.state, slot_ids, page_tables, rows, lora, cfg=self.cfg,
-                                                backend=self.backend, top_n=self.top_n, sampling=mode)
-        return out
+        B = slot_ids.shape[0]
+        return self._launch(Job(
+            ("decode", B, mode, self.top_n), plain_decode_step,
+            (self.params, self.state, slot_ids, page_tables, rows, lora),
+            dict(cfg=self.cfg, backend=self.backend, top_n=self.top_n, sampling=mode), f"decode B={B} {mode}"))
 
 
 class SpecWorker(WorkerBase):
@@ -283,7 +356,7 @@ class SpecWorker(WorkerBase):
 
     def __init__(self, cfg: ModelConfig, params, method, dparams, *, page_size: int = 16,
                  num_pages: int | None = None, max_slots: int = 64, kv_memory_bytes: int | None = None,
-                 attention_backend: str | None = None, mesh=None):
+                 attention_backend: str | None = None, mesh=None, layer_loop: str = "scan"):
         from jspec.spec.method import init_spec_state
 
         if num_pages is None:
@@ -291,11 +364,9 @@ class SpecWorker(WorkerBase):
             per_page = kv_bytes_per_page(cfg, page_size, dtype) + method.draft_kv_bytes_per_page(page_size, dtype)
             num_pages = max(2, (kv_memory_bytes or DEFAULT_KV_BYTES) // per_page)
         super().__init__(cfg, params, page_size=page_size, num_pages=num_pages, max_slots=max_slots,
-                         attention_backend=attention_backend, mesh=mesh)
-        from jspec.models.llama import unstack_layers
-
+                         attention_backend=attention_backend, mesh=mesh, layer_loop=layer_loop)
         self.method, self.spec = method, method.spec
-        self.dparams = unstack_layers(dparams) if isinstance(dparams, dict) and "layers" in dparams else dparams
+        self.dparams = lay_out_layers(dparams, layer_loop)
         if mesh is not None and self.dparams is not None:
             from jspec.parallel.tensor_parallel import replicate
 
@@ -307,19 +378,20 @@ class SpecWorker(WorkerBase):
             page_size, self.dtype, init_penalty_state(max_slots, cfg.vocab_size)))
 
     def prefill(self, chunks, following, slots, sampling, output_starts=None, first_chunks=None,
-                with_prompt_logprobs=False, loras=None):
+                with_prompt_logprobs=False, loras=None, chunked_prefill_size=None):
         from jspec.spec.method import spec_prefill_step
 
         batch, mode, draft_tokens, finish_rows, slot_ids, counts = self._prefill_inputs(
-            chunks, following, slots, output_starts, first_chunks)
+            chunks, following, slots, output_starts, first_chunks, chunked_prefill_size=chunked_prefill_size)
         rows = _rows(sampling, slot_ids.shape[0])
         lora = self._prefill_loras(batch, chunks, loras)
-        with self.on_mesh():
-            self.state, out = spec_prefill_step(
-                self.params, self.dparams, self.state, batch, draft_tokens, finish_rows, slot_ids, counts, rows, lora,
-                cfg=self.cfg, method=self.method, mode=mode, top_n=self.top_n, with_prompt_logprobs=with_prompt_logprobs,
-            )
-        return out
+        T = batch.tokens.shape[0]
+        return self._launch(Job(
+            ("prefill", T, with_prompt_logprobs, self.top_n), spec_prefill_step,
+            (self.params, self.dparams, self.state, batch, draft_tokens, finish_rows, slot_ids, counts, rows, lora),
+            dict(cfg=self.cfg, method=self.method, mode=mode, top_n=self.top_n,
+                 with_prompt_logprobs=with_prompt_logprobs),
+            f"prefill T={T}{' prompt logprobs' if with_prompt_logprobs else ''}"))
 
     def decode_arrays(self, slot_ids, page_tables, rows, mode: str, lora=None):
         """decode() on prebuilt (bucketed) arrays: the launch alone."""
@@ -327,9 +399,9 @@ class SpecWorker(WorkerBase):
 
         if lora is None and self.lora is not None:
             lora = self._decode_loras(slot_ids.shape[0], None)
-        with self.on_mesh():
-            self.state, out = spec_decode_step(
-                self.params, self.dparams, self.state, slot_ids, page_tables, rows, lora,
-                cfg=self.cfg, method=self.method, backend=self.backend, top_n=self.top_n, sampling=mode,
-            )
-        return out
+        B = slot_ids.shape[0]
+        return self._launch(Job(
+            ("decode", B, mode, self.top_n), spec_decode_step,
+            (self.params, self.dparams, self.state, slot_ids, page_tables, rows, lora),
+            dict(cfg=self.cfg, method=self.method, backend=self.backend, top_n=self.top_n, sampling=mode),
+            f"decode B={B} {mode}"))

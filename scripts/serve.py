@@ -21,8 +21,11 @@ import contextlib
 import logging
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+STARTED = time.perf_counter()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,9 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--attention-backend", choices=["pallas", "reference"], help="default: pallas on the GPU, the jnp reference elsewhere (Pallas would run interpreted)")
     ap.add_argument("--skip-warmup", action="store_true", help="compile lazily instead of at start-up")
     ap.add_argument("--warmup-sampling-modes", default="all",
-                    help="comma list of greedy,temperature,top_k,filtered to compile at start-up, or 'all' "
-                         "(each mode is its own set of decode programs; the rest compile at first use) and "
-                         "no prompt-logprob prefill programs unless 'all'")
+                    help="comma list of greedy,sampled: the decode programs to compile at start-up, or 'all' "
+                         "(the others compile at first use)")
+    ap.add_argument("--compilation-cache-dir", default=None,
+                    help="JAX's persistent compilation cache: a restart loads its programs from here "
+                         "(default ~/.cache/jspec/xla)")
+    ap.add_argument("--disable-compilation-cache", action="store_true", help="compile every program afresh")
     ap.add_argument("--random-seed", type=int, default=0, help="seeds requests that bring none")
     ap.add_argument("--lora-paths", nargs="+", default=[], metavar="NAME=DIR",
                     help="PEFT LoRA adapters loaded at start-up (a bare DIR is named by its basename); requests "
@@ -126,6 +132,7 @@ def kv_pages(args, model, page_size: int) -> int | None:
 
 def make_engine(args, model, spec):
     import jspec
+    from jspec.programs import DEFAULT_CACHE_DIR
 
     cls, extra = jspec.Engine, {}
     if args.disaggregation_mode == "prefill":
@@ -142,6 +149,7 @@ def make_engine(args, model, spec):
         max_top_logprobs=args.max_top_logprobs, attention_backend=args.attention_backend, seed=args.random_seed,
         tp_size=args.tp_size, ep_size=args.ep_size, dp_size=args.dp_size,
         enable_dp_attention=args.enable_dp_attention, load_balance_method=args.load_balance_method, **lora_args(args),
+        compilation_cache_dir=None if args.disable_compilation_cache else (args.compilation_cache_dir or DEFAULT_CACHE_DIR),
     )
 
 
@@ -183,6 +191,7 @@ def main(argv=None) -> None:
 
     import jspec
     from jspec.async_engine import AsyncEngine
+    from jspec.models.loader import count_params
     from jspec.server.app import create_app
 
     path = args.model_path
@@ -191,21 +200,26 @@ def main(argv=None) -> None:
 
         path, what = default_model_path()
         log.info("serving %s at %s", what, path)
+    t0 = time.perf_counter()
     try:
         model = jspec.load(path, load_format=args.load_format, context_length=args.context_length)
     except ValueError as e:
         ap.error(str(e))
+    log.info("weights loaded: %s, %d layers, %.0fM parameters, %s, in %.1f s", os.path.basename(os.path.normpath(path)),
+             model.cfg.num_layers, count_params(model.params) / 1e6, model.params["embed"].dtype,
+             time.perf_counter() - t0)
     try:
         engine = make_engine(args, model, spec)
     except ValueError as e:  # e.g. a --tp-size that does not divide the heads
         ap.error(str(e))
     if not args.skip_warmup:
         modes = args.warmup_sampling_modes
+        t0 = time.perf_counter()
         try:
-            n = engine.warmup() if modes == "all" else engine.warmup(modes.split(","), prompt_logprobs=False)
+            n = engine.warmup() if modes == "all" else engine.warmup(modes.split(","))
         except ValueError as e:
             ap.error(f"--warmup-sampling-modes: {e}")
-        log.info("compiled %d programs", n)
+        log.info("warm-up: %d programs ready in %.1f s", n, time.perf_counter() - t0)
     if args.disaggregation_mode == "prefill":
         return serve_prefill(engine, args, log)
     async_engine = AsyncEngine(engine)
@@ -213,12 +227,13 @@ def main(argv=None) -> None:
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        log.info("ready: %s on http://%s:%d (%.0f s after start)", name, args.host, args.port,
+                 time.perf_counter() - STARTED)
         yield
         log.warning("shutting down: aborting running requests")
         async_engine.shutdown()
 
     app = create_app(async_engine, name, lifespan=lifespan)
-    log.info("serving %s on http://%s:%d", name, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
 
 

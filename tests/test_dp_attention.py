@@ -80,8 +80,8 @@ def test_dp_attention_greedy_equals_one_device_with_eagle3_and_overlap(models, o
     shard = kv.addressable_shards[0].data
     assert shard.shape[0] == 1 and shard.shape[4] == max(2, tp // dp) // (tp // dp)  # one rank, its heads
     if name == "moe":
-        experts = engine.worker.inner.params["layers"][0]["experts_gate_up"]
-        assert experts.addressable_shards[0].data.shape[0] == 8 // tp  # experts over every device, not per rank
+        experts = engine.worker.inner.params["layers"]["experts_gate_up"]  # [L, E, in, out]
+        assert experts.addressable_shards[0].data.shape[1] == 8 // tp  # experts over every device, not per rank
 
 
 def test_round_robin_and_shortest_queue_placement(dense_dp2):

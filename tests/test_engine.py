@@ -156,18 +156,15 @@ def test_prefix_cache_prefills_only_new_tokens(tiny):
 
 
 def test_warmup_compiles_every_program_the_loop_runs(tiny):
-    from jspec.steps import plain_decode_step, plain_prefill_step
-
     engine = jspec.Engine(tiny, page_size=16, num_pages=512, max_running_requests=4, chunked_prefill_size=64,
                           attention_backend="reference")
-    # The workload is greedy without prompt logprobs, so the greedy programs must cover it
-    # (every mode would be 4x the compiles; a mode is only a static argument of the same step).
-    n = engine.warmup(sampling_modes=("greedy",), prompt_logprobs=False)
+    # The workload is greedy without prompt logprobs, so the greedy programs must cover it.
+    n = engine.warmup(sampling_modes=("greedy",))
     w = engine.worker
-    assert n == len(w.prefill_token_buckets(64)) + len(w.decode_buckets())
-    sizes = (plain_prefill_step._cache_size(), plain_decode_step._cache_size())
+    assert n == len(w.prefill_token_buckets(64)) + len(w.decode_buckets()) == len(w.programs.compiled)
+    compiled = dict(w.programs.compiled)
     run_workload(engine, workload(n=10, seed=2))
-    assert (plain_prefill_step._cache_size(), plain_decode_step._cache_size()) == sizes, "the loop compiled"
+    assert w.programs.compiled == compiled, "the loop compiled"
     engine.check_idle_no_leaks()
 
 

@@ -184,17 +184,17 @@ def test_tensor_parallel_mixed_batch_with_eagle3_equals_merged_models(tiny, adap
                           tp_size=tp, **LORA, **ENGINE)
     got, _ = greedy(engine, PROMPTS, USE)
     assert got == expected(references, USE, range(len(PROMPTS)))
-    lw = engine.lora.weights.layers[0]
+    lw = engine.lora.weights.layers  # stacked as the model's layers: [L, ...]
     # Column-parallel B is split over the shards as its weight is; row-parallel B is whole on each.
-    assert lw["b_qkv"].sharding.spec[1] == "tensor" and lw["b_qkv"].addressable_shards[0].data.shape[1] == 1
+    assert lw["b_qkv"].sharding.spec[2] == "tensor" and lw["b_qkv"].addressable_shards[0].data.shape[2] == 1
     assert lw["b_o"].sharding.is_fully_replicated
-    wo = engine.worker.params["layers"][0]["wo"]
-    assert wo.sharding.spec[0] == "tensor" and wo.shape[1] > tiny.cfg.hidden_size  # A's columns, split over `in`
+    wo = engine.worker.params["layers"]["wo"]
+    assert wo.sharding.spec[1] == "tensor" and wo.shape[2] > tiny.cfg.hidden_size  # A's columns, split over `in`
     # Rank-4 "a" again, now in the slot rank-8 "b" held: the donated writes keep every array
     # where it was, and nothing of b's higher ranks survives there.
     engine.unload_lora("b")
     assert engine.load_lora("a2", adapters["a"][0]) == engine.lora.slots["a2"] == 2
-    assert engine.worker.params["layers"][0]["wo"].sharding == wo.sharding
+    assert engine.worker.params["layers"]["wo"].sharding == wo.sharding
     use = ["a2" if u == "b" else u for u in USE]
     got, _ = greedy(engine, PROMPTS, use)
     assert got == expected(references, ["a" if u == "a2" else u for u in use], range(len(PROMPTS)))
@@ -213,7 +213,7 @@ def test_dp_attention_mixed_batch_with_eagle3_equals_merged_models(tiny, adapter
                           tp_size=tp, dp_size=dp, enable_dp_attention=True, **LORA, **ENGINE)
     got, _ = greedy(engine, PROMPTS, USE)
     assert got == expected(references, USE, range(len(PROMPTS)))
-    assert engine.lora.weights.layers[0]["b_gate_up"].sharding.spec[1:3] == ("data", "tensor")
+    assert engine.lora.weights.layers["b_gate_up"].sharding.spec[2:4] == ("data", "tensor")  # [L, N, dp, tp, n]
     engine.check_idle_no_leaks()
 
 

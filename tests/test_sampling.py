@@ -113,22 +113,28 @@ def test_keep_mask_equals_the_token_by_token_rule(V, top_k, top_p, min_p):
     x[1, : V // 2] = np.round(x[1, : V // 2])  # many equal logits: kept or dropped together
     params = np.tile(np.array([1.0, top_k, top_p, min_p, 0, 0, 1], np.float32), (3, 1))
     want = np.stack([reference_keep(r, top_k, top_p, min_p) for r in x])
-    mode = sampling_mode([SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p)])
-    assert mode == ("top_k" if 1 <= top_k <= TOP_K_CAP or top_p >= 1 and top_k <= 0 else "filtered")
-    for m, bits in {(mode, 4), ("filtered", 1), ("filtered", 2), ("filtered", 8)}:
-        got = np.asarray(keep_mask(jnp.asarray(x), jnp.asarray(params), m, bits))
-        assert (got == want).all(), (m, bits, (got != want).sum())
+    covered_by_candidates = 1 <= top_k <= TOP_K_CAP or (top_p >= 1 and top_k <= 0)
+    methods = [("auto", 1), ("search", 1), ("search", 2), ("search", 8)]
+    methods += [("candidates", 1)] if covered_by_candidates else []
+    for method, bits in methods:
+        got = np.asarray(keep_mask(jnp.asarray(x), jnp.asarray(params), method, bits))
+        assert (got == want).all(), (method, bits, (got != want).sum())
 
 
-def test_every_mode_that_covers_a_row_draws_the_same_token():
+def test_a_row_draws_the_same_token_whatever_its_batch_needs():
+    # On the CPU "auto" picks the threshold method per batch: candidates for top-k rows alone,
+    # the search once a top-p row joins, nothing for temperature alone. A row's draw must not
+    # depend on which ran.
     rng = np.random.default_rng(4)
     logits = jnp.asarray(rng.normal(size=(16, 700)).astype(np.float32) * 2)
-    params = [SamplingParams(temperature=0.8, top_k=40) if i % 2 else SamplingParams(temperature=1.2) for i in range(16)]
-    rows = sampling_rows(params, list(range(16)), 16)
     pos = jnp.arange(16)
-    assert sampling_mode(params) == "top_k"
-    top_k = np.asarray(sample_tokens(logits, rows, pos, "top_k"))
-    np.testing.assert_array_equal(top_k, np.asarray(sample_tokens(logits, rows, pos, "filtered")))
-    plain = sampling_rows([SamplingParams(temperature=1.2)] * 16, list(range(16)), 16)
-    temp = np.asarray(sample_tokens(logits, plain, pos, "temperature"))
-    np.testing.assert_array_equal(top_k[::2], temp[::2])
+    top_k = [SamplingParams(temperature=0.8, top_k=40) if i % 2 else SamplingParams(temperature=1.2)
+             for i in range(16)]
+    with_top_p = top_k[:15] + [SamplingParams(temperature=1.0, top_p=0.7)]
+    plain = [SamplingParams(temperature=1.2)] * 16
+    draw = lambda ps: np.asarray(sample_tokens(logits, sampling_rows(ps, list(range(16)), 16), pos))  # noqa: E731
+    a, b, c = draw(top_k), draw(with_top_p), draw(plain)
+    np.testing.assert_array_equal(a[:15], b[:15])
+    np.testing.assert_array_equal(a[::2], c[::2])
+    assert sampling_mode(top_k) == sampling_mode(with_top_p) == "sampled"
+    assert sampling_mode([SamplingParams(), SamplingParams(temperature=0.0, top_p=0.5)]) == "greedy"

@@ -95,9 +95,8 @@ def test_ep_moe_greedy_equals_one_device_with_eagle3_and_overlap(tiny_moe, ep):
     ref, _ = greedy(tiny_moe, spec=SPEC, draft=draft)
     got, engine = greedy(tiny_moe, spec=SPEC, draft=draft, tp_size=ep, ep_size=ep)
     assert got == ref
-    layer = engine.worker.params["layers"][0]
-    experts = layer["experts_gate_up"]
-    assert experts.addressable_shards[0].data.shape[0] == 8 // ep  # each device holds its experts only
+    experts = engine.worker.params["layers"]["experts_gate_up"]  # [L, E, in, out]
+    assert experts.addressable_shards[0].data.shape[1] == 8 // ep  # each device holds its experts only
 
 
 def test_ep_size_must_match_tp_on_moe_and_be_1_on_dense(tiny, tiny_moe):

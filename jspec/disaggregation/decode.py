@@ -342,7 +342,7 @@ class DecodeEngine(Engine):
                                          chunked_prefill_size=self.scheduler.chunked_prefill_size,
                                          prefix_cache=self.prefix_cache)
 
-    def warmup(self, sampling_modes=None, prompt_logprobs: bool = True) -> int:
+    def warmup(self, sampling_modes=None, prompt_logprobs: bool = False) -> int:
         """Engine.warmup (decode programs; the prefill ones serve retracted requests) plus the
         KV write of every token bucket."""
         from jspec.disaggregation.prefill import warmup_transfers

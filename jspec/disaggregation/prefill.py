@@ -80,24 +80,13 @@ class PrefillEngine(Engine):
         """What a decode engine must share with this one to take its requests."""
         return {"layout": kv_io.layout(self.worker.state), "weights": self.weights}
 
-    def warmup(self, sampling_modes=None, prompt_logprobs: bool = True) -> int:
+    def warmup(self, sampling_modes=None, prompt_logprobs: bool = False) -> int:
         """Compiles the prefill programs and the read-out of every token bucket (this engine never
-        decodes, so Engine.warmup's decode programs would be wasted). Returns the programs run."""
-        from jspec.sampling import SAMPLING_MODES
-        from jspec.scheduler.batch_builder import SeqChunk
-
-        w, n = self.worker, 0
-        modes = {"greedy": SamplingParams(), "temperature": SamplingParams(temperature=1.0),
-                 "top_k": SamplingParams(temperature=1.0, top_k=20),
-                 "filtered": SamplingParams(temperature=1.0, top_p=0.9)}
-        for T in w.prefill_token_buckets(self.scheduler.chunked_prefill_size):
-            pages = [0] * (-(-T // w.page_size))  # the scratch page; `following` set, so no slot is touched
-            for mode in sampling_modes or SAMPLING_MODES:
-                for with_prompt in (False, True) if prompt_logprobs else (False,):
-                    w.prefill([SeqChunk([0] * T, 0, pages)], [0], [None], [(modes[mode], 0)],
-                              with_prompt_logprobs=with_prompt)
-                    n += 1
-        return n + warmup_transfers(w, kv_io.extract_request)
+        decodes, so Engine.warmup's decode programs would be wasted; a prefill samples its first
+        token with the same program whatever the sampling). Returns the programs compiled."""
+        w, chunk = self.worker, self.scheduler.chunked_prefill_size
+        jobs = w.prefill_jobs(chunk, False) + (w.prefill_jobs(chunk, True) if prompt_logprobs else [])
+        return w.programs.compile_all(jobs) + warmup_transfers(w, kv_io.extract_request)
 
     def add_prefill(self, rid: str, ids: list[int], params: SamplingParams, seed: int) -> str:
         """Queues a prompt whose first token is sampled with the decode engine's params and seed

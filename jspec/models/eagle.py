@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.config import ModelConfig
-from jspec.models.llama import decoder_layer, lm_head_logits, rms_norm
+from jspec.models.llama import decoder_layer, lm_head_logits, rms_norm, run_layers
 
 
 def layer_config(dcfg) -> ModelConfig:
@@ -85,8 +85,8 @@ def draft_layers(
         if "fc_bias" in dparams:
             x = x + dparams["fc_bias"].astype(jnp.float32)
         x = x.astype(hidden.dtype)
-    for i in range(dcfg.num_layers):
-        lp = layers[i] if isinstance(layers, (list, tuple)) else jax.tree.map(lambda a: a[i], layers)
+    def layer_body(carry, lp, layer):
+        x, caches = carry
         if is_eagle3(dcfg):
             h = jnp.concatenate(
                 [rms_norm(emb, lp["attn_norm"], dcfg.rms_norm_eps), rms_norm(x, lp["hidden_norm"], dcfg.rms_norm_eps)],
@@ -96,7 +96,9 @@ def draft_layers(
             h = rms_norm(x, lp["attn_norm"], dcfg.rms_norm_eps)
         else:
             h = x  # EAGLE's first layer has no input norm
-        x, caches = decoder_layer(lcfg, lp, x, h, cos, sin, attend_for_layer(i), caches)
+        return decoder_layer(lcfg, lp, x, h, cos, sin, attend_for_layer(layer), caches)
+
+    x, caches = run_layers(layers, layer_body, (x, caches))
     return x, caches
 
 

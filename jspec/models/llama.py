@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.config import ModelConfig
-from jspec.lora import LoraBatch, layer_weights, lora_dense, slot_mask, stacked_layer_weights
+from jspec.lora import LoraBatch, lora_dense, slot_mask
 from jspec.models.attention import paged_attention
 from jspec.models.batch import AttentionMode, ForwardBatch
 from jspec.models.matmul import dense_f32
@@ -178,6 +178,41 @@ def lm_head_logits(params, h: jax.Array) -> jax.Array:
     return jax.lax.dot_general(h, params["embed"], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
+def run_layers(layers, body, carry):
+    """carry = body(carry, lp, layer) for every layer, in order.
+
+    layers is a dict of arrays stacked on a leading layer axis, run as one lax.scan (the
+    layer body compiles once, whatever the depth), or a list of per-layer dicts, run as an
+    unrolled loop (each layer compiled on its own, no weight ever sliced out of a stack).
+    layer is the traced layer index under the scan, a Python int when unrolled.
+    """
+    if isinstance(layers, (list, tuple)):
+        for i, lp in enumerate(layers):
+            carry = body(carry, lp, i)
+        return carry
+    num_layers = len(next(iter(jax.tree.leaves(layers))))
+    if num_layers == 1:  # a static slice of a one-layer stack is free
+        return body(carry, jax.tree.map(lambda a: a[0], layers), 0)
+
+    def step(carry, xs):
+        lp, layer = xs
+        return body(carry, lp, layer), None
+
+    return jax.lax.scan(step, carry, (layers, jnp.arange(num_layers, dtype=jnp.int32)))[0]
+
+
+def store_capture(captured: jax.Array | None, capture_layers: tuple[int, ...], layer, x: jax.Array):
+    """captured[j] = x when layer is capture_layers[j]. A select, not a branch: a conditional
+    inside the layer loop would cost the GPU a host round trip per layer."""
+    if captured is None:
+        return None
+    if isinstance(layer, int):
+        return captured.at[capture_layers.index(layer)].set(x) if layer in capture_layers else captured
+    hit = jnp.asarray(capture_layers, jnp.int32) == layer
+    j = jnp.argmax(hit)
+    return captured.at[j].set(jnp.where(jnp.any(hit), x, captured[j]))
+
+
 def forward(
     params,
     cfg: ModelConfig,
@@ -185,77 +220,49 @@ def forward(
     batch: ForwardBatch,
     mode: AttentionMode,
     capture_layers: tuple[int, ...] = (),
-    unroll_layers: bool = False,
     mask: jax.Array | None = None,
     lora: LoraBatch | None = None,
 ) -> tuple[KVPool, ForwardOutput]:
     """One forward pass over a ragged batch; returns the updated pool and the outputs.
 
-    params["layers"] is either stacked arrays (one leaf per weight kind, run
-    under lax.scan: small programs, quick compiles, the CPU tests' choice) or a
-    list of per-layer dicts (see unstack_layers: an unrolled loop that never
-    slices a weight; what the GPU runs, since XLA copies a dynamically sliced
-    weight before its matmul). unroll_layers unrolls the scan instead. mask [B, max_q_len, max_q_len] replaces causal masking among
-    each sequence's new tokens (tree verification). lora: the adapter pool and each token's
-    slot (None: no LoRA, the programs are those without it).
+    params["layers"] is stacked (scanned) or per-layer (unrolled): see run_layers.
+    mask [B, max_q_len, max_q_len] replaces causal masking among each sequence's new tokens
+    (tree verification). lora: the adapter pool and each token's slot (None: no LoRA, the
+    programs are those without it); its layers are laid out as the model's.
     """
     dtype = params["embed"].dtype
     x = params["embed"][batch.tokens].astype(dtype)
     T = x.shape[0]
     cos, sin = rope_cos_sin(cfg, batch.positions)
-    capture = jnp.asarray(capture_layers if capture_layers else (-1,), jnp.int32)
-    captured0 = jnp.zeros((len(capture_layers), T, cfg.hidden_size), dtype) if capture_layers else None
-
+    captured = jnp.zeros((len(capture_layers), T, cfg.hidden_size), dtype) if capture_layers else None
     lmask = slot_mask(lora.weights, lora.token_slots) if lora is not None else None
-
-    def run_layer(x, k_cache, v_cache, lp, layer, lw=None):
-        if lw is not None:
-            lp = {**lp, "lora": (lw, lmask)}
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        attend = paged_attend(cfg, mode, batch, layer, mask)
-        x, (k_cache, v_cache) = decoder_layer(cfg, lp, x, h, cos, sin, attend, (k_cache, v_cache))
-        return x, k_cache, v_cache
-
     layers = params["layers"]
-    k_cache, v_cache, captured = kv.k, kv.v, captured0
-    if isinstance(layers, (list, tuple)):
-        # Per-layer weight arrays (see unstack_layers): a plain unrolled loop, no weight slicing.
-        for i, lp in enumerate(layers):
-            if i in capture_layers:
-                captured = captured.at[capture_layers.index(i)].set(x)
-            lw = layer_weights(lora.weights, i) if lora is not None else None
-            x, k_cache, v_cache = run_layer(x, k_cache, v_cache, lp, jnp.int32(i), lw)
-    else:
-        def body(carry, xs):
-            x, k_cache, v_cache, captured = carry
-            lp, lw, layer = xs
-            if captured is not None:
-                # Residual stream entering this layer, stored only when it is a capture layer.
-                hit = capture == layer
-                captured = jax.lax.cond(
-                    jnp.any(hit),
-                    lambda c: c.at[jnp.argmax(hit)].set(x),
-                    lambda c: c,
-                    captured,
-                )
-            x, k_cache, v_cache = run_layer(x, k_cache, v_cache, lp, layer, lw)
-            return (x, k_cache, v_cache, captured), None
+    if lora is not None:  # each layer's pool arrays travel with its weights
+        layers = attach_lora(layers, lora.weights.layers)
 
-        (x, k_cache, v_cache, captured), _ = jax.lax.scan(
-            body, (x, k_cache, v_cache, captured),
-            (layers, _scanned_lora(lora), jnp.arange(cfg.num_layers, dtype=jnp.int32)),
-            unroll=cfg.num_layers if unroll_layers else 1,
-        )
-    if captured is not None and cfg.num_layers in capture_layers:
-        captured = captured.at[capture_layers.index(cfg.num_layers)].set(x)
+    def layer_body(carry, lp, layer):
+        x, k_cache, v_cache, captured = carry
+        if lora is not None:
+            lp = {**lp, "lora": (lp["lora"], lmask)}
+        captured = store_capture(captured, capture_layers, layer, x)
+        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+        attend = paged_attend(cfg, mode, batch, jnp.int32(layer) if isinstance(layer, int) else layer, mask)
+        x, (k_cache, v_cache) = decoder_layer(cfg, lp, x, h, cos, sin, attend, (k_cache, v_cache))
+        return x, k_cache, v_cache, captured
+
+    x, k_cache, v_cache, captured = run_layers(layers, layer_body, (x, kv.k, kv.v, captured))
+    captured = store_capture(captured, capture_layers, cfg.num_layers, x)
     h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     logits = compute_logits(params, cfg, h[batch.logits_indices])
     return KVPool(k_cache, v_cache), ForwardOutput(logits, h, captured)
 
 
-def _scanned_lora(lora: LoraBatch | None):
-    """The pool's layers as scan xs (stacked: a copy, only on the scan path)."""
-    return None if lora is None else stacked_layer_weights(lora.weights)
+def attach_lora(layers, lora_layers):
+    """The model's layers with each one's LoRA pool arrays under "lora" (the pool is laid out
+    as the layers are: stacked, or one dict per layer)."""
+    if isinstance(layers, (list, tuple)):
+        return [{**lp, "lora": lw} for lp, lw in zip(layers, lora_layers)]
+    return {**layers, "lora": lora_layers}
 
 
 def unstack_layers(params):
@@ -290,13 +297,9 @@ def dense_forward(params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
         p = jax.nn.softmax(s, axis=-1)
         return jnp.einsum("hqk,khd->qhd", p, v.astype(jnp.float32)).astype(q.dtype), caches
 
-    def body(x, lp):
+    def body(x, lp, layer):
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        return decoder_layer(cfg, lp, x, h, cos, sin, attend, ())[0], None
+        return decoder_layer(cfg, lp, x, h, cos, sin, attend, ())[0]
 
-    if isinstance(params["layers"], (list, tuple)):
-        for lp in params["layers"]:
-            x, _ = body(x, lp)
-    else:
-        x, _ = jax.lax.scan(body, x, params["layers"])
+    x = run_layers(params["layers"], body, x)
     return compute_logits(params, cfg, rms_norm(x, params["final_norm"], cfg.rms_norm_eps))

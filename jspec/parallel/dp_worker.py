@@ -34,6 +34,9 @@ class RankView:
         self.max_slots = inner.max_slots
         self.free_slots = list(range(self.max_slots - 1, -1, -1))
 
+    def prompt_logprob_programs_ready(self, chunked_prefill_size: int) -> bool:
+        return True  # DP steps compile at their first launch
+
     alloc_slot = WorkerBase.alloc_slot
     free_slot = WorkerBase.free_slot
     check_no_leaks = WorkerBase.check_no_leaks
@@ -55,9 +58,11 @@ class AllRanksPool:
 
 
 class DPWorker:
-    def __init__(self, inner: WorkerBase, mesh):
+    def __init__(self, inner: WorkerBase, mesh, chunked_prefill_size: int):
         self.inner, self.mesh = inner, mesh
         self.dp = mesh.shape[DATA]
+        # As SGLang: the prefill budget is split over the ranks, since the MLP sees all ranks' tokens.
+        self.chunked_prefill_size = max(8, chunked_prefill_size // self.dp)
         self.ranks = [RankView(inner, inner.allocator.num_pages) for _ in range(self.dp)]
         self.allocator = AllRanksPool(self.ranks)
         self.spec = isinstance(inner, SpecWorker)
@@ -146,6 +151,9 @@ class DPWorker:
             except AssertionError as e:
                 raise AssertionError(f"DP rank {i}: {e}") from None
 
+    def wait_for_programs(self) -> None:
+        pass  # DP steps compile at their first launch, never in the background
+
     # ---- launches -------------------------------------------------------------------------------
 
     def launch(self, batch) -> object:
@@ -155,7 +163,8 @@ class DPWorker:
 
         subs = batch.per_rank
         if batch.is_prefill:
-            T = max(bucket(sum(len(c.tokens) for c in b.chunks), 8) for b in subs if isinstance(b, PrefillBatch))
+            T = max(self.inner.prefill_tokens(sum(len(c.tokens) for c in b.chunks), self.chunked_prefill_size)
+                    for b in subs if isinstance(b, PrefillBatch))
             ranks = [self._prefill_inputs(b, T) if b is not None else self._idle_prefill_inputs(T) for b in subs]
             return self._launch_prefill(ranks, T, any(b is not None and b.with_prompt_logprobs for b in subs))
         B = max(bucket(len(b.slots)) for b in subs if b is not None)
@@ -166,7 +175,8 @@ class DPWorker:
     def _prefill_inputs(self, b, T: int):
         inner = self.inner
         batch, mode, draft_tokens, finish_rows, slot_ids, counts = inner._prefill_inputs(
-            b.chunks, b.following, b.slots, b.output_starts, b.first_chunks, min_tokens=T)
+            b.chunks, b.following, b.slots, b.output_starts, b.first_chunks, min_tokens=T,
+            chunked_prefill_size=self.chunked_prefill_size)
         assert mode.max_q_len == T, (mode, T)
         rows = sampling_rows([r.params for r in b.reqs], [r.seed for r in b.reqs], slot_ids.shape[0])
         return (batch, draft_tokens, finish_rows, slot_ids, counts, rows,
@@ -176,7 +186,7 @@ class DPWorker:
         """A rank with nothing to prefill: T padding tokens (their KV writes are dropped), no
         sequence, every row on the scratch slot; shapes as _prefill_inputs gives the others."""
         inner = self.inner
-        B, M = bucket(1, inner.max_slots), bucket(1, inner.max_pages_per_request)
+        B, M = bucket(1, inner.max_slots), inner.table_width
         scratch = inner.scratch_slot
         batch = ForwardBatch(np.zeros(T, np.int32), np.zeros(T, np.int32),
                              np.full(T, inner.allocator.num_pages * inner.page_size, np.int32),
@@ -224,8 +234,6 @@ class DPWorker:
 
     def _launch_decode(self, ranks, mode: str):
         inner = self.inner
-        M = max(pt.shape[1] for _, pt, _, _ in ranks)
-        ranks = [(s, np.pad(pt, ((0, 0), (0, M - pt.shape[1]))), r, ids) for s, pt, r, ids in ranks]
         slot_ids, pt, rows, loras = self._stack(ranks)
         if self.spec:
             self.state, out = self._decode(inner.params, inner.dparams, *self._pool(), self.state, slot_ids, pt, rows,
@@ -236,19 +244,19 @@ class DPWorker:
                                            cfg=inner.cfg, backend=inner.backend, top_n=inner.top_n, sampling=mode)
         return out
 
-    def warmup(self, chunked_prefill_size: int, sampling_modes=SAMPLING_MODES, prompt_logprobs: bool = True) -> int:
+    def warmup(self, chunked_prefill_size: int, sampling_modes=SAMPLING_MODES, prompt_logprobs: bool = False) -> int:
         """Every bucketed program, with every rank idle (the shapes the loop uses, whatever
         mix of busy and idle ranks it meets). Returns the programs run."""
         unknown = set(sampling_modes) - set(SAMPLING_MODES)
         if unknown:
             raise ValueError(f"unknown sampling modes {sorted(unknown)}; choose from {SAMPLING_MODES}")
         inner, n = self.inner, 0
-        for T in inner.prefill_token_buckets(chunked_prefill_size):
+        for T in inner.prefill_token_buckets(self.chunked_prefill_size):
             for with_prompt in (False, True) if prompt_logprobs else (False,):
                 self._launch_prefill([self._idle_prefill_inputs(T)] * self.dp, T, with_prompt)
                 n += 1
-        for B, M in inner.decode_buckets():
-            idle = (*inner._decode_inputs([inner.scratch_slot] * B, [[0] * M] * B, [(SamplingParams(), 0)]),
+        for B in inner.decode_buckets():
+            idle = (*inner._decode_inputs([inner.scratch_slot] * B, [[0]] * B, [(SamplingParams(), 0)]),
                     np.zeros(B, np.int32))
             for mode in sampling_modes:
                 self._launch_decode([idle] * self.dp, mode)

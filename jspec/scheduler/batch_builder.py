@@ -37,11 +37,13 @@ def build_forward_batch(
     min_seqs: int = 1,
     min_pages: int = 1,
     allow_decode_only: bool = True,
+    num_tokens: int | None = None,
 ) -> tuple[ForwardBatch, AttentionMode]:
     """Pads the chunks into one ForwardBatch (numpy arrays) and its static AttentionMode.
 
     logits_indices has one row per sequence slot: the last new token of each
-    chunk (padding slots point at row 0 and are ignored by the caller).
+    chunk (padding slots point at row 0 and are ignored by the caller). num_tokens: the
+    padded token count T (the caller's bucket), else the power of two at or above the total.
     """
     if not chunks:
         raise ValueError("cannot build a batch with no sequences")
@@ -50,7 +52,9 @@ def build_forward_batch(
     B = bucket(len(chunks), min_seqs)
     decode_only = allow_decode_only and all(q == 1 for q in qlens)
     # A decode-only batch has exactly one row per sequence slot (T == B).
-    T = B if decode_only else bucket(total, min_tokens)
+    T = B if decode_only else (num_tokens or bucket(total, min_tokens))
+    if total > T:
+        raise ValueError(f"{total} tokens do not fit a batch of {T}")
     M = bucket(max(-(-(c.start + len(c.tokens)) // page_size) for c in chunks), min_pages)
     drop_slot = num_pages * page_size
 

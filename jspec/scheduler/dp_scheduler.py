@@ -57,14 +57,12 @@ class RankCaches:
 
 
 class DPScheduler:
-    def __init__(self, worker, *, chunked_prefill_size: int, disable_radix_cache: bool = False,
-                 load_balance_method: str = "round_robin"):
+    def __init__(self, worker, *, disable_radix_cache: bool = False, load_balance_method: str = "round_robin"):
         if load_balance_method not in LOAD_BALANCE_METHODS:
             raise ValueError(f"unknown load_balance_method {load_balance_method!r}; choose one of "
                              f"{LOAD_BALANCE_METHODS}")
         self.load_balance_method = load_balance_method
-        # As SGLang: the prefill budget is split over the ranks, since the MLP sees all ranks' tokens.
-        self.chunked_prefill_size = max(8, chunked_prefill_size // worker.dp)
+        self.chunked_prefill_size = worker.chunked_prefill_size  # per rank
         caches = [None if disable_radix_cache else RadixCache(v.allocator, v.page_size) for v in worker.ranks]
         self.prefix_cache = None if disable_radix_cache else RankCaches(caches)
         self.ranks = [Scheduler(v, chunked_prefill_size=self.chunked_prefill_size, prefix_cache=c)

@@ -157,6 +157,8 @@ class Scheduler:
                 break
             if req.inflight_outputs:
                 continue  # a retracted request whose last outputs are still in flight
+            if req.params.wants_prompt_logprobs and not self.worker.prompt_logprob_programs_ready(budget):
+                continue  # its prefill program compiles in the background; the others go on
             if not self.worker.free_slots:
                 break
             if not self._admit(req):

@@ -60,7 +60,7 @@ def greedy_accept(tree: DraftTree, target_argmax: jax.Array, num_steps: int) -> 
 
 
 def sampled_accept(tree: DraftTree, node_logits: jax.Array, rows, first_pos: jax.Array, num_steps: int,
-                   mode: str = "filtered") -> AcceptResult:
+                   mode: str = "sampled") -> AcceptResult:
     """Verification for any temperature: node_logits [B, N, V] (the target's logits after each
     node), rows: SamplingRows [B], first_pos [B]: position of the token after the root.
 

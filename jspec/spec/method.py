@@ -122,7 +122,7 @@ def spec_prefill_step(
     params, dparams, state: SpecState, batch: ForwardBatch, draft_tokens, finish_rows, slot_ids,
     counts: PrefillCounts, rows: SamplingRows, lora: LoraBatch | None = None, *, cfg: ModelConfig,
     method: SpecMethod, mode: AttentionMode, top_n: int = 0, with_prompt_logprobs: bool = False,
-    sampling: str = "filtered",
+    sampling: str = "sampled",
 ):
     """Target prefill (one ragged chunk batch) plus the method's prefill of the same rows.
 
@@ -154,7 +154,7 @@ def spec_prefill_step(
                    donate_argnames=("state",))
 def spec_decode_step(
     params, dparams, state: SpecState, slot_ids, page_tables, rows: SamplingRows, lora: LoraBatch | None = None,
-    *, cfg: ModelConfig, method: SpecMethod, backend: str = "pallas", top_n: int = 0, sampling: str = "filtered",
+    *, cfg: ModelConfig, method: SpecMethod, backend: str = "pallas", top_n: int = 0, sampling: str = "sampled",
 ) -> tuple[SpecState, StepOutput]:
     """One speculative iteration (propose -> verify -> accept -> update) for the requests in
     slot_ids [B] (padding rows: the scratch slot), in one dispatch.

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from jspec.config import ModelConfig, SpecConfig
 from jspec.models.batch import AttentionMode, ForwardBatch
-from jspec.models.llama import compute_logits, decoder_layer, forward, rms_norm, rope_cos_sin
+from jspec.models.llama import compute_logits, decoder_layer, forward, rms_norm, rope_cos_sin, run_layers
 from jspec.paged_kv.pool import create_kv_pool, kv_bytes_per_page
 from jspec.scheduler.batch_builder import bucket
 from jspec.spec.beams import grow_beam_tree
@@ -95,10 +95,13 @@ class StandaloneMethod(SpecMethod):
         def step_fn(tokens, state, positions, attend_for_layer, anc):
             cos, sin = rope_cos_sin(dcfg, positions)
             x = dparams["embed"][tokens]
-            for i in range(dcfg.num_layers):
-                lp = layers[i] if isinstance(layers, (list, tuple)) else jax.tree.map(lambda a: a[i], layers)
-                x, anc = decoder_layer(dcfg, lp, x, rms_norm(x, lp["attn_norm"], dcfg.rms_norm_eps), cos, sin,
-                                       attend_for_layer(i), anc)
+
+            def layer_body(carry, lp, layer):
+                x, anc = carry
+                return decoder_layer(dcfg, lp, x, rms_norm(x, lp["attn_norm"], dcfg.rms_norm_eps), cos, sin,
+                                     attend_for_layer(layer), anc)
+
+            x, anc = run_layers(layers, layer_body, (x, anc))
             p, ids = top(compute_logits(dparams, dcfg, rms_norm(x, dparams["final_norm"], dcfg.rms_norm_eps)))
             return p, ids.astype(jnp.int32), state, anc
 

@@ -37,7 +37,7 @@ class Verified(NamedTuple):
 def verify_tree(
     params, cfg: ModelConfig, target_kv: KVPool, tree: DraftTree, n: jax.Array, page_tables: jax.Array,
     rows: SamplingRows, penalties: PenaltyState, slot_ids: jax.Array, *, num_steps: int, chain: bool, backend: str,
-    capture_layers: tuple[int, ...] = (), sampling: str = "filtered", top_n: int = 0, lora: LoraBatch | None = None,
+    capture_layers: tuple[int, ...] = (), sampling: str = "sampled", top_n: int = 0, lora: LoraBatch | None = None,
 ) -> Verified:
     """tree: N nodes per request, root = the last verified token at position n [B]; chain (static):
     node i is at depth i, so accepted nodes already sit where they belong.
