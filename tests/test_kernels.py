@@ -5,7 +5,9 @@ with NaN: other layers of the cache, pages in no page table, the tail of each
 sequence's last page, page-table slots past a sequence's pages (which also point
 at NaN pages or far out of range), and q's padding rows. A single stray read
 turns the output NaN, so "no NaN and equal to the reference" proves the
-kernels read only what they should.
+kernels read only what they should. The chunked references are checked against
+a brute-force loop and against the old gather-everything implementation
+(dense_paged_attention), including page tables many times wider than needed.
 
 Skinny matmul: random x and bf16 weights at shapes that hit every masked edge
 (ragged N, ragged K, uneven splits, M from 1 to 16).
@@ -21,9 +23,11 @@ import pytest
 from jspec.pallas.backend import interpret_mode
 from jspec.pallas.paged_decode import paged_decode
 from jspec.pallas.paged_extend import paged_extend
-from jspec.pallas.paged_tiles import choose_splits
+from jspec.pallas.paged_tiles import choose_splits, min_split_len, runtime_split_len
 from jspec.pallas.ref import paged_decode_ref, paged_extend_ref, skinny_matmul_ref
 from jspec.pallas.skinny_matmul import skinny_matmul, skinny_matmul_plan
+
+from dense_paged_attention import dense_decode, dense_extend
 
 LAYERS = 3
 LAYER = 1  # not 0: a kernel that ignores the layer index reads NaN
@@ -114,6 +118,23 @@ def test_choose_splits_fills_the_gpu_and_respects_bounds():
     assert choose_splits(100, 1, 64, 1, 5) == (2, 64)  # never more splits than tiles
 
 
+def test_runtime_split_len_follows_the_longest_sequence():
+    # An 8192-token table and few programs: many splits, sized for the table.
+    num_splits, _ = choose_splits(8192, 8, 64, 256, None)
+    floor = min_split_len(64, 256, None)
+    assert num_splits > 8 and floor == 256
+    split_len = lambda lens, *plan: int(runtime_split_len(jnp.array(lens), *plan)[0])  # noqa: E731
+    # A short sequence takes one split of the floor's length; the others have nothing to do.
+    assert split_len([100, 0], num_splits, 64, floor) == 256
+    # A long one spreads over every split, in whole tiles.
+    long = split_len([8000, 3], num_splits, 64, floor)
+    assert long % 64 == 0 and num_splits * long >= 8000 > (num_splits - 1) * long
+    # Without the floor's help: the longest sequence over all splits, rounded to tiles.
+    assert split_len([3000, 9], 16, 64, 64) == 192
+    # An explicit num_splits keeps all its splits busy: only the tile bounds them below.
+    assert split_len([100], 4, 16, min_split_len(16, 256, 4)) == 32
+
+
 def test_references_match_brute_force():
     rng = np.random.default_rng(0)
     seq_lens = np.array([5, 0, 8, 3], np.int32)
@@ -144,6 +165,52 @@ def test_references_match_brute_force():
     want = brute_force_attention(q_dec, k, v, seq_lens, tables, [(b, 0) for b in range(4)], lambda b, i, j: True)
     assert rel_err(got, want) < 1e-5
     assert not np.any(np.asarray(got[1]))  # seq_len 0 -> zeros
+
+
+# (page_size, kv_chunk, wide, tree): a table narrower than one chunk, several chunks
+# per sequence, a page longer than a chunk; tables `wide` times the pages needed.
+ORACLE_CASES = [
+    pytest.param(1, 256, 1, False, id="s1-table_under_chunk-causal"),
+    pytest.param(16, 32, 16, True, id="s16-chunk32-wide16-tree"),
+    pytest.param(64, 16, 8, False, id="s64-page_over_chunk-wide8-causal"),
+]
+
+
+@pytest.mark.parametrize("page_size,kv_chunk,wide,tree", ORACLE_CASES)
+def test_references_match_dense_oracle(page_size, kv_chunk, wide, tree):
+    """The chunked references equal the gather-everything oracle, whatever the table width."""
+    rng = np.random.default_rng(page_size + kv_chunk + wide)
+    num_kv_heads, group, head_dim, max_q_len = 2, 3, 16, 8
+    # A qlen-0 sequence with KV between real ones, a whole prefill, lengths from 1 to
+    # 150-odd tokens, and two padding sequences (qlen 0, the last with no KV) at the end.
+    q_lens = np.array([3, 0, 8, 1, 5, 0, 0])
+    prefix = np.array([150, 40, 0, 3, 64, 20, 0])
+    seq_lens = (prefix + q_lens).astype(np.int32)
+    needed = -(-int(seq_lens.max()) // page_size)
+    k, v, tables = paged_problem(rng, seq_lens, page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                 spare_slots=(wide - 1) * needed)
+    assert tables.shape[1] == wide * needed
+    q, query_start = ragged_queries(rng, q_lens, num_kv_heads * group, head_dim, pad_rows=3)
+    layer = jnp.int32(LAYER)
+
+    q_dec = q[:len(seq_lens)]
+    dec_args = (q_dec, k, v, layer, seq_lens, tables)
+    want_out, want_lse = dense_decode(*dec_args, sm_scale=SM_SCALE, return_lse=True)
+    got = paged_decode_ref(*dec_args, sm_scale=SM_SCALE, kv_chunk=kv_chunk)
+    assert got.dtype == q.dtype and rel_err(got, want_out) < 1e-5
+    out, lse = paged_decode_ref(*dec_args, sm_scale=SM_SCALE, kv_chunk=kv_chunk, return_lse=True)
+    assert rel_err(out, want_out) < 1e-5
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5)
+    assert np.all(np.isneginf(lse[-1])) and not np.any(np.asarray(out[-1]))  # seq_len 0
+
+    ext_args = (q, k, v, layer, seq_lens, tables, query_start)
+    mask = random_tree_mask(rng, len(seq_lens), max_q_len) if tree else None
+    got = np.asarray(paged_extend_ref(*ext_args, sm_scale=SM_SCALE, max_q_len=max_q_len, mask=mask,
+                                      kv_chunk=kv_chunk))
+    want = dense_extend(*ext_args, sm_scale=SM_SCALE, max_q_len=max_q_len, mask=mask)
+    assert not np.isnan(got).any()
+    assert rel_err(got, want) < 1e-5
+    assert not np.any(got[query_start[-1]:])  # padding rows are zeros
 
 
 # (page_size, group, head_dim, tuning): every page size, GQA ratio and head dim
@@ -204,6 +271,62 @@ def test_paged_extend_matches_reference(page_size, group, head_dim, tree, tuning
     ref = paged_extend_ref(*args, sm_scale=SM_SCALE, max_q_len=max_q_len, mask=mask)
     out = np.asarray(out)
     assert out.shape == q.shape and out.dtype == q.dtype
+    assert not np.isnan(out).any()
+    assert rel_err(out, ref) < 1e-5
+    assert not np.any(out[query_start[-1]:])  # padding rows are zeros
+
+
+# Page tables 8x wider than the longest sequence needs (the columns past each
+# sequence's pages poisoned) and lengths from 0 to 300 tokens in one batch: the
+# runtime split length spreads the longest over the splits, and splits past a
+# sequence's end read nothing.
+WIDE_DECODE_CASES = [
+    pytest.param(16, dict(block_n=16, min_split_tokens=16), id="s16-many_splits"),
+    pytest.param(1, dict(block_n=32, return_lse=True), id="s1-default_min_split-lse"),
+]
+
+
+@pytest.mark.parametrize("page_size,tuning", WIDE_DECODE_CASES)
+def test_paged_decode_wide_table(page_size, tuning):
+    rng = np.random.default_rng(31 + page_size)
+    seq_lens = np.array([0, 300, 3, 17, 1, 64], np.int32)
+    needed = -(-300 // page_size)
+    k, v, tables = paged_problem(rng, seq_lens, page_size=page_size, num_kv_heads=2, head_dim=64,
+                                 spare_slots=7 * needed)
+    q = rng.standard_normal((len(seq_lens), 8, 64)).astype(np.float32)
+    args = (q, k, v, jnp.array([LAYER], jnp.int32), seq_lens, tables)
+    tuning = dict(tuning)
+    return_lse = tuning.pop("return_lse", False)
+    out = paged_decode(*args, sm_scale=SM_SCALE, return_lse=return_lse, **tuning)
+    ref = paged_decode_ref(*args, sm_scale=SM_SCALE, return_lse=return_lse)
+    if return_lse:
+        (out, lse), (ref, ref_lse) = out, ref
+        np.testing.assert_allclose(lse, ref_lse, rtol=1e-5)
+        assert np.all(np.isneginf(lse[0]))
+    assert not np.isnan(np.asarray(out)).any()
+    assert rel_err(out, ref) < 1e-5
+    assert not np.any(np.asarray(out[0]))  # seq_len 0 -> zeros
+
+
+@pytest.mark.parametrize("page_size,tree,tuning", [
+    pytest.param(16, False, dict(block_n=16, min_split_tokens=32), id="s16-causal-many_splits"),
+    pytest.param(64, True, dict(block_n=32, num_splits=3), id="s64-tree-explicit_splits"),
+])
+def test_paged_extend_wide_table(page_size, tree, tuning):
+    rng = np.random.default_rng(41 + page_size + tree)
+    max_q_len = 8
+    # A long prefix, a qlen-0 sequence with KV, a whole prefill, one token, and padding sequences.
+    q_lens = np.array([3, 0, 8, 1, 0, 0])
+    prefix = np.array([250, 40, 0, 5, 20, 0])
+    seq_lens = (prefix + q_lens).astype(np.int32)
+    needed = -(-int(seq_lens.max()) // page_size)
+    k, v, tables = paged_problem(rng, seq_lens, page_size=page_size, num_kv_heads=2, head_dim=64,
+                                 spare_slots=7 * needed)
+    q, query_start = ragged_queries(rng, q_lens, 4, 64, pad_rows=5)
+    mask = random_tree_mask(rng, len(seq_lens), max_q_len) if tree else None
+    args = (q, k, v, jnp.int32(LAYER), seq_lens, tables, query_start)
+    out = np.asarray(paged_extend(*args, sm_scale=SM_SCALE, max_q_len=max_q_len, mask=mask, **tuning))
+    ref = paged_extend_ref(*args, sm_scale=SM_SCALE, max_q_len=max_q_len, mask=mask)
     assert not np.isnan(out).any()
     assert rel_err(out, ref) < 1e-5
     assert not np.any(out[query_start[-1]:])  # padding rows are zeros

@@ -39,11 +39,12 @@ def lower_for_cuda(fn, *specs):
         return jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",))
 
 
-def cache_specs(batch, ctx, page_size, num_kv_heads, head_dim, layers=LAYERS):
+def cache_specs(batch, ctx, page_size, num_kv_heads, head_dim, layers=LAYERS, table_ctx=None):
+    """A pool for batch sequences of ctx tokens; the page table addresses table_ctx tokens (default ctx)."""
     num_pages = batch * ctx // page_size + 1
     cache = jax.ShapeDtypeStruct((layers, num_pages, page_size, num_kv_heads, head_dim), BF16)
     return cache, cache, jax.ShapeDtypeStruct((), I32), jax.ShapeDtypeStruct((batch,), I32), \
-        jax.ShapeDtypeStruct((batch, ctx // page_size), I32)
+        jax.ShapeDtypeStruct((batch, (table_ctx or ctx) // page_size), I32)
 
 
 def assert_has_triton_call(lowered):
@@ -79,12 +80,17 @@ def test_lowering_catches_a_non_power_of_two_array():
         (4, 2048, 16, 32, 32, 64, {}),  # MHA, head_dim 64
         (4, 2048, 64, 64, 8, 128, dict(block_n=32)),  # group of 8
         (32, 4096, 16, 32, 8, 128, dict(layers=32)),  # 8.6 GB cache: 64-bit offsets
+        # Tables as wide as the longest context (512 x 16 = 8192 tokens) over a smaller pool.
+        (1, 1024, 16, 32, 8, 128, dict(table_ctx=8192)),  # many splits
+        (32, 1024, 16, 32, 8, 128, dict(table_ctx=8192)),
+        (4, 512, 1, 9, 3, 64, dict(table_ctx=8192)),  # SmolLM2-135M heads, 8192-column table
     ],
 )
 def test_paged_decode_lowers_for_cuda(batch, ctx, page_size, num_q_heads, num_kv_heads, head_dim, tuning):
     q = jax.ShapeDtypeStruct((batch, num_q_heads, head_dim), BF16)
     tuning = dict(tuning)
-    specs = (q, *cache_specs(batch, ctx, page_size, num_kv_heads, head_dim, tuning.pop("layers", LAYERS)))
+    specs = (q, *cache_specs(batch, ctx, page_size, num_kv_heads, head_dim, tuning.pop("layers", LAYERS),
+                             tuning.pop("table_ctx", None)))
     fn = functools.partial(paged_decode, sm_scale=head_dim ** -0.5, interpret=False, **tuning)
     assert_has_triton_call(lower_for_cuda(fn, *specs))
 
@@ -99,6 +105,10 @@ def test_paged_decode_lowers_for_cuda(batch, ctx, page_size, num_q_heads, num_kv
         (1, 2048, 2048, 64, 8, 128, False, dict(block_m=64, block_n=64, num_warps=4, num_stages=3)),
         (4, 64, 1024, 16, 32, 64, True, dict(block_m=64)),  # MHA, head_dim 64, 64-token tree
         (32, 8, 4096, 16, 8, 128, True, dict(layers=32)),  # 8.6 GB cache: 64-bit offsets
+        # Tables as wide as the longest context over a smaller pool.
+        (32, 8, 1024, 16, 8, 128, True, dict(table_ctx=8192)),
+        (1, 512, 1024, 16, 8, 128, False, dict(table_ctx=8192)),  # a prefill chunk
+        (4, 64, 512, 64, 32, 64, True, dict(table_ctx=8192, num_splits=4)),
     ],
 )
 def test_paged_extend_lowers_for_cuda(batch, q_len, ctx, page_size, num_kv_heads, head_dim, tree, tuning):
@@ -107,7 +117,8 @@ def test_paged_extend_lowers_for_cuda(batch, q_len, ctx, page_size, num_kv_heads
     query_start = jax.ShapeDtypeStruct((batch + 1,), I32)
     tuning = dict(tuning)
     layers = tuning.pop("layers", LAYERS)
-    specs = [q, *cache_specs(batch, ctx, page_size, num_kv_heads, head_dim, layers), query_start]
+    specs = [q, *cache_specs(batch, ctx, page_size, num_kv_heads, head_dim, layers, tuning.pop("table_ctx", None)),
+             query_start]
     if tree:
         specs.append(jax.ShapeDtypeStruct((batch, q_len, q_len), jnp.bool_))
 

@@ -6,6 +6,10 @@ the group is padded to >= 16 rows because Triton's tl.dot needs M >= 16. The
 context is split (split-K) so that a small batch still fills the GPU; the
 partial (max, sum, acc) of the splits are merged in jnp, which costs
 B * splits * Hq * D * 4 bytes against the B * ctx * Hkv * D * 4 of KV read.
+
+The number of splits is static (sized for the widest context the page table
+can address), their length is not: it comes from the batch's longest sequence,
+so work follows the real lengths whatever the table width.
 """
 
 from __future__ import annotations
@@ -30,18 +34,21 @@ from jspec.pallas.paged_tiles import (
     choose_splits,
     gather_kv_tiles,
     merge_splits,
+    min_split_len,
     next_pow2,
     normalise,
+    runtime_split_len,
 )
 
 
 def _decode_kernel(
-    layer_ref, seq_lens_ref, page_tables_ref, q_ref, k_ref, v_ref, *out_refs,
-    cache_shape, group, group_rows, block_n, split_len, scale_log2, write_final,
+    layer_ref, split_len_ref, seq_lens_ref, page_tables_ref, q_ref, k_ref, v_ref, *out_refs,
+    cache_shape, group, group_rows, block_n, scale_log2, write_final,
 ):
     seq, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     head_dim = q_ref.shape[2]
     layer = layer_ref[0]
+    split_len = split_len_ref[0]
     kv_len = jnp.minimum(seq_lens_ref[seq], page_tables_ref.shape[1] * cache_shape[2])
     lo = split * split_len
     hi = jnp.minimum(lo + split_len, kv_len)
@@ -94,7 +101,7 @@ class DecodePlan(NamedTuple):
     block_n: int  # KV tokens per tile
     group_rows: int  # GQA group padded to a power of two >= 16
     num_splits: int
-    split_len: int  # KV tokens per split, a multiple of block_n
+    min_split_len: int  # floor of the runtime KV tokens per split, a multiple of block_n
     num_warps: int
     num_stages: int
 
@@ -109,9 +116,9 @@ def decode_plan(batch, num_q_heads, cache_shape, max_pages, *, block_n=None, num
     block_n = block_n or (64 if head_dim >= 128 else 128)
     check_pow2("block_n", block_n)
     group = num_q_heads // num_kv_heads
-    splits, split_len = choose_splits(max_pages * page_size, batch * num_kv_heads, block_n, min_split_tokens,
-                                      num_splits)
-    return DecodePlan(block_n, next_pow2(max(group, 16)), splits, split_len, num_warps, num_stages)
+    splits, _ = choose_splits(max_pages * page_size, batch * num_kv_heads, block_n, min_split_tokens, num_splits)
+    return DecodePlan(block_n, next_pow2(max(group, 16)), splits, min_split_len(block_n, min_split_tokens, num_splits),
+                      num_warps, num_stages)
 
 
 @functools.partial(
@@ -133,9 +140,11 @@ def paged_decode(
     so callers can merge this attention with one over keys outside the pool.
 
     Tuning (see decode_plan): block_n tokens per KV tile (power of two, any
-    page size); num_splits context partitions (None: from B, Hkv and
-    max_pages), each at least min_split_tokens long; num_warps and num_stages
-    go to Triton.
+    page size); num_splits context partitions (None: from B and Hkv, no more
+    than keep a split of the table's whole width min_split_tokens long). At
+    run time the longest sequence is spread evenly over the splits, each at
+    least min_split_tokens long unless num_splits is given. num_warps and
+    num_stages go to Triton.
     """
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[3]
@@ -149,8 +158,10 @@ def paged_decode(
     write_final = plan.num_splits == 1 and not return_lse
     kernel = functools.partial(
         _decode_kernel, cache_shape=k_cache.shape, group=group, group_rows=plan.group_rows, block_n=plan.block_n,
-        split_len=plan.split_len, scale_log2=float(sm_scale) * LOG2E, write_final=write_final,
+        scale_log2=float(sm_scale) * LOG2E, write_final=write_final,
     )
+    kv_lens = jnp.minimum(seq_lens.astype(jnp.int32), page_tables.shape[1] * k_cache.shape[2])
+    split_len = runtime_split_len(kv_lens, plan.num_splits, plan.block_n, plan.min_split_len)
     if write_final:
         out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     else:
@@ -169,6 +180,7 @@ def paged_decode(
         name=f"paged_decode_s{k_cache.shape[2]}_g{group}_n{plan.block_n}",
     )(
         jnp.reshape(layer, (1,)).astype(jnp.int32),
+        split_len,
         seq_lens.astype(jnp.int32),
         page_tables.astype(jnp.int32),
         q, cache_rows(k_cache), cache_rows(v_cache),

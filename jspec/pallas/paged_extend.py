@@ -10,6 +10,9 @@ sequence's query length does nothing.
 Masking is causal by default; with a tree mask the KV prefix is fully visible
 and new token i sees new token k iff mask[b, i, k]. Tiles wholly below the
 mask's reach skip masking, so a long prefill pays for it only near the diagonal.
+
+As in paged_decode, the number of context splits is static and their length
+comes from the batch's longest sequence, so the page-table width costs nothing.
 """
 
 from __future__ import annotations
@@ -33,14 +36,16 @@ from jspec.pallas.paged_tiles import (
     choose_splits,
     gather_kv_tiles,
     merge_splits,
+    min_split_len,
     next_pow2,
     normalise,
+    runtime_split_len,
 )
 
 
 def _extend_kernel(
-    layer_ref, seq_lens_ref, page_tables_ref, query_start_ref, q_ref, k_ref, v_ref, *refs,
-    cache_shape, group, block_m, block_n, num_q_blocks, splits, split_len, scale_log2, tree, write_final,
+    layer_ref, split_len_ref, seq_lens_ref, page_tables_ref, query_start_ref, q_ref, k_ref, v_ref, *refs,
+    cache_shape, group, block_m, block_n, num_q_blocks, splits, scale_log2, tree, write_final,
 ):
     if tree:
         tree_mask_ref, *refs = refs
@@ -74,6 +79,7 @@ def _extend_kernel(
         cols = lax.iota(jnp.int32, head_dim)[None, :]
         q = pltriton.load(q_ref.at[flat_row, head, cols], mask=real_row[:, None], other=0).astype(k_ref.dtype)
 
+        split_len = split_len_ref[0]
         lo = split * split_len
         # Causal: nothing past the block's last token; tree: every new token may be visible.
         reach = kv_len if tree else jnp.minimum(kv_len, prefix + last + 1)
@@ -129,7 +135,7 @@ class ExtendPlan(NamedTuple):
     block_n: int  # KV tokens per tile
     num_q_blocks: int
     num_splits: int
-    split_len: int  # KV tokens per split, a multiple of block_n
+    min_split_len: int  # floor of the runtime KV tokens per split, a multiple of block_n
     num_warps: int
     num_stages: int
 
@@ -150,10 +156,11 @@ def extend_plan(batch, num_q_heads, cache_shape, max_pages, max_q_len, *, block_
     check_pow2("block_m", block_m)
     check_pow2("block_n", block_n)
     num_q_blocks = -(-max_q_len // (block_m // group))
-    splits, split_len = choose_splits(max_pages * page_size, batch * num_q_blocks * num_kv_heads, block_n,
-                                      min_split_tokens, num_splits)
+    splits, _ = choose_splits(max_pages * page_size, batch * num_q_blocks * num_kv_heads, block_n, min_split_tokens,
+                              num_splits)
     num_warps = num_warps or (8 if block_m >= 128 else 4)
-    return ExtendPlan(block_m, block_n, num_q_blocks, splits, split_len, num_warps, num_stages)
+    return ExtendPlan(block_m, block_n, num_q_blocks, splits, min_split_len(block_n, min_split_tokens, num_splits),
+                      num_warps, num_stages)
 
 
 @functools.partial(
@@ -179,8 +186,10 @@ def paged_extend(
 
     Tuning (see extend_plan): block_m rows (tokens x GQA heads) per query
     block, block_n KV tokens per tile (both powers of two); num_splits context
-    partitions (None: chosen from the grid size), each >= min_split_tokens;
-    num_warps, num_stages for Triton.
+    partitions (None: chosen from the grid size, no more than keep a split of
+    the table's whole width min_split_tokens long); at run time the longest
+    sequence is spread evenly over them, each at least min_split_tokens long
+    unless num_splits is given; num_warps, num_stages for Triton.
     """
     num_rows, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[3]
@@ -199,11 +208,16 @@ def paged_extend(
     tree = mask is not None
     kernel = functools.partial(
         _extend_kernel, cache_shape=k_cache.shape, group=group, block_m=plan.block_m, block_n=plan.block_n,
-        num_q_blocks=plan.num_q_blocks, splits=plan.num_splits, split_len=plan.split_len,
-        scale_log2=float(sm_scale) * LOG2E, tree=tree, write_final=write_final,
+        num_q_blocks=plan.num_q_blocks, splits=plan.num_splits, scale_log2=float(sm_scale) * LOG2E, tree=tree,
+        write_final=write_final,
     )
+    # Sequences with no new tokens run no program: their KV does not set the split length.
+    q_lens = query_start[1:] - query_start[:-1]
+    capacity = page_tables.shape[1] * k_cache.shape[2]
+    kv_lens = jnp.where(q_lens > 0, jnp.minimum(seq_lens.astype(jnp.int32), capacity), 0)
     inputs = [
         jnp.reshape(layer, (1,)).astype(jnp.int32),
+        runtime_split_len(kv_lens, plan.num_splits, plan.block_n, plan.min_split_len),
         seq_lens.astype(jnp.int32),
         page_tables.astype(jnp.int32),
         query_start.astype(jnp.int32),

@@ -109,10 +109,12 @@ def normalise(acc, l):
 
 
 def choose_splits(max_kv: int, programs: int, block_n: int, min_split_tokens: int, num_splits: int | None):
-    """(num_splits, split_len): split the context so that enough programs run.
+    """(num_splits, split_len): split a context of max_kv tokens so that enough programs run.
 
-    Static shapes only, so one compiled program serves every length in a bucket.
-    split_len is a multiple of block_n so every tile but a sequence's last is full.
+    The number of splits is a grid dimension, so it is chosen from static shapes:
+    max_kv is the widest context the page table can address. split_len is what
+    that widest context would get; the launch spreads the batch's actual longest
+    sequence over the splits instead (runtime_split_len).
     """
     blocks = max(1, -(-max_kv // block_n))
     if num_splits is None:
@@ -123,6 +125,30 @@ def choose_splits(max_kv: int, programs: int, block_n: int, min_split_tokens: in
     num_splits = max(1, min(num_splits, blocks))
     split_len = -(-blocks // num_splits) * block_n
     return -(-max_kv // split_len), split_len
+
+
+def min_split_len(block_n: int, min_split_tokens: int, num_splits: int | None) -> int:
+    """Floor of the runtime split length, a multiple of block_n.
+
+    An explicit num_splits is taken at its word (as in choose_splits): only the
+    automatic choice keeps splits min_split_tokens long.
+    """
+    if num_splits is not None:
+        return block_n
+    return -(-max(min_split_tokens, block_n) // block_n) * block_n
+
+
+def runtime_split_len(kv_lens: jax.Array, num_splits: int, block_n: int, floor: int) -> jax.Array:
+    """KV tokens per split for this batch: a [1] int32 kernel input.
+
+    The longest of kv_lens [B] spread evenly over the num_splits splits, at least
+    floor, rounded up to a multiple of block_n so that only a sequence's last
+    tile is partial. Splits past a sequence's end do nothing, so a short
+    sequence in a wide page table costs what its length needs.
+    """
+    longest = jnp.max(kv_lens.astype(jnp.int32), initial=0)
+    per_split = jnp.maximum(-(-longest // num_splits), floor)
+    return jnp.reshape(-(-per_split // block_n) * block_n, (1,)).astype(jnp.int32)
 
 
 def merge_splits(acc, m, l, axis: int):

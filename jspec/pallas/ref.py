@@ -1,133 +1,188 @@
-"""Pure-jnp paged attention: the specification the Pallas kernels are tested against.
+"""Pure-jnp paged attention: the specification the Pallas kernels are tested against,
+and the model's attention off the GPU.
 
-These also serve as the model's fallback backend, so they keep memory linear in
-the batch: the KV of each sequence is gathered once, not once per query row.
-Softmax runs in f32 whatever the input dtype.
+Both references walk the KV a chunk of whole pages at a time with an online
+softmax in f32, for as many chunks as the actual lengths need (a loop with a
+traced trip count), so time and memory follow the sequences, not the page-table
+width. The extend reference also runs one real sequence at a time, so a padded
+batch costs nothing for its padding.
 """
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+from jax import lax
+
+KV_CHUNK = 256  # KV tokens per loop step, rounded to whole pages
+HIGHEST = lax.Precision.HIGHEST
+
+
+class _Softmax(NamedTuple):
+    """Online-softmax state of query rows [..., Hkv, G]: running max, normaliser, unnormalised output."""
+
+    m: jax.Array  # natural-log units, -inf while a row has seen nothing
+    l: jax.Array
+    acc: jax.Array  # [..., Hkv, G, D]
 
 
 def _layer_index(layer: jax.Array) -> jax.Array:
     return jnp.reshape(jnp.asarray(layer, jnp.int32), ())
 
 
-def gather_sequence_kv(cache: jax.Array, layer: jax.Array, seq_lens: jax.Array, page_tables: jax.Array) -> jax.Array:
-    """[L, P, S, H, D] -> [B, max_pages * S, H, D] in f32, zero past each sequence's length.
+def _pages_per_chunk(page_size: int, max_pages: int, kv_chunk: int) -> int:
+    # At least one page (a page may hold more than kv_chunk tokens), and no more than the table has.
+    return max(1, min(kv_chunk // page_size, max_pages))
 
-    Positions past seq_len are zeroed (not just masked later) because a NaN there
-    would survive a zero attention weight (0 * NaN = NaN).
+
+def _kv_lens(seq_lens, page_tables, page_size):
+    # A length past what the table can address would index past it: clamp, as the kernels do.
+    return jnp.clip(seq_lens.astype(jnp.int32), 0, page_tables.shape[1] * page_size)
+
+
+def _gather_chunk(cache, layer, page_tables, kv_lens, chunk, pages_per_chunk):
+    """KV chunk `chunk` of each row of page_tables [R, max_pages]: ([R, C, H, D] f32, positions [C]),
+    C = pages_per_chunk * page_size, zero at positions >= kv_lens [R].
+
+    Zeroed, not just masked later: a NaN there would survive a zero weight (0 * NaN = NaN).
     """
     _, num_pages, page_size, num_heads, head_dim = cache.shape
-    batch, max_pages = page_tables.shape
-    pages = jnp.clip(page_tables, 0, num_pages - 1)
-    kv = cache[_layer_index(layer)][pages].reshape(batch, max_pages * page_size, num_heads, head_dim)
-    valid = jnp.arange(max_pages * page_size)[None, :] < seq_lens[:, None]
-    return jnp.where(valid[:, :, None, None], kv.astype(jnp.float32), 0.0)
+    rows, max_pages = page_tables.shape
+    slots = chunk * pages_per_chunk + jnp.arange(pages_per_chunk)
+    # The last chunk may run past the table, and slots past a sequence's pages hold
+    # garbage ids: clip both to some page; what is read there is zeroed below.
+    pages = jnp.clip(page_tables[:, jnp.minimum(slots, max_pages - 1)], 0, num_pages - 1)
+    kv = cache[layer, pages].reshape(rows, pages_per_chunk * page_size, num_heads, head_dim)
+    positions = chunk * pages_per_chunk * page_size + jnp.arange(pages_per_chunk * page_size)
+    valid = positions[None, :] < kv_lens[:, None]
+    return jnp.where(valid[:, :, None, None], kv.astype(jnp.float32), 0.0), positions
 
 
-def _masked_softmax_attention(q, k, v, visible, sm_scale, return_lse=False):
-    """q [B, Q, Hkv, G, D], k/v [B, K, Hkv, D], visible [B, Q, K] -> [B, Q, Hkv, G, D] f32
-    (and, with return_lse, the natural-log log-sum-exp [B, Q, Hkv, G], -inf where nothing is visible).
+def _empty(q: jax.Array) -> _Softmax:
+    rows = q.shape[:-1]
+    return _Softmax(jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.float32),
+                    jnp.zeros(q.shape, jnp.float32))
 
-    Rows with nothing visible come out as zeros.
-    """
-    logits = jnp.einsum("bqhgd,bkhd->bqhgk", q, k, precision=jax.lax.Precision.HIGHEST) * sm_scale
+
+def _attend_chunk(state: _Softmax, q, k, v, visible, sm_scale) -> _Softmax:
+    """One online-softmax step of q [R, Q, Hkv, G, D] over k, v [R, C, Hkv, D]; visible [R, Q, C]."""
+    logits = jnp.einsum("rqhgd,rchd->rqhgc", q, k, precision=HIGHEST) * sm_scale
     visible = visible[:, :, None, None, :]
     logits = jnp.where(visible, logits, -jnp.inf)
-    row_max = jnp.max(logits, axis=-1, keepdims=True)
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    weights = jnp.where(visible, jnp.exp(logits - row_max), 0.0)
-    denom = jnp.sum(weights, axis=-1, keepdims=True)
-    out = jnp.einsum("bqhgk,bkhd->bqhgd", weights, v, precision=jax.lax.Precision.HIGHEST)
-    out = out / jnp.where(denom > 0, denom, 1.0)
-    if return_lse:
-        lse = jnp.where(denom[..., 0] > 0, row_max[..., 0] + jnp.log(jnp.where(denom[..., 0] > 0, denom[..., 0], 1.0)), -jnp.inf)
-        return out, lse
-    return out
+    m = jnp.maximum(state.m, jnp.max(logits, axis=-1))
+    # Rows that have seen nothing yet keep m = -inf; shift them by 0 so that no -inf - -inf appears.
+    shift = jnp.where(jnp.isfinite(m), m, 0.0)
+    alpha = jnp.exp(state.m - shift)
+    weights = jnp.exp(logits - shift[..., None])  # exactly 0 where not visible
+    l = state.l * alpha + jnp.sum(weights, axis=-1)
+    acc = state.acc * alpha[..., None] + jnp.einsum("rqhgc,rchd->rqhgd", weights, v, precision=HIGHEST)
+    return _Softmax(m, l, acc)
 
 
-def paged_decode_ref(q, k_cache, v_cache, layer, seq_lens, page_tables, *, sm_scale, return_lse=False):
+def _finish(state: _Softmax) -> tuple[jax.Array, jax.Array]:
+    """(out, natural-log lse): zeros and -inf for rows that saw nothing."""
+    seen = state.l > 0
+    l = jnp.where(seen, state.l, 1.0)
+    return state.acc / l[..., None], jnp.where(seen, state.m + jnp.log(l), -jnp.inf)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "return_lse", "kv_chunk"))
+def paged_decode_ref(q, k_cache, v_cache, layer, seq_lens, page_tables, *, sm_scale, return_lse=False,
+                     kv_chunk=KV_CHUNK):
     """One new query token per sequence. q [B, Hq, D] -> [B, Hq, D] in q's dtype.
 
     With return_lse: (out [B, Hq, D] f32, lse [B, Hq] f32 natural log, -inf for seq_len 0).
+    kv_chunk: KV tokens per loop step (rounded to whole pages); changes only the summation order.
     """
     batch, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[3]
+    _, _, page_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
-    k = gather_sequence_kv(k_cache, layer, seq_lens, page_tables)
-    v = gather_sequence_kv(v_cache, layer, seq_lens, page_tables)
-    visible = jnp.arange(k.shape[1])[None, None, :] < seq_lens[:, None, None]
+    layer = _layer_index(layer)
+    kv_lens = _kv_lens(seq_lens, page_tables, page_size)
+    pages_per_chunk = _pages_per_chunk(page_size, page_tables.shape[1], kv_chunk)
     q5 = q.astype(jnp.float32).reshape(batch, 1, num_kv_heads, group, head_dim)
+
+    def step(chunk, state):
+        k, positions = _gather_chunk(k_cache, layer, page_tables, kv_lens, chunk, pages_per_chunk)
+        v, _ = _gather_chunk(v_cache, layer, page_tables, kv_lens, chunk, pages_per_chunk)
+        visible = (positions[None, :] < kv_lens[:, None])[:, None, :]
+        return _attend_chunk(state, q5, k, v, visible, sm_scale)
+
+    # The whole batch steps together, as far as its longest sequence reaches.
+    chunk_len = pages_per_chunk * page_size
+    num_chunks = -(-jnp.max(kv_lens, initial=0) // chunk_len)
+    out, lse = _finish(lax.fori_loop(0, num_chunks, step, _empty(q5)))
+    out = out.reshape(batch, num_q_heads, head_dim)
     if return_lse:
-        out, lse = _masked_softmax_attention(q5, k, v, visible, sm_scale, return_lse=True)
-        return out.reshape(batch, num_q_heads, head_dim), lse.reshape(batch, num_q_heads)
-    out = _masked_softmax_attention(q5, k, v, visible, sm_scale)
-    return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+        return out, lse.reshape(batch, num_q_heads)
+    return out.astype(q.dtype)
 
 
-def ragged_row_owner(query_start: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """For each flat row t: (sequence b, index i within b's new tokens, is t a real row)."""
-    rows = jnp.arange(num_rows, dtype=jnp.int32)
-    # Sequences whose rows all end at or before t come before t's owner (qlen-0 ones included).
-    owner = jnp.searchsorted(query_start[1:], rows, side="right").astype(jnp.int32)
-    owner = jnp.minimum(owner, query_start.shape[0] - 2)
-    index_in_seq = rows - query_start[owner]
-    return owner, index_in_seq, rows < query_start[-1]
-
-
-def extend_visibility(seq_lens, query_start, max_q_len: int, num_kv: int, mask=None) -> jax.Array:
-    """visible[b, i, j]: may new token i of sequence b attend to KV position j."""
-    q_lens = query_start[1:] - query_start[:-1]
-    prefix = (seq_lens - q_lens)[:, None, None]
-    i = jnp.arange(max_q_len)[None, :, None]
-    j = jnp.arange(num_kv)[None, None, :]
-    in_seq = (j < seq_lens[:, None, None]) & (i < q_lens[:, None, None])
-    if mask is None:
-        return in_seq & (j <= prefix + i)
-    new_index = j - prefix
-    in_new = (new_index >= 0) & (new_index < max_q_len)
-    tree = jnp.take_along_axis(
-        mask.astype(bool),
-        jnp.broadcast_to(jnp.clip(new_index, 0, max_q_len - 1), (mask.shape[0], max_q_len, num_kv)),
-        axis=2,
-    )
-    return in_seq & ((new_index < 0) | (in_new & tree))
-
-
+@functools.partial(jax.jit, static_argnames=("sm_scale", "max_q_len", "kv_chunk"))
 def paged_extend_ref(
-    q, k_cache, v_cache, layer, seq_lens, page_tables, query_start, *, sm_scale, max_q_len, mask=None
+    q, k_cache, v_cache, layer, seq_lens, page_tables, query_start, *, sm_scale, max_q_len, mask=None,
+    kv_chunk=KV_CHUNK,
 ):
     """Ragged new tokens attending to their sequence's paged KV. q [T, Hq, D] -> [T, Hq, D].
 
     Sequence b owns rows query_start[b]:query_start[b+1]; they are the last qlen_b
     of its seq_lens[b] KV entries. Causal by default; with mask [B, Q, Q] the
     prefix is fully visible and new token i sees new token k iff mask[b, i, k].
-    Rows at or past query_start[B] are zeros.
+    Rows at or past query_start[B] are zeros. kv_chunk as in paged_decode_ref.
     """
     num_rows, num_q_heads, head_dim = q.shape
     batch = seq_lens.shape[0]
-    num_kv_heads = k_cache.shape[3]
+    _, _, page_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
-    k = gather_sequence_kv(k_cache, layer, seq_lens, page_tables)
-    v = gather_sequence_kv(v_cache, layer, seq_lens, page_tables)
-
-    # Ragged rows -> [B, max_q_len] padded layout, attention there, then back.
+    layer = _layer_index(layer)
+    query_start = query_start.astype(jnp.int32)
     q_lens = query_start[1:] - query_start[:-1]
-    i = jnp.arange(max_q_len)[None, :]
-    padded_rows = jnp.clip(query_start[:-1, None] + i, 0, num_rows - 1)
-    q_padded = q.astype(jnp.float32)[padded_rows]  # [B, Q, Hq, D]
-    q_padded = jnp.where((i < q_lens[:, None])[:, :, None, None], q_padded, 0.0)
-    q5 = q_padded.reshape(batch, max_q_len, num_kv_heads, group, head_dim)
-    visible = extend_visibility(seq_lens, query_start, max_q_len, k.shape[1], mask)
-    out = _masked_softmax_attention(q5, k, v, visible, sm_scale).reshape(batch, max_q_len, num_q_heads, head_dim)
+    kv_lens = _kv_lens(seq_lens, page_tables, page_size)
+    pages_per_chunk = _pages_per_chunk(page_size, page_tables.shape[1], kv_chunk)
+    chunk_len = pages_per_chunk * page_size
+    # max_q_len spare rows at the end, so that a window of max_q_len rows from any
+    # sequence's first row stays in bounds (dynamic_slice would shift it back).
+    zeros = jnp.zeros((num_rows + max_q_len, num_q_heads, head_dim), jnp.float32)
+    q_padded = zeros.at[:num_rows].set(q.astype(jnp.float32))
+    i = jnp.arange(max_q_len)  # row within a sequence's window
 
-    owner, index_in_seq, real = ragged_row_owner(query_start, num_rows)
-    flat = out[owner, jnp.clip(index_in_seq, 0, max_q_len - 1)]
-    return jnp.where(real[:, None, None], flat, 0.0).astype(q.dtype)
+    def attend_sequence(b, out):
+        start, q_len, kv_len = query_start[b], q_lens[b], kv_lens[b]
+        prefix = kv_len - q_len  # KV entries before the new tokens
+        own = i < q_len  # the window's other rows belong to later sequences, or are padding (maybe NaN)
+        window = lax.dynamic_slice_in_dim(q_padded, start, max_q_len)
+        qb = jnp.where(own[:, None, None], window, 0.0).reshape(1, max_q_len, num_kv_heads, group, head_dim)
+        table = lax.dynamic_slice_in_dim(page_tables, b, 1)
+
+        def step(chunk, state):
+            k, positions = _gather_chunk(k_cache, layer, table, kv_len[None], chunk, pages_per_chunk)
+            v, _ = _gather_chunk(v_cache, layer, table, kv_len[None], chunk, pages_per_chunk)
+            j = positions[None, :]
+            visible = own[:, None] & (j < kv_len)
+            if mask is None:
+                visible &= j <= prefix + i[:, None]
+            else:
+                new_index = j - prefix
+                tree = jnp.take(mask[b].astype(bool), jnp.clip(new_index[0], 0, max_q_len - 1), axis=1)
+                visible &= (new_index < 0) | tree
+            return _attend_chunk(state, qb, k, v, visible[None], sm_scale)
+
+        # The last new token sees the whole sequence: that is as far as any row reaches.
+        num_chunks = jnp.where(q_len > 0, -(-kv_len // chunk_len), 0)
+        rows, _ = _finish(lax.fori_loop(0, num_chunks, step, _empty(qb)))
+        rows = rows.reshape(max_q_len, num_q_heads, head_dim)
+        # Write back this sequence's rows only: the rest of the window is not its own.
+        old = lax.dynamic_slice_in_dim(out, start, max_q_len)
+        return lax.dynamic_update_slice_in_dim(out, jnp.where(own[:, None, None], rows, old), start, axis=0)
+
+    # Padding sequences (qlen 0) come last: stop after the last real one. One with
+    # qlen 0 in between costs a window copy and no KV.
+    num_seqs = jnp.max(jnp.where(q_lens > 0, jnp.arange(1, batch + 1), 0), initial=0)
+    out = lax.fori_loop(0, num_seqs, attend_sequence, zeros)
+    return out[:num_rows].astype(q.dtype)
 
 
 def skinny_matmul_ref(x, w):
