@@ -177,6 +177,7 @@ def main(argv=None) -> None:
     spec = spec_config_from_args(args, ap)
     logging.basicConfig(level=args.log_level.upper(), format="[jspec] %(asctime)s %(levelname)s %(message)s")
     log = logging.getLogger("jspec.serve")
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU / no GPU" probes are noise
     from jspec.parallel.multihost import init_distributed
 
     try:  # before anything starts a JAX backend
