@@ -22,10 +22,15 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+DSF = "--xla_gpu_enable_dynamic_slice_fusion=true"
+# Command buffers (CUDA graphs) with the layer loop's WHILE captured: the scan then launches as
+# one graph instead of one host launch per kernel per layer.
+WHILE_GRAPHS = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
 VARIANTS = {
     "per_layer": ("per_layer", ""),
     "scan": ("scan", ""),
-    "scan_dsf": ("scan", "--xla_gpu_enable_dynamic_slice_fusion=true"),
+    "scan_dsf": ("scan", DSF),
+    "scan_dsf_graphs": ("scan", f"{DSF} {WHILE_GRAPHS}"),
 }
 
 

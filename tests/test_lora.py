@@ -341,6 +341,6 @@ def test_lora_decode_step_lowers_for_cuda(tmp_path):
     lowered = lower_for_cuda(functools.partial(plain_decode_step, cfg=w.cfg, backend="pallas", sampling="greedy"),
                              *specs)
     text = lowered.as_text()
-    # Per layer, 4 fused projections (their weights carrying the pool's A columns) and 4 LoRA
-    # B matmuls; then the logits.
-    assert "bf16" in text and text.count("dot_general") >= 8 * w.cfg.num_layers + 1
+    # In the scanned layer body (compiled once), 4 fused projections (their weights carrying
+    # the pool's A columns) and 4 LoRA B matmuls; then the logits.
+    assert "bf16" in text and "stablehlo.while" in text and text.count("dot_general") >= 8 + 1

@@ -243,3 +243,46 @@ def test_logprobs_and_native_generate(server, model_dir):
     assert len(r["meta_info"]["output_token_logprobs"]) == 4
     code, r = server.post_raw("/generate", json.dumps({"text": "abc", "sampling_params": {"bogus": 1}}).encode())
     assert code == 400 and "bogus" in r["error"]["message"]
+
+
+def test_the_readme_server_comes_up_with_no_flags_and_answers_a_chat(tmp_path):
+    """scripts/serve.py as the README starts it: the embedded model, warm-up and all. Healthy
+    within the start-up budget, in bounded memory, and the openai client gets an answer."""
+    from jspec.models.demo import default_model_path
+
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen([sys.executable, "scripts/serve.py", "--port", str(port)], cwd=ROOT, stdout=log,
+                            stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 150
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1)
+                break
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(0.5)
+        log.seek(0)
+        out = log.read()
+        assert proc.poll() is None and time.time() < deadline, out[-3000:]
+        assert "programs ready" in out and "ready:" in out, out[-3000:]
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        r = client.chat.completions.create(model=model, max_tokens=16, temperature=0,
+                                           messages=[{"role": "user", "content": "What is the capital of France?"}])
+        answer = r.choices[0].message.content
+        assert answer and r.usage.completion_tokens > 0
+        if "SmolLM2" in default_model_path()[1]:  # the real weights, when setup could fetch them
+            assert "Paris" in answer, answer
+        with open(f"/proc/{proc.pid}/status") as f:
+            peak_kb = int(next(line for line in f if line.startswith("VmHWM")).split()[1])
+        assert peak_kb <= 4 * 2**20, f"peak resident memory {peak_kb / 2**20:.1f} GiB"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            log.close()

@@ -1,0 +1,146 @@
+"""Host time to launch one decode iteration, on whatever backend runs it (the CPU here).
+
+For the SmolLM2-135M shape (random weights) at batch 1, plain decoding and EAGLE-3 (3,1,4)
+with a random head:
+- launch with the device idle: worker.decode (input arrays + dispatch) after the previous
+  step finished, split into building the inputs and dispatching the program;
+- the same dispatch for a trivial program with the step's argument tree (what the call
+  mechanism alone costs for these leaves);
+- inside the overlap loop: the engine's schedule / launch / process / wait split per iteration;
+- a cProfile of the loop's launches: where the launch's host time goes.
+
+    python scripts/bench_host_launch.py [--out benchmarks/results] [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import dataclasses
+import io
+import json
+import os
+import pstats
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jspec
+from bench_decode import git_commit, random_params
+from bench_overlap import SMALL, SMALL_DRAFT, TINY, TINY_DRAFT
+from jspec.engine import LoopTimes
+from jspec.models.eagle_loader import init_random_draft_params
+
+
+def median_ms(fn, n: int, before=None) -> float:
+    ts = []
+    for _ in range(n):
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts)) * 1e3
+
+
+def idle_launch(engine) -> dict:
+    """Launches with the device idle: the previous step is waited for before each timed one."""
+    w = engine.worker
+    slot = w.alloc_slot()
+    pages = [w.allocator.alloc(8)]
+    greedy = [(jspec.SamplingParams(), 0)]
+    wait = lambda: jax.block_until_ready(w.state)  # noqa: E731
+    full = median_ms(lambda: w.decode([slot], pages, greedy), 50, wait)
+    inputs = median_ms(lambda: w._decode_inputs([slot], pages, greedy), 200)
+    built = w._decode_inputs([slot], pages, greedy)
+    dispatch = median_ms(lambda: w.decode_arrays(*built, "greedy"), 50, wait)
+    # The call mechanism alone: a program that only passes the donated state through.
+    passthrough = jax.jit(lambda params, state, *rest: state, donate_argnums=1)
+    args = (w.params, w.state, *built)
+    state = {"s": passthrough(*args)}
+    w.state = None
+
+    def call():
+        state["s"] = passthrough(w.params, state["s"], *built)
+
+    floor = median_ms(call, 200, lambda: jax.block_until_ready(state["s"]))
+    w.state = state["s"]
+    jax.block_until_ready(w.decode([slot], pages, greedy))
+    w.free_slot(slot)
+    w.allocator.free(pages[0])
+    return dict(launch_ms=full, inputs_ms=inputs, dispatch_ms=dispatch, passthrough_dispatch_ms=floor,
+                argument_leaves=len(jax.tree.leaves(args)))
+
+
+def loop_split(engine, tokens: int) -> tuple[dict, str]:
+    """One request generating `tokens` under the overlap loop: host time per iteration by phase,
+    and a profile of the launches."""
+    params = jspec.SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+    engine.generate([[1, 2, 3, 4]], params)  # compiles what this workload needs
+    engine.loop_times = LoopTimes()
+    prof = cProfile.Profile()
+    launch = engine._launch
+
+    def profiled(batch):
+        prof.enable()
+        try:
+            return launch(batch)
+        finally:
+            prof.disable()
+
+    engine._launch = profiled
+    try:
+        engine.generate([[1, 2, 3, 4]], params)
+    finally:
+        engine._launch = launch
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(12)
+    return engine.loop_times.per_iteration_ms(), out.getvalue()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model: a quick dry run of the script")
+    ap.add_argument("--tokens", type=int, default=64)
+    args = ap.parse_args()
+    cfg, dcfg = (TINY, TINY_DRAFT) if args.tiny else (SMALL, SMALL_DRAFT)
+    dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    params = random_params(cfg, dtype)
+    dparams = init_random_draft_params(dcfg, jax.random.key(3), dtype)
+    rows = []
+    for method in ("none", "eagle3"):
+        spec = None if method == "none" else jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=1)
+        engine = jspec.Engine((cfg, params), spec=spec, draft=(dcfg, dparams) if spec else None, page_size=16,
+                              max_running_requests=4, disable_radix_cache=True)
+        split, profile = loop_split(engine, args.tokens)
+        row = dict(method=method, batch=1, idle=idle_launch(engine), overlap_loop_ms=split, launch_profile=profile)
+        rows.append(row)
+        print(profile)
+    result = dict(name="bench_host_launch", device=jax.devices()[0].device_kind, backend=jax.default_backend(),
+                  jax_version=jax.__version__, commit=git_commit(),
+                  settings=dict(model="tiny" if args.tiny else "smollm2-135m shape", dtype=str(jnp.dtype(dtype)),
+                                batch=1, spec="EAGLE3 (3,1,4), random head", tokens=args.tokens,
+                                layer_loop="scan"), rows=rows)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "bench_host_launch.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}\n")
+    print(f"{'method':>7} {'idle launch':>11} {'inputs':>7} {'dispatch':>8} {'floor':>6} | loop: {'sched':>6} "
+          f"{'launch':>6} {'process':>7} {'wait':>7}  (ms per iteration)")
+    for r in rows:
+        i, lp = r["idle"], r["overlap_loop_ms"]
+        print(f"{r['method']:>7} {i['launch_ms']:>11.3f} {i['inputs_ms']:>7.3f} {i['dispatch_ms']:>8.3f} "
+              f"{i['passthrough_dispatch_ms']:>6.3f} | {lp['schedule']:>11.3f} {lp['launch']:>6.3f} "
+              f"{lp['process']:>7.3f} {lp['wait']:>7.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""The compiled programs: scanned and unrolled layer loops agree, the default server compiles a
+bounded set, rare programs compile in the background, and a restart finds the persistent cache."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import jspec
+from jspec.models.tiny import make_tiny_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return jspec.load(make_tiny_model(str(tmp_path_factory.mktemp("tiny") / "m"), seed=5), context_length=256)
+
+
+PROMPTS = [[1, 2, 3, 4, 5], [7] * 19, [9, 8]]
+KW = dict(page_size=16, num_pages=128, max_running_requests=4, attention_backend="reference")
+
+
+def greedy(engine):
+    outs = engine.generate(PROMPTS, jspec.SamplingParams(max_new_tokens=12, ignore_eos=True))
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("spec", [None, "EAGLE3"])
+def test_scanned_and_unrolled_layers_give_the_same_tokens(tiny, spec):
+    from test_engine import eagle_draft
+
+    kw = dict(KW)
+    if spec:
+        kw.update(spec=jspec.SpecConfig(spec, num_steps=3, eagle_topk=1), draft=eagle_draft(tiny))
+    scanned = jspec.Engine(tiny, **kw)
+    unrolled = jspec.Engine(tiny, layer_loop="unrolled", **kw)
+    assert isinstance(scanned.worker.params["layers"], dict)
+    assert isinstance(unrolled.worker.params["layers"], list)
+    assert greedy(scanned) == greedy(unrolled)
+
+
+def test_an_unknown_layer_loop_is_refused(tiny):
+    with pytest.raises(ValueError, match="unknown layer_loop"):
+        jspec.Engine(tiny, layer_loop="fused", **KW)
+
+
+@pytest.mark.parametrize("spec", [None, "EAGLE3"])
+def test_the_default_server_compiles_at_most_16_programs(tiny, spec):
+    from test_engine import eagle_draft
+
+    # The server's defaults: 32 running requests, 512-token prefill chunks, both sampling programs.
+    kw = dict(page_size=16, max_running_requests=32, chunked_prefill_size=512, max_top_logprobs=5)
+    if spec:
+        kw.update(spec=jspec.SpecConfig(spec, num_steps=3, eagle_topk=1), draft=eagle_draft(tiny))
+    engine = jspec.Engine(tiny, **kw)
+    jobs = engine.worker.warmup_jobs(engine.scheduler.chunked_prefill_size)
+    assert len({j.key for j in jobs}) == len(jobs) <= 16
+    assert {j.key[1] for j in jobs if j.key[0] == "prefill"} == {16, 64, 256, 512}
+
+
+def test_prompt_logprob_prefills_compile_in_the_background_while_others_run(tiny):
+    engine = jspec.Engine(tiny, max_top_logprobs=2, **KW)
+    engine.warmup(sampling_modes=("greedy",))
+    plain = engine.add_request([1, 2, 3], jspec.SamplingParams(max_new_tokens=4, ignore_eos=True))
+    scoring = jspec.SamplingParams(max_new_tokens=4, ignore_eos=True, return_logprob=True, logprob_start_len=0,
+                                   top_logprobs_num=2)
+    scored = engine.add_request([4, 5, 6], scoring)
+    scored_req = engine.scheduler.requests[scored]
+    first = engine.scheduler.schedule()
+    assert [r.rid for r in first.reqs] == [plain]  # the scored prompt waits for its program
+    engine._inflight = engine._launch(first)
+    done = {}
+    while engine.has_work():
+        for out in engine.step():
+            done.setdefault(out.rid, []).extend(out.new_token_ids)
+    assert len(done[plain]) == len(done[scored]) == 4
+    reference = jspec.Engine(tiny, max_top_logprobs=2, **KW).generate([[4, 5, 6]], scoring)[0]
+    assert done[scored] == reference.token_ids
+    assert len(reference.input_logprobs) == 3
+    np.testing.assert_allclose(scored_req.input_logprobs[1:], reference.input_logprobs[1:], rtol=1e-5)
+    engine.check_idle_no_leaks()
+
+
+CACHE_PROBE = textwrap.dedent("""
+    import sys, jax, jspec
+    from jspec.models.tiny import make_tiny_model
+    hits = []
+    jax.monitoring.register_event_listener(lambda name, **kw: hits.append(name) if name.endswith("cache_hits") else None)
+    model = jspec.load(make_tiny_model(sys.argv[2], seed=5), context_length=256)
+    engine = jspec.Engine(model, page_size=16, num_pages=64, max_running_requests=2, attention_backend="reference",
+                          compilation_cache_dir=sys.argv[1])
+    n = engine.warmup(sampling_modes=("greedy",))
+    print(n, len(hits))
+""")
+
+
+def test_a_restart_loads_its_programs_from_the_compilation_cache(tmp_path):
+    cache = str(tmp_path / "xla")
+    runs = [subprocess.run([sys.executable, "-c", CACHE_PROBE, cache, str(tmp_path / "m")], capture_output=True,
+                           text=True, cwd=ROOT) for _ in range(2)]
+    (n1, hits1), (n2, hits2) = [tuple(map(int, r.stdout.split()[-2:])) for r in runs]
+    assert n1 == n2 > 0
+    assert hits1 == 0 and hits2 == n2, (runs[0].stderr[-2000:], runs[1].stderr[-2000:])
+    assert os.listdir(cache)
