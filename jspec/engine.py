@@ -31,6 +31,7 @@ from jspec.scheduler.dp_scheduler import DPBatch
 from jspec.scheduler.request import Request
 from jspec.scheduler.scheduler import DecodeBatch, PrefillBatch, Scheduler
 from jspec.scheduler.sync import designated_read, start_host_copy
+from jspec.steps import unpack_output
 from jspec.worker import PlainWorker, SpecWorker
 
 
@@ -374,7 +375,7 @@ class Engine:
         before = {id(r): (len(r.output), len(r.text), len(r.output_logprobs), len(r.output_top_logprobs))
                   for r in launched.batch.reqs}
         t0 = time.perf_counter()
-        host = designated_read(launched.outputs)
+        host = unpack_output(designated_read(launched.outputs), self.worker.top_n)
         t1 = time.perf_counter()
         if isinstance(launched.batch, PrefillBatch):
             touched = self.scheduler.on_prefill_done(launched.batch, host)

@@ -10,6 +10,7 @@ Launches call the compiled executable directly.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import os
@@ -38,21 +39,28 @@ def enable_compilation_cache(path: str | None) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Job:
-    """One program to compile: step.lower(*args, **static).compile()."""
+class Program:
+    """One program: step lowered with these static arguments, for arguments of one shape."""
 
     key: Hashable
     step: Callable
-    args: tuple
     static: dict
     label: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """A program and arguments of its shape: what it compiles from (warm-up) or runs on."""
+
+    program: Program
+    args: tuple
 
 
 class Programs:
     """Compiled programs by key. `run` launches one, compiling it first if it is new."""
 
-    def __init__(self, context: Callable[[], Any]):
-        self.context = context  # e.g. the worker's mesh: programs lower and run under it
+    def __init__(self, mesh=None):
+        self.mesh = mesh  # programs lower and run under it (jax.set_mesh), when there is one
         self.compiled: dict[Hashable, Any] = {}
         self._pending: dict[Hashable, concurrent.futures.Future] = {}
         self._lock = threading.Lock()
@@ -67,31 +75,41 @@ class Programs:
     def ready(self, key: Hashable) -> bool:
         return key in self.compiled
 
-    def run(self, job: Job):
-        if self.collecting is not None:
-            self.collecting.append(job)
-            return None
-        fn = self.compiled.get(job.key)
+    def run(self, program: Program, args: tuple):
+        fn = self.compiled.get(program.key)
         if fn is None:
-            pending = self._pending.get(job.key)
-            fn = pending.result() if pending is not None else self._compile(job)
-        with self.context():
-            return fn(*job.args)
+            if self.collecting is not None:
+                self.collecting.append(Job(program, args))
+                return None
+            pending = self._pending.get(program.key)
+            fn = pending.result() if pending is not None else self._compile(Job(program, args))
+        elif self.collecting is not None:
+            return None
+        if self.mesh is None:
+            return fn(*args)
+        with jax.set_mesh(self.mesh):
+            return fn(*args)
 
     def _compile(self, job: Job):
-        with self.context():
-            fn = job.step.lower(*job.args, **job.static).compile()
+        p = job.program
+        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            fn = p.step.lower(*job.args, **p.static).compile()
         with self._lock:
-            self.compiled[job.key] = fn
+            self.compiled[p.key] = fn
         return fn
 
     def compile_in_background(self, job: Job) -> None:
         """Starts compiling job's program unless it is compiled or on its way; ready() tells when."""
+        key = job.program.key
         with self._lock:
-            if job.key in self.compiled or job.key in self._pending:
+            if key in self.compiled or key in self._pending:
                 return
-            self._pending[job.key] = future = self._background.submit(self._compile, job)
-        future.add_done_callback(lambda f, key=job.key: self._pending.pop(key, None))
+            self._pending[key] = future = self._background.submit(self._compile, job)
+        future.add_done_callback(lambda f, key=key: self._pending.pop(key, None))
+
+    def compiling(self) -> bool:
+        """Whether a background compile is under way."""
+        return bool(self._pending)
 
     def wait_pending(self) -> None:
         """Blocks until every background compile has finished."""
@@ -100,7 +118,7 @@ class Programs:
 
     def compile_all(self, jobs: list[Job], threads: int | None = None) -> int:
         """Compiles every new job's program, `threads` at a time, logging progress. Returns how many."""
-        jobs = [j for j in {j.key: j for j in jobs}.values() if j.key not in self.compiled]
+        jobs = [j for j in {j.program.key: j for j in jobs}.values() if j.program.key not in self.compiled]
         if not jobs:
             return 0
         threads = threads or max(1, min(len(jobs), os.cpu_count() or 1))
@@ -109,7 +127,7 @@ class Programs:
             futures = {pool.submit(self._compile, j): j for j in jobs}
             for f in concurrent.futures.as_completed(futures):
                 f.result()
-                progress.done(futures[f].label)
+                progress.done(futures[f].program.label)
         progress.close()
         return len(jobs)
 

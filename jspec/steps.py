@@ -57,6 +57,31 @@ class StepOutput(NamedTuple):
     prompt: PromptLogprobs | None = None  # prefills asked for prompt logprobs only
 
 
+class PackedOutput(NamedTuple):
+    """A StepOutput in two arrays, so the host starts two device->host copies, not five: every
+    array a launch hands over costs host time (the launch's budget is a fraction of a ms)."""
+
+    ints: jax.Array  # [..., B, K + 1 + K * top_n]: tokens, accept_len, top_ids
+    floats: jax.Array  # [..., B, K + K * top_n]: logprobs, top_logprobs
+    prompt: PromptLogprobs | None = None
+
+
+def pack_output(o: StepOutput) -> PackedOutput:
+    B, K = o.tokens.shape
+    ints = jnp.concatenate([o.tokens, o.accept_len[:, None], o.top_ids.reshape(B, -1)], axis=1)
+    floats = jnp.concatenate([o.logprobs, o.top_logprobs.reshape(B, -1)], axis=1)
+    return PackedOutput(ints, floats, o.prompt)
+
+
+def unpack_output(p: PackedOutput, top_n: int) -> StepOutput:
+    """The host's view (numpy, any leading axes) of a packed step output."""
+    K = p.floats.shape[-1] // (1 + top_n)
+    lead = p.ints.shape[:-1]
+    return StepOutput(p.ints[..., :K], p.ints[..., K], p.floats[..., :K],
+                      p.ints[..., K + 1 :].reshape(*lead, K, top_n), p.floats[..., K:].reshape(*lead, K, top_n),
+                      p.prompt)
+
+
 def one_token_output(logits, rows: SamplingRows, tok, top_n: int) -> StepOutput:
     lp, ids, tlp = token_logprobs(logits, rows, tok, top_n)
     B = tok.shape[0]
@@ -108,7 +133,7 @@ def plain_prefill_step(params, state: PlainState, batch: ForwardBatch, next_toke
     result = one_token_output(logits, rows, first, top_n)
     if with_prompt_logprobs:
         result = result._replace(prompt=prompt_logprobs(params, cfg, out.hidden, next_tokens, top_n))
-    return PlainState(kv, carry, pen), result
+    return PlainState(kv, carry, pen), pack_output(result)
 
 
 def sample_first_tokens(logits, pen: PenaltyState, batch: ForwardBatch, slot_ids, counts: PrefillCounts,
@@ -147,4 +172,4 @@ def plain_decode_step(params, state: PlainState, slot_ids, page_tables, rows: Sa
     new = PlainCarry(tok, n + 1)
     carry = jax.tree.map(lambda full, part: full.at[slot_ids].set(part), state.carry, new)
     pen = record_emitted(state.penalties, slot_ids, tok[:, None])
-    return PlainState(kv, carry, pen), one_token_output(logits, rows, tok, top_n)
+    return PlainState(kv, carry, pen), pack_output(one_token_output(logits, rows, tok, top_n))

@@ -2,31 +2,33 @@
 
 Every worker offers the same interface to the scheduler, whatever the method:
 - prefill(chunks, following, slots, sampling, output_starts, first_chunks, with_prompt_logprobs, loras)
-  -> StepOutput of the first tokens (device), with the prompt tokens' logprobs if asked
-- decode(slots, page_tables, sampling, loras) -> StepOutput (device)
+  -> PackedOutput of the first tokens (device), with the prompt tokens' logprobs if asked
+- decode(slots, page_tables, sampling, loras) -> PackedOutput (device; steps.unpack_output reads it)
 (sampling: one (SamplingParams, seed) pair per chunk / slot; loras: the LoRA pool slot of
 each chunk / slot, 0 = none, used when the worker has a pool in `lora`)
 - kv_margin: KV positions past a request's verified length that one decode may write
 - max_emit: most tokens one decode emits per request
 plus request-slot and KV-page bookkeeping. The scheduler never knows which
-method runs; device values only come back through the StepOutput it reads.
+method runs; device values only come back through the outputs it reads.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import jax
 import numpy as np
 
 from jspec.config import ModelConfig
 from jspec.paged_kv.allocator import PageAllocator
-from jspec.programs import Job, Programs
+from jspec.programs import Job, Program, Programs
 from jspec.paged_kv.pool import create_kv_pool, kv_bytes_per_page
 from jspec.penalties import PrefillCounts, init_penalty_state
 from jspec.scheduler.batch_builder import SeqChunk, bucket, build_forward_batch
 from jspec.sampling import SAMPLING_MODES, SamplingRows, sampling_mode, sampling_rows
 from jspec.sampling_params import SamplingParams
+from jspec.spec.method import init_spec_state, spec_decode_step, spec_prefill_step
 from jspec.steps import PlainState, init_plain_carry, plain_decode_step, plain_prefill_step
 
 DEFAULT_KV_BYTES = 256 * 2**20
@@ -90,6 +92,7 @@ class WorkerBase:
     def lora(self, pool) -> None:
         self._lora = pool
         self.programs.clear()  # every step's arguments change
+        self._last_decode = None
 
     def __init__(self, cfg: ModelConfig, params, *, page_size: int, num_pages: int, max_slots: int,
                  attention_backend: str | None, mesh=None, layer_loop: str = "scan"):
@@ -103,7 +106,9 @@ class WorkerBase:
         self.max_slots = max_slots
         self.free_slots = list(range(max_slots - 1, -1, -1))
         self.backend = attention_backend or default_attention_backend()
-        self.programs = Programs(self.on_mesh)
+        self.programs = Programs(mesh)
+        self._program_specs: dict = {}
+        self._last_decode: DecodeInputs | None = None
 
     def _place(self, state):
         """Device state on the mesh: the target's KV pool split over KV heads, the rest
@@ -119,19 +124,32 @@ class WorkerBase:
         return rest._replace(target_kv=jax.tree.map(lambda x: jax.device_put(x, kv), state.target_kv))
 
     def decode(self, slots, page_tables, sampling, loras=None):
-        """Builds the bucketed arrays, then launches (the subclass's decode_arrays)."""
-        slot_ids, pt, rows = self._decode_inputs(slots, page_tables, sampling)
-        return self.decode_arrays(slot_ids, pt, rows, sampling_mode(p for p, _ in sampling),
-                                  self._decode_loras(slot_ids.shape[0], loras))
+        """Builds the bucketed arrays, then launches (the subclass's decode_arrays). A batch the
+        same as the last one (the common case: the same requests, no new page) reuses the last
+        arrays, already on the device, so the launch only dispatches."""
+        last = self._last_decode
+        if last is None or not last.same_batch(slots, page_tables, sampling, loras):
+            slot_ids, pt, rows = self._decode_inputs(slots, page_tables, sampling)
+            ids = decode_lora_slots(slot_ids.shape[0], loras) if self.lora is not None else None
+            arrays = (slot_ids, pt, rows, ids) if self.mesh is not None else jax.device_put((slot_ids, pt, rows, ids))
+            last = self._last_decode = DecodeInputs(list(slots), [list(p) for p in page_tables], list(sampling),
+                                                    None if loras is None else list(loras), arrays,
+                                                    sampling_mode(p for p, _ in sampling))
+        slot_ids, pt, rows, ids = last.arrays
+        return self.decode_arrays(slot_ids, pt, rows, last.mode, self._lora_batch(ids) if ids is not None else None)
 
     def on_mesh(self):
         """Context for launching steps: the mesh, so attention runs per shard (shard_map)."""
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
-    def _launch(self, job: Job):
-        """Runs a step program over the donated state; returns its StepOutput (None while
-        warm-up only collects the programs)."""
-        result = self.programs.run(job)
+    def _launch(self, key, describe, args: tuple):
+        """Runs a step program over the donated state; returns its PackedOutput (None while
+        warm-up only collects the programs). describe() -> (step, static arguments, label) is
+        called on a key's first launch only."""
+        program = self._program_specs.get(key)
+        if program is None:
+            program = self._program_specs[key] = Program(key, *describe())
+        result = self.programs.run(program, args)
         if result is None:
             return None
         self.state, out = result
@@ -221,12 +239,16 @@ class WorkerBase:
     def prompt_logprob_programs_ready(self, chunked_prefill_size: int) -> bool:
         """Whether the prefills that score prompt tokens are compiled; if not, starts compiling
         them in the background (the loop goes on with requests that do not need them)."""
-        jobs = self.prefill_jobs(chunked_prefill_size, True)
-        if all(self.programs.ready(j.key) for j in jobs):
+        keys = [self._prefill_key(T, True) for T in self.prefill_token_buckets(chunked_prefill_size)]
+        if all(self.programs.ready(k) for k in keys):
             return True
-        for j in jobs:
-            self.programs.compile_in_background(j)
+        if not self.programs.compiling():
+            for job in self.prefill_jobs(chunked_prefill_size, True):
+                self.programs.compile_in_background(job)
         return False
+
+    def _prefill_key(self, T: int, with_prompt_logprobs: bool) -> tuple:
+        return ("prefill", T, with_prompt_logprobs, self.top_n)
 
     def alloc_slot(self) -> int:
         if not self.free_slots:
@@ -304,6 +326,23 @@ class WorkerBase:
         return slot_ids, pt, _rows(sampling, B)
 
 
+@dataclasses.dataclass
+class DecodeInputs:
+    """The last decode batch: what the scheduler asked for, and the arrays built for it."""
+
+    slots: list[int]
+    page_tables: list[list[int]]
+    sampling: list[tuple[SamplingParams, int]]
+    loras: list[int] | None
+    arrays: tuple  # slot_ids, page tables, SamplingRows, adapter slots (None without a pool)
+    mode: str
+
+    def same_batch(self, slots, page_tables, sampling, loras) -> bool:
+        # A request keeps its SamplingParams object, and list equality tries identity first.
+        return (slots == self.slots and page_tables == self.page_tables and sampling == self.sampling
+                and loras == self.loras)
+
+
 def _rows(sampling, n: int) -> SamplingRows:
     return sampling_rows([p for p, _ in sampling], [s for _, s in sampling], n)
 
@@ -333,21 +372,23 @@ class PlainWorker(WorkerBase):
         rows = _rows(sampling, slot_ids.shape[0])
         lora = self._prefill_loras(batch, chunks, loras)
         T = batch.tokens.shape[0]
-        return self._launch(Job(
-            ("prefill", T, with_prompt_logprobs, self.top_n), plain_prefill_step,
-            (self.params, self.state, batch, next_tokens, slot_ids, counts, rows, lora),
-            dict(cfg=self.cfg, mode=mode, top_n=self.top_n, with_prompt_logprobs=with_prompt_logprobs),
-            f"prefill T={T}{' prompt logprobs' if with_prompt_logprobs else ''}"))
+        return self._launch(
+            self._prefill_key(T, with_prompt_logprobs),
+            lambda: (plain_prefill_step,
+                     dict(cfg=self.cfg, mode=mode, top_n=self.top_n, with_prompt_logprobs=with_prompt_logprobs),
+                     f"prefill T={T}{' prompt logprobs' if with_prompt_logprobs else ''}"),
+            (self.params, self.state, batch, next_tokens, slot_ids, counts, rows, lora))
 
     def decode_arrays(self, slot_ids, page_tables, rows, mode: str, lora=None):
         """decode() on prebuilt (bucketed) arrays: the launch alone."""
         if lora is None and self.lora is not None:
             lora = self._decode_loras(slot_ids.shape[0], None)
         B = slot_ids.shape[0]
-        return self._launch(Job(
-            ("decode", B, mode, self.top_n), plain_decode_step,
-            (self.params, self.state, slot_ids, page_tables, rows, lora),
-            dict(cfg=self.cfg, backend=self.backend, top_n=self.top_n, sampling=mode), f"decode B={B} {mode}"))
+        return self._launch(("decode", B, mode, self.top_n),
+                            lambda: (plain_decode_step,
+                                     dict(cfg=self.cfg, backend=self.backend, top_n=self.top_n, sampling=mode),
+                                     f"decode B={B} {mode}"),
+                            (self.params, self.state, slot_ids, page_tables, rows, lora))
 
 
 class SpecWorker(WorkerBase):
@@ -357,8 +398,6 @@ class SpecWorker(WorkerBase):
     def __init__(self, cfg: ModelConfig, params, method, dparams, *, page_size: int = 16,
                  num_pages: int | None = None, max_slots: int = 64, kv_memory_bytes: int | None = None,
                  attention_backend: str | None = None, mesh=None, layer_loop: str = "scan"):
-        from jspec.spec.method import init_spec_state
-
         if num_pages is None:
             dtype = params["embed"].dtype
             per_page = kv_bytes_per_page(cfg, page_size, dtype) + method.draft_kv_bytes_per_page(page_size, dtype)
@@ -379,29 +418,27 @@ class SpecWorker(WorkerBase):
 
     def prefill(self, chunks, following, slots, sampling, output_starts=None, first_chunks=None,
                 with_prompt_logprobs=False, loras=None, chunked_prefill_size=None):
-        from jspec.spec.method import spec_prefill_step
-
         batch, mode, draft_tokens, finish_rows, slot_ids, counts = self._prefill_inputs(
             chunks, following, slots, output_starts, first_chunks, chunked_prefill_size=chunked_prefill_size)
         rows = _rows(sampling, slot_ids.shape[0])
         lora = self._prefill_loras(batch, chunks, loras)
         T = batch.tokens.shape[0]
-        return self._launch(Job(
-            ("prefill", T, with_prompt_logprobs, self.top_n), spec_prefill_step,
-            (self.params, self.dparams, self.state, batch, draft_tokens, finish_rows, slot_ids, counts, rows, lora),
-            dict(cfg=self.cfg, method=self.method, mode=mode, top_n=self.top_n,
-                 with_prompt_logprobs=with_prompt_logprobs),
-            f"prefill T={T}{' prompt logprobs' if with_prompt_logprobs else ''}"))
+        return self._launch(
+            self._prefill_key(T, with_prompt_logprobs),
+            lambda: (spec_prefill_step,
+                     dict(cfg=self.cfg, method=self.method, mode=mode, top_n=self.top_n,
+                          with_prompt_logprobs=with_prompt_logprobs),
+                     f"prefill T={T}{' prompt logprobs' if with_prompt_logprobs else ''}"),
+            (self.params, self.dparams, self.state, batch, draft_tokens, finish_rows, slot_ids, counts, rows, lora))
 
     def decode_arrays(self, slot_ids, page_tables, rows, mode: str, lora=None):
         """decode() on prebuilt (bucketed) arrays: the launch alone."""
-        from jspec.spec.method import spec_decode_step
-
         if lora is None and self.lora is not None:
             lora = self._decode_loras(slot_ids.shape[0], None)
         B = slot_ids.shape[0]
-        return self._launch(Job(
-            ("decode", B, mode, self.top_n), spec_decode_step,
-            (self.params, self.dparams, self.state, slot_ids, page_tables, rows, lora),
-            dict(cfg=self.cfg, method=self.method, backend=self.backend, top_n=self.top_n, sampling=mode),
-            f"decode B={B} {mode}"))
+        return self._launch(("decode", B, mode, self.top_n),
+                            lambda: (spec_decode_step,
+                                     dict(cfg=self.cfg, method=self.method, backend=self.backend, top_n=self.top_n,
+                                          sampling=mode),
+                                     f"decode B={B} {mode}"),
+                            (self.params, self.dparams, self.state, slot_ids, page_tables, rows, lora))

@@ -387,7 +387,7 @@ def main():
             # The engine's real decode step; timed calls run at contexts ctx - 64 .. ctx + 40.
             state["s"], out = plain_decode_step(weights, state["s"], slot_ids, page_tables, greedy_rows,
                                                 cfg=cfg, sampling="greedy")
-            return out.tokens
+            return out.ints
 
         try:
             t0 = time.perf_counter()

@@ -103,7 +103,7 @@ def child(variant: str, tiny: bool) -> list[dict]:
             def step():
                 state["s"], out = plain_decode_step(weights, state["s"], slot_ids, page_tables, greedy,
                                                     cfg=cfg, sampling="greedy")
-                return out.tokens
+                return out.ints
 
             t0 = time.perf_counter()
             hlo = plain_decode_step.lower(weights, state["s"], slot_ids, page_tables, greedy, cfg=cfg,

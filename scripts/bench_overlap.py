@@ -136,7 +136,7 @@ def main():
                     c = w.state.carry
                     w.state = w.state._replace(carry=c._replace(seq_len=c.seq_len.at[jnp.asarray(slots)].set(n0)))
 
-                decode = lambda: w.decode_arrays(*inputs, "greedy").tokens  # noqa: E731
+                decode = lambda: w.decode_arrays(*inputs, "greedy").ints  # noqa: E731
                 reset_lengths()
                 jax.block_until_ready(decode())
                 times = []

@@ -130,7 +130,7 @@ def main():
 
         def plain():
             box["s"], out = plain_decode_step(params, box["s"], slot_ids, pt, greedy_rows, cfg=cfg, sampling="greedy")
-            return out.tokens
+            return out.ints
 
         jax.block_until_ready(plain())
         t_plain = timed(plain, iters, 5)
@@ -154,7 +154,7 @@ def main():
                 def iteration():
                     st["s"], out = spec_decode_step(params, dparams, st["s"], slot_ids, pt, vrows, cfg=cfg,
                                                     method=method, sampling=mode, top_n=top_n)
-                    return out.tokens
+                    return out.ints
 
                 try:
                     t0 = time.perf_counter()

@@ -29,7 +29,7 @@ from jspec.penalties import PenaltyState, PrefillCounts, record_emitted
 from jspec.sampling import SamplingRows
 from jspec.spec.tree import DraftTree
 from jspec.spec.verify import Verified, verify_tree
-from jspec.steps import StepOutput, gather_slots, one_token_output, prompt_logprobs, sample_first_tokens
+from jspec.steps import PackedOutput, gather_slots, one_token_output, pack_output, prompt_logprobs, sample_first_tokens
 
 
 class SpecCarry(NamedTuple):
@@ -147,7 +147,7 @@ def spec_prefill_step(
     result = one_token_output(logits, rows, first, top_n)
     if with_prompt_logprobs:  # draft_tokens holds the prompt token after each token
         result = result._replace(prompt=prompt_logprobs(params, cfg, out.hidden, draft_tokens, top_n))
-    return SpecState(tkv, draft, carry, pen), result
+    return SpecState(tkv, draft, carry, pen), pack_output(result)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "method", "backend", "top_n", "sampling"),
@@ -155,7 +155,7 @@ def spec_prefill_step(
 def spec_decode_step(
     params, dparams, state: SpecState, slot_ids, page_tables, rows: SamplingRows, lora: LoraBatch | None = None,
     *, cfg: ModelConfig, method: SpecMethod, backend: str = "pallas", top_n: int = 0, sampling: str = "sampled",
-) -> tuple[SpecState, StepOutput]:
+) -> tuple[SpecState, PackedOutput]:
     """One speculative iteration (propose -> verify -> accept -> update) for the requests in
     slot_ids [B] (padding rows: the scratch slot), in one dispatch.
 
@@ -171,4 +171,4 @@ def spec_decode_step(
     new = SpecCarry(v.acc.bonus, c.seq_len + v.acc.accept_len + 1, extra)
     carry = _scatter_rows(state.carry, new, slot_ids)
     pen = record_emitted(state.penalties, slot_ids, v.acc.tokens)
-    return SpecState(v.target_kv, draft, carry, pen), v.output
+    return SpecState(v.target_kv, draft, carry, pen), pack_output(v.output)
