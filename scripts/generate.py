@@ -34,6 +34,9 @@ def main(argv=None):
     ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page (a power of two)")
     add_speculative_args(ap)
     ap.add_argument("--disable-overlap-schedule", action="store_true", help="the synchronous reference loop")
+    ap.add_argument("--compilation-cache-dir", default=None,
+                    help="JAX's persistent compilation cache (default ~/.cache/jspec/xla)")
+    ap.add_argument("--disable-compilation-cache", action="store_true", help="compile every program afresh")
     args = ap.parse_args(argv)
 
     path = args.model_path
@@ -52,7 +55,10 @@ def main(argv=None):
         prompts = [render_chat(model.tokenizer, [{"role": "user", "content": p}]) for p in prompts]
     else:
         shown = prompts
-    engine = jspec.Engine(model, spec=spec, page_size=args.page_size,
+    from jspec.programs import DEFAULT_CACHE_DIR
+
+    cache = None if args.disable_compilation_cache else (args.compilation_cache_dir or DEFAULT_CACHE_DIR)
+    engine = jspec.Engine(model, spec=spec, page_size=args.page_size, compilation_cache_dir=cache,
                           disable_overlap_schedule=args.disable_overlap_schedule, seed=args.seed)
     params = jspec.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                   top_p=args.top_p, top_k=args.top_k)
