@@ -26,28 +26,40 @@ DSF = "--xla_gpu_enable_dynamic_slice_fusion=true"
 # Command buffers (CUDA graphs) with the layer loop's WHILE captured: the scan then launches as
 # one graph instead of one host launch per kernel per layer.
 WHILE_GRAPHS = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
-VARIANTS = {
-    "per_layer": ("per_layer", ""),
-    "scan": ("scan", ""),
-    "scan_dsf": ("scan", DSF),
-    "scan_dsf_graphs": ("scan", f"{DSF} {WHILE_GRAPHS}"),
+# cuBLAS for every dot: dynamic-slice fusion rewrites cuBLAS calls only, not Triton GEMM fusions.
+CUBLAS = "--xla_gpu_enable_triton_gemm=false"
+VARIANTS = {  # name: (layer layout, XLA flags, extra environment)
+    "per_layer": ("per_layer", "", {}),
+    "scan": ("scan", "", {}),
+    "scan_dsf": ("scan", DSF, {}),
+    "scan_dsf_graphs": ("scan", f"{DSF} {WHILE_GRAPHS}", {}),
+    "per_layer_cublas": ("per_layer", CUBLAS, {}),
+    "scan_dsf_cublas": ("scan", f"{DSF} {CUBLAS}", {}),
+    "scan_dsf_pallas_gemv": ("scan", DSF, {"JSPEC_SKINNY_MATMUL": "pallas"}),
 }
 
 
 def weight_copies(hlo: str, shapes: set[str]) -> dict:
     """Ops in the optimized HLO whose result is a per-layer weight's shape and that write it
     (copies, dynamic slices, loop fusions): each is a weight materialised before its use."""
-    n, ops = 0, {}
+    n, ops, examples = 0, {}, []
     for line in hlo.splitlines():
-        m = re.match(r"\s*(?:ROOT )?%?[\w.\-]+ = (\w+\[[\d,]*\])(?:\{[^}]*\})? ([\w\-]+)\(", line)
-        if not m or m.group(1) not in shapes:
+        m = re.match(r"\s*(?:ROOT )?%?[\w.\-]+ = (\w+)\[([\d,]*)\](?:\{[^}]*\})? ([\w\-]+)\(", line)
+        if not m:
             continue
-        op = m.group(2)
+        dims = [d for d in m.group(2).split(",") if d]
+        while dims and dims[0] == "1":  # a [1, in, out] slice is the same bytes
+            dims = dims[1:]
+        if f"{m.group(1)}[{','.join(dims)}]" not in shapes:
+            continue
+        op = m.group(3)
         if op in ("parameter", "get-tuple-element", "bitcast", "tuple", "constant"):
             continue
         n += 1
         ops[op] = ops.get(op, 0) + 1
-    return {"count": n, "ops": ops}
+        if len(examples) < 6:
+            examples.append(line.strip()[:300])
+    return {"count": n, "ops": ops, "examples": examples}
 
 
 def child(variant: str, tiny: bool) -> list[dict]:
@@ -64,10 +76,10 @@ def child(variant: str, tiny: bool) -> list[dict]:
     from jspec.sampling import sampling_rows
     from jspec.steps import PlainCarry, PlainState, plain_decode_step
 
-    layout, _ = VARIANTS[variant]
+    layout = VARIANTS[variant][0]
     root = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "shapes")
-    shapes = [("llama-3.1-8b", 1024), ("smollm2-135m", 1024)]
-    batches = (1, 16, 64)
+    shapes = [(s, 1024) for s in os.environ.get("BENCH_SHAPES", "llama-3.1-8b,smollm2-135m").split(",")]
+    batches = tuple(int(b) for b in os.environ.get("BENCH_BATCHES", "1,16,64").split(","))
     dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
     rows = []
     for name, ctx in shapes:
@@ -78,7 +90,8 @@ def child(variant: str, tiny: bool) -> list[dict]:
                                       num_heads=4, num_kv_heads=2, head_dim=16)
             ctx, batches = 64, (1, 4)
         params = random_params(cfg, dtype)
-        per_layer_shapes = {f"{jnp.dtype(dtype).name}[{','.join(map(str, v.shape[1:]))}]"
+        hlo_dtype = {"float32": "f32", "bfloat16": "bf16"}[jnp.dtype(dtype).name]
+        per_layer_shapes = {f"{hlo_dtype}[{','.join(map(str, v.shape[1:]))}]"
                             for v in params["layers"].values() if v.ndim >= 3}
         weights = unstack_layers(params) if layout == "per_layer" else params
         if layout == "per_layer":
@@ -109,6 +122,9 @@ def child(variant: str, tiny: bool) -> list[dict]:
             hlo = plain_decode_step.lower(weights, state["s"], slot_ids, page_tables, greedy, cfg=cfg,
                                           sampling="greedy").compile().as_text()
             compile_s = time.perf_counter() - t0
+            if os.environ.get("BENCH_DUMP_HLO") and B == batches[0]:
+                with open(os.path.join(os.environ["BENCH_DUMP_HLO"], f"hlo_{variant}_{name}_b{B}.txt"), "w") as f:
+                    f.write(hlo)
             jax.block_until_ready(step())
             wall = timed(step, 20, 3)
             # Host dispatch alone: a few launches back to back, not waited for.
@@ -136,7 +152,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tiny", action="store_true", help="a tiny model: a CPU dry run of the script")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default="per_layer,scan,scan_dsf,scan_dsf_graphs")
+    ap.add_argument("--name", default="bench_layer_loop", help="the JSON's file name under --out")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -149,7 +166,7 @@ def main():
 
     rows, failures = [], {}
     for v in args.variants.split(","):
-        env = dict(os.environ)
+        env = dict(os.environ, **VARIANTS[v][2])
         flags = VARIANTS[v][1]
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flags).strip()
         env["JSPEC_CHILD_OUT"] = out_file = f"/tmp/bench_layer_loop_{v}.json"
@@ -161,10 +178,12 @@ def main():
             failures[v] = r.returncode
     result = dict(name="bench_layer_loop", device=jax.devices()[0].device_kind, jax_version=jax.__version__,
                   commit=git_commit(), settings=dict(tiny=args.tiny, variants=args.variants,
-                                                     flags={v: VARIANTS[v][1] for v in VARIANTS}),
+                                                     flags={v: VARIANTS[v][1:] for v in VARIANTS},
+                                                     shapes=os.environ.get("BENCH_SHAPES"),
+                                                     batches=os.environ.get("BENCH_BATCHES")),
                   rows=rows, failures=failures)
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "bench_layer_loop.json")
+    path = os.path.join(args.out, f"{args.name}.json")
     json.dump(result, open(path, "w"), indent=1)
     print(f"\nwrote {path}")
     print(f"{'variant':>10} {'shape':>14} {'B':>3} {'busy ms':>8} {'wall ms':>8} {'launch':>7} {'idle':>5} "
