@@ -101,7 +101,7 @@ def device_step_ms(engine, B: int, n0: int, pages_per_req: int, lora_ids, count_
         c = w.state.carry
         w.state = w.state._replace(carry=c._replace(seq_len=c.seq_len.at[jnp.asarray(slots)].set(n0)))
 
-    decode = lambda: w.decode_arrays(*inputs, "greedy", lora).tokens  # noqa: E731
+    decode = lambda: w.decode_arrays(*inputs, "greedy", lora).ints  # noqa: E731
     reset_lengths()
     jax.block_until_ready(decode())
     times = []

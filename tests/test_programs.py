@@ -58,8 +58,9 @@ def test_the_default_server_compiles_at_most_16_programs(tiny, spec):
         kw.update(spec=jspec.SpecConfig(spec, num_steps=3, eagle_topk=1), draft=eagle_draft(tiny))
     engine = jspec.Engine(tiny, **kw)
     jobs = engine.worker.warmup_jobs(engine.scheduler.chunked_prefill_size)
-    assert len({j.key for j in jobs}) == len(jobs) <= 16
-    assert {j.key[1] for j in jobs if j.key[0] == "prefill"} == {16, 64, 256, 512}
+    keys = [j.program.key for j in jobs]
+    assert len(set(keys)) == len(keys) <= 16
+    assert {k[1] for k in keys if k[0] == "prefill"} == {16, 64, 256, 512}
 
 
 def test_prompt_logprob_prefills_compile_in_the_background_while_others_run(tiny):
