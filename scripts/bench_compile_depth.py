@@ -32,7 +32,6 @@ def compile_once(shape: str, layers: int, layer_loop: str) -> dict:
     import jax.numpy as jnp
 
     from jspec.config import ModelConfig
-    from jspec.models.llama import unstack_layers
     from jspec.models.loader import param_shapes
     from jspec.paged_kv.pool import KVPool
     from jspec.penalties import init_penalty_state
@@ -45,7 +44,8 @@ def compile_once(shape: str, layers: int, layer_loop: str) -> dict:
     params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(cfg),
                           is_leaf=lambda x: isinstance(x, tuple))
     if layer_loop == "unrolled":
-        params = unstack_layers(params)
+        params = {**params, "layers": [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
+                                                    params["layers"]) for _ in range(layers)]}
     pages, page_size, B = 2048, 16, 1
     kv = jax.ShapeDtypeStruct((layers, pages, page_size, cfg.num_kv_heads, cfg.head_dim), dtype)
     state = PlainState(KVPool(kv, kv), PlainCarry(jax.ShapeDtypeStruct((B + 1,), jnp.int32),
