@@ -167,7 +167,7 @@ class Engine:
         max_loras: int | None = None,
         max_lora_rank: int | None = None,
         lora_paths: dict[str, str] | None = None,
-        layer_loop: str = "scan",
+        layer_loop: str = "auto",
         compilation_cache_dir: str | None = DEFAULT_CACHE_DIR,
     ):
         # Before anything compiles: a second process reuses this one's programs (None: off).

@@ -34,12 +34,17 @@ from jspec.steps import PlainState, init_plain_carry, plain_decode_step, plain_p
 DEFAULT_KV_BYTES = 256 * 2**20
 
 
-LAYER_LOOPS = ("scan", "unrolled")
+LAYER_LOOPS = ("auto", "scan", "unrolled")
 
 
 def check_layer_loop(layer_loop: str) -> str:
+    """The layer loop to run: "auto" is the scan, except on the GPU, where XLA copies each
+    scanned layer's weights out of the stack before its matmuls (benchmarks/NOTES.md), which
+    costs more device time than the scan saves in compilation."""
     if layer_loop not in LAYER_LOOPS:
         raise ValueError(f"unknown layer_loop {layer_loop!r}; choose one of {LAYER_LOOPS}")
+    if layer_loop == "auto":
+        return "unrolled" if jax.default_backend() == "gpu" else "scan"
     return layer_loop
 
 
@@ -95,11 +100,11 @@ class WorkerBase:
         self._last_decode = None
 
     def __init__(self, cfg: ModelConfig, params, *, page_size: int, num_pages: int, max_slots: int,
-                 attention_backend: str | None, mesh=None, layer_loop: str = "scan"):
+                 attention_backend: str | None, mesh=None, layer_loop: str = "auto"):
         # Tensor parallel (jspec.parallel): params arrive sharded over mesh; steps run under it.
         self.mesh = mesh
         self.layer_loop = check_layer_loop(layer_loop)
-        self.cfg, self.params = cfg, lay_out_layers(params, layer_loop)
+        self.cfg, self.params = cfg, lay_out_layers(params, self.layer_loop)
         self.dtype = params["embed"].dtype
         self.page_size = page_size
         self.allocator = PageAllocator(int(num_pages))
@@ -355,7 +360,7 @@ class PlainWorker(WorkerBase):
 
     def __init__(self, cfg: ModelConfig, params, *, page_size: int = 16, num_pages: int | None = None,
                  max_slots: int = 64, kv_memory_bytes: int | None = None, attention_backend: str | None = None,
-                 mesh=None, layer_loop: str = "scan"):
+                 mesh=None, layer_loop: str = "auto"):
         if num_pages is None:
             per_page = kv_bytes_per_page(cfg, page_size, params["embed"].dtype)
             num_pages = max(2, (kv_memory_bytes or DEFAULT_KV_BYTES) // per_page)
@@ -397,7 +402,7 @@ class SpecWorker(WorkerBase):
 
     def __init__(self, cfg: ModelConfig, params, method, dparams, *, page_size: int = 16,
                  num_pages: int | None = None, max_slots: int = 64, kv_memory_bytes: int | None = None,
-                 attention_backend: str | None = None, mesh=None, layer_loop: str = "scan"):
+                 attention_backend: str | None = None, mesh=None, layer_loop: str = "auto"):
         if num_pages is None:
             dtype = params["embed"].dtype
             per_page = kv_bytes_per_page(cfg, page_size, dtype) + method.draft_kv_bytes_per_page(page_size, dtype)
@@ -405,7 +410,7 @@ class SpecWorker(WorkerBase):
         super().__init__(cfg, params, page_size=page_size, num_pages=num_pages, max_slots=max_slots,
                          attention_backend=attention_backend, mesh=mesh, layer_loop=layer_loop)
         self.method, self.spec = method, method.spec
-        self.dparams = lay_out_layers(dparams, layer_loop)
+        self.dparams = lay_out_layers(dparams, self.layer_loop)
         if mesh is not None and self.dparams is not None:
             from jspec.parallel.tensor_parallel import replicate
 

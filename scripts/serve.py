@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup-sampling-modes", default="all",
                     help="comma list of greedy,sampled: the decode programs to compile at start-up, or 'all' "
                          "(the others compile at first use)")
+    ap.add_argument("--layer-loop", choices=["auto", "scan", "unrolled"], default="auto",
+                    help="scan: one compiled layer body (compile time independent of depth); unrolled: per-layer "
+                         "weight arrays (no weight sliced out of a stack); auto: unrolled on the GPU, else scan")
     ap.add_argument("--compilation-cache-dir", default=None,
                     help="JAX's persistent compilation cache: a restart loads its programs from here "
                          "(default ~/.cache/jspec/xla)")
@@ -150,6 +153,7 @@ def make_engine(args, model, spec):
         tp_size=args.tp_size, ep_size=args.ep_size, dp_size=args.dp_size,
         enable_dp_attention=args.enable_dp_attention, load_balance_method=args.load_balance_method, **lora_args(args),
         compilation_cache_dir=None if args.disable_compilation_cache else (args.compilation_cache_dir or DEFAULT_CACHE_DIR),
+        layer_loop=args.layer_loop,
     )
 
 
