@@ -8,10 +8,12 @@
     engine = jspec.Engine(model, spec=jspec.SpecConfig("EAGLE3", draft_model_path=...))
 """
 
-from jspec.config import ModelConfig, SpecConfig
-from jspec.engine import Engine, RequestOutput
-from jspec.generate import GenerationOutput, Model, generate, load
-from jspec.sampling_params import SamplingParams
+from jspec.config.model import ModelConfig
+from jspec.config.spec import SpecConfig
+from jspec.engine.engine import Engine, RequestOutput
+from jspec.engine.outputs import GenerationOutput
+from jspec.api import Model, generate, load
+from jspec.config.sampling import SamplingParams
 
 __all__ = [
     "Engine", "GenerationOutput", "Model", "ModelConfig", "RequestOutput", "SamplingParams", "SpecConfig",

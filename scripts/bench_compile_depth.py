@@ -31,12 +31,12 @@ def compile_once(shape: str, layers: int, layer_loop: str) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from jspec.config import ModelConfig
-    from jspec.models.loader import param_shapes
-    from jspec.paged_kv.pool import KVPool
-    from jspec.penalties import init_penalty_state
-    from jspec.sampling import sampling_rows
-    from jspec.steps import PlainCarry, PlainState, plain_decode_step
+    from jspec.config.model import ModelConfig
+    from jspec.checkpoint.loader import param_shapes
+    from jspec.kvcache.pool import KVPool
+    from jspec.layers.penalties import init_penalty_state
+    from jspec.layers.sampling import sampling_rows
+    from jspec.steps.plain import PlainCarry, PlainState, plain_decode_step
 
     cfg = ModelConfig.from_pretrained(os.path.join(SHAPES, shape))
     cfg = dataclasses.replace(cfg, num_layers=layers)
@@ -78,7 +78,7 @@ def main():
 
     from bench_decode import git_commit
 
-    from jspec.config import ModelConfig
+    from jspec.config.model import ModelConfig
 
     full = ModelConfig.from_pretrained(os.path.join(SHAPES, args.shape)).num_layers
     rows = []

@@ -35,13 +35,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.config import ModelConfig
+from jspec.config.model import ModelConfig
 from jspec.models.llama import unstack_layers
-from jspec.models.loader import param_shapes
-from jspec.paged_kv.pool import KVPool
-from jspec.penalties import init_penalty_state
-from jspec.sampling import sampling_rows
-from jspec.steps import PlainCarry, PlainState, plain_decode_step
+from jspec.checkpoint.loader import param_shapes
+from jspec.kvcache.pool import KVPool
+from jspec.layers.penalties import init_penalty_state
+from jspec.layers.sampling import sampling_rows
+from jspec.steps.plain import PlainCarry, PlainState, plain_decode_step
 
 from device_profile import print_summary, profile_calls
 
@@ -137,8 +137,8 @@ PALLAS_SWEEP = (
 def pallas_configs(B: int, k: int, n: int) -> list[dict]:
     """PALLAS_SWEEP resolved for one shape: blocks no larger than the (power-of-two padded) dims, splits
     from skinny_matmul_plan (x1 or x2), duplicates dropped (a tiny model's shapes collapse several)."""
-    from jspec.pallas.paged_tiles import next_pow2
-    from jspec.pallas.skinny_matmul import skinny_matmul_plan
+    from jspec.kernels.paged_tiles import next_pow2
+    from jspec.kernels.skinny_matmul import skinny_matmul_plan
 
     configs = []
     for bn, bk, stages, mult in PALLAS_SWEEP:
@@ -160,8 +160,8 @@ def gemv_rows(cfg: ModelConfig, dtype, bw: float, batches=(1,), copies=4) -> lis
     transposed [N, K] (gemv_NAME_nk), and the Pallas skinny_matmul over pallas_configs
     (pallas_NAME, each checked against the jnp reference; a config that fails to compile or
     run is recorded with ok=False and the sweep goes on)."""
-    from jspec.pallas.ref import skinny_matmul_ref
-    from jspec.pallas.skinny_matmul import MAX_ROWS, skinny_matmul
+    from jspec.kernels.ref import skinny_matmul_ref
+    from jspec.kernels.skinny_matmul import MAX_ROWS, skinny_matmul
 
     q = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     shapes = {"qkv": (cfg.hidden_size, q), "o": (cfg.num_heads * cfg.head_dim, cfg.hidden_size),
@@ -259,10 +259,10 @@ def forward_ms(weights, cfg: ModelConfig, kv: KVPool, page_tables, ctx: int, q: 
     logits wanted (what verify runs; q = 1 is a decode step's forward): (ms, kv).
     q > 1 takes a tree-shaped mask (a node sees the root and the nodes on its branch, two
     branches), which costs what any mask of that size does."""
-    from jspec.models.attention import AttentionMode
-    from jspec.models.batch import ForwardBatch
+    from jspec.layers.attention import AttentionMode
+    from jspec.layers.batch import ForwardBatch
     from jspec.models.llama import forward
-    from jspec.scheduler.batch_builder import bucket
+    from jspec.layers.batch import bucket
 
     B, S = page_tables.shape[0], kv.page_size
     pos = ctx + np.arange(q)[None] + np.zeros((B, 1), np.int64)

@@ -34,8 +34,8 @@ import numpy as np
 import jspec
 from bench_decode import git_commit, random_params
 from bench_overlap import SMALL, SMALL_DRAFT, TINY, TINY_DRAFT
-from jspec.engine import LoopTimes
-from jspec.models.eagle_loader import init_random_draft_params
+from jspec.engine.engine import LoopTimes
+from jspec.checkpoint.eagle import init_random_draft_params
 
 
 def median_ms(fn, n: int, before=None) -> float:

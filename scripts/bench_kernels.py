@@ -37,9 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jspec.pallas.paged_decode import decode_plan, paged_decode
-from jspec.pallas.paged_extend import extend_plan, paged_extend
-from jspec.pallas.ref import paged_decode_ref, paged_extend_ref
+from jspec.kernels.paged_decode import decode_plan, paged_decode
+from jspec.kernels.paged_extend import extend_plan, paged_extend
+from jspec.kernels.ref import paged_decode_ref, paged_extend_ref
 
 L2_BYTES = 60 << 20
 LAYERS, LAYER = 2, 1

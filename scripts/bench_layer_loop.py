@@ -69,12 +69,12 @@ def child(variant: str, tiny: bool) -> list[dict]:
 
     from bench_decode import random_params, timed
     from device_profile import profile_calls
-    from jspec.config import ModelConfig
+    from jspec.config.model import ModelConfig
     from jspec.models.llama import unstack_layers
-    from jspec.paged_kv.pool import KVPool
-    from jspec.penalties import init_penalty_state
-    from jspec.sampling import sampling_rows
-    from jspec.steps import PlainCarry, PlainState, plain_decode_step
+    from jspec.kvcache.pool import KVPool
+    from jspec.layers.penalties import init_penalty_state
+    from jspec.layers.sampling import sampling_rows
+    from jspec.steps.plain import PlainCarry, PlainState, plain_decode_step
 
     layout = VARIANTS[variant][0]
     root = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "shapes")

@@ -6,7 +6,7 @@ engine with a pool of --max-loras adapters of rank --rank (all seven projections
 batch rows use 0 (every row the base model), 1 or 4 distinct adapters. Each row gives the
 device time of the compiled speculative decode step on prebuilt inputs, back to back
 (bench_overlap.py's method), and the overlap loop's wall time per step on a whole workload.
-The pool computes every slot's delta for every token (jspec/lora.py), so the step costs
+The pool computes every slot's delta for every token (jspec/lora/pool.py), so the step costs
 the same whatever mix of adapters a batch holds; what it adds over no pool is the figure.
 
     python scripts/bench_lora.py [--models small,8b] [--batch 32] [--rank 16] [--tiny]
@@ -32,8 +32,8 @@ from bench_decode import git_commit, random_params, timed
 from device_profile import print_summary, profile_calls
 from bench_overlap import EAGLE3_8B_CTX, LLAMA_8B_CTX, SMALL, SMALL_DRAFT, TINY, TINY_DRAFT
 import jspec
-from jspec.lora import SUPPORTED_MODULES, module_shapes
-from jspec.models.eagle_loader import init_random_draft_params
+from jspec.lora.adapter import SUPPORTED_MODULES, module_shapes
+from jspec.checkpoint.eagle import init_random_draft_params
 
 
 def write_random_adapter(path: str, cfg, rank: int, seed: int) -> str:
@@ -78,7 +78,7 @@ def kernel_count(hlo_text: str) -> int:
 
 def step_kernels(engine, inputs, lora) -> int:
     """kernel_count of the speculative decode step the engine launches (its cached compile)."""
-    from jspec.spec.method import spec_decode_step
+    from jspec.speculative.method import spec_decode_step
 
     w = engine.worker
     lowered = spec_decode_step.lower(w.params, w.dparams, w.state, *inputs, lora, cfg=w.cfg, method=w.method,

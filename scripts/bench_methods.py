@@ -28,7 +28,7 @@ import numpy as np
 from bench_decode import git_commit, random_params
 from bench_overlap import SMALL, SMALL_DRAFT, TINY, TINY_DRAFT
 import jspec
-from jspec.models.eagle_loader import init_random_draft_params
+from jspec.checkpoint.eagle import init_random_draft_params
 
 
 def workload(engine, prompts, new_tokens):

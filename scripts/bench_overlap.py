@@ -32,8 +32,8 @@ import numpy as np
 from bench_decode import LLAMA_8B, git_commit, random_params, timed
 from bench_spec import EAGLE3_8B
 import jspec
-from jspec.engine import LoopTimes
-from jspec.models.eagle_loader import init_random_draft_params
+from jspec.engine.engine import LoopTimes
+from jspec.checkpoint.eagle import init_random_draft_params
 
 # SmolLM2-135M's shape: where host overhead matters most.
 SMALL = dataclasses.replace(

@@ -73,7 +73,7 @@ import numpy as np  # noqa: E402
 from bench_decode import git_commit, random_params  # noqa: E402
 from bench_overlap import EAGLE3_8B_CTX, LLAMA_8B_CTX, SMALL, SMALL_DRAFT, TINY, TINY_DRAFT  # noqa: E402
 import jspec  # noqa: E402
-from jspec.models.eagle_loader import init_random_draft_params  # noqa: E402
+from jspec.checkpoint.eagle import init_random_draft_params  # noqa: E402
 
 SPEC = jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=1, num_draft_tokens=4)
 

@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench_decode import git_commit, timed
-from jspec.sampling import MIN_P, TEMPERATURE, TOP_K, TOP_P, keep_mask, row_keys, sampling_rows
-from jspec.sampling_params import SamplingParams
+from jspec.layers.sampling import MIN_P, TEMPERATURE, TOP_K, TOP_P, keep_mask, row_keys, sampling_rows
+from jspec.config.sampling import SamplingParams
 
 
 def sort_keep_mask(x, params):

@@ -22,8 +22,8 @@ for shape in ${@:-small 8b}; do
   dir=benchmarks/shapes/$([ "$shape" = small ] && echo smollm2-135m || echo llama-3.1-8b)
   head=/tmp/jspec-heads/$shape-eagle3
   $PY -c "
-import jspec; from jspec.models.eagle_tiny import make_tiny_draft
-cfg = jspec.config.ModelConfig.from_pretrained('$dir'); make_tiny_draft('$head', cfg, 'EAGLE3', dtype='bfloat16')"
+import jspec; from jspec.testing.eagle_tiny import make_tiny_draft
+cfg = jspec.ModelConfig.from_pretrained('$dir'); make_tiny_draft('$head', cfg, 'EAGLE3', dtype='bfloat16')"
   for spec in $SPECS; do
     flags=()
     [ "$spec" = eagle3 ] && flags=(--speculative-algorithm EAGLE3 --speculative-draft-model-path "$head"

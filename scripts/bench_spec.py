@@ -25,17 +25,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench_decode import LLAMA_8B, git_commit, random_params, timed
-from jspec.config import SpecConfig
+from jspec.config.spec import SpecConfig
 from jspec.models.eagle import layer_config
 from jspec.models.llama import unstack_layers
-from jspec.models.eagle_loader import DraftConfig, init_random_draft_params
-from jspec.paged_kv.pool import KVPool
-from jspec.penalties import init_penalty_state
-from jspec.sampling import sampling_mode, sampling_rows
-from jspec.sampling_params import SamplingParams
-from jspec.steps import PlainCarry, PlainState, plain_decode_step
-from jspec.spec.eagle import EagleExtra, EagleMethod
-from jspec.spec.method import SpecCarry, SpecState, spec_decode_step
+from jspec.checkpoint.eagle import DraftConfig, init_random_draft_params
+from jspec.kvcache.pool import KVPool
+from jspec.layers.penalties import init_penalty_state
+from jspec.layers.sampling import sampling_mode, sampling_rows
+from jspec.config.sampling import SamplingParams
+from jspec.steps.plain import PlainCarry, PlainState, plain_decode_step
+from jspec.speculative.eagle import EagleExtra, EagleMethod
+from jspec.speculative.method import SpecCarry, SpecState, spec_decode_step
 
 EAGLE3_8B = DraftConfig(
     algorithm="EAGLE3", hidden_size=4096, intermediate_size=14336, num_heads=32, num_kv_heads=8, head_dim=128,

@@ -29,7 +29,7 @@ import numpy as np
 
 from bench_decode import git_commit
 import jspec
-from jspec.models.eagle_tiny import make_tiny_draft
+from jspec.testing.eagle_tiny import make_tiny_draft
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:

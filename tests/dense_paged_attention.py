@@ -1,4 +1,4 @@
-"""The gather-everything paged attention that jspec.pallas.ref used to be: a dense oracle.
+"""The gather-everything paged attention that jspec.kernels.ref used to be: a dense oracle.
 
 Every sequence's whole page table is gathered into [B, max_pages * S, H, D] and a
 [B, Q, Hkv, G, K] logit tensor is built, so its cost follows the table width; it is

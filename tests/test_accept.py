@@ -1,4 +1,4 @@
-"""Greedy verification (jspec/spec/accept.py) against a brute-force numpy walk.
+"""Greedy verification (jspec/speculative/accept.py) against a brute-force numpy walk.
 
 Trees come from the same jitted draft -> build_tree -> greedy_accept pipeline
 as test_tree.py (one compile per config, shared between the two files).

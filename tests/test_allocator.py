@@ -1,7 +1,7 @@
 import pytest
 
-from jspec.paged_kv.allocator import OutOfPagesError, PageAllocator
-from jspec.paged_kv.pool import check_page_size
+from jspec.kvcache.allocator import OutOfPagesError, PageAllocator
+from jspec.kvcache.pool import check_page_size
 
 
 def test_alloc_free_roundtrip_and_leak_check():

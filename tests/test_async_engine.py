@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec.async_engine import AsyncEngine
-from jspec.models.tiny import make_tiny_model
+from jspec.engine.async_engine import AsyncEngine
+from jspec.testing.tiny import make_tiny_model
 
 
 @pytest.fixture(scope="module")

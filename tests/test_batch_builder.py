@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from jspec.scheduler.batch_builder import SeqChunk, bucket, build_forward_batch
+from jspec.worker.inputs import SeqChunk, build_forward_batch
+from jspec.layers.batch import bucket
 
 
 def test_bucket():

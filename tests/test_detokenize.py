@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from jspec.models.tiny import BOS_ID, EOS_IDS, build_byte_tokenizer
-from jspec.models.tokenizer import Tokenizer
+from jspec.testing.tiny import BOS_ID, EOS_IDS, build_byte_tokenizer
+from jspec.checkpoint.tokenizer import Tokenizer
 from jspec.scheduler.detokenize import FinishReason, IncrementalDetokenizer, StopChecker
 
 EOT = EOS_IDS[1]

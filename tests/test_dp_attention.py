@@ -20,9 +20,9 @@ import pytest
 import jspec
 from sync_guard import count_device_reads
 from test_tensor_parallel import PROMPTS, SPEC, eagle3
-from jspec.models.tiny import make_tiny_model
-from jspec.parallel.dp_attention import make_dp_mesh, shard_params_dp
-from jspec.parallel.multihost import check_multihost_args, init_distributed
+from jspec.testing.tiny import make_tiny_model
+from jspec.distributed.dp_attention import make_dp_mesh, shard_params_dp
+from jspec.distributed.multihost import check_multihost_args, init_distributed
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +186,7 @@ def test_serve_flags(models, monkeypatch):
 CHILD = """
 import os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-from jspec.parallel.multihost import init_distributed
+from jspec.distributed.multihost import init_distributed
 init_distributed(2, int(sys.argv[1]), sys.argv[2])
 import jax
 print(jax.process_index(), jax.process_count(), len(jax.devices()), len(jax.local_devices()))
@@ -233,9 +233,10 @@ def test_dp_speculative_decode_step_lowers_for_cuda(models, name, monkeypatch):
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding, use_abstract_mesh
     from jax.sharding import PartitionSpec as P
 
-    import jspec.pallas.backend
-    from jspec.parallel.dp_attention import DATA, RankStep
-    from jspec.sampling import NUM_PARAMS, SamplingRows
+    import jspec.kernels.backend
+    from jspec.distributed.mesh import DATA
+    from jspec.distributed.dp_attention import RankStep
+    from jspec.layers.sampling import NUM_PARAMS, SamplingRows
 
     m, d = models[name]
     w = make_engine(m, d, tp_size=4, dp_size=2, enable_dp_attention=True, ep_size=4 if name == "moe" else 1).worker
@@ -248,7 +249,7 @@ def test_dp_speculative_decode_step_lowers_for_cuda(models, name, monkeypatch):
     def ranked(*shape, dt=jnp.int32):  # a per-rank input
         return jax.ShapeDtypeStruct((2, *shape), dt, sharding=NamedSharding(mesh, P(DATA)))
 
-    monkeypatch.setattr(jspec.pallas.backend, "interpret_mode", lambda: False)
+    monkeypatch.setattr(jspec.kernels.backend, "interpret_mode", lambda: False)
     step = RankStep(w._decode.step, mesh, w._decode.shared)
     B, M = 4, 32
     with use_abstract_mesh(mesh):

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from hf_reference import NO_HF_REASON, hf_python
-from jspec.config import ModelConfig
+from jspec.config.model import ModelConfig
 from jspec.models import eagle_tiny
-from jspec.models.eagle_loader import (
+from jspec.checkpoint.eagle import (
     DraftAlgorithmMismatchError,
     DraftConfig,
     MissingTensorError,
@@ -31,7 +31,7 @@ from jspec.models.eagle_loader import (
     load_draft_model,
     read_torch_bin_file,
 )
-from jspec.models.tiny import write_safetensors
+from jspec.testing.tiny import write_safetensors
 
 TARGET = ModelConfig(family="llama", vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=500000.0)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec.models.eagle_loader import init_random_draft_params
-from jspec.models.tiny import make_tiny_model
+from jspec.checkpoint.eagle import init_random_draft_params
+from jspec.testing.tiny import make_tiny_model
 from sync_guard import count_device_reads
 
 

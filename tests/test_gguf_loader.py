@@ -10,9 +10,9 @@ import pytest
 gguf = pytest.importorskip("gguf")
 
 import jspec
-from jspec.models.gguf_loader import GGUFError, convert_gguf, unpermute_rope_rows
-from jspec.models.loader import read_hf_tensors
-from jspec.models.tiny import make_tiny_model
+from jspec.checkpoint.gguf import GGUFError, convert_gguf, unpermute_rope_rows
+from jspec.checkpoint.loader import read_hf_tensors
+from jspec.testing.tiny import make_tiny_model
 
 HF_TO_GGUF = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
               "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",

@@ -9,12 +9,11 @@ import numpy as np
 import pytest
 
 from hf_reference import HF_VARIANTS, hf_logits, hf_make_checkpoints, requires_hf
-from jspec.models.batch import ForwardBatch
 from jspec.models.llama import forward
-from jspec.models.loader import load_model
-from jspec.paged_kv.allocator import PageAllocator
-from jspec.paged_kv.pool import create_kv_pool
-from jspec.scheduler.batch_builder import SeqChunk, build_forward_batch
+from jspec.checkpoint.loader import load_model
+from jspec.kvcache.allocator import PageAllocator
+from jspec.kvcache.pool import create_kv_pool
+from jspec.worker.inputs import SeqChunk, build_forward_batch
 
 PAGE_SIZE = 4
 DECODE_STEPS = 8

@@ -20,12 +20,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jspec.pallas.backend import interpret_mode
-from jspec.pallas.paged_decode import paged_decode
-from jspec.pallas.paged_extend import paged_extend
-from jspec.pallas.paged_tiles import choose_splits, min_split_len, runtime_split_len
-from jspec.pallas.ref import paged_decode_ref, paged_extend_ref, skinny_matmul_ref
-from jspec.pallas.skinny_matmul import skinny_matmul, skinny_matmul_plan
+from jspec.kernels.backend import interpret_mode
+from jspec.kernels.paged_decode import paged_decode
+from jspec.kernels.paged_extend import paged_extend
+from jspec.kernels.paged_tiles import choose_splits, min_split_len, runtime_split_len
+from jspec.kernels.ref import paged_decode_ref, paged_extend_ref, skinny_matmul_ref
+from jspec.kernels.skinny_matmul import skinny_matmul, skinny_matmul_plan
 
 from dense_paged_attention import dense_decode, dense_extend
 

@@ -23,9 +23,9 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
-from jspec.pallas.paged_decode import paged_decode
-from jspec.pallas.paged_extend import paged_extend
-from jspec.pallas.skinny_matmul import skinny_matmul
+from jspec.kernels.paged_decode import paged_decode
+from jspec.kernels.paged_extend import paged_extend
+from jspec.kernels.skinny_matmul import skinny_matmul
 
 H200 = AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
 BF16, I32 = jnp.bfloat16, jnp.int32

@@ -16,13 +16,13 @@ import pytest
 from safetensors.numpy import save_file
 
 from hf_reference import HF_VARIANTS, hf_inspect, hf_make_checkpoints, hf_python, requires_hf
-from jspec.config import RopeScaling, UnsupportedArchitectureError
-from jspec.models.loader import (
+from jspec.config.model import RopeScaling, UnsupportedArchitectureError
+from jspec.checkpoint.loader import (
     CorruptCheckpointError, MissingTensorError, NoSafetensorsError, TensorShapeError, convert_checkpoint,
     count_params, init_random_params, load_model, param_shapes, read_hf_tensors, restore_params, save_params,
 )
-from jspec.models.tiny import EOS_IDS, make_tiny_model
-from jspec.models.tokenizer import load_tokenizer
+from jspec.testing.tiny import EOS_IDS, make_tiny_model
+from jspec.checkpoint.tokenizer import load_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARCH_CASES = [("llama", False), ("llama", True), ("mistral", False), ("qwen2", False), ("qwen2", True),

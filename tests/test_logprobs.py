@@ -7,8 +7,8 @@ import pytest
 
 import jspec
 from jspec.models.llama import dense_forward
-from jspec.models.tiny import make_tiny_model
-from jspec.sampling_params import SamplingParams
+from jspec.testing.tiny import make_tiny_model
+from jspec.config.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

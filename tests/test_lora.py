@@ -4,7 +4,7 @@ bad adapters are refused by name; adapters load and unload while the engine live
 
 The adapters are random PEFT directories written here; the merged oracle is built from
 the raw PEFT arrays (W + scale * A^T B^T in jspec's [in, out] layout), independently of
-jspec.lora's reading of them.
+jspec.lora.pool's reading of them.
 """
 
 import dataclasses
@@ -17,8 +17,8 @@ import pytest
 from safetensors.numpy import save_file
 
 import jspec
-from jspec.lora import LoraError
-from jspec.models.tiny import make_tiny_model
+from jspec.lora.adapter import LoraError
+from jspec.testing.tiny import make_tiny_model
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -276,7 +276,7 @@ def test_server_flags_and_routes(tiny, adapters, references):
 
     from fastapi.testclient import TestClient
 
-    from jspec.async_engine import AsyncEngine
+    from jspec.engine.async_engine import AsyncEngine
     from jspec.server.app import create_app
 
     spec = importlib.util.spec_from_file_location("serve", os.path.join(os.path.dirname(__file__), "..", "scripts",
@@ -330,7 +330,7 @@ def test_lora_decode_step_lowers_for_cuda(tmp_path):
 
     from test_kernels_lowering import lower_for_cuda
 
-    from jspec.steps import plain_decode_step
+    from jspec.steps.plain import plain_decode_step
 
     path = make_tiny_model(str(tmp_path / "bf16"), seed=7, max_position_embeddings=512, dtype="bfloat16")
     engine = jspec.Engine(jspec.load(path, dtype=jax.numpy.bfloat16), page_size=16, num_pages=64, **LORA)

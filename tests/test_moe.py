@@ -24,9 +24,10 @@ import pytest
 import jspec
 from hf_reference import HF_MOE_VARIANTS, hf_make_checkpoints, requires_hf, run_oracle
 from test_hf_parity import _forward_logits, rel_err
-from jspec.config import ModelConfig, SpecConfig
-from jspec.models.eagle_loader import DraftConfig, init_random_draft_params
-from jspec.models.loader import init_random_params, load_model, param_shapes
+from jspec.config.model import ModelConfig
+from jspec.config.spec import SpecConfig
+from jspec.checkpoint.eagle import DraftConfig, init_random_draft_params
+from jspec.checkpoint.loader import init_random_params, load_model, param_shapes
 from jspec.models.moe import moe_mlp, moe_mlp_expert_parallel
 
 H = 64
@@ -178,9 +179,9 @@ def hf_moe(tmp_path_factory):
 @requires_hf
 @pytest.mark.parametrize("variant", sorted(HF_MOE_VARIANTS))
 def test_moe_logits_match_transformers(hf_moe, variant):
-    from jspec.paged_kv.allocator import PageAllocator
-    from jspec.paged_kv.pool import create_kv_pool
-    from jspec.scheduler.batch_builder import SeqChunk, build_forward_batch
+    from jspec.kvcache.allocator import PageAllocator
+    from jspec.kvcache.pool import create_kv_pool
+    from jspec.worker.inputs import SeqChunk, build_forward_batch
 
     ckpts, refs = hf_moe
     cfg, params = load_model(ckpts[variant]["path"], dtype=jnp.float32)

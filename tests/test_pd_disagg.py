@@ -23,8 +23,8 @@ from jspec.disaggregation import kv_io
 from jspec.disaggregation.decode import DecodeEngine
 from jspec.disaggregation.prefill import PrefillEngine
 from jspec.disaggregation.transfer import Link, LinkClosed, ShmLink
-from jspec.models.eagle_tiny import make_tiny_draft
-from jspec.models.tiny import make_tiny_model
+from jspec.testing.eagle_tiny import make_tiny_draft
+from jspec.testing.tiny import make_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPEC_FLAGS = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "5"]
@@ -161,7 +161,7 @@ def test_killed_prefill_engine_fails_requests_and_leaks_nothing(decode, prefill,
     """Over HTTP (the decode server's app): a request admitted before the kill finishes; those the
     dead prefill engine still owed fail with 503 and a message; no decode page stays held."""
     httpx = pytest.importorskip("httpx")
-    from jspec.async_engine import AsyncEngine
+    from jspec.engine.async_engine import AsyncEngine
     from jspec.server.app import create_app
 
     aengine = AsyncEngine(decode)
@@ -264,8 +264,8 @@ def test_transfer_steps_lower_for_cuda(n):
     page 16, 32 slots), lowered for an abstract H200 (DESIGN.md: every step gets this test)."""
     from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
-    from jspec.paged_kv.pool import KVPool
-    from jspec.penalties import PenaltyState
+    from jspec.kvcache.pool import KVPool
+    from jspec.layers.penalties import PenaltyState
 
     bf16, i32, sds = jax.numpy.bfloat16, np.int32, jax.ShapeDtypeStruct
     slots, pages, vocab = 33, 4096, 128256

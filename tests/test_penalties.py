@@ -14,10 +14,10 @@ import pytest
 
 import jspec
 from jspec.models.llama import dense_forward
-from jspec.models.tiny import make_tiny_model
-from jspec.penalties import PenaltyState, apply_tree_penalties
-from jspec.sampling import sampling_rows
-from jspec.sampling_params import SamplingParams
+from jspec.testing.tiny import make_tiny_model
+from jspec.layers.penalties import PenaltyState, apply_tree_penalties
+from jspec.layers.sampling import sampling_rows
+from jspec.config.sampling import SamplingParams
 from test_spec_sampling import fixed_tree
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec.models.tiny import make_tiny_model
+from jspec.testing.tiny import make_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -88,7 +88,7 @@ def test_prompt_logprob_prefills_compile_in_the_background_while_others_run(tiny
 
 CACHE_PROBE = textwrap.dedent("""
     import sys, jax, jspec
-    from jspec.models.tiny import make_tiny_model
+    from jspec.testing.tiny import make_tiny_model
     events = []
     jax.monitoring.register_event_listener(lambda name, **kw: events.append(name))
     model = jspec.load(make_tiny_model(sys.argv[2], seed=5), context_length=256)

@@ -7,8 +7,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from jspec.paged_kv.allocator import PageAllocator
-from jspec.paged_kv.radix_cache import RadixCache
+from jspec.kvcache.allocator import PageAllocator
+from jspec.kvcache.radix_cache import RadixCache
 
 
 def tree(cache):

@@ -5,7 +5,7 @@ import pytest
 
 import jspec
 from hf_reference import requires_hf, run_oracle
-from jspec.models.demo import DEMO_GGUF_PATH, demo_model_path
+from jspec.testing.demo import DEMO_GGUF_PATH, demo_model_path
 from jspec.server.chat_template import render_chat
 
 MESSAGES = ["What is the capital of France?", "Write a haiku about the sea.",

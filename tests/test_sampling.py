@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec.sampling import TOP_K_CAP, keep_mask, sample_tokens, sampling_mode, sampling_rows
-from jspec.sampling_params import SamplingParams
+from jspec.layers.sampling import TOP_K_CAP, keep_mask, sample_tokens, sampling_mode, sampling_rows
+from jspec.config.sampling import SamplingParams
 
 
 def reference_keep(x, top_k, top_p, min_p):
@@ -80,7 +80,7 @@ def test_seed_and_position_fix_the_token_whatever_the_batch():
 
 
 def test_seeded_request_reproduces_alongside_different_requests(tmp_path):
-    from jspec.models.tiny import make_tiny_model
+    from jspec.testing.tiny import make_tiny_model
 
     model = jspec.load(make_tiny_model(str(tmp_path / "m"), seed=1, max_position_embeddings=512))
     seeded = SamplingParams(max_new_tokens=10, temperature=1.0, top_p=0.9, seed=42, ignore_eos=True)

@@ -20,8 +20,8 @@ import urllib.request
 import pytest
 
 import jspec
-from jspec.models.eagle_tiny import make_tiny_draft
-from jspec.models.tiny import make_tiny_model
+from jspec.testing.eagle_tiny import make_tiny_draft
+from jspec.testing.tiny import make_tiny_model
 
 openai = pytest.importorskip("openai")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -248,7 +248,7 @@ def test_logprobs_and_native_generate(server, model_dir):
 def test_the_readme_server_comes_up_with_no_flags_and_answers_a_chat(tmp_path):
     """scripts/serve.py as the README starts it: the embedded model, warm-up and all. Healthy
     within the start-up budget, in bounded memory, and the openai client gets an answer."""
-    from jspec.models.demo import default_model_path
+    from jspec.testing.demo import default_model_path
 
     port = free_port()
     log = open(tmp_path / "serve.log", "w+")

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec.config import SpecConfig
-from jspec.models.loader import init_random_params
-from jspec.spec.ngram import match_candidates, match_candidates_ref
+from jspec.config.spec import SpecConfig
+from jspec.checkpoint.loader import init_random_params
+from jspec.speculative.ngram import match_candidates, match_candidates_ref
 from test_spec_eagle import TARGET, permutation_models, prompts
 
 
@@ -106,8 +106,8 @@ def test_standalone_mismatched_vocabularies_are_refused():
             dcfg, jax.random.key(2), jnp.float32)), num_pages=16, attention_backend="reference")
 
 
-SHARED = ["jspec/scheduler", "jspec/spec/verify.py", "jspec/spec/method.py", "jspec/spec/accept.py",
-          "jspec/engine.py", "jspec/worker.py", "jspec/async_engine.py", "jspec/steps.py"]
+SHARED = ["jspec/scheduler", "jspec/speculative/verify.py", "jspec/speculative/method.py", "jspec/speculative/accept.py",
+          "jspec/engine/engine.py", "jspec/worker/base.py", "jspec/engine/async_engine.py", "jspec/steps/plain.py"]
 
 
 def method_names_in_code(source: str) -> list[tuple[int, str]]:
@@ -145,4 +145,4 @@ def test_shared_code_never_branches_on_a_method_name():
     assert not hits, "shared code names a speculative method:\n" + "\n".join(hits)
     # The check itself catches a branch on the name, in an identifier or a string.
     assert method_names_in_code('if spec.algorithm == "NGRAM":\n    pass\n')
-    assert method_names_in_code("from jspec.spec.eagle import EagleMethod\n")
+    assert method_names_in_code("from jspec.speculative.eagle import EagleMethod\n")

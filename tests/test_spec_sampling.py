@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec.sampling import sampling_rows
-from jspec.sampling_params import SamplingParams
-from jspec.spec.accept import sampled_accept
-from jspec.spec.tree import ancestor_mask, child_links, DraftTree
+from jspec.layers.sampling import sampling_rows
+from jspec.config.sampling import SamplingParams
+from jspec.speculative.accept import sampled_accept
+from jspec.speculative.tree import ancestor_mask, child_links, DraftTree
 from test_sampling import reference_probs
 
 M = 200_000  # verify outcomes; TV of the empirical law stays ~sqrt(V/M) ~ 0.006 when right
@@ -86,7 +86,7 @@ def test_verify_outcomes_follow_the_target_distribution(shape, params):
 
 @pytest.mark.parametrize("topk,ndt", [(1, None), (4, 6)])
 def test_seeded_speculative_sampling_equals_plain_sampling(tmp_path, topk, ndt):
-    from jspec.models.tiny import make_tiny_model
+    from jspec.testing.tiny import make_tiny_model
     from test_engine import eagle_draft
 
     model = jspec.load(make_tiny_model(str(tmp_path / "m"), seed=2, max_position_embeddings=512))

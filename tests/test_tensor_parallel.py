@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec.models.tiny import make_tiny_model
-from jspec.parallel.tensor_parallel import block_columns, make_mesh, shard_params
+from jspec.testing.tiny import make_tiny_model
+from jspec.distributed.tensor_parallel import block_columns, make_mesh, shard_params
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ def tiny(tmp_path_factory):
 def eagle3(model):
     from test_spec_eagle import draft_config
 
-    from jspec.models.eagle_loader import init_random_draft_params
+    from jspec.checkpoint.eagle import init_random_draft_params
 
     dcfg = dataclasses.replace(draft_config("EAGLE3", cfg=model.cfg), capture_layers=(0, 1, 2))
     return dcfg, init_random_draft_params(dcfg, jax.random.key(5), std=0.2)

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec.models.eagle_loader import load_draft_model
-from jspec.models.loader import restore_params
-from jspec.models.tiny import make_tiny_model
+from jspec.checkpoint.eagle import load_draft_model
+from jspec.checkpoint.loader import restore_params
+from jspec.testing.tiny import make_tiny_model
 from jspec.train import eagle3
 from jspec.train.prompts import all_prompts, split_prompts
 

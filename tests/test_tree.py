@@ -1,4 +1,4 @@
-"""EAGLE-2 draft tree (jspec/spec/tree.py) against brute-force numpy references.
+"""EAGLE-2 draft tree (jspec/speculative/tree.py) against brute-force numpy references.
 
 One jitted program per static (topk, num_steps, num_draft_tokens) runs the whole
 draft bookkeeping -> build_tree -> greedy_accept, so every config compiles once
@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.spec import (
+from jspec.speculative import (
     append_step,
     build_tree,
     candidate_count,

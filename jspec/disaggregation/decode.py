@@ -29,7 +29,7 @@ import time
 from jspec.disaggregation import kv_io
 from jspec.disaggregation.prefill import PROTOCOL, check_disaggregation_args
 from jspec.disaggregation.transfer import BACKENDS, Link, LinkClosed, connect, host_id, parse_addr
-from jspec.engine import Engine
+from jspec.engine.engine import Engine
 from jspec.scheduler.request import Request, Status
 from jspec.scheduler.scheduler import Scheduler
 

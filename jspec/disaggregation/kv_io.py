@@ -21,8 +21,8 @@ import hashlib
 import jax
 import numpy as np
 
-from jspec.paged_kv.pool import KVPool
-from jspec.scheduler.batch_builder import bucket
+from jspec.kvcache.pool import KVPool
+from jspec.layers.batch import bucket
 
 MIN_TOKENS = 16
 

@@ -30,8 +30,8 @@ import numpy as np
 from jspec.disaggregation import kv_io
 from jspec.disaggregation.transfer import Link, LinkClosed, host_id, make_link
 from jspec.disaggregation.transfer import dtype as transfer_dtype
-from jspec.engine import Engine
-from jspec.sampling_params import SamplingParams
+from jspec.engine.engine import Engine
+from jspec.config.sampling import SamplingParams
 from jspec.scheduler.scheduler import PrefillBatch, Scheduler
 from jspec.scheduler.sync import start_host_copy
 

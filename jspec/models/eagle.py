@@ -1,6 +1,6 @@
 """EAGLE and EAGLE-3 draft heads: pure functions over the draft param pytree.
 
-Position convention (shared with jspec/spec/eagle.py): the draft's KV entry at
+Position convention (shared with jspec/speculative/eagle.py): the draft's KV entry at
 position t holds the pair (token x_{t+1}, feature of position t), and the
 draft's output there predicts x_{t+2}.
 
@@ -23,7 +23,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jspec.config import ModelConfig
+from jspec.config.model import ModelConfig
 from jspec.models.llama import decoder_layer, lm_head_logits, rms_norm, run_layers
 
 

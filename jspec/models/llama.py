@@ -17,13 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.config import ModelConfig
-from jspec.lora import LoraBatch, lora_dense, slot_mask
-from jspec.models.attention import paged_attention
-from jspec.models.batch import AttentionMode, ForwardBatch
-from jspec.models.matmul import dense_f32
+from jspec.config.model import ModelConfig
+from jspec.distributed.mesh import DATA
+from jspec.layers.lora import LoraBatch, add_lora_delta, lora_dense, slot_mask
+from jspec.layers.attention import paged_attention
+from jspec.layers.batch import AttentionMode, ForwardBatch
+from jspec.layers.matmul import dense_f32
 from jspec.models.moe import moe_mlp_on_mesh
-from jspec.paged_kv.pool import KVPool, write_kv
+from jspec.kvcache.pool import KVPool, write_kv
 
 
 class ForwardOutput(NamedTuple):
@@ -80,9 +81,9 @@ def _project(h: jax.Array, w: jax.Array) -> jax.Array:
 def qkv_heads(cfg: ModelConfig, lp, h: jax.Array, cos, sin):
     """Projects normed input h [T, in] to RoPE'd q [T, Hq, D], k and v [T, Hkv, D]."""
     T = h.shape[0]
-    # wqkv [in, n], or the tensor-parallel layout [in, tp, n / tp] (jspec.parallel): q, k, v
+    # wqkv [in, n], or the tensor-parallel layout [in, tp, n / tp] (jspec.distributed): q, k, v
     # of each shard's heads side by side, so the split below stays within a shard.
-    # With LoRA wqkv carries the pool's columns (jspec.lora).
+    # With LoRA wqkv carries the pool's columns (jspec.lora.pool).
     qkv = _project_lora(lp, h, "wqkv", "qkv")
     shards = qkv.shape[1]
     if cfg.qkv_bias:
@@ -106,8 +107,6 @@ def mlp_block(cfg: ModelConfig, lp, x: jax.Array) -> jax.Array:
         # stacks only alike layers), so the weights present say which block this layer is.
         return x + moe_mlp_on_mesh(cfg, lp, h)
     if lp["w_gate_up"].ndim == 4:  # [in, 1, tp/dp, n]: this DP-attention rank's slice, for every rank's tokens
-        from jspec.parallel.dp_attention import dense_mlp_over_ranks
-
         return x + dense_mlp_over_ranks(lp, h).astype(x.dtype)
     # [in, 2I], or [in, tp, 2I / tp] (as wqkv); with LoRA, w_gate_up carries the pool's columns
     gate_up = _project_lora(lp, h, "w_gate_up", "gate_up")
@@ -117,8 +116,30 @@ def mlp_block(cfg: ModelConfig, lp, x: jax.Array) -> jax.Array:
     return x + _linear_lora(lp, (jax.nn.silu(gate) * up).astype(x.dtype), "w_down", "down")
 
 
+def dense_mlp_over_ranks(lp, h: jax.Array) -> jax.Array:
+    """SwiGLU MLP inside the per-rank shard_map: h [T, H] this rank's (normed) tokens; lp's
+    w_gate_up [H, 1, tp/dp, n] and w_down [1, I/dp, H] this rank's slice of the MLP. Every
+    rank's tokens are gathered, this slice's partial output is summed over the ranks and each
+    rank keeps its own rows (all-gather, then reduce-scatter): [T, H] float32."""
+    everyone = jax.lax.all_gather(h, DATA, axis=0, tiled=True)
+    gate_up = jnp.einsum("ti,isn->tsn", everyone, lp["w_gate_up"][:, 0], preferred_element_type=jnp.float32)
+    if "lora" in lp:
+        # The weights carry the pool's A columns (jspec.lora.pool, ranked layouts): gate_up's
+        # delta for every rank's tokens (so their slot masks are gathered too), down's u
+        # summed over the ranks with y by the same reduce-scatter.
+        lw, mask = lp["lora"]
+        everyone_mask = jax.lax.all_gather(mask, DATA, axis=0, tiled=True)
+        gate_up = add_lora_delta(gate_up, everyone_mask, lw["b_gate_up"][:, 0], h.dtype)
+    half = gate_up.shape[-1] // 2
+    T = everyone.shape[0]
+    act = jax.nn.silu(gate_up[..., :half].reshape(T, -1)) * gate_up[..., half:].reshape(T, -1)
+    partial = jnp.dot(act.astype(h.dtype), lp["w_down"][0], preferred_element_type=jnp.float32)
+    out = jax.lax.psum_scatter(partial, DATA, scatter_dimension=0, tiled=True)
+    return add_lora_delta(out, mask, lw["b_down"], h.dtype) if "lora" in lp else out
+
+
 def _project_lora(lp, h: jax.Array, name: str, projection: str) -> jax.Array:
-    """_project(h, lp[name]), with the layer's LoRA delta when it has one (jspec.lora: the
+    """_project(h, lp[name]), with the layer's LoRA delta when it has one (jspec.lora.pool: the
     weight then carries the pool's columns)."""
     if "lora" in lp:
         out = lora_dense(*lp["lora"], h, lp[name], projection)

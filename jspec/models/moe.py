@@ -35,10 +35,8 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jspec.config import ModelConfig
-
-EXPERT_AXIS = "expert"
-
+from jspec.config.model import ModelConfig
+from jspec.distributed.mesh import EXPERT
 
 def route(h: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
     """h [T, H], router [H, E] -> (weights [T, k] float32, expert ids [T, k] int32)."""
@@ -106,7 +104,7 @@ def moe_mlp(cfg: ModelConfig, lp, h: jax.Array) -> jax.Array:
 # ---------------------------------------------------------------------------
 
 def moe_experts_ep(h: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
-                   axis_name: str = EXPERT_AXIS) -> jax.Array:
+                   axis_name: str = EXPERT) -> jax.Array:
     """moe_experts inside shard_map: h [T, H] this shard's tokens, experts [T, k] global ids,
     w_gate_up [E/ep, H, 2I] and w_down [E/ep, I, H] this shard's experts (shard s owns
     experts s*E/ep .. (s+1)*E/ep - 1). Returns [T, H] float32 for this shard's tokens.
@@ -145,7 +143,7 @@ def moe_experts_ep(h: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_
     return _combine(weights, jnp.zeros_like(ys_sorted).at[order].set(ys_sorted))
 
 
-def moe_mlp_ep(cfg: ModelConfig, lp, h: jax.Array, axis_name: str = EXPERT_AXIS) -> jax.Array:
+def moe_mlp_ep(cfg: ModelConfig, lp, h: jax.Array, axis_name: str = EXPERT) -> jax.Array:
     """moe_mlp inside shard_map over axis_name: lp's expert weights are this shard's slice,
     the router and shared expert are replicated, h [T, H] are this shard's tokens."""
     weights, experts = route(h, lp["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
@@ -155,13 +153,13 @@ def moe_mlp_ep(cfg: ModelConfig, lp, h: jax.Array, axis_name: str = EXPERT_AXIS)
     return y.astype(h.dtype)
 
 
-def ep_param_specs(lp, axis_name: str = EXPERT_AXIS) -> dict[str, P]:
+def ep_param_specs(lp, axis_name: str = EXPERT) -> dict[str, P]:
     """PartitionSpecs of one sparse layer's weights under expert parallelism."""
     return {name: P(axis_name) if name.startswith("experts_") else P() for name in lp}
 
 
 def moe_mlp_expert_parallel(cfg: ModelConfig, mesh: Mesh | None, lp, h: jax.Array,
-                            axis_name: str = EXPERT_AXIS, outer_axes: tuple[str, ...] = ()) -> jax.Array:
+                            axis_name: str = EXPERT, outer_axes: tuple[str, ...] = ()) -> jax.Array:
     """moe_mlp with experts and tokens split over mesh axis axis_name (E divisible by its
     size; tokens are padded to a multiple of it): a shard_map of moe_mlp_ep, for callers
     outside any shard_map. mesh None: the current mesh (jax.set_mesh). outer_axes: axes an
@@ -185,10 +183,11 @@ def moe_mlp_expert_parallel(cfg: ModelConfig, mesh: Mesh | None, lp, h: jax.Arra
 
 def moe_mlp_on_mesh(cfg: ModelConfig, lp, h: jax.Array) -> jax.Array:
     """The model's sparse MLP: expert-parallel over the current mesh's "tensor" axis when there
-    is one (jspec.parallel shards a MoE model's experts over the TP devices, i.e. EP = TP, as
+    is one (jspec.distributed shards a MoE model's experts over the TP devices, i.e. EP = TP, as
     SGLang's --ep-size equal to --tp-size), else every expert local."""
-    from jspec.parallel.dp_attention import DATA, in_rank_region
-    from jspec.parallel.tensor_parallel import TENSOR
+    from jspec.distributed.mesh import DATA
+    from jspec.distributed.dp_attention import in_rank_region
+    from jspec.distributed.mesh import TENSOR
 
     if in_rank_region():  # DP attention: this rank's tokens, experts over every rank's devices
         return moe_mlp_expert_parallel(cfg, None, lp, h, axis_name=TENSOR, outer_axes=(DATA,))

@@ -19,8 +19,8 @@ import itertools
 
 import jax
 
-from jspec.paged_kv.radix_cache import RadixCache
-from jspec.parallel.dp_attention import LOAD_BALANCE_METHODS
+from jspec.kvcache.radix_cache import RadixCache
+from jspec.distributed.dp_attention import LOAD_BALANCE_METHODS
 from jspec.scheduler.scheduler import DecodeBatch, PrefillBatch, Scheduler
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from jspec.sampling_params import SamplingParams
+from jspec.config.sampling import SamplingParams
 from jspec.scheduler.detokenize import IncrementalDetokenizer, StopChecker
 
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from jspec.paged_kv.allocator import OutOfPagesError
-from jspec.scheduler.batch_builder import SeqChunk
+from jspec.kvcache.allocator import OutOfPagesError
+from jspec.worker.inputs import SeqChunk
 from jspec.scheduler.request import Request, Status
 
 

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jspec.sampling_params import SamplingParams
+from jspec.config.sampling import SamplingParams
 from jspec.server.errors import APIError  # noqa: F401  (re-exported: the server raises it from here)
 
 

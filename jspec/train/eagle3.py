@@ -57,12 +57,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jspec.config import ModelConfig
+from jspec.config.model import ModelConfig
 from jspec.models.eagle import draft_layers, draft_logits, layer_config, target_feature
-from jspec.models.eagle_loader import DraftConfig, init_random_draft_params
-from jspec.models.eagle_tiny import draft_hf_config, tiny_capture_layers, write_draft_config
+from jspec.checkpoint.eagle import DraftConfig, init_random_draft_params
+from jspec.testing.eagle_tiny import draft_hf_config, tiny_capture_layers, write_draft_config
 from jspec.models.llama import compute_logits, decoder_layer, rms_norm, rope_cos_sin
-from jspec.models.tiny import write_safetensors
+from jspec.testing.tiny import write_safetensors
 
 
 # ---------------------------------------------------------------------------
@@ -546,8 +546,8 @@ def save_head(out_dir: str | os.PathLike, result: TrainResult, target: ModelConf
               meta: dict[str, Any] | None = None) -> str:
     """Writes the head so that load_draft_model and --speculative-draft-model-path read it
     (config.json + model.safetensors), the exact pytree with orbax (out_dir/params, read back
-    by jspec.models.loader.restore_params), and train_meta.json (settings, curve, eval)."""
-    from jspec.models.loader import save_params
+    by jspec.checkpoint.loader.restore_params), and train_meta.json (settings, curve, eval)."""
+    from jspec.checkpoint.loader import save_params
 
     out_dir = os.path.abspath(os.fspath(out_dir))
     os.makedirs(out_dir, exist_ok=True)

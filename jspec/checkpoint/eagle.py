@@ -1,0 +1,798 @@
+"""EAGLE / EAGLE-3 draft-head checkpoints -> `DraftConfig` + draft param pytree.
+
+`load_draft_model(path, target_cfg)` reads a draft directory (config.json plus
+model.safetensors, sharded safetensors, or pytorch_model.bin read without
+torch) and returns the config and params the draft forward (models/eagle.py)
+runs on. What follows is what that forward must compute; each fact was read in
+SGLang's python/sglang/srt/models/llama_eagle.py, llama_eagle3.py, llama.py
+(`set_eagle3_layers_to_capture`, `LlamaModel.forward`), model_executor/
+model_runner.py, speculative/eagle_worker.py and eagle_info.py
+(`prepare_for_extend`), and in SafeAILab EAGLE eagle/model/cnets1.py.
+
+Rows. Draft row i pairs the target hidden state of position i with the token
+at position i + 1 (SGLang's `prepare_for_extend` shifts input_ids left by one
+and appends the newly sampled token), and runs at position i: same positions,
+hence same RoPE angles, as the target row whose hidden it reads. RoPE, head
+shapes and eps come from the draft's own config.json (`DraftConfig`).
+
+EAGLE (EAGLE-1 and EAGLE-2 heads; one algorithm, EAGLE-2 only changes the tree):
+    h   = the target's hidden after its final norm (jspec: ForwardOutput.hidden;
+          SGLang hands the draft the LogitsProcessor's input, which is the
+          output of the target's model.norm)
+    e   = embed[token]              embeddings first, then hidden:
+    x   = concat([e, h]) @ fc (+ fc_bias)                        [2H] -> [H]
+    layer 0 has NO input norm (SafeAILab builds input_layernorm only for
+          index != 0; SGLang replaces it by the identity):
+    x   = x + attn(x) @ wo          q, k, v = x @ wqkv
+    x   = x + mlp(rms(x, mlp_norm))
+    heads with more than one layer (none are published; SafeAILab would give
+          layers >= 1 an input norm but not layer 0) are refused.
+    out = x                         NO final norm (SGLang returns
+          hidden_states + residual); logits = out @ the TARGET's lm_head.
+    next step's h = out (un-normed). SGLang always uses the target's
+          embedding and lm_head for EAGLE (`set_embed_and_head`); a head's
+          embed_tokens is a frozen copy of the target's.
+
+EAGLE3 (llama_eagle3.py `LlamaDecoderLayer` / `LlamaModel`):
+    g   = concat(captured target residual streams, ascending layer order) [3H]
+    x   = g @ fc (+ fc_bias)        only on target features: SGLang applies fc
+          when the hidden width != H, so later draft steps, whose carried
+          hidden is already [H], skip it.
+    e   = embed[token]              the target's embedding (SGLang `set_embed`)
+    residual = x                    the hidden input, NOT the embeddings
+    a_in = concat([rms(e, attn_norm), rms(x, hidden_norm)])    embeds first,
+          [2H]; attn_norm is midlayer.input_layernorm
+    x   = residual + attn(a_in) @ wo        q, k, v = a_in @ wqkv ([2H, qkv])
+    x   = x + mlp(rms(x, mlp_norm))
+    logits = rms(x, final_norm) @ lm_head  over the draft vocab [H, Vd]
+    next step's hidden = x, the PRE-norm sum (SGLang's "hidden_states_to_aux";
+          the normed copy only feeds the logits).
+    token ids: target_id = draft_id + d2t[draft_id] (SGLang: hot_token_id =
+          d2t + arange). d2t is always present for EAGLE3 here; zeros (the
+          identity) when the checkpoint has none. t2d is not used.
+
+Capture layers (`DraftConfig.capture_layers`, jspec convention = `forward`'s:
+index i is the residual stream ENTERING target layer i, i == L the last
+layer's output before the final norm):
+    * SGLang captures `hidden_states + residual` before running layer i for i
+      in `layers_to_capture`: the same "entering" convention. Its default is
+      [2, L//2, L-3], used as is.
+    * SGLang (and SpecForge) read `eagle_config.eagle_aux_hidden_state_layer_ids`
+      from the draft config.json as "output of layer id" and add 1; so do we.
+    * vLLM's top-level `eagle_aux_hidden_state_layer_ids` is used as is (vLLM's
+      llama captures the stream entering layer idx with no +1); it is read
+      only when eagle_config has no ids.
+    The captured states are concatenated in ascending layer order (SGLang
+    collects them in its layer loop), so capture_layers is sorted.
+
+Param pytree (weights [in, out], layers stacked on a leading axis Ld):
+    fc [fc_in, H]; fc_bias [H] if the checkpoint has fc.bias
+    layers/{wqkv [Ld, in, q+2kv] (in = H for EAGLE, 2H for EAGLE3), wo,
+            mlp_norm, w_gate_up, w_down} as in loader.py;
+            attn_norm [Ld, H] (the embeddings' norm) and hidden_norm [Ld, H]:
+            EAGLE3 only; Ld is 1 for both algorithms
+    final_norm [H], d2t [Vd] int32: EAGLE3 only
+    lm_head [H, Vd]: EAGLE3 heads with their own head, or any checkpoint that
+            has lm_head.weight; otherwise the target's is used
+    embed [V, H]: only when the checkpoint has embed_tokens.weight
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import json
+import logging
+import math
+import os
+import pickle
+import re
+import zipfile
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from jspec.config.model import ModelConfig, RopeScaling, UnsupportedArchitectureError
+from jspec.checkpoint.loader import (
+    CheckpointError,
+    CorruptCheckpointError,
+    MissingTensorError,
+    NoSafetensorsError,
+    TensorShapeError,
+    read_hf_tensors,
+)
+
+log = logging.getLogger(__name__)
+
+ALGORITHMS = ("EAGLE", "EAGLE3")
+
+
+class UnknownDraftLayoutError(CheckpointError):
+    """The checkpoint's tensors are neither an EAGLE nor an EAGLE-3 head."""
+
+
+class DraftAlgorithmMismatchError(CheckpointError):
+    """The requested algorithm (or config.json) disagrees with the tensors."""
+
+
+class UnsafePickleError(CheckpointError):
+    """A pytorch_model.bin whose pickle asks for something outside the whitelist."""
+
+
+# ---------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class DraftConfig:
+    algorithm: str  # "EAGLE" | "EAGLE3"
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    max_position_embeddings: int  # the target's: the draft runs over the same context
+    vocab_size: int  # target vocab
+    draft_vocab_size: int  # == vocab_size for EAGLE
+    num_layers: int = 1
+    capture_layers: tuple[int, ...] = ()  # EAGLE3 only; see the module docstring
+    fc_bias: bool = False
+    has_embed: bool = False
+    has_lm_head: bool = False
+
+    def __post_init__(self):
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown draft algorithm {self.algorithm!r}; choose one of {ALGORITHMS}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"draft num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                             f"({self.num_kv_heads})")
+        if self.algorithm == "EAGLE3" and not self.capture_layers:
+            raise ValueError("an EAGLE3 draft needs capture_layers")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def fc_in(self) -> int:
+        n = 2 if self.algorithm == "EAGLE" else len(self.capture_layers)
+        return n * self.hidden_size
+
+    @property
+    def attn_in(self) -> int:
+        """Width of the attention input: EAGLE3 attends over concat(embeds, hidden)."""
+        return self.hidden_size * (2 if self.algorithm == "EAGLE3" else 1)
+
+
+def normalize_algorithm(algorithm: str) -> str:
+    """SGLang's flag values; EAGLE2 is the EAGLE head with a dynamic tree."""
+    a = algorithm.upper().replace("-", "").replace("_", "")
+    a = {"EAGLE1": "EAGLE", "EAGLE2": "EAGLE"}.get(a, a)
+    if a not in ALGORITHMS:
+        raise ValueError(f"unknown draft algorithm {algorithm!r}; choose one of {ALGORITHMS}")
+    return a
+
+
+def default_capture_layers(num_target_layers: int) -> tuple[int, ...]:
+    """SGLang's and vLLM's default, already in the "entering layer i" form."""
+    L = num_target_layers
+    return (2, L // 2, L - 3)
+
+
+# ---------------------------------------------------------------------------
+# pytorch_model.bin without torch
+# ---------------------------------------------------------------------------
+# torch.save (torch >= 1.6) writes a zip: <prefix>/data.pkl is a protocol-2
+# pickle of the state dict whose tensors are `torch._utils._rebuild_tensor_v2(
+# storage, offset, size, stride, requires_grad, hooks)` calls; each storage is a
+# persistent id ("storage", torch.<Type>Storage, key, location, numel) whose
+# bytes are the stored (uncompressed) record <prefix>/data/<key>. Only those
+# names are resolved; any other global is refused before it can run.
+
+_TORCH_STORAGE_DTYPES = {
+    "FloatStorage": np.dtype("<f4"),
+    "HalfStorage": np.dtype("<f2"),
+    "BFloat16Storage": np.dtype(ml_dtypes.bfloat16),
+    "LongStorage": np.dtype("<i8"),
+    "BoolStorage": np.dtype("bool"),
+}
+
+
+class _Frozen:
+    """Pickle BUILD calls __setstate__ on whatever is on the stack; our objects refuse it."""
+
+    __slots__ = ()
+
+    def __setstate__(self, state):
+        raise UnsafePickleError("pickle tries to set the state of a tensor or storage object")
+
+
+class _StorageType(_Frozen):
+    __slots__ = ("name", "dtype")
+
+    def __init__(self, name: str, dtype: np.dtype):
+        self.name, self.dtype = name, dtype
+
+
+class _Storage(_Frozen):
+    __slots__ = ("array",)
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+
+
+class _Tensor(_Frozen):
+    __slots__ = ("array",)
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+
+
+def _as_int_tuple(x: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(x, tuple) or not all(isinstance(v, int) and not isinstance(v, bool) for v in x):
+        raise CorruptCheckpointError(f"tensor {what} must be a tuple of ints, got {x!r}")
+    return x
+
+
+def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None,
+                       metadata=None):
+    if not isinstance(storage, _Storage):
+        raise UnsafePickleError("_rebuild_tensor_v2 called without a storage")
+    if backward_hooks:
+        raise UnsafePickleError("tensor has backward hooks, which jspec does not load")
+    if not isinstance(storage_offset, int) or storage_offset < 0:
+        raise CorruptCheckpointError(f"bad tensor storage offset {storage_offset!r}")
+    size, stride = _as_int_tuple(size, "size"), _as_int_tuple(stride, "stride")
+    if len(size) != len(stride) or any(n < 0 for n in size) or any(s < 0 for s in stride):
+        raise CorruptCheckpointError(f"bad tensor size {size} / stride {stride}")
+    flat = storage.array
+    if math.prod(size) == 0:
+        return _Tensor(np.zeros(size, flat.dtype))
+    last = storage_offset + sum((n - 1) * s for n, s in zip(size, stride))
+    if last >= flat.shape[0]:
+        raise CorruptCheckpointError(
+            f"tensor of size {list(size)}, stride {list(stride)}, offset {storage_offset} reaches element "
+            f"{last} of a storage of {flat.shape[0]} elements"
+        )
+    item = flat.dtype.itemsize
+    view = np.lib.stride_tricks.as_strided(flat[storage_offset:], shape=size, strides=[s * item for s in stride],
+                                           writeable=False)
+    return _Tensor(view)
+
+
+def _rebuild_parameter(data, requires_grad=False, backward_hooks=None):
+    if not isinstance(data, _Tensor):
+        raise UnsafePickleError("_rebuild_parameter called without a tensor")
+    if backward_hooks:
+        raise UnsafePickleError("parameter has backward hooks, which jspec does not load")
+    return data
+
+
+_ALLOWED_GLOBALS = {
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+}
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def __init__(self, file, where: str, load_storage):
+        super().__init__(file)
+        self._where = where
+        self._load_storage = load_storage
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _ALLOWED_GLOBALS:
+            return _ALLOWED_GLOBALS[(module, name)]
+        if module == "torch" and name in _TORCH_STORAGE_DTYPES:
+            return _StorageType(name, _TORCH_STORAGE_DTYPES[name])
+        raise UnsafePickleError(
+            f"{self._where}: the pickle refers to {module}.{name}, which is not allowed; a state dict may only "
+            f"use collections.OrderedDict, torch._utils._rebuild_tensor_v2 / _rebuild_parameter and the "
+            f"storages {sorted(_TORCH_STORAGE_DTYPES)} (convert other checkpoints to safetensors)"
+        )
+
+    def persistent_load(self, pid):
+        ok = (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
+              and isinstance(pid[1], _StorageType) and isinstance(pid[2], str) and isinstance(pid[4], int))
+        if not ok:
+            raise UnsafePickleError(f"{self._where}: unsupported persistent id {pid!r} in the pickle")
+        return self._load_storage(pid[1], pid[2], pid[4])
+
+
+def _stored_record(zf: zipfile.ZipFile, filename: str, name: str, dtype: np.dtype, numel: int) -> np.ndarray:
+    """Memory-maps one uncompressed zip member as a 1-D array of `numel` items."""
+    try:
+        info = zf.getinfo(name)
+    except KeyError:
+        raise CorruptCheckpointError(f"{filename!r}: storage record {name!r} is missing") from None
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise CorruptCheckpointError(f"{filename!r}: storage record {name!r} is compressed; torch.save never does that")
+    if info.file_size != numel * dtype.itemsize:
+        raise CorruptCheckpointError(
+            f"{filename!r}: storage record {name!r} has {info.file_size} bytes, the pickle says "
+            f"{numel} x {dtype.itemsize}"
+        )
+    if numel == 0:
+        return np.zeros(0, dtype)
+    # The member's bytes start after its local header, whose name and extra
+    # fields (torch pads the extra field to align storages) have their own lengths.
+    with open(filename, "rb") as f:
+        f.seek(info.header_offset)
+        head = f.read(30)
+    if len(head) != 30 or head[:4] != b"PK\x03\x04":
+        raise CorruptCheckpointError(f"{filename!r}: bad zip local header for {name!r}")
+    start = info.header_offset + 30 + int.from_bytes(head[26:28], "little") + int.from_bytes(head[28:30], "little")
+    return np.memmap(filename, dtype=np.uint8, mode="r", offset=start, shape=(info.file_size,)).view(dtype)
+
+
+def read_torch_bin_file(filename: str | os.PathLike) -> dict[str, np.ndarray]:
+    """Reads a torch.save'd state dict (zip format, torch >= 1.6) into read-only
+    numpy arrays (memory-mapped; bf16 as ml_dtypes.bfloat16), without torch.
+
+    Refuses, before anything runs, a pickle that names any global outside the
+    tensor-rebuild whitelist (`UnsafePickleError`)."""
+    filename = os.fspath(filename)
+    if not zipfile.is_zipfile(filename):
+        raise CorruptCheckpointError(
+            f"{filename!r} is not a zip-format PyTorch checkpoint (the legacy torch < 1.6 format and other "
+            f"files are not supported): re-save it with a recent torch or convert it to safetensors"
+        )
+    with zipfile.ZipFile(filename) as zf:
+        pkls = [n for n in zf.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
+        if len(pkls) != 1:
+            raise CorruptCheckpointError(f"{filename!r}: expected one <prefix>/data.pkl in the zip, found {pkls}")
+        prefix = pkls[0][: -len("data.pkl")]
+        if prefix + "byteorder" in zf.namelist():
+            order = zf.read(prefix + "byteorder").decode("ascii", "replace").strip()
+            if order != "little":
+                raise CorruptCheckpointError(f"{filename!r}: byte order {order!r} is not supported (only little)")
+        storages: dict[str, _Storage] = {}
+
+        def load_storage(stype: _StorageType, key: str, numel: int) -> _Storage:
+            if not re.fullmatch(r"[A-Za-z0-9_]+", key):
+                raise UnsafePickleError(f"{filename!r}: bad storage key {key!r}")
+            if key not in storages:
+                storages[key] = _Storage(_stored_record(zf, filename, f"{prefix}data/{key}", stype.dtype, numel))
+            elif storages[key].array.dtype != stype.dtype:
+                raise CorruptCheckpointError(f"{filename!r}: storage {key!r} is used with two dtypes")
+            return storages[key]
+
+        with zf.open(pkls[0]) as f:
+            try:
+                obj = _RestrictedUnpickler(f, repr(filename), load_storage).load()
+            except CheckpointError:
+                raise
+            except Exception as e:  # a malformed pickle: report it as such, not as a crash
+                raise CorruptCheckpointError(f"{filename!r}: unreadable pickle ({type(e).__name__}: {e})") from None
+    if not isinstance(obj, dict):
+        raise CorruptCheckpointError(f"{filename!r}: expected a state dict, the pickle holds a {type(obj).__name__}")
+    out = {}
+    for name, t in obj.items():
+        if not isinstance(name, str) or not isinstance(t, _Tensor) or not isinstance(t.array, np.ndarray):
+            raise CorruptCheckpointError(
+                f"{filename!r}: entry {name!r} is not a tensor (a flat name -> tensor state dict is expected)"
+            )
+        out[name] = t.array
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Reading a draft directory
+# ---------------------------------------------------------------------------
+
+def _has_safetensors(path: str) -> bool:
+    return (os.path.isfile(os.path.join(path, "model.safetensors"))
+            or os.path.isfile(os.path.join(path, "model.safetensors.index.json"))
+            or any(f.startswith("model-") and f.endswith(".safetensors") for f in os.listdir(path)))
+
+
+def read_draft_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """A draft directory's tensors by name: safetensors (single or sharded)
+    when present, else pytorch_model.bin (single or sharded by
+    pytorch_model.bin.index.json). A leading "model." is stripped from every
+    name, since converters disagree on it (SGLang adds it on load)."""
+    path = os.fspath(path)
+    if _has_safetensors(path):
+        raw = read_hf_tensors(path)
+    else:
+        index = os.path.join(path, "pytorch_model.bin.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                files = sorted(set((json.load(f).get("weight_map") or {}).values()))
+            missing = [s for s in files if not os.path.isfile(os.path.join(path, s))]
+            if missing or not files:
+                raise NoSafetensorsError(f"draft directory {path!r}: pytorch_model.bin.index.json lists "
+                                         f"missing or no shards ({missing})")
+        elif os.path.isfile(os.path.join(path, "pytorch_model.bin")):
+            files = ["pytorch_model.bin"]
+        else:
+            raise NoSafetensorsError(
+                f"draft directory {path!r} has no model.safetensors, model.safetensors.index.json, "
+                f"pytorch_model.bin or pytorch_model.bin.index.json; it contains {sorted(os.listdir(path))[:20]}"
+            )
+        raw = {}
+        for fname in files:
+            for name, arr in read_torch_bin_file(os.path.join(path, fname)).items():
+                if name in raw:
+                    raise CorruptCheckpointError(f"tensor {name!r} appears in more than one shard of {path!r}")
+                raw[name] = arr
+    out: dict[str, np.ndarray] = {}
+    for name, arr in raw.items():
+        short = name[len("model."):] if name.startswith("model.") else name
+        if short in out:
+            raise CorruptCheckpointError(f"draft checkpoint {path!r} has both {name!r} and {short!r}")
+        out[short] = arr
+    return out
+
+
+_EAGLE_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def detect_algorithm(hf: Mapping[str, Any], tensors: Mapping[str, Any], where: str = "(in memory)") -> str:
+    """EAGLE or EAGLE3 from tensor names (authoritative), checked against
+    config.json's architectures when that names one."""
+    names = list(tensors)
+    if any(n.startswith("midlayer.") or n.endswith("hidden_norm.weight") for n in names) or "d2t" in tensors:
+        found = "EAGLE3"
+    elif "fc.weight" in tensors and any(_EAGLE_LAYER.match(n) for n in names):
+        found = "EAGLE"
+    else:
+        full_model = "embed_tokens.weight" in tensors and "norm.weight" in tensors
+        raise UnknownDraftLayoutError(
+            f"draft checkpoint {where}: neither an EAGLE head (fc.weight + layers.N.*) nor an EAGLE-3 head "
+            f"(fc.weight + midlayer.*, d2t)"
+            + (" (it looks like a full model: a draft head has an fc layer)" if full_model else "")
+            + f"; it has {len(names)} tensor(s), e.g. {sorted(names)[:8]}"
+        )
+    archs = [str(a) for a in (hf.get("architectures") or [])]
+    hinted = "EAGLE3" if any("eagle3" in a.lower() for a in archs) else (
+        "EAGLE" if any("eagle" in a.lower() for a in archs) else None)
+    if hinted is not None and hinted != found:
+        raise DraftAlgorithmMismatchError(
+            f"draft checkpoint {where}: config.json architectures {archs} say {hinted}, but the tensors are an "
+            f"{found} head"
+        )
+    return found
+
+
+def _parse_draft_hf(hf: Mapping[str, Any], target: ModelConfig, where: str) -> ModelConfig:
+    """The draft layer's shapes and RoPE, parsed by ModelConfig.from_hf (same
+    defaults as transformers' LlamaConfig, e.g. rope_theta 10000 when absent,
+    which is what the head was trained with); missing shape fields fall back
+    to the target's, as EAGLE heads copy the target's layer shapes."""
+    d = dict(hf)
+    d["architectures"] = ["LlamaForCausalLM"]
+    d.setdefault("vocab_size", target.vocab_size)
+    d.setdefault("hidden_size", target.hidden_size)
+    d.setdefault("intermediate_size", target.intermediate_size)
+    d.setdefault("num_hidden_layers", 1)
+    if "num_attention_heads" not in d:
+        d.update(num_attention_heads=target.num_heads, num_key_value_heads=target.num_kv_heads,
+                 head_dim=target.head_dim)
+    try:
+        return ModelConfig.from_hf(d)
+    except UnsupportedArchitectureError as e:
+        raise UnsupportedArchitectureError(f"{e} [draft checkpoint {where}]") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"draft config.json in {where} lacks or mistypes a field: {e}") from None
+
+
+def _capture_layers(hf: Mapping[str, Any], target: ModelConfig, where: str) -> tuple[int, ...]:
+    eagle_cfg = hf.get("eagle_config") if isinstance(hf.get("eagle_config"), dict) else {}
+    if eagle_cfg.get("eagle_aux_hidden_state_layer_ids"):
+        src = "eagle_config.eagle_aux_hidden_state_layer_ids"
+        ids = [int(i) + 1 for i in eagle_cfg["eagle_aux_hidden_state_layer_ids"]]  # SGLang: output of layer i
+    elif hf.get("eagle_aux_hidden_state_layer_ids"):
+        src = "eagle_aux_hidden_state_layer_ids"
+        ids = [int(i) for i in hf["eagle_aux_hidden_state_layer_ids"]]  # vLLM: entering layer i
+    else:
+        src = f"the default [2, L//2, L-3] for the target's L={target.num_layers} layers"
+        ids = list(default_capture_layers(target.num_layers))
+    if len(set(ids)) != len(ids) or not all(0 <= i <= target.num_layers for i in ids):
+        raise CheckpointError(
+            f"draft checkpoint {where}: capture layers {ids} (from {src}, as layers whose input is captured) "
+            f"must be distinct and within [0, {target.num_layers}] for a {target.num_layers}-layer target"
+        )
+    return tuple(sorted(ids))
+
+
+def _eagle3_prefix(tensors: Mapping[str, Any]) -> str:
+    """SafeAILab/SGLang name the layer midlayer.*; vLLM-speculators exports use layers.0.*."""
+    if "midlayer.self_attn.q_proj.weight" not in tensors and "layers.0.self_attn.q_proj.weight" in tensors:
+        return "layers.0."
+    return "midlayer."
+
+
+def _layer_shapes(cfg: DraftConfig, p: str) -> dict[str, tuple[int, ...]]:
+    H, I, A = cfg.hidden_size, cfg.intermediate_size, cfg.attn_in
+    return {
+        p + "self_attn.q_proj.weight": (cfg.q_size, A),
+        p + "self_attn.k_proj.weight": (cfg.kv_size, A),
+        p + "self_attn.v_proj.weight": (cfg.kv_size, A),
+        p + "self_attn.o_proj.weight": (H, cfg.q_size),
+        p + "post_attention_layernorm.weight": (H,),
+        p + "mlp.gate_proj.weight": (I, H),
+        p + "mlp.up_proj.weight": (I, H),
+        p + "mlp.down_proj.weight": (H, I),
+    }
+
+
+def _expected_shapes(cfg: DraftConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor `cfg` needs, in HF's [out, in] layout."""
+    H = cfg.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {"fc.weight": (H, cfg.fc_in)}
+    if cfg.fc_bias:
+        shapes["fc.bias"] = (H,)
+    if cfg.algorithm == "EAGLE":
+        shapes.update(_layer_shapes(cfg, "layers.0."))
+    else:
+        shapes.update(_layer_shapes(cfg, prefix))
+        shapes[prefix + "input_layernorm.weight"] = (H,)
+        shapes[prefix + "hidden_norm.weight"] = (H,)
+        shapes["norm.weight"] = (H,)
+    if cfg.has_lm_head:
+        shapes["lm_head.weight"] = (cfg.draft_vocab_size, H)
+    if cfg.has_embed:
+        shapes["embed_tokens.weight"] = (cfg.vocab_size, H)
+    return shapes
+
+
+def _check_tensors(cfg: DraftConfig, tensors: Mapping[str, Any], prefix: str, where: str,
+                   layout_note: str) -> None:
+    expected = _expected_shapes(cfg, prefix)
+    missing = [n for n in expected if n not in tensors]
+    if missing:
+        raise MissingTensorError(
+            f"draft checkpoint {where}: missing {len(missing)} tensor(s) required for an {cfg.algorithm} head "
+            f"with {cfg.num_layers} layer(s): {', '.join(repr(n) for n in missing[:8])}"
+            + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        )
+    bad = [(n, s, tuple(tensors[n].shape)) for n, s in expected.items() if tuple(tensors[n].shape) != s]
+    if bad:
+        lines = "; ".join(f"{n!r}: expected {list(s)}, got {list(g)}" for n, s, g in bad[:8])
+        raise TensorShapeError(
+            f"draft checkpoint {where}: {len(bad)} tensor(s) disagree with the target ({layout_note}; "
+            f"HF layout, nn.Linear weights are [out, in]): {lines}"
+        )
+    optional = {"t2d", "d2t", "layers.0.input_layernorm.weight"}
+    unused = [n for n in tensors if n not in expected and n not in optional and not n.endswith("rotary_emb.inv_freq")]
+    biases = [n for n in unused if n.endswith(".bias")]
+    if biases:  # ignoring a bias would silently change the math
+        raise CheckpointError(f"draft checkpoint {where}: unsupported bias tensor(s) {biases[:8]}")
+    if unused:
+        log.warning("draft checkpoint %s: ignoring %d unexpected tensor(s), e.g. %s", where, len(unused), unused[:4])
+
+
+def draft_config_from_hf(hf: Mapping[str, Any], target: ModelConfig, tensors: Mapping[str, Any],
+                         algorithm: str | None = None, where: str = "(in memory)") -> DraftConfig:
+    """Builds and validates the DraftConfig of a head (tensor names and shapes
+    included; values are not read)."""
+    found = detect_algorithm(hf, tensors, where)
+    if algorithm is not None and normalize_algorithm(algorithm) != found:
+        raise DraftAlgorithmMismatchError(
+            f"draft checkpoint {where} is an {found} head (by its tensor names), but algorithm "
+            f"{normalize_algorithm(algorithm)} was requested (--speculative-algorithm)"
+        )
+    lc = _parse_draft_hf(hf, target, where)
+    H = target.hidden_size
+    for field in ("hidden_size", "target_hidden_size"):
+        if field in hf and int(hf[field]) != H:
+            raise TensorShapeError(
+                f"draft checkpoint {where}: config.json {field} is {hf[field]}, but the target's hidden_size is {H}"
+            )
+    if int(hf.get("vocab_size", target.vocab_size)) != target.vocab_size:
+        log.warning("draft checkpoint %s: config.json vocab_size %s differs from the target's %d; using the target's",
+                    where, hf.get("vocab_size"), target.vocab_size)
+    has_embed = "embed_tokens.weight" in tensors
+    prefix = ""
+    if lc.num_layers != 1:
+        # The forward gives every layer the same norms; an EAGLE head with more
+        # layers has none before layer 0 but one before the others.
+        raise CheckpointError(f"draft checkpoint {where}: {found} heads with num_hidden_layers={lc.num_layers} are "
+                              f"not supported (only 1, the published layout)")
+    if found == "EAGLE":
+        num_layers, capture = 1, ()
+        if "layers.0.input_layernorm.weight" in tensors:
+            log.warning("draft checkpoint %s: ignoring layers.0.input_layernorm.weight (EAGLE's first layer has no "
+                        "input norm; SGLang drops it too)", where)
+        has_lm_head, draft_vocab = "lm_head.weight" in tensors, target.vocab_size
+    else:
+        num_layers, capture, prefix = 1, _capture_layers(hf, target, where), _eagle3_prefix(tensors)
+        cfg_vocab = hf.get("draft_vocab_size")
+        if "lm_head.weight" in tensors:
+            has_lm_head = True
+            draft_vocab = int(cfg_vocab) if cfg_vocab is not None else int(tensors["lm_head.weight"].shape[0])
+        elif cfg_vocab is not None and int(cfg_vocab) != target.vocab_size:
+            raise MissingTensorError(
+                f"draft checkpoint {where}: missing tensor 'lm_head.weight' (draft_vocab_size={cfg_vocab} needs "
+                f"the head's own lm_head)"
+            )
+        elif hf.get("tie_word_embeddings") and not has_embed:
+            raise CheckpointError(f"draft checkpoint {where}: a tied EAGLE3 head without embed_tokens.weight is "
+                                  f"not supported")
+        else:  # SGLang's load_lm_head_from_target (or a tied head, whose lm_head is its embedding)
+            has_lm_head = bool(hf.get("tie_word_embeddings"))
+            draft_vocab = target.vocab_size
+    cfg = DraftConfig(
+        algorithm=found, hidden_size=H, intermediate_size=lc.intermediate_size, num_heads=lc.num_heads,
+        num_kv_heads=lc.num_kv_heads, head_dim=lc.head_dim, rms_norm_eps=lc.rms_norm_eps,
+        rope_theta=lc.rope_theta, rope_scaling=lc.rope_scaling,
+        max_position_embeddings=target.max_position_embeddings, vocab_size=target.vocab_size,
+        draft_vocab_size=draft_vocab, num_layers=num_layers, capture_layers=capture,
+        fc_bias="fc.bias" in tensors or bool(hf.get("bias", False) and found == "EAGLE3"),
+        has_embed=has_embed, has_lm_head=has_lm_head,
+    )
+    note = (f"hidden {H}, heads {cfg.num_heads}/{cfg.num_kv_heads} x {cfg.head_dim}, intermediate "
+            f"{cfg.intermediate_size}, draft vocab {cfg.draft_vocab_size}")
+    tensors_for_check = dict(tensors)
+    if hf.get("tie_word_embeddings") and found == "EAGLE3" and "lm_head.weight" not in tensors:
+        tensors_for_check["lm_head.weight"] = tensors["embed_tokens.weight"]
+    _check_tensors(cfg, tensors_for_check, prefix, where, note)
+    return cfg
+
+
+# ---------------------------------------------------------------------------
+# HF names -> param pytree
+# ---------------------------------------------------------------------------
+
+def _d2t(cfg: DraftConfig, tensors: Mapping[str, np.ndarray], where: str) -> np.ndarray:
+    if "d2t" not in tensors:
+        if cfg.draft_vocab_size != cfg.vocab_size:
+            log.warning("draft checkpoint %s: no d2t; draft token i is taken to be target token i", where)
+        return np.zeros(cfg.draft_vocab_size, np.int32)
+    d2t = np.asarray(tensors["d2t"])
+    if d2t.shape != (cfg.draft_vocab_size,) or d2t.dtype.kind not in "iu":
+        raise TensorShapeError(f"draft checkpoint {where}: 'd2t': expected [{cfg.draft_vocab_size}] integers, "
+                               f"got {list(d2t.shape)} {d2t.dtype}")
+    target_ids = np.arange(cfg.draft_vocab_size, dtype=np.int64) + d2t.astype(np.int64)
+    if target_ids.size and (target_ids.min() < 0 or target_ids.max() >= cfg.vocab_size):
+        raise CheckpointError(f"draft checkpoint {where}: d2t maps draft ids outside the target vocab "
+                              f"[0, {cfg.vocab_size}) (target_id = draft_id + d2t[draft_id])")
+    if "t2d" in tensors:
+        t2d = np.asarray(tensors["t2d"])
+        if t2d.shape != (cfg.vocab_size,):
+            raise TensorShapeError(f"draft checkpoint {where}: 't2d': expected [{cfg.vocab_size}], "
+                                   f"got {list(t2d.shape)}")
+        if not t2d.astype(bool)[target_ids].all():
+            log.warning("draft checkpoint %s: t2d disagrees with d2t (t2d is unused; d2t wins)", where)
+    return d2t.astype(np.int32)
+
+
+def convert_draft_params(cfg: DraftConfig, tensors: Mapping[str, np.ndarray], dtype: Any = jnp.float32,
+                         *, device: jax.Device | None = None, where: str = "(in memory)") -> dict[str, Any]:
+    """HF-named tensors (validated by draft_config_from_hf) -> the draft pytree.
+    Heads are small, so tensors go to the device one by one and are cast and
+    transposed there."""
+    dtype = jnp.dtype(dtype)
+
+    def vec(name: str) -> jax.Array:
+        return jax.device_put(np.asarray(tensors[name]), device).astype(dtype)
+
+    def lin(name: str) -> jax.Array:  # [out, in] -> [in, out]
+        return vec(name).T
+
+    def layer(p: str) -> dict[str, jax.Array]:
+        return {
+            "wqkv": jnp.concatenate([lin(p + f"self_attn.{x}_proj.weight") for x in "qkv"], axis=1),
+            "wo": lin(p + "self_attn.o_proj.weight"),
+            "mlp_norm": vec(p + "post_attention_layernorm.weight"),
+            "w_gate_up": jnp.concatenate([lin(p + "mlp.gate_proj.weight"), lin(p + "mlp.up_proj.weight")], axis=1),
+            "w_down": lin(p + "mlp.down_proj.weight"),
+        }
+
+    if cfg.algorithm == "EAGLE":
+        per_layer = [layer("layers.0.")]
+    else:
+        p = _eagle3_prefix(tensors)
+        per_layer = [{**layer(p), "attn_norm": vec(p + "input_layernorm.weight"),
+                      "hidden_norm": vec(p + "hidden_norm.weight")}]
+    params: dict[str, Any] = {
+        "fc": lin("fc.weight"),
+        "layers": jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer),
+    }
+    if cfg.fc_bias:
+        params["fc_bias"] = vec("fc.bias")
+    if cfg.algorithm == "EAGLE3":
+        params["final_norm"] = vec("norm.weight")
+        params["d2t"] = jax.device_put(_d2t(cfg, tensors, where), device)
+    if cfg.has_lm_head:
+        params["lm_head"] = lin("lm_head.weight" if "lm_head.weight" in tensors else "embed_tokens.weight")
+    if cfg.has_embed:
+        params["embed"] = vec("embed_tokens.weight")
+    return params
+
+
+def draft_param_shapes(cfg: DraftConfig) -> dict[str, Any]:
+    """The pytree's leaf shapes (same structure as the params; d2t is int32)."""
+    H, I, Ld = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+    layers = {"wqkv": (Ld, cfg.attn_in, cfg.q_size + 2 * cfg.kv_size), "wo": (Ld, cfg.q_size, H),
+              "mlp_norm": (Ld, H), "w_gate_up": (Ld, H, 2 * I), "w_down": (Ld, I, H)}
+    if cfg.algorithm == "EAGLE3":
+        layers["attn_norm"] = (Ld, H)
+        layers["hidden_norm"] = (Ld, H)
+    shapes: dict[str, Any] = {"fc": (cfg.fc_in, H), "layers": layers}
+    if cfg.fc_bias:
+        shapes["fc_bias"] = (H,)
+    if cfg.algorithm == "EAGLE3":
+        shapes["final_norm"] = (H,)
+        shapes["d2t"] = (cfg.draft_vocab_size,)
+    if cfg.has_lm_head:
+        shapes["lm_head"] = (H, cfg.draft_vocab_size)
+    if cfg.has_embed:
+        shapes["embed"] = (cfg.vocab_size, H)
+    return shapes
+
+
+def init_random_draft_params(cfg: DraftConfig, key: jax.Array, dtype: Any = jnp.float32,
+                             std: float = 0.02) -> dict[str, Any]:
+    """Random params in the draft pytree: weights N(0, std), norm scales
+    1 + N(0, 0.1), biases N(0, std); d2t maps the draft vocab onto a random
+    sorted subset of the target vocab (zeros when the vocabs are equal)."""
+    return _init_random(cfg, key, jnp.dtype(dtype), float(std))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2, 3))
+def _init_random(cfg: DraftConfig, key: jax.Array, dtype, std: float) -> dict[str, Any]:
+    is_shape = lambda x: isinstance(x, tuple)  # noqa: E731
+    shapes = draft_param_shapes(cfg)
+    d2t_shape = shapes.pop("d2t", None)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=is_shape)
+    sizes = [math.prod(s) for _, s in flat]
+    key, k_vocab = jax.random.split(key)
+    # One draw sliced into leaves: a threefry draw per distinct shape compiles slowly on the CPU.
+    pieces = jnp.split(jax.random.normal(key, (sum(sizes),), jnp.float32), np.cumsum(sizes)[:-1])
+    leaves = []
+    for (path, shape), noise in zip(flat, pieces):
+        noise = noise.reshape(shape)
+        leaves.append((1.0 + 0.1 * noise if "norm" in jax.tree_util.keystr(path) else std * noise).astype(dtype))
+    params = jax.tree.unflatten(treedef, leaves)
+    if d2t_shape is not None:
+        Vd, V = cfg.draft_vocab_size, cfg.vocab_size
+        hot = jnp.sort(jax.random.permutation(k_vocab, V)[:Vd]) if Vd < V else jnp.arange(V)
+        params["d2t"] = (hot - jnp.arange(Vd)).astype(jnp.int32)
+    return params
+
+
+# ---------------------------------------------------------------------------
+# Entry point
+# ---------------------------------------------------------------------------
+
+def load_draft_model(path: str | os.PathLike, target_cfg: ModelConfig, dtype: Any = None,
+                     algorithm: str | None = None) -> tuple[DraftConfig, dict[str, Any]]:
+    """Loads an EAGLE or EAGLE-3 draft head for `target_cfg`.
+
+    algorithm None: detected from the tensor names; otherwise it must agree
+    with them (DraftAlgorithmMismatchError). dtype None: bfloat16 on a GPU
+    backend, float32 otherwise (d2t is int32 regardless). Errors are
+    CheckpointError subclasses naming the tensor or field at fault.
+    """
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"draft model directory {path!r} does not exist or is not a directory")
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"no config.json in draft model directory {path!r}")
+    with open(cfg_path) as f:
+        try:
+            hf = json.load(f)
+        except ValueError as e:
+            raise CheckpointError(f"unreadable config.json in {path!r}: {e}") from None
+    if dtype is None:
+        dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    tensors = read_draft_tensors(path)
+    where = repr(path)
+    cfg = draft_config_from_hf(hf, target_cfg, tensors, algorithm, where)
+    return cfg, convert_draft_params(cfg, tensors, dtype, where=where)

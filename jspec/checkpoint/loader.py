@@ -1,0 +1,648 @@
+"""Checkpoint loading: HF `config.json` + safetensors -> jspec param pytree.
+
+Param pytree (the contract with models/llama.py). Weights are [in, out] (HF's
+nn.Linear stores [out, in]) and layers are stacked on a leading axis L so the
+model can `lax.scan` over them:
+
+    embed [V, H]
+    layers/attn_norm [L, H]
+    layers/wqkv [L, H, q_size + 2*kv_size]     concat(q, k, v) on the out axis
+    layers/bqkv [L, q_size + 2*kv_size]        only when cfg.qkv_bias (Qwen2)
+    layers/q_norm, layers/k_norm [L, head_dim] only when cfg.qk_norm (Qwen3)
+    layers/wo [L, q_size, H]
+    layers/mlp_norm [L, H]
+    layers/w_gate_up [L, H, 2*I]               concat(gate, up) on the out axis
+    layers/w_down [L, I, H]
+    final_norm [H]
+    lm_head [H, V]                             absent when cfg.tie_word_embeddings
+
+MoE layers (cfg.moe_layers, see models/moe.py) carry, instead of w_gate_up and
+w_down, router [L, H, E], experts_gate_up [L, E, H, 2*I_moe], experts_down
+[L, E, I_moe, H] and, for Qwen2-MoE, shared_gate_up / shared_down / shared_gate.
+When every layer is sparse (or none is) the layers stay stacked; a model that
+mixes dense and sparse layers (mlp_only_layers, decoder_sparse_step > 1) gets
+`layers` as a list of per-layer dicts (see llama.unstack_layers), since a scan
+needs alike layers. Experts are read from HF's classic per-expert tensors
+(`mlp.experts.{e}.gate_proj/up_proj/down_proj`, Mixtral's
+`block_sparse_moe.experts.{e}.w1/w3/w2`; what transformers 5 save_pretrained
+still writes) or from the fused `experts.gate_up_proj [E, 2I, H]` /
+`experts.down_proj [E, H, I]` of transformers 5's in-memory layout
+(save_pretrained(save_original_format=False)).
+
+Two on-disk formats are accepted by `load_model(path)`:
+
+* an HF checkpoint directory: `config.json` plus `model.safetensors`, or a
+  sharded `model.safetensors.index.json` with its shards;
+* a jspec converted directory, written by `save_params(params, dir, config=cfg)`
+  or `convert_checkpoint(hf_dir, out_dir)`: `jspec_config.json` (the
+  ModelConfig as JSON) and `params/` (an orbax-checkpoint of the pytree above).
+  It is recognised by `jspec_config.json` and restores the pytree as saved,
+  with no per-tensor conversion. `convert_checkpoint` also copies the
+  tokenizer files, so `tokenizer.load_tokenizer` works there too.
+  Measured on the H200 (8B Llama shape, bf16, files in the page cache): the
+  HF directory loads in 6.5 s, the orbax directory in 8.9 s (save: 22 s), so
+  the converted format buys no speed on one GPU; it is there for a pytree
+  that is not an HF checkpoint (e.g. a trained draft head) and for later
+  sharded restores.
+
+safetensors files are read through our own header parser and `np.memmap`:
+numpy has no bfloat16, and memory-mapping means a tensor's bytes are only
+read when it is sent to the device. Loading that 8B checkpoint peaked at
+17.2 GB of device memory for 16.1 GB of params.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import math
+import os
+import shutil
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from jspec.config.model import ModelConfig, RopeScaling, UnsupportedArchitectureError
+
+log = logging.getLogger(__name__)
+
+JSPEC_CONFIG_FILE = "jspec_config.json"
+PARAMS_SUBDIR = "params"
+_FORMAT = "jspec-params"
+_FORMAT_VERSION = 1
+# Files copied by convert_checkpoint so a converted directory keeps its tokenizer.
+_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
+               "special_tokens_map.json", "config.json")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded (base of the errors below)."""
+
+
+class MissingTensorError(CheckpointError, KeyError):
+    """A tensor the config requires is absent from the checkpoint."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message, quotes and all.
+        return str(self.args[0]) if self.args else ""
+
+
+class TensorShapeError(CheckpointError):
+    """A tensor has a shape that disagrees with config.json."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A safetensors file whose header or size is inconsistent."""
+
+
+class NoSafetensorsError(CheckpointError, FileNotFoundError):
+    """The directory has a config.json but no weights jspec can read."""
+
+
+# ---------------------------------------------------------------------------
+# safetensors reading
+# ---------------------------------------------------------------------------
+
+_ST_DTYPES = {
+    "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
+    "U64": np.dtype("<u8"), "U32": np.dtype("<u4"), "U16": np.dtype("<u2"), "U8": np.dtype("u1"),
+    "BOOL": np.dtype("bool"),
+}
+
+
+def read_safetensors_file(filename: str | os.PathLike) -> dict[str, np.ndarray]:
+    """Memory-maps one .safetensors file; returns read-only little-endian views."""
+    filename = os.fspath(filename)
+    size = os.path.getsize(filename)
+    with open(filename, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise CorruptCheckpointError(f"{filename!r} is not a safetensors file (shorter than 8 bytes)")
+        header_len = int.from_bytes(head, "little")
+        if header_len > size - 8:
+            raise CorruptCheckpointError(f"{filename!r}: header length {header_len} exceeds the file size {size}")
+        try:
+            header = json.loads(f.read(header_len))
+        except ValueError as e:
+            raise CorruptCheckpointError(f"{filename!r}: unreadable safetensors header ({e})") from None
+    data_start = 8 + header_len
+    buf = np.memmap(filename, dtype=np.uint8, mode="r") if size > data_start else np.zeros(0, np.uint8)
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _ST_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise CorruptCheckpointError(f"{filename!r}: tensor {name!r} has unsupported dtype {info['dtype']!r}")
+        shape = tuple(int(d) for d in info["shape"])
+        start, end = (int(o) for o in info["data_offsets"])
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if end - start != nbytes or data_start + end > size:
+            raise CorruptCheckpointError(
+                f"{filename!r}: tensor {name!r} ({info['dtype']} {list(shape)}) has byte range "
+                f"[{start}, {end}) but needs {nbytes} bytes within a {size}-byte file (truncated?)"
+            )
+        out[name] = buf[data_start + start : data_start + end].view(dtype).reshape(shape)
+    return out
+
+
+def safetensors_files(path: str | os.PathLike) -> list[str]:
+    """The weight files of an HF checkpoint directory, index first."""
+    path = os.fspath(path)
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map") or {}
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not os.path.isfile(os.path.join(path, s))]
+        if missing:
+            raise NoSafetensorsError(
+                f"model directory {path!r}: model.safetensors.index.json lists shard(s) {missing} that do not exist"
+            )
+        if not shards:
+            raise NoSafetensorsError(f"model directory {path!r}: model.safetensors.index.json has an empty weight_map")
+        return [os.path.join(path, s) for s in shards]
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    # Shards without an index happen when an index is lost; consolidated.safetensors
+    # (Mistral's own format) uses other tensor names, so it is not picked up.
+    shards = sorted(f for f in os.listdir(path) if f.startswith("model-") and f.endswith(".safetensors"))
+    if shards:
+        return [os.path.join(path, s) for s in shards]
+    present = sorted(os.listdir(path))
+    hint = " (PyTorch .bin weights are not supported; convert them to safetensors)" if any(
+        f.endswith(".bin") for f in present) else ""
+    raise NoSafetensorsError(
+        f"model directory {path!r} has no model.safetensors or model.safetensors.index.json{hint}; "
+        f"it contains {present[:20]}"
+    )
+
+
+def read_hf_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """All tensors of an HF checkpoint directory by name, as memory-mapped numpy arrays
+    (bf16 as `ml_dtypes.bfloat16`), so reading costs no host memory until used."""
+    tensors: dict[str, np.ndarray] = {}
+    for filename in safetensors_files(path):
+        for name, arr in read_safetensors_file(filename).items():
+            if name in tensors:
+                raise CorruptCheckpointError(f"tensor {name!r} appears in more than one shard of {os.fspath(path)!r}")
+            tensors[name] = arr
+    return tensors
+
+
+# ---------------------------------------------------------------------------
+# HF names -> stacked pytree
+# ---------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _MoeLayout:
+    """Where a checkpoint keeps a sparse layer's tensors (names relative to model.layers.{i}.)."""
+
+    prefix: str = "mlp"  # "mlp", or Mixtral's "block_sparse_moe"
+    fused: bool = False  # experts.gate_up_proj [E, 2I, H] + experts.down_proj [E, H, I]
+    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # per expert: gate, up, down
+
+    @property
+    def router(self) -> str:
+        return f"{self.prefix}.gate.weight"
+
+    def expert(self, e: int, which: int) -> str:
+        return f"{self.prefix}.experts.{e}.{self.names[which]}.weight"
+
+    @property
+    def fused_gate_up(self) -> str:
+        return f"{self.prefix}.experts.gate_up_proj"
+
+    @property
+    def fused_down(self) -> str:
+        return f"{self.prefix}.experts.down_proj"
+
+
+_MIXTRAL_NAMES = ("w1", "w3", "w2")
+
+
+def _moe_layout(cfg: ModelConfig, tensors: Mapping[str, Any]) -> _MoeLayout | None:
+    """The checkpoint's MoE naming, read off its first sparse layer; for a checkpoint that has
+    none of them, the family's classic names (so a missing-tensor error names those)."""
+    if not cfg.is_moe:
+        return None
+    base = f"model.layers.{cfg.moe_layers[0]}."
+    for prefix in ("mlp", "block_sparse_moe"):
+        if base + f"{prefix}.experts.gate_up_proj" in tensors:
+            return _MoeLayout(prefix, fused=True)
+        for names in (_MIXTRAL_NAMES, _MoeLayout.names):
+            if base + f"{prefix}.experts.0.{names[0]}.weight" in tensors:
+                return _MoeLayout(prefix, names=names)
+    return _MoeLayout("block_sparse_moe", names=_MIXTRAL_NAMES) if cfg.family == "mixtral" else _MoeLayout()
+
+
+def _moe_hf_shapes(cfg: ModelConfig, layout: _MoeLayout) -> dict[str, tuple[int, ...]]:
+    """One sparse layer's HF tensors (relative names) and shapes."""
+    H, E, I = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    shapes = {layout.router: (E, H)}
+    if layout.fused:
+        shapes[layout.fused_gate_up] = (E, 2 * I, H)
+        shapes[layout.fused_down] = (E, H, I)
+    else:
+        for e in range(E):
+            shapes[layout.expert(e, 0)] = (I, H)
+            shapes[layout.expert(e, 1)] = (I, H)
+            shapes[layout.expert(e, 2)] = (H, I)
+    if cfg.shared_expert_intermediate_size:
+        Is = cfg.shared_expert_intermediate_size
+        shapes.update({"mlp.shared_expert.gate_proj.weight": (Is, H), "mlp.shared_expert.up_proj.weight": (Is, H),
+                       "mlp.shared_expert.down_proj.weight": (H, Is), "mlp.shared_expert_gate.weight": (1, H)})
+    return shapes
+
+
+def _hf_shapes(cfg: ModelConfig, moe_layout: _MoeLayout | None = None) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor the config needs, with the shape HF stores it in ([out, in])."""
+    H, I, V, D = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
+    shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (V, H)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (H,)
+        shapes[p + "post_attention_layernorm.weight"] = (H,)
+        shapes[p + "self_attn.q_proj.weight"] = (cfg.q_size, H)
+        shapes[p + "self_attn.k_proj.weight"] = (cfg.kv_size, H)
+        shapes[p + "self_attn.v_proj.weight"] = (cfg.kv_size, H)
+        shapes[p + "self_attn.o_proj.weight"] = (H, cfg.q_size)
+        if cfg.qkv_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (cfg.q_size,)
+            shapes[p + "self_attn.k_proj.bias"] = (cfg.kv_size,)
+            shapes[p + "self_attn.v_proj.bias"] = (cfg.kv_size,)
+        if cfg.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (D,)
+            shapes[p + "self_attn.k_norm.weight"] = (D,)
+        if i in cfg.moe_layers:
+            shapes.update({p + n: s for n, s in _moe_hf_shapes(cfg, moe_layout or _MoeLayout()).items()})
+            continue
+        shapes[p + "mlp.gate_proj.weight"] = (I, H)
+        shapes[p + "mlp.up_proj.weight"] = (I, H)
+        shapes[p + "mlp.down_proj.weight"] = (H, I)
+    return shapes
+
+
+def _check_tensors(cfg: ModelConfig, tensors: Mapping[str, Any], where: str,
+                   moe_layout: _MoeLayout | None = None) -> None:
+    expected = _hf_shapes(cfg, moe_layout)
+    missing = [n for n in expected if n not in tensors]
+    if missing:
+        shown = ", ".join(repr(n) for n in missing[:8])
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        raise MissingTensorError(
+            f"checkpoint {where}: missing {len(missing)} tensor(s) required by config.json "
+            f"({cfg.family}, {cfg.num_layers} layers): {shown}{more}"
+        )
+    bad = [(n, s, tuple(tensors[n].shape)) for n, s in expected.items() if tuple(tensors[n].shape) != s]
+    if bad:
+        lines = "; ".join(f"{n!r}: expected {list(s)}, got {list(g)}" for n, s, g in bad[:8])
+        more = f" (and {len(bad) - 8} more)" if len(bad) > 8 else ""
+        raise TensorShapeError(
+            f"checkpoint {where}: {len(bad)} tensor(s) disagree with config.json "
+            f"(HF layout, nn.Linear weights are [out, in]): {lines}{more}"
+        )
+    # Old checkpoints carry rotary inv_freq buffers; anything else unexpected is
+    # worth a warning, since the config checks should have rejected real variants.
+    unused = [n for n in tensors if n not in expected and not n.endswith("rotary_emb.inv_freq")
+              and not (cfg.tie_word_embeddings and n == "lm_head.weight")]
+    if unused:
+        log.warning("checkpoint %s: ignoring %d unexpected tensor(s), e.g. %s", where, len(unused), unused[:4])
+
+
+def convert_hf_params(
+    cfg: ModelConfig,
+    tensors: Mapping[str, np.ndarray],
+    dtype: Any = jnp.float32,
+    *,
+    source: str | os.PathLike | None = None,
+    device: jax.Device | None = None,
+) -> dict[str, jax.Array]:
+    """Builds the jspec param pytree (jax arrays on `device`, default: the default
+    device) from HF-named tensors. `source` names the checkpoint in errors.
+
+    Each weight matrix is sent to the device as it is stored ([out, in], source
+    dtype, straight from the memory map) and cast, transposed and written into
+    its slot of the preallocated stacked leaf there, in place (donated). So
+    host memory holds one tensor at a time, device memory the params plus one
+    tensor, and the transposes run on the device: numpy's strided bf16
+    transpose and ml_dtypes' casts run at ~0.3 GB/s. (Transposing a whole
+    stacked leaf at once instead made XLA's GPU autotuner take 4x the leaf.)
+    """
+    where = repr(os.fspath(source)) if source is not None else "(in memory)"
+    moe_layout = _moe_layout(cfg, tensors)
+    _check_tensors(cfg, tensors, where, moe_layout)
+    dtype = np.dtype(jnp.dtype(dtype))
+    L = cfg.num_layers
+
+    def vectors(parts: list[str]) -> jax.Array:
+        """[L, sum(n)]: tiny, so stacked on the host and sent at once."""
+        rows = [np.concatenate([tensors[f"model.layers.{i}.{p}"] for p in parts]) for i in range(L)]
+        return _cast(jax.device_put(np.stack(rows), device), dtype)
+
+    def matrices(parts: list[str], layer_ids=tuple(range(L))) -> jax.Array:
+        """[len(layer_ids), in, sum(out)]: each layer's parts concatenated on the out axis."""
+        first = [tensors[f"model.layers.{layer_ids[0]}.{p}"] for p in parts]
+        out = jnp.zeros((len(layer_ids), first[0].shape[1], sum(t.shape[0] for t in first)), dtype, device=device)
+        for j, i in enumerate(layer_ids):
+            col = 0
+            for p in parts:
+                t = tensors[f"model.layers.{i}.{p}"]
+                out = _place_transposed(out, jax.device_put(t, device), (j, 0, col))
+                col += t.shape[0]
+        return out
+
+    def experts(layer_ids, fused: str, per_expert: list[int]) -> jax.Array:
+        """[n, E, in, sum(out)] from the fused [E, out, in] tensor or per-expert [out, in] ones."""
+        E, lay = cfg.num_experts, moe_layout
+        pieces = [tensors[f"model.layers.{layer_ids[0]}.{lay.expert(0, w)}"] for w in per_expert] if not lay.fused \
+            else [tensors[f"model.layers.{layer_ids[0]}.{fused}"][0]]
+        out = jnp.zeros((len(layer_ids), E, pieces[0].shape[1], sum(t.shape[0] for t in pieces)), dtype, device=device)
+        for j, i in enumerate(layer_ids):
+            if lay.fused:
+                out = _place_transposed(out, jax.device_put(tensors[f"model.layers.{i}.{fused}"], device), (j, 0, 0, 0))
+                continue
+            for e in range(E):
+                col = 0
+                for w in per_expert:
+                    t = tensors[f"model.layers.{i}.{lay.expert(e, w)}"]
+                    out = _place_transposed(out, jax.device_put(t, device), (j, e, 0, col))
+                    col += t.shape[0]
+        return out
+
+    def lm_head(t: np.ndarray) -> jax.Array:
+        """[V, H] -> [H, V], in row blocks of at most 256 MiB."""
+        out = jnp.zeros(t.shape[::-1], dtype, device=device)
+        block = max(1, (256 << 20) // max(1, t.shape[1] * t.dtype.itemsize))
+        for r in range(0, t.shape[0], block):
+            out = _place_transposed(out, jax.device_put(t[r : r + block], device), (0, r))
+        return out
+
+    layers = {
+        "attn_norm": vectors(["input_layernorm.weight"]),
+        "wqkv": matrices(["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]),
+    }
+    if cfg.qkv_bias:
+        layers["bqkv"] = vectors(["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"])
+    if cfg.qk_norm:
+        layers["q_norm"] = vectors(["self_attn.q_norm.weight"])
+        layers["k_norm"] = vectors(["self_attn.k_norm.weight"])
+    layers["wo"] = matrices(["self_attn.o_proj.weight"])
+    layers["mlp_norm"] = vectors(["post_attention_layernorm.weight"])
+    dense = {}
+    if cfg.dense_layers:
+        dense["w_gate_up"] = matrices(["mlp.gate_proj.weight", "mlp.up_proj.weight"], cfg.dense_layers)
+        dense["w_down"] = matrices(["mlp.down_proj.weight"], cfg.dense_layers)
+    sparse = {}
+    if cfg.moe_layers:
+        ids = cfg.moe_layers
+        sparse["router"] = matrices([moe_layout.router], ids)
+        sparse["experts_gate_up"] = experts(ids, moe_layout.fused_gate_up, [0, 1])
+        sparse["experts_down"] = experts(ids, moe_layout.fused_down, [2])
+        if cfg.shared_expert_intermediate_size:
+            sparse["shared_gate_up"] = matrices(["mlp.shared_expert.gate_proj.weight",
+                                                 "mlp.shared_expert.up_proj.weight"], ids)
+            sparse["shared_down"] = matrices(["mlp.shared_expert.down_proj.weight"], ids)
+            sparse["shared_gate"] = matrices(["mlp.shared_expert_gate.weight"], ids)
+    layers = assemble_layers(cfg, layers, dense, sparse, lambda a, j: a[j])
+
+    params = {
+        "embed": _cast(jax.device_put(tensors["model.embed_tokens.weight"], device), dtype),
+        "layers": layers,
+        "final_norm": _cast(jax.device_put(tensors["model.norm.weight"], device), dtype),
+    }
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = lm_head(tensors["lm_head.weight"])
+    return params
+
+
+def _cast(x: jax.Array, dtype: np.dtype) -> jax.Array:
+    return x if x.dtype == dtype else _astype(x, dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(1,), donate_argnums=(0,))
+def _astype(x: jax.Array, dtype: np.dtype) -> jax.Array:
+    return x.astype(dtype)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _place_transposed(out: jax.Array, piece: jax.Array, offsets: tuple[int, ...]) -> jax.Array:
+    """out[offsets...] = piece with its last two axes swapped (cast), in place: `out` is
+    donated and offsets are traced, so one program per piece shape serves every layer."""
+    piece = jnp.swapaxes(piece.astype(out.dtype), -1, -2)
+    piece = piece.reshape((1,) * (out.ndim - piece.ndim) + piece.shape)
+    return jax.lax.dynamic_update_slice(out, piece, offsets)
+
+
+def assemble_layers(cfg: ModelConfig, common: dict, dense: dict, sparse: dict, take) -> dict | list[dict]:
+    """params["layers"] from leaves stacked over all layers (common), over cfg.dense_layers
+    (dense MLP) and over cfg.moe_layers (sparse): one stacked dict when the layers are alike,
+    else a list of per-layer dicts, take(leaf, j) being row j of a stacked leaf."""
+    if not sparse or not dense:
+        return {**common, **dense, **sparse}
+    per_layer = []
+    for i in range(cfg.num_layers):
+        own, j = (sparse, cfg.moe_layers.index(i)) if i in cfg.moe_layers else (dense, cfg.dense_layers.index(i))
+        per_layer.append({**{k: take(v, i) for k, v in common.items()}, **{k: take(v, j) for k, v in own.items()}})
+    return per_layer
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
+    """The pytree's leaf shapes for a config (same structure as the params)."""
+    H, I, D, L = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_layers
+    qkv = cfg.q_size + 2 * cfg.kv_size
+    layers = {"attn_norm": (L, H), "wqkv": (L, H, qkv)}
+    if cfg.qkv_bias:
+        layers["bqkv"] = (L, qkv)
+    if cfg.qk_norm:
+        layers["q_norm"] = (L, D)
+        layers["k_norm"] = (L, D)
+    layers.update(wo=(L, cfg.q_size, H), mlp_norm=(L, H))
+    nd, ns = len(cfg.dense_layers), len(cfg.moe_layers)
+    dense = dict(w_gate_up=(nd, H, 2 * I), w_down=(nd, I, H)) if nd else {}
+    sparse = {}
+    if ns:
+        E, Im, Is = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+        sparse = dict(router=(ns, H, E), experts_gate_up=(ns, E, H, 2 * Im), experts_down=(ns, E, Im, H))
+        if Is:
+            sparse.update(shared_gate_up=(ns, H, 2 * Is), shared_down=(ns, Is, H), shared_gate=(ns, H, 1))
+    layers = assemble_layers(cfg, layers, dense, sparse, lambda shape, j: shape[1:])
+    shapes = {"embed": (cfg.vocab_size, H), "layers": layers, "final_norm": (H,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (H, cfg.vocab_size)
+    return shapes
+
+
+def count_params(params: Any) -> int:
+    return int(sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params)))
+
+
+# ---------------------------------------------------------------------------
+# Random params (benchmarks, tests without a checkpoint)
+# ---------------------------------------------------------------------------
+
+def init_random_params(cfg: ModelConfig, key: jax.Array, dtype: Any = jnp.float32, std: float = 0.02) -> dict[str, Any]:
+    """Random params in the loader's pytree: weights N(0, std); norm scales
+    1 + N(0, 0.1) so a wrong norm axis or a skipped norm changes the output."""
+    return _init_random(cfg, key, np.dtype(jnp.dtype(dtype)), float(std))
+
+
+# Below this many parameters one flat draw is sliced into leaves: XLA compiles a
+# threefry draw slowly on the CPU (~0.25 s per distinct shape) and tests init
+# tiny models often. Above it, leaves are drawn one by one so no flat f32
+# buffer the size of the model is ever allocated.
+_FLAT_DRAW_LIMIT = 1 << 24
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2, 3))
+def _init_random(cfg: ModelConfig, key: jax.Array, dtype: np.dtype, std: float) -> dict[str, Any]:
+    is_shape = lambda x: isinstance(x, tuple)  # noqa: E731
+    flat, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg), is_leaf=is_shape)
+    sizes = [math.prod(shape) for _, shape in flat]
+    if sum(sizes) <= _FLAT_DRAW_LIMIT:
+        pieces = jnp.split(jax.random.normal(key, (sum(sizes),), jnp.float32), np.cumsum(sizes)[:-1])
+    else:
+        pieces = [jax.random.normal(k, (n,), jnp.float32) for k, n in zip(jax.random.split(key, len(sizes)), sizes)]
+    out = []
+    for (path, shape), noise in zip(flat, pieces):
+        noise = noise.reshape(shape)
+        # XLA fuses each draw with its scale and cast: no f32 copy of a large leaf is kept.
+        out.append((1.0 + 0.1 * noise if "norm" in jax.tree_util.keystr(path) else std * noise).astype(dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
+# ---------------------------------------------------------------------------
+# Converted (orbax) checkpoints
+# ---------------------------------------------------------------------------
+
+def config_to_json(cfg: ModelConfig) -> dict[str, Any]:
+    return {"format": _FORMAT, "version": _FORMAT_VERSION, "model_config": dataclasses.asdict(cfg)}
+
+
+def config_from_json(data: Mapping[str, Any]) -> ModelConfig:
+    if data.get("format") != _FORMAT:
+        raise CheckpointError(f"{JSPEC_CONFIG_FILE} has format {data.get('format')!r}, expected {_FORMAT!r}")
+    d = dict(data["model_config"])
+    if d.get("rope_scaling") is not None:
+        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+    d["moe_layers"] = tuple(d.get("moe_layers") or ())
+    return ModelConfig(**d)
+
+
+def _checkpointer():
+    import orbax.checkpoint as ocp  # imported lazily: it is slow and only needed here
+
+    return ocp.StandardCheckpointer()
+
+
+def save_params(params: Any, directory: str | os.PathLike, *, config: ModelConfig | None = None) -> str:
+    """Writes the pytree to `directory/params` with orbax (exact, any dtype incl. bf16)
+    and, when `config` is given, `directory/jspec_config.json`, which makes the
+    directory loadable by `load_model`. Overwrites an existing checkpoint there."""
+    directory = os.path.abspath(os.fspath(directory))
+    os.makedirs(directory, exist_ok=True)
+    with _checkpointer() as ckptr:
+        ckptr.save(os.path.join(directory, PARAMS_SUBDIR), params, force=True)
+    if config is not None:
+        with open(os.path.join(directory, JSPEC_CONFIG_FILE), "w") as f:
+            json.dump(config_to_json(config), f, indent=2)
+    return directory
+
+
+def restore_params(directory: str | os.PathLike, like: Any = None, *, dtype: Any = None) -> dict[str, Any]:
+    """Reads a pytree written by `save_params`.
+
+    `like` (a pytree of arrays or jax.ShapeDtypeStruct, with shardings) chooses
+    placement and dtype. Without it every leaf goes to the default device with its
+    saved dtype (or `dtype`); the saved sharding is not reused, so a checkpoint
+    written on a GPU restores on the CPU and vice versa.
+    """
+    directory = os.path.abspath(os.fspath(directory))
+    path = os.path.join(directory, PARAMS_SUBDIR)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no orbax params checkpoint at {path!r} (written by save_params)")
+    with _checkpointer() as ckptr:
+        if like is None:
+            meta = ckptr.metadata(path)
+            tree = getattr(getattr(meta, "item_metadata", meta), "tree", meta)
+            device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            like = jax.tree.map(
+                lambda m: jax.ShapeDtypeStruct(tuple(m.shape), jnp.dtype(dtype) if dtype is not None else m.dtype,
+                                               sharding=device),
+                tree,
+            )
+        elif dtype is not None:
+            raise ValueError("pass either like= or dtype=, not both")
+        return ckptr.restore(path, like)
+
+
+def is_converted_dir(path: str | os.PathLike) -> bool:
+    return os.path.isfile(os.path.join(path, JSPEC_CONFIG_FILE))
+
+
+def _default_dtype():
+    return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+
+
+def load_model(path: str | os.PathLike, dtype: Any = None) -> tuple[ModelConfig, dict[str, Any]]:
+    """Loads an HF checkpoint directory or a jspec converted directory.
+
+    dtype None: bfloat16 on a GPU backend, float32 otherwise. Returns jax arrays
+    on the default device.
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model directory {path!r} does not exist")
+    if not os.path.isdir(path):
+        raise NotADirectoryError(f"model path {path!r} is a file; pass the checkpoint directory")
+    dtype = _default_dtype() if dtype is None else dtype
+    if is_converted_dir(path):
+        with open(os.path.join(path, JSPEC_CONFIG_FILE)) as f:
+            cfg = config_from_json(json.load(f))
+        params = restore_params(path, dtype=dtype)
+        _check_converted(cfg, params, path)
+        return cfg, params
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(
+            f"no config.json in model directory {path!r} (expected an HF checkpoint: config.json + "
+            f"model.safetensors, or a jspec directory with {JSPEC_CONFIG_FILE})"
+        )
+    try:
+        cfg = ModelConfig.from_pretrained(path)
+    except UnsupportedArchitectureError as e:
+        raise UnsupportedArchitectureError(f"{e} [model directory {path!r}]") from None
+    except (KeyError, TypeError) as e:
+        raise CheckpointError(f"config.json in {path!r} lacks or mistypes a required field: {e}") from None
+    tensors = read_hf_tensors(path)
+    params = convert_hf_params(cfg, tensors, dtype, source=path)
+    return cfg, params
+
+
+def _check_converted(cfg: ModelConfig, params: Any, path: str) -> None:
+    expected = param_shapes(cfg)
+    got = jax.tree.map(lambda x: tuple(x.shape), params)
+    if got != expected:
+        raise TensorShapeError(f"converted checkpoint {path!r}: params {got} disagree with {JSPEC_CONFIG_FILE} ({expected})")
+
+
+def convert_checkpoint(hf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: Any = None) -> str:
+    """HF directory -> jspec converted directory (params + config + tokenizer files)."""
+    cfg, params = load_model(hf_path, dtype)
+    save_params(params, out_dir, config=cfg)
+    for name in _SIDE_FILES:
+        src = os.path.join(hf_path, name)
+        if os.path.isfile(src):
+            shutil.copyfile(src, os.path.join(out_dir, name))
+    return os.path.abspath(os.fspath(out_dir))

@@ -1,0 +1,159 @@
+"""AsyncEngine: the Engine's loop on its own thread, with an async stream per request.
+
+The engine is single-threaded by design (the scheduler and the device state
+belong to one loop). Callers on an asyncio event loop (the HTTP server) never
+touch it: they submit and abort through a thread-safe inbox, and each request's
+outputs come back on an asyncio.Queue fed with call_soon_threadsafe. So a slow
+client never blocks the overlap loop, and the loop never waits on a client.
+
+    engine = AsyncEngine(Engine(model))
+    async for out in engine.stream([1, 2, 3], SamplingParams(max_new_tokens=8)):
+        print(out.new_token_ids, out.new_text)
+    engine.shutdown()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from typing import AsyncIterator
+
+from jspec.engine.engine import Engine, RequestOutput
+from jspec.config.sampling import SamplingParams
+
+
+class RequestFailed(RuntimeError):
+    """The engine could not serve a request for a reason of its own (not the request's)."""
+
+    status = 503
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._inbox: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="jspec-engine", daemon=True)
+        self._thread.start()
+
+    # ---- caller side (any thread / event loop) ------------------------------------------------
+
+    async def stream(self, prompt, params: SamplingParams | None = None, rid: str | None = None
+                     ) -> AsyncIterator[RequestOutput]:
+        """Submits a request and yields its outputs until it finishes. Leaving the loop early
+        (a client that disconnects) aborts the request and frees its KV."""
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+        added: asyncio.Future = loop.create_future()
+        self._inbox.put(("add", prompt, params, rid, loop, outputs, added))
+        rid = await added  # raises the engine's validation error, if any
+        finished = False
+        try:
+            while not finished:
+                out = await outputs.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                if out.error is not None:
+                    raise RequestFailed(out.error)
+                yield out
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    @property
+    def alive(self) -> bool:
+        """The loop thread runs and has not crashed."""
+        return self._thread.is_alive() and self._error is None
+
+    def abort(self, rid: str) -> None:
+        self._inbox.put(("abort", rid))
+
+    async def call(self, fn, *args):
+        """fn(engine, *args) on the engine thread, between steps (the engine is not thread-safe:
+        e.g. loading a LoRA adapter rewrites device arrays the next step takes); its result or error."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        self._inbox.put(("call", fn, args, loop, done))
+        return await done
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stops the loop: requests still running are aborted, the step in flight is drained."""
+        self._stop.set()
+        self._inbox.put(("wake",))
+        self._thread.join(timeout)
+
+    # ---- engine thread ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                # Block for work only when the engine is idle; otherwise just drain the inbox.
+                self._handle(self._inbox.get() if not self.engine.has_work() else None)
+                while True:
+                    try:
+                        self._handle(self._inbox.get_nowait())
+                    except queue.Empty:
+                        break
+                if self.engine.has_work():
+                    for out in self.engine.step():
+                        self._publish(out)
+        except BaseException as e:  # surface a crash to every waiting client instead of hanging them
+            self._error = e
+            for rid in list(self._streams):
+                self._publish_error(rid, e)
+        finally:
+            for rid in list(self._streams):
+                self.engine.abort(rid)
+                self._publish(RequestOutput(rid, [], "", True, "abort"))
+            self.engine.drain()
+
+    def _handle(self, msg) -> None:
+        if msg is None or msg[0] == "wake":
+            return
+        if msg[0] == "abort":
+            if self.engine.abort(msg[1]):
+                self._publish(RequestOutput(msg[1], [], "", True, "abort"))
+            return
+        if msg[0] == "call":
+            _, fn, args, loop, done = msg
+            try:
+                result = fn(self.engine, *args)
+            except Exception as e:
+                loop.call_soon_threadsafe(_settle, done, None, e)
+            else:
+                loop.call_soon_threadsafe(_settle, done, result, None)
+            return
+        _, prompt, params, rid, loop, outputs, added = msg
+        try:
+            rid = self.engine.add_request(prompt, params, rid)
+        except Exception as e:
+            loop.call_soon_threadsafe(_settle, added, None, e)
+            return
+        self._streams[rid] = (loop, outputs)
+        loop.call_soon_threadsafe(_settle, added, rid, None)
+
+    def _publish(self, out: RequestOutput) -> None:
+        target = self._streams.get(out.rid)
+        if target is None:
+            return
+        if out.finished:
+            del self._streams[out.rid]
+        loop, outputs = target
+        loop.call_soon_threadsafe(outputs.put_nowait, out)
+
+    def _publish_error(self, rid: str, error: BaseException) -> None:
+        loop, outputs = self._streams.pop(rid)
+        loop.call_soon_threadsafe(outputs.put_nowait, error)
+
+
+def _settle(future: asyncio.Future, value, error) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)

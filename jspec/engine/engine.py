@@ -1,0 +1,395 @@
+"""Engine: a worker (params, device state, compiled steps), the scheduler, and the loop.
+
+The overlap loop (DESIGN.md): launch step N+1, then read step N's outputs,
+which were already copying to the host (copy_to_host_async started at
+launch). The synchronous mode (disable_overlap_schedule=True) runs the very
+same code but reads each step's outputs right after launching it; it is the
+reference the overlap mode must match.
+
+    engine = Engine("/path/to/model", page_size=16)
+    rid = engine.add_request("Hello", SamplingParams(max_new_tokens=16))
+    while engine.has_work():
+        for out in engine.step():
+            print(out.rid, out.new_token_ids, out.finished)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+
+import numpy as np
+
+from jspec.checkpoint.model import as_model
+from jspec.config.spec import SpecConfig
+from jspec.kvcache.radix_cache import RadixCache
+from jspec.worker.programs import DEFAULT_CACHE_DIR, enable_compilation_cache
+from jspec.config.sampling import SamplingParams
+from jspec.scheduler.detokenize import IncrementalDetokenizer, StopChecker
+from jspec.scheduler.dp_scheduler import DPBatch
+from jspec.scheduler.request import Request
+from jspec.scheduler.scheduler import DecodeBatch, PrefillBatch, Scheduler
+from jspec.scheduler.sync import designated_read, start_host_copy
+from jspec.steps.common import unpack_output
+from jspec.worker.plain import PlainWorker
+from jspec.worker.spec import SpecWorker
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What one engine step produced for one request."""
+
+    rid: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None
+    # With params.return_logprob: the new tokens' logprobs and top-n (token id, logprob) pairs.
+    new_logprobs: list[float] | None = None
+    new_top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # all output tokens so far
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache
+    spec_verify_ct: int = 0  # speculative iterations so far (0 without speculation)
+    matched_stop: int | str | None = None
+    error: str | None = None  # why the request failed on the server's side (e.g. its prefill engine died)
+
+
+@dataclasses.dataclass
+class LoopTimes:
+    """Where the loop's host time goes, summed over iterations (seconds).
+
+    `wait_s` is the time blocked on the device at the designated read; everything else is
+    host work that the overlap loop must hide behind the device's step (issue 8, target 5).
+    Two perf_counter calls per phase cost well under a microsecond.
+    """
+
+    iterations: int = 0
+    schedule_s: float = 0.0  # Scheduler.schedule: admission, page growth, batch building
+    launch_s: float = 0.0  # building the step's inputs and dispatching the jitted step
+    wait_s: float = 0.0  # blocked on the previous step's outputs
+    process_s: float = 0.0  # accept bookkeeping, detokenizing, stop checks, outputs
+
+    @property
+    def host_s(self) -> float:
+        return self.schedule_s + self.launch_s + self.process_s
+
+    def per_iteration_ms(self) -> dict:
+        n = max(self.iterations, 1)
+        return {k: 1e3 * v / n for k, v in (("schedule", self.schedule_s), ("launch", self.launch_s),
+                                            ("process", self.process_s), ("host", self.host_s),
+                                            ("wait", self.wait_s))}
+
+
+@dataclasses.dataclass
+class _Launched:
+    batch: PrefillBatch | DecodeBatch
+    outputs: object  # device arrays, copying to the host
+
+
+class Engine:
+    def __init__(
+        self,
+        model,
+        *,
+        spec: SpecConfig | None = None,
+        draft=None,
+        page_size: int = 16,
+        max_running_requests: int = 32,
+        num_pages: int | None = None,
+        kv_memory_bytes: int | None = None,
+        chunked_prefill_size: int = 512,
+        disable_overlap_schedule: bool = False,
+        disable_radix_cache: bool = False,
+        max_top_logprobs: int = 0,
+        attention_backend: str | None = None,
+        seed: int = 0,
+        tp_size: int = 1,
+        ep_size: int = 1,
+        dp_size: int = 1,
+        enable_dp_attention: bool = False,
+        load_balance_method: str = "round_robin",
+        max_loras: int | None = None,
+        max_lora_rank: int | None = None,
+        lora_paths: dict[str, str] | None = None,
+        layer_loop: str = "auto",
+        compilation_cache_dir: str | None = DEFAULT_CACHE_DIR,
+    ):
+        # Before anything compiles: a second process reuses this one's programs (None: off).
+        enable_compilation_cache(compilation_cache_dir)
+        self.model = as_model(model)
+        cfg, params = self.model.cfg, self.model.params
+        if ep_size != 1 and not (cfg.is_moe and ep_size == tp_size):
+            raise ValueError(f"ep_size={ep_size}: expert parallelism splits an MoE model's experts over its "
+                             f"tensor-parallel devices, so it must equal tp_size ({tp_size}) on an MoE model "
+                             f"(this one is {'MoE' if cfg.is_moe else 'dense'}); 1 otherwise")
+        if cfg.is_moe and tp_size > 1 and ep_size != tp_size:
+            raise ValueError(f"an MoE model with tp_size={tp_size} needs ep_size={tp_size} (its experts are split "
+                             f"whole over the devices, not column-wise)")
+        dp_mesh = None
+        if dp_size != 1 or enable_dp_attention:
+            # DP attention: dp ranks of tp / dp devices; per rank, max_running_requests / dp request
+            # slots and num_pages (or kv_memory_bytes) of KV (jspec/distributed/dp_attention.py).
+            from jspec.distributed.dp_attention import check_dp_args, make_dp_mesh, shard_params_dp
+
+            check_dp_args(tp_size, dp_size, enable_dp_attention, load_balance_method)
+            dp_mesh = make_dp_mesh(tp_size, dp_size)
+            cfg, params = shard_params_dp(cfg, params, dp_mesh)
+            max_running_requests = max(1, max_running_requests // dp_size)
+        mesh = None
+        if tp_size > 1 and dp_mesh is None:
+            from jspec.distributed.tensor_parallel import make_mesh, shard_params
+
+            mesh = make_mesh(tp_size)
+            cfg, params = shard_params(cfg, params, mesh)  # cfg changes only if KV heads are repeated
+        kw = dict(page_size=page_size, num_pages=num_pages, max_slots=max_running_requests,
+                  kv_memory_bytes=kv_memory_bytes, attention_backend=attention_backend, mesh=mesh,
+                  layer_loop=layer_loop)
+        if spec is None:
+            self.worker = PlainWorker(cfg, params, **kw)
+        else:
+            from jspec.speculative.registry import make_method
+
+            # The draft is built against the checkpoint's config; it runs replicated on every shard.
+            method, dparams = make_method(spec, self.model.cfg, draft, dtype=params["embed"].dtype)
+            self.worker = SpecWorker(cfg, params, method, dparams, **kw)
+        if dp_mesh is not None:
+            from jspec.worker.dp import DPWorker
+
+            self.worker = DPWorker(self.worker, dp_mesh, chunked_prefill_size)
+        self.spec = spec
+        self.worker.top_n = max_top_logprobs
+        self.lora = None
+        if lora_paths or max_loras:
+            self._init_lora(max_loras, max_lora_rank, dict(lora_paths or {}))
+        if dp_mesh is not None:
+            from jspec.scheduler.dp_scheduler import DPScheduler
+
+            self.scheduler = DPScheduler(self.worker, disable_radix_cache=disable_radix_cache,
+                                         load_balance_method=load_balance_method)
+            self.prefix_cache = self.scheduler.prefix_cache
+        else:
+            self.prefix_cache = None if disable_radix_cache else RadixCache(self.worker.allocator, page_size)
+            self.scheduler = Scheduler(self.worker, chunked_prefill_size=chunked_prefill_size,
+                                       prefix_cache=self.prefix_cache)
+        self.overlap = not disable_overlap_schedule
+        self._inflight: _Launched | None = None
+        self._seeds = np.random.default_rng(seed)  # seeds for requests that bring none
+        self._ids = itertools.count()
+        self._arrival = itertools.count()
+        self.num_steps = 0
+        self.loop_times = LoopTimes()
+
+    # ---- LoRA adapters -----------------------------------------------------------------------
+
+    def _init_lora(self, max_loras: int | None, max_rank: int | None, paths: dict[str, str]) -> None:
+        """The adapter pool (max_loras slots of rank max_rank; by default as many slots as
+        lora_paths, at least 1, and the largest rank among them, at least 16)."""
+        from jspec.lora.pool import LoraPool
+        from jspec.lora.adapter import read_rank
+
+        max_loras = max_loras or max(1, len(paths))
+        if max_rank is None:
+            max_rank = max([16] + [read_rank(p) for p in paths.values()])
+        self.lora = LoraPool(self.model.cfg, max_loras, max_rank, self.worker.dtype, self.worker.mesh,
+                             stacked=not isinstance(self.worker.params["layers"], (list, tuple)))
+        self.worker.lora = self.lora
+        self.worker.params = self.lora.extend_params(self.worker.params)
+        for name, path in paths.items():
+            self.load_lora(name, path)
+
+    def load_lora(self, name: str, path: str) -> int:
+        """Reads a PEFT adapter and makes it resident under `name` (requests pick it with
+        SamplingParams(lora_path=name)); no restart, no recompilation. Returns its pool slot."""
+        from jspec.lora.adapter import load_adapter
+
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters; create it with max_loras (and max_lora_rank) "
+                             "or lora_paths")
+        slot, self.worker.params = self.lora.load(load_adapter(name, path, self.model.cfg, self.lora.max_rank),
+                                                  self.worker.params)
+        return slot
+
+    def unload_lora(self, name: str) -> None:
+        """Frees an adapter's slot; refused while a request that uses it is queued or running."""
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters")
+        users = sorted(r.rid for r in self.scheduler.requests.values() if r.params.lora_path == name
+                       and not r.finished)
+        if users:
+            raise ValueError(f"LoRA adapter {name!r} is in use by running requests {users}; abort them or wait "
+                             f"until they finish before unloading it")
+        self.lora.unload(name)
+
+    def warmup(self, sampling_modes=None, prompt_logprobs: bool = False) -> int:
+        """Compiles every bucketed program the loop can launch; sampling_modes (default all of
+        jspec.layers.sampling.SAMPLING_MODES) narrows it, leaving the rest to compile at first use, and
+        prompt_logprobs adds the prefills that score prompt tokens (otherwise compiled in the
+        background when a request first asks). Returns the programs compiled."""
+        from jspec.layers.sampling import SAMPLING_MODES
+
+        return self.worker.warmup(self.scheduler.chunked_prefill_size, sampling_modes or SAMPLING_MODES,
+                                  prompt_logprobs)
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def add_request(self, prompt, params: SamplingParams | None = None, rid: str | None = None) -> str:
+        from jspec.engine.outputs import tokenize_prompt
+
+        params = params or SamplingParams()
+        params.validate()
+        ids = tokenize_prompt(prompt, self.model, 0)
+        rid = rid if rid is not None else f"req-{next(self._ids)}"
+        if rid in self.scheduler.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if params.n != 1:
+            raise ValueError(f"n={params.n}: add_request takes one completion; add the request n times with "
+                             f"different seeds, or use Engine.generate / jspec.generate, which fan out")
+        if params.top_logprobs_num > self.worker.top_n:
+            raise ValueError(
+                f"top_logprobs_num={params.top_logprobs_num} exceeds this engine's max_top_logprobs="
+                f"{self.worker.top_n}"
+            )
+        tok = self.model.tokenizer
+        if params.stop and tok is None:
+            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        lora_slot = lora_uid = 0
+        if params.lora_path is not None:
+            if self.lora is None:
+                raise ValueError(f"lora_path={params.lora_path!r}, but this engine serves no LoRA adapters")
+            lora_slot = self.lora.slot_of(params.lora_path)
+            lora_uid = self.lora.adapters[params.lora_path].uid
+        eos = set(self.model.cfg.eos_token_ids) | (set(tok.eos_token_ids) if tok is not None else set())
+        # Never generate past the model's context.
+        room = self.model.cfg.max_position_embeddings - len(ids)
+        if room < params.max_new_tokens:
+            params = dataclasses.replace(params, max_new_tokens=room)
+        checker = StopChecker(params.stop, params.stop_token_ids, eos, params.ignore_eos, params.max_new_tokens)
+        detok = IncrementalDetokenizer(tok, ids) if tok is not None else None
+        req = Request(rid, ids, params, checker, detok, arrival=next(self._arrival),
+                      seed=params.seed if params.seed is not None else int(self._seeds.integers(2**32)),
+                      lora_slot=lora_slot, cache_namespace=lora_uid)
+        self.scheduler.add(req)
+        return rid
+
+    def abort(self, rid: str) -> bool:
+        """Finishes a request now and frees its KV; True if it was still running or waiting."""
+        return self.scheduler.abort(rid)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or self._inflight is not None
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedules and launches one batch, and processes the previous one (overlap) or this one (sync)."""
+        times, t0 = self.loop_times, time.perf_counter()
+        batch = self.scheduler.schedule()
+        if batch is None and self._inflight is None and self.scheduler.has_work():
+            # Nothing could run: the waiting requests' programs are still compiling.
+            self.worker.wait_for_programs()
+        t1 = time.perf_counter()
+        launched = self._launch(batch) if batch is not None else None
+        times.schedule_s += t1 - t0
+        times.launch_s += time.perf_counter() - t1
+        times.iterations += 1
+        if self.overlap:
+            done, self._inflight = self._inflight, launched
+        else:
+            done = launched
+        return self._process(done) if done is not None else []
+
+    def _launch(self, batch) -> _Launched:
+        if isinstance(batch, DPBatch):  # DP attention: every rank's sub-batch (or an idle one), one dispatch
+            out = start_host_copy(self.worker.launch(batch))
+            self.num_steps += 1
+            return _Launched(batch, out)
+        sampling = [(r.params, r.seed) for r in batch.reqs]
+        loras = [r.lora_slot for r in batch.reqs] if self.lora is not None else None
+        if isinstance(batch, PrefillBatch):
+            out = self.worker.prefill(batch.chunks, batch.following, batch.slots, sampling, batch.output_starts,
+                                      batch.first_chunks, batch.with_prompt_logprobs, loras=loras,
+                                      chunked_prefill_size=self.scheduler.chunked_prefill_size)
+        else:
+            out = self.worker.decode(batch.slots, batch.page_tables, sampling, loras=loras)
+        start_host_copy(out)
+        self.num_steps += 1
+        return _Launched(batch, out)
+
+    def _process(self, launched: _Launched) -> list[RequestOutput]:
+        t_start = time.perf_counter()
+        before = {id(r): (len(r.output), len(r.text), len(r.output_logprobs), len(r.output_top_logprobs))
+                  for r in launched.batch.reqs}
+        t0 = time.perf_counter()
+        host = unpack_output(designated_read(launched.outputs), self.worker.top_n)
+        t1 = time.perf_counter()
+        if isinstance(launched.batch, PrefillBatch):
+            touched = self.scheduler.on_prefill_done(launched.batch, host)
+        else:
+            touched = self.scheduler.on_decode_done(launched.batch, host, self.spec is not None)
+        outputs = [self._output(r, *before[id(r)]) for r in touched]
+        times = self.loop_times
+        times.wait_s += t1 - t0
+        times.process_s += time.perf_counter() - t1 + (t0 - t_start)
+        return outputs
+
+    @staticmethod
+    def _output(r, n_out: int, n_text: int, n_lp: int, n_top: int) -> RequestOutput:
+        lp = r.params.return_logprob
+        return RequestOutput(
+            r.rid, r.output[n_out:], r.text[n_text:], r.finished, r.finish_reason,
+            r.output_logprobs[n_lp:] if lp else None, r.output_top_logprobs[n_top:] if lp else None,
+            len(r.prompt), len(r.output), r.num_cached_tokens, r.verify_ct, r.matched_stop,
+        )
+
+    def drain(self) -> None:
+        """Waits for and processes the step in flight (for shutdown and idle checks)."""
+        if self._inflight is not None:
+            done, self._inflight = self._inflight, None
+            self._process(done)
+
+    def check_idle_no_leaks(self) -> None:
+        """At idle every page and request slot is back: the leak check of DESIGN.md."""
+        if self.has_work():
+            raise AssertionError("engine is not idle")
+        if self.prefix_cache is not None:
+            self.prefix_cache.check_invariants()
+            self.prefix_cache.reset()  # cached prefixes hold pages by design; drop them to count
+        self.worker.check_no_leaks()
+
+    # ---- convenience -------------------------------------------------------------------------
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None):
+        """Runs prompts to completion; returns GenerationOutputs in order (n per prompt when
+        params.n > 1, prompt by prompt)."""
+        from jspec.engine.outputs import GenerationOutput, as_prompt_list
+
+        prompts = as_prompt_list(prompts)
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        rids = []
+        try:
+            for p, sp in zip(prompts, plist):
+                sp.validate()
+                for one in sp.completions():
+                    rids.append(self.add_request(p, one))
+        except Exception:
+            for rid in rids:  # all or nothing: a bad prompt leaves no half-submitted batch behind
+                self.abort(rid)
+            raise
+        reqs = {rid: self.scheduler.requests[rid] for rid in rids}
+        while self.has_work():
+            self.step()
+        tok = self.model.tokenizer
+        results = []
+        for rid in rids:
+            r = reqs[rid]
+            results.append(GenerationOutput(
+                r.prompt, r.output, r.finish_reason, r.text if tok is not None else None,
+                r.verify_ct, r.spec_emitted / r.verify_ct if r.verify_ct else None,
+                r.output_logprobs if r.params.return_logprob else None,
+                r.output_top_logprobs if r.params.return_logprob and r.params.top_logprobs_num else None,
+                r.input_logprobs if r.params.wants_prompt_logprobs else None,
+                r.input_top_logprobs if r.params.wants_prompt_logprobs and r.params.top_logprobs_num else None,
+            ))
+        return results

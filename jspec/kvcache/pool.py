@@ -1,0 +1,56 @@
+"""Device KV pool: two large arrays, K and V, of shape [layers, pages, page_size, kv_heads, head_dim].
+
+All layers live in one array per K/V so a step's state has two KV leaves, not
+2 x layers (dispatch cost grows with the number of leaves). The pool is only
+ever updated inside jitted steps that donate it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jspec.config.model import ModelConfig
+
+
+class KVPool(NamedTuple):
+    k: jax.Array  # [L, P, S, Hkv, D]
+    v: jax.Array
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[2]
+
+
+def check_page_size(page_size: int) -> None:
+    # Kernel tiles must be powers of two, so a page must be too.
+    if page_size < 1 or page_size & (page_size - 1):
+        raise ValueError(f"page_size must be a power of two >= 1, got {page_size}")
+
+
+def kv_bytes_per_page(cfg: ModelConfig, page_size: int, dtype) -> int:
+    return 2 * cfg.num_layers * page_size * cfg.kv_size * jnp.dtype(dtype).itemsize
+
+
+def create_kv_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> KVPool:
+    check_page_size(page_size)
+    shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+    return KVPool(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def write_kv(
+    cache: jax.Array, layer: jax.Array, slots: jax.Array, new: jax.Array
+) -> jax.Array:
+    """Writes new[t] at flat slot slots[t] (= page * page_size + offset) of one layer.
+
+    Slots out of range (the padding convention: slot = pages * page_size) are
+    dropped, so padded tokens write nothing.
+    """
+    S = cache.shape[2]
+    return cache.at[layer, slots // S, slots % S].set(new.astype(cache.dtype), mode="drop")

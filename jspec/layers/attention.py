@@ -1,0 +1,100 @@
+"""Paged attention for the model: picks the decode or extend kernel (or its reference)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jspec.layers.batch import AttentionMode, ForwardBatch
+
+BACKENDS = ("pallas", "reference")
+
+
+def paged_attention(
+    q: jax.Array,  # [T, Hq, D]
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array,
+    batch: ForwardBatch,
+    mode: AttentionMode,
+    *,
+    sm_scale: float,
+    mask: jax.Array | None = None,
+) -> jax.Array:
+    if mode.backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {mode.backend!r}; choose one of {BACKENDS}")
+    if mode.backend == "pallas":
+        from jspec.kernels.paged_decode import paged_decode as decode
+        from jspec.kernels.paged_extend import paged_extend as extend
+    else:
+        from jspec.kernels.ref import paged_decode_ref as decode
+        from jspec.kernels.ref import paged_extend_ref as extend
+    if mode.decode_only and mask is None:
+        run = lambda q, k, v, layer, lens, tables: decode(q, k, v, layer, lens, tables, sm_scale=sm_scale)  # noqa: E731
+        return over_head_shards(run, q, k_cache, v_cache, layer, batch.seq_lens, batch.page_tables)
+
+    def run(q, k, v, layer, lens, tables, starts, *mask):
+        return extend(q, k, v, layer, lens, tables, starts, sm_scale=sm_scale, max_q_len=mode.max_q_len,
+                      mask=mask[0] if mask else None)
+
+    extra = () if mask is None else (mask,)
+    return over_head_shards(run, q, k_cache, v_cache, layer, batch.seq_lens, batch.page_tables,
+                            batch.query_start, *extra)
+
+
+def paged_decode_with_lse(q, k_cache, v_cache, layer, seq_lens, page_tables, *, sm_scale: float, backend: str):
+    """Decode attention that also returns the log-sum-exp of each row's logits: (out [B, Hq, D] f32,
+    lse [B, Hq] f32, -inf where nothing is visible), so that attention over the paged prefix can
+    be merged with attention over keys that live outside the pool (the draft tree's ancestors)."""
+    if backend == "pallas":
+        from jspec.kernels.paged_decode import paged_decode as decode
+    else:
+        from jspec.kernels.ref import paged_decode_ref as decode
+    run = lambda q, k, v, layer, lens, tables: decode(q, k, v, layer, lens, tables, sm_scale=sm_scale,  # noqa: E731
+                                                      return_lse=True)
+    return over_head_shards(run, q, k_cache, v_cache, layer, seq_lens, page_tables, with_lse=True)
+
+
+def over_head_shards(fn, q, k_cache, v_cache, *replicated, with_lse: bool = False):
+    """fn(q [T, Hq, D], k_cache, v_cache [L, P, S, Hkv, D], *replicated) -> out [T, Hq, D]
+    (and lse [T, Hq] with_lse), run per tensor-parallel shard on its own heads when the
+    current mesh (jax.set_mesh) has a "tensor" axis that divides both head counts; heads
+    are independent, so no communication. Otherwise fn runs as is (one device, or a
+    replicated draft whose heads do not divide)."""
+    from jax.sharding import PartitionSpec as P
+
+    from jspec.distributed.mesh import TENSOR
+    from jspec.distributed.tensor_parallel import kv_pool_spec
+
+    mesh = jax.sharding.get_abstract_mesh()
+    tp = 1 if mesh.empty or TENSOR not in mesh.axis_names else mesh.shape[TENSOR]
+    if tp == 1 or q.shape[1] % tp or k_cache.shape[3] % tp:
+        return fn(q, k_cache, v_cache, *replicated)
+    heads = P(None, TENSOR, None)
+    out_specs = (heads, P(None, TENSOR)) if with_lse else heads
+    in_specs = (heads, kv_pool_spec(), kv_pool_spec()) + (P(),) * len(replicated)
+    return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
+        q, k_cache, v_cache, *replicated)
+
+
+def merge_attention(out_a, lse_a, out_b, lse_b):
+    """Softmax-merges two attentions over disjoint key sets: out [..., D], lse [...]."""
+    m = jnp.maximum(lse_a, lse_b)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    wa, wb = jnp.exp(lse_a - m), jnp.exp(lse_b - m)
+    total = wa + wb
+    out = (out_a * wa[..., None] + out_b * wb[..., None]) / jnp.where(total > 0, total, 1.0)[..., None]
+    return out
+
+
+def dense_attention_with_lse(q, k, v, visible, *, sm_scale: float):
+    """q [R, Hq, D]; k, v [R, K, Hkv, D]; visible [R, K] -> (out [R, Hq, D] f32, lse [R, Hq] f32)."""
+    R, Hq, D = q.shape
+    Hkv = k.shape[2]
+    qg = q.astype(jnp.float32).reshape(R, Hkv, Hq // Hkv, D)
+    s = jnp.einsum("rhgd,rkhd->rhgk", qg, k.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST) * sm_scale
+    s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    p = jnp.where(visible[:, None, None, :], jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
+    out = jnp.einsum("rhgk,rkhd->rhgd", p, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return out.reshape(R, Hq, D), lse.reshape(R, Hq)

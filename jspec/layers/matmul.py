@@ -1,0 +1,36 @@
+"""The dense projections' matmul: XLA's dot, or the Pallas skinny matmul for decode rows.
+
+At bs=1 a decode step is bound by reading the weights, and XLA's skinny matmuls read
+them below the HBM bandwidth on the H200 (benchmarks/NOTES.md, issue 8 target 3).
+`JSPEC_SKINNY_MATMUL=pallas` sends every projection of at most 16 rows through
+jspec/kernels/skinny_matmul.py instead; it is read when a step is traced, so it is set
+per process (scripts/bench_decode_xla_flags.sh runs it as its own variant). It applies
+to bf16 weights on one GPU only: under a mesh the weights are sharded and XLA's dot
+partitions them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+
+from jspec.kernels.skinny_matmul import MAX_ROWS, skinny_matmul
+
+SKINNY_MATMUL_ENV = "JSPEC_SKINNY_MATMUL"
+
+
+def skinny_backend() -> str:
+    value = os.environ.get(SKINNY_MATMUL_ENV, "xla")
+    if value not in ("xla", "pallas"):
+        raise ValueError(f"{SKINNY_MATMUL_ENV}={value!r}: expected 'xla' or 'pallas'")
+    return value
+
+
+def dense_f32(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [T, in] @ w [in, n] -> f32 [T, n]."""
+    if (x.shape[0] <= MAX_ROWS and w.ndim == 2 and w.dtype == jnp.bfloat16 and skinny_backend() == "pallas"
+            and jax.default_backend() == "gpu" and jax.device_count() == 1):
+        return skinny_matmul(x, w)
+    return jnp.dot(x, w, preferred_element_type=jnp.float32)

@@ -1,0 +1,168 @@
+"""EAGLE / EAGLE-3 as a SpecMethod (spec/method.py runs it inside the one-dispatch iteration).
+
+Propose: num_steps - 1 draft forwards growing an EAGLE-2 tree from the carry's
+top-k; verification is shared (spec/verify.py); update: a draft-extend over the
+emitted tokens, which gives the next iteration's carry.
+
+Sequence bookkeeping, per request slot (see models/eagle.py for the draft's
+position convention):
+- carry.seq_len = n: the target KV holds positions 0..n-1, the draft KV holds
+  pairs (x_{t+1}, feature_t) for t = 0..n-1;
+- carry.next_token = x_n, the token verified last, not yet in the target KV: it
+  is the root of the next tree;
+- carry.extra.topk_p / topk_ids: the draft's top-k for x_{n+1} (from position n-1),
+  carry.extra.hidden: the draft's output at n-1 (its feature for the next step).
+
+KV over-allocation: an iteration writes target KV at positions n..n+N-1 (tree
+nodes in node order) and draft KV at n..n+num_steps, so the host keeps pages
+for n + method.kv_margin positions; only the device knows n + accepted.
+Draft tree steps keep their K/V in a small dense buffer (per beam, its
+ancestors), never in the pool: attention there is the paged prefix merged
+with the beam's own ancestors by log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jspec.config.spec import SpecConfig
+from jspec.layers.batch import AttentionMode, ForwardBatch
+from jspec.models.eagle import (
+    draft_embed,
+    draft_layers,
+    draft_logits,
+    is_eagle3,
+    layer_config,
+    target_feature,
+    to_target_ids,
+)
+from jspec.models.llama import paged_attend, rope_cos_sin
+from jspec.kvcache.pool import KVPool, create_kv_pool, kv_bytes_per_page
+from jspec.layers.batch import bucket
+from jspec.speculative.method import PrefillContext, SpecCarry, SpecMethod
+from jspec.speculative.beams import grow_beam_tree
+from jspec.speculative.tree import chains_tree
+from jspec.speculative.verify import Verified
+from jspec.steps.common import slots_of
+
+
+class EagleExtra(NamedTuple):
+    """EAGLE's per-slot carry beside next_token / seq_len."""
+
+    topk_p: jax.Array  # [slots+1, topk] float32: the draft's top-k after the root
+    topk_ids: jax.Array  # [slots+1, topk] int32, target vocabulary
+    hidden: jax.Array  # [slots+1, H] the draft's output at n-1 (its feature for the next step)
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleMethod(SpecMethod):
+    """EAGLE / EAGLE-3 (dcfg.algorithm): the draft head, its own paged KV, EAGLE-2 beam trees."""
+
+    spec: SpecConfig
+    dcfg: object  # DraftConfig
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        return tuple(self.dcfg.capture_layers) if is_eagle3(self.dcfg) else ()
+
+    def init_draft(self, num_slots, num_pages, page_size, dtype):
+        return create_kv_pool(layer_config(self.dcfg), num_pages, page_size, dtype)
+
+    def draft_kv_bytes_per_page(self, page_size, dtype):
+        return kv_bytes_per_page(layer_config(self.dcfg), page_size, dtype)
+
+    def init_extra(self, num_slots, dtype):
+        n, k = num_slots + 1, self.spec.eagle_topk
+        return EagleExtra(jnp.zeros((n, k), jnp.float32), jnp.zeros((n, k), jnp.int32),
+                          jnp.zeros((n, self.dcfg.hidden_size), dtype))
+
+    def prefill(self, params, dparams, dkv, ctx: PrefillContext):
+        # The draft's prefill over the same rows: pair (x_{t+1}, feature_t) at position t.
+        dcfg = self.dcfg
+        hidden = target_feature(dparams, dcfg, _target_features(dcfg, ctx.out))
+        dkv, dout = _draft_paged_forward(params, dparams, dcfg, dkv, ctx.batch._replace(tokens=ctx.next_tokens),
+                                         ctx.mode, ctx.next_tokens, hidden)
+        last = dout[ctx.batch.logits_indices]
+        p, ids = _draft_topk(dparams, dcfg, params, last, self.spec.eagle_topk)
+        return dkv, EagleExtra(p, ids, last)
+
+    def propose(self, params, dparams, dkv, c: SpecCarry, page_tables, slot_ids, backend):
+        if self.spec.num_steps == 1 and self.spec.eagle_topk == 1:
+            # The high-throughput path (1 step, topk 1, 2 verify tokens): the draft token is the
+            # carry's top-1 from the last draft-extend; no draft forward, no tree search.
+            return dkv, chains_tree(c.next_token, c.extra.topk_ids[:, None, :1])
+        return dkv, _draft_tree(params, dparams, self.dcfg, self.spec, dkv, c, page_tables, backend)
+
+    def update(self, params, dparams, dkv, c: SpecCarry, v: Verified, page_tables, slot_ids, backend):
+        # Draft-extend over the emitted tokens: pair (x_{t+1}, feature_t) at position t for t = n..n+m.
+        dcfg, n, m = self.dcfg, c.seq_len, v.acc.accept_len
+        B, E = v.acc.tokens.shape
+        N = self.spec.num_draft_tokens
+        drop = dkv.num_pages * dkv.page_size
+        depth = jnp.arange(E, dtype=jnp.int32)[None]
+        feats = _target_features(dcfg, v.out).reshape(B, N, -1)
+        feats = jnp.take_along_axis(feats, v.path[:, :, None], axis=1).reshape(B * E, -1)
+        ext_pos = n[:, None] + depth
+        extend = ForwardBatch(
+            tokens=jnp.where(v.valid, v.acc.tokens, 0).reshape(-1),
+            positions=ext_pos.reshape(-1),
+            slots=jnp.where(v.valid, slots_of(page_tables, ext_pos, dkv.page_size), drop).reshape(-1),
+            seq_lens=n + E,
+            page_tables=page_tables,
+            query_start=jnp.arange(B + 1, dtype=jnp.int32) * E,
+            logits_indices=jnp.arange(B, dtype=jnp.int32) * E + m,
+        )
+        hidden = target_feature(dparams, dcfg, feats)
+        dkv, dout = _draft_paged_forward(
+            params, dparams, dcfg, dkv, extend, AttentionMode(False, bucket(E), backend), extend.tokens, hidden
+        )
+        last = dout[extend.logits_indices]
+        p, ids = _draft_topk(dparams, dcfg, params, last, self.spec.eagle_topk)
+        return dkv, EagleExtra(p, ids, last)
+
+
+def _target_features(dcfg, out) -> jax.Array:
+    """[T, H] (EAGLE: final-normed hidden) or [T, 3H] (EAGLE-3: captured layers, low to high)."""
+    if is_eagle3(dcfg):
+        c = out.captured  # [3, T, H]
+        return jnp.moveaxis(c, 0, 1).reshape(c.shape[1], -1)
+    return out.hidden
+
+
+def _draft_topk(dparams, dcfg, params, out_hidden, topk: int):
+    logits = draft_logits(dparams, dcfg, params, out_hidden)
+    probs = jax.nn.softmax(logits, axis=-1)
+    p, ids = jax.lax.top_k(probs, topk)
+    return p, to_target_ids(dparams, ids)
+
+
+def _draft_paged_forward(params, dparams, dcfg, dkv: KVPool, batch: ForwardBatch, mode: AttentionMode, tokens, hidden):
+    lcfg = layer_config(dcfg)
+    cos, sin = rope_cos_sin(lcfg, batch.positions)
+    out, (k, v) = draft_layers(
+        dparams, dcfg, draft_embed(dparams, params), tokens, hidden, cos, sin,
+        lambda i: paged_attend(lcfg, mode, batch, jnp.int32(i)), (dkv.k, dkv.v),
+    )
+    return KVPool(k, v), out
+
+
+def _draft_tree(params, dparams, dcfg, spec: SpecConfig, draft_kv: KVPool, c: SpecCarry, page_tables, backend):
+    """num_steps - 1 head forwards over topk beams (spec/beams.py), from the carry's top-k."""
+    e = c.extra
+    lcfg = layer_config(dcfg)
+    embed = draft_embed(dparams, params)
+    K = spec.eagle_topk
+
+    def step_fn(tokens, hidden, positions, attend_for_layer, anc):
+        cos, sin = rope_cos_sin(lcfg, positions)
+        out, anc = draft_layers(dparams, dcfg, embed, tokens, hidden, cos, sin, attend_for_layer, anc)
+        p, ids = _draft_topk(dparams, dcfg, params, out, K)
+        return p, ids, out, anc
+
+    # Beams at depth i sit at position n + i - 1 (the draft's shifted convention): prefix 0..n-1.
+    return grow_beam_tree(c.next_token, e.topk_p, e.topk_ids, e.hidden, c.seq_len, page_tables, draft_kv, step_fn,
+                          num_steps=spec.num_steps, num_draft_tokens=spec.num_draft_tokens, backend=backend)

@@ -1,0 +1,47 @@
+"""SpecConfig -> SpecMethod: the one place that maps an algorithm's name to its implementation."""
+
+from __future__ import annotations
+
+from jspec.config.model import ModelConfig
+from jspec.config.spec import SpecConfig
+
+
+def make_method(spec: SpecConfig, cfg: ModelConfig, draft=None, dtype=None):
+    """-> (method, draft params or None). draft: (config, params) of a draft model already in
+    memory; else spec.draft_model_path is loaded (methods that need a draft model)."""
+    if spec.algorithm in ("EAGLE", "EAGLE3"):
+        from jspec.speculative.eagle import EagleMethod
+
+        if draft is None:
+            from jspec.checkpoint.eagle import load_draft_model
+
+            _need_path(spec)
+            draft = load_draft_model(spec.draft_model_path, cfg, dtype=dtype, algorithm=spec.algorithm)
+        dcfg, dparams = draft
+        return EagleMethod(spec, dcfg), dparams
+    if spec.algorithm == "STANDALONE":
+        from jspec.speculative.standalone import StandaloneMethod
+
+        if draft is None:
+            from jspec.checkpoint.loader import load_model
+
+            _need_path(spec)
+            draft = load_model(spec.draft_model_path, dtype=dtype)
+        dcfg, dparams = draft
+        if dcfg.vocab_size != cfg.vocab_size:
+            raise ValueError(f"the STANDALONE draft's vocabulary ({dcfg.vocab_size}) differs from the target's "
+                             f"({cfg.vocab_size}); the draft must share the target's tokenizer")
+        return StandaloneMethod(spec, dcfg), dparams
+    if spec.algorithm == "NGRAM":
+        from jspec.speculative.ngram import NgramMethod
+
+        if draft is not None:
+            raise ValueError("NGRAM speculation has no draft model; do not pass draft=")
+        # The history holds every position a request can reach, plus one iteration's overshoot.
+        return NgramMethod(spec, cfg.max_position_embeddings + 2 * spec.num_draft_tokens + 2), None
+    raise ValueError(f"no implementation for speculative algorithm {spec.algorithm!r}")
+
+
+def _need_path(spec: SpecConfig) -> None:
+    if spec.draft_model_path is None:
+        raise ValueError(f"speculative algorithm {spec.algorithm} needs spec.draft_model_path or draft=(cfg, params)")

@@ -1,0 +1,99 @@
+"""Verification shared by every speculative method: one target forward over the draft tree,
+penalties, acceptance, the emitted tokens' logprobs, and the accepted path's KV put in place.
+
+A method only proposes the tree (and updates its own draft state from the result); this
+module never knows which method proposed it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jspec.config.model import ModelConfig
+from jspec.layers.lora import LoraBatch
+from jspec.layers.batch import AttentionMode, ForwardBatch
+from jspec.models.llama import ForwardOutput, forward
+from jspec.kvcache.pool import KVPool
+from jspec.layers.penalties import PenaltyState, apply_tree_penalties
+from jspec.layers.sampling import SamplingRows, token_logprobs
+from jspec.layers.batch import bucket
+from jspec.speculative.accept import AcceptResult, sampled_accept
+from jspec.speculative.tree import DraftTree
+from jspec.steps.common import StepOutput, slots_of
+
+
+class Verified(NamedTuple):
+    target_kv: KVPool
+    acc: AcceptResult
+    path: jax.Array  # [B, S+1] accepted nodes by depth, 0 past accept_len
+    valid: jax.Array  # [B, S+1] depth <= accept_len
+    out: ForwardOutput  # the target's forward over the tree nodes (hidden / captured layers per node)
+    output: StepOutput  # what the host reads back
+
+
+def verify_tree(
+    params, cfg: ModelConfig, target_kv: KVPool, tree: DraftTree, n: jax.Array, page_tables: jax.Array,
+    rows: SamplingRows, penalties: PenaltyState, slot_ids: jax.Array, *, num_steps: int, chain: bool, backend: str,
+    capture_layers: tuple[int, ...] = (), sampling: str = "sampled", top_n: int = 0, lora: LoraBatch | None = None,
+) -> Verified:
+    """tree: N nodes per request, root = the last verified token at position n [B]; chain (static):
+    node i is at depth i, so accepted nodes already sit where they belong.
+
+    Node i's KV goes to position n + i (node order), its RoPE position is n + depth, and the tree
+    mask replaces causality; after acceptance the accepted nodes' KV moves to n + depth.
+    page_tables [B, M] must cover positions < n + N.
+    lora: the adapter pool and each request's adapter slot [B] (every node takes its request's).
+    """
+    B, N = tree.tokens.shape
+    page_size, num_pages = target_kv.page_size, target_kv.num_pages
+    node_pos = n[:, None] + jnp.arange(N, dtype=jnp.int32)[None]
+    Q = bucket(N)
+    mask = jnp.zeros((B, Q, Q), bool).at[:, :N, :N].set(tree.mask)
+    batch = ForwardBatch(
+        tokens=tree.tokens.reshape(-1),
+        positions=(n[:, None] + tree.depths).reshape(-1),
+        slots=slots_of(page_tables, node_pos, page_size).reshape(-1),
+        seq_lens=n + N,
+        page_tables=page_tables,
+        query_start=jnp.arange(B + 1, dtype=jnp.int32) * N,
+        logits_indices=jnp.arange(B * N, dtype=jnp.int32),
+    )
+    if lora is not None:
+        lora = lora._replace(token_slots=jnp.repeat(lora.token_slots, N))
+    tkv, out = forward(params, cfg, target_kv, batch, AttentionMode(False, Q, backend),
+                       capture_layers=capture_layers, mask=mask, lora=lora)
+    node_logits = apply_tree_penalties(out.logits.reshape(B, N, -1), penalties, slot_ids, rows.params,
+                                       tree.tokens, tree.mask)
+    acc = sampled_accept(tree, node_logits, rows, n + 1, num_steps, sampling)
+    E = num_steps + 1
+    depth = jnp.arange(E, dtype=jnp.int32)[None]
+    valid = depth <= acc.accept_len[:, None]
+    path = jnp.where(valid, acc.path, 0)
+
+    # Emitted token d was drawn at node path[d]: its logprob is the target's there.
+    emitted_logits = jnp.take_along_axis(node_logits, path[:, :, None], axis=1).reshape(B * E, -1)
+    lp, top_ids, top_lp = token_logprobs(
+        emitted_logits, jax.tree.map(lambda a: jnp.repeat(a, E, axis=0), rows),
+        jnp.where(valid, acc.tokens, 0).reshape(-1), top_n,
+    )
+    if not chain:
+        # Accepted nodes were written in node order; move them to their depth's position.
+        src = slots_of(page_tables, n[:, None] + path, page_size)
+        dst = jnp.where(valid, slots_of(page_tables, n[:, None] + depth, page_size), num_pages * page_size)
+        tkv = KVPool(*(_move_kv(cache, src, dst) for cache in tkv))
+    output = StepOutput(acc.tokens, acc.accept_len, lp.reshape(B, E), top_ids.reshape(B, E, top_n),
+                        top_lp.reshape(B, E, top_n))
+    return Verified(tkv, acc, path, valid, out, output)
+
+
+def _move_kv(cache: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
+    """Copies slots src -> dst ([B, X] flat slot ids) in every layer; dst out of range is skipped.
+    All reads happen before any write, so overlapping source and destination are safe."""
+    L, P, S, H, D = cache.shape
+    flat = cache.reshape(L, P * S, H, D)
+    vals = flat[:, src.reshape(-1)]
+    flat = flat.at[:, dst.reshape(-1)].set(vals, mode="drop")
+    return flat.reshape(L, P, S, H, D)

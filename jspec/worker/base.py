@@ -1,0 +1,352 @@
+"""Workers: the host-side owners of params, device state and compiled steps.
+
+Every worker offers the same interface to the scheduler, whatever the method:
+- prefill(chunks, following, slots, sampling, output_starts, first_chunks, with_prompt_logprobs, loras)
+  -> PackedOutput of the first tokens (device), with the prompt tokens' logprobs if asked
+- decode(slots, page_tables, sampling, loras) -> PackedOutput (device; steps.unpack_output reads it)
+(sampling: one (SamplingParams, seed) pair per chunk / slot; loras: the LoRA pool slot of
+each chunk / slot, 0 = none, used when the worker has a pool in `lora`)
+- kv_margin: KV positions past a request's verified length that one decode may write
+- max_emit: most tokens one decode emits per request
+plus request-slot and KV-page bookkeeping. The scheduler never knows which
+method runs; device values only come back through the outputs it reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import jax
+import numpy as np
+
+from jspec.config.model import ModelConfig
+from jspec.kvcache.allocator import PageAllocator
+from jspec.worker.programs import Job, Program, Programs
+from jspec.layers.penalties import PrefillCounts
+from jspec.worker.inputs import SeqChunk, build_forward_batch
+from jspec.layers.batch import bucket
+from jspec.layers.sampling import SAMPLING_MODES, SamplingRows, sampling_mode, sampling_rows
+from jspec.config.sampling import SamplingParams
+
+DEFAULT_KV_BYTES = 256 * 2**20
+
+
+LAYER_LOOPS = ("auto", "scan", "unrolled")
+
+
+def check_layer_loop(layer_loop: str) -> str:
+    """The layer loop to run: "auto" is the scan, except on the GPU, where XLA copies each
+    scanned layer's weights out of the stack before its matmuls (benchmarks/NOTES.md), which
+    costs more device time than the scan saves in compilation."""
+    if layer_loop not in LAYER_LOOPS:
+        raise ValueError(f"unknown layer_loop {layer_loop!r}; choose one of {LAYER_LOOPS}")
+    if layer_loop == "auto":
+        return "unrolled" if jax.default_backend() == "gpu" else "scan"
+    return layer_loop
+
+
+def lay_out_layers(params, layer_loop: str):
+    """params with layers as the layer loop runs them: stacked for "scan" (one compiled layer
+    body), per-layer arrays for "unrolled" (each layer compiled, no weight sliced out of a
+    stack). A model that mixes dense and MoE layers has per-layer arrays either way."""
+    from jspec.models.llama import unstack_layers
+
+    if params is None or not isinstance(params, dict) or "layers" not in params:
+        return params
+    return unstack_layers(params) if layer_loop == "unrolled" else params
+
+
+def default_attention_backend() -> str:
+    """The Pallas kernels on the GPU; elsewhere the pure-jnp reference, because off the GPU
+    Pallas runs interpreted (the tests' way to check the kernels), and an interpreted kernel
+    copies its operands, the whole KV pool, on every call (SmolLM2-135M, 256 MiB of KV, 2 CPU
+    cores: 0.7 tok/s against 28.9 with the reference)."""
+    return "pallas" if jax.default_backend() == "gpu" else "reference"
+
+
+def prefill_lora_slots(batch, chunks, loras) -> np.ndarray:
+    """Each prefill token's adapter slot [T] (padding rows, or no loras: 0)."""
+    ids = np.zeros(batch.tokens.shape[0], np.int32)
+    for i, c in enumerate(chunks if loras is not None else ()):
+        start = batch.query_start[i]
+        ids[start : start + len(c.tokens)] = loras[i]
+    return ids
+
+
+def decode_lora_slots(B: int, loras) -> np.ndarray:
+    """Each decode row's adapter slot [B] (padding rows, or no loras: 0)."""
+    ids = np.zeros(B, np.int32)
+    if loras is not None:
+        ids[: len(loras)] = loras
+    return ids
+
+
+class WorkerBase:
+    top_n = 0  # top logprobs each step returns (static: part of the compiled programs)
+    _lora = None
+
+    @property
+    def lora(self):
+        """A jspec.lora.pool.LoraPool when the engine serves adapters (then every step takes it)."""
+        return self._lora
+
+    @lora.setter
+    def lora(self, pool) -> None:
+        self._lora = pool
+        self.programs.clear()  # every step's arguments change
+        self._last_decode = None
+
+    def __init__(self, cfg: ModelConfig, params, *, page_size: int, num_pages: int, max_slots: int,
+                 attention_backend: str | None, mesh=None, layer_loop: str = "auto"):
+        # Tensor parallel (jspec.distributed): params arrive sharded over mesh; steps run under it.
+        self.mesh = mesh
+        self.layer_loop = check_layer_loop(layer_loop)
+        self.cfg, self.params = cfg, lay_out_layers(params, self.layer_loop)
+        self.dtype = params["embed"].dtype
+        self.page_size = page_size
+        self.allocator = PageAllocator(int(num_pages))
+        self.max_slots = max_slots
+        self.free_slots = list(range(max_slots - 1, -1, -1))
+        self.backend = attention_backend or default_attention_backend()
+        self.programs = Programs(mesh)
+        self._program_specs: dict = {}
+        self._last_decode: DecodeInputs | None = None
+
+    def _place(self, state):
+        """Device state on the mesh: the target's KV pool split over KV heads, the rest
+        (carry, penalties, the draft's state) replicated."""
+        if self.mesh is None:
+            return state
+        from jax.sharding import NamedSharding
+
+        from jspec.distributed.tensor_parallel import kv_pool_spec, replicate
+
+        kv = NamedSharding(self.mesh, kv_pool_spec())
+        rest = replicate(state._replace(target_kv=None), self.mesh)
+        return rest._replace(target_kv=jax.tree.map(lambda x: jax.device_put(x, kv), state.target_kv))
+
+    def decode(self, slots, page_tables, sampling, loras=None):
+        """Builds the bucketed arrays, then launches (the subclass's decode_arrays). A batch the
+        same as the last one (the common case: the same requests, no new page) reuses the last
+        arrays, already on the device, so the launch only dispatches."""
+        last = self._last_decode
+        if last is None or not last.same_batch(slots, page_tables, sampling, loras):
+            slot_ids, pt, rows = self._decode_inputs(slots, page_tables, sampling)
+            ids = decode_lora_slots(slot_ids.shape[0], loras) if self.lora is not None else None
+            arrays = (slot_ids, pt, rows, ids) if self.mesh is not None else jax.device_put((slot_ids, pt, rows, ids))
+            last = self._last_decode = DecodeInputs(list(slots), [list(p) for p in page_tables], list(sampling),
+                                                    None if loras is None else list(loras), arrays,
+                                                    sampling_mode(p for p, _ in sampling))
+        slot_ids, pt, rows, ids = last.arrays
+        return self.decode_arrays(slot_ids, pt, rows, last.mode, self._lora_batch(ids) if ids is not None else None)
+
+    def on_mesh(self):
+        """Context for launching steps: the mesh, so attention runs per shard (shard_map)."""
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+    def _launch(self, key, describe, args: tuple):
+        """Runs a step program over the donated state; returns its PackedOutput (None while
+        warm-up only collects the programs). describe() -> (step, static arguments, label) is
+        called on a key's first launch only."""
+        program = self._program_specs.get(key)
+        if program is None:
+            program = self._program_specs[key] = Program(key, *describe())
+        result = self.programs.run(program, args)
+        if result is None:
+            return None
+        self.state, out = result
+        return out
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.max_slots
+
+    @property
+    def max_pages_per_request(self) -> int:
+        return -(-(self.cfg.max_position_embeddings + self.kv_margin + self.max_emit) // self.page_size)
+
+    @property
+    def table_width(self) -> int:
+        """Columns of every page table a step gets: the most pages a request can hold. One
+        width for all, so it is no dimension of the programs; the kernels read a sequence's
+        pages only."""
+        return bucket(self.max_pages_per_request)
+
+    # Bucketed shapes, so warm-up can compile every program the loop will run: prefill batches
+    # always have max_slots rows and vary in tokens T; decode batches vary in rows B.
+    MIN_PREFILL_TOKENS = 16
+
+    def prefill_token_buckets(self, chunked_prefill_size: int) -> list[int]:
+        """Token counts a prefill pads to: powers of four up to the chunk size (coarse, so
+        there are few programs; a prefill is one read of the weights whatever its T)."""
+        out, t = [], self.MIN_PREFILL_TOKENS
+        while t < chunked_prefill_size:
+            out.append(t)
+            t *= 4
+        return out + [max(bucket(chunked_prefill_size, 8), self.MIN_PREFILL_TOKENS)]
+
+    def prefill_tokens(self, total: int, chunked_prefill_size: int) -> int:
+        """The bucket a prefill of `total` tokens pads to."""
+        for t in self.prefill_token_buckets(chunked_prefill_size):
+            if total <= t:
+                return t
+        return bucket(total)
+
+    def decode_buckets(self) -> list[int]:
+        """Row counts a decode pads to."""
+        return [1 << i for i in range(bucket(self.max_slots).bit_length())]
+
+    def warmup(self, chunked_prefill_size: int, sampling_modes=SAMPLING_MODES, prompt_logprobs: bool = False) -> int:
+        """Compiles every bucketed program the loop runs (without running them), so the serving
+        loop never compiles. Returns the number of programs. Prompt-logprob prefills are left
+        out unless asked for: they compile in the background when a request first needs them."""
+        return self.programs.compile_all(self.warmup_jobs(chunked_prefill_size, sampling_modes, prompt_logprobs))
+
+    def warmup_jobs(self, chunked_prefill_size: int, sampling_modes=SAMPLING_MODES,
+                    prompt_logprobs: bool = False) -> list[Job]:
+        """The programs warm-up compiles: every launch shape, built on scratch inputs (padding
+        rows write only the scratch page and slot) and recorded, not run."""
+        unknown = set(sampling_modes) - set(SAMPLING_MODES)
+        if unknown:
+            raise ValueError(f"unknown sampling modes {sorted(unknown)}; choose from {SAMPLING_MODES}")
+        scratch = {"greedy": (SamplingParams(), 0), "sampled": (SamplingParams(temperature=1.0), 0)}
+        self.programs.collecting = jobs = []
+        try:
+            for with_prompt in (False, True) if prompt_logprobs else (False,):
+                jobs += self.prefill_jobs(chunked_prefill_size, with_prompt)
+            for B in self.decode_buckets():
+                for mode in sampling_modes:
+                    self.decode([self.scratch_slot] * B, [[0]] * B, [scratch[mode]] * B)
+        finally:
+            self.programs.collecting = None
+        return jobs
+
+    def prefill_jobs(self, chunked_prefill_size: int, with_prompt_logprobs: bool) -> list[Job]:
+        """The prefill programs of every token bucket (recorded, not run)."""
+        collecting, self.programs.collecting = self.programs.collecting, []
+        try:
+            for T in self.prefill_token_buckets(chunked_prefill_size):
+                # One sequence of T tokens on the scratch page; `following` set, so no slot is touched.
+                pages = [0] * (-(-T // self.page_size))
+                self.prefill([SeqChunk([0] * T, 0, pages)], [0], [None], [(SamplingParams(), 0)],
+                             with_prompt_logprobs=with_prompt_logprobs, chunked_prefill_size=chunked_prefill_size)
+            return self.programs.collecting
+        finally:
+            self.programs.collecting = collecting
+
+    def wait_for_programs(self) -> None:
+        """Blocks until the programs compiling in the background are ready."""
+        self.programs.wait_pending()
+
+    def prompt_logprob_programs_ready(self, chunked_prefill_size: int) -> bool:
+        """Whether the prefills that score prompt tokens are compiled; if not, starts compiling
+        them in the background (the loop goes on with requests that do not need them)."""
+        keys = [self._prefill_key(T, True) for T in self.prefill_token_buckets(chunked_prefill_size)]
+        if all(self.programs.ready(k) for k in keys):
+            return True
+        if not self.programs.compiling():
+            for job in self.prefill_jobs(chunked_prefill_size, True):
+                self.programs.compile_in_background(job)
+        return False
+
+    def _prefill_key(self, T: int, with_prompt_logprobs: bool) -> tuple:
+        return ("prefill", T, with_prompt_logprobs, self.top_n)
+
+    def alloc_slot(self) -> int:
+        if not self.free_slots:
+            raise RuntimeError(f"all {self.max_slots} request slots are in use")
+        return self.free_slots.pop()
+
+    def free_slot(self, slot: int) -> None:
+        if slot in self.free_slots or not 0 <= slot < self.max_slots:
+            raise ValueError(f"free of slot {slot}, which is not held")
+        self.free_slots.append(slot)
+
+    def check_no_leaks(self) -> None:
+        self.allocator.check_no_leaks()
+        if len(self.free_slots) != self.max_slots:
+            raise AssertionError(f"request slot leak: {self.max_slots - len(self.free_slots)} slots held")
+
+    def _prefill_inputs(self, chunks: list[SeqChunk], following: list[int | None], slots: list[int | None],
+                        output_starts: list[int] | None, first_chunks: list[bool] | None, min_tokens: int = 8,
+                        chunked_prefill_size: int | None = None):
+        """output_starts: per chunk, the position where its request's generated tokens begin
+        (the prompt length; a re-prefill after retraction runs over both); first_chunks: the
+        chunk is its request's first (its penalty counts start afresh). None: prompts only, all first.
+        min_tokens: the smallest token bucket (DP attention gives every rank the largest rank's).
+        chunked_prefill_size: the largest prefill, whose buckets T pads to (None: powers of two)."""
+        total = max(sum(len(c.tokens) for c in chunks), min_tokens)
+        T = self.prefill_tokens(total, chunked_prefill_size) if chunked_prefill_size else bucket(total, 8)
+        batch, mode = build_forward_batch(chunks, page_size=self.page_size, num_pages=self.allocator.num_pages,
+                                          min_seqs=self.max_slots, min_pages=self.table_width,
+                                          allow_decode_only=False, num_tokens=T)
+        mode = mode._replace(backend=self.backend)
+        T, B = batch.tokens.shape[0], batch.seq_lens.shape[0]
+        draft_tokens = np.zeros(T, np.int32)  # the token after each row (draft inputs, prompt logprobs)
+        finish_rows = np.full(B, T, np.int32)
+        slot_ids = np.full(B, self.scratch_slot, np.int32)
+        reset_slots = np.full(B, self.scratch_slot, np.int32)
+        token_slots = np.full(T, self.scratch_slot, np.int32)
+        is_output = np.zeros(T, bool)
+        for i, c in enumerate(chunks):
+            start, n = batch.query_start[i], len(c.tokens)
+            slot = self.scratch_slot if slots[i] is None else slots[i]
+            token_slots[start : start + n] = slot
+            if output_starts is not None:
+                is_output[start : start + n] = np.arange(c.start, c.start + n) >= output_starts[i]
+            if first_chunks is None or first_chunks[i]:
+                reset_slots[i] = slot
+            draft_tokens[start : start + n - 1] = c.tokens[1:]
+            if following[i] is None:
+                finish_rows[i] = start + n - 1
+                slot_ids[i] = slots[i]
+            else:
+                draft_tokens[start + n - 1] = following[i]
+        return batch, mode, draft_tokens, finish_rows, slot_ids, PrefillCounts(reset_slots, token_slots, is_output)
+
+    def _lora_batch(self, per_token: np.ndarray):
+        """The step's LoRA argument: None without a pool, so those programs stay as they were."""
+        if self.lora is None:
+            return None
+        from jspec.layers.lora import LoraBatch
+
+        return LoraBatch(self.lora.weights, per_token)
+
+    def _prefill_loras(self, batch, chunks, loras):
+        return self._lora_batch(prefill_lora_slots(batch, chunks, loras))
+
+    def _decode_loras(self, B: int, loras):
+        return self._lora_batch(decode_lora_slots(B, loras))
+
+    def _decode_inputs(self, slots: list[int], page_tables: list[list[int]], sampling):
+        B, M = bucket(len(slots)), self.table_width
+        slot_ids = np.full(B, self.scratch_slot, np.int32)
+        slot_ids[: len(slots)] = slots
+        pt = np.zeros((B, M), np.int32)
+        for i, p in enumerate(page_tables):
+            pt[i, : len(p)] = p
+        return slot_ids, pt, _rows(sampling, B)
+
+
+@dataclasses.dataclass
+class DecodeInputs:
+    """The last decode batch: what the scheduler asked for, and the arrays built for it."""
+
+    slots: list[int]
+    page_tables: list[list[int]]
+    sampling: list[tuple[SamplingParams, int]]
+    loras: list[int] | None
+    arrays: tuple  # slot_ids, page tables, SamplingRows, adapter slots (None without a pool)
+    mode: str
+
+    def same_batch(self, slots, page_tables, sampling, loras) -> bool:
+        # A request keeps its SamplingParams object, and list equality tries identity first.
+        return (slots == self.slots and page_tables == self.page_tables and sampling == self.sampling
+                and loras == self.loras)
+
+
+def _rows(sampling, n: int) -> SamplingRows:
+    return sampling_rows([p for p, _ in sampling], [s for _, s in sampling], n)
+
+
