@@ -18,7 +18,7 @@ import pytest
 
 from hf_reference import NO_HF_REASON, hf_python
 from jspec.config.model import ModelConfig
-from jspec.models import eagle_tiny
+from jspec.testing import eagle_tiny
 from jspec.checkpoint.eagle import (
     DraftAlgorithmMismatchError,
     DraftConfig,
@@ -31,7 +31,7 @@ from jspec.checkpoint.eagle import (
     load_draft_model,
     read_torch_bin_file,
 )
-from jspec.testing.tiny import write_safetensors
+from jspec.checkpoint.files import write_safetensors
 
 TARGET = ModelConfig(family="llama", vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=500000.0)

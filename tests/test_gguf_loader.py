@@ -11,7 +11,7 @@ gguf = pytest.importorskip("gguf")
 
 import jspec
 from jspec.checkpoint.gguf import GGUFError, convert_gguf, unpermute_rope_rows
-from jspec.checkpoint.loader import read_hf_tensors
+from jspec.checkpoint.files import read_hf_tensors
 from jspec.testing.tiny import make_tiny_model
 
 HF_TO_GGUF = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",

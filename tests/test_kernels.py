@@ -420,7 +420,7 @@ def test_skinny_matmul_plan():
 def test_dense_matmul_switch(monkeypatch):
     """JSPEC_SKINNY_MATMUL picks the projections' matmul; a bad value is refused, and off
     the GPU the XLA dot runs whatever it says (the kernel lowers through Triton only there)."""
-    from jspec.models import matmul
+    from jspec.layers import matmul
 
     x = jax.random.normal(jax.random.key(0), (3, 64), jnp.bfloat16)
     w = jax.random.normal(jax.random.key(1), (64, 48), jnp.bfloat16)

@@ -17,10 +17,22 @@ from safetensors.numpy import save_file
 
 from hf_reference import HF_VARIANTS, hf_inspect, hf_make_checkpoints, hf_python, requires_hf
 from jspec.config.model import RopeScaling, UnsupportedArchitectureError
-from jspec.checkpoint.loader import (
-    CorruptCheckpointError, MissingTensorError, NoSafetensorsError, TensorShapeError, convert_checkpoint,
-    count_params, init_random_params, load_model, param_shapes, read_hf_tensors, restore_params, save_params,
+from jspec.checkpoint.errors import (
+    CorruptCheckpointError,
+    MissingTensorError,
+    NoSafetensorsError,
+    TensorShapeError,
 )
+from jspec.checkpoint.loader import (
+    convert_checkpoint,
+    count_params,
+    init_random_params,
+    load_model,
+    param_shapes,
+    restore_params,
+    save_params,
+)
+from jspec.checkpoint.files import read_hf_tensors
 from jspec.testing.tiny import EOS_IDS, make_tiny_model
 from jspec.checkpoint.tokenizer import load_tokenizer
 

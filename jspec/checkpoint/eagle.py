@@ -98,14 +98,14 @@ import ml_dtypes
 import numpy as np
 
 from jspec.config.model import ModelConfig, RopeScaling, UnsupportedArchitectureError
-from jspec.checkpoint.loader import (
+from jspec.checkpoint.errors import (
     CheckpointError,
     CorruptCheckpointError,
     MissingTensorError,
     NoSafetensorsError,
     TensorShapeError,
-    read_hf_tensors,
 )
+from jspec.checkpoint.files import read_hf_tensors
 
 log = logging.getLogger(__name__)
 

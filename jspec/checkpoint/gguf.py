@@ -21,7 +21,7 @@ import os
 import ml_dtypes
 import numpy as np
 
-from jspec.testing.tiny import write_safetensors
+from jspec.checkpoint.files import write_safetensors
 
 # GGUF tensor names (after the block prefix) -> HF names.
 _LAYER_TENSORS = {

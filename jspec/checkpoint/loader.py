@@ -65,9 +65,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
+from jspec.checkpoint.errors import CheckpointError, MissingTensorError, TensorShapeError
+from jspec.checkpoint.files import read_hf_tensors
 from jspec.config.model import ModelConfig, RopeScaling, UnsupportedArchitectureError
 
 log = logging.getLogger(__name__)
@@ -81,122 +82,9 @@ _SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.jso
                "special_tokens_map.json", "config.json")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be loaded (base of the errors below)."""
-
-
-class MissingTensorError(CheckpointError, KeyError):
-    """A tensor the config requires is absent from the checkpoint."""
-
-    def __str__(self) -> str:  # KeyError would repr() the message, quotes and all.
-        return str(self.args[0]) if self.args else ""
-
-
-class TensorShapeError(CheckpointError):
-    """A tensor has a shape that disagrees with config.json."""
-
-
-class CorruptCheckpointError(CheckpointError):
-    """A safetensors file whose header or size is inconsistent."""
-
-
-class NoSafetensorsError(CheckpointError, FileNotFoundError):
-    """The directory has a config.json but no weights jspec can read."""
-
-
 # ---------------------------------------------------------------------------
 # safetensors reading
 # ---------------------------------------------------------------------------
-
-_ST_DTYPES = {
-    "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
-    "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
-    "U64": np.dtype("<u8"), "U32": np.dtype("<u4"), "U16": np.dtype("<u2"), "U8": np.dtype("u1"),
-    "BOOL": np.dtype("bool"),
-}
-
-
-def read_safetensors_file(filename: str | os.PathLike) -> dict[str, np.ndarray]:
-    """Memory-maps one .safetensors file; returns read-only little-endian views."""
-    filename = os.fspath(filename)
-    size = os.path.getsize(filename)
-    with open(filename, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise CorruptCheckpointError(f"{filename!r} is not a safetensors file (shorter than 8 bytes)")
-        header_len = int.from_bytes(head, "little")
-        if header_len > size - 8:
-            raise CorruptCheckpointError(f"{filename!r}: header length {header_len} exceeds the file size {size}")
-        try:
-            header = json.loads(f.read(header_len))
-        except ValueError as e:
-            raise CorruptCheckpointError(f"{filename!r}: unreadable safetensors header ({e})") from None
-    data_start = 8 + header_len
-    buf = np.memmap(filename, dtype=np.uint8, mode="r") if size > data_start else np.zeros(0, np.uint8)
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = _ST_DTYPES.get(info["dtype"])
-        if dtype is None:
-            raise CorruptCheckpointError(f"{filename!r}: tensor {name!r} has unsupported dtype {info['dtype']!r}")
-        shape = tuple(int(d) for d in info["shape"])
-        start, end = (int(o) for o in info["data_offsets"])
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if end - start != nbytes or data_start + end > size:
-            raise CorruptCheckpointError(
-                f"{filename!r}: tensor {name!r} ({info['dtype']} {list(shape)}) has byte range "
-                f"[{start}, {end}) but needs {nbytes} bytes within a {size}-byte file (truncated?)"
-            )
-        out[name] = buf[data_start + start : data_start + end].view(dtype).reshape(shape)
-    return out
-
-
-def safetensors_files(path: str | os.PathLike) -> list[str]:
-    """The weight files of an HF checkpoint directory, index first."""
-    path = os.fspath(path)
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map") or {}
-        shards = sorted(set(weight_map.values()))
-        missing = [s for s in shards if not os.path.isfile(os.path.join(path, s))]
-        if missing:
-            raise NoSafetensorsError(
-                f"model directory {path!r}: model.safetensors.index.json lists shard(s) {missing} that do not exist"
-            )
-        if not shards:
-            raise NoSafetensorsError(f"model directory {path!r}: model.safetensors.index.json has an empty weight_map")
-        return [os.path.join(path, s) for s in shards]
-    single = os.path.join(path, "model.safetensors")
-    if os.path.isfile(single):
-        return [single]
-    # Shards without an index happen when an index is lost; consolidated.safetensors
-    # (Mistral's own format) uses other tensor names, so it is not picked up.
-    shards = sorted(f for f in os.listdir(path) if f.startswith("model-") and f.endswith(".safetensors"))
-    if shards:
-        return [os.path.join(path, s) for s in shards]
-    present = sorted(os.listdir(path))
-    hint = " (PyTorch .bin weights are not supported; convert them to safetensors)" if any(
-        f.endswith(".bin") for f in present) else ""
-    raise NoSafetensorsError(
-        f"model directory {path!r} has no model.safetensors or model.safetensors.index.json{hint}; "
-        f"it contains {present[:20]}"
-    )
-
-
-def read_hf_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """All tensors of an HF checkpoint directory by name, as memory-mapped numpy arrays
-    (bf16 as `ml_dtypes.bfloat16`), so reading costs no host memory until used."""
-    tensors: dict[str, np.ndarray] = {}
-    for filename in safetensors_files(path):
-        for name, arr in read_safetensors_file(filename).items():
-            if name in tensors:
-                raise CorruptCheckpointError(f"tensor {name!r} appears in more than one shard of {os.fspath(path)!r}")
-            tensors[name] = arr
-    return tensors
 
 
 # ---------------------------------------------------------------------------

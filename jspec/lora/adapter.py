@@ -10,7 +10,8 @@ import re
 
 import numpy as np
 
-from jspec.checkpoint.loader import CheckpointError, read_safetensors_file
+from jspec.checkpoint.errors import CheckpointError
+from jspec.checkpoint.files import read_safetensors_file
 from jspec.config.model import ModelConfig
 
 

@@ -25,6 +25,8 @@ import collections
 import dataclasses
 
 from jspec.kvcache.allocator import OutOfPagesError
+from jspec.kvcache.radix_cache import RadixCache
+from jspec.scheduler.kv_manager import KVManager
 from jspec.worker.inputs import SeqChunk
 from jspec.scheduler.request import Request, Status
 
@@ -61,11 +63,12 @@ class DecodeBatch:
 
 
 class Scheduler:
-    def __init__(self, worker, *, chunked_prefill_size: int = 512, prefix_cache=None):
+    def __init__(self, worker, *, chunked_prefill_size: int = 512, disable_radix_cache: bool = False):
         self.worker = worker
         self.page_size = worker.page_size
         self.chunked_prefill_size = chunked_prefill_size
-        self.prefix_cache = prefix_cache
+        self.kv = KVManager(worker.num_pages, worker.max_slots, worker.page_size)
+        self.prefix_cache = None if disable_radix_cache else RadixCache(self.kv.allocator, worker.page_size)
         self.waiting: collections.deque[Request] = collections.deque()
         self.prefilling: list[Request] = []
         self.running: list[Request] = []
@@ -76,15 +79,15 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------------------
 
     def pages_for(self, tokens: int) -> int:
-        return -(-tokens // self.page_size)
+        return self.kv.pages_for(tokens)
 
     def add(self, req: Request) -> None:
         worst = len(req.prompt) + req.params.max_new_tokens + self.worker.kv_margin + self.worker.max_emit
-        if self.pages_for(worst) > self.worker.allocator.num_usable:
+        if self.pages_for(worst) > self.kv.allocator.num_usable:
             raise OutOfPagesError(
                 f"request {req.rid} needs up to {self.pages_for(worst)} KV pages ({len(req.prompt)} prompt + "
                 f"{req.params.max_new_tokens} new tokens at page size {self.page_size}); the pool has "
-                f"{self.worker.allocator.num_usable}"
+                f"{self.kv.allocator.num_usable}"
             )
         req.prefill_ids = list(req.prompt)
         self.requests[req.rid] = req
@@ -118,13 +121,13 @@ class Scheduler:
         cache = self.prefix_cache
         if cache is not None and keep_kv and req.pages and req.kv_len > 0:
             cache.insert(cache_key(req, (req.prompt + req.output)[: req.kv_len]), req.pages)
-        self.worker.allocator.free(req.pages[req.num_shared_pages :])
+        self.kv.allocator.free(req.pages[req.num_shared_pages :])
         req.pages, req.num_shared_pages = [], 0
         if req.cached_prefix is not None:
             cache.unlock(req.cached_prefix)
             req.cached_prefix = None
         if req.slot is not None:
-            self.worker.free_slot(req.slot)
+            self.kv.free_slot(req.slot)
             req.slot = None
 
     # ---- scheduling -----------------------------------------------------------------------
@@ -141,9 +144,9 @@ class Scheduler:
         if need <= 0:
             return True
         self._evict_for(need)
-        if need > self.worker.allocator.num_free:
+        if need > self.kv.allocator.num_free:
             return False
-        req.pages.extend(self.worker.allocator.alloc(need))
+        req.pages.extend(self.kv.allocator.alloc(need))
         return True
 
     def _schedule_prefill(self) -> PrefillBatch | None:
@@ -159,7 +162,7 @@ class Scheduler:
                 continue  # a retracted request whose last outputs are still in flight
             if req.params.wants_prompt_logprobs and not self.worker.prompt_logprob_programs_ready(budget):
                 continue  # its prefill program compiles in the background; the others go on
-            if not self.worker.free_slots:
+            if not self.kv.free_slots:
                 break
             if not self._admit(req):
                 break
@@ -214,19 +217,19 @@ class Scheduler:
             req.prefilled = m.num_tokens
         need = self.pages_for(len(req.prefill_ids) + self.worker.kv_margin) - len(req.pages)
         self._evict_for(need)
-        if need > self.worker.allocator.num_free:
+        if need > self.kv.allocator.num_free:
             self._release(req, keep_kv=False)
             req.prefilled = 0
             return False
         req.num_cached_tokens = req.prefilled
         self.waiting.remove(req)
-        req.slot = self.worker.alloc_slot()
+        req.slot = self.kv.alloc_slot()
         req.status = Status.PREFILLING
         self.prefilling.append(req)
         return True
 
     def _evict_for(self, need: int) -> None:
-        short = need - self.worker.allocator.num_free
+        short = need - self.kv.allocator.num_free
         if short > 0 and self.prefix_cache is not None:
             self.prefix_cache.evict(short)
 

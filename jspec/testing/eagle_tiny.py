@@ -22,7 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from jspec.config.model import ModelConfig
-from jspec.testing.tiny import write_safetensors
+from jspec.checkpoint.files import write_safetensors
 
 
 def tiny_capture_layers(num_target_layers: int) -> tuple[int, ...]:

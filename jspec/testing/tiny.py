@@ -22,6 +22,9 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+
+from jspec.checkpoint.files import write_safetensors
+
 ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "mistral": ("MistralForCausalLM", "mistral"),
@@ -175,34 +178,6 @@ def _random_experts(cfg: dict, arch: str, p: str, linear) -> dict[str, np.ndarra
         gate, up, down = (f"{p}{base}.experts.{e}.{n}.weight" for n in names)
         t[gate], t[up], t[down] = linear(I, H), linear(I, H), linear(H, I)
     return t
-
-
-def write_safetensors(out_dir: str, tensors: dict[str, np.ndarray], num_shards: int = 1) -> list[str]:
-    """HF file naming: model.safetensors, or model-0000k-of-0000n.safetensors + index."""
-    from safetensors.numpy import save_file
-
-    meta = {"format": "pt"}  # what transformers writes; some readers insist on it
-    if num_shards <= 1:
-        save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata=meta)
-        return ["model.safetensors"]
-    names = list(tensors)
-    total = sum(a.nbytes for a in tensors.values())
-    groups: list[list[str]] = [[] for _ in range(num_shards)]
-    acc = 0
-    for n in names:  # contiguous split by bytes, so every shard is non-empty for small n
-        k = min(num_shards - 1, acc * num_shards // max(total, 1))
-        groups[k].append(n)
-        acc += tensors[n].nbytes
-    groups = [g for g in groups if g]
-    files, weight_map = [], {}
-    for k, g in enumerate(groups):
-        fname = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
-        save_file({n: tensors[n] for n in g}, os.path.join(out_dir, fname), metadata=meta)
-        weight_map.update({n: fname for n in g})
-        files.append(fname)
-    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    return files
 
 
 def make_tiny_model(

@@ -62,7 +62,7 @@ from jspec.models.eagle import draft_layers, draft_logits, layer_config, target_
 from jspec.checkpoint.eagle import DraftConfig, init_random_draft_params
 from jspec.testing.eagle_tiny import draft_hf_config, tiny_capture_layers, write_draft_config
 from jspec.models.llama import compute_logits, decoder_layer, rms_norm, rope_cos_sin
-from jspec.testing.tiny import write_safetensors
+from jspec.checkpoint.files import write_safetensors
 
 
 # ---------------------------------------------------------------------------

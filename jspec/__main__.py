@@ -1,0 +1,1 @@
+"""`python -m jspec serve|generate`: the server and the command-line generator."""
