@@ -133,7 +133,7 @@ def main():
     rows = []
     for method in ("none", "eagle3"):
         spec = None if method == "none" else jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=1)
-        engine = jspec.Engine((cfg, params), spec=spec, draft=(dcfg, dparams) if spec else None, page_size=16,
+        engine = jspec.Engine((cfg, params), speculative=spec, draft=(dcfg, dparams) if spec else None, page_size=16,
                               max_running_requests=4, disable_radix_cache=True)
         split, medians, profile = loop_split(engine, args.tokens)
         row = dict(method=method, batch=1, idle=idle_launch(engine), overlap_loop_ms=split,
@@ -143,7 +143,7 @@ def main():
     result = dict(name="bench_host_launch", device=jax.devices()[0].device_kind, backend=jax.default_backend(),
                   jax_version=jax.__version__, commit=git_commit(),
                   settings=dict(model="tiny" if args.tiny else "smollm2-135m shape", dtype=str(jnp.dtype(dtype)),
-                                batch=1, spec="EAGLE3 (3,1,4), random head", tokens=args.tokens,
+                                batch=1, speculative="EAGLE3 (3,1,4), random head", tokens=args.tokens,
                                 layer_loop="scan"), rows=rows)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "bench_host_launch.json")

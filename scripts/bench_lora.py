@@ -147,7 +147,7 @@ def main():
     def save():
         result = dict(name="bench_lora", gpu=dev.device_kind, jax_version=jax.__version__, commit=git_commit(),
                       settings=dict(prompt_len=prompt_len, new_tokens=new_tokens, batch=B, rank=args.rank,
-                                    max_loras=args.max_loras, spec="EAGLE3 (3,1,4)", page_size=16), rows=rows)
+                                    max_loras_per_batch=args.max_loras, speculative="EAGLE3 (3,1,4)", page_size=16), rows=rows)
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, args.name + ".json")
         with open(path, "w") as f:
@@ -165,7 +165,7 @@ def main():
             base = None
             for pool in (False, True):
                 lora_kw = dict(lora_paths=paths, max_loras=args.max_loras, max_lora_rank=args.rank) if pool else {}
-                engine = jspec.Engine((cfg, params), spec=spec, draft=(dcfg, dparams), page_size=16,
+                engine = jspec.Engine((cfg, params), speculative=spec, draft=(dcfg, dparams), page_size=16,
                                       max_running_requests=B, kv_memory_bytes=kv_bytes, disable_radix_cache=True,
                                       **lora_kw)
                 for distinct in ((0, 1, min(4, args.max_loras)) if pool else (0,)):

@@ -86,7 +86,7 @@ def main():
 
     for name, (spec, draft) in methods.items():
         kv_bytes = 4 * cfg.num_layers * cfg.kv_size * 2 * (B * (128 + new + 64) + 1024)
-        engine = jspec.Engine((cfg, params), spec=spec, draft=draft, page_size=16, max_running_requests=B,
+        engine = jspec.Engine((cfg, params), speculative=spec, draft=draft, page_size=16, max_running_requests=B,
                               kv_memory_bytes=kv_bytes, disable_radix_cache=True)
         for which, prompts in prompt_sets.items():
             workload(engine, prompts, new)  # untimed: compiles what this workload needs

@@ -90,7 +90,7 @@ def main():
         """Writes the JSON after every row, so a run cut short still leaves its figures."""
         result = dict(name="bench_overlap", gpu=dev.device_kind, jax_version=jax.__version__, commit=git_commit(),
                       settings=dict(prompt_len=prompt_len, new_tokens=new_tokens, page_size=16,
-                                    spec="EAGLE3 (3,1,4)"), rows=rows)
+                                    speculative="EAGLE3 (3,1,4)"), rows=rows)
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, args.name + ".json")
         with open(path, "w") as f:
@@ -107,7 +107,7 @@ def main():
                 kv_bytes = 2 * cfg.num_layers * cfg.kv_size * 2 * (B * (prompt_len + new_tokens + 64) + 1024)
                 row = dict(model=name, method=method, batch=B)
                 for overlap in (True, False):
-                    engine = jspec.Engine((cfg, params), spec=spec, draft=(dcfg, dparams) if spec else None,
+                    engine = jspec.Engine((cfg, params), speculative=spec, draft=(dcfg, dparams) if spec else None,
                                           page_size=16, max_running_requests=max(B, 1), kv_memory_bytes=kv_bytes,
                                           disable_overlap_schedule=not overlap, disable_radix_cache=True)
                     for seed in (0, 1):  # untimed: compile every shape this workload meets

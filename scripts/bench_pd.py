@@ -91,7 +91,7 @@ def setup(args):
     params = random_params(cfg, dtype)
     dparams = init_random_draft_params(dcfg, jax.random.key(3), dtype)
     per_token = 2 * (cfg.num_layers + 1) * cfg.kv_size * jnp.dtype(dtype).itemsize  # target + 1-layer draft
-    kw = dict(spec=SPEC, draft=(dcfg, dparams), page_size=args.page_size, max_running_requests=4,
+    kw = dict(speculative=SPEC, draft=(dcfg, dparams), page_size=args.page_size, max_running_requests=4,
               kv_memory_bytes=per_token * (2 * ctx + 1024), chunked_prefill_size=args.chunked_prefill_size,
               disable_radix_cache=True)  # every repeat must prefill, not hit the cache
     if args.tiny:
@@ -194,7 +194,7 @@ def run_decode(args) -> None:
     model, lens, kw = setup(args)
     settings = dict(model="tiny" if args.tiny else args.model, prompt_lens=lens, new_tokens=args.new_tokens,
                     repeats=args.repeats, page_size=args.page_size, chunked_prefill_size=args.chunked_prefill_size,
-                    spec="EAGLE3 (3,1,4)", mem_fraction=args.mem_fraction, processes="2 on one device")
+                    speculative="EAGLE3 (3,1,4)", mem_fraction=args.mem_fraction, processes="2 on one device")
 
     def save():
         result = dict(name="bench_pd", gpu=dev.device_kind, jax_version=jax.__version__, commit=git_commit(),

@@ -118,7 +118,7 @@ def main():
             spec = None if cfg is None else jspec.SpecConfig(
                 args.algorithm, num_steps=cfg[0], eagle_topk=cfg[1], num_draft_tokens=cfg[2],
                 draft_model_path=args.draft_model_path)
-            engine = jspec.Engine(model, spec=spec, max_running_requests=max(B, 1), disable_radix_cache=True)
+            engine = jspec.Engine(model, speculative=spec, max_running_requests=max(B, 1), disable_radix_cache=True)
             tps, acc = run_engine(engine, prompts, args.max_new_tokens, B, args.repeats)
             base = base or tps
             rows.append(dict(batch=B, config="none" if cfg is None else "/".join(map(str, cfg)),

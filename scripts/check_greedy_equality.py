@@ -40,7 +40,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def run(model, spec, prompts, new_tokens, batch):
-    engine = jspec.Engine(model, spec=spec, max_running_requests=16, disable_radix_cache=True)
+    engine = jspec.Engine(model, speculative=spec, max_running_requests=16, disable_radix_cache=True)
     params = jspec.SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     outs = []
     for i in range(0, len(prompts), batch):

@@ -87,7 +87,7 @@ def engine_accept_length(model, head_dir: str, examples, num_steps: int, max_new
     greedy answers already generated: the head must not change a token."""
     spec = jspec.SpecConfig("EAGLE3", draft_model_path=head_dir, num_steps=num_steps, eagle_topk=1)
     outs = jspec.generate(model, [e.tokens[: e.prompt_len] for e in examples], max_new_tokens=max_new_tokens,
-                          spec=spec, max_running_requests=len(examples))
+                          speculative=spec, max_running_requests=len(examples))
     same = sum(o.token_ids == e.tokens[e.prompt_len:] for o, e in zip(outs, examples))
     return {"mean_accept_length": float(np.mean([o.mean_accept_length for o in outs])),
             "identical_outputs": f"{same}/{len(examples)}", "num_steps": num_steps}

@@ -18,6 +18,7 @@ import jax
 import pytest
 
 import jspec
+from jspec.checkpoint.model import with_context_length
 from sync_guard import count_device_reads
 from test_tensor_parallel import PROMPTS, SPEC, eagle3
 from jspec.testing.tiny import make_tiny_model
@@ -30,14 +31,14 @@ def models(tmp_path_factory):
     # As test_tensor_parallel: 8 query heads, 2 KV heads (so ranks of 2 devices split them),
     # and a Qwen3-MoE of 8 experts, 2 per token.
     d = tmp_path_factory.mktemp("dp")
-    dense = jspec.load(make_tiny_model(str(d / "m"), seed=11, num_heads=8, num_kv_heads=2), context_length=256)
+    dense = with_context_length(jspec.load(make_tiny_model(str(d / "m"), seed=11, num_heads=8, num_kv_heads=2)), 256)
     moe = jspec.load(make_tiny_model(str(d / "moe"), arch="qwen3_moe", seed=12, num_heads=8, num_kv_heads=2,
                                      num_experts=8, num_experts_per_tok=2, max_position_embeddings=256))
     return {"dense": (dense, eagle3(dense)), "moe": (moe, eagle3(moe))}
 
 
 def make_engine(model, draft, **kw):
-    return jspec.Engine(model, spec=SPEC, draft=draft, page_size=4, num_pages=128, max_running_requests=4,
+    return jspec.Engine(model, speculative=SPEC, draft=draft, page_size=4, max_total_tokens=508, max_running_requests=4,
                         attention_backend="reference", max_top_logprobs=2, **kw)
 
 
@@ -143,7 +144,7 @@ def test_idle_rank_changes_nothing(dense_dp2, one_device):
 
 def test_bad_dp_flags_are_refused(models):
     m, _ = models["dense"]
-    kw = dict(num_pages=16, attention_backend="reference")
+    kw = dict(max_total_tokens=240, attention_backend="reference")
     with pytest.raises(ValueError, match="needs enable_dp_attention"):
         jspec.Engine(m, tp_size=2, dp_size=2, **kw)
     with pytest.raises(ValueError, match="needs dp_size > 1"):
@@ -161,17 +162,17 @@ def test_bad_dp_flags_are_refused(models):
 
 
 def test_serve_flags(models, monkeypatch):
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
-    import serve
+    from jspec.server.args import build_parser, engine_config, server_config
+    from jspec.server.launch import make_engine
 
-    args = serve.build_parser().parse_args(["--tp-size", "4", "--dp-size", "2", "--enable-dp-attention",
+    args = build_parser().parse_args(["--tp-size", "4", "--dp-size", "2", "--enable-dp-attention",
                                             "--load-balance-method", "shortest_queue", "--max-total-tokens", "400",
                                             "--page-size", "4", "--attention-backend", "reference",
                                             "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:5000"])
     assert (args.dp_size, args.enable_dp_attention, args.nnodes, args.node_rank) == (2, True, 2, 1)
-    engine = serve.make_engine(args, models["dense"][0], None)
+    engine = make_engine(engine_config(args), server_config(args), models["dense"][0])
     assert engine.worker.dp == 2 and engine.scheduler.load_balance_method == "shortest_queue"
-    assert [r.allocator.num_usable for r in engine.worker.ranks] == [100, 100]  # --max-total-tokens per rank
+    assert [r.kv.allocator.num_usable for r in engine.scheduler.ranks] == [100, 100]  # --max-total-tokens per rank
     for bad, match in [((2, 2, "h:1"), "node-rank"), ((2, 0, None), "needs --dist-init-addr"),
                        ((2, 0, "nohost"), "HOST:PORT"), ((2, 0, "h:99999"), "HOST:PORT"), ((0, 0, None), "nnodes")]:
         with pytest.raises(ValueError, match=match):

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import jspec
+from jspec.checkpoint.model import with_context_length
 from jspec.checkpoint.eagle import init_random_draft_params
 from jspec.testing.tiny import make_tiny_model
 from sync_guard import count_device_reads
@@ -17,7 +18,7 @@ def tiny(tmp_path_factory):
     path = make_tiny_model(str(tmp_path_factory.mktemp("tiny") / "m"), seed=3)
     # The workloads stay under 512 tokens; a shorter context means narrower page tables,
     # hence fewer and cheaper programs on the CPU.
-    return jspec.load(path, context_length=512)
+    return with_context_length(jspec.load(path), 512)
 
 
 def eagle_draft(model, algorithm="EAGLE3"):
@@ -70,13 +71,13 @@ def run_workload(engine, arrivals, guard=None):
 
 def collect(engine, arrivals):
     results = {}
-    orig_retire = engine.scheduler._retire
+    orig_retire = engine.scheduler.retire
 
     def retire(req):
         results[req.rid] = (list(req.output), req.text, req.finish_reason)
         orig_retire(req)
 
-    engine.scheduler._retire = retire
+    engine.scheduler.retire = retire
     run_workload(engine, arrivals)  # request ids follow arrival order, so both runs name them alike
     engine.check_idle_no_leaks()
     return results
@@ -86,10 +87,10 @@ def collect(engine, arrivals):
 @pytest.mark.parametrize("page_size,speculative", [(16, False), (16, True), (1, True)])
 def test_overlap_equals_sync_on_a_mixed_workload(tiny, page_size, speculative):
     arrivals = workload()
-    kw = dict(page_size=page_size, num_pages=4096 // page_size + 64, max_running_requests=16,
+    kw = dict(page_size=page_size, max_total_tokens=(4096 // page_size + 63) * page_size, max_running_requests=16,
               chunked_prefill_size=256, attention_backend="reference")
     if speculative:
-        kw.update(spec=jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=2, num_draft_tokens=5), draft=eagle_draft(tiny))
+        kw.update(speculative=jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=2, num_draft_tokens=5), draft=eagle_draft(tiny))
     sync = collect(jspec.Engine(tiny, disable_overlap_schedule=True, **kw), arrivals)
     overlap = collect(jspec.Engine(tiny, **kw), arrivals)
     assert sync.keys() == overlap.keys() and len(sync) == len(arrivals)
@@ -107,7 +108,7 @@ def test_overlap_equals_sync_on_a_mixed_workload(tiny, page_size, speculative):
 
 
 def test_loop_reads_the_device_only_at_the_designated_point(tiny):
-    engine = jspec.Engine(tiny, page_size=16, num_pages=512, attention_backend="reference")
+    engine = jspec.Engine(tiny, page_size=16, max_total_tokens=8176, attention_backend="reference")
     arrivals = workload(n=12, seed=1)
     # Warm up (compilation, first transfers) outside the guard, then the guarded run.
     run_workload(engine, workload(n=12, seed=1))
@@ -130,9 +131,9 @@ def test_retraction_finishes_everything_with_the_same_outputs(tiny):
     arrivals = [Arrival(0, list(range(10 + 7 * i, 40 + 7 * i)), jspec.SamplingParams(max_new_tokens=40, ignore_eos=True),
                         None) for i in range(6)]
     kw = dict(page_size=4, max_running_requests=8, attention_backend="reference", disable_radix_cache=True)
-    big = jspec.Engine(tiny, num_pages=256, **kw)
+    big = jspec.Engine(tiny, max_total_tokens=4080, **kw)
     ref = collect(big, arrivals)
-    small = jspec.Engine(tiny, num_pages=40, **kw)  # 6 requests x 70 tokens need 108 pages at once
+    small = jspec.Engine(tiny, max_total_tokens=624, **kw)  # 6 requests x 70 tokens need 108 pages at once
     got = collect(small, arrivals)
     assert small.scheduler.num_retractions > 0
     assert got == ref
@@ -143,9 +144,9 @@ def test_prefix_cache_prefills_only_new_tokens(tiny):
     prefix = list(map(int, rng.integers(0, 256, 200)))
     a, b = prefix + [1, 2, 3], prefix + [7, 8, 9, 10, 11]
     params = jspec.SamplingParams(max_new_tokens=8, ignore_eos=True)
-    cold = jspec.Engine(tiny, page_size=16, num_pages=128, attention_backend="reference", disable_radix_cache=True)
+    cold = jspec.Engine(tiny, page_size=16, max_total_tokens=2032, attention_backend="reference", disable_radix_cache=True)
     expect = cold.generate([a, b], params)
-    engine = jspec.Engine(tiny, page_size=16, num_pages=128, attention_backend="reference")
+    engine = jspec.Engine(tiny, page_size=16, max_total_tokens=2032, attention_backend="reference")
     first = engine.generate([a], params)
     before = engine.scheduler.prefilled_tokens
     second = engine.generate([b], params)
@@ -156,12 +157,12 @@ def test_prefix_cache_prefills_only_new_tokens(tiny):
 
 
 def test_warmup_compiles_every_program_the_loop_runs(tiny):
-    engine = jspec.Engine(tiny, page_size=16, num_pages=512, max_running_requests=4, chunked_prefill_size=64,
+    engine = jspec.Engine(tiny, page_size=16, max_total_tokens=8176, max_running_requests=4, chunked_prefill_size=64,
                           attention_backend="reference")
     # The workload is greedy without prompt logprobs, so the greedy programs must cover it.
     n = engine.warmup(sampling_modes=("greedy",))
     w = engine.worker
-    assert n == len(w.prefill_token_buckets(64)) + len(w.decode_buckets()) == len(w.programs.compiled)
+    assert n == len(w.prefill_token_buckets()) + len(w.decode_buckets()) == len(w.programs.compiled)
     compiled = dict(w.programs.compiled)
     run_workload(engine, workload(n=10, seed=2))
     assert w.programs.compiled == compiled, "the loop compiled"
@@ -169,6 +170,6 @@ def test_warmup_compiles_every_program_the_loop_runs(tiny):
 
 
 def test_warmup_refuses_an_unknown_sampling_mode(tiny):
-    engine = jspec.Engine(tiny, page_size=16, num_pages=64, max_running_requests=2, attention_backend="reference")
+    engine = jspec.Engine(tiny, page_size=16, max_total_tokens=1008, max_running_requests=2, attention_backend="reference")
     with pytest.raises(ValueError, match="unknown sampling modes"):
         engine.warmup(sampling_modes=("greedy", "beam"))

@@ -47,7 +47,7 @@ def prompts_of_lengths(lengths, seed=0):
 def test_paged_greedy_equals_dense_recompute(tiny_params, page_size, backend):
     prompts = prompts_of_lengths([1, 7, 16, 23])
     n_new = 9
-    engine = jspec.Engine((TINY, tiny_params), page_size=page_size, num_pages=64, attention_backend=backend)
+    engine = jspec.Engine((TINY, tiny_params), page_size=page_size, max_total_tokens=63 * page_size, attention_backend=backend)
     outs = jspec.generate((TINY, tiny_params), prompts, max_new_tokens=n_new, engine=engine, ignore_eos=True)
     engine.check_idle_no_leaks()
     for p, o in zip(prompts, outs):
@@ -58,7 +58,7 @@ def test_paged_greedy_equals_dense_recompute(tiny_params, page_size, backend):
 def test_chunked_prefill_and_admission_waves_match(tiny_params):
     """A pool too small for all requests at once runs them in waves; chunked prefill splits prompts."""
     prompts = prompts_of_lengths([30, 5, 12], seed=1)
-    engine = jspec.Engine((TINY, tiny_params), page_size=4, num_pages=14, chunked_prefill_size=8,
+    engine = jspec.Engine((TINY, tiny_params), page_size=4, max_total_tokens=52, chunked_prefill_size=8,
                           attention_backend="reference")
     outs = jspec.generate((TINY, tiny_params), prompts, max_new_tokens=6, engine=engine, ignore_eos=True)
     engine.check_idle_no_leaks()
@@ -102,6 +102,6 @@ def test_bad_inputs_are_named(tiny_params):
     with pytest.raises(ValueError, match="empty"):
         jspec.generate(m, [[]])
     with pytest.raises(OutOfPagesError, match="needs up to 9 KV pages"):
-        jspec.generate(m, [[1] * 30], max_new_tokens=4, page_size=4, num_pages=4)
+        jspec.generate(m, [[1] * 30], max_new_tokens=4, page_size=4, max_total_tokens=12)
     with pytest.raises(TypeError, match="checkpoint path"):
         jspec.generate(42, [[1]])

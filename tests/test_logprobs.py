@@ -26,10 +26,10 @@ def test_logprobs_match_a_dense_recompute_and_spec_matches_plain(tiny):
 
     prompts = [[5, 9, 2, 7], list(range(30, 55))]
     params = SamplingParams(max_new_tokens=10, ignore_eos=True, return_logprob=True, top_logprobs_num=4)
-    kw = dict(page_size=16, num_pages=128, max_top_logprobs=5, attention_backend="reference")
+    kw = dict(page_size=16, max_total_tokens=2032, max_top_logprobs=5, attention_backend="reference")
     plain = jspec.Engine(tiny, **kw).generate(prompts, params)
     spec = jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=2, num_draft_tokens=5)
-    spec_out = jspec.Engine(tiny, spec=spec, draft=eagle_draft(tiny), **kw).generate(prompts, params)
+    spec_out = jspec.Engine(tiny, speculative=spec, draft=eagle_draft(tiny), **kw).generate(prompts, params)
     for prompt, o, s in zip(prompts, plain, spec_out):
         assert len(o.logprobs) == len(o.token_ids) == len(o.top_logprobs)
         logits = np.asarray(dense_forward(tiny.params, tiny.cfg, np.asarray(prompt + o.token_ids, np.int32)))
@@ -46,14 +46,14 @@ def test_logprobs_match_a_dense_recompute_and_spec_matches_plain(tiny):
 
 def test_sampled_logprobs_use_the_temperature(tiny):
     params = SamplingParams(max_new_tokens=6, temperature=0.5, seed=3, ignore_eos=True, return_logprob=True)
-    o = jspec.Engine(tiny, page_size=16, num_pages=64, attention_backend="reference").generate([[1, 2, 3]], params)[0]
+    o = jspec.Engine(tiny, page_size=16, max_total_tokens=1008, attention_backend="reference").generate([[1, 2, 3]], params)[0]
     logits = np.asarray(dense_forward(tiny.params, tiny.cfg, np.asarray([1, 2, 3] + o.token_ids, np.int32)))
     for j, (tok, lp) in enumerate(zip(o.token_ids, o.logprobs)):
         assert abs(lp - log_softmax(logits[2 + j] / 0.5)[tok]) < 1e-4
 
 
 def test_more_top_logprobs_than_the_engine_serves_is_refused(tiny):
-    engine = jspec.Engine(tiny, page_size=16, num_pages=64, max_top_logprobs=2, attention_backend="reference")
+    engine = jspec.Engine(tiny, page_size=16, max_total_tokens=1008, max_top_logprobs=2, attention_backend="reference")
     with pytest.raises(ValueError, match="exceeds this engine's max_top_logprobs=2"):
         engine.add_request([1, 2], SamplingParams(return_logprob=True, top_logprobs_num=3))
     with pytest.raises(ValueError, match="top_logprobs_num"):
@@ -68,8 +68,8 @@ def test_prompt_logprobs_match_a_dense_recompute_across_chunks(tiny, speculative
     params = SamplingParams(max_new_tokens=3, ignore_eos=True, return_logprob=True, logprob_start_len=0,
                             top_logprobs_num=2)
     spec = jspec.SpecConfig("EAGLE3", num_steps=2, eagle_topk=1) if speculative else None
-    engine = jspec.Engine(tiny, spec=spec, draft=eagle_draft(tiny) if speculative else None, page_size=4,
-                          num_pages=64, max_top_logprobs=2, chunked_prefill_size=16, attention_backend="reference")
+    engine = jspec.Engine(tiny, speculative=spec, draft=eagle_draft(tiny) if speculative else None, page_size=4,
+                          max_total_tokens=252, max_top_logprobs=2, chunked_prefill_size=16, attention_backend="reference")
     warm = engine.generate([prompt[:20]], SamplingParams(max_new_tokens=2))  # fills the prefix cache
     o = engine.generate([prompt], params)[0]
     logits = np.asarray(dense_forward(tiny.params, tiny.cfg, np.asarray(prompt, np.int32)))
@@ -86,7 +86,7 @@ def test_prompt_logprobs_match_a_dense_recompute_across_chunks(tiny, speculative
 
 
 def test_n_completions_use_consecutive_seeds(tiny):
-    engine = jspec.Engine(tiny, page_size=16, num_pages=64, attention_backend="reference")
+    engine = jspec.Engine(tiny, page_size=16, max_total_tokens=1008, attention_backend="reference")
     p = SamplingParams(max_new_tokens=8, temperature=1.0, seed=11, n=3, ignore_eos=True)
     outs = engine.generate([[1, 2, 3], [4, 5]], p)
     assert len(outs) == 6 and [o.prompt_token_ids for o in outs] == [[1, 2, 3]] * 3 + [[4, 5]] * 3

@@ -79,8 +79,8 @@ def merged(model, raw, scale):
 PROMPTS = [[1, 5, 9, 33, 70], list(range(40, 70)), [7] * 3, list(range(200, 217)), [1, 5, 9, 33, 70, 80, 90],
            list(range(100, 125))]
 USE = ["a", None, "b", "a", None, "b"]  # one batch mixing both adapters and none
-ENGINE = dict(page_size=4, num_pages=256, max_running_requests=8, attention_backend="reference")
-LORA = dict(max_loras=2, max_lora_rank=8)  # one pool shape for every engine here: programs compile once
+ENGINE = dict(page_size=4, max_total_tokens=1020, max_running_requests=8, attention_backend="reference")
+LORA = dict(max_loras_per_batch=2, max_lora_rank=8)  # one pool shape for every engine here: programs compile once
 
 
 def greedy(engine, prompts, use, max_new=8):
@@ -139,7 +139,7 @@ def test_mixed_batch_with_eagle3_is_lossless(tiny, adapters, references):
     from test_tensor_parallel import eagle3
 
     spec = jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=1, num_draft_tokens=4)
-    engine = jspec.Engine(tiny, spec=spec, draft=eagle3(tiny), lora_paths={n: a[0] for n, a in adapters.items()},
+    engine = jspec.Engine(tiny, speculative=spec, draft=eagle3(tiny), lora_paths={n: a[0] for n, a in adapters.items()},
                           **LORA, **ENGINE)
     got, outs = greedy(engine, PROMPTS, USE)
     assert got == expected(references, USE, range(len(PROMPTS)))
@@ -180,7 +180,7 @@ def test_tensor_parallel_mixed_batch_with_eagle3_equals_merged_models(tiny, adap
     from test_tensor_parallel import eagle3
 
     spec = jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=1, num_draft_tokens=4)
-    engine = jspec.Engine(tiny, spec=spec, draft=eagle3(tiny), lora_paths={n: a[0] for n, a in adapters.items()},
+    engine = jspec.Engine(tiny, speculative=spec, draft=eagle3(tiny), lora_paths={n: a[0] for n, a in adapters.items()},
                           tp_size=tp, **LORA, **ENGINE)
     got, _ = greedy(engine, PROMPTS, USE)
     assert got == expected(references, USE, range(len(PROMPTS)))
@@ -209,7 +209,7 @@ def test_dp_attention_mixed_batch_with_eagle3_equals_merged_models(tiny, adapter
     from test_tensor_parallel import eagle3
 
     spec = jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=1, num_draft_tokens=4)
-    engine = jspec.Engine(tiny, spec=spec, draft=eagle3(tiny), lora_paths={n: a[0] for n, a in adapters.items()},
+    engine = jspec.Engine(tiny, speculative=spec, draft=eagle3(tiny), lora_paths={n: a[0] for n, a in adapters.items()},
                           tp_size=tp, dp_size=dp, enable_dp_attention=True, **LORA, **ENGINE)
     got, _ = greedy(engine, PROMPTS, USE)
     assert got == expected(references, USE, range(len(PROMPTS)))
@@ -269,27 +269,22 @@ def test_load_use_unload_reload_without_restart(tiny, adapters, references):
 
 
 def test_server_flags_and_routes(tiny, adapters, references):
-    """serve.py's LoRA flags build the engine; the HTTP API picks adapters by lora_path or
+    """The server's LoRA flags build the engine; the HTTP API picks adapters by lora_path or
     model "base:adapter" and loads / unloads them while it runs (in-process: the programs
     compiled above are reused)."""
-    import importlib.util
-
     from fastapi.testclient import TestClient
 
     from jspec.engine.async_engine import AsyncEngine
     from jspec.server.app import create_app
+    from jspec.server.args import build_parser, engine_config
 
-    spec = importlib.util.spec_from_file_location("serve", os.path.join(os.path.dirname(__file__), "..", "scripts",
-                                                                        "serve.py"))
-    serve = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(serve)
     (pa, _, _), (pb, _, _) = adapters["a"], adapters["b"]
-    args = serve.build_parser().parse_args(["--lora-paths", f"a={pa}", pb, "--max-loras-per-batch", "2",
-                                            "--max-lora-rank", "8"])
-    kw = serve.lora_args(args)
-    assert kw == dict(lora_paths={"a": pa, "b": pb}, max_loras=2, max_lora_rank=8)  # b named by its directory
-    assert serve.lora_args(serve.build_parser().parse_args([])) == {}
-    aengine = AsyncEngine(jspec.Engine(tiny, **kw, **ENGINE))
+    config = engine_config(build_parser().parse_args(["--lora-paths", f"a={pa}", pb, "--max-loras-per-batch", "2",
+                                                      "--max-lora-rank", "8"]))
+    assert config.lora_paths == {"a": pa, "b": pb}  # b named by its directory
+    assert (config.max_loras_per_batch, config.max_lora_rank, config.serves_lora) == (2, 8, True)
+    assert not engine_config(build_parser().parse_args([])).serves_lora
+    aengine = AsyncEngine(jspec.Engine(tiny, config, **ENGINE))
     try:
         with TestClient(create_app(aengine, "tiny")) as c:
             def gen(p, lora=None):
@@ -333,7 +328,7 @@ def test_lora_decode_step_lowers_for_cuda(tmp_path):
     from jspec.steps.plain import plain_decode_step
 
     path = make_tiny_model(str(tmp_path / "bf16"), seed=7, max_position_embeddings=512, dtype="bfloat16")
-    engine = jspec.Engine(jspec.load(path, dtype=jax.numpy.bfloat16), page_size=16, num_pages=64, **LORA)
+    engine = jspec.Engine(jspec.load(path, dtype=jax.numpy.bfloat16), page_size=16, max_total_tokens=1008, **LORA)
     w = engine.worker
     slot_ids, pt, rows = w._decode_inputs([0, 1, 2], [[1, 2], [3], [4]], [(jspec.SamplingParams(), 0)] * 3)
     args = (w.params, w.state, slot_ids, pt, rows, w._decode_loras(slot_ids.shape[0], [1, 0, 2]))

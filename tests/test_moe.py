@@ -238,7 +238,7 @@ def test_eagle3_over_moe_target_is_lossless():
     base = jspec.generate((target, params), prompts, max_new_tokens=12, ignore_eos=True, page_size=16,
                           attention_backend="reference")
     spec = SpecConfig("EAGLE3", num_steps=3, eagle_topk=2, num_draft_tokens=5)
-    engine = jspec.Engine((target, params), spec=spec, draft=(dcfg, draft), page_size=16, num_pages=96,
+    engine = jspec.Engine((target, params), speculative=spec, draft=(dcfg, draft), page_size=16, max_total_tokens=1520,
                           max_running_requests=8, attention_backend="reference")
     out = jspec.generate((target, params), prompts, max_new_tokens=12, ignore_eos=True, engine=engine)
     engine.check_idle_no_leaks()

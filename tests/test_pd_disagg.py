@@ -94,7 +94,7 @@ def prefill(dirs):
 def decode(dirs, spec, prefill):
     """Two request slots, so a third request's transfer has to wait for one; room on the device for
     about two requests' arrived KV, so later ones wait on the host (both paths run)."""
-    engine = DecodeEngine(dirs[0], spec=spec, page_size=8, num_pages=96, max_running_requests=2,
+    engine = DecodeEngine(dirs[0], speculative=spec, page_size=8, max_total_tokens=760, max_running_requests=2,
                           attention_backend="reference", prefill_addrs=[prefill.addr], transfer_stage_bytes=60_000)
     yield engine
     engine.close()
@@ -102,7 +102,7 @@ def decode(dirs, spec, prefill):
 
 @pytest.fixture(scope="module")
 def reference(dirs, spec):
-    engine = jspec.Engine(dirs[0], spec=spec, page_size=8, num_pages=96, max_running_requests=2,
+    engine = jspec.Engine(dirs[0], speculative=spec, page_size=8, max_total_tokens=760, max_running_requests=2,
                           attention_backend="reference")
     return engine.generate
 
@@ -149,7 +149,7 @@ def test_mismatched_decode_engine_is_refused(dirs, spec, prefill, tmp_path):
 
     other = make_tiny_model(str(tmp_path / "other"), seed=3, max_position_embeddings=256)
     for model, sp, why in ((dirs[0], None, "different state layouts"), (other, spec, "different weights")):
-        engine = DecodeEngine(model, spec=sp, page_size=8, num_pages=32, max_running_requests=2,
+        engine = DecodeEngine(model, speculative=sp, page_size=8, max_total_tokens=248, max_running_requests=2,
                               attention_backend="reference", prefill_addrs=[prefill.addr])
         with pytest.raises(PrefillUnavailable, match=f"refused this decode engine: .*{why}"):
             engine.generate(["hi"], jspec.SamplingParams(max_new_tokens=2))
@@ -217,7 +217,7 @@ def test_after_the_prefill_engine_is_gone(decode):
 def test_request_state_round_trip_is_exact(dirs, spec):
     """A prefilled request's every state leaf (target and draft KV, carry, penalty rows) read out
     of a page-4 engine, written into a page-8 engine and read out again is unchanged."""
-    src = PrefillEngine(dirs[0], spec=spec, page_size=4, num_pages=64, max_running_requests=2,
+    src = PrefillEngine(dirs[0], speculative=spec, page_size=4, max_total_tokens=252, max_running_requests=2,
                         attention_backend="reference", disable_overlap_schedule=True)
     src.add_prefill("a", list(range(3, 40)), jspec.SamplingParams(repetition_penalty=1.2), seed=5)
     while src.has_work():
@@ -225,9 +225,10 @@ def test_request_state_round_trip_is_exact(dirs, spec):
     (h,) = src.handoffs
     out = [np.asarray(a) for a in h.arrays]
     out = [a[:, : h.num_tokens] if i < h.num_paged else a for i, a in enumerate(out)]
-    dst = jspec.Engine(dirs[0], spec=spec, page_size=8, num_pages=64, max_running_requests=2,
-                       attention_backend="reference").worker
-    pages, slot = dst.allocator.alloc(6), dst.alloc_slot()
+    dst_engine = jspec.Engine(dirs[0], speculative=spec, page_size=8, max_total_tokens=504, max_running_requests=2,
+                              attention_backend="reference")
+    dst, kv = dst_engine.worker, dst_engine.scheduler.kv
+    pages, slot = kv.allocator.alloc(6), kv.alloc_slot()
     staged = kv_io.stage_request(kv_io.layout(dst.state), out, h.num_tokens, to_device=True)
     dst.state = kv_io.write_request(dst.state, staged, pages, 8, h.num_tokens, slot)
     back = [np.asarray(a) for a in kv_io.extract_request(dst.state, pages, 8, h.num_tokens, slot)]
@@ -240,22 +241,21 @@ def test_request_state_round_trip_is_exact(dirs, spec):
 
 
 def test_serve_flags_make_a_decode_engine(dirs):
-    """scripts/serve.py's decode-mode flags (the prefill mode runs in the fixture above)."""
-    import importlib.util
+    """The server's decode-mode flags (the prefill mode runs in the fixture above)."""
+    from jspec.server.args import build_parser, engine_config, server_config
+    from jspec.server.launch import make_engine
 
-    spec = importlib.util.spec_from_file_location("serve", os.path.join(ROOT, "scripts", "serve.py"))
-    serve = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(serve)
-    ap = serve.build_parser()
+    ap = build_parser()
     base = ["--page-size", "8", "--max-total-tokens", "256", "--attention-backend", "reference",
             "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "shm"]
     model = jspec.load(dirs[0])
     args = ap.parse_args(base + ["--disaggregation-prefill-addrs", "127.0.0.1:1", "localhost:2"])
-    engine = serve.make_engine(args, model, None)
+    engine = make_engine(engine_config(args), server_config(args), model)
     assert isinstance(engine, DecodeEngine) and engine.router.addrs == ["127.0.0.1:1", "localhost:2"]
     assert engine.router.backend == "shm"
     with pytest.raises(ValueError, match="must be HOST:PORT"):
-        serve.make_engine(ap.parse_args(base + ["--disaggregation-prefill-addrs", "nohost"]), model, None)
+        args = ap.parse_args(base + ["--disaggregation-prefill-addrs", "nohost"])
+        make_engine(engine_config(args), server_config(args), model)
 
 
 @pytest.mark.parametrize("n", [1024, 8192])

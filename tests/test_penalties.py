@@ -66,8 +66,8 @@ def test_penalised_greedy_matches_a_dense_recompute(tiny):
     prompts = [[5, 9, 2, 7, 5, 5], list(range(30, 50))]
     params = SamplingParams(max_new_tokens=16, ignore_eos=True, frequency_penalty=0.8, presence_penalty=0.5,
                             repetition_penalty=1.3, return_logprob=True)
-    outs = jspec.Engine(tiny, page_size=4, num_pages=64, attention_backend="reference").generate(prompts, params)
-    unpenalised = jspec.Engine(tiny, page_size=4, num_pages=64, attention_backend="reference").generate(
+    outs = jspec.Engine(tiny, page_size=4, max_total_tokens=252, attention_backend="reference").generate(prompts, params)
+    unpenalised = jspec.Engine(tiny, page_size=4, max_total_tokens=252, attention_backend="reference").generate(
         prompts, SamplingParams(max_new_tokens=16, ignore_eos=True))
     # Causal, so padding after the sequence changes nothing before it: one compiled length.
     dense = jax.jit(lambda toks: dense_forward(tiny.params, tiny.cfg, toks))
@@ -105,11 +105,11 @@ def test_speculative_penalties_equal_plain(steps, topk, ndt, temperature):
     sampling = [SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=temperature, seed=s,
                                frequency_penalty=fp, presence_penalty=pp, repetition_penalty=rp)
                 for s, (fp, pp, rp) in enumerate([(1.1, 0.0, 1.0), (1.3, 0.5, 1.0), (1.1, 0.0, 1.5)])]
-    kw = dict(page_size=4, num_pages=96, max_running_requests=4, attention_backend="reference")
+    kw = dict(page_size=4, max_total_tokens=380, max_running_requests=4, attention_backend="reference")
     plain = jspec.Engine((TARGET, target), **kw)
     base = [plain.generate([p], sp)[0] for p, sp in zip(ps, sampling)]
     spec = jspec.SpecConfig("EAGLE3", num_steps=steps, eagle_topk=topk, num_draft_tokens=ndt)
-    engine = jspec.Engine((TARGET, target), spec=spec, draft=(dcfg, draft), **kw)
+    engine = jspec.Engine((TARGET, target), speculative=spec, draft=(dcfg, draft), **kw)
     outs = [engine.generate([p], sp)[0] for p, sp in zip(ps, sampling)]
     engine.check_idle_no_leaks()
     for b, o in zip(base, outs):
@@ -124,9 +124,9 @@ def test_speculative_penalties_equal_plain(steps, topk, ndt, temperature):
 def test_penalties_survive_retraction_and_skip_the_prefix_cache(tiny):
     params = SamplingParams(max_new_tokens=40, ignore_eos=True, frequency_penalty=0.7, repetition_penalty=1.2)
     prompts = [list(range(10 + 7 * i, 40 + 7 * i)) for i in range(6)]
-    big = jspec.Engine(tiny, page_size=4, num_pages=256, max_running_requests=8, attention_backend="reference")
+    big = jspec.Engine(tiny, page_size=4, max_total_tokens=1020, max_running_requests=8, attention_backend="reference")
     ref = big.generate(prompts, params)
-    small = jspec.Engine(tiny, page_size=4, num_pages=40, max_running_requests=8, attention_backend="reference")
+    small = jspec.Engine(tiny, page_size=4, max_total_tokens=156, max_running_requests=8, attention_backend="reference")
     got = small.generate(prompts, params)
     assert small.scheduler.num_retractions > 0
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]

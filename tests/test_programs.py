@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import jspec
+from jspec.checkpoint.model import with_context_length
 from jspec.testing.tiny import make_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -17,11 +18,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return jspec.load(make_tiny_model(str(tmp_path_factory.mktemp("tiny") / "m"), seed=5), context_length=256)
+    return with_context_length(jspec.load(make_tiny_model(str(tmp_path_factory.mktemp("tiny") / "m"), seed=5)), 256)
 
 
 PROMPTS = [[1, 2, 3, 4, 5], [7] * 19, [9, 8]]
-KW = dict(page_size=16, num_pages=128, max_running_requests=4, attention_backend="reference")
+KW = dict(page_size=16, max_total_tokens=2032, max_running_requests=4, attention_backend="reference")
 
 
 def greedy(engine):
@@ -35,7 +36,7 @@ def test_scanned_and_unrolled_layers_give_the_same_tokens(tiny, spec):
 
     kw = dict(KW)
     if spec:
-        kw.update(spec=jspec.SpecConfig(spec, num_steps=3, eagle_topk=1), draft=eagle_draft(tiny))
+        kw.update(speculative=jspec.SpecConfig(spec, num_steps=3, eagle_topk=1), draft=eagle_draft(tiny))
     scanned = jspec.Engine(tiny, **kw)
     unrolled = jspec.Engine(tiny, layer_loop="unrolled", **kw)
     assert isinstance(scanned.worker.params["layers"], dict)
@@ -55,9 +56,9 @@ def test_the_default_server_compiles_at_most_16_programs(tiny, spec):
     # The server's defaults: 32 running requests, 512-token prefill chunks, both sampling programs.
     kw = dict(page_size=16, max_running_requests=32, chunked_prefill_size=512, max_top_logprobs=5)
     if spec:
-        kw.update(spec=jspec.SpecConfig(spec, num_steps=3, eagle_topk=1), draft=eagle_draft(tiny))
+        kw.update(speculative=jspec.SpecConfig(spec, num_steps=3, eagle_topk=1), draft=eagle_draft(tiny))
     engine = jspec.Engine(tiny, **kw)
-    jobs = engine.worker.warmup_jobs(engine.scheduler.chunked_prefill_size)
+    jobs = engine.worker.warmup_jobs()
     keys = [j.program.key for j in jobs]
     assert len(set(keys)) == len(keys) <= 16
     assert {k[1] for k in keys if k[0] == "prefill"} == {16, 64, 256, 512}
@@ -88,11 +89,12 @@ def test_prompt_logprob_prefills_compile_in_the_background_while_others_run(tiny
 
 CACHE_PROBE = textwrap.dedent("""
     import sys, jax, jspec
+    from jspec.checkpoint.model import with_context_length
     from jspec.testing.tiny import make_tiny_model
     events = []
     jax.monitoring.register_event_listener(lambda name, **kw: events.append(name))
-    model = jspec.load(make_tiny_model(sys.argv[2], seed=5), context_length=256)
-    engine = jspec.Engine(model, page_size=16, num_pages=64, max_running_requests=2, attention_backend="reference",
+    model = with_context_length(jspec.load(make_tiny_model(sys.argv[2], seed=5)), 256)
+    engine = jspec.Engine(model, page_size=16, max_total_tokens=1008, max_running_requests=2, attention_backend="reference",
                           compilation_cache_dir=sys.argv[1])
     n = engine.warmup(sampling_modes=("greedy",))
     print(n, events.count("/jax/compilation_cache/compile_requests_use_cache"),

@@ -85,9 +85,9 @@ def test_seeded_request_reproduces_alongside_different_requests(tmp_path):
     model = jspec.load(make_tiny_model(str(tmp_path / "m"), seed=1, max_position_embeddings=512))
     seeded = SamplingParams(max_new_tokens=10, temperature=1.0, top_p=0.9, seed=42, ignore_eos=True)
     other = SamplingParams(max_new_tokens=6, temperature=0.8, ignore_eos=True)
-    kw = dict(page_size=16, num_pages=128, attention_backend="reference")
+    kw = dict(page_size=16, max_total_tokens=2032, attention_backend="reference")
     a = jspec.Engine(model, **kw).generate([[5, 6, 7]], seeded)[0].token_ids
-    b = jspec.Engine(model, seed=9, **kw).generate([[1, 2], [5, 6, 7], [9] * 20], [other, seeded, other])[1].token_ids
+    b = jspec.Engine(model, random_seed=9, **kw).generate([[1, 2], [5, 6, 7], [9] * 20], [other, seeded, other])[1].token_ids
     c = jspec.Engine(model, **kw).generate([[5, 6, 7]], dataclasses.replace(seeded, seed=43))[0].token_ids
     assert a == b and a != c
 

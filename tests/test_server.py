@@ -100,7 +100,7 @@ def server(model_dir):
 
 def reference(model_dir, prompts, max_new, spec=None):
     return jspec.generate(model_dir, prompts, max_new_tokens=max_new, page_size=4, attention_backend="reference",
-                          spec=spec)
+                          speculative=spec)
 
 
 def chat_prompt_ids(model_dir, messages):

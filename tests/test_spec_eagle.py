@@ -86,7 +86,7 @@ def prompts(lengths, seed=0):
 def run_both(target, dcfg, draft, spec, page_size, ps, max_new=12, backend="reference"):
     base = jspec.generate((TARGET, target), ps, max_new_tokens=max_new, ignore_eos=True, page_size=page_size,
                           attention_backend=backend)
-    engine = jspec.Engine((TARGET, target), spec=spec, draft=(dcfg, draft), page_size=page_size, num_pages=96,
+    engine = jspec.Engine((TARGET, target), speculative=spec, draft=(dcfg, draft), page_size=page_size, max_total_tokens=95 * page_size,
                           max_running_requests=8, attention_backend=backend)
     out = jspec.generate((TARGET, target), ps, max_new_tokens=max_new, ignore_eos=True, engine=engine)
     engine.check_idle_no_leaks()
@@ -136,7 +136,7 @@ def test_over_allocation_never_writes_outside_reserved_pages():
     dcfg = draft_config("EAGLE3")
     draft = init_random_draft_params(dcfg, jax.random.key(2), std=0.2)
     spec = SpecConfig("EAGLE3", num_steps=3, eagle_topk=2, num_draft_tokens=5)
-    engine = jspec.Engine((TARGET, target), spec=spec, draft=(dcfg, draft), page_size=4, num_pages=64,
+    engine = jspec.Engine((TARGET, target), speculative=spec, draft=(dcfg, draft), page_size=4, max_total_tokens=252,
                           max_running_requests=4, attention_backend="reference")
     runner = engine.worker
     poison = 1e4
@@ -145,14 +145,15 @@ def test_over_allocation_never_writes_outside_reserved_pages():
         draft=jax.tree.map(lambda a: jnp.full_like(a, poison), runner.state.draft),
     )
     handed_out = set()
-    alloc = runner.allocator.alloc
+    allocator = engine.scheduler.kv.allocator
+    alloc = allocator.alloc
 
     def recording_alloc(n):
         pages = alloc(n)
         handed_out.update(pages)
         return pages
 
-    runner.allocator.alloc = recording_alloc
+    allocator.alloc = recording_alloc
     jspec.generate((TARGET, target), prompts([5, 13]), max_new_tokens=10, ignore_eos=True, engine=engine)
     engine.check_idle_no_leaks()
     untouched = sorted(set(range(1, 64)) - handed_out)

@@ -30,11 +30,11 @@ def test_ngram_matcher_equals_brute_force(seed):
 
 
 def run_pair(target, ps, spec, draft=None, page_size=16, overlap=True, max_new=16):
-    kw = dict(page_size=page_size, num_pages=128, max_running_requests=4, attention_backend="reference",
+    kw = dict(page_size=page_size, max_total_tokens=127 * page_size, max_running_requests=4, attention_backend="reference",
               disable_overlap_schedule=not overlap)
     base = jspec.generate((TARGET, target), ps, max_new_tokens=max_new, ignore_eos=True,
                           engine=jspec.Engine((TARGET, target), **kw))
-    engine = jspec.Engine((TARGET, target), spec=spec, draft=draft, **kw)
+    engine = jspec.Engine((TARGET, target), speculative=spec, draft=draft, **kw)
     out = jspec.generate((TARGET, target), ps, max_new_tokens=max_new, ignore_eos=True, engine=engine)
     engine.check_idle_no_leaks()
     for b, o in zip(base, out):
@@ -102,8 +102,8 @@ def test_standalone_mismatched_vocabularies_are_refused():
     target = init_random_params(TARGET, jax.random.key(1), jnp.float32)
     dcfg = dataclasses.replace(small_draft_config(), vocab_size=32)
     with pytest.raises(ValueError, match="vocabulary"):
-        jspec.Engine((TARGET, target), spec=SpecConfig("STANDALONE"), draft=(dcfg, init_random_params(
-            dcfg, jax.random.key(2), jnp.float32)), num_pages=16, attention_backend="reference")
+        jspec.Engine((TARGET, target), speculative=SpecConfig("STANDALONE"), draft=(dcfg, init_random_params(
+            dcfg, jax.random.key(2), jnp.float32)), max_total_tokens=240, attention_backend="reference")
 
 
 SHARED = ["jspec/scheduler", "jspec/speculative/verify.py", "jspec/speculative/method.py", "jspec/speculative/accept.py",

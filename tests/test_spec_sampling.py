@@ -95,9 +95,9 @@ def test_seeded_speculative_sampling_equals_plain_sampling(tmp_path, topk, ndt):
     prompts = [list(map(int, rng.integers(0, 256, n))) for n in (4, 11, 25)]
     params = [SamplingParams(max_new_tokens=16, temperature=t, top_p=0.9, seed=s, ignore_eos=True)
               for t, s in ((1.0, 1), (0.7, 2), (0.0, 3))]
-    kw = dict(page_size=16, num_pages=256, attention_backend="reference")
+    kw = dict(page_size=16, max_total_tokens=4080, attention_backend="reference")
     plain = jspec.Engine(model, **kw).generate(prompts, params)
-    engine = jspec.Engine(model, spec=spec, draft=eagle_draft(model), **kw)
+    engine = jspec.Engine(model, speculative=spec, draft=eagle_draft(model), **kw)
     spec_out = engine.generate(prompts, params)
     engine.check_idle_no_leaks()
     assert [o.token_ids for o in spec_out] == [o.token_ids for o in plain]

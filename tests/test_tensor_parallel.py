@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import jspec
+from jspec.checkpoint.model import with_context_length
 from jspec.testing.tiny import make_tiny_model
 from jspec.distributed.tensor_parallel import block_columns, make_mesh, shard_params
 
@@ -16,7 +17,7 @@ from jspec.distributed.tensor_parallel import block_columns, make_mesh, shard_pa
 def tiny(tmp_path_factory):
     # 8 query heads and 2 KV heads: TP 2 splits KV heads, TP 4 and 8 repeat them.
     path = make_tiny_model(str(tmp_path_factory.mktemp("tp") / "m"), seed=11, num_heads=8, num_kv_heads=2)
-    return jspec.load(path, context_length=256)
+    return with_context_length(jspec.load(path), 256)
 
 
 def eagle3(model):
@@ -32,7 +33,7 @@ PROMPTS = [[1, 5, 9, 33, 70], list(range(40, 100)), [7] * 3, list(range(200, 230
 
 
 def greedy(model, **kw):
-    engine = jspec.Engine(model, page_size=4, num_pages=256, max_running_requests=4, attention_backend="reference",
+    engine = jspec.Engine(model, page_size=4, max_total_tokens=1020, max_running_requests=4, attention_backend="reference",
                           **kw)
     outs = engine.generate(PROMPTS, jspec.SamplingParams(max_new_tokens=10, ignore_eos=True))
     engine.check_idle_no_leaks()
@@ -45,13 +46,13 @@ SPEC = jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=1, num_draft_tokens=4)
 @pytest.fixture(scope="module")
 def one_device_eagle3(tiny):
     draft = eagle3(tiny)
-    return draft, greedy(tiny, spec=SPEC, draft=draft)[0]
+    return draft, greedy(tiny, speculative=SPEC, draft=draft)[0]
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_tp_greedy_equals_one_device_with_eagle3_and_overlap(tiny, one_device_eagle3, tp):
     draft, ref = one_device_eagle3
-    got, engine = greedy(tiny, spec=SPEC, draft=draft, tp_size=tp)
+    got, engine = greedy(tiny, speculative=SPEC, draft=draft, tp_size=tp)
     assert got == ref
     kv = engine.worker.state.target_kv.k
     assert kv.sharding.spec[3] == "tensor" and len(kv.sharding.device_set) == tp
@@ -61,7 +62,7 @@ def test_tp_greedy_equals_one_device_with_eagle3_and_overlap(tiny, one_device_ea
 
 def test_tp_plain_greedy_equals_one_device_on_the_pallas_kernels(tiny):
     ref, _ = greedy(tiny)
-    engine = jspec.Engine(tiny, page_size=4, num_pages=256, max_running_requests=4, tp_size=4)  # pallas, interpreted
+    engine = jspec.Engine(tiny, page_size=4, max_total_tokens=1020, max_running_requests=4, tp_size=4)  # pallas, interpreted
     got = [o.token_ids for o in engine.generate(PROMPTS, jspec.SamplingParams(max_new_tokens=10, ignore_eos=True))]
     assert got == ref
 
@@ -92,8 +93,8 @@ def tiny_moe(tmp_path_factory):
 @pytest.mark.parametrize("ep", [2, 4])
 def test_ep_moe_greedy_equals_one_device_with_eagle3_and_overlap(tiny_moe, ep):
     draft = eagle3(tiny_moe)
-    ref, _ = greedy(tiny_moe, spec=SPEC, draft=draft)
-    got, engine = greedy(tiny_moe, spec=SPEC, draft=draft, tp_size=ep, ep_size=ep)
+    ref, _ = greedy(tiny_moe, speculative=SPEC, draft=draft)
+    got, engine = greedy(tiny_moe, speculative=SPEC, draft=draft, tp_size=ep, ep_size=ep)
     assert got == ref
     experts = engine.worker.params["layers"]["experts_gate_up"]  # [L, E, in, out]
     assert experts.addressable_shards[0].data.shape[1] == 8 // ep  # each device holds its experts only
@@ -101,6 +102,6 @@ def test_ep_moe_greedy_equals_one_device_with_eagle3_and_overlap(tiny_moe, ep):
 
 def test_ep_size_must_match_tp_on_moe_and_be_1_on_dense(tiny, tiny_moe):
     with pytest.raises(ValueError, match="needs ep_size=2"):
-        jspec.Engine(tiny_moe, tp_size=2, num_pages=16, attention_backend="reference")
+        jspec.Engine(tiny_moe, tp_size=2, max_total_tokens=240, attention_backend="reference")
     with pytest.raises(ValueError, match="must equal tp_size"):
-        jspec.Engine(tiny, tp_size=2, ep_size=2, num_pages=16, attention_backend="reference")
+        jspec.Engine(tiny, tp_size=2, ep_size=2, max_total_tokens=240, attention_backend="reference")

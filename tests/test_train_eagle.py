@@ -44,7 +44,7 @@ def setup(tmp_path_factory):
 
 def spec_run(model, ids, head_dir):
     spec = jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=1, num_draft_tokens=4, draft_model_path=str(head_dir))
-    return jspec.generate(model, ids, max_new_tokens=NEW_TOKENS, spec=spec, **ENGINE_KW)
+    return jspec.generate(model, ids, max_new_tokens=NEW_TOKENS, speculative=spec, **ENGINE_KW)
 
 
 def test_prompt_set_is_deterministic_and_split():

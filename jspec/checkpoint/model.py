@@ -16,12 +16,14 @@ class Model:
     params: object
     tokenizer: object = None
 
-def load(path: str | os.PathLike, dtype=None, load_format: str = "auto", context_length: int | None = None) -> Model:
-    """load_format "dummy" (SGLang's name): random weights of config.json's shape, for benchmarks
-    of model shapes whose weights are not at hand. context_length (SGLang's --context-length):
-    the longest prompt + output served, below the config's; it bounds the page tables, so the
-    programs warm-up compiles."""
-    model = _load(path, dtype, load_format)
+def load(path: str | os.PathLike, dtype=None, load_format: str = "auto") -> Model:
+    """A checkpoint directory -> Model. load_format "dummy" (SGLang's name): random weights of
+    config.json's shape, for benchmarks of model shapes whose weights are not at hand."""
+    return _load(path, dtype, load_format)
+
+
+def with_context_length(model: Model, context_length: int | None) -> Model:
+    """model with its context capped (SGLang's --context-length): it bounds the page tables."""
     if context_length is None:
         return model
     limit = model.cfg.max_position_embeddings
@@ -29,6 +31,7 @@ def load(path: str | os.PathLike, dtype=None, load_format: str = "auto", context
         raise ValueError(f"context_length={context_length} must be in [1, {limit}] (the model's "
                          f"max_position_embeddings)")
     return dataclasses.replace(model, cfg=dataclasses.replace(model.cfg, max_position_embeddings=context_length))
+
 
 def _load(path, dtype, load_format) -> Model:
     from jspec.checkpoint.loader import load_model

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jspec.config.fields import setting
+
 
 SPEC_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "NGRAM")
 
@@ -22,14 +24,16 @@ class SpecConfig:
     num_steps and eagle_topk are derived from them (chain length and breadth).
     """
 
-    algorithm: str = "EAGLE"
-    draft_model_path: str | None = None
-    num_steps: int = 3
-    eagle_topk: int = 1
-    num_draft_tokens: int | None = None
-    ngram_min_match_window_size: int = 1
-    ngram_max_match_window_size: int = 12
-    ngram_max_bfs_breadth: int = 1
+    algorithm: str = setting("EAGLE", "EAGLE / EAGLE3 (draft head), STANDALONE (a small model of the same "
+                                      "tokenizer), NGRAM (drafts copied from the request's own earlier tokens)",
+                             choices=SPEC_ALGORITHMS)
+    draft_model_path: str | None = setting(None, "local draft checkpoint (EAGLE head or standalone model)")
+    num_steps: int = setting(3, "draft depth per iteration")
+    eagle_topk: int = setting(1, "branching per draft step (1 = chain)")
+    num_draft_tokens: int | None = setting(None, "tree nodes verified per iteration")
+    ngram_min_match_window_size: int = setting(1, "NGRAM: shortest suffix match that proposes drafts")
+    ngram_max_match_window_size: int = setting(12, "NGRAM: longest suffix compared")
+    ngram_max_bfs_breadth: int = setting(1, "NGRAM: candidate continuations verified side by side (tree branches)")
 
     def __post_init__(self):
         if self.algorithm not in SPEC_ALGORITHMS:

@@ -29,6 +29,7 @@ import time
 from jspec.disaggregation import kv_io
 from jspec.disaggregation.prefill import PROTOCOL, check_disaggregation_args
 from jspec.disaggregation.transfer import BACKENDS, Link, LinkClosed, connect, host_id, parse_addr
+from jspec.config.engine import EngineConfig
 from jspec.engine.engine import Engine
 from jspec.scheduler.request import Request, Status
 from jspec.scheduler.scheduler import Scheduler
@@ -188,7 +189,7 @@ class DecodeScheduler(Scheduler):
     def __init__(self, worker, *, router: PrefillRouter, make_output, **kw):
         super().__init__(worker, **kw)
         self.router = router
-        self._make_output = make_output  # Engine._output: a RequestOutput from a snapshot
+        self._make_output = make_output  # Engine.output: a RequestOutput from a snapshot
         self.awaiting: dict[str, tuple[Request, float]] = {}  # rid -> (req, submit time)
         # (req, n, arrays, record, bytes staged on the device): arrived, waiting for a slot and pages
         self.arrived: collections.deque = collections.deque()
@@ -216,14 +217,14 @@ class DecodeScheduler(Scheduler):
             req, _ = self.awaiting.pop(rid)
             self.router.abort(rid)
             req.finish("abort")
-            self._retire(req)
+            self.retire(req)
             return True
         for item in self.arrived:
             if item[0].rid == rid:
                 self.arrived.remove(item)
                 self.router.unstage(item[4])
                 item[0].finish("abort")
-                self._retire(item[0])
+                self.retire(item[0])
                 return True
         return super().abort(rid)
 
@@ -246,7 +247,7 @@ class DecodeScheduler(Scheduler):
         self.awaiting.pop(req.rid, None)
         before = (len(req.output), len(req.text), len(req.output_logprobs), len(req.output_top_logprobs))
         req.finish("abort")
-        self._retire(req)
+        self.retire(req)
         self.errors[req.rid] = message
         self.outputs.append(dataclasses.replace(self._make_output(req, *before), error=message))
 
@@ -287,7 +288,7 @@ class DecodeScheduler(Scheduler):
             self._first_token(req, header)
             if req.finished:
                 self.router.unstage(staged)
-                self._retire(req)
+                self.retire(req)
                 continue
             self.arrived.append((req, n, arrays, rec, staged))
 
@@ -313,11 +314,11 @@ class DecodeScheduler(Scheduler):
             req, n, arrays, rec, staged = self.arrived[0]
             need = self.pages_for(n + w.kv_margin)
             self._evict_for(need + reserve)
-            if not w.free_slots or need + reserve > w.allocator.num_free:
+            if not self.kv.free_slots or need + reserve > self.kv.allocator.num_free:
                 break
             self.arrived.popleft()
-            req.slot = w.alloc_slot()
-            req.pages = w.allocator.alloc(need)
+            req.slot = self.kv.alloc_slot()
+            req.pages = self.kv.allocator.alloc(need)
             with w.on_mesh():
                 w.state = kv_io.write_request(w.state, arrays, req.pages, self.page_size, n, req.slot)
             self.router.unstage(staged)  # the write owns the device copy now; it is freed with the step
@@ -331,16 +332,20 @@ class DecodeScheduler(Scheduler):
 class DecodeEngine(Engine):
     """Engine(...) whose prompts are prefilled by the prefill engines at prefill_addrs."""
 
-    def __init__(self, model, *, prefill_addrs: list[str], transfer_backend: str = "socket",
-                 transfer_stage_bytes: int = 2 << 30, **kw):
-        check_disaggregation_args(kw.get("tp_size", 1))
-        super().__init__(model, **kw)
-        self.router = PrefillRouter(prefill_addrs, transfer_backend, {
+    def __init__(self, model, config: EngineConfig | None = None, *, draft=None, prefill_addrs: list[str],
+                 transfer_backend: str = "socket", transfer_stage_bytes: int = 2 << 30, **settings):
+        config = dataclasses.replace(config or EngineConfig(), **settings)
+        check_disaggregation_args(config.tp_size)
+        self._router_args = (prefill_addrs, transfer_backend, transfer_stage_bytes)
+        super().__init__(model, config, draft=draft)
+
+    def make_scheduler(self):
+        addrs, backend, stage_bytes = self._router_args
+        self.router = PrefillRouter(addrs, backend, {
             "layout": kv_io.layout(self.worker.state), "weights": kv_io.weights_fingerprint(self.worker)},
-            transfer_stage_bytes)
-        self.scheduler = DecodeScheduler(self.worker, router=self.router, make_output=self._output,
-                                         chunked_prefill_size=self.scheduler.chunked_prefill_size,
-                                         prefix_cache=self.prefix_cache)
+            stage_bytes)
+        return DecodeScheduler(self.worker, router=self.router, make_output=self.output,
+                               disable_radix_cache=self.config.disable_radix_cache)
 
     def warmup(self, sampling_modes=None, prompt_logprobs: bool = False) -> int:
         """Engine.warmup (decode programs; the prefill ones serve retracted requests) plus the

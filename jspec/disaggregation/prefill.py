@@ -30,9 +30,11 @@ import numpy as np
 from jspec.disaggregation import kv_io
 from jspec.disaggregation.transfer import Link, LinkClosed, host_id, make_link
 from jspec.disaggregation.transfer import dtype as transfer_dtype
+from jspec.config.engine import EngineConfig
 from jspec.engine.engine import Engine
 from jspec.config.sampling import SamplingParams
-from jspec.scheduler.scheduler import PrefillBatch, Scheduler
+from jspec.worker.batch import PrefillBatch
+from jspec.scheduler.scheduler import Scheduler
 from jspec.scheduler.sync import start_host_copy
 
 log = logging.getLogger("jspec.pd")
@@ -66,11 +68,10 @@ def check_disaggregation_args(tp_size: int) -> None:
 class PrefillEngine(Engine):
     """Engine(...) whose requests stop after their prefill and come out as Handoffs."""
 
-    def __init__(self, model, **kw):
-        check_disaggregation_args(kw.get("tp_size", 1))
-        super().__init__(model, **kw)
-        self.scheduler = PrefillScheduler(self.worker, chunked_prefill_size=self.scheduler.chunked_prefill_size,
-                                          prefix_cache=self.prefix_cache)
+    def __init__(self, model, config: EngineConfig | None = None, *, draft=None, **settings):
+        config = dataclasses.replace(config or EngineConfig(), **settings)
+        check_disaggregation_args(config.tp_size)
+        super().__init__(model, config, draft=draft)
         self.num_paged = len(kv_io.split_state(self.worker.state)[0])
         self.weights = kv_io.weights_fingerprint(self.worker)
         self.handoffs: list[Handoff] = []
@@ -80,12 +81,15 @@ class PrefillEngine(Engine):
         """What a decode engine must share with this one to take its requests."""
         return {"layout": kv_io.layout(self.worker.state), "weights": self.weights}
 
+    def make_scheduler(self):
+        return PrefillScheduler(self.worker, disable_radix_cache=self.config.disable_radix_cache)
+
     def warmup(self, sampling_modes=None, prompt_logprobs: bool = False) -> int:
         """Compiles the prefill programs and the read-out of every token bucket (this engine never
         decodes, so Engine.warmup's decode programs would be wasted; a prefill samples its first
         token with the same program whatever the sampling). Returns the programs compiled."""
-        w, chunk = self.worker, self.scheduler.chunked_prefill_size
-        jobs = w.prefill_jobs(chunk, False) + (w.prefill_jobs(chunk, True) if prompt_logprobs else [])
+        w = self.worker
+        jobs = w.prefill_jobs(False) + (w.prefill_jobs(True) if prompt_logprobs else [])
         return w.programs.compile_all(jobs) + warmup_transfers(w, kv_io.extract_request)
 
     def add_prefill(self, rid: str, ids: list[int], params: SamplingParams, seed: int) -> str:
@@ -96,12 +100,12 @@ class PrefillEngine(Engine):
                                 seed=seed)
         return self.add_request(ids, p, rid)
 
-    def _launch(self, batch):
-        """Launches a step as Engine does, then dispatches the read-out of every request whose
-        prompt ends in it, from this step's output state: before the next launch can donate that
-        state, and without waiting for the next step to finish. The copy to the host starts at
-        once; only the first token waits for this step's designated read."""
-        launched = super()._launch(batch)
+    def on_launched(self, launched) -> None:
+        """Dispatches the read-out of every request whose prompt ends in this step, from the step's
+        output state: before the next launch can donate that state, and without waiting for the
+        step to finish. The copy to the host starts at once; only the first token waits for
+        this step's designated read."""
+        batch = launched.batch
         if isinstance(batch, PrefillBatch):
             for req, following in zip(batch.reqs, batch.following):
                 if following is None:
@@ -109,23 +113,21 @@ class PrefillEngine(Engine):
                         arrays = kv_io.extract_request(self.worker.state, req.pages, self.worker.page_size,
                                                        len(req.prompt), req.slot)
                     self._reading[req.rid] = (start_host_copy(arrays), time.time())
-        return launched
 
-    def _process(self, launched):
-        """Processes a step as Engine does; a request whose prompt ended in it leaves as a Handoff."""
-        ending = []
+    def on_processed(self, launched, outputs):
+        """A request whose prompt ended in this step leaves as a Handoff."""
         if isinstance(launched.batch, PrefillBatch):
-            ending = [r for r, f in zip(launched.batch.reqs, launched.batch.following) if f is None]
-        outs = super()._process(launched)
-        for req in ending:
-            arrays, t_extract = self._reading.pop(req.rid)
-            if req.finish_reason == "abort" or not req.output:
-                continue  # aborted while its prefill ran
-            self.handoffs.append(self._handoff(req, arrays, t_extract))
-            if not req.finished:  # the output budget of 1 ends it; its pages go to the prefix cache
-                req.finish("length")
-                self.scheduler._retire(req)
-        return outs
+            for req, following in zip(launched.batch.reqs, launched.batch.following):
+                if following is not None:
+                    continue
+                arrays, t_extract = self._reading.pop(req.rid)
+                if req.finish_reason == "abort" or not req.output:
+                    continue  # aborted while its prefill ran
+                self.handoffs.append(self._handoff(req, arrays, t_extract))
+                if not req.finished:  # the output budget of 1 ends it; its pages go to the prefix cache
+                    req.finish("length")
+                    self.scheduler.retire(req)
+        return outputs
 
     def _handoff(self, req, arrays, t_extract: float) -> Handoff:
         n = len(req.prompt)

@@ -29,26 +29,6 @@ from jspec.config.model import ModelConfig
 from jspec.distributed.mesh import DATA, TENSOR
 from jspec.distributed.tensor_parallel import block_columns, param_specs, replicate_kv_heads
 
-LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
-
-
-def check_dp_args(tp_size: int, dp_size: int, enable_dp_attention: bool,
-                  load_balance_method: str = "round_robin") -> None:
-    """SGLang's rules: DP attention splits the tp devices into dp attention groups."""
-    if load_balance_method not in LOAD_BALANCE_METHODS:
-        raise ValueError(f"unknown load_balance_method {load_balance_method!r}; choose one of {LOAD_BALANCE_METHODS}")
-    if dp_size < 1:
-        raise ValueError(f"dp_size={dp_size} must be >= 1")
-    if dp_size > 1 and not enable_dp_attention:
-        raise ValueError(f"dp_size={dp_size} needs enable_dp_attention=True (--enable-dp-attention): jspec "
-                         f"implements data parallelism only as DP attention inside the tp_size devices, "
-                         f"not as replicated engines")
-    if enable_dp_attention and dp_size == 1:
-        raise ValueError("enable_dp_attention needs dp_size > 1 (--dp-size)")
-    if enable_dp_attention and tp_size % dp_size:
-        raise ValueError(f"DP attention needs tp_size % dp_size == 0 (each of the dp_size={dp_size} attention "
-                         f"ranks gets tp_size / dp_size devices); got tp_size={tp_size}")
-
 
 def make_dp_mesh(tp_size: int, dp_size: int, devices=None) -> Mesh:
     """("data", "tensor") = (dp, tp / dp) over the first tp_size devices, "data" major, so rank r

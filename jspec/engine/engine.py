@@ -21,15 +21,16 @@ import time
 
 import numpy as np
 
-from jspec.checkpoint.model import as_model
-from jspec.config.spec import SpecConfig
-from jspec.kvcache.radix_cache import RadixCache
-from jspec.worker.programs import DEFAULT_CACHE_DIR, enable_compilation_cache
+from jspec.checkpoint.model import as_model, with_context_length
+from jspec.config.engine import EngineConfig
+from jspec.engine.sizing import check_parallel, kv_pages
+from jspec.worker.base import check_layer_loop
+from jspec.worker.programs import enable_compilation_cache
 from jspec.config.sampling import SamplingParams
 from jspec.scheduler.detokenize import IncrementalDetokenizer, StopChecker
-from jspec.scheduler.dp_scheduler import DPBatch
 from jspec.scheduler.request import Request
-from jspec.scheduler.scheduler import DecodeBatch, PrefillBatch, Scheduler
+from jspec.worker.batch import DecodeBatch, DPBatch, PrefillBatch
+from jspec.scheduler.scheduler import Scheduler
 from jspec.scheduler.sync import designated_read, start_host_copy
 from jspec.steps.common import unpack_output
 from jspec.worker.plain import PlainWorker
@@ -83,121 +84,107 @@ class LoopTimes:
 
 
 @dataclasses.dataclass
-class _Launched:
-    batch: PrefillBatch | DecodeBatch
-    outputs: object  # device arrays, copying to the host
+class Launched:
+    """A step in flight: its batch, and its outputs (device arrays, copying to the host)."""
+
+    batch: PrefillBatch | DecodeBatch | DPBatch
+    outputs: object
 
 
 class Engine:
-    def __init__(
-        self,
-        model,
-        *,
-        spec: SpecConfig | None = None,
-        draft=None,
-        page_size: int = 16,
-        max_running_requests: int = 32,
-        num_pages: int | None = None,
-        kv_memory_bytes: int | None = None,
-        chunked_prefill_size: int = 512,
-        disable_overlap_schedule: bool = False,
-        disable_radix_cache: bool = False,
-        max_top_logprobs: int = 0,
-        attention_backend: str | None = None,
-        seed: int = 0,
-        tp_size: int = 1,
-        ep_size: int = 1,
-        dp_size: int = 1,
-        enable_dp_attention: bool = False,
-        load_balance_method: str = "round_robin",
-        max_loras: int | None = None,
-        max_lora_rank: int | None = None,
-        lora_paths: dict[str, str] | None = None,
-        layer_loop: str = "auto",
-        compilation_cache_dir: str | None = DEFAULT_CACHE_DIR,
-    ):
-        # Before anything compiles: a second process reuses this one's programs (None: off).
-        enable_compilation_cache(compilation_cache_dir)
-        self.model = as_model(model)
-        cfg, params = self.model.cfg, self.model.params
-        if ep_size != 1 and not (cfg.is_moe and ep_size == tp_size):
-            raise ValueError(f"ep_size={ep_size}: expert parallelism splits an MoE model's experts over its "
-                             f"tensor-parallel devices, so it must equal tp_size ({tp_size}) on an MoE model "
-                             f"(this one is {'MoE' if cfg.is_moe else 'dense'}); 1 otherwise")
-        if cfg.is_moe and tp_size > 1 and ep_size != tp_size:
-            raise ValueError(f"an MoE model with tp_size={tp_size} needs ep_size={tp_size} (its experts are split "
-                             f"whole over the devices, not column-wise)")
-        dp_mesh = None
-        if dp_size != 1 or enable_dp_attention:
-            # DP attention: dp ranks of tp / dp devices; per rank, max_running_requests / dp request
-            # slots and num_pages (or kv_memory_bytes) of KV (jspec/distributed/dp_attention.py).
-            from jspec.distributed.dp_attention import check_dp_args, make_dp_mesh, shard_params_dp
+    """A model served by a worker and a scheduler. Settings: an EngineConfig, or its fields as
+    keywords (`Engine(model, page_size=16, tp_size=2)`); draft: EAGLE / STANDALONE weights given
+    in memory, as (DraftConfig, params), instead of config.speculative.draft_model_path."""
 
-            check_dp_args(tp_size, dp_size, enable_dp_attention, load_balance_method)
-            dp_mesh = make_dp_mesh(tp_size, dp_size)
+    def __init__(self, model, config: EngineConfig | None = None, *, draft=None, **settings):
+        config = dataclasses.replace(config or EngineConfig(), **settings)
+        self.config = config
+        # Before anything compiles: a second process reuses this one's programs.
+        enable_compilation_cache(config.compilation_cache)
+        self.model = with_context_length(as_model(model), config.context_length)
+        self.spec = config.speculative
+        cfg, params = self.model.cfg, self.model.params
+        check_parallel(config, cfg)
+        dp = config.dp_size if config.enable_dp_attention else 1
+        dp_mesh = mesh = None
+        if dp > 1:
+            # DP attention: dp ranks of tp / dp devices, each with max_running_requests / dp request
+            # slots and its own pool of the configured size (jspec/distributed/dp_attention.py).
+            from jspec.distributed.dp_attention import make_dp_mesh, shard_params_dp
+
+            dp_mesh = make_dp_mesh(config.tp_size, dp)
             cfg, params = shard_params_dp(cfg, params, dp_mesh)
-            max_running_requests = max(1, max_running_requests // dp_size)
-        mesh = None
-        if tp_size > 1 and dp_mesh is None:
+        elif config.tp_size > 1:
             from jspec.distributed.tensor_parallel import make_mesh, shard_params
 
-            mesh = make_mesh(tp_size)
+            mesh = make_mesh(config.tp_size)
             cfg, params = shard_params(cfg, params, mesh)  # cfg changes only if KV heads are repeated
-        kw = dict(page_size=page_size, num_pages=num_pages, max_slots=max_running_requests,
-                  kv_memory_bytes=kv_memory_bytes, attention_backend=attention_backend, mesh=mesh,
-                  layer_loop=layer_loop)
-        if spec is None:
-            self.worker = PlainWorker(cfg, params, **kw)
-        else:
+        method = dparams = None
+        if self.spec is not None:
             from jspec.speculative.registry import make_method
 
             # The draft is built against the checkpoint's config; it runs replicated on every shard.
-            method, dparams = make_method(spec, self.model.cfg, draft, dtype=params["embed"].dtype)
+            method, dparams = make_method(self.spec, self.model.cfg, draft, dtype=params["embed"].dtype)
+        dtype = params["embed"].dtype
+        kw = dict(page_size=config.page_size, num_pages=kv_pages(config, cfg, params, method, dtype),
+                  max_slots=max(1, config.max_running_requests // dp),
+                  chunked_prefill_size=max(8, config.chunked_prefill_size // dp), top_n=config.max_top_logprobs,
+                  attention_backend=config.attention_backend, mesh=mesh, layer_loop=config.layer_loop,
+                  lora=self._lora_pool(config, dtype, mesh or dp_mesh, params))
+        if method is None:
+            self.worker = PlainWorker(cfg, params, **kw)
+        else:
             self.worker = SpecWorker(cfg, params, method, dparams, **kw)
         if dp_mesh is not None:
             from jspec.worker.dp import DPWorker
 
-            self.worker = DPWorker(self.worker, dp_mesh, chunked_prefill_size)
-        self.spec = spec
-        self.worker.top_n = max_top_logprobs
-        self.lora = None
-        if lora_paths or max_loras:
-            self._init_lora(max_loras, max_lora_rank, dict(lora_paths or {}))
-        if dp_mesh is not None:
-            from jspec.scheduler.dp_scheduler import DPScheduler
-
-            self.scheduler = DPScheduler(self.worker, disable_radix_cache=disable_radix_cache,
-                                         load_balance_method=load_balance_method)
-            self.prefix_cache = self.scheduler.prefix_cache
-        else:
-            self.prefix_cache = None if disable_radix_cache else RadixCache(self.worker.allocator, page_size)
-            self.scheduler = Scheduler(self.worker, chunked_prefill_size=chunked_prefill_size,
-                                       prefix_cache=self.prefix_cache)
-        self.overlap = not disable_overlap_schedule
-        self._inflight: _Launched | None = None
-        self._seeds = np.random.default_rng(seed)  # seeds for requests that bring none
+            self.worker = DPWorker(self.worker, dp_mesh)
+        self.scheduler = self.make_scheduler()
+        self.prefix_cache = self.scheduler.prefix_cache
+        self.lora = self.worker.lora
+        self.overlap = not config.disable_overlap_schedule
+        self._inflight: Launched | None = None
+        self._seeds = np.random.default_rng(config.random_seed)  # seeds for requests that bring none
         self._ids = itertools.count()
         self._arrival = itertools.count()
         self.num_steps = 0
         self.loop_times = LoopTimes()
+        for name, path in config.lora_paths.items():
+            self.load_lora(name, path)
+
+    # ---- hooks: what an engine built on this one (PD disaggregation) changes --------------------
+
+    def make_scheduler(self):
+        """The scheduler of this engine's worker (called once, when the worker is built)."""
+        if self.config.enable_dp_attention:
+            from jspec.scheduler.dp_scheduler import DPScheduler
+
+            return DPScheduler(self.worker, disable_radix_cache=self.config.disable_radix_cache,
+                               load_balance_method=self.config.load_balance_method)
+        return Scheduler(self.worker, disable_radix_cache=self.config.disable_radix_cache)
+
+    def on_launched(self, launched: Launched) -> None:
+        """Called right after each step's launch, before the next step can donate its state."""
+
+    def on_processed(self, launched: Launched, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Called with each processed step's outputs; returns the outputs the caller gets."""
+        return outputs
 
     # ---- LoRA adapters -----------------------------------------------------------------------
 
-    def _init_lora(self, max_loras: int | None, max_rank: int | None, paths: dict[str, str]) -> None:
-        """The adapter pool (max_loras slots of rank max_rank; by default as many slots as
-        lora_paths, at least 1, and the largest rank among them, at least 16)."""
-        from jspec.lora.pool import LoraPool
+    def _lora_pool(self, config: EngineConfig, dtype, mesh, params):
+        """The adapter pool (max_loras_per_batch slots of rank max_lora_rank; by default as many
+        slots as lora_paths, at least 1, and the largest rank among them, at least 16)."""
+        if not config.serves_lora:
+            return None
         from jspec.lora.adapter import read_rank
+        from jspec.lora.pool import LoraPool
 
-        max_loras = max_loras or max(1, len(paths))
-        if max_rank is None:
-            max_rank = max([16] + [read_rank(p) for p in paths.values()])
-        self.lora = LoraPool(self.model.cfg, max_loras, max_rank, self.worker.dtype, self.worker.mesh,
-                             stacked=not isinstance(self.worker.params["layers"], (list, tuple)))
-        self.worker.lora = self.lora
-        self.worker.params = self.lora.extend_params(self.worker.params)
-        for name, path in paths.items():
-            self.load_lora(name, path)
+        paths = config.lora_paths
+        max_loras = config.max_loras_per_batch or max(1, len(paths))
+        max_rank = config.max_lora_rank or max([16] + [read_rank(p) for p in paths.values()])
+        stacked = check_layer_loop(config.layer_loop) == "scan" and isinstance(params["layers"], dict)
+        return LoraPool(self.model.cfg, max_loras, max_rank, dtype, mesh, stacked=stacked)
 
     def load_lora(self, name: str, path: str) -> int:
         """Reads a PEFT adapter and makes it resident under `name` (requests pick it with
@@ -205,11 +192,9 @@ class Engine:
         from jspec.lora.adapter import load_adapter
 
         if self.lora is None:
-            raise ValueError("this engine serves no LoRA adapters; create it with max_loras (and max_lora_rank) "
+            raise ValueError("this engine serves no LoRA adapters; create it with enable_lora, max_loras_per_batch "
                              "or lora_paths")
-        slot, self.worker.params = self.lora.load(load_adapter(name, path, self.model.cfg, self.lora.max_rank),
-                                                  self.worker.params)
-        return slot
+        return self.worker.load_lora(load_adapter(name, path, self.model.cfg, self.lora.max_rank))
 
     def unload_lora(self, name: str) -> None:
         """Frees an adapter's slot; refused while a request that uses it is queued or running."""
@@ -229,8 +214,7 @@ class Engine:
         background when a request first asks). Returns the programs compiled."""
         from jspec.layers.sampling import SAMPLING_MODES
 
-        return self.worker.warmup(self.scheduler.chunked_prefill_size, sampling_modes or SAMPLING_MODES,
-                                  prompt_logprobs)
+        return self.worker.warmup(sampling_modes or SAMPLING_MODES, prompt_logprobs)
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -246,10 +230,10 @@ class Engine:
         if params.n != 1:
             raise ValueError(f"n={params.n}: add_request takes one completion; add the request n times with "
                              f"different seeds, or use Engine.generate / jspec.generate, which fan out")
-        if params.top_logprobs_num > self.worker.top_n:
+        if params.top_logprobs_num > self.config.max_top_logprobs:
             raise ValueError(
                 f"top_logprobs_num={params.top_logprobs_num} exceeds this engine's max_top_logprobs="
-                f"{self.worker.top_n}"
+                f"{self.config.max_top_logprobs}"
             )
         tok = self.model.tokenizer
         if params.stop and tok is None:
@@ -300,24 +284,13 @@ class Engine:
             done = launched
         return self._process(done) if done is not None else []
 
-    def _launch(self, batch) -> _Launched:
-        if isinstance(batch, DPBatch):  # DP attention: every rank's sub-batch (or an idle one), one dispatch
-            out = start_host_copy(self.worker.launch(batch))
-            self.num_steps += 1
-            return _Launched(batch, out)
-        sampling = [(r.params, r.seed) for r in batch.reqs]
-        loras = [r.lora_slot for r in batch.reqs] if self.lora is not None else None
-        if isinstance(batch, PrefillBatch):
-            out = self.worker.prefill(batch.chunks, batch.following, batch.slots, sampling, batch.output_starts,
-                                      batch.first_chunks, batch.with_prompt_logprobs, loras=loras,
-                                      chunked_prefill_size=self.scheduler.chunked_prefill_size)
-        else:
-            out = self.worker.decode(batch.slots, batch.page_tables, sampling, loras=loras)
-        start_host_copy(out)
+    def _launch(self, batch) -> Launched:
+        launched = Launched(batch, start_host_copy(self.worker.launch(batch)))
         self.num_steps += 1
-        return _Launched(batch, out)
+        self.on_launched(launched)
+        return launched
 
-    def _process(self, launched: _Launched) -> list[RequestOutput]:
+    def _process(self, launched: Launched) -> list[RequestOutput]:
         t_start = time.perf_counter()
         before = {id(r): (len(r.output), len(r.text), len(r.output_logprobs), len(r.output_top_logprobs))
                   for r in launched.batch.reqs}
@@ -328,14 +301,15 @@ class Engine:
             touched = self.scheduler.on_prefill_done(launched.batch, host)
         else:
             touched = self.scheduler.on_decode_done(launched.batch, host, self.spec is not None)
-        outputs = [self._output(r, *before[id(r)]) for r in touched]
+        outputs = self.on_processed(launched, [self.output(r, *before[id(r)]) for r in touched])
         times = self.loop_times
         times.wait_s += t1 - t0
         times.process_s += time.perf_counter() - t1 + (t0 - t_start)
         return outputs
 
     @staticmethod
-    def _output(r, n_out: int, n_text: int, n_lp: int, n_top: int) -> RequestOutput:
+    def output(r, n_out: int, n_text: int, n_lp: int, n_top: int) -> RequestOutput:
+        """r's RequestOutput: what it produced since its output, text and logprobs had these lengths."""
         lp = r.params.return_logprob
         return RequestOutput(
             r.rid, r.output[n_out:], r.text[n_text:], r.finished, r.finish_reason,
@@ -353,10 +327,7 @@ class Engine:
         """At idle every page and request slot is back: the leak check of DESIGN.md."""
         if self.has_work():
             raise AssertionError("engine is not idle")
-        if self.prefix_cache is not None:
-            self.prefix_cache.check_invariants()
-            self.prefix_cache.reset()  # cached prefixes hold pages by design; drop them to count
-        self.worker.check_no_leaks()
+        self.scheduler.check_no_leaks()
 
     # ---- convenience -------------------------------------------------------------------------
 

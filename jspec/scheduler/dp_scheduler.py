@@ -14,29 +14,14 @@ retraction) is the one-device code.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 
 import jax
 
 from jspec.kvcache.radix_cache import RadixCache
-from jspec.distributed.dp_attention import LOAD_BALANCE_METHODS
-from jspec.scheduler.scheduler import DecodeBatch, PrefillBatch, Scheduler
-
-
-@dataclasses.dataclass
-class DPBatch:
-    """One iteration over the DP ranks: each rank's sub-batch, or None where it idles."""
-
-    per_rank: list[PrefillBatch | DecodeBatch | None]
-
-    @property
-    def is_prefill(self) -> bool:
-        return any(isinstance(b, PrefillBatch) for b in self.per_rank)
-
-    @property
-    def reqs(self) -> list:
-        return [r for b in self.per_rank if b is not None for r in b.reqs]
+from jspec.config.engine import LOAD_BALANCE_METHODS
+from jspec.scheduler.scheduler import Scheduler
+from jspec.worker.batch import DPBatch, PrefillBatch
 
 
 class RankCaches:
@@ -63,11 +48,21 @@ class DPScheduler:
                              f"{LOAD_BALANCE_METHODS}")
         self.load_balance_method = load_balance_method
         self.chunked_prefill_size = worker.chunked_prefill_size  # per rank
-        caches = [None if disable_radix_cache else RadixCache(v.allocator, v.page_size) for v in worker.ranks]
-        self.prefix_cache = None if disable_radix_cache else RankCaches(caches)
-        self.ranks = [Scheduler(v, chunked_prefill_size=self.chunked_prefill_size, prefix_cache=c)
-                      for v, c in zip(worker.ranks, caches)]
+        # Each rank's Scheduler keeps its own pages, slots and prefix cache, with local ids.
+        self.ranks = [Scheduler(worker, disable_radix_cache=disable_radix_cache) for _ in range(worker.dp)]
+        self.prefix_cache = None if disable_radix_cache else RankCaches([s.prefix_cache for s in self.ranks])
         self._next = itertools.cycle(range(len(self.ranks)))
+
+    def usage(self) -> dict[str, int]:
+        per_rank = [s.usage() for s in self.ranks]
+        return {k: sum(u[k] for u in per_rank) for k in per_rank[0]}
+
+    def check_no_leaks(self) -> None:
+        for i, s in enumerate(self.ranks):
+            try:
+                s.check_no_leaks()
+            except AssertionError as e:
+                raise AssertionError(f"DP rank {i}: {e}") from None
 
     # ---- requests -------------------------------------------------------------------------------
 

@@ -22,11 +22,11 @@ again later over its prompt and the tokens it already generated).
 from __future__ import annotations
 
 import collections
-import dataclasses
 
 from jspec.kvcache.allocator import OutOfPagesError
 from jspec.kvcache.radix_cache import RadixCache
 from jspec.scheduler.kv_manager import KVManager
+from jspec.worker.batch import DecodeBatch, PrefillBatch
 from jspec.worker.inputs import SeqChunk
 from jspec.scheduler.request import Request, Status
 
@@ -40,33 +40,11 @@ def cache_key(req: Request, tokens: list[int]) -> list[int]:
     return tokens if not ns else [t + (ns << 32) for t in tokens]
 
 
-@dataclasses.dataclass
-class PrefillBatch:
-    reqs: list[Request]
-    chunks: list[SeqChunk]
-    following: list[int | None]  # prompt token after each chunk; None when the chunk ends the prompt
-    slots: list[int]
-    output_starts: list[int] = dataclasses.field(default_factory=list)  # each request's prompt length
-    first_chunks: list[bool] = dataclasses.field(default_factory=list)  # chunk starts its request's prefill
-
-    @property
-    def with_prompt_logprobs(self) -> bool:
-        """Some chunk scores prompt tokens (the prefill then computes logits at every token)."""
-        return any(r.params.wants_prompt_logprobs and c.start < len(r.prompt) for r, c in zip(self.reqs, self.chunks))
-
-
-@dataclasses.dataclass
-class DecodeBatch:
-    reqs: list[Request]
-    slots: list[int]
-    page_tables: list[list[int]]
-
-
 class Scheduler:
-    def __init__(self, worker, *, chunked_prefill_size: int = 512, disable_radix_cache: bool = False):
+    def __init__(self, worker, *, disable_radix_cache: bool = False):
         self.worker = worker
         self.page_size = worker.page_size
-        self.chunked_prefill_size = chunked_prefill_size
+        self.chunked_prefill_size = worker.chunked_prefill_size
         self.kv = KVManager(worker.num_pages, worker.max_slots, worker.page_size)
         self.prefix_cache = None if disable_radix_cache else RadixCache(self.kv.allocator, worker.page_size)
         self.waiting: collections.deque[Request] = collections.deque()
@@ -98,13 +76,27 @@ class Scheduler:
         if req is None or req.finished:
             return False
         req.finish("abort")
-        self._retire(req)
+        self.retire(req)
         return True
+
+    def usage(self) -> dict[str, int]:
+        """KV pages and request slots, for /metrics and /debug/state."""
+        a = self.kv.allocator
+        return {"kv_pages_total": a.num_usable, "kv_pages_free": a.num_free,
+                "kv_pages_cached": self.prefix_cache.cached_pages() if self.prefix_cache is not None else 0,
+                "request_slots_total": self.kv.max_slots, "request_slots_free": len(self.kv.free_slots)}
+
+    def check_no_leaks(self) -> None:
+        """At idle, with the prefix cache emptied, every page and slot is back."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.check_invariants()
+            self.prefix_cache.reset()  # cached prefixes hold pages by design; drop them to count
+        self.kv.check_no_leaks()
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
 
-    def _retire(self, req: Request) -> None:
+    def retire(self, req: Request) -> None:
         """Releases what a finished request holds and forgets it."""
         self._release(req, keep_kv=req.finish_reason != "abort")
         for queue in (self.prefilling, self.running):
@@ -151,7 +143,7 @@ class Scheduler:
 
     def _schedule_prefill(self) -> PrefillBatch | None:
         budget = self.chunked_prefill_size
-        batch = PrefillBatch([], [], [], [])
+        batch = PrefillBatch()
         # Requests mid-prefill first, then new (or retracted) ones in arrival order.
         candidates = list(self.prefilling)
         planned = sum(len(r.prefill_ids) - r.prefilled for r in candidates)
@@ -160,7 +152,7 @@ class Scheduler:
                 break
             if req.inflight_outputs:
                 continue  # a retracted request whose last outputs are still in flight
-            if req.params.wants_prompt_logprobs and not self.worker.prompt_logprob_programs_ready(budget):
+            if req.params.wants_prompt_logprobs and not self.worker.prompt_logprob_programs_ready():
                 continue  # its prefill program compiles in the background; the others go on
             if not self.kv.free_slots:
                 break
@@ -182,6 +174,8 @@ class Scheduler:
             batch.slots.append(req.slot)
             batch.output_starts.append(len(req.prompt))
             batch.first_chunks.append(req.prefilled == req.num_cached_tokens)
+            batch.sampling.append((req.params, req.seed))
+            batch.loras.append(req.lora_slot)
         if not batch.chunks:
             return None
         for req, chunk, following in zip(batch.reqs, batch.chunks, batch.following):
@@ -235,7 +229,7 @@ class Scheduler:
 
     def _schedule_decode(self) -> DecodeBatch | None:
         w = self.worker
-        batch = DecodeBatch([], [], [])
+        batch = DecodeBatch()
         for req in sorted(self.running, key=lambda r: r.arrival):
             if req.status is not Status.RUNNING:
                 continue  # retracted earlier in this loop to make room
@@ -245,16 +239,18 @@ class Scheduler:
                 if victim is None:
                     raise OutOfPagesError(
                         f"KV pool too small: request {req.rid} alone needs {self.pages_for(bound)} pages, "
-                        f"{w.allocator.num_usable} exist"
+                        f"{self.kv.allocator.num_usable} exist"
                     )
                 self._retract(victim)
                 if victim in batch.reqs:
                     i = batch.reqs.index(victim)
-                    for col in (batch.reqs, batch.slots, batch.page_tables):
+                    for col in (batch.reqs, batch.slots, batch.page_tables, batch.sampling, batch.loras):
                         col.pop(i)
             batch.reqs.append(req)
             batch.slots.append(req.slot)
             batch.page_tables.append(list(req.pages))
+            batch.sampling.append((req.params, req.seed))
+            batch.loras.append(req.lora_slot)
         if not batch.reqs:
             return None
         for req in batch.reqs:
@@ -295,7 +291,7 @@ class Scheduler:
                 req.append(out.tokens[i, :1], out.logprobs[i], out.top_ids[i], out.top_logprobs[i])
                 touched.append(req)
                 if req.finished:
-                    self._retire(req)
+                    self.retire(req)
         return touched
 
     def on_decode_done(self, batch: DecodeBatch, out, speculative: bool) -> list[Request]:
@@ -315,5 +311,5 @@ class Scheduler:
             req.append(emitted, out.logprobs[i], out.top_ids[i], out.top_logprobs[i])
             touched.append(req)
             if req.finished:
-                self._retire(req)
+                self.retire(req)
         return touched

@@ -424,16 +424,14 @@ def create_app(engine: AsyncEngine, model_name: str, lifespan=None) -> FastAPI:
         return {"model": model_name, "device_kind": jax.devices()[0].device_kind, "num_devices": jax.device_count(),
                 "jax_version": jax.__version__, "dtype": str(core.worker.dtype),
                 "context_length": model.cfg.max_position_embeddings, "page_size": core.worker.page_size,
-                "max_running_requests": core.worker.max_slots, "overlap_schedule": core.overlap,
+                "max_running_requests": core.config.max_running_requests, "overlap_schedule": core.overlap,
                 "speculative": dataclasses.asdict(spec) if spec is not None else None}
 
     @app.get("/debug/state")
     async def debug_state():
         """KV and request bookkeeping, for leak checks: at idle every page is free or cached."""
-        sched, alloc, cache = core.scheduler, core.worker.allocator, core.prefix_cache
+        sched = core.scheduler
         return {"requests": len(sched.requests), "running": len(sched.running) + len(sched.prefilling),
-                "waiting": len(sched.waiting), "kv_pages_total": alloc.num_usable, "kv_pages_free": alloc.num_free,
-                "kv_pages_cached": cache.cached_pages() if cache is not None else 0,
-                "request_slots_free": len(core.worker.free_slots), "request_slots_total": core.worker.max_slots}
+                "waiting": len(sched.waiting), **sched.usage()}
 
     return app

@@ -27,13 +27,14 @@ class ServerMetrics:
             40.96, 81.92), registry=r)
         self.accept_length = Histogram("jspec_spec_accept_length", "Tokens emitted per speculative iteration, "
                                        "per finished request", buckets=tuple(range(1, 17)), registry=r)
-        sched, alloc = engine.scheduler, engine.worker.allocator
+        sched = engine.scheduler
         Gauge("jspec_num_requests_running", "Requests decoding or prefilling", registry=r).set_function(
             lambda: len(sched.running) + len(sched.prefilling))
         Gauge("jspec_num_requests_waiting", "Requests queued", registry=r).set_function(lambda: len(sched.waiting))
         Gauge("jspec_kv_pages_used", "KV pages held (requests and prefix cache)", registry=r).set_function(
-            lambda: alloc.num_usable - alloc.num_free)
-        Gauge("jspec_kv_pages_total", "KV pages in the pool", registry=r).set_function(lambda: alloc.num_usable)
+            lambda: (lambda u: u["kv_pages_total"] - u["kv_pages_free"])(sched.usage()))
+        Gauge("jspec_kv_pages_total", "KV pages in the pool", registry=r).set_function(
+            lambda: sched.usage()["kv_pages_total"])
 
     def finished(self, prompt_tokens: int, completion_tokens: int, reason: str | None, e2e_s: float,
                  verify_ct: int) -> None:

@@ -1,39 +1,29 @@
-"""Workers: the host-side owners of params, device state and compiled steps.
+"""Workers: the host-side owners of params, device state and compiled step programs.
 
-Every worker offers the same interface to the scheduler, whatever the method:
-- prefill(chunks, following, slots, sampling, output_starts, first_chunks, with_prompt_logprobs, loras)
-  -> PackedOutput of the first tokens (device), with the prompt tokens' logprobs if asked
-- decode(slots, page_tables, sampling, loras) -> PackedOutput (device; steps.unpack_output reads it)
-(sampling: one (SamplingParams, seed) pair per chunk / slot; loras: the LoRA pool slot of
-each chunk / slot, 0 = none, used when the worker has a pool in `lora`)
-- kv_margin: KV positions past a request's verified length that one decode may write
-- max_emit: most tokens one decode emits per request
-plus request-slot and KV-page bookkeeping. The scheduler never knows which
-method runs; device values only come back through the outputs it reads.
+Every worker is a `Worker`: the scheduler hands it a batch to `launch` and reads back the
+PackedOutput (steps.common.unpack_output), never knowing which method runs. The KV pool's
+pages and the request slots are the scheduler's book (scheduler.kv_manager); the worker
+only sizes the device arrays they index.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+from typing import Protocol
 
 import jax
 import numpy as np
 
 from jspec.config.model import ModelConfig
-from jspec.kvcache.allocator import PageAllocator
 from jspec.worker.programs import Job, Program, Programs
 from jspec.layers.penalties import PrefillCounts
+from jspec.worker.batch import DecodeBatch, PrefillBatch
 from jspec.worker.inputs import SeqChunk, build_forward_batch
+from jspec.config.engine import LAYER_LOOPS
 from jspec.layers.batch import bucket
 from jspec.layers.sampling import SAMPLING_MODES, SamplingRows, sampling_mode, sampling_rows
 from jspec.config.sampling import SamplingParams
-
-DEFAULT_KV_BYTES = 256 * 2**20
-
-
-LAYER_LOOPS = ("auto", "scan", "unrolled")
-
 
 def check_layer_loop(layer_loop: str) -> str:
     """The layer loop to run: "auto" is the scan, except on the GPU, where XLA copies each
@@ -65,6 +55,14 @@ def default_attention_backend() -> str:
     return "pallas" if jax.default_backend() == "gpu" else "reference"
 
 
+def prefill_token_buckets(chunked_prefill_size: int, smallest: int) -> list[int]:
+    out, t = [], smallest
+    while t < chunked_prefill_size:
+        out.append(t)
+        t *= 4
+    return out + [max(bucket(chunked_prefill_size, 8), smallest)]
+
+
 def prefill_lora_slots(batch, chunks, loras) -> np.ndarray:
     """Each prefill token's adapter slot [T] (padding rows, or no loras: 0)."""
     ids = np.zeros(batch.tokens.shape[0], np.int32)
@@ -82,32 +80,49 @@ def decode_lora_slots(B: int, loras) -> np.ndarray:
     return ids
 
 
+class Worker(Protocol):
+    """What the scheduler and the engine use of a worker (WorkerBase, DPWorker)."""
+
+    page_size: int
+    num_pages: int  # KV pages of the pool (per DP rank), page 0 the scratch page
+    max_slots: int  # request slots (per DP rank); slot max_slots is scratch
+    kv_margin: int  # KV positions past a request's verified length that one decode may write
+    max_emit: int  # most tokens one decode emits per request
+    chunked_prefill_size: int  # most prompt tokens one prefill runs
+    top_n: int  # top logprobs every step returns
+
+    def launch(self, batch) -> object:
+        """Dispatches one step over the batch; returns its device outputs (a PackedOutput)."""
+
+    def warmup(self, sampling_modes=SAMPLING_MODES, prompt_logprobs: bool = False) -> int: ...
+
+    def prompt_logprob_programs_ready(self) -> bool: ...
+
+    def wait_for_programs(self) -> None: ...
+
+
 class WorkerBase:
-    top_n = 0  # top logprobs each step returns (static: part of the compiled programs)
-    _lora = None
-
-    @property
-    def lora(self):
-        """A jspec.lora.pool.LoraPool when the engine serves adapters (then every step takes it)."""
-        return self._lora
-
-    @lora.setter
-    def lora(self, pool) -> None:
-        self._lora = pool
-        self.programs.clear()  # every step's arguments change
-        self._last_decode = None
+    """params, the device state and the step programs of one model; PlainWorker and SpecWorker
+    add the state and the steps of their method."""
 
     def __init__(self, cfg: ModelConfig, params, *, page_size: int, num_pages: int, max_slots: int,
-                 attention_backend: str | None, mesh=None, layer_loop: str = "auto"):
+                 chunked_prefill_size: int, top_n: int = 0, attention_backend: str | None = None, mesh=None,
+                 layer_loop: str = "auto", lora=None):
         # Tensor parallel (jspec.distributed): params arrive sharded over mesh; steps run under it.
         self.mesh = mesh
         self.layer_loop = check_layer_loop(layer_loop)
         self.cfg, self.params = cfg, lay_out_layers(params, self.layer_loop)
         self.dtype = params["embed"].dtype
+        self.top_n = top_n  # top logprobs every step returns (static: part of the compiled programs)
+        # A jspec.lora.pool.LoraPool when the engine serves adapters: every step then takes it, and
+        # the projections' weights carry its A columns.
+        self.lora = lora
+        if lora is not None:
+            self.params = lora.extend_params(self.params)
         self.page_size = page_size
-        self.allocator = PageAllocator(int(num_pages))
+        self.num_pages = int(num_pages)
         self.max_slots = max_slots
-        self.free_slots = list(range(max_slots - 1, -1, -1))
+        self.chunked_prefill_size = chunked_prefill_size
         self.backend = attention_backend or default_attention_backend()
         self.programs = Programs(mesh)
         self._program_specs: dict = {}
@@ -125,6 +140,13 @@ class WorkerBase:
         kv = NamedSharding(self.mesh, kv_pool_spec())
         rest = replicate(state._replace(target_kv=None), self.mesh)
         return rest._replace(target_kv=jax.tree.map(lambda x: jax.device_put(x, kv), state.target_kv))
+
+    def launch(self, batch: PrefillBatch | DecodeBatch):
+        loras = batch.loras if self.lora is not None else None
+        if isinstance(batch, PrefillBatch):
+            return self.prefill(batch.chunks, batch.following, batch.slots, batch.sampling, batch.output_starts,
+                                batch.first_chunks, batch.with_prompt_logprobs, loras)
+        return self.decode(batch.slots, batch.page_tables, batch.sampling, loras)
 
     def decode(self, slots, page_tables, sampling, loras=None):
         """Builds the bucketed arrays, then launches (the subclass's decode_arrays). A batch the
@@ -177,18 +199,14 @@ class WorkerBase:
     # always have max_slots rows and vary in tokens T; decode batches vary in rows B.
     MIN_PREFILL_TOKENS = 16
 
-    def prefill_token_buckets(self, chunked_prefill_size: int) -> list[int]:
+    def prefill_token_buckets(self) -> list[int]:
         """Token counts a prefill pads to: powers of four up to the chunk size (coarse, so
         there are few programs; a prefill is one read of the weights whatever its T)."""
-        out, t = [], self.MIN_PREFILL_TOKENS
-        while t < chunked_prefill_size:
-            out.append(t)
-            t *= 4
-        return out + [max(bucket(chunked_prefill_size, 8), self.MIN_PREFILL_TOKENS)]
+        return prefill_token_buckets(self.chunked_prefill_size, self.MIN_PREFILL_TOKENS)
 
-    def prefill_tokens(self, total: int, chunked_prefill_size: int) -> int:
+    def prefill_tokens(self, total: int) -> int:
         """The bucket a prefill of `total` tokens pads to."""
-        for t in self.prefill_token_buckets(chunked_prefill_size):
+        for t in self.prefill_token_buckets():
             if total <= t:
                 return t
         return bucket(total)
@@ -197,14 +215,13 @@ class WorkerBase:
         """Row counts a decode pads to."""
         return [1 << i for i in range(bucket(self.max_slots).bit_length())]
 
-    def warmup(self, chunked_prefill_size: int, sampling_modes=SAMPLING_MODES, prompt_logprobs: bool = False) -> int:
+    def warmup(self, sampling_modes=SAMPLING_MODES, prompt_logprobs: bool = False) -> int:
         """Compiles every bucketed program the loop runs (without running them), so the serving
         loop never compiles. Returns the number of programs. Prompt-logprob prefills are left
         out unless asked for: they compile in the background when a request first needs them."""
-        return self.programs.compile_all(self.warmup_jobs(chunked_prefill_size, sampling_modes, prompt_logprobs))
+        return self.programs.compile_all(self.warmup_jobs(sampling_modes, prompt_logprobs))
 
-    def warmup_jobs(self, chunked_prefill_size: int, sampling_modes=SAMPLING_MODES,
-                    prompt_logprobs: bool = False) -> list[Job]:
+    def warmup_jobs(self, sampling_modes=SAMPLING_MODES, prompt_logprobs: bool = False) -> list[Job]:
         """The programs warm-up compiles: every launch shape, built on scratch inputs (padding
         rows write only the scratch page and slot) and recorded, not run."""
         unknown = set(sampling_modes) - set(SAMPLING_MODES)
@@ -214,7 +231,7 @@ class WorkerBase:
         self.programs.collecting = jobs = []
         try:
             for with_prompt in (False, True) if prompt_logprobs else (False,):
-                jobs += self.prefill_jobs(chunked_prefill_size, with_prompt)
+                jobs += self.prefill_jobs(with_prompt)
             for B in self.decode_buckets():
                 for mode in sampling_modes:
                     self.decode([self.scratch_slot] * B, [[0]] * B, [scratch[mode]] * B)
@@ -222,15 +239,15 @@ class WorkerBase:
             self.programs.collecting = None
         return jobs
 
-    def prefill_jobs(self, chunked_prefill_size: int, with_prompt_logprobs: bool) -> list[Job]:
+    def prefill_jobs(self, with_prompt_logprobs: bool) -> list[Job]:
         """The prefill programs of every token bucket (recorded, not run)."""
         collecting, self.programs.collecting = self.programs.collecting, []
         try:
-            for T in self.prefill_token_buckets(chunked_prefill_size):
+            for T in self.prefill_token_buckets():
                 # One sequence of T tokens on the scratch page; `following` set, so no slot is touched.
                 pages = [0] * (-(-T // self.page_size))
                 self.prefill([SeqChunk([0] * T, 0, pages)], [0], [None], [(SamplingParams(), 0)],
-                             with_prompt_logprobs=with_prompt_logprobs, chunked_prefill_size=chunked_prefill_size)
+                             with_prompt_logprobs=with_prompt_logprobs)
             return self.programs.collecting
         finally:
             self.programs.collecting = collecting
@@ -239,46 +256,28 @@ class WorkerBase:
         """Blocks until the programs compiling in the background are ready."""
         self.programs.wait_pending()
 
-    def prompt_logprob_programs_ready(self, chunked_prefill_size: int) -> bool:
+    def prompt_logprob_programs_ready(self) -> bool:
         """Whether the prefills that score prompt tokens are compiled; if not, starts compiling
         them in the background (the loop goes on with requests that do not need them)."""
-        keys = [self._prefill_key(T, True) for T in self.prefill_token_buckets(chunked_prefill_size)]
+        keys = [self._prefill_key(T, True) for T in self.prefill_token_buckets()]
         if all(self.programs.ready(k) for k in keys):
             return True
         if not self.programs.compiling():
-            for job in self.prefill_jobs(chunked_prefill_size, True):
+            for job in self.prefill_jobs(True):
                 self.programs.compile_in_background(job)
         return False
 
     def _prefill_key(self, T: int, with_prompt_logprobs: bool) -> tuple:
         return ("prefill", T, with_prompt_logprobs, self.top_n)
 
-    def alloc_slot(self) -> int:
-        if not self.free_slots:
-            raise RuntimeError(f"all {self.max_slots} request slots are in use")
-        return self.free_slots.pop()
-
-    def free_slot(self, slot: int) -> None:
-        if slot in self.free_slots or not 0 <= slot < self.max_slots:
-            raise ValueError(f"free of slot {slot}, which is not held")
-        self.free_slots.append(slot)
-
-    def check_no_leaks(self) -> None:
-        self.allocator.check_no_leaks()
-        if len(self.free_slots) != self.max_slots:
-            raise AssertionError(f"request slot leak: {self.max_slots - len(self.free_slots)} slots held")
-
     def _prefill_inputs(self, chunks: list[SeqChunk], following: list[int | None], slots: list[int | None],
-                        output_starts: list[int] | None, first_chunks: list[bool] | None, min_tokens: int = 8,
-                        chunked_prefill_size: int | None = None):
+                        output_starts: list[int] | None, first_chunks: list[bool] | None, min_tokens: int = 8):
         """output_starts: per chunk, the position where its request's generated tokens begin
         (the prompt length; a re-prefill after retraction runs over both); first_chunks: the
         chunk is its request's first (its penalty counts start afresh). None: prompts only, all first.
-        min_tokens: the smallest token bucket (DP attention gives every rank the largest rank's).
-        chunked_prefill_size: the largest prefill, whose buckets T pads to (None: powers of two)."""
-        total = max(sum(len(c.tokens) for c in chunks), min_tokens)
-        T = self.prefill_tokens(total, chunked_prefill_size) if chunked_prefill_size else bucket(total, 8)
-        batch, mode = build_forward_batch(chunks, page_size=self.page_size, num_pages=self.allocator.num_pages,
+        min_tokens: the smallest token bucket (DP attention gives every rank the largest rank's)."""
+        T = self.prefill_tokens(max(sum(len(c.tokens) for c in chunks), min_tokens))
+        batch, mode = build_forward_batch(chunks, page_size=self.page_size, num_pages=self.num_pages,
                                           min_seqs=self.max_slots, min_pages=self.table_width,
                                           allow_decode_only=False, num_tokens=T)
         mode = mode._replace(backend=self.backend)
@@ -304,6 +303,12 @@ class WorkerBase:
             else:
                 draft_tokens[start + n - 1] = following[i]
         return batch, mode, draft_tokens, finish_rows, slot_ids, PrefillCounts(reset_slots, token_slots, is_output)
+
+    def load_lora(self, adapter) -> int:
+        """Writes a read adapter into a free slot of the pool (and its A columns into the
+        weights): no recompilation, the shapes never change. Returns its slot."""
+        slot, self.params = self.lora.load(adapter, self.params)
+        return slot
 
     def _lora_batch(self, per_token: np.ndarray):
         """The step's LoRA argument: None without a pool, so those programs stay as they were."""

@@ -1,11 +1,10 @@
-"""DP attention, the host side of the worker: per-rank pages and slots, and one lockstep launch.
+"""DP attention, the host side of the worker: one lockstep launch for every rank.
 
-`DPWorker` wraps a one-rank worker (PlainWorker or SpecWorker built with the per-rank
-sizes and no mesh): it borrows that worker's compiled-step arguments and input
-builders, keeps dp `RankView`s (a page allocator and request slots each, with the
-rank's own local ids, exactly what a one-device Scheduler expects), and launches
-one dispatch per iteration in which every rank runs its sub-batch, or an idle batch
-of padding rows when it has none (jspec.distributed.dp_attention.RankStep).
+`DPWorker` wraps a one-rank worker (PlainWorker or SpecWorker built with the per-rank sizes
+and no mesh) and borrows its step arguments and input builders. Each iteration is one
+dispatch in which every rank runs its sub-batch, or an idle batch of padding rows when it
+has none (jspec.distributed.dp_attention.RankStep). Each rank's pages and slots are its own
+Scheduler's book, with local ids (jspec.scheduler.dp_scheduler).
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jspec.layers.batch import AttentionMode, ForwardBatch
-from jspec.kvcache.allocator import PageAllocator
 from jspec.distributed.mesh import DATA
 from jspec.distributed.dp_attention import RankStep, dp_param_specs, data_part, lift_state, place, rank_inputs
 from jspec.distributed.tensor_parallel import replicate
@@ -23,58 +21,29 @@ from jspec.layers.penalties import PrefillCounts
 from jspec.layers.sampling import SAMPLING_MODES, sampling_mode, sampling_rows
 from jspec.config.sampling import SamplingParams
 from jspec.layers.batch import bucket
+from jspec.speculative.method import spec_decode_step, spec_prefill_step
+from jspec.steps.plain import plain_decode_step, plain_prefill_step
 from jspec.worker.spec import SpecWorker
 from jspec.worker.base import WorkerBase, decode_lora_slots, prefill_lora_slots
-
-
-class RankView:
-    """What a one-rank Scheduler needs of a worker, for one DP rank: its own pages and slots."""
-
-    def __init__(self, inner: WorkerBase, num_pages: int):
-        self.page_size, self.kv_margin, self.max_emit = inner.page_size, inner.kv_margin, inner.max_emit
-        self.allocator = PageAllocator(num_pages)
-        self.max_slots = inner.max_slots
-        self.free_slots = list(range(self.max_slots - 1, -1, -1))
-
-    def prompt_logprob_programs_ready(self, chunked_prefill_size: int) -> bool:
-        return True  # DP steps compile at their first launch
-
-    alloc_slot = WorkerBase.alloc_slot
-    free_slot = WorkerBase.free_slot
-    check_no_leaks = WorkerBase.check_no_leaks
-
-
-class AllRanksPool:
-    """Pages of every rank together (for /metrics and /debug/state)."""
-
-    def __init__(self, ranks: list[RankView]):
-        self.ranks = ranks
-
-    @property
-    def num_usable(self) -> int:
-        return sum(r.allocator.num_usable for r in self.ranks)
-
-    @property
-    def num_free(self) -> int:
-        return sum(r.allocator.num_free for r in self.ranks)
+from jspec.worker.batch import DPBatch, PrefillBatch
 
 
 class DPWorker:
-    def __init__(self, inner: WorkerBase, mesh, chunked_prefill_size: int):
+    """DP attention's worker: a one-rank worker's programs run by every rank in one dispatch.
+    Its sizes (pages, slots, prefill tokens) are per rank: each rank's Scheduler books its own."""
+
+    def __init__(self, inner: WorkerBase, mesh):
         self.inner, self.mesh = inner, mesh
         self.dp = mesh.shape[DATA]
-        # As SGLang: the prefill budget is split over the ranks, since the MLP sees all ranks' tokens.
-        self.chunked_prefill_size = max(8, chunked_prefill_size // self.dp)
-        self.ranks = [RankView(inner, inner.allocator.num_pages) for _ in range(self.dp)]
-        self.allocator = AllRanksPool(self.ranks)
+        self.page_size, self.num_pages, self.max_slots = inner.page_size, inner.num_pages, inner.max_slots
+        self.kv_margin, self.max_emit = inner.kv_margin, inner.max_emit
+        self.chunked_prefill_size = inner.chunked_prefill_size
         self.spec = isinstance(inner, SpecWorker)
-        # unstack_layers re-sliced the params: put each leaf back on exactly the spec the
+        # lay_out_layers may have re-sliced the params: put each leaf back on exactly the spec the
         # shard_map's in_specs assume.
         inner.params = place(inner.params, mesh)
         shared = [jax.tree.map(data_part, dp_param_specs(inner.params))]
         if self.spec:
-            from jspec.speculative.method import spec_decode_step, spec_prefill_step
-
             # The draft is replicated: every rank drafts for its own requests.
             if inner.dparams is None:  # NGRAM: no draft weights
                 shared.append(P())
@@ -83,11 +52,9 @@ class DPWorker:
                 shared.append(jax.tree.map(lambda _: P(), inner.dparams))
             steps = spec_prefill_step, spec_decode_step
         else:
-            from jspec.steps.plain import plain_decode_step, plain_prefill_step
-
             steps = plain_prefill_step, plain_decode_step
         self._shared, self._steps = tuple(shared), steps
-        self._lora = None
+        self._lora = inner.lora
         self._build_steps()
         self.state = lift_state(inner.state, mesh)
         inner.state = None  # the one-rank copy; each rank now holds its own
@@ -108,11 +75,8 @@ class DPWorker:
     def lora(self):
         return self._lora
 
-    @lora.setter
-    def lora(self, pool) -> None:
-        """The engine's jspec.lora.pool.LoraPool (laid out on this mesh), or None."""
-        self._lora = pool
-        self._build_steps()
+    def load_lora(self, adapter) -> int:
+        return self.inner.load_lora(adapter)
 
     @property
     def params(self):
@@ -126,63 +90,35 @@ class DPWorker:
     def top_n(self) -> int:
         return self.inner.top_n
 
-    @top_n.setter
-    def top_n(self, n: int) -> None:
-        self.inner.top_n = n
-
-    @property
-    def page_size(self) -> int:
-        return self.inner.page_size
-
     @property
     def dtype(self):
         return self.inner.dtype
-
-    @property
-    def max_slots(self) -> int:
-        return sum(r.max_slots for r in self.ranks)
-
-    @property
-    def free_slots(self) -> list[int]:
-        return [s for r in self.ranks for s in r.free_slots]
-
-    def check_no_leaks(self) -> None:
-        for i, r in enumerate(self.ranks):
-            try:
-                r.check_no_leaks()
-            except AssertionError as e:
-                raise AssertionError(f"DP rank {i}: {e}") from None
 
     def wait_for_programs(self) -> None:
         pass  # DP steps compile at their first launch, never in the background
 
     # ---- launches -------------------------------------------------------------------------------
 
-    def launch(self, batch) -> object:
-        """batch: a jspec.scheduler.dp_scheduler.DPBatch (a sub-batch or None per rank) -> the
-        StepOutput of every rank, each leaf [dp, ...]."""
-        from jspec.scheduler.scheduler import PrefillBatch
-
+    def launch(self, batch: DPBatch) -> object:
+        """One sub-batch or None per rank -> the PackedOutput of every rank, each leaf [dp, ...]."""
         subs = batch.per_rank
         if batch.is_prefill:
-            T = max(self.inner.prefill_tokens(sum(len(c.tokens) for c in b.chunks), self.chunked_prefill_size)
+            T = max(self.inner.prefill_tokens(sum(len(c.tokens) for c in b.chunks))
                     for b in subs if isinstance(b, PrefillBatch))
             ranks = [self._prefill_inputs(b, T) if b is not None else self._idle_prefill_inputs(T) for b in subs]
             return self._launch_prefill(ranks, T, any(b is not None and b.with_prompt_logprobs for b in subs))
         B = max(bucket(len(b.slots)) for b in subs if b is not None)
         ranks = [self._decode_inputs(b, B) for b in subs]
-        mode = sampling_mode(r.params for b in subs if b is not None for r in b.reqs)
+        mode = sampling_mode(p for b in subs if b is not None for p, _ in b.sampling)
         return self._launch_decode(ranks, mode)
 
     def _prefill_inputs(self, b, T: int):
         inner = self.inner
         batch, mode, draft_tokens, finish_rows, slot_ids, counts = inner._prefill_inputs(
-            b.chunks, b.following, b.slots, b.output_starts, b.first_chunks, min_tokens=T,
-            chunked_prefill_size=self.chunked_prefill_size)
+            b.chunks, b.following, b.slots, b.output_starts, b.first_chunks, min_tokens=T)
         assert mode.max_q_len == T, (mode, T)
-        rows = sampling_rows([r.params for r in b.reqs], [r.seed for r in b.reqs], slot_ids.shape[0])
-        return (batch, draft_tokens, finish_rows, slot_ids, counts, rows,
-                prefill_lora_slots(batch, b.chunks, [r.lora_slot for r in b.reqs]))
+        rows = sampling_rows([p for p, _ in b.sampling], [s for _, s in b.sampling], slot_ids.shape[0])
+        return (batch, draft_tokens, finish_rows, slot_ids, counts, rows, prefill_lora_slots(batch, b.chunks, b.loras))
 
     def _idle_prefill_inputs(self, T: int):
         """A rank with nothing to prefill: T padding tokens (their KV writes are dropped), no
@@ -191,7 +127,7 @@ class DPWorker:
         B, M = bucket(1, inner.max_slots), inner.table_width
         scratch = inner.scratch_slot
         batch = ForwardBatch(np.zeros(T, np.int32), np.zeros(T, np.int32),
-                             np.full(T, inner.allocator.num_pages * inner.page_size, np.int32),
+                             np.full(T, inner.num_pages * inner.page_size, np.int32),
                              np.zeros(B, np.int32), np.zeros((B, M), np.int32), np.zeros(B + 1, np.int32),
                              np.zeros(B, np.int32))
         counts = PrefillCounts(np.full(B, scratch, np.int32), np.full(T, scratch, np.int32), np.zeros(T, bool))
@@ -203,11 +139,10 @@ class DPWorker:
         inner = self.inner
         slots = list(b.slots) if b is not None else []
         tables = list(b.page_tables) if b is not None else []
-        reqs = b.reqs if b is not None else []
+        sampling = b.sampling if b is not None else []
         pad = B - len(slots)
-        slot_ids, pt, rows = inner._decode_inputs(slots + [inner.scratch_slot] * pad, tables + [[]] * pad,
-                                                  [(r.params, r.seed) for r in reqs])
-        return slot_ids, pt, rows, decode_lora_slots(slot_ids.shape[0], [r.lora_slot for r in reqs])
+        slot_ids, pt, rows = inner._decode_inputs(slots + [inner.scratch_slot] * pad, tables + [[]] * pad, sampling)
+        return slot_ids, pt, rows, decode_lora_slots(slot_ids.shape[0], b.loras if b is not None else [])
 
     def _launch_prefill(self, ranks, T: int, with_prompt_logprobs: bool):
         inner = self.inner
@@ -246,14 +181,14 @@ class DPWorker:
                                            cfg=inner.cfg, backend=inner.backend, top_n=inner.top_n, sampling=mode)
         return out
 
-    def warmup(self, chunked_prefill_size: int, sampling_modes=SAMPLING_MODES, prompt_logprobs: bool = False) -> int:
+    def warmup(self, sampling_modes=SAMPLING_MODES, prompt_logprobs: bool = False) -> int:
         """Every bucketed program, with every rank idle (the shapes the loop uses, whatever
         mix of busy and idle ranks it meets). Returns the programs run."""
         unknown = set(sampling_modes) - set(SAMPLING_MODES)
         if unknown:
             raise ValueError(f"unknown sampling modes {sorted(unknown)}; choose from {SAMPLING_MODES}")
         inner, n = self.inner, 0
-        for T in inner.prefill_token_buckets(self.chunked_prefill_size):
+        for T in inner.prefill_token_buckets():
             for with_prompt in (False, True) if prompt_logprobs else (False,):
                 self._launch_prefill([self._idle_prefill_inputs(T)] * self.dp, T, with_prompt)
                 n += 1

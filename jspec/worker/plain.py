@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from jspec.config.model import ModelConfig
-from jspec.kvcache.pool import create_kv_pool, kv_bytes_per_page
+from jspec.kvcache.pool import create_kv_pool
 from jspec.layers.penalties import init_penalty_state
 from jspec.steps.plain import PlainState, init_plain_carry, plain_decode_step, plain_prefill_step
-from jspec.worker.base import DEFAULT_KV_BYTES, WorkerBase, _rows
+from jspec.worker.base import WorkerBase, _rows
 
 
 class PlainWorker(WorkerBase):
@@ -15,22 +15,15 @@ class PlainWorker(WorkerBase):
     kv_margin = 1
     max_emit = 1
 
-    def __init__(self, cfg: ModelConfig, params, *, page_size: int = 16, num_pages: int | None = None,
-                 max_slots: int = 64, kv_memory_bytes: int | None = None, attention_backend: str | None = None,
-                 mesh=None, layer_loop: str = "auto"):
-        if num_pages is None:
-            per_page = kv_bytes_per_page(cfg, page_size, params["embed"].dtype)
-            num_pages = max(2, (kv_memory_bytes or DEFAULT_KV_BYTES) // per_page)
-        super().__init__(cfg, params, page_size=page_size, num_pages=num_pages, max_slots=max_slots,
-                         attention_backend=attention_backend, mesh=mesh, layer_loop=layer_loop)
+    def __init__(self, cfg: ModelConfig, params, *, page_size: int, num_pages: int, max_slots: int, **kw):
+        super().__init__(cfg, params, page_size=page_size, num_pages=num_pages, max_slots=max_slots, **kw)
         self.state = self._place(PlainState(create_kv_pool(cfg, int(num_pages), page_size, self.dtype),
                                             init_plain_carry(max_slots), init_penalty_state(max_slots, cfg.vocab_size)))
 
     def prefill(self, chunks, following, slots, sampling, output_starts=None, first_chunks=None,
-                with_prompt_logprobs=False, loras=None, chunked_prefill_size=None):
+                with_prompt_logprobs=False, loras=None):
         batch, mode, next_tokens, _, slot_ids, counts = self._prefill_inputs(chunks, following, slots, output_starts,
-                                                                             first_chunks,
-                                                                             chunked_prefill_size=chunked_prefill_size)
+                                                                             first_chunks)
         rows = _rows(sampling, slot_ids.shape[0])
         lora = self._prefill_loras(batch, chunks, loras)
         T = batch.tokens.shape[0]

@@ -23,8 +23,6 @@ import jax
 
 log = logging.getLogger("jspec.worker.programs")
 
-DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jspec", "xla")
-
 
 def enable_compilation_cache(path: str | None) -> None:
     """Turns on JAX's persistent compilation cache in `path` (None: leaves it off). A second

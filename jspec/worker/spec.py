@@ -3,25 +3,19 @@
 from __future__ import annotations
 
 from jspec.config.model import ModelConfig
-from jspec.kvcache.pool import create_kv_pool, kv_bytes_per_page
+from jspec.kvcache.pool import create_kv_pool
 from jspec.layers.penalties import init_penalty_state
 from jspec.speculative.method import init_spec_state, spec_decode_step, spec_prefill_step
-from jspec.worker.base import DEFAULT_KV_BYTES, WorkerBase, _rows, lay_out_layers
+from jspec.worker.base import WorkerBase, _rows, lay_out_layers
 
 
 class SpecWorker(WorkerBase):
-    """Speculative decoding with any SpecMethod (spec/methods.py builds it from a SpecConfig):
+    """Speculative decoding with any SpecMethod (speculative/registry.py builds it from a SpecConfig):
     the target pool, the method's draft state and the speculative carry."""
 
-    def __init__(self, cfg: ModelConfig, params, method, dparams, *, page_size: int = 16,
-                 num_pages: int | None = None, max_slots: int = 64, kv_memory_bytes: int | None = None,
-                 attention_backend: str | None = None, mesh=None, layer_loop: str = "auto"):
-        if num_pages is None:
-            dtype = params["embed"].dtype
-            per_page = kv_bytes_per_page(cfg, page_size, dtype) + method.draft_kv_bytes_per_page(page_size, dtype)
-            num_pages = max(2, (kv_memory_bytes or DEFAULT_KV_BYTES) // per_page)
-        super().__init__(cfg, params, page_size=page_size, num_pages=num_pages, max_slots=max_slots,
-                         attention_backend=attention_backend, mesh=mesh, layer_loop=layer_loop)
+    def __init__(self, cfg: ModelConfig, params, method, dparams, *, page_size: int, num_pages: int,
+                 max_slots: int, mesh=None, **kw):
+        super().__init__(cfg, params, page_size=page_size, num_pages=num_pages, max_slots=max_slots, mesh=mesh, **kw)
         self.method, self.spec = method, method.spec
         self.dparams = lay_out_layers(dparams, self.layer_loop)
         if mesh is not None and self.dparams is not None:
@@ -35,9 +29,9 @@ class SpecWorker(WorkerBase):
             page_size, self.dtype, init_penalty_state(max_slots, cfg.vocab_size)))
 
     def prefill(self, chunks, following, slots, sampling, output_starts=None, first_chunks=None,
-                with_prompt_logprobs=False, loras=None, chunked_prefill_size=None):
+                with_prompt_logprobs=False, loras=None):
         batch, mode, draft_tokens, finish_rows, slot_ids, counts = self._prefill_inputs(
-            chunks, following, slots, output_starts, first_chunks, chunked_prefill_size=chunked_prefill_size)
+            chunks, following, slots, output_starts, first_chunks)
         rows = _rows(sampling, slot_ids.shape[0])
         lora = self._prefill_loras(batch, chunks, loras)
         T = batch.tokens.shape[0]

@@ -1,0 +1,97 @@
+"""Every setting of an engine, in one frozen dataclass with one set of defaults.
+
+Field names are SGLang's server arguments: `Engine(model, page_size=16)`, `jspec.generate`
+and the server's flags (`--page-size`, generated from these fields) all build one of these.
+Each field's help text lives in its metadata, so the flags and the docs share it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from jspec.config.fields import setting
+from jspec.config.spec import SpecConfig
+
+DEFAULT_COMPILATION_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jspec", "xla")
+ATTENTION_BACKENDS = ("pallas", "reference")
+LAYER_LOOPS = ("auto", "scan", "unrolled")
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    # The KV pool and batching.
+    page_size: int = setting(16, "tokens per KV page (a power of two)")
+    max_running_requests: int = setting(32, "requests decoded together at most")
+    max_total_tokens: int | None = setting(
+        None, "KV pool size in tokens (default: 256 MiB of KV, or what --mem-fraction-static gives)")
+    mem_fraction_static: float | None = setting(
+        None, "fraction of the accelerator's memory for weights + KV (GPU only)")
+    chunked_prefill_size: int = setting(512, "prompt tokens prefilled per step at most")
+    context_length: int | None = setting(
+        None, "longest prompt + output served (default: the model's max_position_embeddings)")
+    # The loop.
+    disable_overlap_schedule: bool = setting(False, "run the synchronous loop instead")
+    disable_radix_cache: bool = setting(False, "no prefix cache")
+    random_seed: int = setting(0, "seeds requests that bring none")
+    max_top_logprobs: int = setting(5, "largest top-n logprobs a request may ask for")
+    # Programs.
+    attention_backend: str | None = setting(
+        None, "default: pallas on the GPU, the jnp reference elsewhere (Pallas would run interpreted)",
+        choices=ATTENTION_BACKENDS)
+    layer_loop: str = setting(
+        "auto", "scan: one compiled layer body (compile time independent of depth); unrolled: per-layer "
+        "weight arrays (no weight sliced out of a stack); auto: unrolled on the GPU, else scan", choices=LAYER_LOOPS)
+    compilation_cache_dir: str = setting(
+        DEFAULT_COMPILATION_CACHE_DIR, "JAX's persistent compilation cache: a restart loads its programs from here")
+    disable_compilation_cache: bool = setting(False, "compile every program afresh")
+    # Parallelism.
+    tp_size: int = setting(1, "tensor-parallel degree: shards the model and KV over this many local devices")
+    ep_size: int = setting(1, "expert-parallel degree of an MoE model: equal to --tp-size (experts split over "
+                              "those devices)")
+    dp_size: int = setting(1, "DP attention ranks (with --enable-dp-attention): attention data-parallel over dp "
+                              "groups of tp-size / dp-size devices, each with its own requests and KV; the MLP "
+                              "stays over all tp")
+    enable_dp_attention: bool = setting(False, "data-parallel attention (see --dp-size)")
+    load_balance_method: str = setting("round_robin", "how DP attention assigns new requests to ranks",
+                                       choices=LOAD_BALANCE_METHODS)
+    # LoRA adapters.
+    enable_lora: bool = setting(False, "serve LoRA adapters even when --lora-paths gives none (load them by "
+                                       "/load_lora_adapter)")
+    lora_paths: dict[str, str] = setting(
+        None, "PEFT LoRA adapters loaded at start-up, NAME=DIR (a bare DIR is named by its basename); requests "
+        "pick one with lora_path, or model BASE:NAME", nargs="+", metavar="NAME=DIR")
+    max_loras_per_batch: int | None = setting(
+        None, "adapters resident at once (LoRA pool slots; default: the number of --lora-paths, >= 1)")
+    max_lora_rank: int | None = setting(
+        None, "largest adapter rank the pool holds (default: the largest among --lora-paths, at least 16)")
+    # Speculative decoding (its own flags: --speculative-*, from SpecConfig's fields).
+    speculative: SpecConfig | None = setting(None, "speculative decoding; None: off")
+
+    def __post_init__(self):
+        for name in ("page_size", "max_running_requests", "chunked_prefill_size", "tp_size", "ep_size", "dp_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.max_top_logprobs < 0:
+            raise ValueError(f"max_top_logprobs={self.max_top_logprobs} must be >= 0")
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            raise ValueError(f"max_total_tokens={self.max_total_tokens} must be >= 1")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
+            raise ValueError(f"mem_fraction_static={self.mem_fraction_static} must be in (0, 1]")
+        for name in ("attention_backend", "layer_loop", "load_balance_method"):
+            choices = EngineConfig.__dataclass_fields__[name].metadata["choices"]
+            value = getattr(self, name)
+            if value is not None and value not in choices:
+                raise ValueError(f"unknown {name} {value!r}; choose one of {choices}")
+        object.__setattr__(self, "lora_paths", dict(self.lora_paths or {}))
+
+    @property
+    def compilation_cache(self) -> str | None:
+        return None if self.disable_compilation_cache else self.compilation_cache_dir
+
+    @property
+    def serves_lora(self) -> bool:
+        return bool(self.lora_paths or self.enable_lora or self.max_loras_per_batch or self.max_lora_rank)

@@ -1,0 +1,126 @@
+"""Starts a server from its flags: the OpenAI-compatible HTTP server, or a PD prefill engine.
+
+Start-up logs what it does as it goes: the weights loaded, the programs compiled (n / N with
+the elapsed time), then one ready line with the URL. SIGINT / SIGTERM stop it cleanly:
+running requests are aborted and the step in flight is drained.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+
+from jspec.server.args import ServerConfig, build_parser, engine_config, server_config
+
+log = logging.getLogger("jspec.serve")
+
+
+def make_engine(config, server: ServerConfig, model):
+    """The engine a server runs: a plain Engine, or a PD prefill / decode engine."""
+    import jspec
+
+    if server.disaggregation_mode == "prefill":
+        from jspec.disaggregation.prefill import PrefillEngine
+
+        return PrefillEngine(model, config)
+    if server.disaggregation_mode == "decode":
+        from jspec.disaggregation.decode import DecodeEngine
+
+        return DecodeEngine(model, config, prefill_addrs=list(server.disaggregation_prefill_addrs),
+                            transfer_backend=server.disaggregation_transfer_backend)
+    return jspec.Engine(model, config)
+
+
+def main(argv=None) -> None:
+    started = time.perf_counter()
+    ap = build_parser(__doc__, prog="jspec serve")
+    args = ap.parse_args(argv)
+    try:
+        server, config = server_config(args), engine_config(args)
+    except ValueError as e:
+        ap.error(str(e))
+    logging.basicConfig(level=server.log_level.upper(), format="[jspec] %(asctime)s %(levelname)s %(message)s")
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU / no GPU" probes are noise
+    from jspec.distributed.multihost import init_distributed
+
+    try:  # before anything starts a JAX backend
+        if init_distributed(server.nnodes, server.node_rank, server.dist_init_addr):
+            log.warning("node %d of %d joined %s; the serving loop is single-controller: multi-host serving "
+                        "(every node running the same steps) is not implemented yet", server.node_rank,
+                        server.nnodes, server.dist_init_addr)
+    except ValueError as e:
+        ap.error(str(e))
+
+    import jspec
+    from jspec.checkpoint.loader import count_params
+
+    path = server.model_path
+    if path is None:
+        from jspec.testing.demo import default_model_path
+
+        path, what = default_model_path()
+        log.info("serving %s at %s", what, path)
+    t0 = time.perf_counter()
+    try:
+        model = jspec.load(path, load_format=server.load_format)
+    except ValueError as e:
+        ap.error(str(e))
+    log.info("weights loaded: %s, %d layers, %.0fM parameters, %s, in %.1f s", os.path.basename(os.path.normpath(path)),
+             model.cfg.num_layers, count_params(model.params) / 1e6, model.params["embed"].dtype,
+             time.perf_counter() - t0)
+    try:
+        engine = make_engine(config, server, model)
+    except ValueError as e:  # e.g. a --tp-size that does not divide the heads
+        ap.error(str(e))
+    if not server.skip_warmup:
+        modes = server.warmup_sampling_modes
+        t0 = time.perf_counter()
+        try:
+            n = engine.warmup() if modes == "all" else engine.warmup(modes.split(","))
+        except ValueError as e:
+            ap.error(f"--warmup-sampling-modes: {e}")
+        log.info("warm-up: %d programs ready in %.1f s", n, time.perf_counter() - t0)
+    if server.disaggregation_mode == "prefill":
+        return serve_prefill(engine, server)
+    serve_http(engine, server, server.served_model_name or os.path.basename(os.path.normpath(path)), started)
+
+
+def serve_http(engine, server: ServerConfig, name: str, started: float) -> None:
+    import uvicorn
+
+    from jspec.engine.async_engine import AsyncEngine
+    from jspec.server.app import create_app
+
+    async_engine = AsyncEngine(engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        log.info("ready: %s on http://%s:%d (%.0f s after start)", name, server.host, server.port,
+                 time.perf_counter() - started)
+        yield
+        log.warning("shutting down: aborting running requests")
+        async_engine.shutdown()
+
+    app = create_app(async_engine, name, lifespan=lifespan)
+    uvicorn.run(app, host=server.host, port=server.port, log_level=server.log_level, timeout_graceful_shutdown=5)
+
+
+def serve_prefill(engine, server: ServerConfig) -> None:
+    """A prefill engine: no HTTP, only the bootstrap port; SIGTERM / SIGINT stop it."""
+    import signal
+    import threading
+
+    from jspec.disaggregation.prefill import PrefillServer
+
+    prefill_server = PrefillServer(engine, server.host, server.disaggregation_bootstrap_port)
+
+    def stop(signum, frame):
+        log.warning("shutting down the prefill engine")
+        prefill_server.stop()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+    prefill_server.serve_forever()
