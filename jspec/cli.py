@@ -40,7 +40,9 @@ def generate(argv=None) -> None:
         config = engine_config(args)
     except ValueError as e:
         ap.error(str(e))
-    import jspec
+    from jspec.checkpoint.model import load
+    from jspec.config.sampling import SamplingParams
+    from jspec.engine.engine import Engine
 
     path = args.model_path
     if path is None:
@@ -49,14 +51,14 @@ def generate(argv=None) -> None:
         path, what = default_model_path()
         print(f"[jspec] using {what} at {path}")
     prompts = args.prompt or ["What is the capital of France?", "Write a short poem about speculation."]
-    model = jspec.load(path)
+    model = load(path)
     shown = prompts
     if (args.chat or not args.prompt) and model.tokenizer is not None and model.tokenizer.chat_template:
         from jspec.server.chat_template import render_chat
 
         prompts = [render_chat(model.tokenizer, [{"role": "user", "content": p}]) for p in prompts]
-    engine = jspec.Engine(model, config)
-    params = jspec.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+    engine = Engine(model, config)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                                   top_p=args.top_p, top_k=args.top_k)
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params)

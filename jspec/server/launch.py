@@ -19,7 +19,7 @@ log = logging.getLogger("jspec.serve")
 
 def make_engine(config, server: ServerConfig, model):
     """The engine a server runs: a plain Engine, or a PD prefill / decode engine."""
-    import jspec
+    from jspec.engine.engine import Engine
 
     if server.disaggregation_mode == "prefill":
         from jspec.disaggregation.prefill import PrefillEngine
@@ -30,7 +30,7 @@ def make_engine(config, server: ServerConfig, model):
 
         return DecodeEngine(model, config, prefill_addrs=list(server.disaggregation_prefill_addrs),
                             transfer_backend=server.disaggregation_transfer_backend)
-    return jspec.Engine(model, config)
+    return Engine(model, config)
 
 
 def main(argv=None) -> None:
@@ -53,8 +53,8 @@ def main(argv=None) -> None:
     except ValueError as e:
         ap.error(str(e))
 
-    import jspec
     from jspec.checkpoint.loader import count_params
+    from jspec.checkpoint.model import load
 
     path = server.model_path
     if path is None:
@@ -64,7 +64,7 @@ def main(argv=None) -> None:
         log.info("serving %s at %s", what, path)
     t0 = time.perf_counter()
     try:
-        model = jspec.load(path, load_format=server.load_format)
+        model = load(path, load_format=server.load_format)
     except ValueError as e:
         ap.error(str(e))
     log.info("weights loaded: %s, %d layers, %.0fM parameters, %s, in %.1f s", os.path.basename(os.path.normpath(path)),
