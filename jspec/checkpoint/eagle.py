@@ -1,80 +1,9 @@
 """EAGLE / EAGLE-3 draft-head checkpoints -> `DraftConfig` + draft param pytree.
 
-`load_draft_model(path, target_cfg)` reads a draft directory (config.json plus
-model.safetensors, sharded safetensors, or pytorch_model.bin read without
-torch) and returns the config and params the draft forward (models/eagle.py)
-runs on. What follows is what that forward must compute; each fact was read in
-SGLang's python/sglang/srt/models/llama_eagle.py, llama_eagle3.py, llama.py
-(`set_eagle3_layers_to_capture`, `LlamaModel.forward`), model_executor/
-model_runner.py, speculative/eagle_worker.py and eagle_info.py
-(`prepare_for_extend`), and in SafeAILab EAGLE eagle/model/cnets1.py.
-
-Rows. Draft row i pairs the target hidden state of position i with the token
-at position i + 1 (SGLang's `prepare_for_extend` shifts input_ids left by one
-and appends the newly sampled token), and runs at position i: same positions,
-hence same RoPE angles, as the target row whose hidden it reads. RoPE, head
-shapes and eps come from the draft's own config.json (`DraftConfig`).
-
-EAGLE (EAGLE-1 and EAGLE-2 heads; one algorithm, EAGLE-2 only changes the tree):
-    h   = the target's hidden after its final norm (jspec: ForwardOutput.hidden;
-          SGLang hands the draft the LogitsProcessor's input, which is the
-          output of the target's model.norm)
-    e   = embed[token]              embeddings first, then hidden:
-    x   = concat([e, h]) @ fc (+ fc_bias)                        [2H] -> [H]
-    layer 0 has NO input norm (SafeAILab builds input_layernorm only for
-          index != 0; SGLang replaces it by the identity):
-    x   = x + attn(x) @ wo          q, k, v = x @ wqkv
-    x   = x + mlp(rms(x, mlp_norm))
-    heads with more than one layer (none are published; SafeAILab would give
-          layers >= 1 an input norm but not layer 0) are refused.
-    out = x                         NO final norm (SGLang returns
-          hidden_states + residual); logits = out @ the TARGET's lm_head.
-    next step's h = out (un-normed). SGLang always uses the target's
-          embedding and lm_head for EAGLE (`set_embed_and_head`); a head's
-          embed_tokens is a frozen copy of the target's.
-
-EAGLE3 (llama_eagle3.py `LlamaDecoderLayer` / `LlamaModel`):
-    g   = concat(captured target residual streams, ascending layer order) [3H]
-    x   = g @ fc (+ fc_bias)        only on target features: SGLang applies fc
-          when the hidden width != H, so later draft steps, whose carried
-          hidden is already [H], skip it.
-    e   = embed[token]              the target's embedding (SGLang `set_embed`)
-    residual = x                    the hidden input, NOT the embeddings
-    a_in = concat([rms(e, attn_norm), rms(x, hidden_norm)])    embeds first,
-          [2H]; attn_norm is midlayer.input_layernorm
-    x   = residual + attn(a_in) @ wo        q, k, v = a_in @ wqkv ([2H, qkv])
-    x   = x + mlp(rms(x, mlp_norm))
-    logits = rms(x, final_norm) @ lm_head  over the draft vocab [H, Vd]
-    next step's hidden = x, the PRE-norm sum (SGLang's "hidden_states_to_aux";
-          the normed copy only feeds the logits).
-    token ids: target_id = draft_id + d2t[draft_id] (SGLang: hot_token_id =
-          d2t + arange). d2t is always present for EAGLE3 here; zeros (the
-          identity) when the checkpoint has none. t2d is not used.
-
-Capture layers (`DraftConfig.capture_layers`, jspec convention = `forward`'s:
-index i is the residual stream ENTERING target layer i, i == L the last
-layer's output before the final norm):
-    * SGLang captures `hidden_states + residual` before running layer i for i
-      in `layers_to_capture`: the same "entering" convention. Its default is
-      [2, L//2, L-3], used as is.
-    * SGLang (and SpecForge) read `eagle_config.eagle_aux_hidden_state_layer_ids`
-      from the draft config.json as "output of layer id" and add 1; so do we.
-    * vLLM's top-level `eagle_aux_hidden_state_layer_ids` is used as is (vLLM's
-      llama captures the stream entering layer idx with no +1); it is read
-      only when eagle_config has no ids.
-    The captured states are concatenated in ascending layer order (SGLang
-    collects them in its layer loop), so capture_layers is sorted.
-
-Param pytree (weights [in, out], layers stacked on a leading axis Ld):
-    fc [fc_in, H]; fc_bias [H] if the checkpoint has fc.bias
-    layers/{wqkv [Ld, in, q+2kv] (in = H for EAGLE, 2H for EAGLE3), wo,
-            mlp_norm, w_gate_up, w_down} as in loader.py;
-            attn_norm [Ld, H] (the embeddings' norm) and hidden_norm [Ld, H]:
-            EAGLE3 only; Ld is 1 for both algorithms
-    final_norm [H], d2t [Vd] int32: EAGLE3 only
-    lm_head [H, Vd]: EAGLE3 heads with their own head, or any checkpoint that
-            has lm_head.weight; otherwise the target's is used
-    embed [V, H]: only when the checkpoint has embed_tokens.weight
+`load_draft_model(path, target_cfg)` reads a draft directory (config.json plus safetensors,
+sharded or not, or pytorch_model.bin read without torch). What the draft forward computes,
+the capture-layer conventions and the pytree are as SGLang reads these heads:
+docs/design-details.md, "EAGLE and EAGLE-3 heads".
 """
 
 from __future__ import annotations

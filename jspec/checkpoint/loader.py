@@ -1,54 +1,9 @@
-"""Checkpoint loading: HF `config.json` + safetensors -> jspec param pytree.
+"""Checkpoint loading: HF `config.json` + safetensors -> jspec's param pytree.
 
-Param pytree (the contract with models/llama.py). Weights are [in, out] (HF's
-nn.Linear stores [out, in]) and layers are stacked on a leading axis L so the
-model can `lax.scan` over them:
-
-    embed [V, H]
-    layers/attn_norm [L, H]
-    layers/wqkv [L, H, q_size + 2*kv_size]     concat(q, k, v) on the out axis
-    layers/bqkv [L, q_size + 2*kv_size]        only when cfg.qkv_bias (Qwen2)
-    layers/q_norm, layers/k_norm [L, head_dim] only when cfg.qk_norm (Qwen3)
-    layers/wo [L, q_size, H]
-    layers/mlp_norm [L, H]
-    layers/w_gate_up [L, H, 2*I]               concat(gate, up) on the out axis
-    layers/w_down [L, I, H]
-    final_norm [H]
-    lm_head [H, V]                             absent when cfg.tie_word_embeddings
-
-MoE layers (cfg.moe_layers, see models/moe.py) carry, instead of w_gate_up and
-w_down, router [L, H, E], experts_gate_up [L, E, H, 2*I_moe], experts_down
-[L, E, I_moe, H] and, for Qwen2-MoE, shared_gate_up / shared_down / shared_gate.
-When every layer is sparse (or none is) the layers stay stacked; a model that
-mixes dense and sparse layers (mlp_only_layers, decoder_sparse_step > 1) gets
-`layers` as a list of per-layer dicts (see llama.unstack_layers), since a scan
-needs alike layers. Experts are read from HF's classic per-expert tensors
-(`mlp.experts.{e}.gate_proj/up_proj/down_proj`, Mixtral's
-`block_sparse_moe.experts.{e}.w1/w3/w2`; what transformers 5 save_pretrained
-still writes) or from the fused `experts.gate_up_proj [E, 2I, H]` /
-`experts.down_proj [E, H, I]` of transformers 5's in-memory layout
-(save_pretrained(save_original_format=False)).
-
-Two on-disk formats are accepted by `load_model(path)`:
-
-* an HF checkpoint directory: `config.json` plus `model.safetensors`, or a
-  sharded `model.safetensors.index.json` with its shards;
-* a jspec converted directory, written by `save_params(params, dir, config=cfg)`
-  or `convert_checkpoint(hf_dir, out_dir)`: `jspec_config.json` (the
-  ModelConfig as JSON) and `params/` (an orbax-checkpoint of the pytree above).
-  It is recognised by `jspec_config.json` and restores the pytree as saved,
-  with no per-tensor conversion. `convert_checkpoint` also copies the
-  tokenizer files, so `tokenizer.load_tokenizer` works there too.
-  Measured on the H200 (8B Llama shape, bf16, files in the page cache): the
-  HF directory loads in 6.5 s, the orbax directory in 8.9 s (save: 22 s), so
-  the converted format buys no speed on one GPU; it is there for a pytree
-  that is not an HF checkpoint (e.g. a trained draft head) and for later
-  sharded restores.
-
-safetensors files are read through our own header parser and `np.memmap`:
-numpy has no bfloat16, and memory-mapping means a tensor's bytes are only
-read when it is sent to the device. Loading that 8B checkpoint peaked at
-17.2 GB of device memory for 16.1 GB of params.
+Weights are [in, out], q/k/v and gate/up fused, layers stacked on a leading axis (a model
+that mixes dense and MoE layers gets a list of per-layer dicts); the layout is the contract
+with models/llama.py (docs/design-details.md, "The param pytree"). load_model also reads a
+jspec-converted directory (jspec_config.json + an orbax checkpoint of the pytree).
 """
 
 from __future__ import annotations
@@ -225,8 +180,8 @@ def convert_hf_params(
     its slot of the preallocated stacked leaf there, in place (donated). So
     host memory holds one tensor at a time, device memory the params plus one
     tensor, and the transposes run on the device: numpy's strided bf16
-    transpose and ml_dtypes' casts run at ~0.3 GB/s. (Transposing a whole
-    stacked leaf at once instead made XLA's GPU autotuner take 4x the leaf.)
+    transpose and ml_dtypes' casts are slow on the host. (Transposing a whole
+    stacked leaf at once instead made XLA's GPU autotuner take several times the leaf.)
     """
     where = repr(os.fspath(source)) if source is not None else "(in memory)"
     moe_layout = _moe_layout(cfg, tensors)

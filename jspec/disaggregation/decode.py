@@ -1,19 +1,10 @@
 """The decode side of PD disaggregation: the decode engine and its router to prefill engines.
 
-A request added to a DecodeEngine is validated as usual, then sent to a prefill engine
-(PrefillRouter: the one with the fewest requests outstanding) instead of being prefilled
-here. When its KV arrives (a reader thread per link puts it on a queue), the scheduler
-emits its first token and, as soon as a request slot and the pages for its prompt are
-free, writes the arrays into them (kv_io.write_request: one jitted, donated dispatch in
-the loop's launch order, no host sync) and lets the request join the next decode batch.
-Until then arrived requests wait in arrival order, their KV on the device while it fits in
-the staging budget and on the host past it: a full decode engine queues transfers, it
-never drops them.
-
-A prefill engine that goes away (closed, crashed, killed mid-message) fails every request
-it still owed with an error the client sees; those requests never held decode pages.
-A request retracted here later (the pool ran short) is prefilled again locally, as in a
-single engine: a decode engine keeps the whole model.
+A request goes to the prefill engine with the fewest outstanding requests; when its KV
+arrives, the scheduler streams its first token and, once a slot and pages are free, writes
+the arrays in with one jitted, donated step in the loop's launch order, then decodes it.
+Arrived requests wait in order (on the device within the staging budget, on the host past
+it). A prefill engine that goes away fails the requests it owed; they never held pages.
 """
 
 from __future__ import annotations

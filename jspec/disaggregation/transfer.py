@@ -1,24 +1,11 @@
-"""The link between a prefill engine and a decode engine: framed messages that carry
-numpy arrays, behind one interface (`Link`), with two backends.
+"""The link between a prefill engine and a decode engine: framed messages (a JSON header and
+numpy arrays) behind one interface, `Link`.
 
-A message is a JSON header plus a list of arrays. Host staging: the prefill process
-copies a request's KV from its device into numpy (kv_io.extract_request), the arrays
-cross to the decode process here, and a jitted, donated step writes them into the
-decode engine's pages (kv_io.write_request).
-
-Backends (`--disaggregation-transfer-backend`):
-- "socket": the arrays follow the header in the TCP stream. Works between hosts.
-- "shm": the arrays go into a POSIX shared-memory file in /dev/shm, which the receiver
-  maps read-only and unlinks at once (the mapping outlives the name, and the arrays are
-  views of it: no copy on this side); the stream carries only the header and the file's
-  name. One host only; one copy in all, against the socket's two kernel copies plus the
-  receive buffer. The sender fills the file with write(), not through a mapping: a fresh
-  mapping of a GB takes a page fault per 4 KiB page (bench_pd measured 0.76 GB/s that
-  way). A file whose sender died before the receiver took it is found by its name, which
-  starts with the sender's pid, and unlinked when the link drops (`sweep_orphans`).
-
-Wire format of one frame: 4-byte magic, u32 header length, u64 body length, the UTF-8
-JSON header, then the body (the arrays' bytes back to back; empty for "shm").
+"socket": the arrays follow the header in the TCP stream (works between hosts). "shm": they
+go into a /dev/shm file the receiver maps read-only and unlinks at once (one host, one copy);
+the sender fills it with write(), not through a mapping, which faults page by page. Files of
+a sender that died are found by their pid prefix and unlinked (`sweep_orphans`).
+Frame: 4-byte magic, u32 header length, u64 body length, the header, the body.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
-"""DP attention (SGLang's --enable-dp-attention with --dp-size): the device side.
+"""DP attention (SGLang's --enable-dp-attention): the mesh and the layouts.
 
-A mesh ("data", "tensor") of dp x tp/dp devices. Attention is data-parallel: each
-"data" rank has its own requests, its own KV pool (a [dp, ...] stack of per-rank
-pools, split over "data") and its own carry slots, and runs attention
-tensor-parallel over its tp/dp "tensor" devices. The MLP stays parallel over all tp
-devices: a dense MLP gathers every rank's tokens, computes its 1/dp slice of the
-intermediate width for all of them and reduce-scatters the partial sums back
-(`dense_mlp_over_ranks`); an MoE layer's experts are split over all tp devices and
-each rank's tokens travel to them by all_to_all (jspec.models.moe).
-
-JAX form: the single-rank jitted steps (jspec.steps.plain, jspec.speculative.method) run
-unchanged inside one shard_map that is manual over "data" only (`RankStep`),
-so each rank sees exactly the state and inputs a one-rank engine would, with local
-page and slot ids, while "tensor" stays automatic (GSPMD) as in plain TP. Every rank
-runs every step: one with no requests runs an idle batch (padding rows only), so the
-MLP's collectives always have all ranks.
+A ("data", "tensor") mesh of dp ranks of tp/dp devices. Each rank has its own requests, KV
+pool (a [dp, ...] stack split over "data") and slots, and runs attention tensor-parallel over
+its devices; the MLP stays over all devices. The one-rank steps run unchanged inside one
+shard_map manual over "data" (`RankStep`); every rank runs every step, an idle one on padding
+rows, so the MLP's collectives always have all ranks.
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
-"""Tensor parallelism (and, for MoE models, expert parallelism) for the Llama family on a
-jax.sharding Mesh.
+"""Tensor parallelism (and expert parallelism of MoE layers) on a jax.sharding Mesh.
 
-Megatron's split, expressed as shardings that XLA's partitioner (GSPMD) follows:
-the fused QKV and gate-up projections are column-parallel, O and down are
-row-parallel (XLA inserts the all-reduce after them), the KV pool is split over
-KV heads, and the embedding table and LM head over the vocabulary. Attention
-runs per shard on its own heads (jspec.layers.attention wraps the kernel in
-shard_map), so the Pallas kernels never see a sharded operand.
-
-Two layout changes make every shard's slice self-contained:
-- the fused weights get a shard axis: wqkv [H, tp, (q + k + v) / tp] and
-  w_gate_up [H, tp, 2 I / tp], so shard d holds its own heads' q, k and v (its
-  own gate and up columns) and splitting them needs no communication;
-- with fewer KV heads than shards, each KV head is repeated (as SGLang does),
-  which leaves the attention unchanged: a query head reads the same K and V.
-
-An MoE layer's experts are split whole over the same devices (EP = TP, SGLang's
---ep-size equal to --tp-size): tokens travel to their experts' device by all_to_all
-(jspec.models.moe), while attention stays tensor-parallel.
+Megatron's split as shardings GSPMD follows: QKV and gate-up column-parallel, O and down
+row-parallel, the KV pool over KV heads, embedding and LM head over the vocabulary; attention
+runs per shard under shard_map. The fused weights get a shard axis ([H, tp, n / tp]) so a
+shard's q, k, v (gate, up) sit together, and KV heads fewer than the shards are repeated, as
+SGLang does. Experts split whole over the same devices (EP = TP).
 """
 
 from __future__ import annotations

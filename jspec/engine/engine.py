@@ -62,8 +62,7 @@ class LoopTimes:
     """Where the loop's host time goes, summed over iterations (seconds).
 
     `wait_s` is the time blocked on the device at the designated read; everything else is
-    host work that the overlap loop must hide behind the device's step (issue 8, target 5).
-    Two perf_counter calls per phase cost well under a microsecond.
+    host work that the overlap loop must hide behind the device's step.
     """
 
     iterations: int = 0

@@ -1,23 +1,9 @@
-"""Skinny matmul x[M, K] @ W[K, N] for decode (M <= 16), Pallas over Triton.
+"""Skinny matmul x[M, K] @ W[K, N] for decode rows (M <= 16), Pallas over Triton.
 
-At bs=1 a decode step is bound by reading the weights once; XLA's skinny
-matmuls read them well under the HBM bandwidth on the H200. This kernel is the
-experiment: every weight byte is read exactly once, with as many bytes in
-flight as the SMs can hold.
-
-Grid (column strip, K split). Program (j, s) owns the block_n columns of strip
-j and the K range of split s, and walks it in block_k tiles: a [16, block_k]
-tile of x (padded to 16 rows because Triton's tl.dot needs M >= 16; x is tiny
-and stays in L2) times a [block_k, block_n] weight tile, accumulated in f32.
-The K range is split (split-K) so that a narrow N still gives every SM several
-programs; each split writes its f32 partial [M, block_n] (only the real rows)
-to [num_splits, M, N], and the wrapper sums the splits in jnp, where XLA fuses
-the sum with whatever follows. The partials cost num_splits * M * N * 4 bytes
-written and read again, against K * N * 2 of weights: small while
-num_splits * M << K / 2.
-
-W is row-major [K, N] (N contiguous), the layout jspec's models store: a tile
-row of block_n bf16 is one contiguous run, so the loads coalesce.
+Every weight byte is read once, with as many bytes in flight as the SMs hold: program (j, s)
+walks the block_n columns of strip j over split s of K in block_k tiles (x padded to 16 rows,
+Triton's smallest dot); the splits' f32 partials are summed in jnp, where XLA fuses the sum
+into what follows. W is row-major [K, N], jspec's layout, so tile rows are contiguous.
 """
 
 from __future__ import annotations
@@ -102,7 +88,7 @@ def skinny_matmul_plan(M: int, K: int, N: int, *, block_n=None, block_k=None, nu
     - block_n = block_k = 128 (fewer for a smaller N or K): a 32 KiB bf16 tile,
       so num_stages=3 buffers take 96 KiB of shared memory and two programs fit
       on an SM (228 KiB), i.e. up to ~192 KiB of weight loads in flight per SM,
-      far above what Little's law asks for at 4.5 TB/s (~35 KiB per SM). A row
+      several times what Little's law asks for at HBM bandwidth. A row
       of 128 bf16 is 256 contiguous bytes: whole cache lines.
     - num_splits: enough K partitions that the grid reaches TARGET_PROGRAMS
       (4 per SM) when the column strips alone do not, but no split shorter than

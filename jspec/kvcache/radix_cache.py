@@ -1,88 +1,10 @@
 """Prefix (radix) cache: requests that share a prompt prefix share its KV pages.
 
-The idea is SGLang's RadixAttention (python/sglang/srt/mem_cache/radix_cache.py):
-a radix tree over token ids whose nodes own KV pages. A new request looks up
-the longest cached prefix of its prompt, reuses those pages as the head of its
-page table, and prefills only the rest.
-
-Granularity is the KV page: only FULL pages are cached or shared. A request's
-partially filled last page is private to it, because its next token is written
-into that page. So every key in the tree is a run of whole pages (page_size
-tokens each; page_size may be 1) and every match is page-aligned.
-
-Ownership and reference counts
-------------------------------
-The PageAllocator counts references per page. The cache holds exactly one
-reference on every page in the tree; a request holds one reference on each page
-it allocated itself ("its own pages"), until it frees them. A page returns to
-the free list when the last reference goes, so a page is reused only once
-neither the cache nor any request holds it.
-
-A request that matched a cached prefix reads those pages WITHOUT a reference of
-its own: it `lock()`s the match instead. A locked node (and every ancestor) is
-never evicted, so the cache's reference, and the page, stay alive while the
-request runs.
-
-Protocol (what the scheduler does; host-side, single-threaded)
---------------------------------------------------------------
-1. Arrival::
-
-       m = cache.match_prefix(prompt[:-1])   # keep >= 1 token to prefill: its
-       cache.lock(m)                          # logits sample the first output
-       need = pages_for(total_len) - len(m.pages)
-       if allocator.num_free < need:
-           cache.evict(need - allocator.num_free)
-       own = allocator.alloc(need)            # OutOfPagesError: unlock(m), retry later
-       page_table = m.pages + own             # prefill tokens m.num_tokens: onward
-
-   Lock right after matching: an evict() in between may drop the matched
-   nodes (lock() then raises). Every lock() gets exactly one unlock().
-
-2. Finish (or abort after some KV was written)::
-
-       cache.insert(tokens, page_table)   # tokens: exactly those whose KV is in the
-                                          # pages (prompt + output[:-1]); only its
-                                          # full pages are offered; the cache retains
-                                          # the ones it adopts
-       allocator.free(own)                # every page this request allocated,
-                                          # adopted, duplicate or partial alike
-       cache.unlock(m)
-
-   insert() returns how many leading pages of that prefix the cache already
-   had (with the same or with other page ids: two requests may have computed
-   the same prefix at once). Those of the caller's pages are duplicates the
-   cache did not adopt; the free() returns them. Order matters: insert
-   before free, or an adopted page would be freed (and reused) before the
-   cache retains it.
-
-3. Optional: cache a running request's prompt right after its prefill (so that
-   requests arriving meanwhile share it), and hand its full pages to the cache::
-
-       n = cache.insert(prompt, page_table)
-       m2 = cache.match_prefix(prompt)      # now covers all full prompt pages
-       cache.lock(m2); cache.unlock(m); m = m2
-       full = len(prompt) // page_size
-       allocator.free([p for p in page_table[:full] if p in own])
-       own = [p for p in own if p not in page_table[:full]]
-       page_table[:full] = m.pages          # same tokens, same KV; pages >= n unchanged
-                                            # (the device page table follows)
-
-   Skipping the hand-off is also safe (the request keeps its own references,
-   eviction then drops the cache's reference without freeing the page), it
-   only makes evict() return fewer pages than evictable_pages() promised.
-
-Example (page_size 2)::
-
-    a = PageAllocator(16); cache = RadixCache(a, page_size=2)
-    m = cache.match_prefix([5, 6, 7, 8, 9])     # empty cache: 0 tokens
-    cache.lock(m); own = a.alloc(3)             # pages for 5 tokens
-    cache.insert([5, 6, 7, 8, 9], own)          # -> 0; the cache retains own[:2]
-    a.free(own); cache.unlock(m)                # own[2] (partial) back to the pool
-    m = cache.match_prefix([5, 6, 7, 8, 1])     # 4 tokens, pages own[:2]
-
-Eviction drops least-recently-used unlocked leaves (whole nodes) until enough
-pages went back to the free list; recency is a monotonic counter bumped by
-every match_prefix() and insert(), never the wall clock.
+SGLang's RadixAttention: a radix tree over token ids whose nodes own whole KV pages (a
+request's partial last page stays private). The cache holds one reference per page in the
+tree; a request that matched a prefix locks it instead of holding references, and a locked
+node is never evicted. Protocol: match_prefix, lock; on finish insert, free the request's own
+pages, unlock (insert before free). docs/design-details.md has the protocol in full.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """The dense projections' matmul: XLA's dot, or the Pallas skinny matmul for decode rows.
 
-At bs=1 a decode step is bound by reading the weights, and XLA's skinny matmuls read
-them below the HBM bandwidth on the H200 (benchmarks/NOTES.md, issue 8 target 3).
-`JSPEC_SKINNY_MATMUL=pallas` sends every projection of at most 16 rows through
-jspec/kernels/skinny_matmul.py instead; it is read when a step is traced, so it is set
-per process (scripts/bench_decode_xla_flags.sh runs it as its own variant). It applies
-to bf16 weights on one GPU only: under a mesh the weights are sharded and XLA's dot
-partitions them.
+A batch-1 decode step is bound by reading the weights, and XLA's skinny matmuls read them
+below the HBM bandwidth. `JSPEC_SKINNY_MATMUL=pallas` sends every projection of at most 16
+rows through kernels/skinny_matmul.py instead; read when a step is traced, so set per
+process. bf16 weights on one GPU only: under a mesh XLA's dot partitions the sharded weights.
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """Frequency, presence and repetition penalties on the device, exact under speculation.
 
-Per request slot the device keeps how often each vocabulary token was emitted
-(`output_counts`) and which tokens the prompt holds (`prompt_seen`); each step
-updates them itself, so the host never sends token histories. Semantics as
-SGLang's (and OpenAI's for the first two):
-- frequency_penalty f: logit -= f * (times the token was emitted);
-- presence_penalty p: logit -= p if the token was emitted at all;
-- repetition_penalty r: a token seen in the prompt or the output has its logit
-  divided by r if positive, multiplied by r if not (applied first).
-Penalties act on the raw logits, before temperature and the top-k/p filters, for
-greedy and sampled rows alike.
-
-Under speculation the target's logits after tree node i must be penalised as if
-the tokens on the path root..i had been emitted one at a time: the slot's counts
-(which already hold the root, the last emitted token) plus the drafts on that
-path. `apply_tree_penalties` penalises every node with the slot's counts, then
-re-penalises, per node, only the tokens its drafted ancestors add (at most
-depth of them), so no [B, N, V] count tensor is ever built.
+Per slot the device keeps each token's emitted count and whether the prompt holds it, so the
+host never sends histories. Semantics as SGLang's; they act on the raw logits before
+temperature and filters. Under speculation a tree node is penalised as if its path had been
+emitted one token at a time: the slot's counts plus its drafted ancestors, re-applied per
+node, so no [B, N, V] count tensor is built.
 """
 
 from __future__ import annotations

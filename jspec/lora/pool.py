@@ -1,38 +1,10 @@
-"""Multi-LoRA: PEFT adapters read from disk, and a device-side pool of resident adapters.
+"""The device pool of resident LoRA adapters.
 
-An adapter (PEFT's adapter_config.json + adapter_model.safetensors) adds to a projection
-W [in, out] (jspec's layout, x @ W) the low-rank term scale * (x @ A^T) @ B^T, where PEFT
-stores lora_A [r, in] and lora_B [out, r]. Several adapters are resident at once in a
-`LoraPool`; each token of a batch names the pool slot of its request's adapter (slot 0 is
-"no adapter"), and the forward adds every token's own delta (models/llama.py).
-
-How a projection gets its delta: for a fused projection P of the model (qkv, gate_up, o,
-down: G = 3, 2, 1, 1 modules) the pool adds N = S * G * r_max columns to P's weight
-(S = max_loras; slot s > 0 at index s - 1, slot 0 takes no storage and no compute; ranks
-zero-padded to r_max), ordered (slot, module, rank):
-    W_P -> [W_P | a_P]  with a_P [in, N]  (columns appended to the model's fused weight)
-    b_P [N, out]  (the pool's own array, per layer)
-    x @ [W_P | a_P]  =  [y | u],   y + mask(u) @ b_P  =  x @ W_P + delta
-where mask scales each token's own slot's columns by the adapter's scale and zeroes the
-rest. b_P is block-diagonal over modules: module g's rows are nonzero only in g's columns
-of the fused weight (wqkv's q | k | v, w_gate_up's gate | up), so every module gets its
-own delta from one matmul. A slot is one contiguous column block of a_P and row block of
-b_P, which a load overwrites. Under tensor parallelism or DP attention the same parts take
-the sharded weights' layouts (ProjectionLayout), so the delta adds no collective.
-
-Why this shape (benchmarks/NOTES.md, LoRA): at bs=32 the delta's matmuls are tiny, so its
-cost is the number of kernels it adds. Here the A matmul rides inside the model's own
-matmul, and a projection adds the small B matmul and about one fusion (the mask; the add
-mostly fuses into whatever consumes the projection: RoPE, SwiGLU, the residual add). On
-the 8B shape that is +0.86 ms of kernel time per step against +1.15 ms for the other way
-round (B's rows appended to the weight and mask(x @ A) to its input, which adds an A
-matmul and a mask-and-concatenate fusion per projection). The b_P are per-layer arrays
-(step arguments of their own) because XLA copies a weight sliced out of a stacked array
-before a matmul, as for the model's weights.
-
-The forward computes every slot's delta for every token and masks it to the token's own
-slot: dense matmuls with N columns and no per-token weight gather, so its cost does not
-depend on how many distinct adapters a batch mixes.
+For a fused projection the pool appends each slot's A columns to the model's weight and keeps
+the B matrices beside it, so the model's own matmul yields [y | u] and layers/lora.py adds
+mask(u) @ B: every token's own delta, whatever mix of adapters a batch holds. Loading writes a
+slot in place (no recompilation). Under TP or DP attention the pool's parts take the sharded
+weights' layouts, so the delta adds no collective. docs/design-details.md, "The LoRA pool".
 """
 
 from __future__ import annotations

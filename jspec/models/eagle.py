@@ -1,19 +1,10 @@
 """EAGLE and EAGLE-3 draft heads: pure functions over the draft param pytree.
 
-Position convention (shared with jspec/speculative/eagle.py): the draft's KV entry at
-position t holds the pair (token x_{t+1}, feature of position t), and the
-draft's output there predicts x_{t+2}.
-
-- EAGLE (1/2): x = fc([embed(token) ; feature]) (+ bias); layer 0 takes x
-  without an input norm; no final norm; logits from the target's lm_head.
-  The feature is the target's final-normed hidden state, or, on later
-  draft steps, the draft's own output.
-- EAGLE-3: the target feature is the residual stream entering three target
-  layers, concatenated [low ; mid ; high] (3H) and fused by fc to H; later
-  draft steps feed the draft's own pre-norm output (H) with no fc. The layer's
-  attention input is [RMSNorm_in(embed(token)) ; RMSNorm_hidden(x)] (2H), its
-  residual is x; logits = own lm_head(RMSNorm_final(out)) over a reduced
-  vocabulary, mapped to target ids by target = draft + d2t[draft].
+The draft's KV entry at position t holds (token x_{t+1}, feature of position t) and its
+output there predicts x_{t+2}. EAGLE fuses [embed ; feature] by fc and reads logits from the
+target's head; EAGLE-3 fuses three captured target residual streams, norms embeddings and
+hidden separately, and has its own head over a reduced vocabulary (target id = d + d2t[d]).
+docs/design-details.md has the full computation.
 """
 
 from __future__ import annotations

@@ -1,30 +1,9 @@
 """Mixture-of-Experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral) as pure functions.
 
-A sparse layer replaces the SwiGLU MLP by E experts, each a SwiGLU of width
-moe_intermediate_size. Per token the router picks k experts and weighs them
-exactly as HF does for these three families: softmax over all E router logits
-(float32), keep the top k, renormalise them to sum 1 when norm_topk_prob
-(Mixtral always: that equals a softmax over the top-k logits).
-
-Expert compute is a grouped matmul, not a loop over experts nor a dense
-every-expert product: the T*k (token, expert) assignments are sorted by expert
-and `jax.lax.ragged_dot` multiplies each contiguous group by its expert's
-weights. Work is T*k rows whatever the routing, and the shapes are static.
-
-Params of a sparse layer (loader.py's pytree, weights [in, out]):
-
-    router           [H, E]
-    experts_gate_up  [E, H, 2*I]   concat(gate, up) on the out axis, as llama's w_gate_up
-    experts_down     [E, I, H]
-    shared_gate_up   [H, 2*Is]     Qwen2-MoE only (cfg.shared_expert_intermediate_size)
-    shared_down      [Is, H]
-    shared_gate      [H, 1]        sigmoid gate on the shared expert's output
-
-Expert parallelism (`moe_mlp_ep`, run under `jax.shard_map` over a mesh axis
-"expert"): each shard owns E/ep consecutive experts and its own tokens; every
-assignment travels to the shard owning its expert by one all_to_all, is
-computed there with the same grouped matmul, and comes back by the inverse
-all_to_all into the slot it left from.
+The router weighs the top-k experts as HF does (softmax over all logits in f32, top k,
+renormalised when norm_topk_prob); experts run as one grouped matmul (`ragged_dot` over the
+T*k assignments sorted by expert), so shapes are static whatever the routing. Expert
+parallelism sends each assignment to its expert's shard by all_to_all and back.
 """
 
 from __future__ import annotations

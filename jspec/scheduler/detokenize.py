@@ -1,20 +1,10 @@
 """Per-request streaming text: incremental detokenization and stop conditions.
 
-`IncrementalDetokenizer` turns a growing list of token ids into text pieces that
-are safe to stream: each piece is final (a later token never changes it) and is
-never a broken UTF-8 sequence. Tokens do not map to text one by one: a byte-level
-BPE token may hold half of a multi-byte character, and SentencePiece decodes a
-leading "\u2581" as a space or as nothing depending on what precedes it. So, as
-vLLM and SGLang do, we decode a small window of already-emitted tokens (the
-context, from `_prefix` to `_read`) together with the new ones and emit the
-difference; the window then slides forward. Text that ends in U+FFFD (what the
-tokenizer's lossy decode makes of an incomplete sequence) is held back until
-more tokens complete it, or until `flush()`.
-
-`StopChecker` decides when a request ends (stop token, EOS, stop string, length)
-and trims the streamed text so that a stop string never reaches the client, not
-even its beginning: text that could still grow into a stop string is held back
-until it cannot.
+`IncrementalDetokenizer` emits only final text: it decodes a small window of emitted tokens
+with the new ones and streams the difference (as vLLM and SGLang do), holding back text that
+ends in U+FFFD until more tokens complete it. `StopChecker` ends a request (stop token, EOS,
+stop string, length) and holds back text that could still grow into a stop string, so none
+reaches the client.
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """The scheduler: which requests run next, and the KV pages and slots they hold.
 
-It works only from what the host knows. Under the overlap loop it builds
-batch N+1 before it has read batch N's outputs, so it keeps, per request, the
-verified KV length as of the last processed step (`kv_len`) and the number of
-decodes in flight; a request's pages always cover the worst case,
-kv_len + in-flight decodes * max_emit + kv_margin positions (over-allocation).
-
-The one-step-lag rule lives in `on_decode_done`: a request that finished in
-step N may have been launched again in N+1; N+1's tokens for it are dropped.
-Freeing its pages and slot as soon as N is processed is safe because steps
-run on the device in launch order, so N+1 is done with them before any later
-step can reuse them.
-
-Policy, as SGLang's default: continue or admit prefills first (chunked to
-`chunked_prefill_size` tokens per batch), otherwise decode every running
-request; when decode growth runs out of pages, evict the prefix cache, then
-retract the most recently admitted request (freeing its KV; it is prefilled
-again later over its prompt and the tokens it already generated).
+It works from what the host knows: under the overlap loop it builds batch N+1 before reading
+batch N, so a request's pages cover kv_len + in-flight decodes * max_emit + kv_margin
+positions (over-allocation). The one-step-lag rule lives in `on_decode_done`. Policy, as
+SGLang's default: prefills first (chunked), else decode every running request; short of
+pages, evict the prefix cache, then retract the most recently admitted request.
 """
 
 from __future__ import annotations

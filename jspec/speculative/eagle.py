@@ -1,24 +1,10 @@
-"""EAGLE / EAGLE-3 as a SpecMethod (spec/method.py runs it inside the one-dispatch iteration).
+"""EAGLE / EAGLE-3 as a SpecMethod: propose an EAGLE-2 beam tree from the carry's top-k (or the
+(1,1,2) chain with no draft forward), then a draft-extend over the emitted tokens.
 
-Propose: num_steps - 1 draft forwards growing an EAGLE-2 tree from the carry's
-top-k; verification is shared (spec/verify.py); update: a draft-extend over the
-emitted tokens, which gives the next iteration's carry.
-
-Sequence bookkeeping, per request slot (see models/eagle.py for the draft's
-position convention):
-- carry.seq_len = n: the target KV holds positions 0..n-1, the draft KV holds
-  pairs (x_{t+1}, feature_t) for t = 0..n-1;
-- carry.next_token = x_n, the token verified last, not yet in the target KV: it
-  is the root of the next tree;
-- carry.extra.topk_p / topk_ids: the draft's top-k for x_{n+1} (from position n-1),
-  carry.extra.hidden: the draft's output at n-1 (its feature for the next step).
-
-KV over-allocation: an iteration writes target KV at positions n..n+N-1 (tree
-nodes in node order) and draft KV at n..n+num_steps, so the host keeps pages
-for n + method.kv_margin positions; only the device knows n + accepted.
-Draft tree steps keep their K/V in a small dense buffer (per beam, its
-ancestors), never in the pool: attention there is the paged prefix merged
-with the beam's own ancestors by log-sum-exp.
+Per slot: carry.seq_len = n, the draft KV holds pairs (x_{t+1}, feature_t) for t < n,
+carry.next_token = x_n is the next tree's root, carry.extra holds the draft's top-k for
+x_{n+1} and its output at n-1. The host keeps pages for n + kv_margin positions; beams'
+K/V stay in a small dense buffer, never in the pool.
 """
 
 from __future__ import annotations

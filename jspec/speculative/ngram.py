@@ -1,18 +1,10 @@
 """NGRAM speculation: drafts copied from earlier occurrences of the request's own recent tokens.
 
-The device keeps every request's token history (prompt and output, [slots+1, capacity]) as
-the method's draft state, so matching runs inside the jitted iteration and never waits on
-the host. Per request, with root x_n (the last verified token):
-
-- a candidate is an earlier position j < n whose last r tokens equal the last r tokens
-  ending at n, r = the longest such run up to max_match_window (and >= min_match_window);
-- the `breadth` best candidates (longest match, then most recent) each propose the tokens
-  that followed them, history[j+1 .. j+L], as one chain hanging from the root;
-- the verify tree is the root plus these chains (breadth 1: a plain chain).
-
-Positions past n are not known yet; a chain running into them proposes the pad token
-there, which verification simply rejects. `match_candidates_ref` is the brute-force
-reference of the matcher.
+The device keeps every request's token history, so matching runs inside the jitted
+iteration. A candidate is an earlier position whose last r tokens equal those ending at the
+root (r the longest such run within the match windows); the `breadth` best candidates each
+propose the tokens that followed them as a chain from the root. `match_candidates_ref` is the
+brute-force reference of the matcher.
 """
 
 from __future__ import annotations

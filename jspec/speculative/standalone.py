@@ -1,21 +1,10 @@
-"""STANDALONE speculation: a separate small model of the same tokenizer drafts autoregressively.
+"""STANDALONE speculation: a separate small model of the same tokenizer drafts.
 
-The draft is any model the loader reads (a ModelConfig + params, run by models/llama.py)
-with its own paged KV pool, page for page beside the target's. Per iteration, with root
-x_n at position n and prev = x_{n-1}:
-
-- the draft runs [prev, root] at positions n-1, n (rewriting n-1 makes the pool whole
-  after an iteration that accepted every draft, whose last draft was never fed);
-- chain (eagle_topk 1): it takes its argmax d_1, then feeds d_i at n+i for
-  i = 1..num_steps-1, writing the pool as it goes; after verification the draft KV at
-  n..n+accepted holds exactly the accepted tokens, so nothing needs recomputing;
-- tree (eagle_topk > 1): from its top-k after the root it grows EAGLE-2 beams
-  (spec/beams.py, ancestors' K/V kept off the pool), and after verification a
-  draft-extend writes the accepted tokens' KV into the pool.
-prev then becomes the token at n + accepted.
-
-Drafts are the draft's top tokens: a deterministic proposal, so verification (the
-target's own draw at each node, matched against the drafts) stays exact for any temperature.
+The draft has its own paged pool beside the target's. Per iteration it reruns [prev, root]
+(which makes its pool whole after a fully accepted iteration), then drafts a chain of its
+argmax tokens (writing its pool as it goes) or grows EAGLE-2 beams (speculative/beams.py)
+and writes the accepted tokens' KV after verification. Drafts are deterministic proposals,
+so the target's own draws keep verification exact at any temperature.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """EAGLE-2 dynamic draft tree: beam expansion while drafting, then the verify tree.
 
-The draft runs `num_steps` steps with `topk` beams per request. Step 0 proposes
-the draft's top-k after the root; each later step expands every beam by its own
-top-k and keeps the `topk` best expansions (by cumulative probability) as the
-next beams. Every expansion, kept as a beam or not, is a tree candidate, so one
-request has `candidate_count(topk, num_steps)` candidates in a fixed order:
-step 0's topk, then each later step's topk*topk in (beam, k) order.
-
-The verify tree is the root plus the best `num_draft_tokens - 1` candidates by
-cumulative score, ordered by candidate index. A child's score is its parent's
-times a probability <= 1 and a parent's candidate index is lower than its
-child's, so with `lax.top_k`'s lower-index-first tie-break a kept child's
-parent is always kept, and ordering by candidate index puts parents first.
-
-Everything is pure jnp over a leading request axis B; `topk`, `num_steps` and
-`num_draft_tokens` come from static shapes or static ints, so it all jits.
+`topk` beams per request over `num_steps` steps; every expansion is a candidate, in a fixed
+order. The verify tree is the root plus the best num_draft_tokens - 1 candidates by
+cumulative score, ordered by candidate index: a child's score is at most its parent's and
+its index is larger, so a kept child's parent is kept and parents come first. Pure jnp over
+a request axis, static shapes.
 """
 
 from __future__ import annotations

