@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import json
 import logging
 import math
@@ -35,6 +34,7 @@ from jspec.checkpoint.errors import (
     TensorShapeError,
 )
 from jspec.checkpoint.files import read_hf_tensors
+from jspec.checkpoint.random_weights import random_weights
 
 log = logging.getLogger(__name__)
 
@@ -667,28 +667,13 @@ def draft_param_shapes(cfg: DraftConfig) -> dict[str, Any]:
 
 def init_random_draft_params(cfg: DraftConfig, key: jax.Array, dtype: Any = jnp.float32,
                              std: float = 0.02) -> dict[str, Any]:
-    """Random params in the draft pytree: weights N(0, std), norm scales
-    1 + N(0, 0.1), biases N(0, std); d2t maps the draft vocab onto a random
-    sorted subset of the target vocab (zeros when the vocabs are equal)."""
-    return _init_random(cfg, key, jnp.dtype(dtype), float(std))
-
-
-@functools.partial(jax.jit, static_argnums=(0, 2, 3))
-def _init_random(cfg: DraftConfig, key: jax.Array, dtype, std: float) -> dict[str, Any]:
-    is_shape = lambda x: isinstance(x, tuple)  # noqa: E731
+    """Random params in the draft pytree (checkpoint/random_weights.py's rule); d2t maps the
+    draft vocab onto a random sorted subset of the target vocab (zeros when the vocabs are equal)."""
     shapes = draft_param_shapes(cfg)
-    d2t_shape = shapes.pop("d2t", None)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=is_shape)
-    sizes = [math.prod(s) for _, s in flat]
+    with_d2t = shapes.pop("d2t", None) is not None
     key, k_vocab = jax.random.split(key)
-    # One draw sliced into leaves: a threefry draw per distinct shape compiles slowly on the CPU.
-    pieces = jnp.split(jax.random.normal(key, (sum(sizes),), jnp.float32), np.cumsum(sizes)[:-1])
-    leaves = []
-    for (path, shape), noise in zip(flat, pieces):
-        noise = noise.reshape(shape)
-        leaves.append((1.0 + 0.1 * noise if "norm" in jax.tree_util.keystr(path) else std * noise).astype(dtype))
-    params = jax.tree.unflatten(treedef, leaves)
-    if d2t_shape is not None:
+    params = random_weights(shapes, key, dtype, std)
+    if with_d2t:
         Vd, V = cfg.draft_vocab_size, cfg.vocab_size
         hot = jnp.sort(jax.random.permutation(k_vocab, V)[:Vd]) if Vd < V else jnp.arange(V)
         params["d2t"] = (hot - jnp.arange(Vd)).astype(jnp.int32)

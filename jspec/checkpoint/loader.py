@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import json
 import logging
-import math
 import os
 import shutil
 from collections.abc import Mapping
@@ -24,6 +23,7 @@ import numpy as np
 
 from jspec.checkpoint.errors import CheckpointError, MissingTensorError, TensorShapeError
 from jspec.checkpoint.files import read_hf_tensors
+from jspec.checkpoint.random_weights import random_weights
 from jspec.config.model import ModelConfig, RopeScaling, UnsupportedArchitectureError
 
 log = logging.getLogger(__name__)
@@ -336,33 +336,8 @@ def count_params(params: Any) -> int:
 # ---------------------------------------------------------------------------
 
 def init_random_params(cfg: ModelConfig, key: jax.Array, dtype: Any = jnp.float32, std: float = 0.02) -> dict[str, Any]:
-    """Random params in the loader's pytree: weights N(0, std); norm scales
-    1 + N(0, 0.1) so a wrong norm axis or a skipped norm changes the output."""
-    return _init_random(cfg, key, np.dtype(jnp.dtype(dtype)), float(std))
-
-
-# Below this many parameters one flat draw is sliced into leaves: XLA compiles a
-# threefry draw slowly on the CPU (~0.25 s per distinct shape) and tests init
-# tiny models often. Above it, leaves are drawn one by one so no flat f32
-# buffer the size of the model is ever allocated.
-_FLAT_DRAW_LIMIT = 1 << 24
-
-
-@functools.partial(jax.jit, static_argnums=(0, 2, 3))
-def _init_random(cfg: ModelConfig, key: jax.Array, dtype: np.dtype, std: float) -> dict[str, Any]:
-    is_shape = lambda x: isinstance(x, tuple)  # noqa: E731
-    flat, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg), is_leaf=is_shape)
-    sizes = [math.prod(shape) for _, shape in flat]
-    if sum(sizes) <= _FLAT_DRAW_LIMIT:
-        pieces = jnp.split(jax.random.normal(key, (sum(sizes),), jnp.float32), np.cumsum(sizes)[:-1])
-    else:
-        pieces = [jax.random.normal(k, (n,), jnp.float32) for k, n in zip(jax.random.split(key, len(sizes)), sizes)]
-    out = []
-    for (path, shape), noise in zip(flat, pieces):
-        noise = noise.reshape(shape)
-        # XLA fuses each draw with its scale and cast: no f32 copy of a large leaf is kept.
-        out.append((1.0 + 0.1 * noise if "norm" in jax.tree_util.keystr(path) else std * noise).astype(dtype))
-    return jax.tree.unflatten(treedef, out)
+    """Random params in the loader's pytree (checkpoint/random_weights.py's rule)."""
+    return random_weights(param_shapes(cfg), key, dtype, std)
 
 
 # ---------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import numpy as np
 
 from jspec.config.model import ModelConfig
 from jspec.checkpoint.files import write_safetensors
+from jspec.testing.tiny import draw_hf_tensors
 
 
 def tiny_capture_layers(num_target_layers: int) -> tuple[int, ...]:
@@ -86,11 +87,11 @@ def tiny_draft_tensors(target: ModelConfig, hf_config: dict[str, Any], seed: int
     q, kv = hf_config["num_attention_heads"] * D, hf_config["num_key_value_heads"] * D
     attn_in = 2 * H if eagle3 else H
 
-    def linear(out_f: int, in_f: int) -> np.ndarray:  # nn.Linear layout [out, in]
-        return rng.normal(0.0, in_f ** -0.5, (out_f, in_f)).astype(np.float32)
+    def linear(out_f: int, in_f: int) -> tuple[int, int]:  # nn.Linear layout [out, in]
+        return (out_f, in_f)
 
-    def norm(n: int) -> np.ndarray:
-        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+    def norm(n: int) -> tuple[int]:
+        return (n,)
 
     def layer(p: str) -> dict[str, np.ndarray]:
         return {
@@ -104,7 +105,8 @@ def tiny_draft_tensors(target: ModelConfig, hf_config: dict[str, Any], seed: int
             p + "mlp.down_proj.weight": linear(H, I),
         }
 
-    t: dict[str, np.ndarray] = {}
+    t: dict = {}  # names -> shapes, drawn at the end; d2t / t2d are ids, not weights
+    ids: dict[str, np.ndarray] = {}
     if eagle3:
         n_capture = len(hf_config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
         t["fc.weight"] = linear(H, n_capture * H)
@@ -115,11 +117,11 @@ def tiny_draft_tensors(target: ModelConfig, hf_config: dict[str, Any], seed: int
         Vd = hf_config["draft_vocab_size"]
         t["lm_head.weight"] = linear(Vd, H)
         hot = np.sort(rng.choice(V, Vd, replace=False)) if Vd < V else np.arange(V)
-        t["d2t"] = (hot - np.arange(Vd)).astype(np.int64)
+        ids["d2t"] = (hot - np.arange(Vd)).astype(np.int64)
         if with_t2d:
             t2d = np.zeros(V, bool)
             t2d[hot] = True
-            t["t2d"] = t2d
+            ids["t2d"] = t2d
     else:
         t["fc.weight"] = linear(H, 2 * H)
         for i in range(hf_config["num_hidden_layers"]):
@@ -127,10 +129,10 @@ def tiny_draft_tensors(target: ModelConfig, hf_config: dict[str, Any], seed: int
             if i > 0:  # SafeAILab builds input_layernorm only for layers after the first
                 t[f"layers.{i}.input_layernorm.weight"] = norm(H)
     if hf_config.get("bias"):
-        t["fc.bias"] = (0.1 * rng.standard_normal(H)).astype(np.float32)
+        t["fc.bias"] = (H,)
     if with_embed:
-        t["embed_tokens.weight"] = rng.normal(0.0, 1.0, (V, H)).astype(np.float32)
-    return t
+        t["embed_tokens.weight"] = (V, H)
+    return {**draw_hf_tensors(t, seed), **ids}
 
 
 def cast_floats(tensors: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:

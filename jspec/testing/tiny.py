@@ -24,6 +24,7 @@ import numpy as np
 
 
 from jspec.checkpoint.files import write_safetensors
+from jspec.checkpoint.random_weights import random_weights
 
 ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
@@ -126,19 +127,38 @@ def _hf_config(arch: str, *, vocab_size, hidden_size, intermediate_size, num_lay
     return cfg
 
 
-def _random_tensors(cfg: dict, arch: str, rng: np.random.Generator, init_std: float | None) -> dict[str, np.ndarray]:
+def hf_std(init_std: float | None = None):
+    """The std of an HF-named tensor: biases 0.1, the embedding init_std or 1, a Linear
+    ([out, in]) init_std or in ** -0.5 (norm scales are random_weights' own rule)."""
+    def std(name: str, shape: tuple[int, ...]) -> float:
+        if "bias" in name:
+            return 0.1
+        if "embed_tokens" in name:
+            return init_std or 1.0
+        return init_std if init_std is not None else shape[-1] ** -0.5
+    return std
+
+
+def draw_hf_tensors(shapes: dict[str, tuple[int, ...]], seed: int, init_std: float | None = None) -> dict[str, np.ndarray]:
+    """Float32 numpy tensors for HF-named shapes, through the one weight initialiser."""
+    import jax
+
+    return {k: np.asarray(v) for k, v in random_weights(shapes, jax.random.key(seed), np.float32,
+                                                         hf_std(init_std)).items()}
+
+
+def _random_tensors(cfg: dict, arch: str, seed: int, init_std: float | None) -> dict[str, np.ndarray]:
     H, I, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     D = cfg["head_dim"]
     q, kv = cfg["num_attention_heads"] * D, cfg["num_key_value_heads"] * D
 
     def linear(out_f, in_f):  # HF nn.Linear layout: [out, in]
-        std = init_std if init_std is not None else in_f ** -0.5
-        return rng.normal(0.0, std, (out_f, in_f)).astype(np.float32)
+        return (out_f, in_f)
 
-    def norm(n):  # not all ones, so a skipped or misplaced norm is visible
-        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+    def norm(n):
+        return (n,)
 
-    t = {"model.embed_tokens.weight": rng.normal(0.0, init_std or 1.0, (V, H)).astype(np.float32)}
+    t = {"model.embed_tokens.weight": (V, H)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         t[p + "input_layernorm.weight"] = norm(H)
@@ -147,7 +167,7 @@ def _random_tensors(cfg: dict, arch: str, rng: np.random.Generator, init_std: fl
         t[p + "self_attn.v_proj.weight"] = linear(kv, H)
         if arch == "qwen2":
             for name, n in (("q", q), ("k", kv), ("v", kv)):
-                t[p + f"self_attn.{name}_proj.bias"] = (0.1 * rng.standard_normal(n)).astype(np.float32)
+                t[p + f"self_attn.{name}_proj.bias"] = (n,)
         if arch in ("qwen3", "qwen3_moe"):
             t[p + "self_attn.q_norm.weight"] = norm(D)
             t[p + "self_attn.k_norm.weight"] = norm(D)
@@ -162,7 +182,7 @@ def _random_tensors(cfg: dict, arch: str, rng: np.random.Generator, init_std: fl
     t["model.norm.weight"] = norm(H)
     if not cfg["tie_word_embeddings"]:
         t["lm_head.weight"] = linear(V, H)
-    return t
+    return draw_hf_tensors(t, seed, init_std)
 
 
 def _random_experts(cfg: dict, arch: str, p: str, linear) -> dict[str, np.ndarray]:
@@ -229,7 +249,7 @@ def make_tiny_model(
         max_position_embeddings=max_position_embeddings, dtype=dtype,
         num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
     )
-    tensors = _random_tensors(cfg, arch, np.random.default_rng(seed), init_std)
+    tensors = _random_tensors(cfg, arch, seed, init_std)
     if dtype == "bfloat16":
         tensors = {n: a.astype(ml_dtypes.bfloat16) for n, a in tensors.items()}
     write_safetensors(out_dir, tensors, num_shards)
