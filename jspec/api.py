@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Sequence
-
+from collections.abc import Sequence
 
 from jspec.checkpoint.model import Model, as_model, load
 from jspec.config.engine import EngineConfig
+from jspec.config.sampling import SamplingParams
 from jspec.engine.engine import Engine
 from jspec.engine.outputs import GenerationOutput, as_prompt_list, tokenize_prompt
-from jspec.config.sampling import SamplingParams
 
 __all__ = ["EngineConfig", "GenerationOutput", "Model", "generate", "load"]
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-
 from test_tree import BATCH, VOCAB, configs, pipeline, random_draft
 
 

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from jspec.worker.inputs import SeqChunk, build_forward_batch
 from jspec.layers.batch import bucket
+from jspec.worker.inputs import SeqChunk, build_forward_batch
 
 
 def test_bucket():

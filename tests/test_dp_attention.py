@@ -16,14 +16,14 @@ import sys
 
 import jax
 import pytest
+from sync_guard import count_device_reads
+from test_tensor_parallel import PROMPTS, SPEC, eagle3
 
 import jspec
 from jspec.checkpoint.model import with_context_length
-from sync_guard import count_device_reads
-from test_tensor_parallel import PROMPTS, SPEC, eagle3
-from jspec.testing.tiny import make_tiny_model
 from jspec.distributed.dp_attention import make_dp_mesh, shard_params_dp
 from jspec.distributed.multihost import check_multihost_args, init_distributed
+from jspec.testing.tiny import make_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +205,7 @@ def test_two_local_processes_join_one_runtime():
     procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(r), addr], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     outs = [p.communicate(timeout=120) for p in procs]
-    for p, (out, err) in zip(procs, outs):
+    for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-2000:]
     assert sorted(o.split() for o, _ in outs) == [["0", "2", "4", "2"], ["1", "2", "4", "2"]]
 
@@ -235,8 +235,8 @@ def test_dp_speculative_decode_step_lowers_for_cuda(models, name, monkeypatch):
     from jax.sharding import PartitionSpec as P
 
     import jspec.kernels.backend
-    from jspec.distributed.mesh import DATA
     from jspec.distributed.dp_attention import RankStep
+    from jspec.distributed.mesh import DATA
     from jspec.layers.sampling import NUM_PARAMS, SamplingRows
 
     m, d = models[name]

@@ -15,10 +15,8 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-
 from hf_reference import NO_HF_REASON, hf_python
-from jspec.config.model import ModelConfig
-from jspec.testing import eagle_tiny
+
 from jspec.checkpoint.eagle import (
     DraftAlgorithmMismatchError,
     DraftConfig,
@@ -32,6 +30,8 @@ from jspec.checkpoint.eagle import (
     read_torch_bin_file,
 )
 from jspec.checkpoint.files import write_safetensors
+from jspec.config.model import ModelConfig
+from jspec.testing import eagle_tiny
 
 TARGET = ModelConfig(family="llama", vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=500000.0)

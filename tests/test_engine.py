@@ -5,12 +5,12 @@ import dataclasses
 
 import numpy as np
 import pytest
+from sync_guard import count_device_reads
 
 import jspec
-from jspec.checkpoint.model import with_context_length
 from jspec.checkpoint.eagle import init_random_draft_params
+from jspec.checkpoint.model import with_context_length
 from jspec.testing.tiny import make_tiny_model
-from sync_guard import count_device_reads
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec.config.model import ModelConfig
-from jspec.models.llama import dense_forward
 from jspec.checkpoint.loader import init_random_params
+from jspec.config.model import ModelConfig
 from jspec.kvcache.allocator import OutOfPagesError
+from jspec.models.llama import dense_forward
 
 TINY = ModelConfig(
     family="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2,

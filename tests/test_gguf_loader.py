@@ -9,10 +9,10 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-import jspec
-from jspec.checkpoint.gguf import GGUFError, convert_gguf, unpermute_rope_rows
-from jspec.checkpoint.files import read_hf_tensors
-from jspec.testing.tiny import make_tiny_model
+import jspec  # noqa: E402 (after the importorskip)
+from jspec.checkpoint.files import read_hf_tensors  # noqa: E402 (after the importorskip)
+from jspec.checkpoint.gguf import GGUFError, convert_gguf, unpermute_rope_rows  # noqa: E402 (after the importorskip)
+from jspec.testing.tiny import make_tiny_model  # noqa: E402 (after the importorskip)
 
 HF_TO_GGUF = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
               "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",

@@ -7,12 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from hf_reference import HF_VARIANTS, hf_logits, hf_make_checkpoints, requires_hf
-from jspec.models.llama import forward
+
 from jspec.checkpoint.loader import load_model
 from jspec.kvcache.allocator import PageAllocator
 from jspec.kvcache.pool import create_kv_pool
+from jspec.models.llama import forward
 from jspec.worker.inputs import SeqChunk, build_forward_batch
 
 PAGE_SIZE = 4

@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jspec.layers.attention import dense_attention_with_lse, merge_attention
 from jspec.kernels.paged_decode import paged_decode
 from jspec.kernels.ref import paged_decode_ref
+from jspec.layers.attention import dense_attention_with_lse, merge_attention
 
 
 @pytest.mark.parametrize("num_splits", [None, 1, 3])

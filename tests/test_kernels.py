@@ -15,10 +15,11 @@ Skinny matmul: random x and bf16 weights at shapes that hit every masked edge
 
 from __future__ import annotations
 
-import numpy as np
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from dense_paged_attention import dense_decode, dense_extend
 
 from jspec.kernels.backend import interpret_mode
 from jspec.kernels.paged_decode import paged_decode
@@ -26,8 +27,6 @@ from jspec.kernels.paged_extend import paged_extend
 from jspec.kernels.paged_tiles import choose_splits, min_split_len, runtime_split_len
 from jspec.kernels.ref import paged_decode_ref, paged_extend_ref, skinny_matmul_ref
 from jspec.kernels.skinny_matmul import skinny_matmul, skinny_matmul_plan
-
-from dense_paged_attention import dense_decode, dense_extend
 
 LAYERS = 3
 LAYER = 1  # not 0: a kernel that ignores the layer index reads NaN

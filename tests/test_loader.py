@@ -13,16 +13,16 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from hf_reference import HF_VARIANTS, hf_inspect, hf_make_checkpoints, hf_python, requires_hf
 from safetensors.numpy import save_file
 
-from hf_reference import HF_VARIANTS, hf_inspect, hf_make_checkpoints, hf_python, requires_hf
-from jspec.config.model import RopeScaling, UnsupportedArchitectureError
 from jspec.checkpoint.errors import (
     CorruptCheckpointError,
     MissingTensorError,
     NoSafetensorsError,
     TensorShapeError,
 )
+from jspec.checkpoint.files import read_hf_tensors
 from jspec.checkpoint.loader import (
     convert_checkpoint,
     count_params,
@@ -32,9 +32,9 @@ from jspec.checkpoint.loader import (
     restore_params,
     save_params,
 )
-from jspec.checkpoint.files import read_hf_tensors
-from jspec.testing.tiny import EOS_IDS, make_tiny_model
 from jspec.checkpoint.tokenizer import load_tokenizer
+from jspec.config.model import RopeScaling, UnsupportedArchitectureError
+from jspec.testing.tiny import EOS_IDS, make_tiny_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARCH_CASES = [("llama", False), ("llama", True), ("mistral", False), ("qwen2", False), ("qwen2", True),

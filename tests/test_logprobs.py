@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 import jspec
+from jspec.config.sampling import SamplingParams
 from jspec.models.llama import dense_forward
 from jspec.testing.tiny import make_tiny_model
-from jspec.config.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

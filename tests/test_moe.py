@@ -20,14 +20,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import jspec
 from hf_reference import HF_MOE_VARIANTS, hf_make_checkpoints, requires_hf, run_oracle
 from test_hf_parity import _forward_logits, rel_err
-from jspec.config.model import ModelConfig
-from jspec.config.spec import SpecConfig
+
+import jspec
 from jspec.checkpoint.eagle import DraftConfig, init_random_draft_params
 from jspec.checkpoint.loader import init_random_params, load_model, param_shapes
+from jspec.config.model import ModelConfig
+from jspec.config.spec import SpecConfig
 from jspec.models.moe import moe_mlp, moe_mlp_expert_parallel
 
 H = 64

@@ -11,14 +11,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_spec_sampling import fixed_tree
 
 import jspec
-from jspec.models.llama import dense_forward
-from jspec.testing.tiny import make_tiny_model
+from jspec.config.sampling import SamplingParams
 from jspec.layers.penalties import PenaltyState, apply_tree_penalties
 from jspec.layers.sampling import sampling_rows
-from jspec.config.sampling import SamplingParams
-from test_spec_sampling import fixed_tree
+from jspec.models.llama import dense_forward
+from jspec.testing.tiny import make_tiny_model
 
 
 def penalise_ref(logits, counts, prompt_seen, f, p, r):

@@ -2,11 +2,11 @@
 jspec's GGUF conversion and engine give transformers' greedy tokens, and its chat answer is text."""
 
 import pytest
+from hf_reference import requires_hf, run_oracle
 
 import jspec
-from hf_reference import requires_hf, run_oracle
-from jspec.testing.demo import DEMO_GGUF_PATH, demo_model_path
 from jspec.server.chat_template import render_chat
+from jspec.testing.demo import DEMO_GGUF_PATH, demo_model_path
 
 MESSAGES = ["What is the capital of France?", "Write a haiku about the sea.",
             "List three prime numbers and explain why they are prime."]

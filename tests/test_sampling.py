@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec.layers.sampling import TOP_K_CAP, keep_mask, sample_tokens, sampling_mode, sampling_rows
 from jspec.config.sampling import SamplingParams
+from jspec.layers.sampling import TOP_K_CAP, keep_mask, sample_tokens, sampling_mode, sampling_rows
 
 
 def reference_keep(x, top_k, top_p, min_p):

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 import jspec
-from jspec.config.model import ModelConfig
-from jspec.config.spec import SpecConfig
 from jspec.checkpoint.eagle import DraftConfig, init_random_draft_params
 from jspec.checkpoint.loader import init_random_params
+from jspec.config.model import ModelConfig
+from jspec.config.spec import SpecConfig
 
 H = 64
 TARGET = ModelConfig(

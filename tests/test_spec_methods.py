@@ -8,12 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_spec_eagle import TARGET, permutation_models, prompts
 
 import jspec
-from jspec.config.spec import SpecConfig
 from jspec.checkpoint.loader import init_random_params
+from jspec.config.spec import SpecConfig
 from jspec.speculative.ngram import match_candidates, match_candidates_ref
-from test_spec_eagle import TARGET, permutation_models, prompts
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -10,13 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_sampling import reference_probs
 
 import jspec
-from jspec.layers.sampling import sampling_rows
 from jspec.config.sampling import SamplingParams
+from jspec.layers.sampling import sampling_rows
 from jspec.speculative.accept import sampled_accept
-from jspec.speculative.tree import ancestor_mask, child_links, DraftTree
-from test_sampling import reference_probs
+from jspec.speculative.tree import DraftTree, ancestor_mask, child_links
 
 M = 200_000  # verify outcomes; TV of the empirical law stays ~sqrt(V/M) ~ 0.006 when right
 
@@ -86,8 +86,9 @@ def test_verify_outcomes_follow_the_target_distribution(shape, params):
 
 @pytest.mark.parametrize("topk,ndt", [(1, None), (4, 6)])
 def test_seeded_speculative_sampling_equals_plain_sampling(tmp_path, topk, ndt):
-    from jspec.testing.tiny import make_tiny_model
     from test_engine import eagle_draft
+
+    from jspec.testing.tiny import make_tiny_model
 
     model = jspec.load(make_tiny_model(str(tmp_path / "m"), seed=2, max_position_embeddings=512))
     spec = jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=topk, num_draft_tokens=ndt)

@@ -9,8 +9,8 @@ import pytest
 
 import jspec
 from jspec.checkpoint.model import with_context_length
-from jspec.testing.tiny import make_tiny_model
 from jspec.distributed.tensor_parallel import block_columns, make_mesh, shard_params
+from jspec.testing.tiny import make_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -40,7 +40,7 @@ def configs():
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def pipeline(topk: int, num_steps: int, n: int):
     """Jitted draft bookkeeping + tree + greedy accept for one static config."""
 
@@ -147,7 +147,7 @@ def check_against_brute(rng, topk, num_steps, n, **draft_kw):
         np.testing.assert_array_equal(cands.scores[b], scores)
         np.testing.assert_array_equal(cands.tokens[b], tokens)
         np.testing.assert_array_equal(cands.parents[b], parents)
-        for step, best, probs, toks in zip(steps, history, sp[:, b], st[:, b]):
+        for step, best, _, toks in zip(steps, history, sp[:, b], st[:, b]):
             np.testing.assert_array_equal(step.beam_cand[b], best)
             np.testing.assert_array_equal(step.beam_parent[b], best // topk)
             np.testing.assert_array_equal(step.beam_tokens[b], toks.reshape(-1)[best])

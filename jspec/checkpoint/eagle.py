@@ -25,7 +25,6 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jspec.config.model import ModelConfig, RopeScaling, UnsupportedArchitectureError
 from jspec.checkpoint.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -35,6 +34,7 @@ from jspec.checkpoint.errors import (
 )
 from jspec.checkpoint.files import read_hf_tensors
 from jspec.checkpoint.random_weights import random_weights
+from jspec.config.model import ModelConfig, RopeScaling, UnsupportedArchitectureError
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,6 @@ import numpy as np
 
 from jspec.checkpoint.errors import CorruptCheckpointError, NoSafetensorsError
 
-
 _ST_DTYPES = {
     "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
     "BF16": np.dtype(ml_dtypes.bfloat16),

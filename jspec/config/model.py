@@ -105,7 +105,7 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         """Builds a config from a HF `config.json` dict; raises on anything unsupported."""
         archs = hf.get("architectures") or []
         arch = archs[0] if archs else None
@@ -178,7 +178,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike) -> "ModelConfig":
+    def from_pretrained(cls, path: str | os.PathLike) -> ModelConfig:
         cfg_path = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_path):
             raise FileNotFoundError(f"no config.json in model directory {os.fspath(path)!r}")

@@ -68,7 +68,7 @@ class SamplingParams:
         if self.lora_path is not None and (not isinstance(self.lora_path, str) or not self.lora_path):
             raise ValueError(f"lora_path must be a loaded adapter's name or None, got {self.lora_path!r}")
 
-    def completions(self) -> list["SamplingParams"]:
+    def completions(self) -> list[SamplingParams]:
         """The n single completions this asks for: seeds seed, seed+1, ... (each drawn apart when
         no seed is given)."""
         return [dataclasses.replace(self, n=1, seed=None if self.seed is None else (self.seed + k) % 2**32)

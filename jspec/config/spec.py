@@ -6,7 +6,6 @@ import dataclasses
 
 from jspec.config.fields import setting
 
-
 SPEC_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "NGRAM")
 
 @dataclasses.dataclass(frozen=True)

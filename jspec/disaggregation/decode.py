@@ -17,10 +17,10 @@ import queue
 import threading
 import time
 
+from jspec.config.engine import EngineConfig
 from jspec.disaggregation import kv_io
 from jspec.disaggregation.prefill import PROTOCOL, check_disaggregation_args
 from jspec.disaggregation.transfer import BACKENDS, Link, LinkClosed, connect, host_id, parse_addr
-from jspec.config.engine import EngineConfig
 from jspec.engine.engine import Engine
 from jspec.scheduler.request import Request, Status
 from jspec.scheduler.scheduler import Scheduler

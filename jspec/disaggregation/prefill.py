@@ -27,15 +27,15 @@ import time
 import jax
 import numpy as np
 
+from jspec.config.engine import EngineConfig
+from jspec.config.sampling import SamplingParams
 from jspec.disaggregation import kv_io
 from jspec.disaggregation.transfer import Link, LinkClosed, host_id, make_link
 from jspec.disaggregation.transfer import dtype as transfer_dtype
-from jspec.config.engine import EngineConfig
 from jspec.engine.engine import Engine
-from jspec.config.sampling import SamplingParams
-from jspec.worker.batch import PrefillBatch
 from jspec.scheduler.scheduler import Scheduler
 from jspec.scheduler.sync import start_host_copy
+from jspec.worker.batch import PrefillBatch
 
 log = logging.getLogger("jspec.pd")
 PROTOCOL = 1

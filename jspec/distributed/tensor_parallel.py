@@ -20,7 +20,6 @@ from jspec.config.model import ModelConfig
 from jspec.distributed.mesh import TENSOR
 
 
-
 def make_mesh(tp_size: int, devices=None) -> Mesh:
     """A one-axis mesh ("tensor") over the first tp_size devices."""
     devices = list(jax.devices() if devices is None else devices)

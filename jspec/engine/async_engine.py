@@ -17,10 +17,10 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
-from jspec.engine.engine import Engine, RequestOutput
 from jspec.config.sampling import SamplingParams
+from jspec.engine.engine import Engine, RequestOutput
 
 
 class RequestFailed(RuntimeError):

@@ -23,17 +23,17 @@ import numpy as np
 
 from jspec.checkpoint.model import as_model, with_context_length
 from jspec.config.engine import EngineConfig
-from jspec.engine.sizing import check_parallel, kv_pages
-from jspec.worker.base import check_layer_loop
-from jspec.worker.programs import enable_compilation_cache
 from jspec.config.sampling import SamplingParams
+from jspec.engine.sizing import check_parallel, kv_pages
 from jspec.scheduler.detokenize import IncrementalDetokenizer, StopChecker
 from jspec.scheduler.request import Request
-from jspec.worker.batch import DecodeBatch, DPBatch, PrefillBatch
 from jspec.scheduler.scheduler import Scheduler
 from jspec.scheduler.sync import designated_read, start_host_copy
 from jspec.steps.common import unpack_output
+from jspec.worker.base import check_layer_loop
+from jspec.worker.batch import DecodeBatch, DPBatch, PrefillBatch
 from jspec.worker.plain import PlainWorker
+from jspec.worker.programs import enable_compilation_cache
 from jspec.worker.spec import SpecWorker
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from jspec.kvcache.allocator import PageAllocator
 

@@ -14,7 +14,6 @@ from jspec.checkpoint.errors import CheckpointError
 from jspec.checkpoint.files import read_safetensors_file
 from jspec.config.model import ModelConfig
 
-
 SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")

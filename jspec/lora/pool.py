@@ -20,7 +20,6 @@ from jspec.config.model import ModelConfig
 from jspec.layers.lora import LoraWeights
 from jspec.lora.adapter import FUSED_PROJECTIONS, LoraAdapter, LoraError, module_shapes
 
-
 # fused projection -> the model's weight that carries its a_P columns (models/llama.py).
 PROJECTION_WEIGHT = {"qkv": "wqkv", "gate_up": "w_gate_up", "o": "wo", "down": "w_down"}
 
@@ -88,8 +87,7 @@ class ProjectionLayout:
 def projection_layouts(cfg: ModelConfig, mesh) -> tuple[dict[str, ProjectionLayout], int]:
     """Each fused projection's layout on mesh (None, TP's ("tensor",) or DP attention's
     ("data", "tensor")), and the factor the model repeats KV heads by (replicate_kv_heads)."""
-    from jspec.distributed.mesh import DATA
-    from jspec.distributed.mesh import TENSOR
+    from jspec.distributed.mesh import DATA, TENSOR
     from jspec.distributed.tensor_parallel import kv_head_repeat
 
     shapes = projection_shapes(cfg)
@@ -118,7 +116,7 @@ def _write(arr, val, start):
     return jax.lax.dynamic_update_slice(arr, val.astype(arr.dtype), start)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _writer(sharding):
     # Donated, so a load does not hold two copies of the pool; offsets traced, so one compile
     # per array shape whatever the slot; the result placed as the array was.

@@ -9,7 +9,7 @@ docs/design-details.md has the full computation.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

@@ -19,12 +19,12 @@ import numpy as np
 
 from jspec.config.model import ModelConfig
 from jspec.distributed.mesh import DATA
-from jspec.layers.lora import LoraBatch, add_lora_delta, lora_dense, slot_mask
+from jspec.kvcache.pool import KVPool, write_kv
 from jspec.layers.attention import paged_attention
 from jspec.layers.batch import AttentionMode, ForwardBatch
+from jspec.layers.lora import LoraBatch, add_lora_delta, lora_dense, slot_mask
 from jspec.layers.matmul import dense_f32
 from jspec.models.moe import moe_mlp_on_mesh
-from jspec.kvcache.pool import KVPool, write_kv
 
 
 class ForwardOutput(NamedTuple):

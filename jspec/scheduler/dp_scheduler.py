@@ -18,8 +18,8 @@ import itertools
 
 import jax
 
-from jspec.kvcache.radix_cache import RadixCache
 from jspec.config.engine import LOAD_BALANCE_METHODS
+from jspec.kvcache.radix_cache import RadixCache
 from jspec.scheduler.scheduler import Scheduler
 from jspec.worker.batch import DPBatch, PrefillBatch
 

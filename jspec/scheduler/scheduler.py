@@ -14,9 +14,9 @@ import collections
 from jspec.kvcache.allocator import OutOfPagesError
 from jspec.kvcache.radix_cache import RadixCache
 from jspec.scheduler.kv_manager import KVManager
+from jspec.scheduler.request import Request, Status
 from jspec.worker.batch import DecodeBatch, PrefillBatch
 from jspec.worker.inputs import SeqChunk
-from jspec.scheduler.request import Request, Status
 
 
 def cache_key(req: Request, tokens: list[int]) -> list[int]:

@@ -18,10 +18,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from jspec.config.sampling import SamplingParams
 from jspec.engine.async_engine import AsyncEngine
 from jspec.engine.engine import RequestOutput
 from jspec.engine.outputs import tokenize_prompt
-from jspec.config.sampling import SamplingParams
 from jspec.server.chat_template import render_chat
 from jspec.server.metrics import ServerMetrics
 from jspec.server.protocol import (

@@ -10,13 +10,14 @@ STANDALONE draft models share this loop; they differ only in `step_fn`.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jspec.layers.attention import dense_attention_with_lse, merge_attention, paged_decode_with_lse
 from jspec.kvcache.pool import KVPool
+from jspec.layers.attention import dense_attention_with_lse, merge_attention, paged_decode_with_lse
 from jspec.speculative.tree import DraftTree, append_step, build_tree, expand_beams, start_candidates
 
 # step_fn(tokens [B*K], beam_state [B*K, ...], positions [B*K], attend_for_layer, anc)

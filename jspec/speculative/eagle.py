@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from jspec.config.spec import SpecConfig
-from jspec.layers.batch import AttentionMode, ForwardBatch
+from jspec.kvcache.pool import KVPool, create_kv_pool, kv_bytes_per_page
+from jspec.layers.batch import AttentionMode, ForwardBatch, bucket
 from jspec.models.eagle import (
     draft_embed,
     draft_layers,
@@ -27,10 +28,8 @@ from jspec.models.eagle import (
     to_target_ids,
 )
 from jspec.models.llama import paged_attend, rope_cos_sin
-from jspec.kvcache.pool import KVPool, create_kv_pool, kv_bytes_per_page
-from jspec.layers.batch import bucket
-from jspec.speculative.method import PrefillContext, SpecCarry, SpecMethod
 from jspec.speculative.beams import grow_beam_tree
+from jspec.speculative.method import PrefillContext, SpecCarry, SpecMethod
 from jspec.speculative.tree import chains_tree
 from jspec.speculative.verify import Verified
 from jspec.steps.common import slots_of

@@ -22,12 +22,12 @@ import jax.numpy as jnp
 
 from jspec.config.model import ModelConfig
 from jspec.config.spec import SpecConfig
-from jspec.layers.lora import LoraBatch
-from jspec.layers.batch import AttentionMode, ForwardBatch
-from jspec.models.llama import ForwardOutput, forward
 from jspec.kvcache.pool import KVPool
+from jspec.layers.batch import AttentionMode, ForwardBatch
+from jspec.layers.lora import LoraBatch
 from jspec.layers.penalties import PenaltyState, PrefillCounts, record_emitted
 from jspec.layers.sampling import SamplingRows
+from jspec.models.llama import ForwardOutput, forward
 from jspec.speculative.tree import DraftTree
 from jspec.speculative.verify import Verified, verify_tree
 from jspec.steps.common import (

@@ -16,10 +16,9 @@ import jax.numpy as jnp
 
 from jspec.config.model import ModelConfig
 from jspec.config.spec import SpecConfig
-from jspec.layers.batch import AttentionMode, ForwardBatch
-from jspec.models.llama import compute_logits, decoder_layer, forward, rms_norm, rope_cos_sin, run_layers
 from jspec.kvcache.pool import create_kv_pool, kv_bytes_per_page
-from jspec.layers.batch import bucket
+from jspec.layers.batch import AttentionMode, ForwardBatch, bucket
+from jspec.models.llama import compute_logits, decoder_layer, forward, rms_norm, rope_cos_sin, run_layers
 from jspec.speculative.beams import grow_beam_tree
 from jspec.speculative.method import PrefillContext, SpecCarry, SpecMethod
 from jspec.speculative.tree import chains_tree

@@ -13,13 +13,12 @@ import jax
 import jax.numpy as jnp
 
 from jspec.config.model import ModelConfig
-from jspec.layers.lora import LoraBatch
-from jspec.layers.batch import AttentionMode, ForwardBatch
-from jspec.models.llama import ForwardOutput, forward
 from jspec.kvcache.pool import KVPool
+from jspec.layers.batch import AttentionMode, ForwardBatch, bucket
+from jspec.layers.lora import LoraBatch
 from jspec.layers.penalties import PenaltyState, apply_tree_penalties
 from jspec.layers.sampling import SamplingRows, token_logprobs
-from jspec.layers.batch import bucket
+from jspec.models.llama import ForwardOutput, forward
 from jspec.speculative.accept import AcceptResult, sampled_accept
 from jspec.speculative.tree import DraftTree
 from jspec.steps.common import StepOutput, slots_of

@@ -19,14 +19,20 @@ import jax
 import jax.numpy as jnp
 
 from jspec.config.model import ModelConfig
-from jspec.layers.lora import LoraBatch
-from jspec.layers.batch import AttentionMode, ForwardBatch
-from jspec.models.llama import forward
 from jspec.kvcache.pool import KVPool
+from jspec.layers.batch import AttentionMode, ForwardBatch
+from jspec.layers.lora import LoraBatch
 from jspec.layers.penalties import PenaltyState, PrefillCounts, apply_penalties, record_emitted
 from jspec.layers.sampling import SamplingRows, sample_tokens
-from jspec.steps.common import (gather_slots, one_token_output, pack_output, prompt_logprobs,
-                                sample_first_tokens, slots_of)
+from jspec.models.llama import forward
+from jspec.steps.common import (
+    gather_slots,
+    one_token_output,
+    pack_output,
+    prompt_logprobs,
+    sample_first_tokens,
+    slots_of,
+)
 
 
 class PlainCarry(NamedTuple):

@@ -21,8 +21,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from jspec.config.model import ModelConfig
 from jspec.checkpoint.files import write_safetensors
+from jspec.config.model import ModelConfig
 from jspec.testing.tiny import draw_hf_tensors
 
 

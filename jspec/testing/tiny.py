@@ -22,7 +22,6 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-
 from jspec.checkpoint.files import write_safetensors
 from jspec.checkpoint.random_weights import random_weights
 

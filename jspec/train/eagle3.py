@@ -15,20 +15,20 @@ import json
 import math
 import os
 import time
-from typing import Any, Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jspec.checkpoint.eagle import DraftConfig, init_random_draft_params
+from jspec.checkpoint.files import write_safetensors
 from jspec.config.model import ModelConfig
 from jspec.models.eagle import draft_layers, draft_logits, layer_config, target_feature
-from jspec.checkpoint.eagle import DraftConfig, init_random_draft_params
-from jspec.testing.eagle_tiny import draft_hf_config, tiny_capture_layers, write_draft_config
 from jspec.models.llama import compute_logits, decoder_layer, rms_norm, rope_cos_sin
-from jspec.checkpoint.files import write_safetensors
-
+from jspec.testing.eagle_tiny import draft_hf_config, tiny_capture_layers, write_draft_config
 
 # ---------------------------------------------------------------------------
 # Data: the target answers the prompts

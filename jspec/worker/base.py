@@ -15,15 +15,16 @@ from typing import Protocol
 import jax
 import numpy as np
 
+from jspec.config.engine import LAYER_LOOPS
 from jspec.config.model import ModelConfig
-from jspec.worker.programs import Job, Program, Programs
+from jspec.config.sampling import SamplingParams
+from jspec.layers.batch import bucket
 from jspec.layers.penalties import PrefillCounts
+from jspec.layers.sampling import SAMPLING_MODES, SamplingRows, sampling_mode, sampling_rows
 from jspec.worker.batch import DecodeBatch, PrefillBatch
 from jspec.worker.inputs import SeqChunk, build_forward_batch
-from jspec.config.engine import LAYER_LOOPS
-from jspec.layers.batch import bucket
-from jspec.layers.sampling import SAMPLING_MODES, SamplingRows, sampling_mode, sampling_rows
-from jspec.config.sampling import SamplingParams
+from jspec.worker.programs import Job, Program, Programs
+
 
 def check_layer_loop(layer_loop: str) -> str:
     """The layer loop to run: "auto" is the scan, except on the GPU, where XLA copies each

@@ -13,19 +13,18 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jspec.layers.batch import AttentionMode, ForwardBatch
+from jspec.config.sampling import SamplingParams
+from jspec.distributed.dp_attention import RankStep, data_part, dp_param_specs, lift_state, place, rank_inputs
 from jspec.distributed.mesh import DATA
-from jspec.distributed.dp_attention import RankStep, dp_param_specs, data_part, lift_state, place, rank_inputs
 from jspec.distributed.tensor_parallel import replicate
+from jspec.layers.batch import AttentionMode, ForwardBatch, bucket
 from jspec.layers.penalties import PrefillCounts
 from jspec.layers.sampling import SAMPLING_MODES, sampling_mode, sampling_rows
-from jspec.config.sampling import SamplingParams
-from jspec.layers.batch import bucket
 from jspec.speculative.method import spec_decode_step, spec_prefill_step
 from jspec.steps.plain import plain_decode_step, plain_prefill_step
-from jspec.worker.spec import SpecWorker
 from jspec.worker.base import WorkerBase, decode_lora_slots, prefill_lora_slots
 from jspec.worker.batch import DPBatch, PrefillBatch
+from jspec.worker.spec import SpecWorker
 
 
 class DPWorker:

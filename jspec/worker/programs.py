@@ -17,7 +17,8 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Callable, Hashable
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import jax
 
