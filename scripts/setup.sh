@@ -23,7 +23,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # Reinstall when pyproject.toml changed since the last install (a new dependency), or imports fail.
 DEPS_STAMP=".venv/.jspec-deps-$(sha256sum pyproject.toml | cut -c1-16)"
-if [ ! -f "$DEPS_STAMP" ] || ! .venv/bin/python -c "import jspec, jax, pytest, gguf; assert jax.__version__ == '0.11.2'" 2>/dev/null; then
+if [ ! -f "$DEPS_STAMP" ] || ! .venv/bin/python -c "import jspec, jax, pytest, gguf, ruff, importlinter; assert jax.__version__ == '0.11.2'" 2>/dev/null; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -e ".[test,demo]"
   rm -f .venv/.jspec-deps-* && touch "$DEPS_STAMP"
