@@ -1,9 +1,10 @@
 """scripts/serve.py as a real server on 127.0.0.1, driven by the official `openai` client.
 
 Texts equal jspec.generate's for the same greedy requests (with and without EAGLE-3);
-32 concurrent streams all finish, 8 that hang up mid-stream leave no KV held; every bad
-input gets its OpenAI-shaped error and the next good request still succeeds; /metrics
-parses with prometheus_client and moves; SIGTERM stops the server cleanly.
+32 concurrent streams all finish, 8 that hang up mid-stream leave no KV held, and clients
+dropping under load leave no error in the server's log; every bad input gets its
+OpenAI-shaped error and the next good request still succeeds; /metrics parses with
+prometheus_client and moves; SIGTERM stops the server cleanly.
 """
 
 import asyncio
@@ -286,3 +287,76 @@ def test_the_readme_server_comes_up_with_no_flags_and_answers_a_chat(tmp_path):
             if proc.poll() is None:
                 proc.kill()
             log.close()
+
+
+def test_disconnects_under_load_log_no_errors_and_hold_nothing(model_dir):
+    """32 concurrent streams, completions and chat, some with n > 1, half of them hanging up at
+    some point (right after the headers, or after a few chunks), and non-streaming requests whose
+    client gives up: the server logs no error, holds no KV page or request slot once idle, and
+    serves the next request."""
+    import httpx
+
+    srv = Server(model_dir)
+    log_path = srv.log.name
+
+    def body(i, n, max_tokens, stream=True):
+        b = {"model": "tiny", "max_tokens": max_tokens, "temperature": 0.7, "seed": i, "n": n, "stream": stream,
+             "ignore_eos": True}
+        if i % 2:
+            return "/v1/chat/completions", {**b, "messages": [{"role": "user", "content": f"hello {i}"}]}
+        return "/v1/completions", {**b, "prompt": f"request {i}: " + "xy" * (i % 5)}
+
+    async def stream(client, i):
+        n, leave_after = (2 if i % 3 == 0 else 1), (None, 0, None, 2, None, 6)[(i // 2) % 6]
+        path, b = body(i, n, 24 if leave_after is None else 400)
+        chunks, finished = 0, set()
+        async with client.stream("POST", path, json=b) as r:
+            assert r.status_code == 200
+            if leave_after == 0:
+                return None
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    return finished
+                chunks += 1
+                for c in json.loads(line[6:])["choices"]:
+                    if c["finish_reason"] is not None:
+                        finished.add(c["index"])
+                if chunks == leave_after:
+                    return None  # leaving the block closes the connection mid-stream
+        raise AssertionError(f"stream {i} ended without [DONE]")
+
+    async def give_up(client, i):
+        path, b = body(100 + i, 1 + i % 2, 400, stream=False)
+        with pytest.raises(httpx.TimeoutException):
+            await client.post(path, json=b, timeout=0.5 + 0.3 * i)
+
+    async def main():
+        async with httpx.AsyncClient(base_url=srv.url, timeout=60) as client:
+            return await asyncio.gather(*[stream(client, i) for i in range(32)],
+                                        *[give_up(client, i) for i in range(4)])
+
+    try:
+        results = asyncio.run(main())[:32]
+        for i, finished in enumerate(results):
+            if finished is not None:
+                assert finished == set(range(2 if i % 3 == 0 else 1)), (i, finished)
+        assert sum(f is None for f in results) == 16
+        deadline = time.time() + 30
+        while True:
+            state = json.loads(srv.get("/debug/state"))
+            if state["requests"] == 0 or time.time() > deadline:
+                break
+            time.sleep(0.1)
+        assert state["requests"] == state["running"] == state["waiting"] == 0, state
+        assert state["kv_pages_free"] + state["kv_pages_cached"] == state["kv_pages_total"], state
+        assert state["request_slots_free"] == state["request_slots_total"], state
+        ok = srv.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "still there?"}],
+                                                max_tokens=4, temperature=0)
+        assert ok.choices[0].message.content is not None and ok.usage.completion_tokens >= 1
+    finally:
+        assert srv.stop()
+    with open(log_path) as f:
+        bad = [line for line in f if any(w in line for w in ("Traceback", "Exception", "ERROR", "Task was destroyed"))]
+    assert not bad, "".join(bad[:20])

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import time
 import uuid
+from contextlib import aclosing
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from jspec.server.chat_template import render_chat
 from jspec.server.errors import APIError
@@ -15,9 +15,10 @@ from jspec.server.protocol import ChatCompletionRequest, CompletionRequest, mess
 from jspec.server.state import Served, ServerState
 from jspec.server.streaming import (
     Choice,
+    EventStream,
+    close,
     collect,
     merged,
-    observed,
     openai_finish,
     sse,
     start,
@@ -66,14 +67,13 @@ async def completions(body: CompletionRequest, request: Request, st: Served):
         for i, p in enumerate(ids):
             streams += await start(st.engine, p, params, i * body.n)
     except APIError:
-        for _, agen, _ in streams:
-            await agen.aclose()
+        await close(streams)
         raise
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": st.model_name}
     prompt_tokens = sum(len(p) for p in ids) * body.n
     if not body.stream:
-        choices = await collect(st.metrics, streams, request, t0)
+        choices = await collect(streams, st.metrics.observer(t0), request)
         out = [{"index": c.index, "text": c.text, "finish_reason": openai_finish(c.finish_reason),
                 "matched_stop": c.matched_stop,
                 "logprobs": completion_logprobs(st, c, n_top) if body.logprobs is not None else None}
@@ -83,22 +83,23 @@ async def completions(body: CompletionRequest, request: Request, st: Served):
 
     async def events():
         completion = {}
-        async for i, out in observed(st.metrics, merged(streams), t0):
-            completion[i] = out.completion_tokens
-            choice = {"index": i, "text": out.new_text,
-                      "finish_reason": openai_finish(out.finish_reason) if out.finished else None,
-                      "logprobs": None}
-            if body.logprobs is not None and out.new_token_ids:
-                c = Choice(i)
-                c.add(out)
-                choice["logprobs"] = completion_logprobs(st, c, n_top)
-            if out.new_text or out.finished or choice["logprobs"]:
-                yield sse({**head, "choices": [choice]})
+        async with aclosing(merged(streams, st.metrics.observer(t0))) as outputs:
+            async for i, out in outputs:
+                completion[i] = out.completion_tokens
+                choice = {"index": i, "text": out.new_text,
+                          "finish_reason": openai_finish(out.finish_reason) if out.finished else None,
+                          "logprobs": None}
+                if body.logprobs is not None and out.new_token_ids:
+                    c = Choice(i)
+                    c.add(out)
+                    choice["logprobs"] = completion_logprobs(st, c, n_top)
+                if out.new_text or out.finished or choice["logprobs"]:
+                    yield sse({**head, "choices": [choice]})
         total = sum(completion.values())
         yield sse({**head, "choices": [], "usage": usage(prompt_tokens, total)})
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return EventStream(events(), streams)
 
 
 @router.post("/v1/chat/completions")
@@ -121,7 +122,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, st: Se
     head = {"id": rid, "created": created, "model": st.model_name}
     prompt_tokens = len(ids) * body.n
     if not body.stream:
-        choices = await collect(st.metrics, streams, request, t0)
+        choices = await collect(streams, st.metrics.observer(t0), request)
         out = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                 "finish_reason": openai_finish(c.finish_reason), "matched_stop": c.matched_stop,
                 "logprobs": chat_logprobs(st, c.token_ids, c.logprobs, c.top_logprobs) if body.logprobs else None}
@@ -132,23 +133,24 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, st: Se
     async def events():
         chunk = {**head, "object": "chat.completion.chunk"}
         completion, started = {}, set()
-        async for i, out in observed(st.metrics, merged(streams), t0):
-            completion[i] = out.completion_tokens
-            if i not in started:
-                started.add(i)
-                yield sse({**chunk, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                 "finish_reason": None, "logprobs": None}]})
-            lp = (chat_logprobs(st, out.new_token_ids, out.new_logprobs or [], out.new_top_logprobs or [])
-                  if body.logprobs and out.new_token_ids else None)
-            if out.new_text or out.finished or lp:
-                yield sse({**chunk, "choices": [{
-                    "index": i, "delta": {"content": out.new_text} if out.new_text else {},
-                    "finish_reason": openai_finish(out.finish_reason) if out.finished else None, "logprobs": lp}]})
+        async with aclosing(merged(streams, st.metrics.observer(t0))) as outputs:
+            async for i, out in outputs:
+                completion[i] = out.completion_tokens
+                if i not in started:
+                    started.add(i)
+                    yield sse({**chunk, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                     "finish_reason": None, "logprobs": None}]})
+                lp = (chat_logprobs(st, out.new_token_ids, out.new_logprobs or [], out.new_top_logprobs or [])
+                      if body.logprobs and out.new_token_ids else None)
+                if out.new_text or out.finished or lp:
+                    yield sse({**chunk, "choices": [{
+                        "index": i, "delta": {"content": out.new_text} if out.new_text else {},
+                        "finish_reason": openai_finish(out.finish_reason) if out.finished else None, "logprobs": lp}]})
         total = sum(completion.values())
         yield sse({**chunk, "choices": [], "usage": usage(prompt_tokens, total)})
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return EventStream(events(), streams)
 
 
 @router.get("/v1/models")

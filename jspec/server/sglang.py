@@ -4,15 +4,15 @@ and unload adapters on the engine thread, between steps, while requests run."""
 from __future__ import annotations
 
 import time
+from contextlib import aclosing
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from jspec.config.sampling import SamplingParams
 from jspec.server.errors import APIError
 from jspec.server.protocol import GenerateRequest, LoadLoraRequest
 from jspec.server.state import Served, ServerState
-from jspec.server.streaming import Choice, collect, merged, observed, sse, start
+from jspec.server.streaming import Choice, EventStream, collect, merged, sse, start
 
 router = APIRouter()
 
@@ -48,17 +48,18 @@ async def generate(body: GenerateRequest, request: Request, st: Served):
         return m
 
     if not body.stream:
-        c = (await collect(st.metrics, streams, request, t0))[0]
+        c = (await collect(streams, st.metrics.observer(t0), request))[0]
         return {"text": c.text, "output_ids": c.token_ids, "meta_info": meta(c)}
 
     async def events():
         c = Choice(0)
-        async for _, out in observed(st.metrics, merged(streams), t0):
-            c.add(out)
-            yield sse({"text": c.text, "output_ids": c.token_ids, "meta_info": meta(c)})
+        async with aclosing(merged(streams, st.metrics.observer(t0))) as outputs:
+            async for _, out in outputs:
+                c.add(out)
+                yield sse({"text": c.text, "output_ids": c.token_ids, "meta_info": meta(c)})
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return EventStream(events(), streams)
 
 
 def loaded_adapters(st: ServerState) -> dict:

@@ -1,23 +1,27 @@
-"""Engine streams as the routes read them: a request's n completions started together, read as
-one merged stream, collected into choices or sent as server-sent events.
+"""Engine streams as the routes read them: a request's n completions started together, merged
+into one stream, collected into choices or sent as server-sent events.
 
-A stream of a request the client has left is aborted, which frees its KV.
+Invariant: an engine stream (an async generator) is closed only by the task that iterates it,
+or when no task is inside it; a client that leaves gets its unfinished requests aborted, which
+frees their KV.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import NamedTuple
 
+import anyio
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from jspec.config.sampling import SamplingParams
 from jspec.engine.async_engine import AsyncEngine
 from jspec.engine.engine import RequestOutput
 from jspec.server.errors import APIError
-from jspec.server.metrics import ServerMetrics
 
 
 class Choice:
@@ -57,7 +61,15 @@ def sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def start(engine: AsyncEngine, ids: list[int], params: SamplingParams, base_index: int):
+class Stream(NamedTuple):
+    """One completion's engine stream (AsyncEngine.stream), already past its first output."""
+
+    index: int
+    outputs: AsyncGenerator[RequestOutput, None]
+    first: RequestOutput
+
+
+async def start(engine: AsyncEngine, ids: list[int], params: SamplingParams, base_index: int) -> list[Stream]:
     """Submits params.n copies (consecutive seeds) and returns their streams, each already past its
     first output, so that a request the engine refuses fails before any response is sent."""
     streams = []
@@ -65,84 +77,110 @@ async def start(engine: AsyncEngine, ids: list[int], params: SamplingParams, bas
         for k, p in enumerate(params.completions()):
             agen = engine.stream(ids, p)
             first = await agen.__anext__()
-            streams.append((base_index + k, agen, first))
+            streams.append(Stream(base_index + k, agen, first))
     except (ValueError, RuntimeError) as e:
-        for _, agen, _ in streams:
-            await agen.aclose()
+        await close(streams)
         status = getattr(e, "status", 400)  # RequestFailed: the server's fault, not the request's
         raise APIError(str(e), status, "server_error" if status >= 500 else "invalid_request_error") from None
     return streams
 
 
-async def merged(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(index, output) from every stream as they come; closing it aborts the unfinished ones."""
+async def close(streams: list[Stream]) -> None:
+    """Closes the streams that no task is inside, which aborts their requests if unfinished. A
+    stream that a pump of merged() is reading is that pump's to close: an async generator cannot
+    be closed while another task is suspended in it."""
+    for s in streams:
+        if not s.outputs.ag_running:
+            await s.outputs.aclose()
+
+
+_DONE = object()
+
+
+async def merged(streams: list[Stream], observe: Callable[[int, RequestOutput], None]
+                 ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(index, output) from every stream as they come, each passed to observe first; closing it
+    early aborts the unfinished requests.
+
+    Each stream is read by a pump task of its own, and only that task closes it. Leaving early
+    (the client disconnected, which cancels the task reading this) cancels the pumps: each one
+    unwinds its stream, whose request is aborted then.
+    """
     queue: asyncio.Queue = asyncio.Queue()
-    done = object()
 
-    async def pump(index, agen, first):
+    async def pump(s: Stream):
         try:
-            await queue.put((index, first))
-            if not first.finished:
-                async for out in agen:
-                    await queue.put((index, out))
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            await queue.put((index, e))
+            async with contextlib.aclosing(s.outputs):
+                queue.put_nowait((s.index, s.first))
+                if not s.first.finished:
+                    async for out in s.outputs:
+                        queue.put_nowait((s.index, out))
+        except Exception as e:  # noqa: BLE001 - raised by the consumer
+            queue.put_nowait((s.index, e))
         finally:
-            await queue.put((index, done))
+            queue.put_nowait((s.index, _DONE))
 
-    tasks = [asyncio.create_task(pump(*s)) for s in streams]
-    live = len(tasks)
+    pumps = [asyncio.create_task(pump(s)) for s in streams]
+    live = len(pumps)
     try:
         while live:
             index, item = await queue.get()
-            if item is done:
+            if item is _DONE:
                 live -= 1
-            elif isinstance(item, BaseException):
+            elif isinstance(item, Exception):
                 raise item
             else:
+                observe(index, item)
                 yield index, item
     finally:
-        for t in tasks:
+        for t in pumps:
             t.cancel()
-        for _, agen, _ in streams:
-            await agen.aclose()  # aborts a request still running (client gone)
+        # Shielded: a disconnect cancels the task reading this through a cancel scope, which
+        # cancels it again at every await until the scope exits; the pumps' wait is short (an
+        # abort is a message to the engine thread).
+        with anyio.CancelScope(shield=True):
+            if pumps:
+                await asyncio.wait(pumps)
+            await close(streams)  # those of pumps cancelled before their first step
 
 
-async def observed(metrics: ServerMetrics, items, t0: float):
-    """Feeds the metrics from the outputs passing through."""
-    last: dict[int, float] = {}
-    async for i, out in items:
-        now = time.perf_counter()
-        if i not in last:
-            metrics.ttft.observe(now - t0)
-        elif out.new_token_ids:
-            per = (now - last[i]) / len(out.new_token_ids)
-            for _ in out.new_token_ids:
-                metrics.itl.observe(per)
-        last[i] = now
-        metrics.generation_tokens.inc(len(out.new_token_ids))
-        if out.finished:
-            metrics.finished(out.prompt_tokens, out.completion_tokens, out.finish_reason, now - t0,
-                             out.spec_verify_ct)
-        yield i, out
-
-
-async def collect(metrics: ServerMetrics, streams, request: Request, t0: float) -> dict[int, Choice]:
+async def collect(streams: list[Stream], observe, request: Request) -> dict[int, Choice]:
     """Runs streams to the end; aborts them if the client disconnects meanwhile."""
-    choices = {i: Choice(i) for i, _, _ in streams}
+    choices = {s.index: Choice(s.index) for s in streams}
 
     async def consume():
-        async for i, out in observed(metrics, merged(streams), t0):
-            choices[i].add(out)
+        async with contextlib.aclosing(merged(streams, observe)) as outputs:
+            async for i, out in outputs:
+                choices[i].add(out)
 
     task = asyncio.create_task(consume())
-    while not task.done():
-        await asyncio.wait({task}, timeout=0.25)
-        if not task.done() and await request.is_disconnected():
-            task.cancel()
-            break
     try:
-        await task
-    except asyncio.CancelledError:
-        raise APIError("client disconnected", 499) from None
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.25)
+            if not task.done() and await request.is_disconnected():
+                break
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+    if task.cancelled():
+        raise APIError("client disconnected", 499)
+    task.result()  # consume's error, if any
     return choices
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events made from a request's streams, which are closed however the response
+    ends: a client gone before the first event leaves the event generator never started, and
+    one gone mid-stream may leave it suspended, with its streams still running."""
+
+    def __init__(self, events: AsyncGenerator[str, None], streams: list[Stream]):
+        super().__init__(events, media_type="text/event-stream")
+        self.streams = streams
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            await close(self.streams)
