@@ -167,7 +167,7 @@ def test_concurrent_streams_and_disconnects_leak_nothing(server, model_dir):
         return p, text
 
     async def hang_up(i):
-        stream = await client.completions.create(model="tiny", prompt=f"leaver {i}", max_tokens=1500,
+        stream = await client.completions.create(model="tiny", prompt=f"leaver {i}", max_tokens=400,
                                                  temperature=0, stream=True, extra_body={"ignore_eos": True})
         n = 0
         async for _ in stream:
@@ -213,6 +213,59 @@ def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(server, model
     with pytest.raises(openai.BadRequestError):
         server.client.chat.completions.create(model="tiny", messages=[], max_tokens=3)
 
+
+
+def test_unknown_roles_overlong_completions_and_stop_lists_get_400s(server):
+    """A chat role OpenAI does not know, a completion length that does not fit in the context
+    after the prompt (asked for explicitly: a default is clipped), and more stop strings than
+    MAX_STOP_STRINGS or an empty one: each a 400, and the next good request still succeeds."""
+    from jspec.server.protocol import MAX_STOP_STRINGS
+
+    near_full = [1] * 508  # a 512-token context: room for 4 tokens
+    chat = [{"role": "user", "content": "hi"}]
+    many = [f"stop{i}" for i in range(MAX_STOP_STRINGS + 1)]
+    cases = [
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "", "content": "x"}]},
+         "messages.1.role"),
+        ("/v1/completions", {"prompt": near_full, "max_tokens": 5}, "maximum context length is 512 tokens. "
+         "However, you requested 513 tokens (508 in the prompt, 5 in the completion)"),
+        ("/v1/completions", {"prompt": [[1, 2, 3], near_full], "max_tokens": 100}, "508 in the prompt"),
+        ("/v1/chat/completions", {"messages": chat, "max_tokens": 600}, "in the messages, 600 in the completion"),
+        ("/v1/chat/completions", {"messages": chat, "max_completion_tokens": 512, "max_tokens": 4},
+         "maximum context length is 512 tokens"),
+        ("/generate", {"input_ids": near_full, "sampling_params": {"max_new_tokens": 5}},
+         "you requested 513 tokens"),
+        ("/v1/completions", {"prompt": "hi", "stop": many}, f"at most {MAX_STOP_STRINGS} stop strings"),
+        ("/v1/chat/completions", {"messages": chat, "stop": many}, f"at most {MAX_STOP_STRINGS} stop strings"),
+        ("/generate", {"text": "hi", "sampling_params": {"stop": many}}, f"at most {MAX_STOP_STRINGS} stop strings"),
+        ("/generate", {"text": "hi", "sampling_params": {"stop": {"a": 1}}}, "a string or a list of strings"),
+        ("/v1/completions", {"prompt": "hi", "stop": ""}, "non-empty strings"),
+        ("/v1/chat/completions", {"messages": chat, "stop": ["x", ""]}, "non-empty strings"),
+        ("/generate", {"text": "hi", "sampling_params": {"stop": [""]}}, "non-empty strings"),
+    ]
+    for path, body, words in cases:
+        code, err = server.post_raw(path, json.dumps({"model": "tiny", **body}).encode())
+        assert code == 400, (path, body, code, err)
+        assert words in err["error"]["message"] and err["error"]["type"] == "invalid_request_error", err
+        ok = server.client.completions.create(model="tiny", prompt="still here?", max_tokens=3, temperature=0)
+        assert ok.choices[0].finish_reason == "length"
+
+    # What fits still runs: the room exactly, a length left to its default (clipped to the room),
+    # the other roles, and MAX_STOP_STRINGS stop strings.
+    ok = server.client.completions.create(model="tiny", prompt=near_full, max_tokens=4, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert ok.usage.completion_tokens == 4
+    ok = server.client.completions.create(model="tiny", prompt=near_full, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert ok.usage.completion_tokens == 4 and ok.choices[0].finish_reason == "length"
+    code, r = server.post_raw("/generate", json.dumps({"input_ids": near_full, "sampling_params": {
+        "max_new_tokens": 4, "ignore_eos": True, "stop": many[:MAX_STOP_STRINGS]}}).encode())
+    assert code == 200 and r["meta_info"]["completion_tokens"] == 4
+    roles = [{"role": r, "content": "hi"} for r in ("developer", "system", "user", "assistant", "tool", "user")]
+    ok = server.client.chat.completions.create(model="tiny", messages=roles, max_completion_tokens=3,
+                                               stop=many[:MAX_STOP_STRINGS], temperature=0)
+    assert ok.choices[0].message.content is not None
 
 def test_metrics_parse_and_move(server):
     from prometheus_client.parser import text_string_to_metric_families

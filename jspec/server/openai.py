@@ -62,6 +62,8 @@ async def completions(body: CompletionRequest, request: Request, st: Served):
         raise APIError(f"logprobs={n_top} exceeds this server's --max-top-logprobs={st.max_top}", param="logprobs")
     params = body.sampling_params(body.max_tokens or 16, body.logprobs is not None, n_top, adapter)
     ids = [st.check_prompt(p) for p in prompts]
+    if body.max_tokens and "max_tokens" in body.model_fields_set:
+        st.check_room(max(len(p) for p in ids), params.max_new_tokens, "max_tokens")
     streams = []
     try:
         for i, p in enumerate(ids):
@@ -117,6 +119,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, st: Se
     max_new = (body.max_completion_tokens or body.max_tokens
                or max(1, st.model.cfg.max_position_embeddings - len(ids)))
     params = body.sampling_params(max_new, body.logprobs, n_top, adapter)
+    asked = "max_completion_tokens" if body.max_completion_tokens else "max_tokens" if body.max_tokens else None
+    if asked is not None:
+        st.check_room(len(ids), max_new, asked, "messages")
     streams = await start(st.engine, ids, params, 0)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "created": created, "model": st.model_name}

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 
 from jspec.config.sampling import SamplingParams
 from jspec.server.errors import APIError
-from jspec.server.protocol import GenerateRequest, LoadLoraRequest
+from jspec.server.protocol import GenerateRequest, LoadLoraRequest, check_stop
 from jspec.server.state import Served, ServerState
 from jspec.server.streaming import Choice, EventStream, collect, merged, sse, start
 
@@ -24,7 +24,10 @@ async def generate(body: GenerateRequest, request: Request, st: Served):
         raise APIError("give exactly one of text and input_ids", param="text")
     ids = st.check_prompt(body.text if body.text is not None else body.input_ids)
     sp = dict(body.sampling_params)
+    asked = "max_new_tokens" in sp
     sp.setdefault("max_new_tokens", 128)
+    if sp.get("stop") is not None:
+        sp["stop"] = check_stop(sp["stop"], "sampling_params.stop")
     try:
         params = SamplingParams(**sp, return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num,
                                 logprob_start_len=body.logprob_start_len, lora_path=body.lora_path)
@@ -34,6 +37,8 @@ async def generate(body: GenerateRequest, request: Request, st: Served):
         raise APIError(str(e), param="sampling_params") from None
     if params.n != 1:
         raise APIError("/generate takes n=1; send the request n times", param="sampling_params.n")
+    if asked:
+        st.check_room(len(ids), params.max_new_tokens, "sampling_params.max_new_tokens")
     streams = await start(st.engine, ids, params, 0)
 
     def meta(c: Choice) -> dict:

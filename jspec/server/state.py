@@ -48,6 +48,17 @@ class ServerState:
         except (ValueError, TypeError) as e:
             raise APIError(str(e), param="prompt") from None
 
+    def check_room(self, prompt_tokens: int, max_new_tokens: int, param: str, prompt: str = "prompt") -> None:
+        """Refuses a completion length the client asked for that does not fit in the context after
+        the prompt, as OpenAI does (the engine would clip it silently); a length the client left
+        to its default is clipped."""
+        context = self.model.cfg.max_position_embeddings
+        if prompt_tokens + max_new_tokens > context:
+            raise APIError(f"This model's maximum context length is {context} tokens. However, you requested "
+                           f"{prompt_tokens + max_new_tokens} tokens ({prompt_tokens} in the {prompt}, "
+                           f"{max_new_tokens} in the completion). Please reduce the length of the {prompt} or "
+                           f"completion.", param=param, code="context_length_exceeded")
+
     def token_text(self, t: int) -> str:
         tok = self.tokenizer
         return tok.decode([t], skip_special_tokens=False) if tok is not None else str(t)
