@@ -39,8 +39,13 @@ class ServerMetrics:
         Gauge("jspec_num_requests_running", "Requests decoding or prefilling", registry=r).set_function(
             lambda: len(sched.running) + len(sched.prefilling))
         Gauge("jspec_num_requests_waiting", "Requests queued", registry=r).set_function(lambda: len(sched.waiting))
+
+        def pages_used() -> int:
+            u = sched.usage()
+            return u["kv_pages_total"] - u["kv_pages_free"]
+
         Gauge("jspec_kv_pages_used", "KV pages held (requests and prefix cache)", registry=r).set_function(
-            lambda: (lambda u: u["kv_pages_total"] - u["kv_pages_free"])(sched.usage()))
+            pages_used)
         Gauge("jspec_kv_pages_total", "KV pages in the pool", registry=r).set_function(
             lambda: sched.usage()["kv_pages_total"])
 
