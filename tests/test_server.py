@@ -1,9 +1,10 @@
 """scripts/serve.py as a real server on 127.0.0.1, driven by the official `openai` client.
 
 Texts equal jspec.generate's for the same greedy requests (with and without EAGLE-3);
-32 concurrent streams all finish, 8 that hang up mid-stream leave no KV held; every bad
-input gets its OpenAI-shaped error and the next good request still succeeds; /metrics
-parses with prometheus_client and moves; SIGTERM stops the server cleanly.
+32 concurrent streams all finish, 8 that hang up mid-stream leave no KV held, and clients
+dropping under load leave no error in the server's log; every bad input gets its
+OpenAI-shaped error and the next good request still succeeds; /metrics parses with
+prometheus_client and moves; SIGTERM stops the server cleanly.
 """
 
 import asyncio
@@ -37,7 +38,8 @@ class Server:
     def __init__(self, model_path, *extra):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(os.path.join(os.path.dirname(model_path), f"server-{self.port}.log"), "w+")
+        log_path = os.path.join(os.path.dirname(model_path), f"server-{self.port}.log")
+        self.log = open(log_path, "w+")  # noqa: SIM115 - the server's output while it runs; stop() closes it
         self.proc = subprocess.Popen(
             [sys.executable, os.path.join(ROOT, "scripts", "serve.py"), "--model-path", model_path,
              "--port", str(self.port), "--attention-backend", "reference", "--skip-warmup", "--page-size", "4",
@@ -166,7 +168,7 @@ def test_concurrent_streams_and_disconnects_leak_nothing(server, model_dir):
         return p, text
 
     async def hang_up(i):
-        stream = await client.completions.create(model="tiny", prompt=f"leaver {i}", max_tokens=1500,
+        stream = await client.completions.create(model="tiny", prompt=f"leaver {i}", max_tokens=400,
                                                  temperature=0, stream=True, extra_body={"ignore_eos": True})
         n = 0
         async for _ in stream:
@@ -213,6 +215,59 @@ def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(server, model
         server.client.chat.completions.create(model="tiny", messages=[], max_tokens=3)
 
 
+
+def test_unknown_roles_overlong_completions_and_stop_lists_get_400s(server):
+    """A chat role OpenAI does not know, a completion length that does not fit in the context
+    after the prompt (asked for explicitly: a default is clipped), and more stop strings than
+    MAX_STOP_STRINGS or an empty one: each a 400, and the next good request still succeeds."""
+    from jspec.server.protocol import MAX_STOP_STRINGS
+
+    near_full = [1] * 508  # a 512-token context: room for 4 tokens
+    chat = [{"role": "user", "content": "hi"}]
+    many = [f"stop{i}" for i in range(MAX_STOP_STRINGS + 1)]
+    cases = [
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "", "content": "x"}]},
+         "messages.1.role"),
+        ("/v1/completions", {"prompt": near_full, "max_tokens": 5},
+         "maximum context length is 512 tokens. However, you requested 513 tokens (508 in the prompt, 5 in the"),
+        ("/v1/completions", {"prompt": [[1, 2, 3], near_full], "max_tokens": 100}, "508 in the prompt"),
+        ("/v1/chat/completions", {"messages": chat, "max_tokens": 600}, "in the messages, 600 in the completion"),
+        ("/v1/chat/completions", {"messages": chat, "max_completion_tokens": 512, "max_tokens": 4},
+         "maximum context length is 512 tokens"),
+        ("/generate", {"input_ids": near_full, "sampling_params": {"max_new_tokens": 5}},
+         "you requested 513 tokens"),
+        ("/v1/completions", {"prompt": "hi", "stop": many}, f"at most {MAX_STOP_STRINGS} stop strings"),
+        ("/v1/chat/completions", {"messages": chat, "stop": many}, f"at most {MAX_STOP_STRINGS} stop strings"),
+        ("/generate", {"text": "hi", "sampling_params": {"stop": many}}, f"at most {MAX_STOP_STRINGS} stop strings"),
+        ("/generate", {"text": "hi", "sampling_params": {"stop": {"a": 1}}}, "a string or a list of strings"),
+        ("/v1/completions", {"prompt": "hi", "stop": ""}, "non-empty strings"),
+        ("/v1/chat/completions", {"messages": chat, "stop": ["x", ""]}, "non-empty strings"),
+        ("/generate", {"text": "hi", "sampling_params": {"stop": [""]}}, "non-empty strings"),
+    ]
+    for path, body, words in cases:
+        code, err = server.post_raw(path, json.dumps({"model": "tiny", **body}).encode())
+        assert code == 400, (path, body, code, err)
+        assert words in err["error"]["message"] and err["error"]["type"] == "invalid_request_error", err
+        ok = server.client.completions.create(model="tiny", prompt="still here?", max_tokens=3, temperature=0)
+        assert ok.choices[0].finish_reason == "length"
+
+    # What fits still runs: the room exactly, a length left to its default (clipped to the room),
+    # the other roles, and MAX_STOP_STRINGS stop strings.
+    ok = server.client.completions.create(model="tiny", prompt=near_full, max_tokens=4, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert ok.usage.completion_tokens == 4
+    ok = server.client.completions.create(model="tiny", prompt=near_full, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert ok.usage.completion_tokens == 4 and ok.choices[0].finish_reason == "length"
+    code, r = server.post_raw("/generate", json.dumps({"input_ids": near_full, "sampling_params": {
+        "max_new_tokens": 4, "ignore_eos": True, "stop": many[:MAX_STOP_STRINGS]}}).encode())
+    assert code == 200 and r["meta_info"]["completion_tokens"] == 4
+    roles = [{"role": r, "content": "hi"} for r in ("developer", "system", "user", "assistant", "tool", "user")]
+    ok = server.client.chat.completions.create(model="tiny", messages=roles, max_completion_tokens=3,
+                                               stop=many[:MAX_STOP_STRINGS], temperature=0)
+    assert ok.choices[0].message.content is not None
+
 def test_metrics_parse_and_move(server):
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -251,7 +306,7 @@ def test_the_readme_server_comes_up_with_no_flags_and_answers_a_chat(tmp_path):
     from jspec.testing.demo import default_model_path
 
     port = free_port()
-    log = open(tmp_path / "serve.log", "w+")
+    log = open(tmp_path / "serve.log", "w+")  # noqa: SIM115 - closed in the finally below, after the server
     proc = subprocess.Popen([sys.executable, "scripts/serve.py", "--port", str(port)], cwd=ROOT, stdout=log,
                             stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -286,3 +341,76 @@ def test_the_readme_server_comes_up_with_no_flags_and_answers_a_chat(tmp_path):
             if proc.poll() is None:
                 proc.kill()
             log.close()
+
+
+def test_disconnects_under_load_log_no_errors_and_hold_nothing(model_dir):
+    """32 concurrent streams, completions and chat, some with n > 1, half of them hanging up at
+    some point (right after the headers, or after a few chunks), and non-streaming requests whose
+    client gives up: the server logs no error, holds no KV page or request slot once idle, and
+    serves the next request."""
+    import httpx
+
+    srv = Server(model_dir)
+    log_path = srv.log.name
+
+    def body(i, n, max_tokens, stream=True):
+        b = {"model": "tiny", "max_tokens": max_tokens, "temperature": 0.7, "seed": i, "n": n, "stream": stream,
+             "ignore_eos": True}
+        if i % 2:
+            return "/v1/chat/completions", {**b, "messages": [{"role": "user", "content": f"hello {i}"}]}
+        return "/v1/completions", {**b, "prompt": f"request {i}: " + "xy" * (i % 5)}
+
+    async def stream(client, i):
+        n, leave_after = (2 if i % 3 == 0 else 1), (None, 0, None, 2, None, 6)[(i // 2) % 6]
+        path, b = body(i, n, 24 if leave_after is None else 400)
+        chunks, finished = 0, set()
+        async with client.stream("POST", path, json=b) as r:
+            assert r.status_code == 200
+            if leave_after == 0:
+                return None
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    return finished
+                chunks += 1
+                for c in json.loads(line[6:])["choices"]:
+                    if c["finish_reason"] is not None:
+                        finished.add(c["index"])
+                if chunks == leave_after:
+                    return None  # leaving the block closes the connection mid-stream
+        raise AssertionError(f"stream {i} ended without [DONE]")
+
+    async def give_up(client, i):
+        path, b = body(100 + i, 1 + i % 2, 400, stream=False)
+        with pytest.raises(httpx.TimeoutException):
+            await client.post(path, json=b, timeout=0.5 + 0.3 * i)
+
+    async def main():
+        async with httpx.AsyncClient(base_url=srv.url, timeout=60) as client:
+            return await asyncio.gather(*[stream(client, i) for i in range(32)],
+                                        *[give_up(client, i) for i in range(4)])
+
+    try:
+        results = asyncio.run(main())[:32]
+        for i, finished in enumerate(results):
+            if finished is not None:
+                assert finished == set(range(2 if i % 3 == 0 else 1)), (i, finished)
+        assert sum(f is None for f in results) == 16
+        deadline = time.time() + 30
+        while True:
+            state = json.loads(srv.get("/debug/state"))
+            if state["requests"] == 0 or time.time() > deadline:
+                break
+            time.sleep(0.1)
+        assert state["requests"] == state["running"] == state["waiting"] == 0, state
+        assert state["kv_pages_free"] + state["kv_pages_cached"] == state["kv_pages_total"], state
+        assert state["request_slots_free"] == state["request_slots_total"], state
+        ok = srv.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "still there?"}],
+                                                max_tokens=4, temperature=0)
+        assert ok.choices[0].message.content is not None and ok.usage.completion_tokens >= 1
+    finally:
+        assert srv.stop()
+    with open(log_path) as f:
+        bad = [line for line in f if any(w in line for w in ("Traceback", "Exception", "ERROR", "Task was destroyed"))]
+    assert not bad, "".join(bad[:20])

@@ -7,7 +7,15 @@ Counters and histograms are fed by the HTTP side as outputs stream out; engine s
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import time
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48)
 
@@ -31,8 +39,13 @@ class ServerMetrics:
         Gauge("jspec_num_requests_running", "Requests decoding or prefilling", registry=r).set_function(
             lambda: len(sched.running) + len(sched.prefilling))
         Gauge("jspec_num_requests_waiting", "Requests queued", registry=r).set_function(lambda: len(sched.waiting))
+
+        def pages_used() -> int:
+            u = sched.usage()
+            return u["kv_pages_total"] - u["kv_pages_free"]
+
         Gauge("jspec_kv_pages_used", "KV pages held (requests and prefix cache)", registry=r).set_function(
-            lambda: (lambda u: u["kv_pages_total"] - u["kv_pages_free"])(sched.usage()))
+            pages_used)
         Gauge("jspec_kv_pages_total", "KV pages in the pool", registry=r).set_function(
             lambda: sched.usage()["kv_pages_total"])
 
@@ -43,6 +56,27 @@ class ServerMetrics:
         self.e2e.observe(e2e_s)
         if verify_ct:
             self.accept_length.observe(max(completion_tokens - 1, 0) / verify_ct)
+
+    def observer(self, t0: float):
+        """What feeds these metrics from one HTTP request's outputs (index, RequestOutput) as they
+        pass; t0: when the request arrived."""
+        last: dict[int, float] = {}
+
+        def observe(i: int, out) -> None:
+            now = time.perf_counter()
+            if i not in last:
+                self.ttft.observe(now - t0)
+            elif out.new_token_ids:
+                per = (now - last[i]) / len(out.new_token_ids)
+                for _ in out.new_token_ids:
+                    self.itl.observe(per)
+            last[i] = now
+            self.generation_tokens.inc(len(out.new_token_ids))
+            if out.finished:
+                self.finished(out.prompt_tokens, out.completion_tokens, out.finish_reason, now - t0,
+                              out.spec_verify_ct)
+
+        return observe
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

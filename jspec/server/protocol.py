@@ -11,7 +11,30 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from jspec.config.sampling import SamplingParams
-from jspec.server.errors import APIError  # noqa: F401  (re-exported: the server raises it from here)
+from jspec.server.errors import APIError
+
+# Each stop string is matched against every new piece of a request's text on the engine thread,
+# so an unbounded list would let one request slow down all the others. OpenAI takes 4 and SGLang
+# has no limit; this is far above what clients send.
+MAX_STOP_STRINGS = 64
+
+# OpenAI's chat roles ("function" is deprecated there, and not taken here).
+ChatRole = Literal["system", "user", "assistant", "tool", "developer"]
+
+
+def check_stop(stop, param: str = "stop") -> list[str]:
+    """A request's stop strings as a list: a string or a list of at most MAX_STOP_STRINGS
+    strings (SamplingParams refuses empty ones)."""
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
+        raise APIError(f"{param} must be a string or a list of strings", param=param)
+    if len(stop) > MAX_STOP_STRINGS:
+        raise APIError(f"{param}: at most {MAX_STOP_STRINGS} stop strings are supported, got {len(stop)}",
+                       param=param)
+    return list(stop)
 
 
 class StreamOptions(BaseModel):
@@ -43,7 +66,7 @@ class _Sampling(BaseModel):
 
     def sampling_params(self, max_new_tokens: int, return_logprob: bool, top_logprobs: int,
                         lora_path: str | None = None) -> SamplingParams:
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        stop = check_stop(self.stop)
         try:
             return SamplingParams(
                 max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
@@ -67,7 +90,7 @@ class CompletionRequest(_Sampling):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: str
+    role: ChatRole
     content: str | list[dict[str, Any]] | None = None
 
 

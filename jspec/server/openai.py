@@ -1,0 +1,168 @@
+"""OpenAI's API: /v1/completions, /v1/chat/completions and /v1/models, in the shapes the
+official client parses (choices, usage, logprobs, server-sent event chunks)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from contextlib import aclosing
+
+from fastapi import APIRouter, Request
+
+from jspec.server.chat_template import render_chat
+from jspec.server.errors import APIError
+from jspec.server.protocol import ChatCompletionRequest, CompletionRequest, message_text
+from jspec.server.state import Served, ServerState
+from jspec.server.streaming import (
+    Choice,
+    EventStream,
+    close,
+    collect,
+    merged,
+    openai_finish,
+    sse,
+    start,
+    usage,
+)
+
+router = APIRouter()
+
+
+def completion_logprobs(st: ServerState, c: Choice, n_top: int) -> dict:
+    return {
+        "tokens": [st.token_text(t) for t in c.token_ids],
+        "token_logprobs": c.logprobs,
+        "top_logprobs": [{st.token_text(t): lp for t, lp in row} for row in c.top_logprobs] if n_top else None,
+        "text_offset": [],
+    }
+
+
+def chat_logprobs(st: ServerState, token_ids, logprobs, top) -> dict:
+    text = st.token_text
+    content = []
+    for j, (t, lp) in enumerate(zip(token_ids, logprobs)):
+        s = text(t)
+        content.append({"token": s, "logprob": lp, "bytes": list(s.encode()),
+                        "top_logprobs": [{"token": text(a), "logprob": b, "bytes": list(text(a).encode())}
+                                         for a, b in (top[j] if j < len(top) else [])]})
+    return {"content": content}
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request, st: Served):
+    adapter = st.check_model(body.model, body.lora_path)
+    t0 = time.perf_counter()
+    prompts = body.prompt
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if not prompts:
+        raise APIError("prompt is empty", param="prompt")
+    n_top = body.logprobs or 0
+    if n_top > st.max_top:
+        raise APIError(f"logprobs={n_top} exceeds this server's --max-top-logprobs={st.max_top}", param="logprobs")
+    params = body.sampling_params(body.max_tokens or 16, body.logprobs is not None, n_top, adapter)
+    ids = [st.check_prompt(p) for p in prompts]
+    if body.max_tokens and "max_tokens" in body.model_fields_set:
+        st.check_room(max(len(p) for p in ids), params.max_new_tokens, "max_tokens")
+    streams = []
+    try:
+        for i, p in enumerate(ids):
+            streams += await start(st.engine, p, params, i * body.n)
+    except APIError:
+        await close(streams)
+        raise
+    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    head = {"id": rid, "object": "text_completion", "created": created, "model": st.model_name}
+    prompt_tokens = sum(len(p) for p in ids) * body.n
+    if not body.stream:
+        choices = await collect(streams, st.metrics.observer(t0), request)
+        out = [{"index": c.index, "text": c.text, "finish_reason": openai_finish(c.finish_reason),
+                "matched_stop": c.matched_stop,
+                "logprobs": completion_logprobs(st, c, n_top) if body.logprobs is not None else None}
+               for c in sorted(choices.values(), key=lambda c: c.index)]
+        completion = sum(c.completion_tokens for c in choices.values())
+        return {**head, "choices": out, "usage": usage(prompt_tokens, completion)}
+
+    async def events():
+        completion = {}
+        async with aclosing(merged(streams, st.metrics.observer(t0))) as outputs:
+            async for i, out in outputs:
+                completion[i] = out.completion_tokens
+                choice = {"index": i, "text": out.new_text,
+                          "finish_reason": openai_finish(out.finish_reason) if out.finished else None,
+                          "logprobs": None}
+                if body.logprobs is not None and out.new_token_ids:
+                    c = Choice(i)
+                    c.add(out)
+                    choice["logprobs"] = completion_logprobs(st, c, n_top)
+                if out.new_text or out.finished or choice["logprobs"]:
+                    yield sse({**head, "choices": [choice]})
+        total = sum(completion.values())
+        yield sse({**head, "choices": [], "usage": usage(prompt_tokens, total)})
+        yield "data: [DONE]\n\n"
+
+    return EventStream(events(), streams)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request, st: Served):
+    adapter = st.check_model(body.model, body.lora_path)
+    t0 = time.perf_counter()
+    n_top = body.top_logprobs or 0
+    if n_top > st.max_top:
+        raise APIError(f"top_logprobs={n_top} exceeds this server's --max-top-logprobs={st.max_top}",
+                       param="top_logprobs")
+    text = render_chat(st.tokenizer, [{**m.model_dump(exclude_none=True), "content": message_text(m)}
+                                      for m in body.messages])
+    ids = st.tokenizer.encode(text, add_special_tokens=False)
+    ids = st.check_prompt(ids)
+    max_new = (body.max_completion_tokens or body.max_tokens
+               or max(1, st.model.cfg.max_position_embeddings - len(ids)))
+    params = body.sampling_params(max_new, body.logprobs, n_top, adapter)
+    asked = "max_completion_tokens" if body.max_completion_tokens else "max_tokens" if body.max_tokens else None
+    if asked is not None:
+        st.check_room(len(ids), max_new, asked, "messages")
+    streams = await start(st.engine, ids, params, 0)
+    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    head = {"id": rid, "created": created, "model": st.model_name}
+    prompt_tokens = len(ids) * body.n
+    if not body.stream:
+        choices = await collect(streams, st.metrics.observer(t0), request)
+        out = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                "finish_reason": openai_finish(c.finish_reason), "matched_stop": c.matched_stop,
+                "logprobs": chat_logprobs(st, c.token_ids, c.logprobs, c.top_logprobs) if body.logprobs else None}
+               for c in sorted(choices.values(), key=lambda c: c.index)]
+        completion = sum(c.completion_tokens for c in choices.values())
+        return {**head, "object": "chat.completion", "choices": out, "usage": usage(prompt_tokens, completion)}
+
+    async def events():
+        chunk = {**head, "object": "chat.completion.chunk"}
+        completion, started = {}, set()
+        async with aclosing(merged(streams, st.metrics.observer(t0))) as outputs:
+            async for i, out in outputs:
+                completion[i] = out.completion_tokens
+                if i not in started:
+                    started.add(i)
+                    yield sse({**chunk, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                     "finish_reason": None, "logprobs": None}]})
+                lp = (chat_logprobs(st, out.new_token_ids, out.new_logprobs or [], out.new_top_logprobs or [])
+                      if body.logprobs and out.new_token_ids else None)
+                if out.new_text or out.finished or lp:
+                    yield sse({**chunk, "choices": [{
+                        "index": i, "delta": {"content": out.new_text} if out.new_text else {},
+                        "finish_reason": openai_finish(out.finish_reason) if out.finished else None, "logprobs": lp}]})
+        total = sum(completion.values())
+        yield sse({**chunk, "choices": [], "usage": usage(prompt_tokens, total)})
+        yield "data: [DONE]\n\n"
+
+    return EventStream(events(), streams)
+
+
+@router.get("/v1/models")
+async def models(st: Served):
+    core, name, cfg = st.core, st.model_name, st.model.cfg
+    adapters = sorted(core.lora.slots) if core.lora is not None else []
+    return {"object": "list", "data": [
+        {"id": m, "object": "model", "created": 0, "owned_by": "jspec", "root": name,
+         "max_model_len": cfg.max_position_embeddings, "vocab_size": cfg.vocab_size}
+        for m in [name] + [f"{name}:{a}" for a in adapters]]}

@@ -1,0 +1,92 @@
+"""SGLang's native API: /generate, and /load_lora_adapter and /unload_lora_adapter, which load
+and unload adapters on the engine thread, between steps, while requests run."""
+
+from __future__ import annotations
+
+import time
+from contextlib import aclosing
+
+from fastapi import APIRouter, Request
+
+from jspec.config.sampling import SamplingParams
+from jspec.server.errors import APIError
+from jspec.server.protocol import GenerateRequest, LoadLoraRequest, check_stop
+from jspec.server.state import Served, ServerState
+from jspec.server.streaming import Choice, EventStream, collect, merged, sse, start
+
+router = APIRouter()
+
+
+@router.post("/generate")
+async def generate(body: GenerateRequest, request: Request, st: Served):
+    t0 = time.perf_counter()
+    if (body.text is None) == (body.input_ids is None):
+        raise APIError("give exactly one of text and input_ids", param="text")
+    ids = st.check_prompt(body.text if body.text is not None else body.input_ids)
+    sp = dict(body.sampling_params)
+    asked = "max_new_tokens" in sp
+    sp.setdefault("max_new_tokens", 128)
+    if sp.get("stop") is not None:
+        sp["stop"] = check_stop(sp["stop"], "sampling_params.stop")
+    try:
+        params = SamplingParams(**sp, return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num,
+                                logprob_start_len=body.logprob_start_len, lora_path=body.lora_path)
+    except TypeError as e:
+        raise APIError(f"sampling_params: {e}", param="sampling_params") from None
+    except ValueError as e:
+        raise APIError(str(e), param="sampling_params") from None
+    if params.n != 1:
+        raise APIError("/generate takes n=1; send the request n times", param="sampling_params.n")
+    if asked:
+        st.check_room(len(ids), params.max_new_tokens, "sampling_params.max_new_tokens")
+    streams = await start(st.engine, ids, params, 0)
+
+    def meta(c: Choice) -> dict:
+        m = {"id": body.rid or "", "prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
+             "cached_tokens": c.cached_tokens,
+             "finish_reason": {"type": c.finish_reason, "matched": c.matched_stop} if c.finish_reason else None}
+        if c.verify_ct:
+            m["spec_verify_ct"] = c.verify_ct
+            m["spec_accept_length"] = max(c.completion_tokens - 1, 0) / c.verify_ct
+        if body.return_logprob:
+            m["output_token_logprobs"] = [[lp, t] for lp, t in zip(c.logprobs, c.token_ids)]
+        return m
+
+    if not body.stream:
+        c = (await collect(streams, st.metrics.observer(t0), request))[0]
+        return {"text": c.text, "output_ids": c.token_ids, "meta_info": meta(c)}
+
+    async def events():
+        c = Choice(0)
+        async with aclosing(merged(streams, st.metrics.observer(t0))) as outputs:
+            async for _, out in outputs:
+                c.add(out)
+                yield sse({"text": c.text, "output_ids": c.token_ids, "meta_info": meta(c)})
+        yield "data: [DONE]\n\n"
+
+    return EventStream(events(), streams)
+
+
+def loaded_adapters(st: ServerState) -> dict:
+    lora = st.core.lora
+    return {n: a.path for n, a in lora.adapters.items()} if lora is not None else {}
+
+
+@router.post("/load_lora_adapter")
+async def load_lora_adapter(body: LoadLoraRequest, st: Served):
+    if not body.lora_path:
+        raise APIError("lora_path (the adapter's directory) is required", param="lora_path")
+    try:
+        await st.engine.call(lambda e: e.load_lora(body.lora_name, body.lora_path))
+    except ValueError as e:
+        raise APIError(str(e), param="lora_path") from None
+    return {"success": True, "loaded_adapters": loaded_adapters(st)}
+
+
+@router.post("/unload_lora_adapter")
+async def unload_lora_adapter(body: LoadLoraRequest, st: Served):
+    try:
+        await st.engine.call(lambda e: e.unload_lora(body.lora_name))
+    except ValueError as e:
+        raise APIError(str(e), param="lora_name") from None
+    return {"success": True, "loaded_adapters": loaded_adapters(st)}

@@ -1,0 +1,71 @@
+"""What the routes of one app share: the engine, the served model's name, the metrics, and the
+checks that turn a request into engine input, so that every API validates alike.
+
+The routers are module-level; each app keeps its ServerState in app.state and a route gets it
+through the `Served` dependency, so one process can serve several apps (the tests do).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from jspec.engine.async_engine import AsyncEngine
+from jspec.engine.outputs import tokenize_prompt
+from jspec.server.errors import APIError
+from jspec.server.metrics import ServerMetrics
+
+
+class ServerState:
+    def __init__(self, engine: AsyncEngine, model_name: str):
+        self.engine = engine
+        self.core = engine.engine
+        self.model = self.core.model
+        self.tokenizer = self.model.tokenizer
+        self.model_name = model_name
+        self.metrics = ServerMetrics(self.core)
+        self.max_top = self.core.worker.top_n
+
+    def check_model(self, name: str | None, lora_path: str | None = None) -> str | None:
+        """The LoRA adapter a request asks for (None: the base model), named by OpenAI's `model`
+        as "base:adapter" (as SGLang) or by SGLang's `lora_path` field."""
+        adapter = None
+        model_name = self.model_name
+        if name is not None and name != model_name:
+            base, sep, rest = name.partition(":")
+            if not (sep and rest and base == model_name):
+                raise APIError(f"The model `{name}` does not exist; this server serves `{model_name}` (and its LoRA "
+                               f"adapters as `{model_name}:ADAPTER`)", 404, param="model", code="model_not_found")
+            adapter = rest
+        if lora_path is not None and adapter is not None and lora_path != adapter:
+            raise APIError(f"model names adapter {adapter!r} but lora_path names {lora_path!r}", param="lora_path")
+        return lora_path if lora_path is not None else adapter
+
+    def check_prompt(self, prompt) -> list[int]:
+        try:
+            return tokenize_prompt(prompt, self.model)
+        except (ValueError, TypeError) as e:
+            raise APIError(str(e), param="prompt") from None
+
+    def check_room(self, prompt_tokens: int, max_new_tokens: int, param: str, prompt: str = "prompt") -> None:
+        """Refuses a completion length the client asked for that does not fit in the context after
+        the prompt, as OpenAI does (the engine would clip it silently); a length the client left
+        to its default is clipped."""
+        context = self.model.cfg.max_position_embeddings
+        if prompt_tokens + max_new_tokens > context:
+            raise APIError(f"This model's maximum context length is {context} tokens. However, you requested "
+                           f"{prompt_tokens + max_new_tokens} tokens ({prompt_tokens} in the {prompt}, "
+                           f"{max_new_tokens} in the completion). Please reduce the length of the {prompt} or "
+                           f"completion.", param=param, code="context_length_exceeded")
+
+    def token_text(self, t: int) -> str:
+        tok = self.tokenizer
+        return tok.decode([t], skip_special_tokens=False) if tok is not None else str(t)
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.served
+
+
+Served = Annotated[ServerState, Depends(_state)]
