@@ -30,7 +30,7 @@ def jspec_rows(shapes: list[str], batches: list[int], context: int, tiny_run: bo
     import jax.numpy as jnp
     import numpy as np
 
-    from benchmarks.common import copy_bandwidth, random_params, shape, tiny, timed
+    from benchmarks.common import copy_bandwidth, random_params, shape, timed, tiny
     from jspec.kvcache.pool import KVPool
     from jspec.layers.penalties import init_penalty_state
     from jspec.layers.sampling import sampling_rows
@@ -84,7 +84,6 @@ def jspec_rows(shapes: list[str], batches: list[int], context: int, tiny_run: bo
                              step_ms=float(np.median(times)) * 1e3,
                              floor_ms=(weight_bytes + kv_bytes) / bandwidth * 1e3, bandwidth=bandwidth))
             print(json.dumps(rows[-1]), flush=True)
-        del weights, kv, state
     return rows
 
 
@@ -143,10 +142,6 @@ def peer_rows(shapes: list[str], batches: list[int], context: int, tiny_run: boo
                              context=context, step_ms=statistics.median(times) * 1e3, compile_s=compile_s,
                              torch=torch.__version__, transformers=__import__("transformers").__version__))
             print(json.dumps(rows[-1]), flush=True)
-            del cache
-        del model
-        if cuda:
-            torch.cuda.empty_cache()
     return rows
 
 
