@@ -4,7 +4,7 @@ At bs=1 a decode step is bound by reading the weights, and XLA's skinny matmuls 
 them below the HBM bandwidth on the H200 (benchmarks/NOTES.md, issue 8 target 3).
 `JSPEC_SKINNY_MATMUL=pallas` sends every projection of at most 16 rows through
 jspec/kernels/skinny_matmul.py instead; it is read when a step is traced, so it is set
-per process (scripts/bench_decode_xla_flags.sh runs it as its own variant). It applies
+per process (benchmarks/bench_decode_xla_flags.sh runs it as its own variant). It applies
 to bf16 weights on one GPU only: under a mesh the weights are sharded and XLA's dot
 partitions them.
 """
