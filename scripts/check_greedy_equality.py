@@ -21,14 +21,13 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench_decode import git_commit
 import jspec
+from benchmarks.common import git_commit
 from jspec.testing.eagle_tiny import make_tiny_draft
 
 

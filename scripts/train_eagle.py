@@ -27,7 +27,6 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax
 import numpy as np
@@ -170,7 +169,7 @@ def main(argv=None):
     total_s = time.perf_counter() - t_start
     print(f"[train_eagle] total {total_s:.1f} s")
     if args.results:
-        from bench_decode import git_commit
+        from benchmarks.common import git_commit
 
         os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
         with open(args.results, "w") as f:

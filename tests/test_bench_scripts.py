@@ -1,6 +1,6 @@
-"""The GPU benchmark scripts' CPU dry runs (--tiny): a script that breaks here would waste
-a GPU session. Figures on the CPU mean nothing; these check that every row is produced and
-carries the fields benchmarks/NOTES.md reads."""
+"""The GPU benchmarks' CPU dry runs (--tiny): a benchmark that breaks here would waste a GPU
+session. Figures on the CPU mean nothing; these check that every row is produced and carries
+the fields benchmarks/NOTES.md reads."""
 
 import json
 import os
@@ -11,13 +11,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_script(name: str, *args: str) -> None:
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", name), "--tiny", *args],
+    done = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--tiny", *args],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
 
 
 def test_bench_decode_times_verify_against_decode(tmp_path):
-    run_script("bench_decode.py", "--no-stacked", "--out", str(tmp_path))
+    run_script("bench_decode", "--no-stacked", "--out", str(tmp_path))
     rows = [r for r in json.load(open(tmp_path / "bench_decode.json"))["rows"] if r["layout"] == "per_layer"]
     assert [r["batch"] for r in rows] == [1, 4]
     for r in rows:
@@ -27,7 +27,7 @@ def test_bench_decode_times_verify_against_decode(tmp_path):
 
 
 def test_bench_lora_rows_and_kernel_counts(tmp_path):
-    run_script("bench_lora.py", "--profile", "--out", str(tmp_path))
+    run_script("bench_lora", "--profile", "--out", str(tmp_path))
     rows = json.load(open(tmp_path / "bench_lora.json"))["rows"]
     # Profiled: the step without a pool and with one (the CPU trace has no device kernels: an error entry).
     assert ["profile" in r for r in rows] == [True, True, False, False]
@@ -39,8 +39,7 @@ def test_bench_lora_rows_and_kernel_counts(tmp_path):
 
 
 def test_device_profile_splits_busy_time_and_gaps_per_call():
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    from device_profile import _device_kernel_events, summarise
+    from benchmarks.device_profile import _device_kernel_events, summarise
 
     meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
             {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
@@ -71,8 +70,7 @@ def _kernel_case(name, median_us, fraction, tbps, bundled_tbps=None):
 
 
 def test_roofline_verdicts_follow_the_issue_thresholds():
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    from bench_roofline import evaluate
+    from benchmarks.bench_roofline import evaluate
 
     kernels = {"cases": [_kernel_case("decode_b32_ctx4096_s16", 137.0, 0.91, 3.9, bundled_tbps=1.96),
                          _kernel_case("decode_b32_ctx4096_s1", 160.0, 0.78, 3.4),   # 1.168x page 16: over 15%
@@ -105,8 +103,7 @@ def test_roofline_verdicts_follow_the_issue_thresholds():
 
 
 def test_roofline_marks_what_did_not_run():
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    from bench_roofline import evaluate
+    from benchmarks.bench_roofline import evaluate
 
     rows = evaluate(None, None, None)
     assert [r["target"][0] for r in rows] == ["1", "2", "3", "4", "5"]
@@ -114,7 +111,7 @@ def test_roofline_marks_what_did_not_run():
 
 
 def test_bench_roofline_dry_run_runs_every_part_and_grades_every_target(tmp_path):
-    run_script("bench_roofline.py", "--out", str(tmp_path))
+    run_script("bench_roofline", "--out", str(tmp_path))
     result = json.load(open(tmp_path / "bench_roofline.json"))
     assert {name: run["rc"] for name, run in result["runs"].items()} == {"kernels": 0, "decode": 0, "overlap": 0}
     assert all(result["records"][name] for name in ("kernels", "decode", "overlap"))

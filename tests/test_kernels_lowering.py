@@ -10,7 +10,7 @@ primitives, mixed index forms, non-power-of-2 arrays and dtype mismatches in
 tl.dot fail here. What it cannot reach: the TTIR -> TTGIR -> LLVM -> PTX
 compilation runs inside XLA's GPU compiler (the CUDA plugin), so shared-memory
 overflow, register pressure and Triton pass failures still show up only on a
-GPU (scripts/bench_kernels.py compiles every variant there).
+GPU (benchmarks/bench_kernels.py compiles every variant there).
 """
 
 from __future__ import annotations

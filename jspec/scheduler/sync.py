@@ -50,6 +50,6 @@ def designated_read(tree: Any) -> Any:
     zero-copy view of the device buffer: do not donate these arrays afterwards.
     """
     # Allowed here even under jax.transfer_guard_device_to_host("disallow"), which a GPU
-    # run of the loop (scripts/bench_overlap.py) uses to prove there is no other read.
+    # run of the loop (benchmarks/bench_overlap.py) uses to prove there is no other read.
     with jax.transfer_guard_device_to_host("allow"):
         return jax.tree.map(np.asarray, tree)

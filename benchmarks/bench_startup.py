@@ -5,7 +5,7 @@ cache directory of this benchmark's own: empty for the cold runs, filled by them
 warm ones. For scripts/generate.py: wall time and peak resident memory. For scripts/serve.py:
 seconds until /health answers, peak resident memory until then, and one chat request.
 
-    python scripts/bench_startup.py [--out benchmarks/results] [--runs 2]
+    python -m benchmarks.bench_startup [--out benchmarks/results] [--runs 2]
 """
 
 from __future__ import annotations
@@ -21,9 +21,7 @@ import time
 import urllib.error
 import urllib.request
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.common import REPO_ROOT, RESULTS_DIR, Results
 
 
 def peak_rss_mb(pid: int) -> float:
@@ -34,7 +32,7 @@ def peak_rss_mb(pid: int) -> float:
 def run_generate(cache: str) -> dict:
     with tempfile.TemporaryFile("w+") as log:
         t0 = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "scripts/generate.py", "--compilation-cache-dir", cache], cwd=ROOT,
+        proc = subprocess.Popen([sys.executable, "scripts/generate.py", "--compilation-cache-dir", cache], cwd=REPO_ROOT,
                                 stdout=log, stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak memory
         wall = time.perf_counter() - t0
@@ -57,7 +55,7 @@ def run_server(cache: str, limit_s: float = 300) -> dict:
     url = f"http://127.0.0.1:{port}"
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "scripts/serve.py", "--port", str(port), "--compilation-cache-dir", cache],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         while time.perf_counter() - t0 < limit_s and proc.poll() is None:
             try:
@@ -82,13 +80,9 @@ def run_server(cache: str, limit_s: float = 300) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default=RESULTS_DIR)
     ap.add_argument("--runs", type=int, default=2, help="cold runs and warm runs of each command")
     args = ap.parse_args()
-    import jax
-
-    from bench_decode import git_commit
-
     rows = []
     for what, run in (("generate.py", run_generate), ("serve.py", run_server)):
         for i in range(args.runs):
@@ -97,14 +91,9 @@ def main():
                     row = dict(command=what, cache=kind, run=i, **run(cache))
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-    result = dict(name="bench_startup", device=f"{os.cpu_count()} CPU cores", backend=jax.default_backend(),
-                  jax_version=jax.__version__, commit=git_commit(),
-                  settings=dict(commands="as the README gives them, plus a cache directory of the benchmark's own",
-                                runs=args.runs), rows=rows)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "bench_startup.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    settings = {"commands": "as the README gives them, plus a cache directory of the benchmark's own",
+                "runs": args.runs}
+    path = Results(args.out, "bench_startup", settings, device=f"{os.cpu_count()} CPU cores").write(rows=rows)
     print(f"wrote {path}\n")
     print(f"{'command':>12} {'cache':>5} {'seconds':>8} {'peak MB':>8}")
     for r in rows:

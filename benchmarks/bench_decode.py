@@ -7,7 +7,7 @@ Floors: bytes that must be read (all weights but the embedding table, plus the
 KV of every sequence) over the copy bandwidth measured in the same run, and
 for big batches the matmul FLOPs over the measured bf16 matmul rate.
 
-    python scripts/bench_decode.py [--quick] [--parts] [--tag NAME] [--out benchmarks/results]
+    python -m benchmarks.bench_decode [--quick] [--parts] [--tag NAME] [--out benchmarks/results]
 
 --parts adds rows that split a bs=1 step's time: each GEMV shape alone, and the step's
 matmuls only (every layer's QKV, O, gate-up and down, then the LM head, nothing else), so
@@ -24,99 +24,31 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import time
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.common import (
+    LLAMA_8B,
+    RESULTS_DIR,
+    Results,
+    copy_bandwidth,
+    int_list,
+    matmul_flops,
+    random_params,
+    read_bandwidth,
+    timed,
+    tiny,
+)
+from benchmarks.device_profile import print_summary, profile_calls
 from jspec.config.model import ModelConfig
-from jspec.models.llama import unstack_layers
-from jspec.checkpoint.loader import param_shapes
 from jspec.kvcache.pool import KVPool
 from jspec.layers.penalties import init_penalty_state
 from jspec.layers.sampling import sampling_rows
+from jspec.models.llama import unstack_layers
 from jspec.steps.plain import PlainCarry, PlainState, plain_decode_step
-
-from device_profile import print_summary, profile_calls
-
-LLAMA_8B = ModelConfig(
-    family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
-    num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
-    max_position_embeddings=131072,
-)
-
-
-def git_commit() -> str:
-    """The commit benchmarked: JSPEC_COMMIT (the device copy of the tree has no .git), else git's."""
-    if os.environ.get("JSPEC_COMMIT"):
-        return os.environ["JSPEC_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return "unknown"
-
-
-def random_params(cfg: ModelConfig, dtype, seed=0):
-    shapes = param_shapes(cfg)
-    leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-
-    @jax.jit
-    def make(keys):
-        out = []
-        for k, shape in zip(keys, leaves):
-            is_norm = len(shape) <= 2 and shape[-1] in (cfg.hidden_size, cfg.head_dim) and not (len(shape) == 2 and shape[0] == cfg.vocab_size)
-            x = jax.random.normal(k, shape, jnp.float32) * (0.1 if is_norm else 0.02) + (1.0 if is_norm else 0.0)
-            out.append(x.astype(dtype))
-        return out
-
-    return jax.tree.unflatten(treedef, make(keys))
-
-
-def timed(fn, iters: int, repeats: int) -> float:
-    """Median seconds per call over `repeats` runs of `iters` back-to-back calls."""
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(iters):
-            out = fn()
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / iters)
-    return float(np.median(times))
-
-
-def measure_copy_bandwidth(small=False) -> float:
-    """Bytes read + written per second by an elementwise pass over 4 GiB of bf16."""
-    x = jax.random.normal(jax.random.key(1), (1 << (20 if small else 31),), jnp.bfloat16)
-    f = jax.jit(lambda a: a * 1.0001)
-    jax.block_until_ready(f(x))
-    t = timed(lambda: f(x), 10, 5)
-    return 2 * x.nbytes / t
-
-
-def measure_read_bandwidth(small=False) -> float:
-    """Bytes read per second by a reduction over 4 GiB of bf16 (decode mostly reads)."""
-    x = jax.random.normal(jax.random.key(4), (1 << (20 if small else 31),), jnp.bfloat16)
-    f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
-    jax.block_until_ready(f(x))
-    return x.nbytes / timed(lambda: f(x), 10, 5)
-
-
-def measure_matmul_flops(small=False) -> float:
-    n = 256 if small else 8192
-    a = jax.random.normal(jax.random.key(2), (n, n), jnp.bfloat16)
-    b = jax.random.normal(jax.random.key(3), (n, n), jnp.bfloat16)
-    f = jax.jit(lambda a, b: a @ b)
-    jax.block_until_ready(f(a, b))
-    return 2 * n**3 / timed(lambda: f(a, b), 10, 5)
-
 
 # Pallas skinny_matmul configs per weight shape: (block_n, block_k, num_stages, splits x the plan's).
 # Shared memory is about block_k * block_n * 2 bytes * num_stages (of 227 KiB per SM): 32 KiB tiles x 3
@@ -197,7 +129,7 @@ def gemv_rows(cfg: ModelConfig, dtype, bw: float, batches=(1,), copies=4) -> lis
                         ok = bool(jnp.allclose(out, ref, rtol=2e-3, atol=2e-3))
                         rows.append(time_row(f"pallas_{name}", f, x, ws, B, k, n, config=conf, max_abs_err=err,
                                              ok=ok))
-                    except Exception as e:  # keep going: one config that does not compile must not hide the others
+                    except Exception as e:  # noqa: BLE001 - one config that does not compile must not hide the others
                         row = dict(part=f"pallas_{name}", batch=B, shape=[k, n], config=conf, ok=False,
                                    error=f"{type(e).__name__}: {str(e)[:300]}")
                         print(json.dumps(row), flush=True)
@@ -211,30 +143,35 @@ def gemv_rows(cfg: ModelConfig, dtype, bw: float, batches=(1,), copies=4) -> lis
                                        for w in ws])
             rows.append(time_row(f"gemv_{name}_nk", f, x, ws, B, k, n))
             del ws
-        # The step's matmuls alone: 32 layers x (qkv, o, gate_up, down) + lm_head, chained through x.
-        layers = [{nm: jax.random.normal(jax.random.key(100 * i + j), shapes[nm], dtype) * 0.02
-                   for j, nm in enumerate(("qkv", "o", "gate_up", "down"))} for i in range(cfg.num_layers)]
-        head = jax.random.normal(next(key), shapes["lm_head"], dtype) * 0.02
-        H, I = cfg.hidden_size, cfg.intermediate_size
-
-        @jax.jit
-        def chain(x, layers, head):
-            for lp in layers:
-                qkv = jnp.dot(x, lp["qkv"], preferred_element_type=jnp.float32).astype(dtype)
-                x = x + jnp.dot(qkv[:, :H], lp["o"], preferred_element_type=jnp.float32).astype(dtype)
-                gu = jnp.dot(x, lp["gate_up"], preferred_element_type=jnp.float32)
-                x = x + jnp.dot((jax.nn.silu(gu[:, :I]) * gu[:, I:]).astype(dtype), lp["down"],
-                                preferred_element_type=jnp.float32).astype(dtype)
-            return jnp.argmax(jnp.dot(x, head, preferred_element_type=jnp.float32), axis=-1)
-
-        x = jax.random.normal(next(key), (B, H), dtype)
-        jax.block_until_ready(chain(x, layers, head))
-        t = timed(lambda: chain(x, layers, head), 10, 5)
-        nbytes = sum(w.nbytes for lp in layers for w in lp.values()) + head.nbytes
-        rows.append(dict(part="matmul_chain", batch=B, us=t * 1e6, TBps=nbytes / t / 1e12, x_floor=t / (nbytes / bw)))
-        print(json.dumps(rows[-1]), flush=True)
-        del layers, head
+        rows.append(matmul_chain_row(cfg, dtype, shapes, B, bw, next(key), next(key)))
     return rows
+
+
+def matmul_chain_row(cfg: ModelConfig, dtype, shapes: dict, B: int, bw: float, head_key, x_key) -> dict:
+    """The step's matmuls alone: every layer's (qkv, o, gate_up, down), then the LM head, chained
+    through x."""
+    layers = [{nm: jax.random.normal(jax.random.key(100 * i + j), shapes[nm], dtype) * 0.02
+               for j, nm in enumerate(("qkv", "o", "gate_up", "down"))} for i in range(cfg.num_layers)]
+    head = jax.random.normal(head_key, shapes["lm_head"], dtype) * 0.02
+    H, I = cfg.hidden_size, cfg.intermediate_size
+
+    @jax.jit
+    def chain(x, layers, head):
+        for lp in layers:
+            qkv = jnp.dot(x, lp["qkv"], preferred_element_type=jnp.float32).astype(dtype)
+            x = x + jnp.dot(qkv[:, :H], lp["o"], preferred_element_type=jnp.float32).astype(dtype)
+            gu = jnp.dot(x, lp["gate_up"], preferred_element_type=jnp.float32)
+            x = x + jnp.dot((jax.nn.silu(gu[:, :I]) * gu[:, I:]).astype(dtype), lp["down"],
+                            preferred_element_type=jnp.float32).astype(dtype)
+        return jnp.argmax(jnp.dot(x, head, preferred_element_type=jnp.float32), axis=-1)
+
+    x = jax.random.normal(x_key, (B, H), dtype)
+    jax.block_until_ready(chain(x, layers, head))
+    t = timed(lambda: chain(x, layers, head), 10, 5)
+    nbytes = sum(w.nbytes for lp in layers for w in lp.values()) + head.nbytes
+    row = {"part": "matmul_chain", "batch": B, "us": t * 1e6, "TBps": nbytes / t / 1e12, "x_floor": t / (nbytes / bw)}
+    print(json.dumps(row), flush=True)
+    return row
 
 
 def print_gemv_summary(parts: list[dict]) -> None:
@@ -260,9 +197,8 @@ def forward_ms(weights, cfg: ModelConfig, kv: KVPool, page_tables, ctx: int, q: 
     q > 1 takes a tree-shaped mask (a node sees the root and the nodes on its branch, two
     branches), which costs what any mask of that size does."""
     from jspec.layers.attention import AttentionMode
-    from jspec.layers.batch import ForwardBatch
+    from jspec.layers.batch import ForwardBatch, bucket
     from jspec.models.llama import forward
-    from jspec.layers.batch import bucket
 
     B, S = page_tables.shape[0], kv.page_size
     pos = ctx + np.arange(q)[None] + np.zeros((B, 1), np.int64)
@@ -293,33 +229,30 @@ def forward_ms(weights, cfg: ModelConfig, kv: KVPool, page_tables, ctx: int, q: 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], help="e.g. 1,32")
-    ap.add_argument("--contexts", type=lambda v: [int(x) for x in v.split(",")], help="e.g. 1024,4096")
+    ap.add_argument("--batches", type=int_list, help="e.g. 1,32")
+    ap.add_argument("--contexts", type=int_list, help="e.g. 1024,4096")
     ap.add_argument("--no-stacked", action="store_true", help="skip the stacked-weights comparison rows")
     ap.add_argument("--quick", action="store_true", help="fewer cases and iterations")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default=RESULTS_DIR)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--tiny", action="store_true", help="a tiny model: a CPU dry run of the script itself")
     ap.add_argument("--parts", action="store_true", help="also time each GEMV shape and the matmul-only step")
     ap.add_argument("--tag", help="results file bench_decode_TAG.json (e.g. an XLA_FLAGS variant)")
     ap.add_argument("--profile", action="store_true",
                     help="trace a few decode steps per case and split their device time by kernel "
-                         "(scripts/device_profile.py): busy vs launch gaps, matmuls vs attention vs the rest")
+                         "(benchmarks/device_profile.py): busy vs launch gaps, matmuls vs attention vs the rest")
     ap.add_argument("--verify-tokens", type=int, default=8,
                     help="also time the target forward over this many tokens per sequence against a decode "
-                         "forward (issue 8 target 4; 0: skip)")
+                         "forward (the verify-cost target; 0: skip)")
     args = ap.parse_args()
 
     cfg, dtype, S = LLAMA_8B, jnp.bfloat16, args.page_size
     if args.tiny:
-        import dataclasses
-        cfg = dataclasses.replace(cfg, vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
-                                  num_heads=4, num_kv_heads=2, head_dim=16)
+        cfg = tiny(cfg, num_layers=2)
     dev = jax.devices()[0]
     print(f"device {dev.device_kind}, jax {jax.__version__}", flush=True)
-    copy_bw = measure_copy_bandwidth(small=args.tiny)
-    read_bw = measure_read_bandwidth(small=args.tiny)
-    mm_rate = measure_matmul_flops(small=args.tiny)
+    elements, n = (1 << 20, 256) if args.tiny else (1 << 31, 8192)
+    copy_bw, read_bw, mm_rate = copy_bandwidth(elements), read_bandwidth(elements), matmul_flops(n)
     print(f"copy (read+write) {copy_bw / 1e12:.2f} TB/s, read {read_bw / 1e12:.2f} TB/s, "
           f"bf16 matmul {mm_rate / 1e12:.0f} TFLOP/s", flush=True)
     # The floor uses the best bandwidth measured here (the stricter floor).
@@ -337,7 +270,6 @@ def main():
     if args.tiny:
         batches, contexts = [1, 4], [64]
     batches, contexts = args.batches or batches, args.contexts or contexts
-    max_tokens = max(batches) * max(contexts)
     max_tokens = max(batches) * (max(contexts) + 128)  # 128 tokens of room to decode into
     num_pages = max_tokens // S + 2
     kv_shape = (cfg.num_layers, num_pages, S, cfg.num_kv_heads, cfg.head_dim)
@@ -347,21 +279,14 @@ def main():
     kv = KVPool(fill(jax.random.key(10)), fill(jax.random.key(11)))
     rng = np.random.default_rng(0)
     rows = []
+    settings = {"model": "llama-3.1-8b shape, random bf16", "page_size": S, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                "tag": args.tag}
+    results = Results(args.out, "bench_decode", settings, file_name=f"bench_decode_{args.tag}" if args.tag else None)
 
     def save():
-        """Writes the JSON after every row, so a run cut short still leaves its figures."""
-        result = dict(
-            name="bench_decode", gpu=dev.device_kind, jax_version=jax.__version__, commit=git_commit(),
-            model="llama-3.1-8b shape, random bf16", page_size=S, copy_bandwidth_TBps=copy_bw / 1e12,
-            read_bandwidth_TBps=read_bw / 1e12, floor_bandwidth_TBps=bw / 1e12,
-            matmul_TFLOPs=mm_rate / 1e12, weight_bytes=int(weight_bytes), rows=rows, parts=parts,
-            xla_flags=os.environ.get("XLA_FLAGS", ""), tag=args.tag,
-        )
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, f"bench_decode_{args.tag}.json" if args.tag else "bench_decode.json")
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
-        return path
+        return results.write(copy_bandwidth_TBps=copy_bw / 1e12, read_bandwidth_TBps=read_bw / 1e12,
+                             floor_bandwidth_TBps=bw / 1e12, matmul_TFLOPs=mm_rate / 1e12,
+                             weight_bytes=int(weight_bytes), rows=rows, parts=parts)
 
     # Per-layer weight arrays (what the engine runs) everywhere; the stacked layout under
     # lax.scan at a few points, to show what slicing a stacked weight costs.
@@ -394,7 +319,7 @@ def main():
             jax.block_until_ready(step())
             compile_s = time.perf_counter() - t0
             t = timed(step, 5 if args.quick else 20, 3 if args.quick else 5)
-        except Exception as e:  # keep going: one failing case must not hide the others
+        except Exception as e:  # noqa: BLE001 - one failing case must not hide the others
             print(f"FAILED B={B} ctx={ctx} {layout}: {type(e).__name__}: {str(e)[:300]}", flush=True)
             kv = state["s"].target_kv
             continue
@@ -417,7 +342,7 @@ def main():
                                                           it, rep)
                 row["verify_tokens"] = args.verify_tokens
                 row["verify_over_decode"] = row["forward_verify_ms"] / row["forward_decode_ms"]
-            except Exception as e:  # keep the decode row
+            except Exception as e:  # noqa: BLE001 - keep the decode row
                 print(f"FAILED verify B={B} ctx={ctx}: {type(e).__name__}: {str(e)[:300]}", flush=True)
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -443,7 +368,7 @@ def main():
               f"{r['tokens_per_s']:>8.0f}")
     ver = [r for r in rows if "verify_over_decode" in r]
     if ver:
-        print(f"\n{'B':>4} {'ctx':>5} {'fwd 1 ms':>9} {'fwd N ms':>9} {'N':>3} {'ratio':>6}   (issue 8 target 4: <= 1.1)")
+        print(f"\n{'B':>4} {'ctx':>5} {'fwd 1 ms':>9} {'fwd N ms':>9} {'N':>3} {'ratio':>6}   (target: <= 1.1)")
         for r in ver:
             print(f"{r['batch']:>4} {r['context']:>5} {r['forward_decode_ms']:>9.3f} {r['forward_verify_ms']:>9.3f} "
                   f"{r['verify_tokens']:>3} {r['verify_over_decode']:>6.2f}")

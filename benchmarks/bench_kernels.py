@@ -14,29 +14,24 @@ different page-table set, so the KV touched in a row of calls exceeds the
 60 MB L2. Several loop executions are queued back to back so host dispatch is
 hidden; the median over repeats is reported, per call.
 
-    python scripts/bench_kernels.py [--quick] [--out benchmarks/results]
+    python -m benchmarks.bench_kernels [--quick] [--out benchmarks/results]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import statistics
-import subprocess
-import sys
 import time
 import traceback
 import warnings
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from benchmarks.common import RESULTS_DIR, Results, copy_bandwidth, matmul_flops
 from jspec.kernels.paged_decode import decode_plan, paged_decode
 from jspec.kernels.paged_extend import extend_plan, paged_extend
 from jspec.kernels.ref import paged_decode_ref, paged_extend_ref
@@ -44,15 +39,6 @@ from jspec.kernels.ref import paged_decode_ref, paged_extend_ref
 L2_BYTES = 60 << 20
 LAYERS, LAYER = 2, 1
 TOLERANCE = 2e-2  # bf16 output rounding is ~4e-3 relative
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return os.environ.get("JSPEC_COMMIT", "unknown")
-
-
 CALLS_PER_ITER = 4  # unrolled inside each loop iteration: the loop's own ~8 us per iteration is amortised
 
 
@@ -86,35 +72,6 @@ def time_loop(body, carry, consts, iters: int, reps: int) -> tuple[float, float]
         jax.block_until_ready(c)
         samples.append((time.perf_counter() - t0) / (queued * iters * CALLS_PER_ITER) * 1e6)
     return statistics.median(samples), min(samples)
-
-
-def copy_bandwidth(reps: int, elements: int = 1 << 31) -> float:
-    """Bytes read + written per second by a 4 GiB device-to-device copy (the better of a plain copy and x + 1)."""
-    x = jnp.ones((elements,), jnp.bfloat16)
-    best = 0.0
-    for copy in (jax.jit(lambda x: jnp.copy(x)), jax.jit(lambda x: x + jnp.bfloat16(1))):
-        for _ in range(3):  # warm-up, and let the clocks ramp from idle
-            jax.block_until_ready(copy(x))
-        times = []
-        for _ in range(reps + 2):
-            t0 = time.perf_counter()
-            jax.block_until_ready(copy(x))
-            times.append(time.perf_counter() - t0)
-        best = max(best, 2 * x.nbytes / statistics.median(times))
-    return best
-
-
-def matmul_flops(reps: int, n: int = 8192) -> float:
-    a = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
-    b = jax.random.normal(jax.random.key(2), (n, n), jnp.bfloat16)
-    mm = jax.jit(lambda a, b: a @ b)
-    jax.block_until_ready(mm(a, b))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(mm(a, b))
-        times.append(time.perf_counter() - t0)
-    return 2 * n ** 3 / statistics.median(times)
 
 
 class Problem:
@@ -161,7 +118,7 @@ def run_variant(name, call, ref, problem: Problem, iters, reps, extra, caches=No
 
         median_us, min_us = time_loop(body, problem.q, (problem.page_tables, k, v), iters, reps)
         record.update(median_us=median_us, min_us=min_us)
-    except Exception as e:  # a variant that fails on the GPU must not stop the others
+    except Exception as e:  # noqa: BLE001 - a variant that fails on the GPU must not stop the others
         record["error"] = f"{type(e).__name__}: {e}"[:2000]
         print(f"  {name}: FAILED\n{traceback.format_exc()[-3000:]}", flush=True)
     return record
@@ -195,7 +152,7 @@ def bundled_decode(p: Problem, ref, iters, reps):
             warnings.simplefilter("ignore", DeprecationWarning)
             from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
         k_pages, v_pages = p.bundled_layout()
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - recorded: the bundled kernel is a comparison, not ours
         return {"variant": "bundled", "kernel": "jax_bundled", "error": f"{type(e).__name__}: {e}"}
     max_pages = p.ctx // p.page_size
     k_splits = min(16, max_pages)
@@ -318,7 +275,7 @@ def print_table(cases):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results"))
+    parser.add_argument("--out", default=RESULTS_DIR)
     parser.add_argument("--quick", action="store_true", help="default tuning only, fewer repeats")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check this script on a CPU")
     args = parser.parse_args()
@@ -330,8 +287,8 @@ def main():
 
     device = jax.devices()[0]
     print(f"device: {device.device_kind}, jax {jax.__version__}", flush=True)
-    copy_bw = copy_bandwidth(reps, (1 << 31) // shrink ** 2)
-    mm_flops = matmul_flops(reps, 8192 // shrink)
+    copy_bw = copy_bandwidth((1 << 31) // shrink ** 2)
+    mm_flops = matmul_flops(8192 // shrink)
     print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s (read+write), bf16 matmul {mm_flops / 1e12:.0f} TFLOP/s", flush=True)
 
     def ctx(n):
@@ -366,25 +323,19 @@ def main():
     loop_floor_us, _ = time_loop(lambda j, q: q * jnp.bfloat16(0.5) + q, q_small, (), iters, reps)
     print(f"timing-loop floor {loop_floor_us:.1f} us per call (a trivial kernel)", flush=True)
 
-    record = dict(
-        benchmark="bench_kernels",
-        gpu=device.device_kind,
-        jax_version=jax.__version__,
-        commit=git_commit(),
-        settings=dict(iters_per_loop=iters, repeats=reps, quick=args.quick, smoke=args.smoke, dtype="bfloat16",
-                      layers=LAYERS, tolerance=TOLERANCE),
-        copy_bandwidth_tbps=copy_bw / 1e12,
-        matmul_tflops=mm_flops / 1e12,
-        loop_floor_us=loop_floor_us,
-        cases=[],
-    )
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "bench_kernels.json")
-    cases = record["cases"]
+    results = Results(args.out, "bench_kernels", {"iters_per_loop": iters, "repeats": reps, "quick": args.quick,
+                                                  "smoke": args.smoke, "dtype": "bfloat16", "layers": LAYERS,
+                                                  "tolerance": TOLERANCE})
+    cases = []
+
+    def save():
+        return results.write(copy_bandwidth_tbps=copy_bw / 1e12, matmul_tflops=mm_flops / 1e12,
+                             loop_floor_us=loop_floor_us, cases=cases)
+
     for plan in plans:
         try:
             case = plan()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - one case that fails to set up must not stop the others
             print(f"case failed to set up: {type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}", flush=True)
             continue
         case["roofline_us"] = case["kv_bytes"] / copy_bw * 1e6
@@ -393,8 +344,8 @@ def main():
         for r in case["results"]:
             summarize(r, case, copy_bw, mm_flops)
         cases.append(case)
-        with open(path, "w") as f:  # after every case, so a run cut short still leaves its results
-            json.dump(record, f, indent=1)
+        save()
+    path = save()
     print(f"wrote {path}")
     print_table(cases)
 

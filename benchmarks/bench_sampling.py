@@ -6,27 +6,29 @@ V = Llama-3 vocabulary. Variants: the full-vocabulary sort that top-k / top-p us
 group-maximum candidates) and mode "filtered" (the threshold search: filtered/BITS per pass[/SPLITS per row]).
 Each variant is checked against the sort before it is timed.
 
-    python scripts/bench_sampling.py [--rows 32,128,256] [--name bench_sampling_kernels]
+    python -m benchmarks.bench_sampling [--rows 32,128,256] [--name bench_sampling_kernels]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import json
-import os
-import sys
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench_decode import git_commit, timed
-from jspec.layers.sampling import MIN_P, TEMPERATURE, TOP_K, TOP_P, keep_mask, row_keys, sampling_rows
+from benchmarks.common import RESULTS_DIR, Results, timed
 from jspec.config.sampling import SamplingParams
+from jspec.layers.sampling import (
+    MIN_P,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    keep_mask,
+    row_keys,
+    sampling_rows,
+)
 
 
 def sort_keep_mask(x, params):
@@ -64,9 +66,8 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--variants", default="sort,temperature,top_k,filtered/1,filtered/2,filtered/4,filtered/8")
     ap.add_argument("--name", default="bench_sampling_kernels")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default=RESULTS_DIR)
     args = ap.parse_args()
-    dev = jax.devices()[0]
     rng = np.random.default_rng(0)
     rows = []
     filters = {"top-k 50 + top-p 0.95": SamplingParams(temperature=0.8, top_k=50, top_p=0.95),
@@ -82,13 +83,10 @@ def main():
             for v in variants:
                 got = np.asarray(draw(logits, sr.params, sr.seeds, positions, v))
                 agree = float((got == want).mean())
-                t = timed(lambda: draw(logits, sr.params, sr.seeds, positions, v), args.iters, 5)
+                t = timed(functools.partial(draw, logits, sr.params, sr.seeds, positions, v), args.iters, 5)
                 rows.append(dict(rows=R, vocab=args.vocab, filter=fname, variant=v, ms=t * 1e3, agree_with_sort=agree))
                 print(f"R={R} {fname} {v}: {t * 1e3:.3f} ms agree {agree:.3f}", flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, args.name + ".json"), "w") as f:
-        json.dump(dict(name=args.name, gpu=dev.device_kind, jax_version=jax.__version__, commit=git_commit(),
-                       rows=rows), f, indent=1)
+    Results(args.out, args.name, {"vocab": args.vocab, "iters": args.iters, "variants": args.variants}).write(rows=rows)
     print(f"{'R':>4} {'filter':>22} {'variant':>12} {'ms':>8} {'agree':>6}")
     for r in rows:
         print(f"{r['rows']:>4} {r['filter']:>22} {r['variant']:>12} {r['ms']:>8.3f} {r['agree_with_sort']:>6.3f}")

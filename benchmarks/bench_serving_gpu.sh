@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The serving benchmark of issue 7 on the GPU machine: serve.py with random weights of the
+# The serving benchmark on the GPU machine: serve.py with random weights of the
 # SmolLM2-135M and Llama-3.1-8B shapes (benchmarks/shapes/), speculation off and on (EAGLE-3
 # with a random head, so acceptance ~1: the figures show the serving path's overheads),
 # request rates 1, 4, 16 and inf. Results: $OUT_DIR/bench_serving.json (default benchmarks/results),
 # written after every rate, so a run cut short keeps what it measured.
-#   [SPECS="none eagle3"] [RATES=1,4,16,inf] bash scripts/bench_serving_gpu.sh [small|8b ...]
+#   [SPECS="none eagle3"] [RATES=1,4,16,inf] bash benchmarks/bench_serving_gpu.sh [small|8b ...]
 # Warm-up compiles every (rows, page-table width, sampling mode) program, ~6.5 s each at the 8B
 # shape, so the servers here compile only what greedy requests of 256 + 128 tokens meet: context
 # 480 (3 page-table widths), 32 rows at most (6 row counts), greedy only.
@@ -36,7 +36,7 @@ cfg = jspec.ModelConfig.from_pretrained('$dir'); make_tiny_draft('$head', cfg, '
       sleep 1
     done
     echo "[$((SECONDS - t0)) s] $shape $spec: healthy" >&2
-    $PY scripts/bench_serving.py --port 30000 --num-prompts $NUM_PROMPTS --random-input-len 256 --random-output-len 128 \
+    $PY -m benchmarks.bench_serving --port 30000 --num-prompts $NUM_PROMPTS --random-input-len 256 --random-output-len 128 \
         --warmup-requests $WARMUP --request-rate $RATES --tag "$shape $spec" --output-file "$OUT_DIR/bench_serving.json"
     kill -TERM $pid; wait $pid
     echo "[$((SECONDS - t0)) s] $shape $spec: done" >&2

@@ -11,7 +11,7 @@ Per prompt length and transfer backend (socket, shm), after untimed runs that co
 every program the requests meet, --repeats requests one at a time:
 - ttft_s: submit -> the first token on the decode side (prefill + read-out + transfer);
 - first_decode_token_s: submit -> the first token the decode engine itself produced
-  (what the issue asks for: the request is decoding in the decode engine's loop);
+  (the figure that matters: the request is decoding in the decode engine's loop);
 - transfer_bytes: one request's arrays (target + draft KV of the prompt, the slot rows);
 - wire_s / wire_GBps: the link alone (the arrays on the prefill host -> on the decode host);
 - d2h_GBps / h2d_GBps: the two host-staging legs, timed apart in this process on arrays of
@@ -26,8 +26,8 @@ The colocated row runs the same requests through one jspec.Engine (prefill and d
 one loop) for comparison. Medians over the repeats; the JSON goes to
 benchmarks/results/bench_pd.json.
 
-    python scripts/bench_pd.py [--model small|8b] [--prompt-lens 1024,8192] [--repeats 5]
-    python scripts/bench_pd.py --tiny        # a CPU dry run of the script (tiny model, short prompts)
+    python -m benchmarks.bench_pd [--model small|8b] [--prompt-lens 1024,8192] [--repeats 5]
+    python -m benchmarks.bench_pd --tiny        # a CPU dry run of the script (tiny model, short prompts)
 """
 
 from __future__ import annotations
@@ -40,6 +40,28 @@ import os
 import subprocess
 import sys
 import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jspec
+from benchmarks.common import (
+    EAGLE3_8B_CTX,
+    LLAMA_8B_CTX,
+    REPO_ROOT,
+    RESULTS_DIR,
+    SMALL,
+    SMALL_DRAFT,
+    TINY,
+    TINY_DRAFT,
+    Results,
+    median,
+    random_params,
+)
+from jspec.checkpoint.eagle import init_random_draft_params
+
+SPEC = jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=1, num_draft_tokens=4)
 
 
 def parse_args(argv=None):
@@ -56,26 +78,9 @@ def parse_args(argv=None):
     ap.add_argument("--mem-fraction", type=float, default=0.42, help="GPU memory per process")
     ap.add_argument("--no-colocated", action="store_true", help="skip the one-engine comparison")
     ap.add_argument("--tiny", action="store_true", help="tiny model, short prompts: a CPU dry run")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default=RESULTS_DIR)
     ap.add_argument("--name", default="bench_pd", help="JSON file name under --out")
     return ap.parse_args(argv)
-
-
-ARGS = parse_args()
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(ARGS.mem_fraction))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from bench_decode import git_commit, random_params  # noqa: E402
-from bench_overlap import EAGLE3_8B_CTX, LLAMA_8B_CTX, SMALL, SMALL_DRAFT, TINY, TINY_DRAFT  # noqa: E402
-import jspec  # noqa: E402
-from jspec.checkpoint.eagle import init_random_draft_params  # noqa: E402
-
-SPEC = jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=1, num_draft_tokens=4)
 
 
 def setup(args):
@@ -90,9 +95,8 @@ def setup(args):
     dcfg = dataclasses.replace(dcfg, max_position_embeddings=max(dcfg.max_position_embeddings, ctx))
     params = random_params(cfg, dtype)
     dparams = init_random_draft_params(dcfg, jax.random.key(3), dtype)
-    per_token = 2 * (cfg.num_layers + 1) * cfg.kv_size * jnp.dtype(dtype).itemsize  # target + 1-layer draft
     kw = dict(speculative=SPEC, draft=(dcfg, dparams), page_size=args.page_size, max_running_requests=4,
-              kv_memory_bytes=per_token * (2 * ctx + 1024), chunked_prefill_size=args.chunked_prefill_size,
+              max_total_tokens=2 * ctx + 1024, chunked_prefill_size=args.chunked_prefill_size,
               disable_radix_cache=True)  # every repeat must prefill, not hit the cache
     if args.tiny:
         kw["attention_backend"] = "reference"
@@ -149,10 +153,6 @@ def staging_legs(engine, n: int, repeats: int) -> tuple[float, float]:
     return median(d2h[1:]), median(h2d[1:])
 
 
-def median(xs):
-    return float(np.median(xs)) if xs else None
-
-
 def pd_rows(engine, backend, lens, rng, vocab, rows, save, args) -> None:
     """The PD rows of one transfer backend."""
     for n in lens:
@@ -185,25 +185,20 @@ def run_decode(args) -> None:
     dev = jax.devices()[0]
     print(f"device {dev.device_kind}, jax {jax.__version__}", flush=True)
     env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=str(args.mem_fraction))
-    argv = [sys.executable, os.path.abspath(__file__), "--role", "prefill", "--port", "0", "--model", args.model,
+    argv = [sys.executable, "-m", "benchmarks.bench_pd", "--role", "prefill", "--port", "0", "--model", args.model,
             "--prompt-lens", args.prompt_lens, "--new-tokens", str(args.new_tokens), "--page-size",
             str(args.page_size), "--chunked-prefill-size", str(args.chunked_prefill_size)] + (
         ["--tiny"] if args.tiny else [])
-    child = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
+    child = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
     rows = []
     model, lens, kw = setup(args)
     settings = dict(model="tiny" if args.tiny else args.model, prompt_lens=lens, new_tokens=args.new_tokens,
                     repeats=args.repeats, page_size=args.page_size, chunked_prefill_size=args.chunked_prefill_size,
                     speculative="EAGLE3 (3,1,4)", mem_fraction=args.mem_fraction, processes="2 on one device")
+    results = Results(args.out, "bench_pd", settings, file_name=args.name)
 
     def save():
-        result = dict(name="bench_pd", gpu=dev.device_kind, jax_version=jax.__version__, commit=git_commit(),
-                      settings=settings, rows=rows)
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, args.name + ".json")
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
-        return path
+        return results.write(rows=rows)
 
     try:
         line = child.stdout.readline()
@@ -245,13 +240,20 @@ def run_decode(args) -> None:
           f"{'d2h GB/s':>8} {'h2d GB/s':>8} {'staged':>6}")
     for r in rows:
         if "error" in r:
-            print(f"{r['mode']:>9} {str(r['backend']):>7} failed: {r['error']}")
+            print(f"{r['mode']:>9} {r['backend']!s:>7} failed: {r['error']}")
             continue
-        print(f"{r['mode']:>9} {str(r['backend']):>7} {r['prompt_len']:>6} {r['ttft_s'] * 1e3:>8.2f} "
+        print(f"{r['mode']:>9} {r['backend']!s:>7} {r['prompt_len']:>6} {r['ttft_s'] * 1e3:>8.2f} "
               f"{r['first_decode_token_s'] * 1e3:>10.2f} {r.get('transfer_bytes', 0) / 1e6 or nan:>7.1f} "
               f"{r.get('wire_GBps', nan):>9.2f} {r.get('d2h_GBps', nan):>8.2f} {r.get('h2d_GBps', nan):>8.2f} "
               f"{r.get('staged_GBps', nan):>6.2f}")
 
 
+def main():
+    args = parse_args()
+    # Read when the backend starts (the first jax.devices()), not when jax is imported.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(args.mem_fraction))
+    (run_prefill if args.role == "prefill" else run_decode)(args)
+
+
 if __name__ == "__main__":
-    (run_prefill if ARGS.role == "prefill" else run_decode)(ARGS)
+    main()

@@ -7,42 +7,41 @@ state donated, next to the plain decode step at the same batch and context.
 The figure that matters is iteration time / decode-step time: with a mean
 acceptance of A tokens per iteration, speculation is worth A / ratio.
 
-    python scripts/bench_spec.py [--quick] [--out benchmarks/results]
+    python -m benchmarks.bench_spec [--quick] [--out benchmarks/results]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench_decode import LLAMA_8B, git_commit, random_params, timed
+from benchmarks.common import (
+    EAGLE3_8B,
+    LLAMA_8B,
+    RESULTS_DIR,
+    Results,
+    int_list,
+    random_params,
+    timed,
+    tiny,
+    tiny_head,
+)
+from jspec.checkpoint.eagle import init_random_draft_params
+from jspec.config.sampling import SamplingParams
 from jspec.config.spec import SpecConfig
-from jspec.models.eagle import layer_config
-from jspec.models.llama import unstack_layers
-from jspec.checkpoint.eagle import DraftConfig, init_random_draft_params
 from jspec.kvcache.pool import KVPool
 from jspec.layers.penalties import init_penalty_state
 from jspec.layers.sampling import sampling_mode, sampling_rows
-from jspec.config.sampling import SamplingParams
-from jspec.steps.plain import PlainCarry, PlainState, plain_decode_step
+from jspec.models.eagle import layer_config
+from jspec.models.llama import unstack_layers
 from jspec.speculative.eagle import EagleExtra, EagleMethod
 from jspec.speculative.method import SpecCarry, SpecState, spec_decode_step
-
-EAGLE3_8B = DraftConfig(
-    algorithm="EAGLE3", hidden_size=4096, intermediate_size=14336, num_heads=32, num_kv_heads=8, head_dim=128,
-    rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=None, max_position_embeddings=131072,
-    vocab_size=128256, draft_vocab_size=32000, num_layers=1, capture_layers=(2, 16, 29), fc_bias=False,
-    has_embed=False, has_lm_head=True,
-)
+from jspec.steps.plain import PlainCarry, PlainState, plain_decode_step
 
 
 def random_pool(cfg_layers, num_pages, S, cfg, dtype, seed):
@@ -53,12 +52,12 @@ def random_pool(cfg_layers, num_pages, S, cfg, dtype, seed):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], help="e.g. 1,32")
-    ap.add_argument("--contexts", type=lambda v: [int(x) for x in v.split(",")], help="e.g. 1024,4096")
+    ap.add_argument("--batches", type=int_list, help="e.g. 1,32")
+    ap.add_argument("--contexts", type=int_list, help="e.g. 1024,4096")
     ap.add_argument("--configs", type=lambda v: [tuple(int(x) for x in c.split("/")) for c in v.split(",")],
                     help="(steps/topk/draft_tokens),...: e.g. 3/1/4,5/4/8")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default=RESULTS_DIR)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--tiny", action="store_true", help="a tiny model: a CPU dry run of the script itself")
@@ -68,12 +67,8 @@ def main():
     args = ap.parse_args()
     cfg, dcfg, dtype, S, ctx = LLAMA_8B, EAGLE3_8B, jnp.bfloat16, args.page_size, args.context
     if args.tiny:
-        import dataclasses
-        cfg = dataclasses.replace(cfg, vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4,
-                                  num_heads=4, num_kv_heads=2, head_dim=16)
-        dcfg = dataclasses.replace(dcfg, vocab_size=512, draft_vocab_size=256, hidden_size=64, intermediate_size=128,
-                                   num_heads=4, num_kv_heads=2, head_dim=16, capture_layers=(1, 2, 3))
-        ctx, dtype = 64, jnp.float32
+        cfg = tiny(cfg)
+        dcfg, ctx, dtype = tiny_head(cfg), 64, jnp.float32
     dev = jax.devices()[0]
     print(f"device {dev.device_kind}, jax {jax.__version__}", flush=True)
 
@@ -90,16 +85,8 @@ def main():
     dkv = random_pool(1, num_pages, S, layer_config(dcfg), dtype, 20)
     rng = np.random.default_rng(0)
     rows = []
-
-    def save():
-        """Writes the JSON after every row, so a run cut short still leaves its figures."""
-        result = dict(name="bench_spec", gpu=dev.device_kind, jax_version=jax.__version__, commit=git_commit(),
-                      model="llama-3.1-8b shape + EAGLE-3 head shape, random bf16", page_size=S, rows=rows)
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, args.name + ".json")
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
-        return path
+    results = Results(args.out, "bench_spec", {"model": "llama-3.1-8b shape + EAGLE-3 head shape, random bf16",
+                                               "page_size": S}, file_name=args.name)
 
     for B in batches:
         pages = rng.permutation(np.arange(1, num_pages))[: B * pages_per_seq].reshape(B, pages_per_seq).astype(np.int32)
@@ -166,7 +153,7 @@ def main():
                     t_iter = timed(iteration, iters, 3)
                     st["s"] = st["s"]._replace(carry=st["s"].carry._replace(
                         seq_len=jnp.full(B + 1, ctx, jnp.int32).at[B].set(0)))
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001 - one failing config must not hide the others
                     print(f"FAILED B={B} {(steps, topk, ndt)} {variant}: {type(e).__name__}: {str(e)[:400]}", flush=True)
                     continue
                 finally:
@@ -177,9 +164,9 @@ def main():
                            vs_greedy=t_iter * 1e3 / base_ms, compile_s=compile_s)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-                save()
+                results.write(rows=rows)
 
-    path = save()
+    path = results.write(rows=rows)
     print(f"\nwrote {path}\n")
     print(f"{'B':>3} {'(steps,topk,ndt)':>16} {'variant':>22} {'iter ms':>8} {'decode ms':>9} {'ratio':>6} {'vs greedy':>9}")
     for r in rows:

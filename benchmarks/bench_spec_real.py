@@ -10,7 +10,7 @@ config at each batch size; mean accept length = tokens emitted per verify. The p
 HF transformers' greedy generate on the same prompts (bs 1, torch on the same GPU), in the
 same run (--hf-peer), and for STANDALONE its assisted generation with the same draft model.
 
-    python scripts/bench_spec_real.py --draft-model-path HEAD [--model-path DIR]
+    python -m benchmarks.bench_spec_real --draft-model-path HEAD [--model-path DIR]
         [--algorithm EAGLE3|STANDALONE] [--configs 3/1/4,5/4/8] [--batches 1,16] [--num-prompts 32]
         [--max-new-tokens 128] [--hf-peer]
 """
@@ -24,14 +24,10 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import jax
 import numpy as np
 
-from bench_decode import git_commit
 import jspec
+from benchmarks.common import RESULTS_DIR, Results
 from jspec.server.chat_template import render_chat
 from jspec.train.prompts import split_prompts
 
@@ -91,7 +87,7 @@ def main():
     ap.add_argument("--hf-peer", action="store_true")
     ap.add_argument("--name", default="bench_spec_real")
     ap.add_argument("--repeats", type=int, default=3, help="timed passes per row (median), after a warm-up pass")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default=RESULTS_DIR)
     args = ap.parse_args()
     if args.model_path is None:
         from jspec.testing.demo import demo_model_path
@@ -102,14 +98,13 @@ def main():
     texts = [render_chat(model.tokenizer, [{"role": "user", "content": p}]) for p in heldout]
     prompts = [model.tokenizer.encode(t) for t in texts]
     rows = []
+    results = Results(args.out, args.name, {"model": args.model_path, "draft": args.draft_model_path,
+                                            "algorithm": args.algorithm,
+                                            "prompts": f"jspec.train.prompts held-out, first {args.num_prompts}",
+                                            "max_new_tokens": args.max_new_tokens, "timed_passes": args.repeats})
 
     def save():
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, args.name + ".json"), "w") as f:
-            json.dump(dict(name=args.name, gpu=jax.devices()[0].device_kind, jax_version=jax.__version__,
-                           commit=git_commit(), model=args.model_path, draft=args.draft_model_path,
-                           prompts=f"jspec.train.prompts held-out, first {args.num_prompts}",
-                           max_new_tokens=args.max_new_tokens, timed_passes=args.repeats, rows=rows), f, indent=1)
+        results.write(rows=rows)
 
     configs = [tuple(int(v) for v in c.split("/")) for c in args.configs.split(",")]
     for B in [int(b) for b in args.batches.split(",")]:
@@ -132,9 +127,10 @@ def main():
         if args.algorithm == "STANDALONE":
             peers.append(("hf transformers assisted generation (same draft)", args.draft_model_path))
         for label, assistant in peers:
+            # A failed peer is recorded with its error, not fatal: the jspec rows stand alone.
             out = subprocess.run([os.environ.get("HF_PYTHON", sys.executable), "-c", HF_PEER, args.model_path,
                                   json.dumps(texts[:8]), str(args.max_new_tokens), assistant],
-                                 capture_output=True, text=True)
+                                 capture_output=True, text=True, check=False)
             peer = (json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0
                     else {"error": out.stderr[-500:]})
             rows.append(dict(batch=1, config=label, **peer))

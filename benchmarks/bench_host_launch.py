@@ -9,53 +9,46 @@ with a random head:
 - inside the overlap loop: the engine's schedule / launch / process / wait split per iteration;
 - a cProfile of the loop's launches: where the launch's host time goes.
 
-    python scripts/bench_host_launch.py [--out benchmarks/results] [--tiny]
+    python -m benchmarks.bench_host_launch [--out benchmarks/results] [--tiny]
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
-import dataclasses
 import io
-import json
-import os
 import pstats
-import sys
 import time
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jspec
-from bench_decode import git_commit, random_params
-from bench_overlap import SMALL, SMALL_DRAFT, TINY, TINY_DRAFT
-from jspec.engine.engine import LoopTimes
+from benchmarks.common import (
+    RESULTS_DIR,
+    SMALL,
+    SMALL_DRAFT,
+    TINY,
+    TINY_DRAFT,
+    Results,
+    median_ms,
+    random_params,
+)
 from jspec.checkpoint.eagle import init_random_draft_params
-
-
-def median_ms(fn, n: int, before=None) -> float:
-    ts = []
-    for _ in range(n):
-        if before is not None:
-            before()
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts)) * 1e3
+from jspec.engine.engine import LoopTimes
 
 
 def idle_launch(engine) -> dict:
     """Launches with the device idle: the previous step is waited for before each timed one."""
-    w = engine.worker
-    slot = w.alloc_slot()
-    pages = [w.allocator.alloc(8)]
+    w, kv = engine.worker, engine.scheduler.kv
+    slot = kv.alloc_slot()
+    pages = [kv.allocator.alloc(8)]
     greedy = [(jspec.SamplingParams(), 0)]
-    wait = lambda: jax.block_until_ready(w.state)  # noqa: E731
+
+    def wait():
+        jax.block_until_ready(w.state)
+
     full = median_ms(lambda: w.decode([slot], pages, greedy), 50, wait)
     inputs = median_ms(lambda: w._decode_inputs([slot], pages, greedy), 200)
     built = w._decode_inputs([slot], pages, greedy)
@@ -72,8 +65,8 @@ def idle_launch(engine) -> dict:
     floor = median_ms(call, 200, lambda: jax.block_until_ready(state["s"]))
     w.state = state["s"]
     jax.block_until_ready(w.decode([slot], pages, greedy))
-    w.free_slot(slot)
-    w.allocator.free(pages[0])
+    kv.free_slot(slot)
+    kv.allocator.free(pages[0])
     return dict(launch_ms=full, inputs_ms=inputs, dispatch_ms=dispatch, passthrough_dispatch_ms=floor,
                 argument_leaves=len(jax.tree.leaves(args)))
 
@@ -122,7 +115,7 @@ def loop_split(engine, tokens: int) -> tuple[dict, dict, str]:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default=RESULTS_DIR)
     ap.add_argument("--tiny", action="store_true", help="a tiny model: a quick dry run of the script")
     ap.add_argument("--tokens", type=int, default=64)
     args = ap.parse_args()
@@ -140,15 +133,9 @@ def main():
                    overlap_launch_median_ms=medians, launch_profile=profile)
         rows.append(row)
         print(profile)
-    result = dict(name="bench_host_launch", device=jax.devices()[0].device_kind, backend=jax.default_backend(),
-                  jax_version=jax.__version__, commit=git_commit(),
-                  settings=dict(model="tiny" if args.tiny else "smollm2-135m shape", dtype=str(jnp.dtype(dtype)),
-                                batch=1, speculative="EAGLE3 (3,1,4), random head", tokens=args.tokens,
-                                layer_loop="scan"), rows=rows)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "bench_host_launch.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    settings = {"model": "tiny" if args.tiny else "smollm2-135m shape", "dtype": str(jnp.dtype(dtype)), "batch": 1,
+                "speculative": "EAGLE3 (3,1,4), random head", "tokens": args.tokens, "layer_loop": "scan"}
+    path = Results(args.out, "bench_host_launch", settings).write(rows=rows)
     print(f"wrote {path}\n")
     print(f"{'method':>7} {'idle launch':>11} {'inputs':>7} {'dispatch':>8} {'floor':>6} | loop: {'sched':>6} "
           f"{'launch':>6} {'median':>6} {'p90':>6} {'process':>7} {'wait':>7}  (ms per iteration)")

@@ -1,11 +1,11 @@
-"""Issue 8's five targets from one run: the kernel, decode-step and host-time benchmarks,
+"""The five performance targets from one run: the kernel, decode-step and host-time benchmarks,
 each in its own process (fresh device memory) one after the other, and one JSON that holds
 their whole records and a verdict per target. One device call:
 
-    python scripts/bench_roofline.py [--out benchmarks/results] [--skip kernels,decode,overlap]
-    python scripts/bench_roofline.py --tiny      # a CPU dry run of the script itself
+    python -m benchmarks.bench_roofline [--out benchmarks/results] [--skip kernels,decode,overlap]
+    python -m benchmarks.bench_roofline --tiny      # a CPU dry run of the script itself
 
-Targets (H200, Llama-3.1-8B shape; issue 8):
+Targets (H200, Llama-3.1-8B shape):
   1. paged decode attention, B=32, ctx 4096, page 16: >= 75% of the copy bandwidth; page
      sizes 1 and 64 within 15% of page 16
   2. tree-masked verify attention, B=32 x 8 tokens, ctx 4096: >= 60% of the copy bandwidth
@@ -26,8 +26,7 @@ import sys
 import tempfile
 import time
 
-SCRIPTS = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, SCRIPTS)
+from benchmarks.common import REPO_ROOT, RESULTS_DIR, Results
 
 DECODE_FRACTION, PAGE_SPREAD, TREE_FRACTION, STEP_RATIO, VERIFY_RATIO = 0.75, 1.15, 0.60, 1.15, 1.1
 
@@ -50,7 +49,7 @@ def _not_run(target: str, threshold: str, why: str) -> dict:
 
 def evaluate(kernels: dict | None, decode: dict | None, overlap: dict | None) -> list[dict]:
     """One row per (sub-)target: the measured figure, the threshold, met (True / False, or
-    None where the issue asks only for a report)."""
+    None where a target asks only for a report)."""
     rows = []
     cases = {c["name"]: c for c in (kernels or {}).get("cases", [])}
 
@@ -108,7 +107,7 @@ def evaluate(kernels: dict | None, decode: dict | None, overlap: dict | None) ->
     host_rows = [r for r in (overlap or {}).get("rows", []) if r["batch"] == 1]
     for r in host_rows:
         host, dev = r["overlap_host_ms"]["host"], r["device_step_ms"]
-        graded = r["model"] == "8b"  # the issue grades the 8B shape and asks the others to be reported
+        graded = r["model"] == "8b"  # the target is graded on the 8B shape; the others are reported
         rows.append(_row(f"5 host per iteration, {r['model']} {r['method']} bs=1",
                          f"host {host:.3f} ms vs device {dev:.3f} ms (launch {r['overlap_host_ms']['launch']:.3f})",
                          "host < device" if graded else "report", host < dev if graded else None))
@@ -118,29 +117,34 @@ def evaluate(kernels: dict | None, decode: dict | None, overlap: dict | None) ->
 
 
 def run_part(name: str, argv: list[str], record_name: str, out: str, timeout: int) -> tuple[dict | None, dict]:
-    """Runs one benchmark script into `out`; (its JSON `record_name` or None, what happened)."""
+    """Runs one benchmark module (argv[0], under benchmarks/) into `out`; (its JSON `record_name`
+    or None, what happened)."""
     t = time.perf_counter()
     try:
-        done = subprocess.run([sys.executable, os.path.join(SCRIPTS, argv[0]), *argv[1:], "--out", out],
-                              capture_output=True, text=True, timeout=timeout)
+        # A failing part is recorded (rc, output tail), not fatal: the other targets still get graded.
+        done = subprocess.run([sys.executable, "-m", f"benchmarks.{argv[0]}", *argv[1:], "--out", out],
+                              capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT, check=False)
         rc, tail = done.returncode, (done.stdout + done.stderr)[-1500:]
     except subprocess.TimeoutExpired as e:
         partial = e.stdout or b""  # bytes even with text=True
         rc, tail = "timeout", (partial.decode(errors="replace") if isinstance(partial, bytes) else partial)[-1500:]
-    info = {"command": " ".join(argv), "rc": rc, "wall_s": round(time.perf_counter() - t, 1)}
+    info = {"command": "python -m benchmarks." + " ".join(argv), "rc": rc, "wall_s": round(time.perf_counter() - t, 1)}
     print(f"[roofline] {name}: rc {rc} in {info['wall_s']} s", flush=True)
     if rc != 0:
         info["output_tail"] = tail
         print(tail, flush=True)
     path = os.path.join(out, record_name + ".json")
     # A part cut short still leaves the rows it finished (each script writes after every row).
-    record = json.load(open(path)) if os.path.exists(path) else None
+    record = None
+    if os.path.exists(path):
+        with open(path) as f:
+            record = json.load(f)
     return record, info
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default=RESULTS_DIR)
     ap.add_argument("--name", default="bench_roofline")
     ap.add_argument("--skip", default="", help="comma-separated parts not to run: kernels, decode, overlap")
     ap.add_argument("--part-timeout", type=int, default=300, help="seconds per part")
@@ -150,16 +154,12 @@ def main(argv=None):
 
     t = ["--tiny"] if args.tiny else []
     parts = {  # name: (command, the JSON it writes under --out)
-        "kernels": (["bench_kernels.py", "--quick"] + (["--smoke"] if args.tiny else []), "bench_kernels"),
-        "decode": (["bench_decode.py", "--quick", "--no-stacked", "--profile"] + t
+        "kernels": (["bench_kernels", "--quick"] + (["--smoke"] if args.tiny else []), "bench_kernels"),
+        "decode": (["bench_decode", "--quick", "--no-stacked", "--profile"] + t
                    + ([] if args.tiny else ["--batches", "1,64", "--contexts", "1024"]), "bench_decode"),
-        "overlap": (["bench_overlap.py", "--name", "bench_overlap_host"] + t
+        "overlap": (["bench_overlap", "--name", "bench_overlap_host"] + t
                     + ([] if args.tiny else ["--models", "small,8b", "--batches", "1"]), "bench_overlap_host"),
     }
-    import jax
-
-    from bench_decode import git_commit
-
     records, runs = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, (command, record_name) in parts.items():
@@ -168,13 +168,9 @@ def main(argv=None):
                 continue
             records[name], runs[name] = run_part(name, command, record_name, tmp, args.part_timeout)
     targets = evaluate(records["kernels"], records["decode"], records["overlap"])
-    result = dict(name=args.name, gpu=jax.devices()[0].device_kind, jax_version=jax.__version__,
-                  commit=git_commit(), xla_flags=os.environ.get("XLA_FLAGS", ""), tiny=args.tiny,
-                  targets=targets, runs=runs, records=records)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, args.name + ".json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    settings = {"xla_flags": os.environ.get("XLA_FLAGS", ""), "tiny": args.tiny, "skip": sorted(skip),
+                "part_timeout_s": args.part_timeout}
+    path = Results(args.out, args.name, settings).write(targets=targets, runs=runs, records=records)
     print(f"\nwrote {path}\n")
     verdict = {True: "met", False: "NOT met", None: "-"}
     for r in targets:

@@ -1,6 +1,7 @@
 """Where a jitted step's device time goes: a jax.profiler trace of a few back-to-back calls,
 summarised per GPU kernel (benchmarks use it to split a step's gap to its floor).
 
+    from benchmarks.device_profile import profile_calls
     summary = profile_calls(step, calls=5)   # step() launches one call and returns its outputs
 
 The trace's device events are the kernels each call ran, in stream order. Per call:
@@ -22,7 +23,7 @@ import json
 import os
 import re
 import tempfile
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 

@@ -7,8 +7,8 @@ Reports request and token throughput, TTFT, inter-token latency and end-to-end l
 as a table and as JSON (--output-file).
 
     python scripts/serve.py --port 30000 &
-    python scripts/bench_serving.py --port 30000 --num-prompts 200 --request-rate 4
-    python scripts/bench_serving.py --dataset-name sharegpt --dataset-path ShareGPT.json --request-rate inf
+    python -m benchmarks.bench_serving --port 30000 --num-prompts 200 --request-rate 4
+    python -m benchmarks.bench_serving --dataset-name sharegpt --dataset-path ShareGPT.json --request-rate inf
 
 Datasets: random (token ids, --random-input-len / --random-output-len, lengths drawn from
 [range_ratio x len, len]) or sharegpt (a JSON list of {"conversations": [{"value": ...}, ...]};
@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 
 import numpy as np
+
+from benchmarks.common import Results, git_commit
 
 
 def random_requests(n, input_len, output_len, range_ratio, vocab, seed):
@@ -83,7 +85,7 @@ async def one_request(client, url, backend, model, prompt, max_tokens, ignore_eo
     end = time.perf_counter()
     if error or not times:
         return dict(ok=False, error=error or "no tokens")
-    itl = [(b - a) for a, b in zip(times, times[1:])]
+    itl = [(b - a) for a, b in itertools.pairwise(times)]
     return dict(ok=True, ttft=times[0] - t0, e2e=end - t0, itl=itl, output_tokens=tokens)
 
 
@@ -160,21 +162,19 @@ def server_info(url: str) -> dict | None:
 
 def write_results(args, url: str, rows: list[dict]) -> None:
     """Appends rows to --output-file's list (several runs, e.g. spec on and off, share one file)."""
-    try:
-        commit = os.environ.get("JSPEC_COMMIT") or subprocess.check_output(
-            ["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
-    except Exception:  # noqa: BLE001
-        commit = "unknown"
-    rows = [dict(r, commit=commit, server=server_info(url)) for r in rows]
+    info = server_info(url)
+    commit = git_commit()
+    rows = [dict(r, commit=commit, server=info) for r in rows]
     existing = []
     if os.path.exists(args.output_file):
         with open(args.output_file) as f:
             existing = json.load(f).get("rows", [])
-    with open(args.output_file, "w") as f:
-        json.dump(dict(name="bench_serving", commit=commit, url=url, model=args.model,
-                       dataset=args.dataset_name, num_prompts=args.num_prompts,
-                       random_input_len=args.random_input_len, random_output_len=args.random_output_len,
-                       max_concurrency=args.max_concurrency, rows=existing + rows), f, indent=1)
+    out, file_name = os.path.split(args.output_file)
+    settings = {"url": url, "model": args.model, "dataset": args.dataset_name, "num_prompts": args.num_prompts,
+                "random_input_len": args.random_input_len, "random_output_len": args.random_output_len,
+                "max_concurrency": args.max_concurrency}
+    # The figures are the server's: its device and jax version, not this client's.
+    Results(out, "bench_serving", settings, file_name=file_name, server=info or {}).write(rows=existing + rows)
 
 
 def main():
@@ -226,9 +226,12 @@ def main():
             write_results(args, url, rows[-1:])
     print(f"\n{'tag':>12} {'rate':>5} {'ok':>4} {'req/s':>6} {'tok/s':>8} {'TTFT p50':>8} {'TTFT p99':>8} "
           f"{'ITL p50':>7} {'ITL p99':>7} {'E2E p50':>8} {'accept':>6}")
+
+    def f(d, k):
+        return f"{d[k]:.1f}" if d[k] is not None else "-"
+
     for r in rows:
         acc = f"{r['mean_accept_length']:.2f}" if r["mean_accept_length"] else "-"
-        f = lambda d, k: f"{d[k]:.1f}" if d[k] is not None else "-"  # noqa: E731
         print(f"{r['tag']:>12} {r['request_rate']:>5} {r['completed']:>4} {r['request_throughput']:>6.2f} "
               f"{r['output_token_throughput']:>8.0f} {f(r['ttft'], 'median_ms'):>8} {f(r['ttft'], 'p99_ms'):>8} "
               f"{f(r['itl'], 'median_ms'):>7} {f(r['itl'], 'p99_ms'):>7} {f(r['e2e'], 'median_ms'):>8} {acc:>6}")

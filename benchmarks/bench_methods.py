@@ -7,7 +7,7 @@ random weights, overlap on. Two prompt sets: repetitive text (a phrase repeated,
 NGRAM shines) and random tokens. Random weights make EAGLE/STANDALONE acceptance ~1 token;
 the figures that transfer to real weights are the per-iteration costs.
 
-    python scripts/bench_methods.py [--batch 16] [--out benchmarks/results]
+    python -m benchmarks.bench_methods [--batch 16] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -15,19 +15,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import sys
 import time
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench_decode import git_commit, random_params
-from bench_overlap import SMALL, SMALL_DRAFT, TINY, TINY_DRAFT
 import jspec
+from benchmarks.common import (
+    RESULTS_DIR,
+    SMALL,
+    SMALL_DRAFT,
+    TINY,
+    TINY_DRAFT,
+    Results,
+    random_params,
+)
 from jspec.checkpoint.eagle import init_random_draft_params
 
 
@@ -44,7 +47,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default=RESULTS_DIR)
     ap.add_argument("--tiny", action="store_true", help="a tiny model: a CPU dry run of the script itself")
     args = ap.parse_args()
     cfg, dcfg_e = SMALL, SMALL_DRAFT
@@ -69,25 +72,18 @@ def main():
         "NGRAM (8 tokens)": (jspec.SpecConfig("NGRAM", num_draft_tokens=8), None),
     }
     rows = []
+    results = Results(args.out, "bench_methods", {"model": "SmolLM2-135M shape, random weights", "batch": B,
+                                                  "new_tokens": new, "page_size": 16, "overlap": True})
 
     def save():
-        """Writes the JSON after every row, so a run cut short still leaves its figures."""
         base = {r["prompts"]: r["tok_per_s"] for r in rows if r["method"] == "none"}
         for r in rows:
             r["vs_no_spec"] = r["tok_per_s"] / base[r["prompts"]] if r["prompts"] in base else None
-        result = dict(name="bench_methods", gpu=dev.device_kind, jax_version=jax.__version__, commit=git_commit(),
-                      settings=dict(model="SmolLM2-135M shape, random weights", batch=B, new_tokens=new,
-                                    page_size=16, overlap=True), rows=rows)
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, "bench_methods.json")
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
-        return path
+        return results.write(rows=rows)
 
     for name, (spec, draft) in methods.items():
-        kv_bytes = 4 * cfg.num_layers * cfg.kv_size * 2 * (B * (128 + new + 64) + 1024)
         engine = jspec.Engine((cfg, params), speculative=spec, draft=draft, page_size=16, max_running_requests=B,
-                              kv_memory_bytes=kv_bytes, disable_radix_cache=True)
+                              max_total_tokens=2 * (B * (128 + new + 64) + 1024), disable_radix_cache=True)
         for which, prompts in prompt_sets.items():
             workload(engine, prompts, new)  # untimed: compiles what this workload needs
             tok_s, acc = workload(engine, prompts, new)

@@ -6,40 +6,33 @@ made: compiling needs shapes only), its decode step at batch 1, compiled with ev
 one. The scan's compile time should not grow with depth; the unrolled one's grows with it.
 Each program compiles in a fresh process, so nothing is cached between them.
 
-    python scripts/bench_compile_depth.py [--out benchmarks/results] [--shape llama-3.1-8b]
+    python -m benchmarks.bench_compile_depth [--out benchmarks/results] [--shape llama-3.1-8b]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jax
+import jax.numpy as jnp
 
-SHAPES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "shapes")
+from benchmarks.common import REPO_ROOT, RESULTS_DIR, Results, shape
+from jspec.checkpoint.loader import param_shapes
+from jspec.kvcache.pool import KVPool
+from jspec.layers.penalties import init_penalty_state
+from jspec.layers.sampling import sampling_rows
+from jspec.steps.plain import PlainCarry, PlainState, plain_decode_step
 
 
-def compile_once(shape: str, layers: int, layer_loop: str) -> dict:
+def compile_once(name: str, layers: int, layer_loop: str) -> dict:
     """Lowers and compiles the plain decode step (batch 1) in this process; returns the times."""
-    import dataclasses
-
-    import jax
-    import jax.numpy as jnp
-
-    from jspec.config.model import ModelConfig
-    from jspec.checkpoint.loader import param_shapes
-    from jspec.kvcache.pool import KVPool
-    from jspec.layers.penalties import init_penalty_state
-    from jspec.layers.sampling import sampling_rows
-    from jspec.steps.plain import PlainCarry, PlainState, plain_decode_step
-
-    cfg = ModelConfig.from_pretrained(os.path.join(SHAPES, shape))
-    cfg = dataclasses.replace(cfg, num_layers=layers)
+    cfg = dataclasses.replace(shape(name), num_layers=layers)
     dtype = jnp.bfloat16
     params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(cfg),
                           is_leaf=lambda x: isinstance(x, tuple))
@@ -59,47 +52,36 @@ def compile_once(shape: str, layers: int, layer_loop: str) -> dict:
     t1 = time.perf_counter()
     lowered.compile()
     t2 = time.perf_counter()
-    return dict(shape=shape, layers=layers, layer_loop=layer_loop, lower_s=t1 - t0, compile_s=t2 - t1,
+    return dict(shape=name, layers=layers, layer_loop=layer_loop, lower_s=t1 - t0, compile_s=t2 - t1,
                 total_s=t2 - t0)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default=RESULTS_DIR)
     ap.add_argument("--shape", default="llama-3.1-8b")
     ap.add_argument("--layer-loops", default="scan,unrolled")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        shape, layers, loop = args.child
-        print(json.dumps(compile_once(shape, int(layers), loop)))
+        name, layers, loop = args.child
+        print(json.dumps(compile_once(name, int(layers), loop)))
         return
-    import jax
-
-    from bench_decode import git_commit
-
-    from jspec.config.model import ModelConfig
-
-    full = ModelConfig.from_pretrained(os.path.join(SHAPES, args.shape)).num_layers
+    full = shape(args.shape).num_layers
     rows = []
     env = dict(os.environ, JAX_ENABLE_COMPILATION_CACHE="false")
     for loop in args.layer_loops.split(","):
         for layers in (2, full):
-            out = subprocess.run([sys.executable, __file__, "--child", args.shape, str(layers), loop], env=env,
-                                 capture_output=True, text=True, check=True).stdout
+            out = subprocess.run([sys.executable, "-m", "benchmarks.bench_compile_depth", "--child", args.shape,
+                                  str(layers), loop], env=env, cwd=REPO_ROOT, capture_output=True, text=True,
+                                 check=True).stdout
             row = json.loads(out.strip().splitlines()[-1])
             rows.append(row)
             print(json.dumps(row), flush=True)
     by = {(r["layer_loop"], r["layers"]): r["total_s"] for r in rows}
     ratios = {loop: by[(loop, full)] / by[(loop, 2)] for loop in args.layer_loops.split(",")}
-    result = dict(name="bench_compile_depth", device=jax.devices()[0].device_kind, backend=jax.default_backend(),
-                  jax_version=jax.__version__, commit=git_commit(),
-                  settings=dict(shape=args.shape, batch=1, program="plain decode step, greedy",
-                                attention="reference"), rows=rows, full_over_two_layers=ratios)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "bench_compile_depth.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    settings = {"shape": args.shape, "batch": 1, "program": "plain decode step, greedy", "attention": "reference"}
+    path = Results(args.out, "bench_compile_depth", settings).write(rows=rows, full_over_two_layers=ratios)
     print(f"wrote {path}\n")
     print(f"{'layer loop':>10} {'layers':>6} {'lower s':>8} {'compile s':>9} {'total s':>8}")
     for r in rows:

@@ -1,15 +1,15 @@
 """Multi-LoRA cost on the GPU: decode iteration time with 0, 1 and 4 distinct adapters in a
-batch, EAGLE-3 on (issue 10's target: 4 adapters cost <= 15% over none).
+batch, EAGLE-3 on (the target: 4 adapters cost <= 15% over none).
 
 Rows, per model shape: the engine without a LoRA pool (the programs without LoRA), and an
 engine with a pool of --max-loras adapters of rank --rank (all seven projections), whose
 batch rows use 0 (every row the base model), 1 or 4 distinct adapters. Each row gives the
 device time of the compiled speculative decode step on prebuilt inputs, back to back
-(bench_overlap.py's method), and the overlap loop's wall time per step on a whole workload.
+(bench_overlap's method), and the overlap loop's wall time per step on a whole workload.
 The pool computes every slot's delta for every token (jspec/lora/pool.py), so the step costs
 the same whatever mix of adapters a batch holds; what it adds over no pool is the figure.
 
-    python scripts/bench_lora.py [--models small,8b] [--batch 32] [--rank 16] [--tiny]
+    python -m benchmarks.bench_lora [--models small,8b] [--batch 32] [--rank 16] [--tiny]
 """
 
 from __future__ import annotations
@@ -18,22 +18,29 @@ import argparse
 import json
 import os
 import re
-import sys
 import tempfile
 import time
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench_decode import git_commit, random_params, timed
-from device_profile import print_summary, profile_calls
-from bench_overlap import EAGLE3_8B_CTX, LLAMA_8B_CTX, SMALL, SMALL_DRAFT, TINY, TINY_DRAFT
 import jspec
-from jspec.lora.adapter import SUPPORTED_MODULES, module_shapes
+from benchmarks.common import (
+    EAGLE3_8B_CTX,
+    LLAMA_8B_CTX,
+    RESULTS_DIR,
+    SMALL,
+    SMALL_DRAFT,
+    TINY,
+    TINY_DRAFT,
+    HeldDecode,
+    Results,
+    random_params,
+)
+from benchmarks.device_profile import print_summary, profile_calls
 from jspec.checkpoint.eagle import init_random_draft_params
+from jspec.lora.adapter import SUPPORTED_MODULES, module_shapes
 
 
 def write_random_adapter(path: str, cfg, rank: int, seed: int) -> str:
@@ -76,13 +83,13 @@ def kernel_count(hlo_text: str) -> int:
     return len(re.findall(r"= \S+ (?:fusion|custom-call)\(", hlo_text))
 
 
-def step_kernels(engine, inputs, lora) -> int:
+def step_kernels(engine, held: HeldDecode) -> int:
     """kernel_count of the speculative decode step the engine launches (its cached compile)."""
     from jspec.speculative.method import spec_decode_step
 
     w = engine.worker
-    lowered = spec_decode_step.lower(w.params, w.dparams, w.state, *inputs, lora, cfg=w.cfg, method=w.method,
-                                     backend=w.backend, top_n=w.top_n, sampling="greedy")
+    lowered = spec_decode_step.lower(w.params, w.dparams, w.state, *held.inputs, held.lora, cfg=w.cfg,
+                                     method=w.method, backend=w.backend, top_n=w.top_n, sampling="greedy")
     return kernel_count(lowered.compile().as_text())
 
 
@@ -90,34 +97,14 @@ def device_step_ms(engine, B: int, n0: int, pages_per_req: int, lora_ids, count_
                    profile: bool = False):
     """The compiled decode step on prebuilt inputs, back to back, at context n0:
     (ms, kernels in the program or None, the step's per-kernel device profile or None)."""
-    w = engine.worker
-    slots = [w.alloc_slot() for _ in range(B)]
-    pages = [w.allocator.alloc(pages_per_req) for _ in range(B)]
-    greedy = [(jspec.SamplingParams(), 0)] * B
-    inputs = jax.device_put(w._decode_inputs(slots, pages, greedy))
-    lora = w._decode_loras(inputs[0].shape[0], lora_ids) if w.lora is not None else None
-
-    def reset_lengths():
-        c = w.state.carry
-        w.state = w.state._replace(carry=c._replace(seq_len=c.seq_len.at[jnp.asarray(slots)].set(n0)))
-
-    decode = lambda: w.decode_arrays(*inputs, "greedy", lora).ints  # noqa: E731
-    reset_lengths()
-    jax.block_until_ready(decode())
-    times = []
-    for _ in range(3):
-        reset_lengths()
-        times.append(timed(decode, 10, 1))
-    kernels = step_kernels(engine, inputs, lora) if count_kernels else None
-    summary = None
-    if profile:
-        reset_lengths()
-        summary = profile_calls(decode, calls=5)
-    for s in slots:
-        w.free_slot(s)
-    for p in pages:
-        w.allocator.free(p)
-    return float(np.median(times)) * 1e3, kernels, summary
+    with HeldDecode(engine, B, pages_per_req, n0, lora_ids) as held:
+        ms = held.step_ms()
+        kernels = step_kernels(engine, held) if count_kernels else None
+        summary = None
+        if profile:
+            held.reset()
+            summary = profile_calls(held.decode, calls=5)
+    return ms, kernels, summary
 
 
 def main():
@@ -128,9 +115,9 @@ def main():
     ap.add_argument("--max-loras", type=int, default=4, help="pool slots (adapters resident at once)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model: a CPU dry run of the script itself")
     ap.add_argument("--profile", action="store_true",
-                    help="also split the step's device time per kernel (scripts/device_profile.py), without "
+                    help="also split the step's device time per kernel (benchmarks/device_profile.py), without "
                          "a pool and with one: which kernels the adapters add")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default=RESULTS_DIR)
     ap.add_argument("--name", default="bench_lora", help="JSON file name under --out")
     args = ap.parse_args()
     dev = jax.devices()[0]
@@ -143,16 +130,9 @@ def main():
     dtype = jnp.float32 if args.tiny else jnp.bfloat16
     spec = jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=1, num_draft_tokens=4)
     rows = []
-
-    def save():
-        result = dict(name="bench_lora", gpu=dev.device_kind, jax_version=jax.__version__, commit=git_commit(),
-                      settings=dict(prompt_len=prompt_len, new_tokens=new_tokens, batch=B, rank=args.rank,
-                                    max_loras_per_batch=args.max_loras, speculative="EAGLE3 (3,1,4)", page_size=16), rows=rows)
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, args.name + ".json")
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
-        return path
+    results = Results(args.out, "bench_lora", {"prompt_len": prompt_len, "new_tokens": new_tokens, "batch": B,
+                                               "rank": args.rank, "max_loras_per_batch": args.max_loras,
+                                               "speculative": "EAGLE3 (3,1,4)", "page_size": 16}, file_name=args.name)
 
     with tempfile.TemporaryDirectory() as tmp:
         for name, cfg, dcfg in cases:
@@ -161,13 +141,13 @@ def main():
             paths = {f"ad{i}": write_random_adapter(os.path.join(tmp, f"{name}-{i}"), cfg, args.rank, i)
                      for i in range(args.max_loras)}
             ctx = prompt_len + new_tokens + 64
-            kv_bytes = 2 * cfg.num_layers * cfg.kv_size * 2 * (B * ctx + 1024)
             base = None
             for pool in (False, True):
-                lora_kw = dict(lora_paths=paths, max_loras=args.max_loras, max_lora_rank=args.rank) if pool else {}
+                lora_kw = ({"lora_paths": paths, "max_loras_per_batch": args.max_loras, "max_lora_rank": args.rank}
+                           if pool else {})
                 engine = jspec.Engine((cfg, params), speculative=spec, draft=(dcfg, dparams), page_size=16,
-                                      max_running_requests=B, kv_memory_bytes=kv_bytes, disable_radix_cache=True,
-                                      **lora_kw)
+                                      max_running_requests=B, max_total_tokens=B * ctx + 1024,
+                                      disable_radix_cache=True, **lora_kw)
                 for distinct in ((0, 1, min(4, args.max_loras)) if pool else (0,)):
                     names = [None] + list(paths)
                     use = [names[1 + i % distinct] if distinct else None for i in range(B)]
@@ -188,13 +168,13 @@ def main():
                         print_summary(f"profile {name} pool={pool}", prof)
                     rows.append(row)
                     print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
-                    save()
-    path = save()
+                    results.write(rows=rows)
+    path = results.write(rows=rows)
     print(f"\nwrote {path}\n")
     print(f"{'model':>6} {'pool':>5} {'adapters':>8} {'dev ms':>8} {'loop ms':>8} {'overhead':>8} {'kernels':>8}")
     for r in rows:
-        print(f"{r['model']:>6} {str(r['lora_pool']):>5} {r['distinct_adapters']:>8} {r['device_step_ms']:>8.3f} "
-              f"{r['loop_step_ms']:>8.3f} {r['overhead_vs_no_pool']:>8.1%} {str(r['step_kernels'] or ''):>8}")
+        print(f"{r['model']:>6} {r['lora_pool']!s:>5} {r['distinct_adapters']:>8} {r['device_step_ms']:>8.3f} "
+              f"{r['loop_step_ms']:>8.3f} {r['overhead_vs_no_pool']:>8.1%} {r['step_kernels'] or ''!s:>8}")
 
 
 if __name__ == "__main__":
