@@ -32,9 +32,17 @@ SLOW_FILES_FIRST = ("test_engine.py", "test_spec_methods.py", "test_spec_eagle.p
                     "test_hf_parity.py",
                     "test_lora.py", "test_moe.py", "test_train_eagle.py", "test_logprobs.py",
                     "test_spec_sampling.py", "test_sampling.py", "test_kernels.py", "test_generate.py",
-                    "test_pd_disagg.py")
+                    "test_pd_disagg.py", "test_bench_scripts.py")
+
+
+# Layers whose tests build engines, servers or HF references: `pytest -m "not slow"` leaves
+# unit/ and kernels/, the inner loop.
+SLOW_DIRS = ("engine", "server", "parity")
 
 
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's own order stays
+    for item in items:
+        if item.path.parent.name in SLOW_DIRS:
+            item.add_marker(pytest.mark.slow)

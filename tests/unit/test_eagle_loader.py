@@ -15,7 +15,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from hf_reference import NO_HF_REASON, hf_python
+from support.hf_reference import NO_HF_REASON, hf_python
 
 from jspec.checkpoint.eagle import (
     DraftAlgorithmMismatchError,

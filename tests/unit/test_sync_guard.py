@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from sync_guard import count_device_reads
+from support.sync_guard import count_device_reads
 
 from jspec.scheduler.sync import designated_read, start_host_copy
 

@@ -1,18 +1,16 @@
 """jspec logits equal HF transformers' (float32) for checkpoints that transformers itself wrote:
 a prefill of every prompt position, then 8 decode steps through the paged KV cache."""
 
-import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hf_reference import HF_VARIANTS, hf_logits, hf_make_checkpoints, requires_hf
+from support.hf_reference import HF_VARIANTS, hf_logits, hf_make_checkpoints, requires_hf
+from support.parity import forward_logits, rel_err
 
 from jspec.checkpoint.loader import load_model
 from jspec.kvcache.allocator import PageAllocator
 from jspec.kvcache.pool import create_kv_pool
-from jspec.models.llama import forward
 from jspec.worker.inputs import SeqChunk, build_forward_batch
 
 PAGE_SIZE = 4
@@ -23,15 +21,6 @@ BACKEND = "pallas"
 @pytest.fixture(scope="module")
 def hf_checkpoints(tmp_path_factory):
     return hf_make_checkpoints(tmp_path_factory.mktemp("hf"))
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "mode"))
-def _forward_logits(params, kv, batch, *, cfg, mode):
-    return forward(params, cfg, kv, batch, mode)
-
-
-def rel_err(a, b):
-    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
 
 
 @requires_hf
@@ -52,7 +41,7 @@ def test_logits_match_transformers(hf_checkpoints, variant):
                                       page_size=PAGE_SIZE, num_pages=32)
     T = batch.tokens.shape[0]
     batch = batch._replace(logits_indices=np.arange(T, dtype=np.int32))
-    kv, out = _forward_logits(params, kv, batch, cfg=cfg, mode=mode._replace(backend=BACKEND))
+    kv, out = forward_logits(params, kv, batch, cfg=cfg, mode=mode._replace(backend=BACKEND))
     starts = batch.query_start
     for i, p in enumerate(prompts):
         got = np.asarray(out.logits[starts[i] : starts[i] + len(p)])
@@ -62,7 +51,7 @@ def test_logits_match_transformers(hf_checkpoints, variant):
     for step in range(DECODE_STEPS):
         chunks = [SeqChunk([int(ref["generated"][i][step])], len(p) + step, pages[i]) for i, p in enumerate(prompts)]
         batch, mode = build_forward_batch(chunks, page_size=PAGE_SIZE, num_pages=32)
-        kv, out = _forward_logits(params, kv, batch, cfg=cfg, mode=mode._replace(backend=BACKEND))
+        kv, out = forward_logits(params, kv, batch, cfg=cfg, mode=mode._replace(backend=BACKEND))
         for i in range(len(prompts)):
             got = np.asarray(out.logits[i])
             want = ref["decode_logits"][i][step]

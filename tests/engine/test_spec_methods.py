@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_spec_eagle import TARGET, permutation_models, prompts
+from support.models import TARGET, permutation_models, prompts
 
 import jspec
 from jspec.checkpoint.loader import init_random_params
@@ -136,7 +136,7 @@ def method_names_in_code(source: str) -> list[tuple[int, str]]:
 
 
 def test_shared_code_never_branches_on_a_method_name():
-    root = pathlib.Path(__file__).resolve().parent.parent
+    root = pathlib.Path(__file__).resolve().parents[2]
     hits = []
     for entry in SHARED:
         p = root / entry

@@ -6,32 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support.sampling import reference_keep, reference_probs
 
 import jspec
 from jspec.config.sampling import SamplingParams
 from jspec.layers.sampling import TOP_K_CAP, keep_mask, sample_tokens, sampling_mode, sampling_rows
-
-
-def reference_keep(x, top_k, top_p, min_p):
-    """Which tokens a row's filters keep, token by token in float64 (the rule sampling.py states)."""
-    x = x.astype(np.float64)
-    e = np.exp(x - x.max())
-    above = x[None, :] > x[:, None]  # [i, j]: token j's logit exceeds token i's
-    keep = np.ones(len(x), bool)
-    if top_k > 0:
-        keep &= above.sum(1) < top_k
-    if top_p < 1:
-        keep &= (above * e[None, :]).sum(1) / e.sum() < top_p
-    if min_p > 0:
-        keep &= x - x.max() >= np.log(min_p)
-    return keep
-
-
-def reference_probs(logits, temperature, top_k, top_p, min_p):
-    """The distribution a row must sample from, in float64 numpy."""
-    x = logits.astype(np.float64) / temperature
-    q = np.where(reference_keep(x, top_k, top_p, min_p), np.exp(x - x.max()), 0.0)
-    return q / q.sum()
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p,min_p", [

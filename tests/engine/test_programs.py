@@ -8,17 +8,17 @@ import textwrap
 
 import numpy as np
 import pytest
+from support import REPO_ROOT
+from support.models import tiny_model
 
 import jspec
-from jspec.checkpoint.model import with_context_length
-from jspec.testing.tiny import make_tiny_model
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = REPO_ROOT
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return with_context_length(jspec.load(make_tiny_model(str(tmp_path_factory.mktemp("tiny") / "m"), seed=5)), 256)
+    return tiny_model(tmp_path_factory, "tiny", seed=5, context=256)
 
 
 PROMPTS = [[1, 2, 3, 4, 5], [7] * 19, [9, 8]]
@@ -32,7 +32,7 @@ def greedy(engine):
 
 @pytest.mark.parametrize("spec", [None, "EAGLE3"])
 def test_scanned_and_unrolled_layers_give_the_same_tokens(tiny, spec):
-    from test_engine import eagle_draft
+    from support.models import eagle_draft
 
     kw = dict(KW)
     if spec:
@@ -51,7 +51,7 @@ def test_an_unknown_layer_loop_is_refused(tiny):
 
 @pytest.mark.parametrize("spec", [None, "EAGLE3"])
 def test_the_default_server_compiles_at_most_16_programs(tiny, spec):
-    from test_engine import eagle_draft
+    from support.models import eagle_draft
 
     # The server's defaults: 32 running requests, 512-token prefill chunks, both sampling programs.
     kw = dict(page_size=16, max_running_requests=32, chunked_prefill_size=512, max_top_logprobs=5)

@@ -5,29 +5,15 @@ import dataclasses
 
 import numpy as np
 import pytest
-from sync_guard import count_device_reads
+from support.models import eagle_draft, tiny_model
+from support.sync_guard import count_device_reads
 
 import jspec
-from jspec.checkpoint.eagle import init_random_draft_params
-from jspec.checkpoint.model import with_context_length
-from jspec.testing.tiny import make_tiny_model
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = make_tiny_model(str(tmp_path_factory.mktemp("tiny") / "m"), seed=3)
-    # The workloads stay under 512 tokens; a shorter context means narrower page tables,
-    # hence fewer and cheaper programs on the CPU.
-    return with_context_length(jspec.load(path), 512)
-
-
-def eagle_draft(model, algorithm="EAGLE3"):
-    from test_spec_eagle import draft_config
-
-    dcfg = dataclasses.replace(draft_config(algorithm, cfg=model.cfg), capture_layers=(0, 1, 2))
-    import jax
-
-    return dcfg, init_random_draft_params(dcfg, jax.random.key(7), std=0.2)
+    return tiny_model(tmp_path_factory, "tiny", seed=3, context=512)  # the workloads stay under 512 tokens
 
 
 @dataclasses.dataclass

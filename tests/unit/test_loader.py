@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from hf_reference import HF_VARIANTS, hf_inspect, hf_make_checkpoints, hf_python, requires_hf
 from safetensors.numpy import save_file
+from support import REPO_ROOT
+from support.hf_reference import HF_VARIANTS, hf_inspect, hf_make_checkpoints, hf_python, requires_hf
 
 from jspec.checkpoint.errors import (
     CorruptCheckpointError,
@@ -36,7 +37,7 @@ from jspec.checkpoint.tokenizer import load_tokenizer
 from jspec.config.model import RopeScaling, UnsupportedArchitectureError
 from jspec.testing.tiny import EOS_IDS, make_tiny_model
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = REPO_ROOT
 ARCH_CASES = [("llama", False), ("llama", True), ("mistral", False), ("qwen2", False), ("qwen2", True),
               ("qwen3", False), ("qwen3", True)]
 

@@ -5,15 +5,15 @@ import time
 
 import numpy as np
 import pytest
+from support.models import tiny_model
 
 import jspec
 from jspec.engine.async_engine import AsyncEngine
-from jspec.testing.tiny import make_tiny_model
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return jspec.load(make_tiny_model(str(tmp_path_factory.mktemp("tiny") / "m"), seed=4, max_position_embeddings=512))
+    return tiny_model(tmp_path_factory, "tiny", seed=4, max_position_embeddings=512)
 
 
 def make_engine(tiny):

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from dense_paged_attention import dense_decode, dense_extend
+from support.dense_paged_attention import dense_decode, dense_extend
 
 from jspec.kernels.backend import interpret_mode
 from jspec.kernels.paged_decode import paged_decode

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
+from support.models import tiny_model
 
 import jspec
 from jspec.lora.adapter import LoraError
@@ -25,8 +26,7 @@ ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = make_tiny_model(str(tmp_path_factory.mktemp("lora") / "m"), seed=7, max_position_embeddings=512)
-    return jspec.load(path)
+    return tiny_model(tmp_path_factory, "lora", seed=7, max_position_embeddings=512)
 
 
 def shapes(cfg):
@@ -136,10 +136,10 @@ def test_mixed_batch_equals_merged_models(tiny, adapters, references):
 
 
 def test_mixed_batch_with_eagle3_is_lossless(tiny, adapters, references):
-    from test_tensor_parallel import eagle3
+    from support.models import eagle_draft
 
     spec = jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=1, num_draft_tokens=4)
-    engine = jspec.Engine(tiny, speculative=spec, draft=eagle3(tiny), lora_paths={n: a[0] for n, a in adapters.items()},
+    engine = jspec.Engine(tiny, speculative=spec, draft=eagle_draft(tiny, seed=5), lora_paths={n: a[0] for n, a in adapters.items()},
                           **LORA, **ENGINE)
     got, outs = greedy(engine, PROMPTS, USE)
     assert got == expected(references, USE, range(len(PROMPTS)))
@@ -177,10 +177,10 @@ def test_bad_adapters_are_refused_by_name(tiny, tmp_path):
 def test_tensor_parallel_mixed_batch_with_eagle3_equals_merged_models(tiny, adapters, references, tp):
     # The tiny model has 2 KV heads: tp 2 splits them, tp 4 repeats each (and so the pool
     # repeats the adapters' k / v columns).
-    from test_tensor_parallel import eagle3
+    from support.models import eagle_draft
 
     spec = jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=1, num_draft_tokens=4)
-    engine = jspec.Engine(tiny, speculative=spec, draft=eagle3(tiny), lora_paths={n: a[0] for n, a in adapters.items()},
+    engine = jspec.Engine(tiny, speculative=spec, draft=eagle_draft(tiny, seed=5), lora_paths={n: a[0] for n, a in adapters.items()},
                           tp_size=tp, **LORA, **ENGINE)
     got, _ = greedy(engine, PROMPTS, USE)
     assert got == expected(references, USE, range(len(PROMPTS)))
@@ -206,10 +206,10 @@ def test_dp_attention_mixed_batch_with_eagle3_equals_merged_models(tiny, adapter
     # Each rank gets its own requests; the MLP's deltas are computed for every rank's tokens
     # (ranked pool layouts), attention's per rank over tp / dp devices (at 8 / 2, 4 devices
     # for 2 KV heads: each repeated, and so the adapters' k / v columns).
-    from test_tensor_parallel import eagle3
+    from support.models import eagle_draft
 
     spec = jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=1, num_draft_tokens=4)
-    engine = jspec.Engine(tiny, speculative=spec, draft=eagle3(tiny), lora_paths={n: a[0] for n, a in adapters.items()},
+    engine = jspec.Engine(tiny, speculative=spec, draft=eagle_draft(tiny, seed=5), lora_paths={n: a[0] for n, a in adapters.items()},
                           tp_size=tp, dp_size=dp, enable_dp_attention=True, **LORA, **ENGINE)
     got, _ = greedy(engine, PROMPTS, USE)
     assert got == expected(references, USE, range(len(PROMPTS)))
@@ -323,7 +323,7 @@ def test_lora_decode_step_lowers_for_cuda(tmp_path):
     check: interpret-mode CPU runs hide GPU lowering errors)."""
     import functools
 
-    from test_kernels_lowering import lower_for_cuda
+    from support.lowering import lower_for_cuda
 
     from jspec.steps.plain import plain_decode_step
 

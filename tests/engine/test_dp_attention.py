@@ -16,25 +16,22 @@ import sys
 
 import jax
 import pytest
-from sync_guard import count_device_reads
-from test_tensor_parallel import PROMPTS, SPEC, eagle3
+from support.models import PROMPTS, SPEC, eagle_draft, tiny_model
+from support.sync_guard import count_device_reads
 
 import jspec
-from jspec.checkpoint.model import with_context_length
 from jspec.distributed.dp_attention import make_dp_mesh, shard_params_dp
 from jspec.distributed.multihost import check_multihost_args, init_distributed
-from jspec.testing.tiny import make_tiny_model
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     # As test_tensor_parallel: 8 query heads, 2 KV heads (so ranks of 2 devices split them),
     # and a Qwen3-MoE of 8 experts, 2 per token.
-    d = tmp_path_factory.mktemp("dp")
-    dense = with_context_length(jspec.load(make_tiny_model(str(d / "m"), seed=11, num_heads=8, num_kv_heads=2)), 256)
-    moe = jspec.load(make_tiny_model(str(d / "moe"), arch="qwen3_moe", seed=12, num_heads=8, num_kv_heads=2,
-                                     num_experts=8, num_experts_per_tok=2, max_position_embeddings=256))
-    return {"dense": (dense, eagle3(dense)), "moe": (moe, eagle3(moe))}
+    dense = tiny_model(tmp_path_factory, "dp", seed=11, num_heads=8, num_kv_heads=2, context=256)
+    moe = tiny_model(tmp_path_factory, "dp_moe", arch="qwen3_moe", seed=12, num_heads=8, num_kv_heads=2,
+                     num_experts=8, num_experts_per_tok=2, max_position_embeddings=256)
+    return {"dense": (dense, eagle_draft(dense, seed=5)), "moe": (moe, eagle_draft(moe, seed=5))}
 
 
 def make_engine(model, draft, **kw):
@@ -231,8 +228,9 @@ def test_dp_speculative_decode_step_lowers_for_cuda(models, name, monkeypatch):
     import functools
 
     import jax.numpy as jnp
-    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding, use_abstract_mesh
+    from jax.sharding import AbstractMesh, AxisType, NamedSharding, use_abstract_mesh
     from jax.sharding import PartitionSpec as P
+    from support.lowering import H200
 
     import jspec.kernels.backend
     from jspec.distributed.dp_attention import RankStep
@@ -241,8 +239,7 @@ def test_dp_speculative_decode_step_lowers_for_cuda(models, name, monkeypatch):
 
     m, d = models[name]
     w = make_engine(m, d, tp_size=4, dp_size=2, enable_dp_attention=True, ep_size=4 if name == "moe" else 1).worker
-    h200 = AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
-    mesh = AbstractMesh((2, 2), (DATA, "tensor"), axis_types=(AxisType.Auto,) * 2, abstract_device=h200)
+    mesh = AbstractMesh((2, 2), (DATA, "tensor"), axis_types=(AxisType.Auto,) * 2, abstract_device=H200)
 
     def like(x):  # the same array on the abstract mesh
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, x.sharding.spec))

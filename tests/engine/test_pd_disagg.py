@@ -16,7 +16,9 @@ import time
 import jax
 import numpy as np
 import pytest
-from sync_guard import count_device_reads
+from support import REPO_ROOT
+from support.lowering import on_h200
+from support.sync_guard import count_device_reads
 
 import jspec
 from jspec.disaggregation import kv_io
@@ -26,7 +28,7 @@ from jspec.disaggregation.transfer import Link, LinkClosed, ShmLink
 from jspec.testing.eagle_tiny import make_tiny_draft
 from jspec.testing.tiny import make_tiny_model
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = REPO_ROOT
 SPEC_FLAGS = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "5"]
 
 
@@ -262,8 +264,6 @@ def test_serve_flags_make_a_decode_engine(dirs):
 def test_transfer_steps_lower_for_cuda(n):
     """The read-out and the donated write at the Llama-3.1-8B shape with an EAGLE-3 head (bf16,
     page 16, 32 slots), lowered for an abstract H200 (DESIGN.md: every step gets this test)."""
-    from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
-
     from jspec.kvcache.pool import KVPool
     from jspec.layers.penalties import PenaltyState
 
@@ -276,8 +276,7 @@ def test_transfer_steps_lower_for_cuda(n):
     state = (target, draft, carry, PenaltyState(sds((slots, vocab), i32), sds((slots, vocab), bool)))
     paged = [sds((a.shape[0], n, 8, 128), bf16) for a in (*target, *draft)]
     rows = [sds(a.shape[1:], a.dtype) for a in jax.tree.leaves(state[2:])]
-    h200 = AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
-    with use_abstract_mesh(AbstractMesh((), (), abstract_device=h200)):
+    with on_h200():
         kv_io._extract.trace(state, sds((n,), i32), sds((), i32)).lower(lowering_platforms=("cuda",))
         w = kv_io._write.trace(state, paged, rows, sds((n,), i32), sds((), i32)).lower(lowering_platforms=("cuda",))
     assert "tf.aliasing_output" in w.as_text()  # the state is donated: updated in place

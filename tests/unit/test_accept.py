@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-from test_tree import BATCH, VOCAB, configs, pipeline, random_draft
+from support.tree import BATCH, VOCAB, configs, pipeline, random_draft
 
 
 def run(topk, num_steps, n, draft, target):

@@ -6,30 +6,16 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from support.models import PROMPTS, SPEC, eagle_draft, tiny_model
 
 import jspec
-from jspec.checkpoint.model import with_context_length
 from jspec.distributed.tensor_parallel import block_columns, make_mesh, shard_params
-from jspec.testing.tiny import make_tiny_model
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     # 8 query heads and 2 KV heads: TP 2 splits KV heads, TP 4 and 8 repeat them.
-    path = make_tiny_model(str(tmp_path_factory.mktemp("tp") / "m"), seed=11, num_heads=8, num_kv_heads=2)
-    return with_context_length(jspec.load(path), 256)
-
-
-def eagle3(model):
-    from test_spec_eagle import draft_config
-
-    from jspec.checkpoint.eagle import init_random_draft_params
-
-    dcfg = dataclasses.replace(draft_config("EAGLE3", cfg=model.cfg), capture_layers=(0, 1, 2))
-    return dcfg, init_random_draft_params(dcfg, jax.random.key(5), std=0.2)
-
-
-PROMPTS = [[1, 5, 9, 33, 70], list(range(40, 100)), [7] * 3, list(range(200, 230))]
+    return tiny_model(tmp_path_factory, "tp", seed=11, num_heads=8, num_kv_heads=2, context=256)
 
 
 def greedy(model, **kw):
@@ -40,12 +26,9 @@ def greedy(model, **kw):
     return [o.token_ids for o in outs], engine
 
 
-SPEC = jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=1, num_draft_tokens=4)
-
-
 @pytest.fixture(scope="module")
 def one_device_eagle3(tiny):
-    draft = eagle3(tiny)
+    draft = eagle_draft(tiny, seed=5)
     return draft, greedy(tiny, speculative=SPEC, draft=draft)[0]
 
 
@@ -85,14 +68,13 @@ def test_tp_refuses_what_does_not_divide(tiny):
 @pytest.fixture(scope="module")
 def tiny_moe(tmp_path_factory):
     # 8 experts, 2 per token; 8 query and 2 KV heads, so TP/EP 2 and 4 divide everything.
-    path = make_tiny_model(str(tmp_path_factory.mktemp("tp") / "moe"), arch="qwen3_moe", seed=12, num_heads=8,
-                           num_kv_heads=2, num_experts=8, num_experts_per_tok=2, max_position_embeddings=256)
-    return jspec.load(path)
+    return tiny_model(tmp_path_factory, "tp_moe", arch="qwen3_moe", seed=12, num_heads=8, num_kv_heads=2,
+                      num_experts=8, num_experts_per_tok=2, max_position_embeddings=256)
 
 
 @pytest.mark.parametrize("ep", [2, 4])
 def test_ep_moe_greedy_equals_one_device_with_eagle3_and_overlap(tiny_moe, ep):
-    draft = eagle3(tiny_moe)
+    draft = eagle_draft(tiny_moe, seed=5)
     ref, _ = greedy(tiny_moe, speculative=SPEC, draft=draft)
     got, engine = greedy(tiny_moe, speculative=SPEC, draft=draft, tp_size=ep, ep_size=ep)
     assert got == ref

@@ -11,14 +11,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_spec_sampling import fixed_tree
+from support.models import tiny_model
+from support.sampling import fixed_tree
 
 import jspec
 from jspec.config.sampling import SamplingParams
 from jspec.layers.penalties import PenaltyState, apply_tree_penalties
 from jspec.layers.sampling import sampling_rows
 from jspec.models.llama import dense_forward
-from jspec.testing.tiny import make_tiny_model
 
 
 def penalise_ref(logits, counts, prompt_seen, f, p, r):
@@ -59,7 +59,7 @@ def test_tree_penalties_equal_one_token_at_a_time():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return jspec.load(make_tiny_model(str(tmp_path_factory.mktemp("tiny") / "m"), seed=4, max_position_embeddings=512))
+    return tiny_model(tmp_path_factory, "tiny", seed=4, max_position_embeddings=512)
 
 
 def test_penalised_greedy_matches_a_dense_recompute(tiny):
@@ -94,7 +94,7 @@ PERM = [1, 2, 0] + list(range(4, 64)) + [3]  # a 3-cycle 0 -> 1 -> 2 -> 0: draft
 @pytest.mark.parametrize("steps,topk,ndt", [(5, 1, None), (3, 2, 5)])
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 def test_speculative_penalties_equal_plain(steps, topk, ndt, temperature):
-    from test_spec_eagle import TARGET, permutation_models
+    from support.models import TARGET, permutation_models
 
     target, dcfg, draft = permutation_models("EAGLE3", perm=PERM)
     # Scale the one-hot logits so that penalties reorder tokens within a few repeats.

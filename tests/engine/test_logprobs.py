@@ -4,16 +4,16 @@ import dataclasses
 
 import numpy as np
 import pytest
+from support.models import tiny_model
 
 import jspec
 from jspec.config.sampling import SamplingParams
 from jspec.models.llama import dense_forward
-from jspec.testing.tiny import make_tiny_model
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return jspec.load(make_tiny_model(str(tmp_path_factory.mktemp("tiny") / "m"), seed=6, max_position_embeddings=512))
+    return tiny_model(tmp_path_factory, "tiny", seed=6, max_position_embeddings=512)
 
 
 def log_softmax(x):
@@ -22,7 +22,7 @@ def log_softmax(x):
 
 
 def test_logprobs_match_a_dense_recompute_and_spec_matches_plain(tiny):
-    from test_engine import eagle_draft
+    from support.models import eagle_draft
 
     prompts = [[5, 9, 2, 7], list(range(30, 55))]
     params = SamplingParams(max_new_tokens=10, ignore_eos=True, return_logprob=True, top_logprobs_num=4)
@@ -62,7 +62,7 @@ def test_more_top_logprobs_than_the_engine_serves_is_refused(tiny):
 
 @pytest.mark.parametrize("speculative", [False, True])
 def test_prompt_logprobs_match_a_dense_recompute_across_chunks(tiny, speculative):
-    from test_engine import eagle_draft
+    from support.models import eagle_draft
 
     prompt = list(range(3, 40))
     params = SamplingParams(max_new_tokens=3, ignore_eos=True, return_logprob=True, logprob_start_len=0,

@@ -20,8 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hf_reference import HF_MOE_VARIANTS, hf_make_checkpoints, requires_hf, run_oracle
-from test_hf_parity import _forward_logits, rel_err
+from support import REPO_ROOT
+from support.hf_reference import HF_MOE_VARIANTS, hf_make_checkpoints, requires_hf, run_oracle
+from support.lowering import lower_for_cuda
+from support.parity import forward_logits, rel_err
 
 import jspec
 from jspec.checkpoint.eagle import DraftConfig, init_random_draft_params
@@ -123,8 +125,7 @@ def _ep_check():
 
 def test_expert_parallel_matches_dense_reference():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
-    env["PYTHONPATH"] = os.pathsep.join([tests_dir, os.path.dirname(tests_dir), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO_ROOT, "tests"), REPO_ROOT, env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "ep"], capture_output=True, text=True,
                           env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -133,16 +134,11 @@ def test_expert_parallel_matches_dense_reference():
 
 def test_moe_lowers_for_cuda():
     """The grouped MoE at a Qwen3-30B-A3B layer's shape (bf16) lowers for an abstract H200
-    (see tests/test_kernels_lowering.py): ragged_dot and the sort need no CPU-only path."""
-    from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
-
+    (see tests/kernels/test_kernels_lowering.py): ragged_dot and the sort need no CPU-only path."""
     cfg = dataclasses.replace(moe_cfg(num_experts=128, top_k=8, norm=True, inter=768), hidden_size=2048)
     shapes = param_shapes(cfg)["layers"]
     lp = {k: jax.ShapeDtypeStruct(shapes[k][1:], jnp.bfloat16) for k in ("router", "experts_gate_up", "experts_down")}
-    h200 = AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
-    with use_abstract_mesh(AbstractMesh((), (), abstract_device=h200)):
-        lowered = jax.jit(functools.partial(moe_mlp, cfg)).trace(
-            lp, jax.ShapeDtypeStruct((64, 2048), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
+    lowered = lower_for_cuda(functools.partial(moe_mlp, cfg), lp, jax.ShapeDtypeStruct((64, 2048), jnp.bfloat16))
     assert "ragged_dot" in lowered.as_text()
 
 
@@ -194,7 +190,7 @@ def test_moe_logits_match_transformers(hf_moe, variant):
     batch, mode = build_forward_batch([SeqChunk(p, 0, pg) for p, pg in zip(prompts, pages)],
                                       page_size=PAGE_SIZE, num_pages=32)
     batch = batch._replace(logits_indices=np.arange(batch.tokens.shape[0], dtype=np.int32))
-    kv, out = _forward_logits(params, kv, batch, cfg=cfg, mode=mode._replace(backend="reference"))
+    kv, out = forward_logits(params, kv, batch, cfg=cfg, mode=mode._replace(backend="reference"))
     for i, p in enumerate(prompts):
         got = out.logits[batch.query_start[i] : batch.query_start[i] + len(p)]
         assert rel_err(got, ref["prefill_logits"][i]) < 1e-4, f"{variant} prefill prompt {i}"
@@ -202,7 +198,7 @@ def test_moe_logits_match_transformers(hf_moe, variant):
     for step in range(DECODE_STEPS):
         chunks = [SeqChunk([int(ref["generated"][i][step])], len(p) + step, pages[i]) for i, p in enumerate(prompts)]
         batch, mode = build_forward_batch(chunks, page_size=PAGE_SIZE, num_pages=32)
-        kv, out = _forward_logits(params, kv, batch, cfg=cfg, mode=mode._replace(backend="reference"))
+        kv, out = forward_logits(params, kv, batch, cfg=cfg, mode=mode._replace(backend="reference"))
         for i in range(len(prompts)):
             got = np.asarray(out.logits[i])
             assert rel_err(got, ref["decode_logits"][i][step]) < 1e-4, f"{variant} decode step {step} prompt {i}"

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 ORACLE = Path(__file__).resolve().with_name("hf_oracle.py")
 
 # name -> (arch, transformers config overrides). Built by transformers itself, so

@@ -21,22 +21,16 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax.experimental import pallas as pl
-from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+from support.lowering import lower_for_cuda
 
 from jspec.kernels.paged_decode import paged_decode
 from jspec.kernels.paged_extend import paged_extend
 from jspec.kernels.skinny_matmul import skinny_matmul
 
-H200 = AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
 BF16, I32 = jnp.bfloat16, jnp.int32
 LAYERS = 4
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
-
-
-def lower_for_cuda(fn, *specs):
-    with use_abstract_mesh(AbstractMesh((), (), abstract_device=H200)):
-        return jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",))
 
 
 def cache_specs(batch, ctx, page_size, num_kv_heads, head_dim, layers=LAYERS, table_ctx=None):

@@ -3,11 +3,12 @@ session. Figures on the CPU mean nothing; these check that every row is produced
 the fields benchmarks/NOTES.md reads."""
 
 import json
-import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from support import REPO_ROOT
+
+ROOT = REPO_ROOT
 
 
 def run_script(name: str, *args: str) -> None:

@@ -10,26 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_sampling import reference_probs
+from support.sampling import fixed_tree, reference_probs
 
 import jspec
 from jspec.config.sampling import SamplingParams
 from jspec.layers.sampling import sampling_rows
 from jspec.speculative.accept import sampled_accept
-from jspec.speculative.tree import DraftTree, ancestor_mask, child_links
 
 M = 200_000  # verify outcomes; TV of the empirical law stays ~sqrt(V/M) ~ 0.006 when right
-
-
-def fixed_tree(parents, tokens, B):
-    parents = jnp.asarray(parents, jnp.int32)
-    depths = np.zeros(len(parents), np.int32)
-    for i, p in enumerate(np.asarray(parents)):
-        depths[i] = 0 if p < 0 else depths[p] + 1
-    first, nxt = child_links(parents[None])
-    rep = lambda a: jnp.broadcast_to(jnp.asarray(a), (B, *np.shape(a)))  # noqa: E731
-    return DraftTree(rep(tokens), rep(parents), rep(depths), rep(ancestor_mask(parents[None])[0]),
-                     rep(np.arange(len(parents)) - 1), rep(first[0]), rep(nxt[0]))
 
 
 TREES = {  # parents: node 0 is the root
@@ -86,7 +74,7 @@ def test_verify_outcomes_follow_the_target_distribution(shape, params):
 
 @pytest.mark.parametrize("topk,ndt", [(1, None), (4, 6)])
 def test_seeded_speculative_sampling_equals_plain_sampling(tmp_path, topk, ndt):
-    from test_engine import eagle_draft
+    from support.models import eagle_draft
 
     from jspec.testing.tiny import make_tiny_model
 

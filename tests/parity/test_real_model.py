@@ -2,7 +2,7 @@
 jspec's GGUF conversion and engine give transformers' greedy tokens, and its chat answer is text."""
 
 import pytest
-from hf_reference import requires_hf, run_oracle
+from support.hf_reference import requires_hf, run_oracle
 
 import jspec
 from jspec.server.chat_template import render_chat

@@ -19,13 +19,14 @@ import urllib.error
 import urllib.request
 
 import pytest
+from support import REPO_ROOT
 
 import jspec
 from jspec.testing.eagle_tiny import make_tiny_draft
 from jspec.testing.tiny import make_tiny_model
 
 openai = pytest.importorskip("openai")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = REPO_ROOT
 
 
 def free_port() -> int:
