@@ -34,26 +34,40 @@ def compile_once(name: str, layers: int, layer_loop: str) -> dict:
     """Lowers and compiles the plain decode step (batch 1) in this process; returns the times."""
     cfg = dataclasses.replace(shape(name), num_layers=layers)
     dtype = jnp.bfloat16
-    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(cfg),
-                          is_leaf=lambda x: isinstance(x, tuple))
+    params = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple)
+    )
     if layer_loop == "unrolled":
-        params = {**params, "layers": [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
-                                                    params["layers"]) for _ in range(layers)]}
+        params = {
+            **params,
+            "layers": [
+                jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params["layers"])
+                for _ in range(layers)
+            ],
+        }
     pages, page_size, B = 2048, 16, 1
     kv = jax.ShapeDtypeStruct((layers, pages, page_size, cfg.num_kv_heads, cfg.head_dim), dtype)
-    state = PlainState(KVPool(kv, kv), PlainCarry(jax.ShapeDtypeStruct((B + 1,), jnp.int32),
-                                                   jax.ShapeDtypeStruct((B + 1,), jnp.int32)),
-                       jax.eval_shape(lambda: init_penalty_state(B, cfg.vocab_size)))
+    state = PlainState(
+        KVPool(kv, kv),
+        PlainCarry(jax.ShapeDtypeStruct((B + 1,), jnp.int32), jax.ShapeDtypeStruct((B + 1,), jnp.int32)),
+        jax.eval_shape(lambda: init_penalty_state(B, cfg.vocab_size)),
+    )
     width = -(-cfg.max_position_embeddings // page_size)
     t0 = time.perf_counter()
-    lowered = plain_decode_step.lower(params, state, jax.ShapeDtypeStruct((B,), jnp.int32),
-                                      jax.ShapeDtypeStruct((B, width), jnp.int32), sampling_rows([], [], B),
-                                      cfg=cfg, backend="reference", sampling="greedy")
+    lowered = plain_decode_step.lower(
+        params,
+        state,
+        jax.ShapeDtypeStruct((B,), jnp.int32),
+        jax.ShapeDtypeStruct((B, width), jnp.int32),
+        sampling_rows([], [], B),
+        cfg=cfg,
+        backend="reference",
+        sampling="greedy",
+    )
     t1 = time.perf_counter()
     lowered.compile()
     t2 = time.perf_counter()
-    return dict(shape=name, layers=layers, layer_loop=layer_loop, lower_s=t1 - t0, compile_s=t2 - t1,
-                total_s=t2 - t0)
+    return dict(shape=name, layers=layers, layer_loop=layer_loop, lower_s=t1 - t0, compile_s=t2 - t1, total_s=t2 - t0)
 
 
 def main():
@@ -72,9 +86,14 @@ def main():
     env = dict(os.environ, JAX_ENABLE_COMPILATION_CACHE="false")
     for loop in args.layer_loops.split(","):
         for layers in (2, full):
-            out = subprocess.run([sys.executable, "-m", "benchmarks.bench_compile_depth", "--child", args.shape,
-                                  str(layers), loop], env=env, cwd=REPO_ROOT, capture_output=True, text=True,
-                                 check=True).stdout
+            out = subprocess.run(
+                [sys.executable, "-m", "benchmarks.bench_compile_depth", "--child", args.shape, str(layers), loop],
+                env=env,
+                cwd=REPO_ROOT,
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
             row = json.loads(out.strip().splitlines()[-1])
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -85,7 +104,9 @@ def main():
     print(f"wrote {path}\n")
     print(f"{'layer loop':>10} {'layers':>6} {'lower s':>8} {'compile s':>9} {'total s':>8}")
     for r in rows:
-        print(f"{r['layer_loop']:>10} {r['layers']:>6} {r['lower_s']:>8.2f} {r['compile_s']:>9.2f} {r['total_s']:>8.2f}")
+        print(
+            f"{r['layer_loop']:>10} {r['layers']:>6} {r['lower_s']:>8.2f} {r['compile_s']:>9.2f} {r['total_s']:>8.2f}"
+        )
     for loop, x in ratios.items():
         print(f"{loop}: {full} layers take {x:.2f}x the time of 2")
 

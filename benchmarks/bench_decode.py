@@ -96,17 +96,28 @@ def gemv_rows(cfg: ModelConfig, dtype, bw: float, batches=(1,), copies=4) -> lis
     from jspec.kernels.skinny_matmul import MAX_ROWS, skinny_matmul
 
     q = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    shapes = {"qkv": (cfg.hidden_size, q), "o": (cfg.num_heads * cfg.head_dim, cfg.hidden_size),
-              "gate_up": (cfg.hidden_size, 2 * cfg.intermediate_size), "down": (cfg.intermediate_size, cfg.hidden_size),
-              "lm_head": (cfg.hidden_size, cfg.vocab_size)}
+    shapes = {
+        "qkv": (cfg.hidden_size, q),
+        "o": (cfg.num_heads * cfg.head_dim, cfg.hidden_size),
+        "gate_up": (cfg.hidden_size, 2 * cfg.intermediate_size),
+        "down": (cfg.intermediate_size, cfg.hidden_size),
+        "lm_head": (cfg.hidden_size, cfg.vocab_size),
+    }
     key = iter(jax.random.split(jax.random.key(20), 64))
     rows = []
 
     def time_row(part, f, x, ws, B, k, n, **extra):
         jax.block_until_ready(f(x, ws))
         t = timed(lambda: f(x, ws), 10, 5) / copies
-        row = dict(part=part, batch=B, shape=[k, n], us=t * 1e6, TBps=k * n * 2 / t / 1e12,
-                   x_floor=t / (k * n * 2 / bw), **extra)
+        row = dict(
+            part=part,
+            batch=B,
+            shape=[k, n],
+            us=t * 1e6,
+            TBps=k * n * 2 / t / 1e12,
+            x_floor=t / (k * n * 2 / bw),
+            **extra,
+        )
         print(json.dumps(row), flush=True)
         return row
 
@@ -127,20 +138,30 @@ def gemv_rows(cfg: ModelConfig, dtype, bw: float, batches=(1,), copies=4) -> lis
                         out = f(x, ws)[0]
                         err = float(jnp.max(jnp.abs(out - ref)))
                         ok = bool(jnp.allclose(out, ref, rtol=2e-3, atol=2e-3))
-                        rows.append(time_row(f"pallas_{name}", f, x, ws, B, k, n, config=conf, max_abs_err=err,
-                                             ok=ok))
+                        rows.append(time_row(f"pallas_{name}", f, x, ws, B, k, n, config=conf, max_abs_err=err, ok=ok))
                     except Exception as e:  # noqa: BLE001 - one config that does not compile must not hide the others
-                        row = dict(part=f"pallas_{name}", batch=B, shape=[k, n], config=conf, ok=False,
-                                   error=f"{type(e).__name__}: {str(e)[:300]}")
+                        row = dict(
+                            part=f"pallas_{name}",
+                            batch=B,
+                            shape=[k, n],
+                            config=conf,
+                            ok=False,
+                            error=f"{type(e).__name__}: {str(e)[:300]}",
+                        )
                         print(json.dumps(row), flush=True)
                         rows.append(row)
             del ws
 
             # The same product with W stored transposed, [N, K]: contract x's dim 1 with W's dim 1.
             ws = [jax.random.normal(next(key), (n, k), dtype) * 0.02 for _ in range(copies)]
-            f = jax.jit(lambda x, ws: [jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())),
-                                                           preferred_element_type=jnp.float32).astype(dtype)
-                                       for w in ws])
+            f = jax.jit(
+                lambda x, ws: [
+                    jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32).astype(
+                        dtype
+                    )
+                    for w in ws
+                ]
+            )
             rows.append(time_row(f"gemv_{name}_nk", f, x, ws, B, k, n))
             del ws
         rows.append(matmul_chain_row(cfg, dtype, shapes, B, bw, next(key), next(key)))
@@ -150,8 +171,13 @@ def gemv_rows(cfg: ModelConfig, dtype, bw: float, batches=(1,), copies=4) -> lis
 def matmul_chain_row(cfg: ModelConfig, dtype, shapes: dict, B: int, bw: float, head_key, x_key) -> dict:
     """The step's matmuls alone: every layer's (qkv, o, gate_up, down), then the LM head, chained
     through x."""
-    layers = [{nm: jax.random.normal(jax.random.key(100 * i + j), shapes[nm], dtype) * 0.02
-               for j, nm in enumerate(("qkv", "o", "gate_up", "down"))} for i in range(cfg.num_layers)]
+    layers = [
+        {
+            nm: jax.random.normal(jax.random.key(100 * i + j), shapes[nm], dtype) * 0.02
+            for j, nm in enumerate(("qkv", "o", "gate_up", "down"))
+        }
+        for i in range(cfg.num_layers)
+    ]
     head = jax.random.normal(head_key, shapes["lm_head"], dtype) * 0.02
     H, I = cfg.hidden_size, cfg.intermediate_size
 
@@ -161,8 +187,9 @@ def matmul_chain_row(cfg: ModelConfig, dtype, shapes: dict, B: int, bw: float, h
             qkv = jnp.dot(x, lp["qkv"], preferred_element_type=jnp.float32).astype(dtype)
             x = x + jnp.dot(qkv[:, :H], lp["o"], preferred_element_type=jnp.float32).astype(dtype)
             gu = jnp.dot(x, lp["gate_up"], preferred_element_type=jnp.float32)
-            x = x + jnp.dot((jax.nn.silu(gu[:, :I]) * gu[:, I:]).astype(dtype), lp["down"],
-                            preferred_element_type=jnp.float32).astype(dtype)
+            x = x + jnp.dot(
+                (jax.nn.silu(gu[:, :I]) * gu[:, I:]).astype(dtype), lp["down"], preferred_element_type=jnp.float32
+            ).astype(dtype)
         return jnp.argmax(jnp.dot(x, head, preferred_element_type=jnp.float32), axis=-1)
 
     x = jax.random.normal(x_key, (B, H), dtype)
@@ -181,14 +208,16 @@ def print_gemv_summary(parts: list[dict]) -> None:
     for r in parts:
         if not r["part"].startswith("gemv_") or r["part"].endswith("_nk"):
             continue
-        name, B = r["part"][len("gemv_"):], r["batch"]
+        name, B = r["part"][len("gemv_") :], r["batch"]
         nk = [p["TBps"] for p in parts if p["part"] == f"gemv_{name}_nk" and p["batch"] == B]
         tried = [p for p in parts if p["part"] == f"pallas_{name}" and p["batch"] == B]
         good = [p for p in tried if p.get("ok")]
         best = max(good, key=lambda p: p["TBps"]) if good else None
-        print(f"{name:>8} {B:>3} {r['TBps']:>7.2f} {nk[0] if nk else float('nan'):>7.2f} "
-              f"{best['TBps'] if best else float('nan'):>7.2f}  "
-              f"{json.dumps(best['config']) if best else '-'} ({len(good)}/{len(tried)})")
+        print(
+            f"{name:>8} {B:>3} {r['TBps']:>7.2f} {nk[0] if nk else float('nan'):>7.2f} "
+            f"{best['TBps'] if best else float('nan'):>7.2f}  "
+            f"{json.dumps(best['config']) if best else '-'} ({len(good)}/{len(tried)})"
+        )
 
 
 def forward_ms(weights, cfg: ModelConfig, kv: KVPool, page_tables, ctx: int, q: int, iters: int, repeats: int):
@@ -212,9 +241,13 @@ def forward_ms(weights, cfg: ModelConfig, kv: KVPool, page_tables, ctx: int, q: 
         mask = jnp.asarray(np.zeros((B, Q, Q), bool)).at[:, :q, :q].set(jnp.asarray(tree))
     batch = ForwardBatch(
         tokens=jnp.asarray(np.random.default_rng(q).integers(0, cfg.vocab_size, B * q), jnp.int32),
-        positions=jnp.asarray(pos.reshape(-1), jnp.int32), slots=jnp.asarray(slots.reshape(-1), jnp.int32),
-        seq_lens=jnp.full(B, ctx + q, jnp.int32), page_tables=jnp.asarray(pt, jnp.int32),
-        query_start=jnp.arange(B + 1, dtype=jnp.int32) * q, logits_indices=jnp.arange(B * q, dtype=jnp.int32))
+        positions=jnp.asarray(pos.reshape(-1), jnp.int32),
+        slots=jnp.asarray(slots.reshape(-1), jnp.int32),
+        seq_lens=jnp.full(B, ctx + q, jnp.int32),
+        page_tables=jnp.asarray(pt, jnp.int32),
+        query_start=jnp.arange(B + 1, dtype=jnp.int32) * q,
+        logits_indices=jnp.arange(B * q, dtype=jnp.int32),
+    )
     mode = AttentionMode(q == 1, Q, "pallas")
     run = jax.jit(lambda w, kv, batch, mask: forward(w, cfg, kv, batch, mode, mask=mask), donate_argnums=1)
     state = {"kv": kv}
@@ -238,12 +271,19 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="a tiny model: a CPU dry run of the script itself")
     ap.add_argument("--parts", action="store_true", help="also time each GEMV shape and the matmul-only step")
     ap.add_argument("--tag", help="results file bench_decode_TAG.json (e.g. an XLA_FLAGS variant)")
-    ap.add_argument("--profile", action="store_true",
-                    help="trace a few decode steps per case and split their device time by kernel "
-                         "(benchmarks/device_profile.py): busy vs launch gaps, matmuls vs attention vs the rest")
-    ap.add_argument("--verify-tokens", type=int, default=8,
-                    help="also time the target forward over this many tokens per sequence against a decode "
-                         "forward (the verify-cost target; 0: skip)")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="trace a few decode steps per case and split their device time by kernel "
+        "(benchmarks/device_profile.py): busy vs launch gaps, matmuls vs attention vs the rest",
+    )
+    ap.add_argument(
+        "--verify-tokens",
+        type=int,
+        default=8,
+        help="also time the target forward over this many tokens per sequence against a decode "
+        "forward (the verify-cost target; 0: skip)",
+    )
     args = ap.parse_args()
 
     cfg, dtype, S = LLAMA_8B, jnp.bfloat16, args.page_size
@@ -253,8 +293,11 @@ def main():
     print(f"device {dev.device_kind}, jax {jax.__version__}", flush=True)
     elements, n = (1 << 20, 256) if args.tiny else (1 << 31, 8192)
     copy_bw, read_bw, mm_rate = copy_bandwidth(elements), read_bandwidth(elements), matmul_flops(n)
-    print(f"copy (read+write) {copy_bw / 1e12:.2f} TB/s, read {read_bw / 1e12:.2f} TB/s, "
-          f"bf16 matmul {mm_rate / 1e12:.0f} TFLOP/s", flush=True)
+    print(
+        f"copy (read+write) {copy_bw / 1e12:.2f} TB/s, read {read_bw / 1e12:.2f} TB/s, "
+        f"bf16 matmul {mm_rate / 1e12:.0f} TFLOP/s",
+        flush=True,
+    )
     # The floor uses the best bandwidth measured here (the stricter floor).
     bw = max(copy_bw, read_bw)
 
@@ -274,19 +317,30 @@ def main():
     num_pages = max_tokens // S + 2
     kv_shape = (cfg.num_layers, num_pages, S, cfg.num_kv_heads, cfg.head_dim)
     # Random, not zeros (zeros can time faster than real data); one layer at a time bounds the f32 temporaries.
-    fill = jax.jit(lambda k: jax.lax.map(lambda kk: jax.random.normal(kk, kv_shape[1:], dtype),
-                                         jax.random.split(k, kv_shape[0])))
+    fill = jax.jit(
+        lambda k: jax.lax.map(lambda kk: jax.random.normal(kk, kv_shape[1:], dtype), jax.random.split(k, kv_shape[0]))
+    )
     kv = KVPool(fill(jax.random.key(10)), fill(jax.random.key(11)))
     rng = np.random.default_rng(0)
     rows = []
-    settings = {"model": "llama-3.1-8b shape, random bf16", "page_size": S, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-                "tag": args.tag}
+    settings = {
+        "model": "llama-3.1-8b shape, random bf16",
+        "page_size": S,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "tag": args.tag,
+    }
     results = Results(args.out, "bench_decode", settings, file_name=f"bench_decode_{args.tag}" if args.tag else None)
 
     def save():
-        return results.write(copy_bandwidth_TBps=copy_bw / 1e12, read_bandwidth_TBps=read_bw / 1e12,
-                             floor_bandwidth_TBps=bw / 1e12, matmul_TFLOPs=mm_rate / 1e12,
-                             weight_bytes=int(weight_bytes), rows=rows, parts=parts)
+        return results.write(
+            copy_bandwidth_TBps=copy_bw / 1e12,
+            read_bandwidth_TBps=read_bw / 1e12,
+            floor_bandwidth_TBps=bw / 1e12,
+            matmul_TFLOPs=mm_rate / 1e12,
+            weight_bytes=int(weight_bytes),
+            rows=rows,
+            parts=parts,
+        )
 
     # Per-layer weight arrays (what the engine runs) everywhere; the stacked layout under
     # lax.scan at a few points, to show what slicing a stacked weight costs.
@@ -304,14 +358,17 @@ def main():
         slot_ids = jnp.arange(B, dtype=jnp.int32)
         page_tables = jnp.asarray(pages, jnp.int32)
         greedy_rows = jax.tree.map(jnp.asarray, sampling_rows([], [], B))
-        carry = PlainCarry(jnp.asarray(rng.integers(0, cfg.vocab_size, B + 1), jnp.int32),
-                           jnp.full(B + 1, ctx - 64, jnp.int32).at[B].set(0))
+        carry = PlainCarry(
+            jnp.asarray(rng.integers(0, cfg.vocab_size, B + 1), jnp.int32),
+            jnp.full(B + 1, ctx - 64, jnp.int32).at[B].set(0),
+        )
         state = {"s": PlainState(kv, carry, init_penalty_state(B, cfg.vocab_size))}
 
         def step():
             # The engine's real decode step; timed calls run at contexts ctx - 64 .. ctx + 40.
-            state["s"], out = plain_decode_step(weights, state["s"], slot_ids, page_tables, greedy_rows,
-                                                cfg=cfg, sampling="greedy")
+            state["s"], out = plain_decode_step(
+                weights, state["s"], slot_ids, page_tables, greedy_rows, cfg=cfg, sampling="greedy"
+            )
             return out.ints
 
         try:
@@ -327,9 +384,17 @@ def main():
         kv_bytes = B * ctx * cfg.num_layers * 2 * cfg.kv_size * 2
         bw_floor = (weight_bytes + kv_bytes) / bw
         flop_floor = 2 * B * matmul_params / mm_rate
-        row = dict(batch=B, context=ctx, layout=layout, step_ms=t * 1e3, compile_s=compile_s,
-                   bandwidth_floor_ms=bw_floor * 1e3, matmul_floor_ms=flop_floor * 1e3,
-                   x_bandwidth_floor=t / bw_floor, tokens_per_s=B / t)
+        row = dict(
+            batch=B,
+            context=ctx,
+            layout=layout,
+            step_ms=t * 1e3,
+            compile_s=compile_s,
+            bandwidth_floor_ms=bw_floor * 1e3,
+            matmul_floor_ms=flop_floor * 1e3,
+            x_bandwidth_floor=t / bw_floor,
+            tokens_per_s=B / t,
+        )
         if args.profile and layout == "per_layer":
             row["profile"] = profile_calls(step, calls=5)
             kv = state["s"].target_kv  # the profiled calls donated the pool again
@@ -338,8 +403,9 @@ def main():
             try:
                 it, rep = (5, 3) if args.quick else (20, 5)
                 row["forward_decode_ms"], kv = forward_ms(weights, cfg, kv, page_tables, ctx, 1, it, rep)
-                row["forward_verify_ms"], kv = forward_ms(weights, cfg, kv, page_tables, ctx, args.verify_tokens,
-                                                          it, rep)
+                row["forward_verify_ms"], kv = forward_ms(
+                    weights, cfg, kv, page_tables, ctx, args.verify_tokens, it, rep
+                )
                 row["verify_tokens"] = args.verify_tokens
                 row["verify_over_decode"] = row["forward_verify_ms"] / row["forward_decode_ms"]
             except Exception as e:  # noqa: BLE001 - keep the decode row
@@ -355,23 +421,31 @@ def main():
             print(f"{r['part']:>14} B={r['batch']:<3} FAILED {json.dumps(r['config'])} {r['error'][:100]}")
             continue
         conf = f" {json.dumps(r['config'])} ok={r['ok']} err={r['max_abs_err']:.1e}" if "config" in r else ""
-        print(f"{r['part']:>14} B={r['batch']:<3} {r['us']:>9.1f} us {r['TBps']:>5.2f} TB/s {r['x_floor']:>5.2f}x floor"
-              f"{conf}")
+        print(
+            f"{r['part']:>14} B={r['batch']:<3} {r['us']:>9.1f} us {r['TBps']:>5.2f} TB/s {r['x_floor']:>5.2f}x floor"
+            f"{conf}"
+        )
     if parts:
         print()
         print_gemv_summary(parts)
         print()
-    print(f"{'B':>4} {'ctx':>5} {'layout':>12} {'step ms':>8} {'floor ms':>8} {'x floor':>7} {'mm floor':>8} {'tok/s':>8}")
+    print(
+        f"{'B':>4} {'ctx':>5} {'layout':>12} {'step ms':>8} {'floor ms':>8} {'x floor':>7} {'mm floor':>8} {'tok/s':>8}"
+    )
     for r in rows:
-        print(f"{r['batch']:>4} {r['context']:>5} {r['layout']:>12} {r['step_ms']:>8.3f} "
-              f"{r['bandwidth_floor_ms']:>8.3f} {r['x_bandwidth_floor']:>7.2f} {r['matmul_floor_ms']:>8.3f} "
-              f"{r['tokens_per_s']:>8.0f}")
+        print(
+            f"{r['batch']:>4} {r['context']:>5} {r['layout']:>12} {r['step_ms']:>8.3f} "
+            f"{r['bandwidth_floor_ms']:>8.3f} {r['x_bandwidth_floor']:>7.2f} {r['matmul_floor_ms']:>8.3f} "
+            f"{r['tokens_per_s']:>8.0f}"
+        )
     ver = [r for r in rows if "verify_over_decode" in r]
     if ver:
         print(f"\n{'B':>4} {'ctx':>5} {'fwd 1 ms':>9} {'fwd N ms':>9} {'N':>3} {'ratio':>6}   (target: <= 1.1)")
         for r in ver:
-            print(f"{r['batch']:>4} {r['context']:>5} {r['forward_decode_ms']:>9.3f} {r['forward_verify_ms']:>9.3f} "
-                  f"{r['verify_tokens']:>3} {r['verify_over_decode']:>6.2f}")
+            print(
+                f"{r['batch']:>4} {r['context']:>5} {r['forward_decode_ms']:>9.3f} {r['forward_verify_ms']:>9.3f} "
+                f"{r['verify_tokens']:>3} {r['verify_over_decode']:>6.2f}"
+            )
 
 
 if __name__ == "__main__":

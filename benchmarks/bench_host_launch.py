@@ -67,8 +67,13 @@ def idle_launch(engine) -> dict:
     jax.block_until_ready(w.decode([slot], pages, greedy))
     kv.free_slot(slot)
     kv.allocator.free(pages[0])
-    return dict(launch_ms=full, inputs_ms=inputs, dispatch_ms=dispatch, passthrough_dispatch_ms=floor,
-                argument_leaves=len(jax.tree.leaves(args)))
+    return dict(
+        launch_ms=full,
+        inputs_ms=inputs,
+        dispatch_ms=dispatch,
+        passthrough_dispatch_ms=floor,
+        argument_leaves=len(jax.tree.leaves(args)),
+    )
 
 
 def loop_split(engine, tokens: int) -> tuple[dict, dict, str]:
@@ -126,24 +131,46 @@ def main():
     rows = []
     for method in ("none", "eagle3"):
         spec = None if method == "none" else jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=1)
-        engine = jspec.Engine((cfg, params), speculative=spec, draft=(dcfg, dparams) if spec else None, page_size=16,
-                              max_running_requests=4, disable_radix_cache=True)
+        engine = jspec.Engine(
+            (cfg, params),
+            speculative=spec,
+            draft=(dcfg, dparams) if spec else None,
+            page_size=16,
+            max_running_requests=4,
+            disable_radix_cache=True,
+        )
         split, medians, profile = loop_split(engine, args.tokens)
-        row = dict(method=method, batch=1, idle=idle_launch(engine), overlap_loop_ms=split,
-                   overlap_launch_median_ms=medians, launch_profile=profile)
+        row = dict(
+            method=method,
+            batch=1,
+            idle=idle_launch(engine),
+            overlap_loop_ms=split,
+            overlap_launch_median_ms=medians,
+            launch_profile=profile,
+        )
         rows.append(row)
         print(profile)
-    settings = {"model": "tiny" if args.tiny else "smollm2-135m shape", "dtype": str(jnp.dtype(dtype)), "batch": 1,
-                "speculative": "EAGLE3 (3,1,4), random head", "tokens": args.tokens, "layer_loop": "scan"}
+    settings = {
+        "model": "tiny" if args.tiny else "smollm2-135m shape",
+        "dtype": str(jnp.dtype(dtype)),
+        "batch": 1,
+        "speculative": "EAGLE3 (3,1,4), random head",
+        "tokens": args.tokens,
+        "layer_loop": "scan",
+    }
     path = Results(args.out, "bench_host_launch", settings).write(rows=rows)
     print(f"wrote {path}\n")
-    print(f"{'method':>7} {'idle launch':>11} {'inputs':>7} {'dispatch':>8} {'floor':>6} | loop: {'sched':>6} "
-          f"{'launch':>6} {'median':>6} {'p90':>6} {'process':>7} {'wait':>7}  (ms per iteration)")
+    print(
+        f"{'method':>7} {'idle launch':>11} {'inputs':>7} {'dispatch':>8} {'floor':>6} | loop: {'sched':>6} "
+        f"{'launch':>6} {'median':>6} {'p90':>6} {'process':>7} {'wait':>7}  (ms per iteration)"
+    )
     for r in rows:
         i, lp, m = r["idle"], r["overlap_loop_ms"], r["overlap_launch_median_ms"]
-        print(f"{r['method']:>7} {i['launch_ms']:>11.3f} {i['inputs_ms']:>7.3f} {i['dispatch_ms']:>8.3f} "
-              f"{i['passthrough_dispatch_ms']:>6.3f} | {lp['schedule']:>11.3f} {lp['launch']:>6.3f} "
-              f"{m['launch']:>6.3f} {m['launch_p90']:>6.3f} {lp['process']:>7.3f} {lp['wait']:>7.3f}")
+        print(
+            f"{r['method']:>7} {i['launch_ms']:>11.3f} {i['inputs_ms']:>7.3f} {i['dispatch_ms']:>8.3f} "
+            f"{i['passthrough_dispatch_ms']:>6.3f} | {lp['schedule']:>11.3f} {lp['launch']:>6.3f} "
+            f"{m['launch']:>6.3f} {m['launch_p90']:>6.3f} {lp['process']:>7.3f} {lp['wait']:>7.3f}"
+        )
 
 
 if __name__ == "__main__":

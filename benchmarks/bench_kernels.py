@@ -92,7 +92,7 @@ class Problem:
         perm = np.random.default_rng(seed).permutation(num_pages).astype(np.int32)
         self.page_tables = jnp.asarray(perm.reshape(self.sets, batch, max_pages))
         self.seq_lens = jnp.full((batch,), ctx, jnp.int32)
-        self.sm_scale = head_dim ** -0.5
+        self.sm_scale = head_dim**-0.5
 
     def bundled_layout(self):
         """One layer as [Hkv, P, S, D], the bundled kernel's layout."""
@@ -125,16 +125,36 @@ def run_variant(name, call, ref, problem: Problem, iters, reps, extra, caches=No
 
 
 def decode_case(name, batch, ctx, page_size, variants, *, iters, reps, bundled=True, layers=LAYERS):
-    p = Problem(batch=batch, ctx=ctx, page_size=page_size, num_q_heads=32, num_kv_heads=8, head_dim=128,
-                q_rows=batch, layers=layers)
+    p = Problem(
+        batch=batch,
+        ctx=ctx,
+        page_size=page_size,
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        q_rows=batch,
+        layers=layers,
+    )
     layer = jnp.int32(LAYER)
     ref = paged_decode_ref(p.q, p.k, p.v, layer, p.seq_lens, p.page_tables[0], sm_scale=p.sm_scale)
-    case = dict(name=name, kind="decode", batch=batch, ctx=ctx, page_size=page_size, num_q_heads=32,
-                num_kv_heads=8, head_dim=128, kv_bytes=p.kv_bytes, cache_bytes=2 * p.k.nbytes,
-                page_table_sets=p.sets, results=[])
+    case = dict(
+        name=name,
+        kind="decode",
+        batch=batch,
+        ctx=ctx,
+        page_size=page_size,
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        kv_bytes=p.kv_bytes,
+        cache_bytes=2 * p.k.nbytes,
+        page_table_sets=p.sets,
+        results=[],
+    )
     for vname, tuning in variants:
-        call = lambda q, pt, k, v, tuning=tuning: paged_decode(q, k, v, layer, p.seq_lens, pt, sm_scale=p.sm_scale,
-                                                               **tuning)
+        call = lambda q, pt, k, v, tuning=tuning: paged_decode(
+            q, k, v, layer, p.seq_lens, pt, sm_scale=p.sm_scale, **tuning
+        )
         plan = decode_plan(batch, 32, p.k.shape, ctx // page_size, **tuning)._asdict()
         extra = {"tuning": tuning, "plan": plan, "kernel": "jspec"}
         case["results"].append(run_variant(vname, call, ref, p, iters, reps, extra))
@@ -157,8 +177,13 @@ def bundled_decode(p: Problem, ref, iters, reps):
     max_pages = p.ctx // p.page_size
     k_splits = min(16, max_pages)
     # Its defaults but with 64-token compute blocks like ours (it needs pages_per_partition % pages_per_block == 0).
-    tuning = dict(block_h=16, pages_per_compute_block=max(1, min(64 // p.page_size, max_pages // k_splits)),
-                  k_splits=k_splits, num_warps=8, num_stages=2)
+    tuning = dict(
+        block_h=16,
+        pages_per_compute_block=max(1, min(64 // p.page_size, max_pages // k_splits)),
+        k_splits=k_splits,
+        num_warps=8,
+        num_stages=2,
+    )
     interpret = jax.default_backend() != "gpu"  # only for --smoke on a CPU
 
     def call(q, pt, k_pages, v_pages):
@@ -171,8 +196,9 @@ def bundled_decode(p: Problem, ref, iters, reps):
 
 
 def extend_case(name, batch, q_len, ctx, page_size, variants, *, tree, iters, reps):
-    p = Problem(batch=batch, ctx=ctx, page_size=page_size, num_q_heads=32, num_kv_heads=8, head_dim=128,
-                q_rows=batch * q_len)
+    p = Problem(
+        batch=batch, ctx=ctx, page_size=page_size, num_q_heads=32, num_kv_heads=8, head_dim=128, q_rows=batch * q_len
+    )
     layer = jnp.int32(LAYER)
     query_start = jnp.arange(batch + 1, dtype=jnp.int32) * q_len
     mask = None
@@ -180,20 +206,33 @@ def extend_case(name, batch, q_len, ctx, page_size, variants, *, tree, iters, re
         rng = np.random.default_rng(1)
         m = np.tril(rng.random((batch, q_len, q_len)) < 0.4) | np.eye(q_len, dtype=bool)[None]
         mask = jnp.asarray(m)
-    ref = paged_extend_ref(p.q, p.k, p.v, layer, p.seq_lens, p.page_tables[0], query_start, sm_scale=p.sm_scale,
-                           max_q_len=q_len, mask=mask)
+    ref = paged_extend_ref(
+        p.q, p.k, p.v, layer, p.seq_lens, p.page_tables[0], query_start, sm_scale=p.sm_scale, max_q_len=q_len, mask=mask
+    )
     if tree:
         visible = float(np.asarray(mask).sum()) / batch + (ctx - q_len) * q_len
     else:
         visible = (ctx - q_len) * q_len + q_len * (q_len + 1) / 2
     flops = 4 * batch * visible * 32 * 128
-    case = dict(name=name, kind="extend_tree" if tree else "extend_causal", batch=batch, q_len=q_len, ctx=ctx,
-                page_size=page_size, num_q_heads=32, num_kv_heads=8, head_dim=128, kv_bytes=p.kv_bytes,
-                flops=flops, page_table_sets=p.sets, results=[])
+    case = dict(
+        name=name,
+        kind="extend_tree" if tree else "extend_causal",
+        batch=batch,
+        q_len=q_len,
+        ctx=ctx,
+        page_size=page_size,
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        kv_bytes=p.kv_bytes,
+        flops=flops,
+        page_table_sets=p.sets,
+        results=[],
+    )
     for vname, tuning in variants:
-        call = lambda q, pt, k, v, tuning=tuning: paged_extend(q, k, v, layer, p.seq_lens, pt, query_start,
-                                                               sm_scale=p.sm_scale, max_q_len=q_len, mask=mask,
-                                                               **tuning)
+        call = lambda q, pt, k, v, tuning=tuning: paged_extend(
+            q, k, v, layer, p.seq_lens, pt, query_start, sm_scale=p.sm_scale, max_q_len=q_len, mask=mask, **tuning
+        )
         plan = extend_plan(batch, 32, p.k.shape, ctx // page_size, q_len, **tuning)._asdict()
         extra = {"tuning": tuning, "plan": plan, "kernel": "jspec"}
         case["results"].append(run_variant(vname, call, ref, p, iters, reps, extra))
@@ -269,8 +308,10 @@ def print_table(cases):
                 print(f"{case['name']:34s} {r['variant']:14s} FAILED: {r.get('error', '')[:60]}")
                 continue
             tf = f"{r['achieved_tflops']:8.1f}" if "achieved_tflops" in r else f"{'':8s}"
-            print(f"{case['name']:34s} {r['variant']:14s} {r['median_us']:9.1f} {r['achieved_tbps']:6.2f} "
-                  f"{100 * r['fraction_of_copy_bw']:5.1f}% {tf} {r.get('rel_err', float('nan')):8.1e}")
+            print(
+                f"{case['name']:34s} {r['variant']:14s} {r['median_us']:9.1f} {r['achieved_tbps']:6.2f} "
+                f"{100 * r['fraction_of_copy_bw']:5.1f}% {tf} {r.get('rel_err', float('nan')):8.1e}"
+            )
 
 
 def main():
@@ -287,9 +328,11 @@ def main():
 
     device = jax.devices()[0]
     print(f"device: {device.device_kind}, jax {jax.__version__}", flush=True)
-    copy_bw = copy_bandwidth((1 << 31) // shrink ** 2)
+    copy_bw = copy_bandwidth((1 << 31) // shrink**2)
     mm_flops = matmul_flops(8192 // shrink)
-    print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s (read+write), bf16 matmul {mm_flops / 1e12:.0f} TFLOP/s", flush=True)
+    print(
+        f"copy bandwidth {copy_bw / 1e12:.2f} TB/s (read+write), bf16 matmul {mm_flops / 1e12:.0f} TFLOP/s", flush=True
+    )
 
     def ctx(n):
         return max(64, n // shrink)
@@ -302,35 +345,84 @@ def main():
     tiles_only = [v for v in big if v[0] in ("default", "n32", "n128", "stages3")]
     plans = [
         lambda: decode_case("decode_b32_ctx4096_s16", batch(32), ctx(4096), 16, big, iters=iters, reps=reps),
-        lambda: decode_case("decode_b32_ctx4096_s1", batch(32), ctx(4096), 1, tiles_only, iters=iters, reps=reps,
-                            bundled=not args.quick),
-        lambda: decode_case("decode_b32_ctx4096_s64", batch(32), ctx(4096), 64, tiles_only, iters=iters,
-                            reps=reps, bundled=not args.quick),
+        lambda: decode_case(
+            "decode_b32_ctx4096_s1", batch(32), ctx(4096), 1, tiles_only, iters=iters, reps=reps, bundled=not args.quick
+        ),
+        lambda: decode_case(
+            "decode_b32_ctx4096_s64",
+            batch(32),
+            ctx(4096),
+            64,
+            tiles_only,
+            iters=iters,
+            reps=reps,
+            bundled=not args.quick,
+        ),
         # A cache over 4 GiB makes the kernel address KV with 64-bit offsets, as a real pool would.
-        lambda: decode_case("decode_b32_ctx4096_s16_cache9GB", batch(32), ctx(4096), 16, big[:1], iters=iters,
-                            reps=reps, bundled=False, layers=9),
-        lambda: decode_case("decode_b1_ctx4096_s16", 1, ctx(4096), 16, small, iters=iters, reps=reps,
-                            bundled=not args.quick),
-        lambda: decode_case("decode_b8_ctx1024_s16", batch(8), ctx(1024), 16, small, iters=iters, reps=reps,
-                            bundled=not args.quick),
-        lambda: extend_case("tree_b32_q8_ctx4096_s16", batch(32), 8, ctx(4096), 16, tree_variants(args.quick),
-                            tree=True, iters=iters, reps=reps),
-        lambda: extend_case("prefill_b1_q2048_ctx2048_s16", 1, ctx(2048), ctx(2048), 16,
-                            prefill_variants(args.quick), tree=False, iters=iters, reps=reps),
+        lambda: decode_case(
+            "decode_b32_ctx4096_s16_cache9GB",
+            batch(32),
+            ctx(4096),
+            16,
+            big[:1],
+            iters=iters,
+            reps=reps,
+            bundled=False,
+            layers=9,
+        ),
+        lambda: decode_case(
+            "decode_b1_ctx4096_s16", 1, ctx(4096), 16, small, iters=iters, reps=reps, bundled=not args.quick
+        ),
+        lambda: decode_case(
+            "decode_b8_ctx1024_s16", batch(8), ctx(1024), 16, small, iters=iters, reps=reps, bundled=not args.quick
+        ),
+        lambda: extend_case(
+            "tree_b32_q8_ctx4096_s16",
+            batch(32),
+            8,
+            ctx(4096),
+            16,
+            tree_variants(args.quick),
+            tree=True,
+            iters=iters,
+            reps=reps,
+        ),
+        lambda: extend_case(
+            "prefill_b1_q2048_ctx2048_s16",
+            1,
+            ctx(2048),
+            ctx(2048),
+            16,
+            prefill_variants(args.quick),
+            tree=False,
+            iters=iters,
+            reps=reps,
+        ),
     ]
     # Per-iteration cost of the timing loop itself: a trivial body on a decode-sized q.
     q_small = jnp.ones((32, 32, 128), jnp.bfloat16)
     loop_floor_us, _ = time_loop(lambda j, q: q * jnp.bfloat16(0.5) + q, q_small, (), iters, reps)
     print(f"timing-loop floor {loop_floor_us:.1f} us per call (a trivial kernel)", flush=True)
 
-    results = Results(args.out, "bench_kernels", {"iters_per_loop": iters, "repeats": reps, "quick": args.quick,
-                                                  "smoke": args.smoke, "dtype": "bfloat16", "layers": LAYERS,
-                                                  "tolerance": TOLERANCE})
+    results = Results(
+        args.out,
+        "bench_kernels",
+        {
+            "iters_per_loop": iters,
+            "repeats": reps,
+            "quick": args.quick,
+            "smoke": args.smoke,
+            "dtype": "bfloat16",
+            "layers": LAYERS,
+            "tolerance": TOLERANCE,
+        },
+    )
     cases = []
 
     def save():
-        return results.write(copy_bandwidth_tbps=copy_bw / 1e12, matmul_tflops=mm_flops / 1e12,
-                             loop_floor_us=loop_floor_us, cases=cases)
+        return results.write(
+            copy_bandwidth_tbps=copy_bw / 1e12, matmul_tflops=mm_flops / 1e12, loop_floor_us=loop_floor_us, cases=cases
+        )
 
     for plan in plans:
         try:

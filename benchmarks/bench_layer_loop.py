@@ -98,8 +98,9 @@ def shape_rows(variant: str, name: str, cfg, ctx: int, batches, dtype) -> list[d
     rows = []
     params = random_params(cfg, dtype)
     hlo_dtype = {"float32": "f32", "bfloat16": "bf16"}[jnp.dtype(dtype).name]
-    per_layer_shapes = {f"{hlo_dtype}[{','.join(map(str, v.shape[1:]))}]"
-                        for v in params["layers"].values() if v.ndim >= 3}
+    per_layer_shapes = {
+        f"{hlo_dtype}[{','.join(map(str, v.shape[1:]))}]" for v in params["layers"].values() if v.ndim >= 3
+    }
     weights = unstack_layers(params) if layout == "per_layer" else params
     if layout == "per_layer":
         del params
@@ -107,8 +108,9 @@ def shape_rows(variant: str, name: str, cfg, ctx: int, batches, dtype) -> list[d
     per_seq = (ctx + 128) // S
     num_pages = max(batches) * per_seq + 2
     kv_shape = (cfg.num_layers, num_pages, S, cfg.num_kv_heads, cfg.head_dim)
-    fill = jax.jit(lambda k: jax.lax.map(lambda kk: jax.random.normal(kk, kv_shape[1:], dtype),
-                                         jax.random.split(k, kv_shape[0])))
+    fill = jax.jit(
+        lambda k: jax.lax.map(lambda kk: jax.random.normal(kk, kv_shape[1:], dtype), jax.random.split(k, kv_shape[0]))
+    )
     kv = KVPool(fill(jax.random.key(10)), fill(jax.random.key(11)))
     rng = np.random.default_rng(0)
     for B in batches:
@@ -116,18 +118,24 @@ def shape_rows(variant: str, name: str, cfg, ctx: int, batches, dtype) -> list[d
         slot_ids = jnp.arange(B, dtype=jnp.int32)
         page_tables = jnp.asarray(pages, jnp.int32)
         greedy = jax.tree.map(jnp.asarray, sampling_rows([], [], B))
-        carry = PlainCarry(jnp.asarray(rng.integers(0, cfg.vocab_size, B + 1), jnp.int32),
-                           jnp.full(B + 1, ctx - 64, jnp.int32).at[B].set(0))
+        carry = PlainCarry(
+            jnp.asarray(rng.integers(0, cfg.vocab_size, B + 1), jnp.int32),
+            jnp.full(B + 1, ctx - 64, jnp.int32).at[B].set(0),
+        )
         state = {"s": PlainState(kv, carry, init_penalty_state(B, cfg.vocab_size))}
 
         def step():
-            state["s"], out = plain_decode_step(weights, state["s"], slot_ids, page_tables, greedy,
-                                                cfg=cfg, sampling="greedy")
+            state["s"], out = plain_decode_step(
+                weights, state["s"], slot_ids, page_tables, greedy, cfg=cfg, sampling="greedy"
+            )
             return out.ints
 
         t0 = time.perf_counter()
-        hlo = plain_decode_step.lower(weights, state["s"], slot_ids, page_tables, greedy, cfg=cfg,
-                                      sampling="greedy").compile().as_text()
+        hlo = (
+            plain_decode_step.lower(weights, state["s"], slot_ids, page_tables, greedy, cfg=cfg, sampling="greedy")
+            .compile()
+            .as_text()
+        )
         compile_s = time.perf_counter() - t0
         if os.environ.get("BENCH_DUMP_HLO") and B == batches[0]:
             with open(os.path.join(os.environ["BENCH_DUMP_HLO"], f"hlo_{variant}_{name}_b{B}.txt"), "w") as f:
@@ -144,11 +152,21 @@ def shape_rows(variant: str, name: str, cfg, ctx: int, batches, dtype) -> list[d
         prof = profile_calls(step, calls=5)
         kv = state["s"].target_kv
         busy = prof.get("busy_us", float("nan")) / 1e3
-        row = dict(variant=variant, layout=layout, shape=name, batch=B, context=ctx, compile_s=compile_s,
-                   wall_ms=wall * 1e3, launch_ms=launch * 1e3, device_busy_ms=busy,
-                   gpu_idle=1 - busy / (wall * 1e3) if not np.isnan(busy) else None,
-                   kernels=prof.get("kernels"), weight_copies=weight_copies(hlo, per_layer_shapes),
-                   by_kind=prof.get("by_kind"))
+        row = dict(
+            variant=variant,
+            layout=layout,
+            shape=name,
+            batch=B,
+            context=ctx,
+            compile_s=compile_s,
+            wall_ms=wall * 1e3,
+            launch_ms=launch * 1e3,
+            device_busy_ms=busy,
+            gpu_idle=1 - busy / (wall * 1e3) if not np.isnan(busy) else None,
+            kernels=prof.get("kernels"),
+            weight_copies=weight_copies(hlo, per_layer_shapes),
+            by_kind=prof.get("by_kind"),
+        )
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
@@ -179,16 +197,25 @@ def main():
                 rows += json.load(f)
         else:
             failures[v] = r.returncode
-    settings = {"tiny": args.tiny, "variants": args.variants, "flags": {v: VARIANTS[v][1:] for v in VARIANTS},
-                "shapes": os.environ.get("BENCH_SHAPES"), "batches": os.environ.get("BENCH_BATCHES")}
+    settings = {
+        "tiny": args.tiny,
+        "variants": args.variants,
+        "flags": {v: VARIANTS[v][1:] for v in VARIANTS},
+        "shapes": os.environ.get("BENCH_SHAPES"),
+        "batches": os.environ.get("BENCH_BATCHES"),
+    }
     path = Results(args.out, "bench_layer_loop", settings, file_name=args.name).write(rows=rows, failures=failures)
     print(f"\nwrote {path}")
-    print(f"{'variant':>10} {'shape':>14} {'B':>3} {'busy ms':>8} {'wall ms':>8} {'launch':>7} {'idle':>5} "
-          f"{'kern':>5} {'wcopies':>7} {'compile':>7}")
+    print(
+        f"{'variant':>10} {'shape':>14} {'B':>3} {'busy ms':>8} {'wall ms':>8} {'launch':>7} {'idle':>5} "
+        f"{'kern':>5} {'wcopies':>7} {'compile':>7}"
+    )
     for r in rows:
-        print(f"{r['variant']:>10} {r['shape']:>14} {r['batch']:>3} {r['device_busy_ms']:>8.3f} {r['wall_ms']:>8.3f} "
-              f"{r['launch_ms']:>7.3f} {r['gpu_idle'] or 0:>5.2f} {r['kernels'] or 0:>5} "
-              f"{r['weight_copies']['count']:>7} {r['compile_s']:>7.1f}")
+        print(
+            f"{r['variant']:>10} {r['shape']:>14} {r['batch']:>3} {r['device_busy_ms']:>8.3f} {r['wall_ms']:>8.3f} "
+            f"{r['launch_ms']:>7.3f} {r['gpu_idle'] or 0:>5.2f} {r['kernels'] or 0:>5} "
+            f"{r['weight_copies']['count']:>7} {r['compile_s']:>7.1f}"
+        )
     if failures:
         print("failed:", failures)
 

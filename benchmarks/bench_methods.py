@@ -62,8 +62,10 @@ def main():
     standalone = (dcfg_s, random_params(dcfg_s, dtype, seed=5))
     rng = np.random.default_rng(0)
     phrase = [list(map(int, rng.integers(0, 500, 16))) for _ in range(B)]
-    prompt_sets = {"repetitive": [p * 8 for p in phrase],
-                   "random": [list(map(int, rng.integers(0, 500, 128))) for _ in range(B)]}
+    prompt_sets = {
+        "repetitive": [p * 8 for p in phrase],
+        "random": [list(map(int, rng.integers(0, 500, 128))) for _ in range(B)],
+    }
     methods = {
         "none": (None, None),
         "EAGLE3 (3,1,4)": (jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=1), eagle),
@@ -72,8 +74,17 @@ def main():
         "NGRAM (8 tokens)": (jspec.SpecConfig("NGRAM", num_draft_tokens=8), None),
     }
     rows = []
-    results = Results(args.out, "bench_methods", {"model": "SmolLM2-135M shape, random weights", "batch": B,
-                                                  "new_tokens": new, "page_size": 16, "overlap": True})
+    results = Results(
+        args.out,
+        "bench_methods",
+        {
+            "model": "SmolLM2-135M shape, random weights",
+            "batch": B,
+            "new_tokens": new,
+            "page_size": 16,
+            "overlap": True,
+        },
+    )
 
     def save():
         base = {r["prompts"]: r["tok_per_s"] for r in rows if r["method"] == "none"}
@@ -82,8 +93,15 @@ def main():
         return results.write(rows=rows)
 
     for name, (spec, draft) in methods.items():
-        engine = jspec.Engine((cfg, params), speculative=spec, draft=draft, page_size=16, max_running_requests=B,
-                              max_total_tokens=2 * (B * (128 + new + 64) + 1024), disable_radix_cache=True)
+        engine = jspec.Engine(
+            (cfg, params),
+            speculative=spec,
+            draft=draft,
+            page_size=16,
+            max_running_requests=B,
+            max_total_tokens=2 * (B * (128 + new + 64) + 1024),
+            disable_radix_cache=True,
+        )
         for which, prompts in prompt_sets.items():
             workload(engine, prompts, new)  # untimed: compiles what this workload needs
             tok_s, acc = workload(engine, prompts, new)
@@ -96,8 +114,10 @@ def main():
     print(f"\nwrote {path}\n")
     print(f"{'method':>20} {'prompts':>10} {'tok/s':>8} {'accept':>6} {'vs none':>7}")
     for r in rows:
-        print(f"{r['method']:>20} {r['prompts']:>10} {r['tok_per_s']:>8.0f} {r['mean_accept_length']:>6.2f} "
-              f"{r['vs_no_spec'] or 0:>7.2f}")
+        print(
+            f"{r['method']:>20} {r['prompts']:>10} {r['tok_per_s']:>8.0f} {r['mean_accept_length']:>6.2f} "
+            f"{r['vs_no_spec'] or 0:>7.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -75,8 +75,12 @@ def main():
     if args.tiny:
         cases, prompt_len, new_tokens = [("tiny", TINY, TINY_DRAFT, [1, 4])], 16, 8
     rows = []
-    results = Results(args.out, "bench_overlap", {"prompt_len": prompt_len, "new_tokens": new_tokens, "page_size": 16,
-                                                  "speculative": "EAGLE3 (3,1,4)"}, file_name=args.name)
+    results = Results(
+        args.out,
+        "bench_overlap",
+        {"prompt_len": prompt_len, "new_tokens": new_tokens, "page_size": 16, "speculative": "EAGLE3 (3,1,4)"},
+        file_name=args.name,
+    )
 
     dtype = jnp.float32 if args.tiny else jnp.bfloat16
     for name, cfg, dcfg, batches in cases:
@@ -87,10 +91,16 @@ def main():
             for B in batches:
                 row = dict(model=name, method=method, batch=B)
                 for overlap in (True, False):
-                    engine = jspec.Engine((cfg, params), speculative=spec, draft=(dcfg, dparams) if spec else None,
-                                          page_size=16, max_running_requests=max(B, 1),
-                                          max_total_tokens=B * (prompt_len + new_tokens + 64) + 1024,
-                                          disable_overlap_schedule=not overlap, disable_radix_cache=True)
+                    engine = jspec.Engine(
+                        (cfg, params),
+                        speculative=spec,
+                        draft=(dcfg, dparams) if spec else None,
+                        page_size=16,
+                        max_running_requests=max(B, 1),
+                        max_total_tokens=B * (prompt_len + new_tokens + 64) + 1024,
+                        disable_overlap_schedule=not overlap,
+                        disable_radix_cache=True,
+                    )
                     for seed in (0, 1):  # untimed: compile every shape this workload meets
                         run_workload(engine, B, prompt_len, new_tokens, seed)
                     guard = "disallow" if overlap and not args.tiny else "allow"
@@ -106,8 +116,9 @@ def main():
                     row[f"{key}_host_ms"] = engine.loop_times.per_iteration_ms()
                 # Device busy per decode step: the same compiled step on prebuilt inputs, back to back
                 # (no host work between launches), at the workload's mid-generation context.
-                with HeldDecode(engine, B, -(-(prompt_len + new_tokens + 64) // 16),
-                                prompt_len + new_tokens // 2) as held:
+                with HeldDecode(
+                    engine, B, -(-(prompt_len + new_tokens + 64) // 16), prompt_len + new_tokens // 2
+                ) as held:
                     busy = held.step_ms() / 1e3
                 emitted_per_step = 1.0  # random heads accept ~nothing: one token per decode step
                 row["device_step_ms"] = busy * 1e3
@@ -121,14 +132,18 @@ def main():
                 results.write(rows=rows)
     path = results.write(rows=rows)
     print(f"\nwrote {path}\n")
-    print(f"{'model':>6} {'method':>7} {'B':>3} {'overlap tok/s':>13} {'sync tok/s':>10} {'x':>5} "
-          f"{'idle ovl':>8} {'idle sync':>9} {'dev ms':>7} {'host ms':>7} {'sched':>6} {'launch':>6} {'proc':>6}")
+    print(
+        f"{'model':>6} {'method':>7} {'B':>3} {'overlap tok/s':>13} {'sync tok/s':>10} {'x':>5} "
+        f"{'idle ovl':>8} {'idle sync':>9} {'dev ms':>7} {'host ms':>7} {'sched':>6} {'launch':>6} {'proc':>6}"
+    )
     for r in rows:
         h = r["overlap_host_ms"]
-        print(f"{r['model']:>6} {r['method']:>7} {r['batch']:>3} {r['overlap_tok_per_s']:>13.0f} "
-              f"{r['sync_tok_per_s']:>10.0f} {r['overlap_speedup']:>5.2f} {r['overlap_gpu_idle']:>8.1%} "
-              f"{r['sync_gpu_idle']:>9.1%} {r['device_step_ms']:>7.3f} {h['host']:>7.3f} {h['schedule']:>6.3f} "
-              f"{h['launch']:>6.3f} {h['process']:>6.3f}")
+        print(
+            f"{r['model']:>6} {r['method']:>7} {r['batch']:>3} {r['overlap_tok_per_s']:>13.0f} "
+            f"{r['sync_tok_per_s']:>10.0f} {r['overlap_speedup']:>5.2f} {r['overlap_gpu_idle']:>8.1%} "
+            f"{r['sync_gpu_idle']:>9.1%} {r['device_step_ms']:>7.3f} {h['host']:>7.3f} {h['schedule']:>6.3f} "
+            f"{h['launch']:>6.3f} {h['process']:>6.3f}"
+        )
 
 
 if __name__ == "__main__":

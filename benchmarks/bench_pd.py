@@ -95,9 +95,15 @@ def setup(args):
     dcfg = dataclasses.replace(dcfg, max_position_embeddings=max(dcfg.max_position_embeddings, ctx))
     params = random_params(cfg, dtype)
     dparams = init_random_draft_params(dcfg, jax.random.key(3), dtype)
-    kw = dict(speculative=SPEC, draft=(dcfg, dparams), page_size=args.page_size, max_running_requests=4,
-              max_total_tokens=2 * ctx + 1024, chunked_prefill_size=args.chunked_prefill_size,
-              disable_radix_cache=True)  # every repeat must prefill, not hit the cache
+    kw = dict(
+        speculative=SPEC,
+        draft=(dcfg, dparams),
+        page_size=args.page_size,
+        max_running_requests=4,
+        max_total_tokens=2 * ctx + 1024,
+        chunked_prefill_size=args.chunked_prefill_size,
+        disable_radix_cache=True,
+    )  # every repeat must prefill, not hit the cache
     if args.tiny:
         kw["attention_backend"] = "reference"
     return (cfg, params), lens, kw
@@ -139,8 +145,10 @@ def staging_legs(engine, n: int, repeats: int) -> tuple[float, float]:
     from jspec.disaggregation import kv_io
     from jspec.disaggregation.transfer import dtype
 
-    shapes = [((s[0], n, *s[1:]) if kind == "paged" else tuple(s), dtype(dt))
-              for kind, s, dt in kv_io.layout(engine.worker.state)]
+    shapes = [
+        ((s[0], n, *s[1:]) if kind == "paged" else tuple(s), dtype(dt))
+        for kind, s, dt in kv_io.layout(engine.worker.state)
+    ]
     host = [np.ones(shape, dt) for shape, dt in shapes]
     d2h, h2d = [], []
     for _ in range(repeats + 1):
@@ -165,14 +173,23 @@ def pd_rows(engine, backend, lens, rng, vocab, rows, save, args) -> None:
         wire = median([t.t_received - t.t_sent for t in tr])
         nbytes = tr[0].nbytes
         d2h, h2d = staging_legs(engine, n, args.repeats)
-        row = dict(mode="pd", backend=backend, prompt_len=n, ttft_s=median([t for t, _ in times]),
-                   first_decode_token_s=median([d for _, d in times]), transfer_bytes=nbytes,
-                   wire_s=wire, wire_GBps=nbytes / wire / 1e9, d2h_GBps=nbytes / d2h / 1e9,
-                   h2d_GBps=nbytes / h2d / 1e9, staged_GBps=nbytes / (d2h + wire + h2d) / 1e9,
-                   readout_to_host_s=median([t.t_sent - t.t_extract for t in tr]),
-                   stage_s=median([t.t_staged - t.t_received for t in tr]),
-                   staged_on_device=sum(t.on_device for t in tr) / len(tr),
-                   admit_dispatch_s=median([t.t_admitted - t.t_received for t in tr]))
+        row = dict(
+            mode="pd",
+            backend=backend,
+            prompt_len=n,
+            ttft_s=median([t for t, _ in times]),
+            first_decode_token_s=median([d for _, d in times]),
+            transfer_bytes=nbytes,
+            wire_s=wire,
+            wire_GBps=nbytes / wire / 1e9,
+            d2h_GBps=nbytes / d2h / 1e9,
+            h2d_GBps=nbytes / h2d / 1e9,
+            staged_GBps=nbytes / (d2h + wire + h2d) / 1e9,
+            readout_to_host_s=median([t.t_sent - t.t_extract for t in tr]),
+            stage_s=median([t.t_staged - t.t_received for t in tr]),
+            staged_on_device=sum(t.on_device for t in tr) / len(tr),
+            admit_dispatch_s=median([t.t_admitted - t.t_received for t in tr]),
+        )
         rows.append(row)
         print(json.dumps(row), flush=True)
         save()
@@ -185,16 +202,39 @@ def run_decode(args) -> None:
     dev = jax.devices()[0]
     print(f"device {dev.device_kind}, jax {jax.__version__}", flush=True)
     env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=str(args.mem_fraction))
-    argv = [sys.executable, "-m", "benchmarks.bench_pd", "--role", "prefill", "--port", "0", "--model", args.model,
-            "--prompt-lens", args.prompt_lens, "--new-tokens", str(args.new_tokens), "--page-size",
-            str(args.page_size), "--chunked-prefill-size", str(args.chunked_prefill_size)] + (
-        ["--tiny"] if args.tiny else [])
+    argv = [
+        sys.executable,
+        "-m",
+        "benchmarks.bench_pd",
+        "--role",
+        "prefill",
+        "--port",
+        "0",
+        "--model",
+        args.model,
+        "--prompt-lens",
+        args.prompt_lens,
+        "--new-tokens",
+        str(args.new_tokens),
+        "--page-size",
+        str(args.page_size),
+        "--chunked-prefill-size",
+        str(args.chunked_prefill_size),
+    ] + (["--tiny"] if args.tiny else [])
     child = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
     rows = []
     model, lens, kw = setup(args)
-    settings = dict(model="tiny" if args.tiny else args.model, prompt_lens=lens, new_tokens=args.new_tokens,
-                    repeats=args.repeats, page_size=args.page_size, chunked_prefill_size=args.chunked_prefill_size,
-                    speculative="EAGLE3 (3,1,4)", mem_fraction=args.mem_fraction, processes="2 on one device")
+    settings = dict(
+        model="tiny" if args.tiny else args.model,
+        prompt_lens=lens,
+        new_tokens=args.new_tokens,
+        repeats=args.repeats,
+        page_size=args.page_size,
+        chunked_prefill_size=args.chunked_prefill_size,
+        speculative="EAGLE3 (3,1,4)",
+        mem_fraction=args.mem_fraction,
+        processes="2 on one device",
+    )
     results = Results(args.out, "bench_pd", settings, file_name=args.name)
 
     def save():
@@ -225,8 +265,13 @@ def run_decode(args) -> None:
                 for p in prompts[:2]:
                     one_request(engine, p, args.new_tokens)
                 times = [one_request(engine, p, args.new_tokens) for p in prompts[2:]]
-                row = dict(mode="colocated", backend=None, prompt_len=n, ttft_s=median([t for t, _ in times]),
-                           first_decode_token_s=median([d for _, d in times]))
+                row = dict(
+                    mode="colocated",
+                    backend=None,
+                    prompt_len=n,
+                    ttft_s=median([t for t, _ in times]),
+                    first_decode_token_s=median([d for _, d in times]),
+                )
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 save()
@@ -236,16 +281,20 @@ def run_decode(args) -> None:
     path = save()
     print(f"\nwrote {path}\n")
     nan = float("nan")
-    print(f"{'mode':>9} {'backend':>7} {'prompt':>6} {'ttft ms':>8} {'1st dec ms':>10} {'MB':>7} {'wire GB/s':>9} "
-          f"{'d2h GB/s':>8} {'h2d GB/s':>8} {'staged':>6}")
+    print(
+        f"{'mode':>9} {'backend':>7} {'prompt':>6} {'ttft ms':>8} {'1st dec ms':>10} {'MB':>7} {'wire GB/s':>9} "
+        f"{'d2h GB/s':>8} {'h2d GB/s':>8} {'staged':>6}"
+    )
     for r in rows:
         if "error" in r:
             print(f"{r['mode']:>9} {r['backend']!s:>7} failed: {r['error']}")
             continue
-        print(f"{r['mode']:>9} {r['backend']!s:>7} {r['prompt_len']:>6} {r['ttft_s'] * 1e3:>8.2f} "
-              f"{r['first_decode_token_s'] * 1e3:>10.2f} {r.get('transfer_bytes', 0) / 1e6 or nan:>7.1f} "
-              f"{r.get('wire_GBps', nan):>9.2f} {r.get('d2h_GBps', nan):>8.2f} {r.get('h2d_GBps', nan):>8.2f} "
-              f"{r.get('staged_GBps', nan):>6.2f}")
+        print(
+            f"{r['mode']:>9} {r['backend']!s:>7} {r['prompt_len']:>6} {r['ttft_s'] * 1e3:>8.2f} "
+            f"{r['first_decode_token_s'] * 1e3:>10.2f} {r.get('transfer_bytes', 0) / 1e6 or nan:>7.1f} "
+            f"{r.get('wire_GBps', nan):>9.2f} {r.get('d2h_GBps', nan):>8.2f} {r.get('h2d_GBps', nan):>8.2f} "
+            f"{r.get('staged_GBps', nan):>6.2f}"
+        )
 
 
 def main():

@@ -60,13 +60,16 @@ def jspec_rows(shapes: list[str], batches: list[int], context: int, tiny_run: bo
             slots = jnp.arange(B, dtype=jnp.int32)
             tables = jnp.asarray(pages, jnp.int32)
             greedy = jax.tree.map(jnp.asarray, sampling_rows([], [], B))
-            carry = PlainCarry(jnp.asarray(rng.integers(0, cfg.vocab_size, B + 1), jnp.int32),
-                               jnp.full(B + 1, context, jnp.int32).at[B].set(0))
+            carry = PlainCarry(
+                jnp.asarray(rng.integers(0, cfg.vocab_size, B + 1), jnp.int32),
+                jnp.full(B + 1, context, jnp.int32).at[B].set(0),
+            )
             state = {"s": PlainState(kv, carry, init_penalty_state(B, cfg.vocab_size))}
 
             def step(slots=slots, tables=tables, greedy=greedy):
-                state["s"], out = plain_decode_step(weights, state["s"], slots, tables, greedy, cfg=cfg,
-                                                    sampling="greedy")
+                state["s"], out = plain_decode_step(
+                    weights, state["s"], slots, tables, greedy, cfg=cfg, sampling="greedy"
+                )
                 return out.ints
 
             def reset(B=B):
@@ -80,9 +83,17 @@ def jspec_rows(shapes: list[str], batches: list[int], context: int, tiny_run: bo
                 times.append(timed(step, 20, 1))
             kv = state["s"].target_kv
             kv_bytes = 2 * cfg.num_layers * B * context * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
-            rows.append(dict(engine="jspec", shape=name, batch=B, context=context,
-                             step_ms=float(np.median(times)) * 1e3,
-                             floor_ms=(weight_bytes + kv_bytes) / bandwidth * 1e3, bandwidth=bandwidth))
+            rows.append(
+                dict(
+                    engine="jspec",
+                    shape=name,
+                    batch=B,
+                    context=context,
+                    step_ms=float(np.median(times)) * 1e3,
+                    floor_ms=(weight_bytes + kv_bytes) / bandwidth * 1e3,
+                    bandwidth=bandwidth,
+                )
+            )
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -100,8 +111,15 @@ def peer_rows(shapes: list[str], batches: list[int], context: int, tiny_run: boo
         with open(os.path.join(REPO_ROOT, "benchmarks", "shapes", name, "config.json")) as f:
             cfg_dict = json.load(f)
         if tiny_run:  # the shapes of benchmarks.common.tiny, three layers
-            cfg_dict.update(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+            cfg_dict.update(
+                vocab_size=512,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=3,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+            )
         config = LlamaConfig(**cfg_dict)
         torch.manual_seed(0)
         with torch.device(device):
@@ -110,13 +128,22 @@ def peer_rows(shapes: list[str], batches: list[int], context: int, tiny_run: boo
             cache = StaticCache(config=config, max_cache_len=context + 128)
             prompt = torch.randint(0, config.vocab_size, (B, context), device=device)
             with torch.no_grad():  # the prefill, uncompiled: it fills the cache to `context`
-                out = model(input_ids=prompt, past_key_values=cache, use_cache=True,
-                            cache_position=torch.arange(context, device=device))
+                out = model(
+                    input_ids=prompt,
+                    past_key_values=cache,
+                    use_cache=True,
+                    cache_position=torch.arange(context, device=device),
+                )
             token = out.logits[:, -1:].argmax(-1)
 
             def decode(token, position):
-                logits = model(input_ids=token, past_key_values=cache, use_cache=True, cache_position=position,
-                               position_ids=position.expand(token.shape[0], 1)).logits
+                logits = model(
+                    input_ids=token,
+                    past_key_values=cache,
+                    use_cache=True,
+                    cache_position=position,
+                    position_ids=position.expand(token.shape[0], 1),
+                ).logits
                 return logits[:, -1:].argmax(-1)
 
             compiled = torch.compile(decode, mode="reduce-overhead", fullgraph=True) if cuda else decode
@@ -138,9 +165,18 @@ def peer_rows(shapes: list[str], batches: list[int], context: int, tiny_run: boo
                     if cuda:
                         torch.cuda.synchronize()
                     times.append((time.perf_counter() - t0) / len(positions))
-            rows.append(dict(engine="hf_static_compiled" if cuda else "hf_static_eager", shape=name, batch=B,
-                             context=context, step_ms=statistics.median(times) * 1e3, compile_s=compile_s,
-                             torch=torch.__version__, transformers=__import__("transformers").__version__))
+            rows.append(
+                dict(
+                    engine="hf_static_compiled" if cuda else "hf_static_eager",
+                    shape=name,
+                    batch=B,
+                    context=context,
+                    step_ms=statistics.median(times) * 1e3,
+                    compile_s=compile_s,
+                    torch=torch.__version__,
+                    transformers=__import__("transformers").__version__,
+                )
+            )
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -164,8 +200,19 @@ def main():
     rows, failures = [], {}
     for child, python in (("jspec", sys.executable), ("peer", args.peer_python)):
         out_file = f"/tmp/bench_peers_{child}.json"
-        cmd = [python, "-m", "benchmarks.bench_peers", "--child", child, "--shapes", args.shapes,
-               "--batches", args.batches, "--context", str(args.context)] + (["--tiny"] if args.tiny else [])
+        cmd = [
+            python,
+            "-m",
+            "benchmarks.bench_peers",
+            "--child",
+            child,
+            "--shapes",
+            args.shapes,
+            "--batches",
+            args.batches,
+            "--context",
+            str(args.context),
+        ] + (["--tiny"] if args.tiny else [])
         r = subprocess.run(cmd, env=dict(os.environ, JSPEC_CHILD_OUT=out_file), cwd=REPO_ROOT, check=False)
         if r.returncode == 0:
             with open(out_file) as f:
@@ -185,8 +232,10 @@ def main():
             continue
         j = jspec.get((r["shape"], r["batch"]))
         if j:
-            print(f"{r['shape']:>14} {r['batch']:>3} {j['step_ms']:>9.3f} {r['step_ms']:>8.3f} "
-                  f"{j['floor_ms']:>9.3f} {r['step_ms'] / j['step_ms']:>10.2f}")
+            print(
+                f"{r['shape']:>14} {r['batch']:>3} {j['step_ms']:>9.3f} {r['step_ms']:>8.3f} "
+                f"{j['floor_ms']:>9.3f} {r['step_ms'] / j['step_ms']:>10.2f}"
+            )
     if failures:
         print("failed:", failures)
 

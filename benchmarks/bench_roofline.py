@@ -56,19 +56,37 @@ def evaluate(kernels: dict | None, decode: dict | None, overlap: dict | None) ->
     s16 = _default(cases.get("decode_b32_ctx4096_s16"))
     thr = f">= {DECODE_FRACTION:.0%} of copy bandwidth"
     if s16:
-        bundled = next((r for r in cases["decode_b32_ctx4096_s16"]["results"]
-                        if r.get("kernel") == "jax_bundled" and "achieved_tbps" in r), None)
+        bundled = next(
+            (
+                r
+                for r in cases["decode_b32_ctx4096_s16"]["results"]
+                if r.get("kernel") == "jax_bundled" and "achieved_tbps" in r
+            ),
+            None,
+        )
         note = f"JAX bundled kernel {bundled['achieved_tbps']:.2f} TB/s" if bundled else ""
-        rows.append(_row("1 decode attention B=32 ctx 4096 page 16",
-                         f"{s16['achieved_tbps']:.2f} TB/s ({s16['fraction_of_copy_bw']:.0%} of copy)", thr,
-                         s16["fraction_of_copy_bw"] >= DECODE_FRACTION, note))
+        rows.append(
+            _row(
+                "1 decode attention B=32 ctx 4096 page 16",
+                f"{s16['achieved_tbps']:.2f} TB/s ({s16['fraction_of_copy_bw']:.0%} of copy)",
+                thr,
+                s16["fraction_of_copy_bw"] >= DECODE_FRACTION,
+                note,
+            )
+        )
         for page in (1, 64):
             other = _default(cases.get(f"decode_b32_ctx4096_s{page}"))
             name, t = f"1 decode attention page {page} vs page 16", f"<= {PAGE_SPREAD:.2f}x"
             if other:
                 ratio = other["median_us"] / s16["median_us"]
-                rows.append(_row(name, f"{ratio:.3f}x ({other['median_us']:.1f} vs {s16['median_us']:.1f} us)",
-                                 t, ratio <= PAGE_SPREAD))
+                rows.append(
+                    _row(
+                        name,
+                        f"{ratio:.3f}x ({other['median_us']:.1f} vs {s16['median_us']:.1f} us)",
+                        t,
+                        ratio <= PAGE_SPREAD,
+                    )
+                )
             else:
                 rows.append(_not_run(name, t, "case missing or failed"))
     else:
@@ -77,27 +95,50 @@ def evaluate(kernels: dict | None, decode: dict | None, overlap: dict | None) ->
     tree = _default(cases.get("tree_b32_q8_ctx4096_s16"))
     thr = f">= {TREE_FRACTION:.0%} of copy bandwidth"
     name = "2 tree verify attention B=32 x 8 ctx 4096"
-    rows.append(_row(name, f"{tree['achieved_tbps']:.2f} TB/s ({tree['fraction_of_copy_bw']:.0%} of copy)", thr,
-                     tree["fraction_of_copy_bw"] >= TREE_FRACTION) if tree
-                else _not_run(name, thr, "case missing or failed"))
+    rows.append(
+        _row(
+            name,
+            f"{tree['achieved_tbps']:.2f} TB/s ({tree['fraction_of_copy_bw']:.0%} of copy)",
+            thr,
+            tree["fraction_of_copy_bw"] >= TREE_FRACTION,
+        )
+        if tree
+        else _not_run(name, thr, "case missing or failed")
+    )
 
     steps = sorted((decode or {}).get("rows", []), key=lambda r: (r["batch"], r["context"]))
     steps = [r for r in steps if r.get("layout", "per_layer") == "per_layer"]
     if steps:
         low, high = steps[0], max(steps, key=lambda r: r["batch"])
-        rows.append(_row(f"3 decode step bs={low['batch']} ctx {low['context']}",
-                         f"{low['step_ms']:.3f} ms = {low['x_bandwidth_floor']:.2f}x the "
-                         f"{low['bandwidth_floor_ms']:.3f} ms bandwidth floor", f"<= {STEP_RATIO:.2f}x",
-                         low["x_bandwidth_floor"] <= STEP_RATIO))
+        rows.append(
+            _row(
+                f"3 decode step bs={low['batch']} ctx {low['context']}",
+                f"{low['step_ms']:.3f} ms = {low['x_bandwidth_floor']:.2f}x the "
+                f"{low['bandwidth_floor_ms']:.3f} ms bandwidth floor",
+                f"<= {STEP_RATIO:.2f}x",
+                low["x_bandwidth_floor"] <= STEP_RATIO,
+            )
+        )
         if high is not low:
-            rows.append(_row(f"3 decode step bs={high['batch']} ctx {high['context']}",
-                             f"{high['step_ms']:.3f} ms = {high['x_bandwidth_floor']:.2f}x bandwidth floor, "
-                             f"{high['step_ms'] / high['matmul_floor_ms']:.1f}x matmul floor", "report", None))
+            rows.append(
+                _row(
+                    f"3 decode step bs={high['batch']} ctx {high['context']}",
+                    f"{high['step_ms']:.3f} ms = {high['x_bandwidth_floor']:.2f}x bandwidth floor, "
+                    f"{high['step_ms'] / high['matmul_floor_ms']:.1f}x matmul floor",
+                    "report",
+                    None,
+                )
+            )
         if "verify_over_decode" in low:
-            rows.append(_row(f"4 verify {low['verify_tokens']} tokens vs decode, bs={low['batch']}",
-                             f"{low['verify_over_decode']:.3f}x ({low['forward_verify_ms']:.3f} vs "
-                             f"{low['forward_decode_ms']:.3f} ms)", f"<= {VERIFY_RATIO}x",
-                             low["verify_over_decode"] <= VERIFY_RATIO))
+            rows.append(
+                _row(
+                    f"4 verify {low['verify_tokens']} tokens vs decode, bs={low['batch']}",
+                    f"{low['verify_over_decode']:.3f}x ({low['forward_verify_ms']:.3f} vs "
+                    f"{low['forward_decode_ms']:.3f} ms)",
+                    f"<= {VERIFY_RATIO}x",
+                    low["verify_over_decode"] <= VERIFY_RATIO,
+                )
+            )
         else:
             rows.append(_not_run("4 verify vs decode", f"<= {VERIFY_RATIO}x", "--verify-tokens 0"))
     else:
@@ -108,9 +149,14 @@ def evaluate(kernels: dict | None, decode: dict | None, overlap: dict | None) ->
     for r in host_rows:
         host, dev = r["overlap_host_ms"]["host"], r["device_step_ms"]
         graded = r["model"] == "8b"  # the target is graded on the 8B shape; the others are reported
-        rows.append(_row(f"5 host per iteration, {r['model']} {r['method']} bs=1",
-                         f"host {host:.3f} ms vs device {dev:.3f} ms (launch {r['overlap_host_ms']['launch']:.3f})",
-                         "host < device" if graded else "report", host < dev if graded else None))
+        rows.append(
+            _row(
+                f"5 host per iteration, {r['model']} {r['method']} bs=1",
+                f"host {host:.3f} ms vs device {dev:.3f} ms (launch {r['overlap_host_ms']['launch']:.3f})",
+                "host < device" if graded else "report",
+                host < dev if graded else None,
+            )
+        )
     if not host_rows:
         rows.append(_not_run("5 host per iteration", "host < device", "bench_overlap did not run"))
     return rows
@@ -122,8 +168,14 @@ def run_part(name: str, argv: list[str], record_name: str, out: str, timeout: in
     t = time.perf_counter()
     try:
         # A failing part is recorded (rc, output tail), not fatal: the other targets still get graded.
-        done = subprocess.run([sys.executable, "-m", f"benchmarks.{argv[0]}", *argv[1:], "--out", out],
-                              capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT, check=False)
+        done = subprocess.run(
+            [sys.executable, "-m", f"benchmarks.{argv[0]}", *argv[1:], "--out", out],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=REPO_ROOT,
+            check=False,
+        )
         rc, tail = done.returncode, (done.stdout + done.stderr)[-1500:]
     except subprocess.TimeoutExpired as e:
         partial = e.stdout or b""  # bytes even with text=True
@@ -155,10 +207,18 @@ def main(argv=None):
     t = ["--tiny"] if args.tiny else []
     parts = {  # name: (command, the JSON it writes under --out)
         "kernels": (["bench_kernels", "--quick"] + (["--smoke"] if args.tiny else []), "bench_kernels"),
-        "decode": (["bench_decode", "--quick", "--no-stacked", "--profile"] + t
-                   + ([] if args.tiny else ["--batches", "1,64", "--contexts", "1024"]), "bench_decode"),
-        "overlap": (["bench_overlap", "--name", "bench_overlap_host"] + t
-                    + ([] if args.tiny else ["--models", "small,8b", "--batches", "1"]), "bench_overlap_host"),
+        "decode": (
+            ["bench_decode", "--quick", "--no-stacked", "--profile"]
+            + t
+            + ([] if args.tiny else ["--batches", "1,64", "--contexts", "1024"]),
+            "bench_decode",
+        ),
+        "overlap": (
+            ["bench_overlap", "--name", "bench_overlap_host"]
+            + t
+            + ([] if args.tiny else ["--models", "small,8b", "--batches", "1"]),
+            "bench_overlap_host",
+        ),
     }
     records, runs = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -168,8 +228,12 @@ def main(argv=None):
                 continue
             records[name], runs[name] = run_part(name, command, record_name, tmp, args.part_timeout)
     targets = evaluate(records["kernels"], records["decode"], records["overlap"])
-    settings = {"xla_flags": os.environ.get("XLA_FLAGS", ""), "tiny": args.tiny, "skip": sorted(skip),
-                "part_timeout_s": args.part_timeout}
+    settings = {
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "tiny": args.tiny,
+        "skip": sorted(skip),
+        "part_timeout_s": args.part_timeout,
+    }
     path = Results(args.out, args.name, settings).write(targets=targets, runs=runs, records=records)
     print(f"\nwrote {path}\n")
     verdict = {True: "met", False: "NOT met", None: "-"}

@@ -70,8 +70,10 @@ def main():
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     rows = []
-    filters = {"top-k 50 + top-p 0.95": SamplingParams(temperature=0.8, top_k=50, top_p=0.95),
-               "top-p 0.95": SamplingParams(temperature=0.8, top_p=0.95)}
+    filters = {
+        "top-k 50 + top-p 0.95": SamplingParams(temperature=0.8, top_k=50, top_p=0.95),
+        "top-p 0.95": SamplingParams(temperature=0.8, top_p=0.95),
+    }
     for R in [int(r) for r in args.rows.split(",")]:
         # Logits shaped like a trained LM's: a few strong candidates over a long tail.
         logits = jnp.asarray((rng.standard_t(3, size=(R, args.vocab)) * 2).astype(np.float32))

@@ -34,8 +34,13 @@ from benchmarks.common import Results, git_commit
 def random_requests(n, input_len, output_len, range_ratio, vocab, seed):
     rng = np.random.default_rng(seed)
     lo_in, lo_out = max(1, int(input_len * range_ratio)), max(1, int(output_len * range_ratio))
-    return [(list(map(int, rng.integers(10, vocab, rng.integers(lo_in, input_len + 1)))),
-             int(rng.integers(lo_out, output_len + 1))) for _ in range(n)]
+    return [
+        (
+            list(map(int, rng.integers(10, vocab, rng.integers(lo_in, input_len + 1)))),
+            int(rng.integers(lo_out, output_len + 1)),
+        )
+        for _ in range(n)
+    ]
 
 
 def sharegpt_requests(path, n, seed, max_output):
@@ -55,12 +60,27 @@ async def one_request(client, url, backend, model, prompt, max_tokens, ignore_eo
     (--load-format dummy shapes) too; with "openai" (/v1/completions), a chunk with text."""
     if backend == "sglang":
         key = "input_ids" if isinstance(prompt, list) else "text"
-        path, body = "/generate", {key: prompt, "stream": True, "sampling_params": {
-            "max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": ignore_eos}}
+        path, body = (
+            "/generate",
+            {
+                key: prompt,
+                "stream": True,
+                "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": ignore_eos},
+            },
+        )
     else:
-        path, body = "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                                         "stream": True, "stream_options": {"include_usage": True},
-                                         "ignore_eos": ignore_eos}
+        path, body = (
+            "/v1/completions",
+            {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "ignore_eos": ignore_eos,
+            },
+        )
     t0 = time.perf_counter()
     times, tokens, error = [], 0, None
     try:
@@ -116,10 +136,12 @@ async def run(args, requests, rate):
     # request can go out on a socket the server is closing (one ReadError at rate 1 on the H200).
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=2.0)
     async with httpx.AsyncClient(limits=limits) as client:
+
         async def guarded(prompt, max_tokens):
             async with sem:
-                return await one_request(client, url, args.backend, args.model, prompt, max_tokens,
-                                         args.dataset_name == "random")
+                return await one_request(
+                    client, url, args.backend, args.model, prompt, max_tokens, args.dataset_name == "random"
+                )
 
         tasks = []
         t0 = time.perf_counter()
@@ -137,16 +159,25 @@ async def run(args, requests, rate):
 
     def stats(xs):
         xs = np.asarray(xs, float) * 1e3
-        return dict(mean_ms=float(xs.mean()), median_ms=float(np.median(xs)), p99_ms=float(np.percentile(xs, 99))) \
-            if len(xs) else dict(mean_ms=None, median_ms=None, p99_ms=None)
+        return (
+            dict(mean_ms=float(xs.mean()), median_ms=float(np.median(xs)), p99_ms=float(np.percentile(xs, 99)))
+            if len(xs)
+            else dict(mean_ms=None, median_ms=None, p99_ms=None)
+        )
 
     out_tokens = sum(r["output_tokens"] for r in ok)
     return dict(
-        request_rate=rate, completed=len(ok), failed=len(results) - len(ok),
-        errors=sorted({r["error"] for r in results if not r["ok"]})[:5], duration_s=wall,
-        request_throughput=len(ok) / wall, output_token_throughput=out_tokens / wall,
-        ttft=stats([r["ttft"] for r in ok]), itl=stats([x for r in ok for x in r["itl"]]),
-        e2e=stats([r["e2e"] for r in ok]), mean_accept_length=acc,
+        request_rate=rate,
+        completed=len(ok),
+        failed=len(results) - len(ok),
+        errors=sorted({r["error"] for r in results if not r["ok"]})[:5],
+        duration_s=wall,
+        request_throughput=len(ok) / wall,
+        output_token_throughput=out_tokens / wall,
+        ttft=stats([r["ttft"] for r in ok]),
+        itl=stats([x for r in ok for x in r["itl"]]),
+        e2e=stats([r["e2e"] for r in ok]),
+        mean_accept_length=acc,
     )
 
 
@@ -170,18 +201,28 @@ def write_results(args, url: str, rows: list[dict]) -> None:
         with open(args.output_file) as f:
             existing = json.load(f).get("rows", [])
     out, file_name = os.path.split(args.output_file)
-    settings = {"url": url, "model": args.model, "dataset": args.dataset_name, "num_prompts": args.num_prompts,
-                "random_input_len": args.random_input_len, "random_output_len": args.random_output_len,
-                "max_concurrency": args.max_concurrency}
+    settings = {
+        "url": url,
+        "model": args.model,
+        "dataset": args.dataset_name,
+        "num_prompts": args.num_prompts,
+        "random_input_len": args.random_input_len,
+        "random_output_len": args.random_output_len,
+        "max_concurrency": args.max_concurrency,
+    }
     # The figures are the server's: its device and jax version, not this client's.
     Results(out, "bench_serving", settings, file_name=file_name, server=info or {}).write(rows=existing + rows)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backend", choices=["sglang", "openai"], default="sglang",
-                    help="sglang: the native /generate stream (token ids; as sglang.bench_serving's default); "
-                         "openai: /v1/completions")
+    ap.add_argument(
+        "--backend",
+        choices=["sglang", "openai"],
+        default="sglang",
+        help="sglang: the native /generate stream (token ids; as sglang.bench_serving's default); "
+        "openai: /v1/completions",
+    )
     ap.add_argument("--base-url")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)
@@ -208,8 +249,9 @@ def main():
     args.model = args.model or models["data"][0]["id"]
     vocab = args.random_vocab_size or models["data"][0].get("vocab_size", 32000)
     if args.dataset_name == "random":
-        requests = random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
-                                   args.random_range_ratio, vocab, args.seed)
+        requests = random_requests(
+            args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio, vocab, args.seed
+        )
     else:
         if not args.dataset_path:
             ap.error("--dataset-name sharegpt needs --dataset-path")
@@ -224,17 +266,21 @@ def main():
         print(json.dumps(row), flush=True)
         if args.output_file:  # after every rate, so a run cut short still leaves its rows
             write_results(args, url, rows[-1:])
-    print(f"\n{'tag':>12} {'rate':>5} {'ok':>4} {'req/s':>6} {'tok/s':>8} {'TTFT p50':>8} {'TTFT p99':>8} "
-          f"{'ITL p50':>7} {'ITL p99':>7} {'E2E p50':>8} {'accept':>6}")
+    print(
+        f"\n{'tag':>12} {'rate':>5} {'ok':>4} {'req/s':>6} {'tok/s':>8} {'TTFT p50':>8} {'TTFT p99':>8} "
+        f"{'ITL p50':>7} {'ITL p99':>7} {'E2E p50':>8} {'accept':>6}"
+    )
 
     def f(d, k):
         return f"{d[k]:.1f}" if d[k] is not None else "-"
 
     for r in rows:
         acc = f"{r['mean_accept_length']:.2f}" if r["mean_accept_length"] else "-"
-        print(f"{r['tag']:>12} {r['request_rate']:>5} {r['completed']:>4} {r['request_throughput']:>6.2f} "
-              f"{r['output_token_throughput']:>8.0f} {f(r['ttft'], 'median_ms'):>8} {f(r['ttft'], 'p99_ms'):>8} "
-              f"{f(r['itl'], 'median_ms'):>7} {f(r['itl'], 'p99_ms'):>7} {f(r['e2e'], 'median_ms'):>8} {acc:>6}")
+        print(
+            f"{r['tag']:>12} {r['request_rate']:>5} {r['completed']:>4} {r['request_throughput']:>6.2f} "
+            f"{r['output_token_throughput']:>8.0f} {f(r['ttft'], 'median_ms'):>8} {f(r['ttft'], 'p99_ms'):>8} "
+            f"{f(r['itl'], 'median_ms'):>7} {f(r['itl'], 'p99_ms'):>7} {f(r['e2e'], 'median_ms'):>8} {acc:>6}"
+        )
 
 
 if __name__ == "__main__":

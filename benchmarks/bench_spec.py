@@ -46,7 +46,9 @@ from jspec.steps.plain import PlainCarry, PlainState, plain_decode_step
 
 def random_pool(cfg_layers, num_pages, S, cfg, dtype, seed):
     shape = (cfg_layers, num_pages, S, cfg.num_kv_heads, cfg.head_dim)
-    fill = jax.jit(lambda k: jax.lax.map(lambda kk: jax.random.normal(kk, shape[1:], dtype), jax.random.split(k, shape[0])))
+    fill = jax.jit(
+        lambda k: jax.lax.map(lambda kk: jax.random.normal(kk, shape[1:], dtype), jax.random.split(k, shape[0]))
+    )
     return KVPool(fill(jax.random.key(seed)), fill(jax.random.key(seed + 1)))
 
 
@@ -54,15 +56,21 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int_list, help="e.g. 1,32")
     ap.add_argument("--contexts", type=int_list, help="e.g. 1024,4096")
-    ap.add_argument("--configs", type=lambda v: [tuple(int(x) for x in c.split("/")) for c in v.split(",")],
-                    help="(steps/topk/draft_tokens),...: e.g. 3/1/4,5/4/8")
+    ap.add_argument(
+        "--configs",
+        type=lambda v: [tuple(int(x) for x in c.split("/")) for c in v.split(",")],
+        help="(steps/topk/draft_tokens),...: e.g. 3/1/4,5/4/8",
+    )
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=RESULTS_DIR)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--tiny", action="store_true", help="a tiny model: a CPU dry run of the script itself")
-    ap.add_argument("--sampling", action="store_true",
-                    help="also time each iteration with sampled, mixed, and sampled + penalties + top-5 logprobs rows")
+    ap.add_argument(
+        "--sampling",
+        action="store_true",
+        help="also time each iteration with sampled, mixed, and sampled + penalties + top-5 logprobs rows",
+    )
     ap.add_argument("--name", default="bench_spec", help="JSON file name under --out")
     args = ap.parse_args()
     cfg, dcfg, dtype, S, ctx = LLAMA_8B, EAGLE3_8B, jnp.bfloat16, args.page_size, args.context
@@ -85,8 +93,12 @@ def main():
     dkv = random_pool(1, num_pages, S, layer_config(dcfg), dtype, 20)
     rng = np.random.default_rng(0)
     rows = []
-    results = Results(args.out, "bench_spec", {"model": "llama-3.1-8b shape + EAGLE-3 head shape, random bf16",
-                                               "page_size": S}, file_name=args.name)
+    results = Results(
+        args.out,
+        "bench_spec",
+        {"model": "llama-3.1-8b shape + EAGLE-3 head shape, random bf16", "page_size": S},
+        file_name=args.name,
+    )
 
     for B in batches:
         pages = rng.permutation(np.arange(1, num_pages))[: B * pages_per_seq].reshape(B, pages_per_seq).astype(np.int32)
@@ -95,25 +107,36 @@ def main():
         pt = jnp.asarray(pages)
         greedy_rows = jax.tree.map(jnp.asarray, sampling_rows([], [], B))
         sampled_p = SamplingParams(temperature=0.8, top_p=0.95, top_k=50)
-        penalised_p = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, frequency_penalty=0.5,
-                                     presence_penalty=0.3, repetition_penalty=1.1, return_logprob=True,
-                                     top_logprobs_num=5)
+        penalised_p = SamplingParams(
+            temperature=0.8,
+            top_p=0.95,
+            top_k=50,
+            frequency_penalty=0.5,
+            presence_penalty=0.3,
+            repetition_penalty=1.1,
+            return_logprob=True,
+            top_logprobs_num=5,
+        )
         # name -> (rows, sampling mode, top_n); the first is the baseline the others are compared with.
         variants = {"greedy": (greedy_rows, "greedy", 0)}
         if args.sampling:
             seeds = list(range(B))
             top_p_p = SamplingParams(temperature=0.8, top_p=0.95)
             for name, plist, top_n in (
-                    ("sampled", [sampled_p] * B, 0),
-                    ("mixed", [sampled_p, SamplingParams()] * (B // 2) + [sampled_p] * (B % 2), 0),
-                    ("sampled+penalties+top5", [penalised_p] * B, 5),
-                    ("temperature-only", [SamplingParams(temperature=0.8)] * B, 0),
-                    ("top-p-only", [top_p_p] * B, 0)):
+                ("sampled", [sampled_p] * B, 0),
+                ("mixed", [sampled_p, SamplingParams()] * (B // 2) + [sampled_p] * (B % 2), 0),
+                ("sampled+penalties+top5", [penalised_p] * B, 5),
+                ("temperature-only", [SamplingParams(temperature=0.8)] * B, 0),
+                ("top-p-only", [top_p_p] * B, 0),
+            ):
                 variants[name] = (sampling_rows(plist, seeds, B), sampling_mode(plist), top_n)
         variants = {k: (jax.tree.map(jnp.asarray, r), m, t) for k, (r, m, t) in variants.items()}
         pen = init_penalty_state(B, cfg.vocab_size)
-        box = {"s": PlainState(tkv, PlainCarry(jnp.zeros(B + 1, jnp.int32), jnp.full(B + 1, ctx, jnp.int32).at[B].set(0)),
-                               pen)}
+        box = {
+            "s": PlainState(
+                tkv, PlainCarry(jnp.zeros(B + 1, jnp.int32), jnp.full(B + 1, ctx, jnp.int32).at[B].set(0)), pen
+            )
+        }
 
         def plain():
             box["s"], out = plain_decode_step(params, box["s"], slot_ids, pt, greedy_rows, cfg=cfg, sampling="greedy")
@@ -138,9 +161,20 @@ def main():
             st = {"s": SpecState(tkv, dkv, carry, pen)}
             base_ms = None
             for variant, (vrows, mode, top_n) in variants.items():
+
                 def iteration():
-                    st["s"], out = spec_decode_step(params, dparams, st["s"], slot_ids, pt, vrows, cfg=cfg,
-                                                    method=method, sampling=mode, top_n=top_n)
+                    st["s"], out = spec_decode_step(
+                        params,
+                        dparams,
+                        st["s"],
+                        slot_ids,
+                        pt,
+                        vrows,
+                        cfg=cfg,
+                        method=method,
+                        sampling=mode,
+                        top_n=top_n,
+                    )
                     return out.ints
 
                 try:
@@ -148,31 +182,49 @@ def main():
                     jax.block_until_ready(iteration())
                     compile_s = time.perf_counter() - t0
                     # Reset lengths so every timed run sees the same context.
-                    st["s"] = st["s"]._replace(carry=st["s"].carry._replace(
-                        seq_len=jnp.full(B + 1, ctx, jnp.int32).at[B].set(0)))
+                    st["s"] = st["s"]._replace(
+                        carry=st["s"].carry._replace(seq_len=jnp.full(B + 1, ctx, jnp.int32).at[B].set(0))
+                    )
                     t_iter = timed(iteration, iters, 3)
-                    st["s"] = st["s"]._replace(carry=st["s"].carry._replace(
-                        seq_len=jnp.full(B + 1, ctx, jnp.int32).at[B].set(0)))
+                    st["s"] = st["s"]._replace(
+                        carry=st["s"].carry._replace(seq_len=jnp.full(B + 1, ctx, jnp.int32).at[B].set(0))
+                    )
                 except Exception as e:  # noqa: BLE001 - one failing config must not hide the others
-                    print(f"FAILED B={B} {(steps, topk, ndt)} {variant}: {type(e).__name__}: {str(e)[:400]}", flush=True)
+                    print(
+                        f"FAILED B={B} {(steps, topk, ndt)} {variant}: {type(e).__name__}: {str(e)[:400]}", flush=True
+                    )
                     continue
                 finally:
                     tkv, dkv, pen = st["s"].target_kv, st["s"].draft, st["s"].penalties
                 base_ms = base_ms or t_iter * 1e3
-                row = dict(batch=B, context=ctx, steps=steps, topk=topk, draft_tokens=ndt, variant=variant,
-                           iteration_ms=t_iter * 1e3, decode_step_ms=t_plain * 1e3, ratio=t_iter / t_plain,
-                           vs_greedy=t_iter * 1e3 / base_ms, compile_s=compile_s)
+                row = dict(
+                    batch=B,
+                    context=ctx,
+                    steps=steps,
+                    topk=topk,
+                    draft_tokens=ndt,
+                    variant=variant,
+                    iteration_ms=t_iter * 1e3,
+                    decode_step_ms=t_plain * 1e3,
+                    ratio=t_iter / t_plain,
+                    vs_greedy=t_iter * 1e3 / base_ms,
+                    compile_s=compile_s,
+                )
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 results.write(rows=rows)
 
     path = results.write(rows=rows)
     print(f"\nwrote {path}\n")
-    print(f"{'B':>3} {'(steps,topk,ndt)':>16} {'variant':>22} {'iter ms':>8} {'decode ms':>9} {'ratio':>6} {'vs greedy':>9}")
+    print(
+        f"{'B':>3} {'(steps,topk,ndt)':>16} {'variant':>22} {'iter ms':>8} {'decode ms':>9} {'ratio':>6} {'vs greedy':>9}"
+    )
     for r in rows:
         cfg_s = f"({r['steps']},{r['topk']},{r['draft_tokens']})"
-        print(f"{r['batch']:>3} {cfg_s:>16} {r['variant']:>22} {r['iteration_ms']:>8.3f} {r['decode_step_ms']:>9.3f} "
-              f"{r['ratio']:>6.2f} {r['vs_greedy']:>9.3f}")
+        print(
+            f"{r['batch']:>3} {cfg_s:>16} {r['variant']:>22} {r['iteration_ms']:>8.3f} {r['decode_step_ms']:>9.3f} "
+            f"{r['ratio']:>6.2f} {r['vs_greedy']:>9.3f}"
+        )
 
 
 if __name__ == "__main__":

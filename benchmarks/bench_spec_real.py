@@ -63,7 +63,7 @@ def run_engine(engine, prompts, new_tokens, batch, repeats=3):
     def once():
         toks, accept, t0 = 0, [], time.perf_counter()
         for i in range(0, len(prompts), batch):
-            outs = engine.generate(prompts[i:i + batch], params)
+            outs = engine.generate(prompts[i : i + batch], params)
             toks += sum(len(o.token_ids) for o in outs)
             accept += [o.mean_accept_length for o in outs if o.mean_accept_length]
         return toks / (time.perf_counter() - t0), float(np.mean(accept)) if accept else 1.0
@@ -98,10 +98,18 @@ def main():
     texts = [render_chat(model.tokenizer, [{"role": "user", "content": p}]) for p in heldout]
     prompts = [model.tokenizer.encode(t) for t in texts]
     rows = []
-    results = Results(args.out, args.name, {"model": args.model_path, "draft": args.draft_model_path,
-                                            "algorithm": args.algorithm,
-                                            "prompts": f"jspec.train.prompts held-out, first {args.num_prompts}",
-                                            "max_new_tokens": args.max_new_tokens, "timed_passes": args.repeats})
+    results = Results(
+        args.out,
+        args.name,
+        {
+            "model": args.model_path,
+            "draft": args.draft_model_path,
+            "algorithm": args.algorithm,
+            "prompts": f"jspec.train.prompts held-out, first {args.num_prompts}",
+            "max_new_tokens": args.max_new_tokens,
+            "timed_passes": args.repeats,
+        },
+    )
 
     def save():
         results.write(rows=rows)
@@ -110,36 +118,67 @@ def main():
     for B in [int(b) for b in args.batches.split(",")]:
         base = None
         for cfg in [None] + configs:
-            spec = None if cfg is None else jspec.SpecConfig(
-                args.algorithm, num_steps=cfg[0], eagle_topk=cfg[1], num_draft_tokens=cfg[2],
-                draft_model_path=args.draft_model_path)
+            spec = (
+                None
+                if cfg is None
+                else jspec.SpecConfig(
+                    args.algorithm,
+                    num_steps=cfg[0],
+                    eagle_topk=cfg[1],
+                    num_draft_tokens=cfg[2],
+                    draft_model_path=args.draft_model_path,
+                )
+            )
             engine = jspec.Engine(model, speculative=spec, max_running_requests=max(B, 1), disable_radix_cache=True)
             tps, acc = run_engine(engine, prompts, args.max_new_tokens, B, args.repeats)
             base = base or tps
-            rows.append(dict(batch=B, config="none" if cfg is None else "/".join(map(str, cfg)),
-                             tokens_per_s=tps, mean_accept_length=acc, speedup=tps / base))
+            rows.append(
+                dict(
+                    batch=B,
+                    config="none" if cfg is None else "/".join(map(str, cfg)),
+                    tokens_per_s=tps,
+                    mean_accept_length=acc,
+                    speedup=tps / base,
+                )
+            )
             print(json.dumps(rows[-1]), flush=True)
             save()
             del engine
     if args.hf_peer:
-        peers = [("hf transformers greedy (bf16, eager)", ""),
-                 ("hf transformers assisted generation, prompt lookup 4 (bf16, eager)", "prompt_lookup")]
+        peers = [
+            ("hf transformers greedy (bf16, eager)", ""),
+            ("hf transformers assisted generation, prompt lookup 4 (bf16, eager)", "prompt_lookup"),
+        ]
         if args.algorithm == "STANDALONE":
             peers.append(("hf transformers assisted generation (same draft)", args.draft_model_path))
         for label, assistant in peers:
             # A failed peer is recorded with its error, not fatal: the jspec rows stand alone.
-            out = subprocess.run([os.environ.get("HF_PYTHON", sys.executable), "-c", HF_PEER, args.model_path,
-                                  json.dumps(texts[:8]), str(args.max_new_tokens), assistant],
-                                 capture_output=True, text=True, check=False)
-            peer = (json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0
-                    else {"error": out.stderr[-500:]})
+            out = subprocess.run(
+                [
+                    os.environ.get("HF_PYTHON", sys.executable),
+                    "-c",
+                    HF_PEER,
+                    args.model_path,
+                    json.dumps(texts[:8]),
+                    str(args.max_new_tokens),
+                    assistant,
+                ],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            peer = (
+                json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {"error": out.stderr[-500:]}
+            )
             rows.append(dict(batch=1, config=label, **peer))
             save()
     print(f"{'B':>3} {'config':>12} {'tok/s':>9} {'accept':>7} {'speedup':>8}")
     for r in rows:
         if "tokens_per_s" in r and "speedup" in r:
-            print(f"{r['batch']:>3} {r['config']:>12} {r['tokens_per_s']:>9.1f} {r['mean_accept_length']:>7.2f} "
-                  f"{r['speedup']:>8.2f}")
+            print(
+                f"{r['batch']:>3} {r['config']:>12} {r['tokens_per_s']:>9.1f} {r['mean_accept_length']:>7.2f} "
+                f"{r['speedup']:>8.2f}"
+            )
         else:
             print(r)
 

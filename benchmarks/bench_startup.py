@@ -32,8 +32,12 @@ def peak_rss_mb(pid: int) -> float:
 def run_generate(cache: str) -> dict:
     with tempfile.TemporaryFile("w+") as log:
         t0 = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "scripts/generate.py", "--compilation-cache-dir", cache], cwd=REPO_ROOT,
-                                stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "scripts/generate.py", "--compilation-cache-dir", cache],
+            cwd=REPO_ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak memory
         wall = time.perf_counter() - t0
         proc.returncode = os.waitstatus_to_exitcode(status)
@@ -54,8 +58,12 @@ def run_server(cache: str, limit_s: float = 300) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "scripts/serve.py", "--port", str(port), "--compilation-cache-dir", cache],
-                            cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "scripts/serve.py", "--port", str(port), "--compilation-cache-dir", cache],
+        cwd=REPO_ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         while time.perf_counter() - t0 < limit_s and proc.poll() is None:
             try:
@@ -65,10 +73,16 @@ def run_server(cache: str, limit_s: float = 300) -> dict:
                 time.sleep(0.2)
         healthy = time.perf_counter() - t0
         peak = peak_rss_mb(proc.pid)
-        body = json.dumps({"messages": [{"role": "user", "content": "What is the capital of France?"}],
-                           "max_tokens": 16, "temperature": 0}).encode()
-        req = urllib.request.Request(url + "/v1/chat/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+        body = json.dumps(
+            {
+                "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "max_tokens": 16,
+                "temperature": 0,
+            }
+        ).encode()
+        req = urllib.request.Request(
+            url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+        )
         t1 = time.perf_counter()
         with urllib.request.urlopen(req, timeout=120) as r:
             answer = json.loads(r.read())["choices"][0]["message"]["content"]
@@ -91,8 +105,10 @@ def main():
                     row = dict(command=what, cache=kind, run=i, **run(cache))
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-    settings = {"commands": "as the README gives them, plus a cache directory of the benchmark's own",
-                "runs": args.runs}
+    settings = {
+        "commands": "as the README gives them, plus a cache directory of the benchmark's own",
+        "runs": args.runs,
+    }
     path = Results(args.out, "bench_startup", settings, device=f"{os.cpu_count()} CPU cores").write(rows=rows)
     print(f"wrote {path}\n")
     print(f"{'command':>12} {'cache':>5} {'seconds':>8} {'peak MB':>8}")

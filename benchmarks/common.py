@@ -29,6 +29,7 @@ RESULTS_DIR = "benchmarks/results"  # every script's default --out, relative to 
 
 # ---- model shapes: benchmarks/shapes/*/config.json, the one source ----------------------------
 
+
 def shape(name: str) -> ModelConfig:
     """A model shape of benchmarks/shapes (config.json only: the benchmarks make random weights)."""
     return ModelConfig.from_pretrained(os.path.join(SHAPES_DIR, name))
@@ -41,8 +42,16 @@ def eagle3_head(target: ModelConfig, draft_vocab_size: int) -> DraftConfig:
 
 def tiny(cfg: ModelConfig, num_layers: int = 4) -> ModelConfig:
     """cfg shrunk to a few-layer model of the same family: the scripts' CPU dry runs (--tiny)."""
-    return dataclasses.replace(cfg, vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=num_layers,
-                               num_heads=4, num_kv_heads=2, head_dim=16)
+    return dataclasses.replace(
+        cfg,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=num_layers,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+    )
 
 
 def tiny_head(target: ModelConfig) -> DraftConfig:
@@ -72,8 +81,11 @@ def random_params(cfg: ModelConfig, dtype, seed: int = 0):
     def make(keys):
         out = []
         for k, shape in zip(keys, leaves, strict=True):
-            is_norm = len(shape) <= 2 and shape[-1] in (cfg.hidden_size, cfg.head_dim) and not (
-                len(shape) == 2 and shape[0] == cfg.vocab_size)
+            is_norm = (
+                len(shape) <= 2
+                and shape[-1] in (cfg.hidden_size, cfg.head_dim)
+                and not (len(shape) == 2 and shape[0] == cfg.vocab_size)
+            )
             x = jax.random.normal(k, shape, jnp.float32) * (0.1 if is_norm else 0.02) + (1.0 if is_norm else 0.0)
             out.append(x.astype(dtype))
         return out
@@ -82,6 +94,7 @@ def random_params(cfg: ModelConfig, dtype, seed: int = 0):
 
 
 # ---- timing -------------------------------------------------------------------------------------
+
 
 def timed(fn, iters: int, repeats: int) -> float:
     """Median seconds per call over `repeats` runs of `iters` back-to-back calls (waited for
@@ -120,6 +133,7 @@ def int_list(text: str) -> list[int]:
 
 # ---- what the device can do: the floors the benchmarks compare with -----------------------------
 
+
 def copy_bandwidth(elements: int = 1 << 31) -> float:
     """Bytes read + written per second by an elementwise pass over `elements` bf16 (4 GiB by
     default): the better of a plain copy and a scaling."""
@@ -151,6 +165,7 @@ def matmul_flops(n: int = 8192) -> float:
 
 
 # ---- an engine's compiled decode step, without its loop -------------------------------------------
+
 
 class HeldDecode:
     """`batch` requests' slots and pages taken from an engine's KV book and the decode step's
@@ -198,20 +213,23 @@ class HeldDecode:
 
 # ---- results ------------------------------------------------------------------------------------
 
+
 def git_commit() -> str:
     """The commit benchmarked: JSPEC_COMMIT first (the GPU machine's copy of the tree has no
     .git), else the repo's HEAD."""
     if os.environ.get("JSPEC_COMMIT"):
         return os.environ["JSPEC_COMMIT"]
     try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL,
-                                       cwd=REPO_ROOT).strip()
+        return subprocess.check_output(
+            ["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL, cwd=REPO_ROOT
+        ).strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
 
-def result_header(name: str, settings: dict | None = None, *, device: str | None = None,
-                  server: dict | None = None) -> dict:
+def result_header(
+    name: str, settings: dict | None = None, *, device: str | None = None, server: dict | None = None
+) -> dict:
     """The fields every result JSON starts with. device: a description recorded instead of the
     device's kind. server: what a server reported (/get_server_info) when the figures are its:
     its device and jax version go in, and this process never starts a backend of its own (on a
@@ -220,8 +238,14 @@ def result_header(name: str, settings: dict | None = None, *, device: str | None
         device, backend, version = server.get("device_kind"), server.get("backend"), server.get("jax_version")
     else:
         device, backend, version = device or jax.devices()[0].device_kind, jax.default_backend(), jax.__version__
-    return {"name": name, "device": device, "backend": backend, "jax_version": version, "commit": git_commit(),
-            "settings": settings if settings is not None else {}}
+    return {
+        "name": name,
+        "device": device,
+        "backend": backend,
+        "jax_version": version,
+        "commit": git_commit(),
+        "settings": settings if settings is not None else {},
+    }
 
 
 class Results:
@@ -229,8 +253,7 @@ class Results:
     figures (rows, ...). Scripts write() after every row, so a run cut short still leaves what
     it measured."""
 
-    def __init__(self, out: str, name: str, settings: dict | None = None, *, file_name: str | None = None,
-                 **header):
+    def __init__(self, out: str, name: str, settings: dict | None = None, *, file_name: str | None = None, **header):
         file_name = file_name or name
         self.path = os.path.join(out, file_name if file_name.endswith(".json") else file_name + ".json")
         self.header = result_header(name, settings, **header)

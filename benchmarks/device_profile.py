@@ -48,11 +48,17 @@ def kind_of(name: str) -> str:
 
 def _device_kernel_events(trace: dict) -> list[dict]:
     """Complete events ('X') on the GPU's stream threads, sorted by start."""
-    names = {e["pid"]: e.get("args", {}).get("name", "") for e in trace["traceEvents"]
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    names = {
+        e["pid"]: e.get("args", {}).get("name", "")
+        for e in trace["traceEvents"]
+        if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
     gpu_pids = {pid for pid, n in names.items() if "/device:GPU" in n}
-    threads = {(e["pid"], e["tid"]): e.get("args", {}).get("name", "") for e in trace["traceEvents"]
-               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    threads = {
+        (e["pid"], e["tid"]): e.get("args", {}).get("name", "")
+        for e in trace["traceEvents"]
+        if e.get("ph") == "M" and e.get("name") == "thread_name"
+    }
     evs = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["pid"] in gpu_pids and e.get("dur")]
     # Streams carry kernels and memcpys; the device pid also has per-op summary lines (XLA Ops,
     # XLA Modules) that repeat the same time: keep the stream threads only.
@@ -80,10 +86,19 @@ def summarise(events: list[dict], calls: int) -> dict:
         "busy_us": busy / calls,
         "span_us": span / calls,
         "gaps_us": (span - busy) / calls,
-        "by_kind": {k: {"us": round(v, 2), "kernels": count_kind[k]} for k, v in
-                    sorted(by_kind.items(), key=lambda kv: -kv[1])},
-        "top": [{"name": n[:160], "kind": kind_of(n), "us_per_call": round(sum(d) / calls, 2),
-                 "count_per_call": len(d) / calls, "mean_us": round(sum(d) / len(d), 2)} for n, d in top],
+        "by_kind": {
+            k: {"us": round(v, 2), "kernels": count_kind[k]} for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])
+        },
+        "top": [
+            {
+                "name": n[:160],
+                "kind": kind_of(n),
+                "us_per_call": round(sum(d) / calls, 2),
+                "count_per_call": len(d) / calls,
+                "mean_us": round(sum(d) / len(d), 2),
+            }
+            for n, d in top
+        ],
     }
 
 
@@ -100,8 +115,7 @@ def profile_calls(step: Callable[[], object], calls: int = 5, log_dir: str | Non
         jax.block_until_ready(out)
     finally:
         jax.profiler.stop_trace()
-    files = sorted(glob.glob(os.path.join(log_dir, "plugins", "profile", "*", "*.trace.json.gz")),
-                   key=os.path.getmtime)
+    files = sorted(glob.glob(os.path.join(log_dir, "plugins", "profile", "*", "*.trace.json.gz")), key=os.path.getmtime)
     if not files:
         return {"error": f"no trace written under {log_dir}"}
     with gzip.open(files[-1], "rb") as f:
@@ -113,8 +127,10 @@ def print_summary(title: str, s: dict) -> None:
     if "error" in s:
         print(f"{title}: {s['error']}")
         return
-    print(f"{title}: {s['kernels']} kernels, busy {s['busy_us']:.0f} us, span {s['span_us']:.0f} us, "
-          f"gaps {s['gaps_us']:.0f} us per call")
+    print(
+        f"{title}: {s['kernels']} kernels, busy {s['busy_us']:.0f} us, span {s['span_us']:.0f} us, "
+        f"gaps {s['gaps_us']:.0f} us per call"
+    )
     for kind, v in s["by_kind"].items():
         print(f"  {kind:<28} {v['us']:>9.1f} us  {v['kernels']:>5} kernels")
     for t in s["top"][:8]:

@@ -1,11 +1,11 @@
 """jspec: speculative-decoding LLM inference on JAX/Pallas.
 
-    import jspec
-    model = jspec.load("/path/to/hf-checkpoint")        # config.json + safetensors (+ tokenizer.json)
-    outs = jspec.generate(model, ["Hello"], max_new_tokens=32)
-    print(outs[0].text, outs[0].token_ids)
+import jspec
+model = jspec.load("/path/to/hf-checkpoint")        # config.json + safetensors (+ tokenizer.json)
+outs = jspec.generate(model, ["Hello"], max_new_tokens=32)
+print(outs[0].text, outs[0].token_ids)
 
-    engine = jspec.Engine(model, speculative=jspec.SpecConfig("EAGLE3", draft_model_path=...))
+engine = jspec.Engine(model, speculative=jspec.SpecConfig("EAGLE3", draft_model_path=...))
 """
 
 from jspec.api import Model, generate, load
@@ -17,6 +17,14 @@ from jspec.engine.engine import Engine, RequestOutput
 from jspec.engine.outputs import GenerationOutput
 
 __all__ = [
-    "Engine", "EngineConfig", "GenerationOutput", "Model", "ModelConfig", "RequestOutput", "SamplingParams",
-    "SpecConfig", "generate", "load",
+    "Engine",
+    "EngineConfig",
+    "GenerationOutput",
+    "Model",
+    "ModelConfig",
+    "RequestOutput",
+    "SamplingParams",
+    "SpecConfig",
+    "generate",
+    "load",
 ]

@@ -42,9 +42,14 @@ def generate(
     model = as_model(model)
     prompt_list = as_prompt_list(prompts)
     ids = [tokenize_prompt(p, model, i) for i, p in enumerate(prompt_list)]  # all errors before any work
-    params = sampling_params or SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                                               stop=list(stop), stop_token_ids=list(stop_token_ids),
-                                               ignore_eos=ignore_eos)
+    params = sampling_params or SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        seed=seed,
+        stop=list(stop),
+        stop_token_ids=list(stop_token_ids),
+        ignore_eos=ignore_eos,
+    )
     if engine is None:
         settings.setdefault("max_top_logprobs", max(params.top_logprobs_num, EngineConfig.max_top_logprobs))
         engine = Engine(model, config, draft=draft, **settings)

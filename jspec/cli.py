@@ -58,8 +58,13 @@ def generate(argv=None) -> None:
 
         prompts = [render_chat(model.tokenizer, [{"role": "user", "content": p}]) for p in prompts]
     engine = Engine(model, config)
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                                  top_p=args.top_p, top_k=args.top_k)
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        top_p=args.top_p,
+        top_k=args.top_k,
+    )
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params)
     dt = time.perf_counter() - t0

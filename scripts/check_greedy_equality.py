@@ -43,16 +43,27 @@ def run(model, spec, prompts, new_tokens, batch):
     params = jspec.SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     outs = []
     for i in range(0, len(prompts), batch):
-        outs += [o.token_ids for o in engine.generate(prompts[i:i + batch], params)]
+        outs += [o.token_ids for o in engine.generate(prompts[i : i + batch], params)]
     return outs
 
 
 def save(args, rows):
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "greedy_equality.json"), "w") as f:
-        json.dump(dict(name="greedy_equality", gpu=jax.devices()[0].device_kind, jax_version=jax.__version__,
-                       commit=git_commit(), shape=args.shape, prompt_len=args.prompt_len,
-                       new_tokens=args.new_tokens, rows=rows), f, indent=1)
+        json.dump(
+            dict(
+                name="greedy_equality",
+                gpu=jax.devices()[0].device_kind,
+                jax_version=jax.__version__,
+                commit=git_commit(),
+                shape=args.shape,
+                prompt_len=args.prompt_len,
+                new_tokens=args.new_tokens,
+                rows=rows,
+            ),
+            f,
+            indent=1,
+        )
 
 
 def main():
@@ -67,8 +78,12 @@ def main():
     rng = np.random.default_rng(0)
     rows = []
     for dtype in args.dtypes.split(","):
-        model = jspec.load(args.shape, dtype=getattr(jnp, dtype), load_format="dummy",
-                           context_length=args.prompt_len + args.new_tokens + 64)
+        model = jspec.load(
+            args.shape,
+            dtype=getattr(jnp, dtype),
+            load_format="dummy",
+            context_length=args.prompt_len + args.new_tokens + 64,
+        )
         prompts = [rng.integers(1, model.cfg.vocab_size, args.prompt_len).tolist() for _ in range(args.prompts)]
         head = make_tiny_draft(tempfile.mkdtemp(), model.cfg, "EAGLE3", dtype=dtype)
         spec = jspec.SpecConfig("EAGLE3", draft_model_path=head, num_steps=3, eagle_topk=1, num_draft_tokens=4)
@@ -76,14 +91,24 @@ def main():
         for name, s, batch in [("plain", None, 1), ("eagle3 3/1/4", spec, 16), ("eagle3 3/1/4", spec, 1)]:
             outs = run(model, s, prompts, args.new_tokens, batch)
             diffs = [first_difference(o, r) for o, r in zip(outs, ref)]
-            rows.append(dict(dtype=dtype, run=name, batch=batch, equal_to_plain_b16=sum(d is None for d in diffs),
-                             prompts=len(prompts), first_difference=[d for d in diffs if d is not None]))
+            rows.append(
+                dict(
+                    dtype=dtype,
+                    run=name,
+                    batch=batch,
+                    equal_to_plain_b16=sum(d is None for d in diffs),
+                    prompts=len(prompts),
+                    first_difference=[d for d in diffs if d is not None],
+                )
+            )
             print(json.dumps(rows[-1]), flush=True)
             save(args, rows)  # after every row, so a run cut short keeps what it measured
     print(f"{'dtype':>9} {'run':>13} {'B':>3} {'equal':>7}  first differences")
     for r in rows:
-        print(f"{r['dtype']:>9} {r['run']:>13} {r['batch']:>3} {r['equal_to_plain_b16']:>3}/{r['prompts']:<3}  "
-              f"{r['first_difference'][:8]}")
+        print(
+            f"{r['dtype']:>9} {r['run']:>13} {r['batch']:>3} {r['equal_to_plain_b16']:>3}/{r['prompts']:<3}  "
+            f"{r['first_difference'][:8]}"
+        )
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Write a tiny random-weight HF checkpoint (no torch needed).
 
-    python scripts/make_tiny_model.py /tmp/tiny-llama
-    python scripts/make_tiny_model.py /tmp/tiny-qwen3 --arch qwen3 --layers 4 --dtype bfloat16
-    python scripts/make_tiny_model.py /tmp/tiny-moe --arch qwen3_moe --experts 8 --experts-per-tok 2
+python scripts/make_tiny_model.py /tmp/tiny-llama
+python scripts/make_tiny_model.py /tmp/tiny-qwen3 --arch qwen3 --layers 4 --dtype bfloat16
+python scripts/make_tiny_model.py /tmp/tiny-moe --arch qwen3_moe --experts 8 --experts-per-tok 2
 """
 
 from __future__ import annotations
@@ -39,11 +39,24 @@ def main(argv=None):
     ap.add_argument("--experts-per-tok", type=int, default=2, help="qwen3_moe / mixtral: experts chosen per token")
     a = ap.parse_args(argv)
     path = make_tiny_model(
-        a.out_dir, a.arch, a.seed, vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
-        num_layers=a.layers, num_heads=a.heads, num_kv_heads=a.kv_heads, head_dim=a.head_dim,
-        tie_word_embeddings=a.tie_embeddings, rope_theta=a.rope_theta,
-        rope_scaling="llama3" if a.llama3_rope else None, max_position_embeddings=a.max_position,
-        dtype=a.dtype, num_shards=a.shards, init_std=a.init_std, num_experts=a.experts,
+        a.out_dir,
+        a.arch,
+        a.seed,
+        vocab_size=a.vocab,
+        hidden_size=a.hidden,
+        intermediate_size=a.intermediate,
+        num_layers=a.layers,
+        num_heads=a.heads,
+        num_kv_heads=a.kv_heads,
+        head_dim=a.head_dim,
+        tie_word_embeddings=a.tie_embeddings,
+        rope_theta=a.rope_theta,
+        rope_scaling="llama3" if a.llama3_rope else None,
+        max_position_embeddings=a.max_position,
+        dtype=a.dtype,
+        num_shards=a.shards,
+        init_std=a.init_std,
+        num_experts=a.experts,
         num_experts_per_tok=a.experts_per_tok,
     )
     print(path)

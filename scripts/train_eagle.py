@@ -43,28 +43,49 @@ def parse_args(argv=None):
     ap.add_argument("--num-prompts", type=int, default=448, help="training prompts (of jspec's 544)")
     ap.add_argument("--num-heldout", type=int, default=64, help="held-out prompts for the final evaluation")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="length of the target's answers")
-    ap.add_argument("--sampled-answers", type=int, default=0,
-                    help="answers per training prompt sampled at --temperature, besides the greedy one")
+    ap.add_argument(
+        "--sampled-answers",
+        type=int,
+        default=0,
+        help="answers per training prompt sampled at --temperature, besides the greedy one",
+    )
     ap.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampled answers")
     ap.add_argument("--steps", type=int, default=1000, help="optimizer steps")
     ap.add_argument("--batch-size", type=int, default=16, help="sequences per step")
     ap.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (AdamW, warmup + cosine)")
     ap.add_argument("--ttt-steps", type=int, default=4, help="draft steps unrolled in training (K)")
     ap.add_argument("--seq-len", type=int, default=256, help="sequences are padded or cut to this length")
-    ap.add_argument("--draft-vocab-size", type=int, default=0,
-                    help="draft vocabulary: the most frequent target tokens of the data (0: the whole vocabulary)")
+    ap.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=0,
+        help="draft vocabulary: the most frequent target tokens of the data (0: the whole vocabulary)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-every", type=int, default=50)
-    ap.add_argument("--eval-spec-prompts", type=int, default=16,
-                    help="held-out prompts to run through the engine with the trained head (0: skip)")
+    ap.add_argument(
+        "--eval-spec-prompts",
+        type=int,
+        default=16,
+        help="held-out prompts to run through the engine with the trained head (0: skip)",
+    )
     ap.add_argument("--max-running-requests", type=int, default=64, help="engine batch for data generation")
-    ap.add_argument("--save-examples", metavar="NPZ",
-                    help="also write the training answers to NPZ (reuse them with --examples); without --out, stop there")
-    ap.add_argument("--examples", metavar="NPZ",
-                    help="training answers from --save-examples instead of generating them (the held-out "
-                         "answers are still generated here, so the engine check compares on one device)")
-    ap.add_argument("--results", metavar="JSON",
-                    help="also write the run's record (device, jax, commit, settings, curve, held-out figures) here")
+    ap.add_argument(
+        "--save-examples",
+        metavar="NPZ",
+        help="also write the training answers to NPZ (reuse them with --examples); without --out, stop there",
+    )
+    ap.add_argument(
+        "--examples",
+        metavar="NPZ",
+        help="training answers from --save-examples instead of generating them (the held-out "
+        "answers are still generated here, so the engine check compares on one device)",
+    )
+    ap.add_argument(
+        "--results",
+        metavar="JSON",
+        help="also write the run's record (device, jax, commit, settings, curve, held-out figures) here",
+    )
     args = ap.parse_args(argv)
     if not args.out and not args.save_examples:
         ap.error("--out is required (unless --save-examples only generates answers)")
@@ -85,11 +106,19 @@ def engine_accept_length(model, head_dir: str, examples, num_steps: int, max_new
     """Runs the held-out prompts with speculation (chain, topk 1) and compares with the plain
     greedy answers already generated: the head must not change a token."""
     spec = jspec.SpecConfig("EAGLE3", draft_model_path=head_dir, num_steps=num_steps, eagle_topk=1)
-    outs = jspec.generate(model, [e.tokens[: e.prompt_len] for e in examples], max_new_tokens=max_new_tokens,
-                          speculative=spec, max_running_requests=len(examples))
-    same = sum(o.token_ids == e.tokens[e.prompt_len:] for o, e in zip(outs, examples))
-    return {"mean_accept_length": float(np.mean([o.mean_accept_length for o in outs])),
-            "identical_outputs": f"{same}/{len(examples)}", "num_steps": num_steps}
+    outs = jspec.generate(
+        model,
+        [e.tokens[: e.prompt_len] for e in examples],
+        max_new_tokens=max_new_tokens,
+        speculative=spec,
+        max_running_requests=len(examples),
+    )
+    same = sum(o.token_ids == e.tokens[e.prompt_len :] for o, e in zip(outs, examples))
+    return {
+        "mean_accept_length": float(np.mean([o.mean_accept_length for o in outs])),
+        "identical_outputs": f"{same}/{len(examples)}",
+        "num_steps": num_steps,
+    }
 
 
 def main(argv=None):
@@ -97,31 +126,47 @@ def main(argv=None):
     t_start = time.perf_counter()
     model = jspec.load(model_path(args))
     cfg = model.cfg
-    print(f"[train_eagle] target: {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}; "
-          f"capture layers {eagle3.capture_layers_for(cfg)}")
+    print(
+        f"[train_eagle] target: {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}; "
+        f"capture layers {eagle3.capture_layers_for(cfg)}"
+    )
 
     train_prompts, heldout_prompts = split_prompts(args.num_prompts, args.num_heldout, seed=args.seed)
     t = time.perf_counter()
     engine = jspec.Engine(model, max_running_requests=args.max_running_requests)
-    gen_settings = {k: getattr(args, k) for k in ("num_prompts", "num_heldout", "max_new_tokens",
-                                                  "sampled_answers", "temperature", "seed")}
+    gen_settings = {
+        k: getattr(args, k)
+        for k in ("num_prompts", "num_heldout", "max_new_tokens", "sampled_answers", "temperature", "seed")
+    }
     if args.examples:
         train_ex, meta = eagle3.load_examples(args.examples, cfg.vocab_size)
         # The held-out prompts are the shuffled set's tail: the file's prompts must come from its head.
-        if meta.get("seed") != args.seed or meta.get("num_prompts", 10**9) + args.num_heldout > len(all_prompts(args.seed)):
-            raise SystemExit(f"[train_eagle] {args.examples} was generated for prompt seed {meta.get('seed')} and "
-                             f"{meta.get('num_prompts')} training prompts: its prompts may overlap the "
-                             f"{args.num_heldout} held-out ones of seed {args.seed}")
+        if meta.get("seed") != args.seed or meta.get("num_prompts", 10**9) + args.num_heldout > len(
+            all_prompts(args.seed)
+        ):
+            raise SystemExit(
+                f"[train_eagle] {args.examples} was generated for prompt seed {meta.get('seed')} and "
+                f"{meta.get('num_prompts')} training prompts: its prompts may overlap the "
+                f"{args.num_heldout} held-out ones of seed {args.seed}"
+            )
         print(f"[train_eagle] {len(train_ex)} training answers from {args.examples} ({meta})")
     else:
-        train_ex = eagle3.generate_examples(model, train_prompts, args.max_new_tokens, engine=engine,
-                                            sampled_answers=args.sampled_answers, temperature=args.temperature,
-                                            seed=args.seed)
+        train_ex = eagle3.generate_examples(
+            model,
+            train_prompts,
+            args.max_new_tokens,
+            engine=engine,
+            sampled_answers=args.sampled_answers,
+            temperature=args.temperature,
+            seed=args.seed,
+        )
     if args.save_examples:
         eagle3.save_examples(args.save_examples, train_ex, cfg.vocab_size, meta=gen_settings)
         n_resp = sum(len(e.tokens) - e.prompt_len for e in train_ex)
-        print(f"[train_eagle] wrote {len(train_ex)} answers, {n_resp} tokens, to {args.save_examples} "
-              f"in {time.perf_counter() - t:.1f} s")
+        print(
+            f"[train_eagle] wrote {len(train_ex)} answers, {n_resp} tokens, to {args.save_examples} "
+            f"in {time.perf_counter() - t:.1f} s"
+        )
         if not args.out:
             return
     # Held-out answers are greedy only: the engine check below compares speculative output with them.
@@ -132,25 +177,41 @@ def main(argv=None):
     generate_s = time.perf_counter() - t
     print(f"[train_eagle] {len(examples)} answers, {n_resp} tokens, generated or read in {generate_s:.1f} s")
 
-    tc = eagle3.TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
-                            ttt_steps=args.ttt_steps, draft_vocab_size=args.draft_vocab_size, seed=args.seed,
-                            log_every=args.log_every)
+    tc = eagle3.TrainConfig(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        ttt_steps=args.ttt_steps,
+        draft_vocab_size=args.draft_vocab_size,
+        seed=args.seed,
+        log_every=args.log_every,
+    )
     train_data = eagle3.pack_examples(train_ex, args.seq_len)
     t = time.perf_counter()
     result = eagle3.train_eagle3(model, train_data, tc, log=lambda s: print("[train_eagle] " + s, flush=True))
     train_s = time.perf_counter() - t
     print(f"[train_eagle] trained {args.steps} steps in {train_s:.1f} s")
 
-    report: dict = {"args": vars(args), "train_s": train_s, "num_train_sequences": len(train_data.lengths),
-                    "answer_tokens": n_resp, "generate_s": generate_s,
-                    "examples_from": args.examples or "generated here"}
+    report: dict = {
+        "args": vars(args),
+        "train_s": train_s,
+        "num_train_sequences": len(train_data.lengths),
+        "answer_tokens": n_resp,
+        "generate_s": generate_s,
+        "examples_from": args.examples or "generated here",
+    }
     if heldout_ex:
         ev = eagle3.evaluate_head(model, result, tc, eagle3.pack_examples(heldout_ex, args.seq_len))
         report["heldout_teacher_forced"] = {k: v for k, v in ev.items() if k != "accept_lengths"}
-        print(f"[train_eagle] held-out ({ev['rows']} rows): top-1 agreement per step {eagle3.fmt(ev['step_acc'])}, "
-              f"loss per step {eagle3.fmt(ev['step_loss'])}")
-        print(f"[train_eagle] held-out accept length estimate (chain of {args.ttt_steps}): "
-              f"{ev['accept_length']:.3f} tokens per verify")
+        print(
+            f"[train_eagle] held-out ({ev['rows']} rows): top-1 agreement per step {eagle3.fmt(ev['step_acc'])}, "
+            f"loss per step {eagle3.fmt(ev['step_loss'])}"
+        )
+        print(
+            f"[train_eagle] held-out accept length estimate (chain of {args.ttt_steps}): "
+            f"{ev['accept_length']:.3f} tokens per verify"
+        )
     out = eagle3.save_head(args.out, result, cfg, meta=report)
     print(f"[train_eagle] saved {out}")
 
@@ -159,9 +220,11 @@ def main(argv=None):
         t = time.perf_counter()
         spec = engine_accept_length(model, out, picked, args.ttt_steps, args.max_new_tokens)
         report["heldout_engine"] = spec
-        print(f"[train_eagle] engine on {len(picked)} held-out prompts (EAGLE3, {spec['num_steps']} steps, topk 1): "
-              f"mean accept length {spec['mean_accept_length']:.3f}, outputs identical to greedy "
-              f"{spec['identical_outputs']} ({time.perf_counter() - t:.1f} s)")
+        print(
+            f"[train_eagle] engine on {len(picked)} held-out prompts (EAGLE3, {spec['num_steps']} steps, topk 1): "
+            f"mean accept length {spec['mean_accept_length']:.3f}, outputs identical to greedy "
+            f"{spec['identical_outputs']} ({time.perf_counter() - t:.1f} s)"
+        )
         with open(os.path.join(out, "train_meta.json")) as f:
             meta = json.load(f)
         with open(os.path.join(out, "train_meta.json"), "w") as f:
@@ -173,9 +236,20 @@ def main(argv=None):
 
         os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
         with open(args.results, "w") as f:
-            json.dump({"name": "train_eagle3", "gpu": jax.devices()[0].device_kind, "jax": jax.__version__,
-                       "commit": git_commit(), "command": " ".join(["python3", *sys.argv]), "total_s": total_s,
-                       **report, "history": result.history}, f, indent=1)
+            json.dump(
+                {
+                    "name": "train_eagle3",
+                    "gpu": jax.devices()[0].device_kind,
+                    "jax": jax.__version__,
+                    "commit": git_commit(),
+                    "command": " ".join(["python3", *sys.argv]),
+                    "total_s": total_s,
+                    **report,
+                    "history": result.history,
+                },
+                f,
+                indent=1,
+            )
         print(f"[train_eagle] wrote {args.results}")
 
 

@@ -27,12 +27,27 @@ def _release_compiled_programs():
 
 # The slowest files first: with `--dist loadfile` xdist hands out whole files in collection
 # order, so a slow file picked up last would leave the other worker idle at the end.
-SLOW_FILES_FIRST = ("test_engine.py", "test_spec_methods.py", "test_spec_eagle.py", "test_server.py",
-                    "test_tensor_parallel.py", "test_dp_attention.py", "test_penalties.py", "test_real_model.py",
-                    "test_hf_parity.py",
-                    "test_lora.py", "test_moe.py", "test_train_eagle.py", "test_logprobs.py",
-                    "test_spec_sampling.py", "test_sampling.py", "test_kernels.py", "test_generate.py",
-                    "test_pd_disagg.py", "test_bench_scripts.py")
+SLOW_FILES_FIRST = (
+    "test_engine.py",
+    "test_spec_methods.py",
+    "test_spec_eagle.py",
+    "test_server.py",
+    "test_tensor_parallel.py",
+    "test_dp_attention.py",
+    "test_penalties.py",
+    "test_real_model.py",
+    "test_hf_parity.py",
+    "test_lora.py",
+    "test_moe.py",
+    "test_train_eagle.py",
+    "test_logprobs.py",
+    "test_spec_sampling.py",
+    "test_sampling.py",
+    "test_kernels.py",
+    "test_generate.py",
+    "test_pd_disagg.py",
+    "test_bench_scripts.py",
+)
 
 
 # Layers whose tests build engines, servers or HF references: `pytest -m "not slow"` leaves

@@ -57,6 +57,7 @@ class UnsafePickleError(CheckpointError):
 # Config
 # ---------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class DraftConfig:
     algorithm: str  # "EAGLE" | "EAGLE3"
@@ -81,8 +82,9 @@ class DraftConfig:
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"unknown draft algorithm {self.algorithm!r}; choose one of {ALGORITHMS}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"draft num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
-                             f"({self.num_kv_heads})")
+            raise ValueError(
+                f"draft num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
         if self.algorithm == "EAGLE3" and not self.capture_layers:
             raise ValueError("an EAGLE3 draft needs capture_layers")
 
@@ -175,8 +177,7 @@ def _as_int_tuple(x: Any, what: str) -> tuple[int, ...]:
     return x
 
 
-def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None,
-                       metadata=None):
+def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None, metadata=None):
     if not isinstance(storage, _Storage):
         raise UnsafePickleError("_rebuild_tensor_v2 called without a storage")
     if backward_hooks:
@@ -196,8 +197,9 @@ def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=Fals
             f"{last} of a storage of {flat.shape[0]} elements"
         )
     item = flat.dtype.itemsize
-    view = np.lib.stride_tricks.as_strided(flat[storage_offset:], shape=size, strides=[s * item for s in stride],
-                                           writeable=False)
+    view = np.lib.stride_tricks.as_strided(
+        flat[storage_offset:], shape=size, strides=[s * item for s in stride], writeable=False
+    )
     return _Tensor(view)
 
 
@@ -234,8 +236,14 @@ class _RestrictedUnpickler(pickle.Unpickler):
         )
 
     def persistent_load(self, pid):
-        ok = (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
-              and isinstance(pid[1], _StorageType) and isinstance(pid[2], str) and isinstance(pid[4], int))
+        ok = (
+            isinstance(pid, tuple)
+            and len(pid) == 5
+            and pid[0] == "storage"
+            and isinstance(pid[1], _StorageType)
+            and isinstance(pid[2], str)
+            and isinstance(pid[4], int)
+        )
         if not ok:
             raise UnsafePickleError(f"{self._where}: unsupported persistent id {pid!r} in the pickle")
         return self._load_storage(pid[1], pid[2], pid[4])
@@ -322,10 +330,13 @@ def read_torch_bin_file(filename: str | os.PathLike) -> dict[str, np.ndarray]:
 # Reading a draft directory
 # ---------------------------------------------------------------------------
 
+
 def _has_safetensors(path: str) -> bool:
-    return (os.path.isfile(os.path.join(path, "model.safetensors"))
-            or os.path.isfile(os.path.join(path, "model.safetensors.index.json"))
-            or any(f.startswith("model-") and f.endswith(".safetensors") for f in os.listdir(path)))
+    return (
+        os.path.isfile(os.path.join(path, "model.safetensors"))
+        or os.path.isfile(os.path.join(path, "model.safetensors.index.json"))
+        or any(f.startswith("model-") and f.endswith(".safetensors") for f in os.listdir(path))
+    )
 
 
 def read_draft_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
@@ -343,8 +354,9 @@ def read_draft_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
                 files = sorted(set((json.load(f).get("weight_map") or {}).values()))
             missing = [s for s in files if not os.path.isfile(os.path.join(path, s))]
             if missing or not files:
-                raise NoSafetensorsError(f"draft directory {path!r}: pytorch_model.bin.index.json lists "
-                                         f"missing or no shards ({missing})")
+                raise NoSafetensorsError(
+                    f"draft directory {path!r}: pytorch_model.bin.index.json lists missing or no shards ({missing})"
+                )
         elif os.path.isfile(os.path.join(path, "pytorch_model.bin")):
             files = ["pytorch_model.bin"]
         else:
@@ -360,7 +372,7 @@ def read_draft_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
                 raw[name] = arr
     out: dict[str, np.ndarray] = {}
     for name, arr in raw.items():
-        short = name[len("model."):] if name.startswith("model.") else name
+        short = name[len("model.") :] if name.startswith("model.") else name
         if short in out:
             raise CorruptCheckpointError(f"draft checkpoint {path!r} has both {name!r} and {short!r}")
         out[short] = arr
@@ -387,8 +399,11 @@ def detect_algorithm(hf: Mapping[str, Any], tensors: Mapping[str, Any], where: s
             + f"; it has {len(names)} tensor(s), e.g. {sorted(names)[:8]}"
         )
     archs = [str(a) for a in (hf.get("architectures") or [])]
-    hinted = "EAGLE3" if any("eagle3" in a.lower() for a in archs) else (
-        "EAGLE" if any("eagle" in a.lower() for a in archs) else None)
+    hinted = (
+        "EAGLE3"
+        if any("eagle3" in a.lower() for a in archs)
+        else ("EAGLE" if any("eagle" in a.lower() for a in archs) else None)
+    )
     if hinted is not None and hinted != found:
         raise DraftAlgorithmMismatchError(
             f"draft checkpoint {where}: config.json architectures {archs} say {hinted}, but the tensors are an "
@@ -409,8 +424,9 @@ def _parse_draft_hf(hf: Mapping[str, Any], target: ModelConfig, where: str) -> M
     d.setdefault("intermediate_size", target.intermediate_size)
     d.setdefault("num_hidden_layers", 1)
     if "num_attention_heads" not in d:
-        d.update(num_attention_heads=target.num_heads, num_key_value_heads=target.num_kv_heads,
-                 head_dim=target.head_dim)
+        d.update(
+            num_attention_heads=target.num_heads, num_key_value_heads=target.num_kv_heads, head_dim=target.head_dim
+        )
     try:
         return ModelConfig.from_hf(d)
     except UnsupportedArchitectureError as e:
@@ -479,8 +495,7 @@ def _expected_shapes(cfg: DraftConfig, prefix: str) -> dict[str, tuple[int, ...]
     return shapes
 
 
-def _check_tensors(cfg: DraftConfig, tensors: Mapping[str, Any], prefix: str, where: str,
-                   layout_note: str) -> None:
+def _check_tensors(cfg: DraftConfig, tensors: Mapping[str, Any], prefix: str, where: str, layout_note: str) -> None:
     expected = _expected_shapes(cfg, prefix)
     missing = [n for n in expected if n not in tensors]
     if missing:
@@ -505,8 +520,13 @@ def _check_tensors(cfg: DraftConfig, tensors: Mapping[str, Any], prefix: str, wh
         log.warning("draft checkpoint %s: ignoring %d unexpected tensor(s), e.g. %s", where, len(unused), unused[:4])
 
 
-def draft_config_from_hf(hf: Mapping[str, Any], target: ModelConfig, tensors: Mapping[str, Any],
-                         algorithm: str | None = None, where: str = "(in memory)") -> DraftConfig:
+def draft_config_from_hf(
+    hf: Mapping[str, Any],
+    target: ModelConfig,
+    tensors: Mapping[str, Any],
+    algorithm: str | None = None,
+    where: str = "(in memory)",
+) -> DraftConfig:
     """Builds and validates the DraftConfig of a head (tensor names and shapes
     included; values are not read)."""
     found = detect_algorithm(hf, tensors, where)
@@ -523,20 +543,29 @@ def draft_config_from_hf(hf: Mapping[str, Any], target: ModelConfig, tensors: Ma
                 f"draft checkpoint {where}: config.json {field} is {hf[field]}, but the target's hidden_size is {H}"
             )
     if int(hf.get("vocab_size", target.vocab_size)) != target.vocab_size:
-        log.warning("draft checkpoint %s: config.json vocab_size %s differs from the target's %d; using the target's",
-                    where, hf.get("vocab_size"), target.vocab_size)
+        log.warning(
+            "draft checkpoint %s: config.json vocab_size %s differs from the target's %d; using the target's",
+            where,
+            hf.get("vocab_size"),
+            target.vocab_size,
+        )
     has_embed = "embed_tokens.weight" in tensors
     prefix = ""
     if lc.num_layers != 1:
         # The forward gives every layer the same norms; an EAGLE head with more
         # layers has none before layer 0 but one before the others.
-        raise CheckpointError(f"draft checkpoint {where}: {found} heads with num_hidden_layers={lc.num_layers} are "
-                              f"not supported (only 1, the published layout)")
+        raise CheckpointError(
+            f"draft checkpoint {where}: {found} heads with num_hidden_layers={lc.num_layers} are "
+            f"not supported (only 1, the published layout)"
+        )
     if found == "EAGLE":
         num_layers, capture = 1, ()
         if "layers.0.input_layernorm.weight" in tensors:
-            log.warning("draft checkpoint %s: ignoring layers.0.input_layernorm.weight (EAGLE's first layer has no "
-                        "input norm; SGLang drops it too)", where)
+            log.warning(
+                "draft checkpoint %s: ignoring layers.0.input_layernorm.weight (EAGLE's first layer has no "
+                "input norm; SGLang drops it too)",
+                where,
+            )
         has_lm_head, draft_vocab = "lm_head.weight" in tensors, target.vocab_size
     else:
         num_layers, capture, prefix = 1, _capture_layers(hf, target, where), _eagle3_prefix(tensors)
@@ -550,22 +579,35 @@ def draft_config_from_hf(hf: Mapping[str, Any], target: ModelConfig, tensors: Ma
                 f"the head's own lm_head)"
             )
         elif hf.get("tie_word_embeddings") and not has_embed:
-            raise CheckpointError(f"draft checkpoint {where}: a tied EAGLE3 head without embed_tokens.weight is "
-                                  f"not supported")
+            raise CheckpointError(
+                f"draft checkpoint {where}: a tied EAGLE3 head without embed_tokens.weight is not supported"
+            )
         else:  # SGLang's load_lm_head_from_target (or a tied head, whose lm_head is its embedding)
             has_lm_head = bool(hf.get("tie_word_embeddings"))
             draft_vocab = target.vocab_size
     cfg = DraftConfig(
-        algorithm=found, hidden_size=H, intermediate_size=lc.intermediate_size, num_heads=lc.num_heads,
-        num_kv_heads=lc.num_kv_heads, head_dim=lc.head_dim, rms_norm_eps=lc.rms_norm_eps,
-        rope_theta=lc.rope_theta, rope_scaling=lc.rope_scaling,
-        max_position_embeddings=target.max_position_embeddings, vocab_size=target.vocab_size,
-        draft_vocab_size=draft_vocab, num_layers=num_layers, capture_layers=capture,
+        algorithm=found,
+        hidden_size=H,
+        intermediate_size=lc.intermediate_size,
+        num_heads=lc.num_heads,
+        num_kv_heads=lc.num_kv_heads,
+        head_dim=lc.head_dim,
+        rms_norm_eps=lc.rms_norm_eps,
+        rope_theta=lc.rope_theta,
+        rope_scaling=lc.rope_scaling,
+        max_position_embeddings=target.max_position_embeddings,
+        vocab_size=target.vocab_size,
+        draft_vocab_size=draft_vocab,
+        num_layers=num_layers,
+        capture_layers=capture,
         fc_bias="fc.bias" in tensors or bool(hf.get("bias", False) and found == "EAGLE3"),
-        has_embed=has_embed, has_lm_head=has_lm_head,
+        has_embed=has_embed,
+        has_lm_head=has_lm_head,
     )
-    note = (f"hidden {H}, heads {cfg.num_heads}/{cfg.num_kv_heads} x {cfg.head_dim}, intermediate "
-            f"{cfg.intermediate_size}, draft vocab {cfg.draft_vocab_size}")
+    note = (
+        f"hidden {H}, heads {cfg.num_heads}/{cfg.num_kv_heads} x {cfg.head_dim}, intermediate "
+        f"{cfg.intermediate_size}, draft vocab {cfg.draft_vocab_size}"
+    )
     tensors_for_check = dict(tensors)
     if hf.get("tie_word_embeddings") and found == "EAGLE3" and "lm_head.weight" not in tensors:
         tensors_for_check["lm_head.weight"] = tensors["embed_tokens.weight"]
@@ -577,6 +619,7 @@ def draft_config_from_hf(hf: Mapping[str, Any], target: ModelConfig, tensors: Ma
 # HF names -> param pytree
 # ---------------------------------------------------------------------------
 
+
 def _d2t(cfg: DraftConfig, tensors: Mapping[str, np.ndarray], where: str) -> np.ndarray:
     if "d2t" not in tensors:
         if cfg.draft_vocab_size != cfg.vocab_size:
@@ -584,24 +627,35 @@ def _d2t(cfg: DraftConfig, tensors: Mapping[str, np.ndarray], where: str) -> np.
         return np.zeros(cfg.draft_vocab_size, np.int32)
     d2t = np.asarray(tensors["d2t"])
     if d2t.shape != (cfg.draft_vocab_size,) or d2t.dtype.kind not in "iu":
-        raise TensorShapeError(f"draft checkpoint {where}: 'd2t': expected [{cfg.draft_vocab_size}] integers, "
-                               f"got {list(d2t.shape)} {d2t.dtype}")
+        raise TensorShapeError(
+            f"draft checkpoint {where}: 'd2t': expected [{cfg.draft_vocab_size}] integers, "
+            f"got {list(d2t.shape)} {d2t.dtype}"
+        )
     target_ids = np.arange(cfg.draft_vocab_size, dtype=np.int64) + d2t.astype(np.int64)
     if target_ids.size and (target_ids.min() < 0 or target_ids.max() >= cfg.vocab_size):
-        raise CheckpointError(f"draft checkpoint {where}: d2t maps draft ids outside the target vocab "
-                              f"[0, {cfg.vocab_size}) (target_id = draft_id + d2t[draft_id])")
+        raise CheckpointError(
+            f"draft checkpoint {where}: d2t maps draft ids outside the target vocab "
+            f"[0, {cfg.vocab_size}) (target_id = draft_id + d2t[draft_id])"
+        )
     if "t2d" in tensors:
         t2d = np.asarray(tensors["t2d"])
         if t2d.shape != (cfg.vocab_size,):
-            raise TensorShapeError(f"draft checkpoint {where}: 't2d': expected [{cfg.vocab_size}], "
-                                   f"got {list(t2d.shape)}")
+            raise TensorShapeError(
+                f"draft checkpoint {where}: 't2d': expected [{cfg.vocab_size}], got {list(t2d.shape)}"
+            )
         if not t2d.astype(bool)[target_ids].all():
             log.warning("draft checkpoint %s: t2d disagrees with d2t (t2d is unused; d2t wins)", where)
     return d2t.astype(np.int32)
 
 
-def convert_draft_params(cfg: DraftConfig, tensors: Mapping[str, np.ndarray], dtype: Any = jnp.float32,
-                         *, device: jax.Device | None = None, where: str = "(in memory)") -> dict[str, Any]:
+def convert_draft_params(
+    cfg: DraftConfig,
+    tensors: Mapping[str, np.ndarray],
+    dtype: Any = jnp.float32,
+    *,
+    device: jax.Device | None = None,
+    where: str = "(in memory)",
+) -> dict[str, Any]:
     """HF-named tensors (validated by draft_config_from_hf) -> the draft pytree.
     Heads are small, so tensors go to the device one by one and are cast and
     transposed there."""
@@ -626,8 +680,9 @@ def convert_draft_params(cfg: DraftConfig, tensors: Mapping[str, np.ndarray], dt
         per_layer = [layer("layers.0.")]
     else:
         p = _eagle3_prefix(tensors)
-        per_layer = [{**layer(p), "attn_norm": vec(p + "input_layernorm.weight"),
-                      "hidden_norm": vec(p + "hidden_norm.weight")}]
+        per_layer = [
+            {**layer(p), "attn_norm": vec(p + "input_layernorm.weight"), "hidden_norm": vec(p + "hidden_norm.weight")}
+        ]
     params: dict[str, Any] = {
         "fc": lin("fc.weight"),
         "layers": jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer),
@@ -647,8 +702,13 @@ def convert_draft_params(cfg: DraftConfig, tensors: Mapping[str, np.ndarray], dt
 def draft_param_shapes(cfg: DraftConfig) -> dict[str, Any]:
     """The pytree's leaf shapes (same structure as the params; d2t is int32)."""
     H, I, Ld = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
-    layers = {"wqkv": (Ld, cfg.attn_in, cfg.q_size + 2 * cfg.kv_size), "wo": (Ld, cfg.q_size, H),
-              "mlp_norm": (Ld, H), "w_gate_up": (Ld, H, 2 * I), "w_down": (Ld, I, H)}
+    layers = {
+        "wqkv": (Ld, cfg.attn_in, cfg.q_size + 2 * cfg.kv_size),
+        "wo": (Ld, cfg.q_size, H),
+        "mlp_norm": (Ld, H),
+        "w_gate_up": (Ld, H, 2 * I),
+        "w_down": (Ld, I, H),
+    }
     if cfg.algorithm == "EAGLE3":
         layers["attn_norm"] = (Ld, H)
         layers["hidden_norm"] = (Ld, H)
@@ -665,8 +725,9 @@ def draft_param_shapes(cfg: DraftConfig) -> dict[str, Any]:
     return shapes
 
 
-def init_random_draft_params(cfg: DraftConfig, key: jax.Array, dtype: Any = jnp.float32,
-                             std: float = 0.02) -> dict[str, Any]:
+def init_random_draft_params(
+    cfg: DraftConfig, key: jax.Array, dtype: Any = jnp.float32, std: float = 0.02
+) -> dict[str, Any]:
     """Random params in the draft pytree (checkpoint/random_weights.py's rule); d2t maps the
     draft vocab onto a random sorted subset of the target vocab (zeros when the vocabs are equal)."""
     shapes = draft_param_shapes(cfg)
@@ -684,8 +745,10 @@ def init_random_draft_params(cfg: DraftConfig, key: jax.Array, dtype: Any = jnp.
 # Entry point
 # ---------------------------------------------------------------------------
 
-def load_draft_model(path: str | os.PathLike, target_cfg: ModelConfig, dtype: Any = None,
-                     algorithm: str | None = None) -> tuple[DraftConfig, dict[str, Any]]:
+
+def load_draft_model(
+    path: str | os.PathLike, target_cfg: ModelConfig, dtype: Any = None, algorithm: str | None = None
+) -> tuple[DraftConfig, dict[str, Any]]:
     """Loads an EAGLE or EAGLE-3 draft head for `target_cfg`.
 
     algorithm None: detected from the tensor names; otherwise it must agree

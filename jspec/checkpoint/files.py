@@ -17,13 +17,23 @@ import numpy as np
 from jspec.checkpoint.errors import CorruptCheckpointError, NoSafetensorsError
 
 _ST_DTYPES = {
-    "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
+    "F64": np.dtype("<f8"),
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
     "BF16": np.dtype(ml_dtypes.bfloat16),
-    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
-    "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
-    "U64": np.dtype("<u8"), "U32": np.dtype("<u4"), "U16": np.dtype("<u2"), "U8": np.dtype("u1"),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "I64": np.dtype("<i8"),
+    "I32": np.dtype("<i4"),
+    "I16": np.dtype("<i2"),
+    "I8": np.dtype("i1"),
+    "U64": np.dtype("<u8"),
+    "U32": np.dtype("<u4"),
+    "U16": np.dtype("<u2"),
+    "U8": np.dtype("u1"),
     "BOOL": np.dtype("bool"),
 }
+
 
 def read_safetensors_file(filename: str | os.PathLike) -> dict[str, np.ndarray]:
     """Memory-maps one .safetensors file; returns read-only little-endian views."""
@@ -60,6 +70,7 @@ def read_safetensors_file(filename: str | os.PathLike) -> dict[str, np.ndarray]:
         out[name] = buf[data_start + start : data_start + end].view(dtype).reshape(shape)
     return out
 
+
 def safetensors_files(path: str | os.PathLike) -> list[str]:
     """The weight files of an HF checkpoint directory, index first."""
     path = os.fspath(path)
@@ -85,12 +96,16 @@ def safetensors_files(path: str | os.PathLike) -> list[str]:
     if shards:
         return [os.path.join(path, s) for s in shards]
     present = sorted(os.listdir(path))
-    hint = " (PyTorch .bin weights are not supported; convert them to safetensors)" if any(
-        f.endswith(".bin") for f in present) else ""
+    hint = (
+        " (PyTorch .bin weights are not supported; convert them to safetensors)"
+        if any(f.endswith(".bin") for f in present)
+        else ""
+    )
     raise NoSafetensorsError(
         f"model directory {path!r} has no model.safetensors or model.safetensors.index.json{hint}; "
         f"it contains {present[:20]}"
     )
+
 
 def read_hf_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """All tensors of an HF checkpoint directory by name, as memory-mapped numpy arrays

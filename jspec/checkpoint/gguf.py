@@ -38,14 +38,19 @@ _LAYER_TENSORS = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-_GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                   "output.weight": "lm_head.weight"}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 # llama.cpp's pre-tokenizer names -> the regex split before byte-level BPE (HF's tokenizer.json
 # of the same models has these splits).
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _PRE_TOKENIZERS = {
     "smollm": [{"type": "Digits", "individual_digits": True}],
     "gpt2": [],
@@ -97,14 +102,20 @@ def read_gguf(path: str | os.PathLike):
     vocab = int(_field(reader, f"{arch}.vocab_size", len(tokens) if tokens else 0))
     names = {t.name for t in reader.tensors}
     config = {
-        "architectures": [_ARCHITECTURES[arch]], "model_type": arch,
-        "hidden_size": hidden, "intermediate_size": int(hp("feed_forward_length")),
-        "num_hidden_layers": int(hp("block_count")), "num_attention_heads": n_heads,
-        "num_key_value_heads": n_kv, "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // n_heads)),
+        "architectures": [_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "hidden_size": hidden,
+        "intermediate_size": int(hp("feed_forward_length")),
+        "num_hidden_layers": int(hp("block_count")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv,
+        "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // n_heads)),
         "rms_norm_eps": float(hp("attention.layer_norm_rms_epsilon")),
         "rope_theta": float(hp("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(hp("context_length")), "vocab_size": vocab,
-        "tie_word_embeddings": "output.weight" not in names, "torch_dtype": "bfloat16",
+        "max_position_embeddings": int(hp("context_length")),
+        "vocab_size": vocab,
+        "tie_word_embeddings": "output.weight" not in names,
+        "torch_dtype": "bfloat16",
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
     }
@@ -139,33 +150,64 @@ def gguf_tokenizer(reader) -> tuple[dict, dict]:
     tokens = list(_field(reader, "tokenizer.ggml.tokens"))
     types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
     merges = list(_field(reader, "tokenizer.ggml.merges", []))
-    split = [] if pre == "qwen2" else [{"type": "Split", "pattern": {"Regex": _GPT2_SPLIT}, "behavior": "Isolated",
-                                         "invert": False}]
+    split = (
+        []
+        if pre == "qwen2"
+        else [{"type": "Split", "pattern": {"Regex": _GPT2_SPLIT}, "behavior": "Isolated", "invert": False}]
+    )
     tok_json = {
-        "version": "1.0", "truncation": None, "padding": None,
-        "added_tokens": [{"id": i, "content": tokens[i], "single_word": False, "lstrip": False, "rstrip": False,
-                          "normalized": False, "special": True}
-                         for i, ty in enumerate(types) if ty in (_CONTROL, _USER_DEFINED)],
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [
+            {
+                "id": i,
+                "content": tokens[i],
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+            for i, ty in enumerate(types)
+            if ty in (_CONTROL, _USER_DEFINED)
+        ],
         "normalizer": None,
-        "pre_tokenizer": {"type": "Sequence", "pretokenizers": _PRE_TOKENIZERS[pre] + split + [
-            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
+        "pre_tokenizer": {
+            "type": "Sequence",
+            "pretokenizers": _PRE_TOKENIZERS[pre]
+            + split
+            + [{"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}],
+        },
         "post_processor": None,
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                  "vocab": {t: i for i, t in enumerate(tokens)}, "merges": merges},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": {t: i for i, t in enumerate(tokens)},
+            "merges": merges,
+        },
     }
 
     def token(key):
         i = _field(reader, key)
         return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
 
-    tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": token("tokenizer.ggml.bos_token_id"),
-                  "eos_token": token("tokenizer.ggml.eos_token_id"),
-                  "pad_token": token("tokenizer.ggml.padding_token_id"),
-                  "unk_token": token("tokenizer.ggml.unknown_token_id"),
-                  "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
-                  "model_max_length": int(_field(reader, f"{_field(reader, 'general.architecture')}.context_length"))}
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": token("tokenizer.ggml.bos_token_id"),
+        "eos_token": token("tokenizer.ggml.eos_token_id"),
+        "pad_token": token("tokenizer.ggml.padding_token_id"),
+        "unk_token": token("tokenizer.ggml.unknown_token_id"),
+        "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        "model_max_length": int(_field(reader, f"{_field(reader, 'general.architecture')}.context_length")),
+    }
     template = _field(reader, "tokenizer.chat_template")
     if template:
         tok_config["chat_template"] = template
@@ -183,8 +225,12 @@ def convert_gguf(path: str | os.PathLike, out_dir: str | os.PathLike, dtype: str
     write_safetensors(tmp, {k: v.astype(np_dtype) for k, v in tensors.items()})
     config["torch_dtype"] = dtype
     gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
-    for name, data in (("config.json", config), ("tokenizer.json", tok_json),
-                       ("tokenizer_config.json", tok_config), ("generation_config.json", gen)):
+    for name, data in (
+        ("config.json", config),
+        ("tokenizer.json", tok_json),
+        ("tokenizer_config.json", tok_config),
+        ("generation_config.json", gen),
+    ):
         with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
             json.dump(data, f, ensure_ascii=False, indent=1 if name != "tokenizer.json" else None)
     if os.path.isdir(out_dir):

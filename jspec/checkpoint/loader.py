@@ -33,8 +33,13 @@ PARAMS_SUBDIR = "params"
 _FORMAT = "jspec-params"
 _FORMAT_VERSION = 1
 # Files copied by convert_checkpoint so a converted directory keeps its tokenizer.
-_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
-               "special_tokens_map.json", "config.json")
+_SIDE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "special_tokens_map.json",
+    "config.json",
+)
 
 
 # ---------------------------------------------------------------------------
@@ -45,6 +50,7 @@ _SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.jso
 # ---------------------------------------------------------------------------
 # HF names -> stacked pytree
 # ---------------------------------------------------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class _MoeLayout:
@@ -102,8 +108,14 @@ def _moe_hf_shapes(cfg: ModelConfig, layout: _MoeLayout) -> dict[str, tuple[int,
             shapes[layout.expert(e, 2)] = (H, I)
     if cfg.shared_expert_intermediate_size:
         Is = cfg.shared_expert_intermediate_size
-        shapes.update({"mlp.shared_expert.gate_proj.weight": (Is, H), "mlp.shared_expert.up_proj.weight": (Is, H),
-                       "mlp.shared_expert.down_proj.weight": (H, Is), "mlp.shared_expert_gate.weight": (1, H)})
+        shapes.update(
+            {
+                "mlp.shared_expert.gate_proj.weight": (Is, H),
+                "mlp.shared_expert.up_proj.weight": (Is, H),
+                "mlp.shared_expert.down_proj.weight": (H, Is),
+                "mlp.shared_expert_gate.weight": (1, H),
+            }
+        )
     return shapes
 
 
@@ -137,8 +149,9 @@ def _hf_shapes(cfg: ModelConfig, moe_layout: _MoeLayout | None = None) -> dict[s
     return shapes
 
 
-def _check_tensors(cfg: ModelConfig, tensors: Mapping[str, Any], where: str,
-                   moe_layout: _MoeLayout | None = None) -> None:
+def _check_tensors(
+    cfg: ModelConfig, tensors: Mapping[str, Any], where: str, moe_layout: _MoeLayout | None = None
+) -> None:
     expected = _hf_shapes(cfg, moe_layout)
     missing = [n for n in expected if n not in tensors]
     if missing:
@@ -158,8 +171,13 @@ def _check_tensors(cfg: ModelConfig, tensors: Mapping[str, Any], where: str,
         )
     # Old checkpoints carry rotary inv_freq buffers; anything else unexpected is
     # worth a warning, since the config checks should have rejected real variants.
-    unused = [n for n in tensors if n not in expected and not n.endswith("rotary_emb.inv_freq")
-              and not (cfg.tie_word_embeddings and n == "lm_head.weight")]
+    unused = [
+        n
+        for n in tensors
+        if n not in expected
+        and not n.endswith("rotary_emb.inv_freq")
+        and not (cfg.tie_word_embeddings and n == "lm_head.weight")
+    ]
     if unused:
         log.warning("checkpoint %s: ignoring %d unexpected tensor(s), e.g. %s", where, len(unused), unused[:4])
 
@@ -209,8 +227,11 @@ def convert_hf_params(
     def experts(layer_ids, fused: str, per_expert: list[int]) -> jax.Array:
         """[n, E, in, sum(out)] from the fused [E, out, in] tensor or per-expert [out, in] ones."""
         E, lay = cfg.num_experts, moe_layout
-        pieces = [tensors[f"model.layers.{layer_ids[0]}.{lay.expert(0, w)}"] for w in per_expert] if not lay.fused \
+        pieces = (
+            [tensors[f"model.layers.{layer_ids[0]}.{lay.expert(0, w)}"] for w in per_expert]
+            if not lay.fused
             else [tensors[f"model.layers.{layer_ids[0]}.{fused}"][0]]
+        )
         out = jnp.zeros((len(layer_ids), E, pieces[0].shape[1], sum(t.shape[0] for t in pieces)), dtype, device=device)
         for j, i in enumerate(layer_ids):
             if lay.fused:
@@ -254,8 +275,9 @@ def convert_hf_params(
         sparse["experts_gate_up"] = experts(ids, moe_layout.fused_gate_up, [0, 1])
         sparse["experts_down"] = experts(ids, moe_layout.fused_down, [2])
         if cfg.shared_expert_intermediate_size:
-            sparse["shared_gate_up"] = matrices(["mlp.shared_expert.gate_proj.weight",
-                                                 "mlp.shared_expert.up_proj.weight"], ids)
+            sparse["shared_gate_up"] = matrices(
+                ["mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"], ids
+            )
             sparse["shared_down"] = matrices(["mlp.shared_expert.down_proj.weight"], ids)
             sparse["shared_gate"] = matrices(["mlp.shared_expert_gate.weight"], ids)
     layers = assemble_layers(cfg, layers, dense, sparse, lambda a, j: a[j])
@@ -335,6 +357,7 @@ def count_params(params: Any) -> int:
 # Random params (benchmarks, tests without a checkpoint)
 # ---------------------------------------------------------------------------
 
+
 def init_random_params(cfg: ModelConfig, key: jax.Array, dtype: Any = jnp.float32, std: float = 0.02) -> dict[str, Any]:
     """Random params in the loader's pytree (checkpoint/random_weights.py's rule)."""
     return random_weights(param_shapes(cfg), key, dtype, std)
@@ -343,6 +366,7 @@ def init_random_params(cfg: ModelConfig, key: jax.Array, dtype: Any = jnp.float3
 # ---------------------------------------------------------------------------
 # Converted (orbax) checkpoints
 # ---------------------------------------------------------------------------
+
 
 def config_to_json(cfg: ModelConfig) -> dict[str, Any]:
     return {"format": _FORMAT, "version": _FORMAT_VERSION, "model_config": dataclasses.asdict(cfg)}
@@ -397,8 +421,9 @@ def restore_params(directory: str | os.PathLike, like: Any = None, *, dtype: Any
             tree = getattr(getattr(meta, "item_metadata", meta), "tree", meta)
             device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
             like = jax.tree.map(
-                lambda m: jax.ShapeDtypeStruct(tuple(m.shape), jnp.dtype(dtype) if dtype is not None else m.dtype,
-                                               sharding=device),
+                lambda m: jax.ShapeDtypeStruct(
+                    tuple(m.shape), jnp.dtype(dtype) if dtype is not None else m.dtype, sharding=device
+                ),
                 tree,
             )
         elif dtype is not None:
@@ -452,7 +477,9 @@ def _check_converted(cfg: ModelConfig, params: Any, path: str) -> None:
     expected = param_shapes(cfg)
     got = jax.tree.map(lambda x: tuple(x.shape), params)
     if got != expected:
-        raise TensorShapeError(f"converted checkpoint {path!r}: params {got} disagree with {JSPEC_CONFIG_FILE} ({expected})")
+        raise TensorShapeError(
+            f"converted checkpoint {path!r}: params {got} disagree with {JSPEC_CONFIG_FILE} ({expected})"
+        )
 
 
 def convert_checkpoint(hf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: Any = None) -> str:

@@ -16,6 +16,7 @@ class Model:
     params: object
     tokenizer: object = None
 
+
 def load(path: str | os.PathLike, dtype=None, load_format: str = "auto") -> Model:
     """A checkpoint directory -> Model. load_format "dummy" (SGLang's name): random weights of
     config.json's shape, for benchmarks of model shapes whose weights are not at hand."""
@@ -28,8 +29,9 @@ def with_context_length(model: Model, context_length: int | None) -> Model:
         return model
     limit = model.cfg.max_position_embeddings
     if not 0 < context_length <= limit:
-        raise ValueError(f"context_length={context_length} must be in [1, {limit}] (the model's "
-                         f"max_position_embeddings)")
+        raise ValueError(
+            f"context_length={context_length} must be in [1, {limit}] (the model's max_position_embeddings)"
+        )
     return dataclasses.replace(model, cfg=dataclasses.replace(model.cfg, max_position_embeddings=context_length))
 
 
@@ -50,6 +52,7 @@ def _load(path, dtype, load_format) -> Model:
         raise ValueError(f"unknown load_format {load_format!r}; choose auto or dummy")
     cfg, params = load_model(path, dtype=dtype)
     return Model(cfg, params, load_tokenizer(path))
+
 
 def as_model(model) -> Model:
     if isinstance(model, Model):

@@ -23,15 +23,17 @@ import numpy as np
 _FLAT_DRAW_LIMIT = 1 << 24
 
 
-def random_weights(shapes, key: jax.Array, dtype: Any = jnp.float32,
-                   std: float | Callable[[str, tuple[int, ...]], float] = 0.02):
+def random_weights(
+    shapes, key: jax.Array, dtype: Any = jnp.float32, std: float | Callable[[str, tuple[int, ...]], float] = 0.02
+):
     """shapes: a pytree whose leaves are shape tuples (dict keys name the tensors) -> the same
     pytree of random arrays of dtype."""
     is_shape = lambda x: isinstance(x, tuple) and all(isinstance(d, int) for d in x)  # noqa: E731
     flat, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=is_shape)
     leaves = tuple((jax.tree_util.keystr(path), tuple(shape)) for path, shape in flat)
-    scales = tuple(1.0 if "norm" in name else float(std(name, shape) if callable(std) else std)
-                   for name, shape in leaves)
+    scales = tuple(
+        1.0 if "norm" in name else float(std(name, shape) if callable(std) else std) for name, shape in leaves
+    )
     return jax.tree.unflatten(treedef, _draw(leaves, scales, key, np.dtype(jnp.dtype(dtype))))
 
 

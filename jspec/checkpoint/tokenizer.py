@@ -49,8 +49,11 @@ class Tokenizer:
         model_cfg = _read_json(os.path.join(self.path, "config.json"))
 
         eos: list[int] = []
-        for ids in (_ids(gen_cfg.get("eos_token_id")), _ids(model_cfg.get("eos_token_id")),
-                    self._lookup([_token_content(tok_cfg.get("eos_token"))])):
+        for ids in (
+            _ids(gen_cfg.get("eos_token_id")),
+            _ids(model_cfg.get("eos_token_id")),
+            self._lookup([_token_content(tok_cfg.get("eos_token"))]),
+        ):
             eos += [i for i in ids if i not in eos]
         self.eos_token_ids: tuple[int, ...] = tuple(eos)
 
@@ -69,10 +72,16 @@ class Tokenizer:
                 template = f.read()
         self.chat_template: str | None = template
         # The special tokens' text, as chat templates refer to them.
-        self.bos_token: str = _token_content(tok_cfg.get("bos_token")) or (
-            self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else "") or ""
-        self.eos_token: str = _token_content(tok_cfg.get("eos_token")) or (
-            self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else "") or ""
+        self.bos_token: str = (
+            _token_content(tok_cfg.get("bos_token"))
+            or (self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else "")
+            or ""
+        )
+        self.eos_token: str = (
+            _token_content(tok_cfg.get("eos_token"))
+            or (self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else "")
+            or ""
+        )
 
     def _lookup(self, tokens: Iterable[str | None]) -> list[int]:
         ids = [self._tok.token_to_id(t) for t in tokens if t]

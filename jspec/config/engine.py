@@ -25,12 +25,15 @@ class EngineConfig:
     page_size: int = setting(16, "tokens per KV page (a power of two)")
     max_running_requests: int = setting(32, "requests decoded together at most")
     max_total_tokens: int | None = setting(
-        None, "KV pool size in tokens (default: 256 MiB of KV, or what --mem-fraction-static gives)")
+        None, "KV pool size in tokens (default: 256 MiB of KV, or what --mem-fraction-static gives)"
+    )
     mem_fraction_static: float | None = setting(
-        None, "fraction of the accelerator's memory for weights + KV (GPU only)")
+        None, "fraction of the accelerator's memory for weights + KV (GPU only)"
+    )
     chunked_prefill_size: int = setting(512, "prompt tokens prefilled per step at most")
     context_length: int | None = setting(
-        None, "longest prompt + output served (default: the model's max_position_embeddings)")
+        None, "longest prompt + output served (default: the model's max_position_embeddings)"
+    )
     # The loop.
     disable_overlap_schedule: bool = setting(False, "run the synchronous loop instead")
     disable_radix_cache: bool = setting(False, "no prefix cache")
@@ -38,34 +41,52 @@ class EngineConfig:
     max_top_logprobs: int = setting(5, "largest top-n logprobs a request may ask for")
     # Programs.
     attention_backend: str | None = setting(
-        None, "default: pallas on the GPU, the jnp reference elsewhere (Pallas would run interpreted)",
-        choices=ATTENTION_BACKENDS)
+        None,
+        "default: pallas on the GPU, the jnp reference elsewhere (Pallas would run interpreted)",
+        choices=ATTENTION_BACKENDS,
+    )
     layer_loop: str = setting(
-        "auto", "scan: one compiled layer body (compile time independent of depth); unrolled: per-layer "
-        "weight arrays (no weight sliced out of a stack); auto: unrolled on the GPU, else scan", choices=LAYER_LOOPS)
+        "auto",
+        "scan: one compiled layer body (compile time independent of depth); unrolled: per-layer "
+        "weight arrays (no weight sliced out of a stack); auto: unrolled on the GPU, else scan",
+        choices=LAYER_LOOPS,
+    )
     compilation_cache_dir: str = setting(
-        DEFAULT_COMPILATION_CACHE_DIR, "JAX's persistent compilation cache: a restart loads its programs from here")
+        DEFAULT_COMPILATION_CACHE_DIR, "JAX's persistent compilation cache: a restart loads its programs from here"
+    )
     disable_compilation_cache: bool = setting(False, "compile every program afresh")
     # Parallelism.
     tp_size: int = setting(1, "tensor-parallel degree: shards the model and KV over this many local devices")
-    ep_size: int = setting(1, "expert-parallel degree of an MoE model: equal to --tp-size (experts split over "
-                              "those devices)")
-    dp_size: int = setting(1, "DP attention ranks (with --enable-dp-attention): attention data-parallel over dp "
-                              "groups of tp-size / dp-size devices, each with its own requests and KV; the MLP "
-                              "stays over all tp")
+    ep_size: int = setting(
+        1, "expert-parallel degree of an MoE model: equal to --tp-size (experts split over those devices)"
+    )
+    dp_size: int = setting(
+        1,
+        "DP attention ranks (with --enable-dp-attention): attention data-parallel over dp "
+        "groups of tp-size / dp-size devices, each with its own requests and KV; the MLP "
+        "stays over all tp",
+    )
     enable_dp_attention: bool = setting(False, "data-parallel attention (see --dp-size)")
-    load_balance_method: str = setting("round_robin", "how DP attention assigns new requests to ranks",
-                                       choices=LOAD_BALANCE_METHODS)
+    load_balance_method: str = setting(
+        "round_robin", "how DP attention assigns new requests to ranks", choices=LOAD_BALANCE_METHODS
+    )
     # LoRA adapters.
-    enable_lora: bool = setting(False, "serve LoRA adapters even when --lora-paths gives none (load them by "
-                                       "/load_lora_adapter)")
+    enable_lora: bool = setting(
+        False, "serve LoRA adapters even when --lora-paths gives none (load them by /load_lora_adapter)"
+    )
     lora_paths: dict[str, str] = setting(
-        None, "PEFT LoRA adapters loaded at start-up, NAME=DIR (a bare DIR is named by its basename); requests "
-        "pick one with lora_path, or model BASE:NAME", nargs="+", metavar="NAME=DIR")
+        None,
+        "PEFT LoRA adapters loaded at start-up, NAME=DIR (a bare DIR is named by its basename); requests "
+        "pick one with lora_path, or model BASE:NAME",
+        nargs="+",
+        metavar="NAME=DIR",
+    )
     max_loras_per_batch: int | None = setting(
-        None, "adapters resident at once (LoRA pool slots; default: the number of --lora-paths, >= 1)")
+        None, "adapters resident at once (LoRA pool slots; default: the number of --lora-paths, >= 1)"
+    )
     max_lora_rank: int | None = setting(
-        None, "largest adapter rank the pool holds (default: the largest among --lora-paths, at least 16)")
+        None, "largest adapter rank the pool holds (default: the largest among --lora-paths, at least 16)"
+    )
     # Speculative decoding (its own flags: --speculative-*, from SpecConfig's fields).
     speculative: SpecConfig | None = setting(None, "speculative decoding; None: off")
 

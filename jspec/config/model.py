@@ -80,8 +80,9 @@ class ModelConfig:
         object.__setattr__(self, "moe_layers", tuple(int(i) for i in self.moe_layers))
         if self.moe_layers:
             if not 1 <= self.num_experts_per_tok <= self.num_experts:
-                raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in "
-                                 f"[1, num_experts={self.num_experts}]")
+                raise ValueError(
+                    f"num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, num_experts={self.num_experts}]"
+                )
             if self.moe_intermediate_size < 1:
                 raise ValueError("an MoE config needs moe_intermediate_size >= 1")
             if not all(0 <= i < self.num_layers for i in self.moe_layers):
@@ -212,7 +213,11 @@ def _moe_fields(family: str, hf: dict[str, Any]) -> dict[str, Any]:
         norm = bool(hf.get("norm_topk_prob", False))
         inter = int(hf["moe_intermediate_size"])
         shared = int(hf.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else 0
-    return dict(num_experts=int(n), num_experts_per_tok=int(hf["num_experts_per_tok"]), moe_intermediate_size=inter,
-                norm_topk_prob=norm, moe_layers=layers, shared_expert_intermediate_size=shared)
-
-
+    return dict(
+        num_experts=int(n),
+        num_experts_per_tok=int(hf["num_experts_per_tok"]),
+        moe_intermediate_size=inter,
+        norm_topk_prob=norm,
+        moe_layers=layers,
+        shared_expert_intermediate_size=shared,
+    )

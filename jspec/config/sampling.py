@@ -50,14 +50,21 @@ class SamplingParams:
         r = self.repetition_penalty
         if not isinstance(r, (int, float)) or isinstance(r, bool) or not 0 < r <= 2:
             raise ValueError(f"repetition_penalty must be in (0, 2], got {r!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
-                                      or not 0 <= self.seed < 2**32):
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**32
+        ):
             raise ValueError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
-        if not isinstance(self.top_logprobs_num, int) or isinstance(self.top_logprobs_num, bool) \
-                or self.top_logprobs_num < 0:
+        if (
+            not isinstance(self.top_logprobs_num, int)
+            or isinstance(self.top_logprobs_num, bool)
+            or self.top_logprobs_num < 0
+        ):
             raise ValueError(f"top_logprobs_num must be an integer >= 0, got {self.top_logprobs_num!r}")
-        if not isinstance(self.logprob_start_len, int) or isinstance(self.logprob_start_len, bool) \
-                or self.logprob_start_len < -1:
+        if (
+            not isinstance(self.logprob_start_len, int)
+            or isinstance(self.logprob_start_len, bool)
+            or self.logprob_start_len < -1
+        ):
             raise ValueError(f"logprob_start_len must be an integer >= -1, got {self.logprob_start_len!r}")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= 128:
             raise ValueError(f"n must be an integer in [1, 128], got {self.n!r}")
@@ -71,8 +78,10 @@ class SamplingParams:
     def completions(self) -> list[SamplingParams]:
         """The n single completions this asks for: seeds seed, seed+1, ... (each drawn apart when
         no seed is given)."""
-        return [dataclasses.replace(self, n=1, seed=None if self.seed is None else (self.seed + k) % 2**32)
-                for k in range(self.n)]
+        return [
+            dataclasses.replace(self, n=1, seed=None if self.seed is None else (self.seed + k) % 2**32)
+            for k in range(self.n)
+        ]
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -8,6 +8,7 @@ from jspec.config.fields import setting
 
 SPEC_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "NGRAM")
 
+
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding settings, named as SGLang's --speculative-* flags.
@@ -23,9 +24,12 @@ class SpecConfig:
     num_steps and eagle_topk are derived from them (chain length and breadth).
     """
 
-    algorithm: str = setting("EAGLE", "EAGLE / EAGLE3 (draft head), STANDALONE (a small model of the same "
-                                      "tokenizer), NGRAM (drafts copied from the request's own earlier tokens)",
-                             choices=SPEC_ALGORITHMS)
+    algorithm: str = setting(
+        "EAGLE",
+        "EAGLE / EAGLE3 (draft head), STANDALONE (a small model of the same "
+        "tokenizer), NGRAM (drafts copied from the request's own earlier tokens)",
+        choices=SPEC_ALGORITHMS,
+    )
     draft_model_path: str | None = setting(None, "local draft checkpoint (EAGLE head or standalone model)")
     num_steps: int = setting(3, "draft depth per iteration")
     eagle_topk: int = setting(1, "branching per draft step (1 = chain)")

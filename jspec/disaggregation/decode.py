@@ -117,8 +117,16 @@ class PrefillRouter:
         if link is not None:
             return link
         link = connect(addr, self.backend)
-        link.send({"type": "hello", "protocol": PROTOCOL, "backend": self.backend, "pid": os.getpid(),
-                   "host": host_id(), **self.identity})
+        link.send(
+            {
+                "type": "hello",
+                "protocol": PROTOCOL,
+                "backend": self.backend,
+                "pid": os.getpid(),
+                "host": host_id(),
+                **self.identity,
+            }
+        )
         link.sock.settimeout(60)
         try:
             hello, _ = link.recv()
@@ -152,8 +160,11 @@ class PrefillRouter:
             arrays = kv_io.stage_request(self.identity["layout"], arrays, int(header["num_tokens"]), on_device)
         except (ValueError, KeyError) as e:
             self.unstage(nbytes if on_device else 0)
-            return {"type": "error", "rid": header.get("rid"),
-                    "message": f"the prefill engine at {addr} sent an unusable transfer: {e}"}, []
+            return {
+                "type": "error",
+                "rid": header.get("rid"),
+                "message": f"the prefill engine at {addr} sent an unusable transfer: {e}",
+            }, []
         return dict(header, staged_bytes=nbytes if on_device else 0, t_staged=time.time()), arrays
 
     def unstage(self, nbytes: int) -> None:
@@ -250,12 +261,18 @@ class DecodeScheduler(Scheduler):
                 return
             if header is None:  # the link died: everything it owed fails
                 owed = self.router.lost(addr, link)
-                log.warning("link to the prefill engine at %s lost (%s); failing the %d requests it owed",
-                            addr, arrays, len(owed))
+                log.warning(
+                    "link to the prefill engine at %s lost (%s); failing the %d requests it owed",
+                    addr,
+                    arrays,
+                    len(owed),
+                )
                 for rid in owed:
                     if rid in self.awaiting:
-                        self._fail(self.awaiting[rid][0], f"the prefill engine at {addr} went away before this "
-                                                          f"request's KV arrived ({arrays})")
+                        self._fail(
+                            self.awaiting[rid][0],
+                            f"the prefill engine at {addr} went away before this request's KV arrived ({arrays})",
+                        )
                 continue
             rid = header.get("rid")
             self.router.take(rid)
@@ -269,12 +286,22 @@ class DecodeScheduler(Scheduler):
             n, staged = int(header["num_tokens"]), header["staged_bytes"]
             if n != len(req.prompt):
                 self.router.unstage(staged)
-                self._fail(req, f"the prefill engine at {addr} sent the KV of {n} tokens for a prompt of "
-                                f"{len(req.prompt)}")
+                self._fail(
+                    req, f"the prefill engine at {addr} sent the KV of {n} tokens for a prompt of {len(req.prompt)}"
+                )
                 continue
             del self.awaiting[rid]
-            rec = TransferRecord(rid, n, sum(a.nbytes for a in arrays), t_submit, header["t_extract"],
-                                 header["t_sent"], t_recv, header["t_staged"], staged > 0)
+            rec = TransferRecord(
+                rid,
+                n,
+                sum(a.nbytes for a in arrays),
+                t_submit,
+                header["t_extract"],
+                header["t_sent"],
+                t_recv,
+                header["t_staged"],
+                staged > 0,
+            )
             self.transfers.append(rec)
             self._first_token(req, header)
             if req.finished:
@@ -292,8 +319,9 @@ class DecodeScheduler(Scheduler):
         req.append([header["first_token"]], [lp] if lp is not None else None, top_ids, top_lp)
         if header.get("input_logprobs") is not None:
             req.input_logprobs = header["input_logprobs"]
-            req.input_top_logprobs = [[tuple(x) for x in row] if row is not None else None
-                                      for row in header["input_top_logprobs"]]
+            req.input_top_logprobs = [
+                [tuple(x) for x in row] if row is not None else None for row in header["input_top_logprobs"]
+            ]
         req.num_cached_tokens = header.get("cached_tokens", 0)
         self.outputs.append(self._make_output(req, *before))
 
@@ -323,8 +351,17 @@ class DecodeScheduler(Scheduler):
 class DecodeEngine(Engine):
     """Engine(...) whose prompts are prefilled by the prefill engines at prefill_addrs."""
 
-    def __init__(self, model, config: EngineConfig | None = None, *, draft=None, prefill_addrs: list[str],
-                 transfer_backend: str = "socket", transfer_stage_bytes: int = 2 << 30, **settings):
+    def __init__(
+        self,
+        model,
+        config: EngineConfig | None = None,
+        *,
+        draft=None,
+        prefill_addrs: list[str],
+        transfer_backend: str = "socket",
+        transfer_stage_bytes: int = 2 << 30,
+        **settings,
+    ):
         config = dataclasses.replace(config or EngineConfig(), **settings)
         check_disaggregation_args(config.tp_size)
         self._router_args = (prefill_addrs, transfer_backend, transfer_stage_bytes)
@@ -332,11 +369,18 @@ class DecodeEngine(Engine):
 
     def make_scheduler(self):
         addrs, backend, stage_bytes = self._router_args
-        self.router = PrefillRouter(addrs, backend, {
-            "layout": kv_io.layout(self.worker.state), "weights": kv_io.weights_fingerprint(self.worker)},
-            stage_bytes)
-        return DecodeScheduler(self.worker, router=self.router, make_output=self.output,
-                               disable_radix_cache=self.config.disable_radix_cache)
+        self.router = PrefillRouter(
+            addrs,
+            backend,
+            {"layout": kv_io.layout(self.worker.state), "weights": kv_io.weights_fingerprint(self.worker)},
+            stage_bytes,
+        )
+        return DecodeScheduler(
+            self.worker,
+            router=self.router,
+            make_output=self.output,
+            disable_radix_cache=self.config.disable_radix_cache,
+        )
 
     def warmup(self, sampling_modes=None, prompt_logprobs: bool = False) -> int:
         """Engine.warmup (decode programs; the prefill ones serve retracted requests) plus the

@@ -50,8 +50,9 @@ def layout(state) -> list[list]:
     """What one request's arrays look like ([kind, shape without the token/slot axis, dtype]): two
     engines can exchange requests only if their layouts are equal (same model, draft, method)."""
     paged, rows, _ = split_state(state)
-    return ([["paged", [a.shape[0], *a.shape[3:]], str(a.dtype)] for a in paged]
-            + [["row", list(a.shape[1:]), str(a.dtype)] for a in rows])
+    return [["paged", [a.shape[0], *a.shape[3:]], str(a.dtype)] for a in paged] + [
+        ["row", list(a.shape[1:]), str(a.dtype)] for a in rows
+    ]
 
 
 def weights_fingerprint(worker) -> str:
@@ -77,8 +78,10 @@ def check_arrays(want: list, arrays, n: int) -> None:
         else:
             got.append([kind, list(a.shape), str(a.dtype)])
     if len(arrays) != len(want) or got != want or tokens != {n}:
-        raise ValueError(f"the transferred arrays do not match this engine's state for a {n}-token prompt: got "
-                         f"{[(list(a.shape), str(a.dtype)) for a in arrays]}, layout {want}")
+        raise ValueError(
+            f"the transferred arrays do not match this engine's state for a {n}-token prompt: got "
+            f"{[(list(a.shape), str(a.dtype)) for a in arrays]}, layout {want}"
+        )
 
 
 def stage_request(want: list, arrays: list[np.ndarray], n: int, to_device: bool) -> list:

@@ -61,8 +61,10 @@ class Handoff:
 
 def check_disaggregation_args(tp_size: int) -> None:
     if tp_size != 1:
-        raise ValueError(f"PD disaggregation with tp_size={tp_size} is not supported yet (a request's KV is "
-                         f"moved between single-device pools); use tp_size=1")
+        raise ValueError(
+            f"PD disaggregation with tp_size={tp_size} is not supported yet (a request's KV is "
+            f"moved between single-device pools); use tp_size=1"
+        )
 
 
 class PrefillEngine(Engine):
@@ -96,8 +98,7 @@ class PrefillEngine(Engine):
         """Queues a prompt whose first token is sampled with the decode engine's params and seed
         (so a sampled request continues as it would in one engine). Stop rules and the output
         budget are the decode engine's: here the request ends after one token."""
-        p = dataclasses.replace(params, max_new_tokens=1, stop=[], stop_token_ids=[], ignore_eos=True, n=1,
-                                seed=seed)
+        p = dataclasses.replace(params, max_new_tokens=1, stop=[], stop_token_ids=[], ignore_eos=True, n=1, seed=seed)
         return self.add_request(ids, p, rid)
 
     def on_launched(self, launched) -> None:
@@ -110,8 +111,9 @@ class PrefillEngine(Engine):
             for req, following in zip(batch.reqs, batch.following):
                 if following is None:
                     with self.worker.on_mesh():
-                        arrays = kv_io.extract_request(self.worker.state, req.pages, self.worker.page_size,
-                                                       len(req.prompt), req.slot)
+                        arrays = kv_io.extract_request(
+                            self.worker.state, req.pages, self.worker.page_size, len(req.prompt), req.slot
+                        )
                     self._reading[req.rid] = (start_host_copy(arrays), time.time())
 
     def on_processed(self, launched, outputs):
@@ -133,12 +135,16 @@ class PrefillEngine(Engine):
         n = len(req.prompt)
         lp = req.params.return_logprob
         header = {
-            "type": "kv", "rid": req.rid, "num_tokens": n, "first_token": int(req.output[0]),
+            "type": "kv",
+            "rid": req.rid,
+            "num_tokens": n,
+            "first_token": int(req.output[0]),
             "logprob": req.output_logprobs[0] if lp else None,
             "top_logprobs": req.output_top_logprobs[0] if lp and req.output_top_logprobs else None,
             "input_logprobs": req.input_logprobs if req.params.wants_prompt_logprobs else None,
             "input_top_logprobs": req.input_top_logprobs if req.params.wants_prompt_logprobs else None,
-            "cached_tokens": req.num_cached_tokens, "t_extract": t_extract,
+            "cached_tokens": req.num_cached_tokens,
+            "t_extract": t_extract,
         }
         return Handoff(req.rid, header, arrays, self.num_paged, n)
 
@@ -155,8 +161,9 @@ def warmup_transfers(worker, fn) -> int:
                 jax.block_until_ready(fn(worker.state, pages, worker.page_size, n, worker.scratch_slot))
             else:
                 want = kv_io.layout(worker.state)
-                arrays = [np.zeros((s[0], n, *s[1:]) if kind == "paged" else s, transfer_dtype(dt))
-                          for kind, s, dt in want]
+                arrays = [
+                    np.zeros((s[0], n, *s[1:]) if kind == "paged" else s, transfer_dtype(dt)) for kind, s, dt in want
+                ]
                 staged = kv_io.stage_request(want, arrays, n, to_device=True)
                 worker.state = fn(worker.state, staged, pages, worker.page_size, n, worker.scratch_slot)
         count += 1
@@ -217,14 +224,24 @@ class PrefillServer:
             mine = self.engine.identity()
             problem = None
             if hello.get("layout") != mine["layout"]:
-                problem = "the prefill and decode engines hold different state layouts (model, draft, speculative " \
-                          "method or dtype differ)"
+                problem = (
+                    "the prefill and decode engines hold different state layouts (model, draft, speculative "
+                    "method or dtype differ)"
+                )
             elif hello.get("weights") != mine["weights"]:
                 problem = "the prefill and decode engines hold different weights (another checkpoint or draft)"
             elif link.backend == "shm" and hello.get("host") != host_id():
                 problem = "the shm transfer backend needs both engines on one host; use the socket backend"
-            link.send({"type": "hello", "ok": problem is None, "pid": os.getpid(), "protocol": PROTOCOL,
-                       "message": problem, **mine})
+            link.send(
+                {
+                    "type": "hello",
+                    "ok": problem is None,
+                    "pid": os.getpid(),
+                    "protocol": PROTOCOL,
+                    "message": problem,
+                    **mine,
+                }
+            )
             if problem is not None:
                 raise LinkClosed(f"refused {peer}: {problem}")
         except (LinkClosed, ValueError) as e:

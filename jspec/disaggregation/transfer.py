@@ -48,8 +48,7 @@ def parse_addr(addr: str) -> tuple[str, int]:
 
 
 def _array_meta(arrays) -> list[dict]:
-    return [{"dtype": a.dtype.str if a.dtype.kind != "V" else str(a.dtype), "shape": list(a.shape)}
-            for a in arrays]
+    return [{"dtype": a.dtype.str if a.dtype.kind != "V" else str(a.dtype), "shape": list(a.shape)} for a in arrays]
 
 
 def dtype(name: str) -> np.dtype:
@@ -67,8 +66,7 @@ def _bytes(a: np.ndarray) -> memoryview:
 
 
 def _nbytes(header: dict) -> int:
-    return sum(int(np.prod(m["shape"], dtype=np.int64)) * dtype(m["dtype"]).itemsize
-               for m in header.get("arrays", []))
+    return sum(int(np.prod(m["shape"], dtype=np.int64)) * dtype(m["dtype"]).itemsize for m in header.get("arrays", []))
 
 
 class Link:
@@ -113,8 +111,11 @@ class Link:
         if magic != MAGIC:
             raise LinkClosed(f"link to {self.peer}: not a jspec PD peer (bad frame magic {magic!r})")
         header = json.loads(bytes(self._read_exact(head_len, "a message header")))
-        body = self._read_exact(body_len, f"a {header.get('type', '?')} message for request "
-                                          f"{header.get('rid', '?')!r}") if body_len else None
+        body = (
+            self._read_exact(body_len, f"a {header.get('type', '?')} message for request {header.get('rid', '?')!r}")
+            if body_len
+            else None
+        )
         arrays = self._take_arrays(header, body)
         self.bytes_received += sum(a.nbytes for a in arrays)
         return header, arrays
@@ -126,8 +127,9 @@ class Link:
         for m in header.get("arrays", []):
             dt = dtype(m["dtype"])
             n = int(np.prod(m["shape"], dtype=np.int64)) * dt.itemsize
-            out.append(np.frombuffer(body, dt, n // dt.itemsize, off).reshape(m["shape"]) if n else
-                       np.zeros(m["shape"], dt))
+            out.append(
+                np.frombuffer(body, dt, n // dt.itemsize, off).reshape(m["shape"]) if n else np.zeros(m["shape"], dt)
+            )
             off += n
         return out
 
@@ -172,8 +174,10 @@ class ShmLink(Link):
             free = st.f_bavail * st.f_frsize
             # Say why in words before writing a GB into a tmpfs that cannot hold it.
             if total > free:
-                raise OSError(f"{_SHM_DIR} has {free / 2**20:.0f} MiB free and this transfer needs "
-                              f"{total / 2**20:.0f} MiB: enlarge it (docker --shm-size) or use the socket backend")
+                raise OSError(
+                    f"{_SHM_DIR} has {free / 2**20:.0f} MiB free and this transfer needs "
+                    f"{total / 2**20:.0f} MiB: enlarge it (docker --shm-size) or use the socket backend"
+                )
         name = f"jspd_{os.getpid()}_{next(self._counter)}"
         path = os.path.join(_SHM_DIR, name)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
@@ -181,7 +185,7 @@ class ShmLink(Link):
             for a in arrays:
                 view = _bytes(a)
                 while view:
-                    view = view[os.write(fd, view):]
+                    view = view[os.write(fd, view) :]
         except BaseException:
             os.unlink(path)
             raise
@@ -204,8 +208,10 @@ class ShmLink(Link):
         try:
             size = os.fstat(fd).st_size
             if size != _nbytes(header):
-                raise LinkClosed(f"link to {self.peer}: shared-memory file {name} holds {size} bytes, the "
-                                 f"message's arrays {_nbytes(header)}")
+                raise LinkClosed(
+                    f"link to {self.peer}: shared-memory file {name} holds {size} bytes, the "
+                    f"message's arrays {_nbytes(header)}"
+                )
             # The arrays are views of this mapping; it is unmapped when the last of them goes.
             data = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
         finally:

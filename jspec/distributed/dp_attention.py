@@ -25,8 +25,10 @@ def make_dp_mesh(tp_size: int, dp_size: int, devices=None) -> Mesh:
     holds devices r * tp/dp .. (r + 1) * tp/dp - 1."""
     devices = list(jax.devices() if devices is None else devices)
     if tp_size > len(devices):
-        raise ValueError(f"tp_size={tp_size} needs that many devices; this process sees {len(devices)} "
-                         f"(on the CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before jax starts)")
+        raise ValueError(
+            f"tp_size={tp_size} needs that many devices; this process sees {len(devices)} "
+            f"(on the CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before jax starts)"
+        )
     grid = np.asarray(devices[:tp_size]).reshape(dp_size, tp_size // dp_size)
     return Mesh(grid, (DATA, TENSOR), axis_types=(AxisType.Auto, AxisType.Auto))
 
@@ -37,8 +39,7 @@ def check_dp_config(cfg: ModelConfig, dp: int, attn_tp: int) -> None:
     if cfg.num_heads % attn_tp:
         problems.append(f"num_attention_heads ({cfg.num_heads}) by tp_size / dp_size = {attn_tp}")
     if cfg.num_kv_heads % attn_tp and attn_tp % cfg.num_kv_heads:
-        problems.append(f"num_key_value_heads ({cfg.num_kv_heads}) by tp_size / dp_size = {attn_tp} (or the "
-                        f"reverse)")
+        problems.append(f"num_key_value_heads ({cfg.num_kv_heads}) by tp_size / dp_size = {attn_tp} (or the reverse)")
     if cfg.dense_layers and cfg.intermediate_size % tp:
         problems.append(f"intermediate_size ({cfg.intermediate_size}) by tp_size = {tp}")
     if cfg.is_moe and cfg.num_experts % tp:
@@ -108,6 +109,7 @@ def in_rank_region() -> bool:
 
 # ---- per-rank state and steps -----------------------------------------------------------------
 
+
 def state_shardings(state, mesh: Mesh):
     """Every leaf gets a leading rank axis split over "data"; the target KV pool
     [dp, L, pages, page_size, Hkv, D] also splits its heads over "tensor" (as plain TP)."""
@@ -164,5 +166,6 @@ class RankStep:
             return jax.tree.map(lambda x: x[None], self.step(*local[:n], *mine, **static))
 
         in_specs = tuple(self.shared) + (P(DATA),) * (len(args) - n)
-        return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=P(DATA), axis_names={DATA},
-                             check_vma=False)(*args)
+        return jax.shard_map(
+            body, mesh=self.mesh, in_specs=in_specs, out_specs=P(DATA), axis_names={DATA}, check_vma=False
+        )(*args)

@@ -22,8 +22,9 @@ def check_multihost_args(nnodes: int, node_rank: int, dist_init_addr: str | None
     if not 0 <= node_rank < nnodes:
         raise ValueError(f"--node-rank {node_rank} must be in [0, --nnodes {nnodes})")
     if nnodes > 1 and not dist_init_addr:
-        raise ValueError(f"--nnodes {nnodes} needs --dist-init-addr HOST:PORT (node 0's address, the same on "
-                         f"every node)")
+        raise ValueError(
+            f"--nnodes {nnodes} needs --dist-init-addr HOST:PORT (node 0's address, the same on every node)"
+        )
     if dist_init_addr:
         parse_dist_init_addr(dist_init_addr)
 

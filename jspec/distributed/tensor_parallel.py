@@ -24,8 +24,10 @@ def make_mesh(tp_size: int, devices=None) -> Mesh:
     """A one-axis mesh ("tensor") over the first tp_size devices."""
     devices = list(jax.devices() if devices is None else devices)
     if tp_size < 1 or tp_size > len(devices):
-        raise ValueError(f"tp_size={tp_size} needs that many devices; this process sees {len(devices)} "
-                         f"(on the CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before jax starts)")
+        raise ValueError(
+            f"tp_size={tp_size} needs that many devices; this process sees {len(devices)} "
+            f"(on the CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before jax starts)"
+        )
     return Mesh(np.asarray(devices[:tp_size]), (TENSOR,), axis_types=(AxisType.Auto,))
 
 
@@ -58,8 +60,11 @@ def repeat_kv_columns(cfg: ModelConfig, w, r: int):
     columns repeated r times in place."""
     D, Q, KV = cfg.head_dim, cfg.q_size, cfg.kv_size
     q, k, v = w[..., :Q], w[..., Q : Q + KV], w[..., Q + KV :]
-    rep = lambda a: jax.numpy.repeat(a.reshape(*a.shape[:-1], cfg.num_kv_heads, D), r, axis=-2).reshape(  # noqa: E731
-        *a.shape[:-1], r * KV)
+    rep = (
+        lambda a: jax.numpy.repeat(a.reshape(*a.shape[:-1], cfg.num_kv_heads, D), r, axis=-2).reshape(  # noqa: E731
+            *a.shape[:-1], r * KV
+        )
+    )
     return jax.numpy.concatenate([q, rep(k), rep(v)], axis=-1)
 
 

@@ -41,8 +41,9 @@ class AsyncEngine:
 
     # ---- caller side (any thread / event loop) ------------------------------------------------
 
-    async def stream(self, prompt, params: SamplingParams | None = None, rid: str | None = None
-                     ) -> AsyncIterator[RequestOutput]:
+    async def stream(
+        self, prompt, params: SamplingParams | None = None, rid: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """Submits a request and yields its outputs until it finishes. Leaving the loop early
         (a client that disconnects) aborts the request and frees its KV."""
         loop = asyncio.get_running_loop()

@@ -77,9 +77,16 @@ class LoopTimes:
 
     def per_iteration_ms(self) -> dict:
         n = max(self.iterations, 1)
-        return {k: 1e3 * v / n for k, v in (("schedule", self.schedule_s), ("launch", self.launch_s),
-                                            ("process", self.process_s), ("host", self.host_s),
-                                            ("wait", self.wait_s))}
+        return {
+            k: 1e3 * v / n
+            for k, v in (
+                ("schedule", self.schedule_s),
+                ("launch", self.launch_s),
+                ("process", self.process_s),
+                ("host", self.host_s),
+                ("wait", self.wait_s),
+            )
+        }
 
 
 @dataclasses.dataclass
@@ -125,11 +132,17 @@ class Engine:
             # The draft is built against the checkpoint's config; it runs replicated on every shard.
             method, dparams = make_method(self.spec, self.model.cfg, draft, dtype=params["embed"].dtype)
         dtype = params["embed"].dtype
-        kw = dict(page_size=config.page_size, num_pages=kv_pages(config, cfg, params, method, dtype),
-                  max_slots=max(1, config.max_running_requests // dp),
-                  chunked_prefill_size=max(8, config.chunked_prefill_size // dp), top_n=config.max_top_logprobs,
-                  attention_backend=config.attention_backend, mesh=mesh, layer_loop=config.layer_loop,
-                  lora=self._lora_pool(config, dtype, mesh or dp_mesh, params))
+        kw = dict(
+            page_size=config.page_size,
+            num_pages=kv_pages(config, cfg, params, method, dtype),
+            max_slots=max(1, config.max_running_requests // dp),
+            chunked_prefill_size=max(8, config.chunked_prefill_size // dp),
+            top_n=config.max_top_logprobs,
+            attention_backend=config.attention_backend,
+            mesh=mesh,
+            layer_loop=config.layer_loop,
+            lora=self._lora_pool(config, dtype, mesh or dp_mesh, params),
+        )
         if method is None:
             self.worker = PlainWorker(cfg, params, **kw)
         else:
@@ -158,8 +171,11 @@ class Engine:
         if self.config.enable_dp_attention:
             from jspec.scheduler.dp_scheduler import DPScheduler
 
-            return DPScheduler(self.worker, disable_radix_cache=self.config.disable_radix_cache,
-                               load_balance_method=self.config.load_balance_method)
+            return DPScheduler(
+                self.worker,
+                disable_radix_cache=self.config.disable_radix_cache,
+                load_balance_method=self.config.load_balance_method,
+            )
         return Scheduler(self.worker, disable_radix_cache=self.config.disable_radix_cache)
 
     def on_launched(self, launched: Launched) -> None:
@@ -191,19 +207,21 @@ class Engine:
         from jspec.lora.adapter import load_adapter
 
         if self.lora is None:
-            raise ValueError("this engine serves no LoRA adapters; create it with enable_lora, max_loras_per_batch "
-                             "or lora_paths")
+            raise ValueError(
+                "this engine serves no LoRA adapters; create it with enable_lora, max_loras_per_batch or lora_paths"
+            )
         return self.worker.load_lora(load_adapter(name, path, self.model.cfg, self.lora.max_rank))
 
     def unload_lora(self, name: str) -> None:
         """Frees an adapter's slot; refused while a request that uses it is queued or running."""
         if self.lora is None:
             raise ValueError("this engine serves no LoRA adapters")
-        users = sorted(r.rid for r in self.scheduler.requests.values() if r.params.lora_path == name
-                       and not r.finished)
+        users = sorted(r.rid for r in self.scheduler.requests.values() if r.params.lora_path == name and not r.finished)
         if users:
-            raise ValueError(f"LoRA adapter {name!r} is in use by running requests {users}; abort them or wait "
-                             f"until they finish before unloading it")
+            raise ValueError(
+                f"LoRA adapter {name!r} is in use by running requests {users}; abort them or wait "
+                f"until they finish before unloading it"
+            )
         self.lora.unload(name)
 
     def warmup(self, sampling_modes=None, prompt_logprobs: bool = False) -> int:
@@ -227,8 +245,10 @@ class Engine:
         if rid in self.scheduler.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         if params.n != 1:
-            raise ValueError(f"n={params.n}: add_request takes one completion; add the request n times with "
-                             f"different seeds, or use Engine.generate / jspec.generate, which fan out")
+            raise ValueError(
+                f"n={params.n}: add_request takes one completion; add the request n times with "
+                f"different seeds, or use Engine.generate / jspec.generate, which fan out"
+            )
         if params.top_logprobs_num > self.config.max_top_logprobs:
             raise ValueError(
                 f"top_logprobs_num={params.top_logprobs_num} exceeds this engine's max_top_logprobs="
@@ -250,9 +270,17 @@ class Engine:
             params = dataclasses.replace(params, max_new_tokens=room)
         checker = StopChecker(params.stop, params.stop_token_ids, eos, params.ignore_eos, params.max_new_tokens)
         detok = IncrementalDetokenizer(tok, ids) if tok is not None else None
-        req = Request(rid, ids, params, checker, detok, arrival=next(self._arrival),
-                      seed=params.seed if params.seed is not None else int(self._seeds.integers(2**32)),
-                      lora_slot=lora_slot, cache_namespace=lora_uid)
+        req = Request(
+            rid,
+            ids,
+            params,
+            checker,
+            detok,
+            arrival=next(self._arrival),
+            seed=params.seed if params.seed is not None else int(self._seeds.integers(2**32)),
+            lora_slot=lora_slot,
+            cache_namespace=lora_uid,
+        )
         self.scheduler.add(req)
         return rid
 
@@ -291,8 +319,10 @@ class Engine:
 
     def _process(self, launched: Launched) -> list[RequestOutput]:
         t_start = time.perf_counter()
-        before = {id(r): (len(r.output), len(r.text), len(r.output_logprobs), len(r.output_top_logprobs))
-                  for r in launched.batch.reqs}
+        before = {
+            id(r): (len(r.output), len(r.text), len(r.output_logprobs), len(r.output_top_logprobs))
+            for r in launched.batch.reqs
+        }
         t0 = time.perf_counter()
         host = unpack_output(designated_read(launched.outputs), self.worker.top_n)
         t1 = time.perf_counter()
@@ -311,9 +341,18 @@ class Engine:
         """r's RequestOutput: what it produced since its output, text and logprobs had these lengths."""
         lp = r.params.return_logprob
         return RequestOutput(
-            r.rid, r.output[n_out:], r.text[n_text:], r.finished, r.finish_reason,
-            r.output_logprobs[n_lp:] if lp else None, r.output_top_logprobs[n_top:] if lp else None,
-            len(r.prompt), len(r.output), r.num_cached_tokens, r.verify_ct, r.matched_stop,
+            r.rid,
+            r.output[n_out:],
+            r.text[n_text:],
+            r.finished,
+            r.finish_reason,
+            r.output_logprobs[n_lp:] if lp else None,
+            r.output_top_logprobs[n_top:] if lp else None,
+            len(r.prompt),
+            len(r.output),
+            r.num_cached_tokens,
+            r.verify_ct,
+            r.matched_stop,
         )
 
     def drain(self) -> None:
@@ -354,12 +393,18 @@ class Engine:
         results = []
         for rid in rids:
             r = reqs[rid]
-            results.append(GenerationOutput(
-                r.prompt, r.output, r.finish_reason, r.text if tok is not None else None,
-                r.verify_ct, r.spec_emitted / r.verify_ct if r.verify_ct else None,
-                r.output_logprobs if r.params.return_logprob else None,
-                r.output_top_logprobs if r.params.return_logprob and r.params.top_logprobs_num else None,
-                r.input_logprobs if r.params.wants_prompt_logprobs else None,
-                r.input_top_logprobs if r.params.wants_prompt_logprobs and r.params.top_logprobs_num else None,
-            ))
+            results.append(
+                GenerationOutput(
+                    r.prompt,
+                    r.output,
+                    r.finish_reason,
+                    r.text if tok is not None else None,
+                    r.verify_ct,
+                    r.spec_emitted / r.verify_ct if r.verify_ct else None,
+                    r.output_logprobs if r.params.return_logprob else None,
+                    r.output_top_logprobs if r.params.return_logprob and r.params.top_logprobs_num else None,
+                    r.input_logprobs if r.params.wants_prompt_logprobs else None,
+                    r.input_top_logprobs if r.params.wants_prompt_logprobs and r.params.top_logprobs_num else None,
+                )
+            )
         return results

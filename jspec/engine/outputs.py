@@ -26,6 +26,7 @@ class GenerationOutput:
     input_logprobs: list[float | None] | None = None
     input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
+
 def as_prompt_list(prompts) -> list:
     """One prompt (text or token ids) or a list of them -> a list of prompts."""
     if isinstance(prompts, str) or (
@@ -35,6 +36,7 @@ def as_prompt_list(prompts) -> list:
     if not isinstance(prompts, Sequence) or len(prompts) == 0:
         raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
     return list(prompts)
+
 
 def tokenize_prompt(prompt, model: Model, index: int = 0) -> list[int]:
     """Validates one prompt (text or token ids) and returns its token ids."""

@@ -15,21 +15,29 @@ def check_parallel(config: EngineConfig, cfg: ModelConfig) -> None:
     """SGLang's rules for tp / ep / dp, checked before anything is placed."""
     tp, ep, dp = config.tp_size, config.ep_size, config.dp_size
     if ep != 1 and not (cfg.is_moe and ep == tp):
-        raise ValueError(f"ep_size={ep}: expert parallelism splits an MoE model's experts over its "
-                         f"tensor-parallel devices, so it must equal tp_size ({tp}) on an MoE model "
-                         f"(this one is {'MoE' if cfg.is_moe else 'dense'}); 1 otherwise")
+        raise ValueError(
+            f"ep_size={ep}: expert parallelism splits an MoE model's experts over its "
+            f"tensor-parallel devices, so it must equal tp_size ({tp}) on an MoE model "
+            f"(this one is {'MoE' if cfg.is_moe else 'dense'}); 1 otherwise"
+        )
     if cfg.is_moe and tp > 1 and ep != tp:
-        raise ValueError(f"an MoE model with tp_size={tp} needs ep_size={tp} (its experts are split whole over the "
-                         f"devices, not column-wise)")
+        raise ValueError(
+            f"an MoE model with tp_size={tp} needs ep_size={tp} (its experts are split whole over the "
+            f"devices, not column-wise)"
+        )
     if dp > 1 and not config.enable_dp_attention:
-        raise ValueError(f"dp_size={dp} needs enable_dp_attention=True (--enable-dp-attention): jspec "
-                         f"implements data parallelism only as DP attention inside the tp_size devices, "
-                         f"not as replicated engines")
+        raise ValueError(
+            f"dp_size={dp} needs enable_dp_attention=True (--enable-dp-attention): jspec "
+            f"implements data parallelism only as DP attention inside the tp_size devices, "
+            f"not as replicated engines"
+        )
     if config.enable_dp_attention and dp == 1:
         raise ValueError("enable_dp_attention needs dp_size > 1 (--dp-size)")
     if config.enable_dp_attention and tp % dp:
-        raise ValueError(f"DP attention needs tp_size % dp_size == 0 (each of the dp_size={dp} attention "
-                         f"ranks gets tp_size / dp_size devices); got tp_size={tp}")
+        raise ValueError(
+            f"DP attention needs tp_size % dp_size == 0 (each of the dp_size={dp} attention "
+            f"ranks gets tp_size / dp_size devices); got tp_size={tp}"
+        )
 
 
 def kv_pages(config: EngineConfig, cfg: ModelConfig, params, method, dtype) -> int:

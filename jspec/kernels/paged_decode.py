@@ -42,8 +42,20 @@ from jspec.kernels.paged_tiles import (
 
 
 def _decode_kernel(
-    layer_ref, split_len_ref, seq_lens_ref, page_tables_ref, q_ref, k_ref, v_ref, *out_refs,
-    cache_shape, group, group_rows, block_n, scale_log2, write_final,
+    layer_ref,
+    split_len_ref,
+    seq_lens_ref,
+    page_tables_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    *out_refs,
+    cache_shape,
+    group,
+    group_rows,
+    block_n,
+    scale_log2,
+    write_final,
 ):
     seq, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     head_dim = q_ref.shape[2]
@@ -59,8 +71,17 @@ def _decode_kernel(
     heads = (kv_head * group + rows)[:, None]
     cols = lax.iota(jnp.int32, head_dim)[None, :]
     q = pltriton.load(q_ref.at[seq, heads, cols], mask=real_row[:, None], other=0).astype(k_ref.dtype)
-    tiles = functools.partial(gather_kv_tiles, k_ref, v_ref, page_tables_ref, cache_shape=cache_shape, layer=layer,
-                              seq=seq, kv_head=kv_head, block_n=block_n)
+    tiles = functools.partial(
+        gather_kv_tiles,
+        k_ref,
+        v_ref,
+        page_tables_ref,
+        cache_shape=cache_shape,
+        layer=layer,
+        seq=seq,
+        kv_head=kv_head,
+        block_n=block_n,
+    )
 
     def full_tile(i, carry):
         k, v = tiles(start=lo + i * block_n)
@@ -106,8 +127,18 @@ class DecodePlan(NamedTuple):
     num_stages: int
 
 
-def decode_plan(batch, num_q_heads, cache_shape, max_pages, *, block_n=None, num_splits=None, min_split_tokens=256,
-                num_warps=4, num_stages=2) -> DecodePlan:
+def decode_plan(
+    batch,
+    num_q_heads,
+    cache_shape,
+    max_pages,
+    *,
+    block_n=None,
+    num_splits=None,
+    min_split_tokens=256,
+    num_warps=4,
+    num_stages=2,
+) -> DecodePlan:
     _, _, page_size, num_kv_heads, head_dim = cache_shape
     check_pow2("page_size", page_size)
     check_pow2("head_dim", head_dim)
@@ -117,18 +148,45 @@ def decode_plan(batch, num_q_heads, cache_shape, max_pages, *, block_n=None, num
     check_pow2("block_n", block_n)
     group = num_q_heads // num_kv_heads
     splits, _ = choose_splits(max_pages * page_size, batch * num_kv_heads, block_n, min_split_tokens, num_splits)
-    return DecodePlan(block_n, next_pow2(max(group, 16)), splits, min_split_len(block_n, min_split_tokens, num_splits),
-                      num_warps, num_stages)
+    return DecodePlan(
+        block_n,
+        next_pow2(max(group, 16)),
+        splits,
+        min_split_len(block_n, min_split_tokens, num_splits),
+        num_warps,
+        num_stages,
+    )
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "interpret", "block_n", "num_splits", "min_split_tokens", "num_warps", "num_stages",
-                     "return_lse"),
+    static_argnames=(
+        "sm_scale",
+        "interpret",
+        "block_n",
+        "num_splits",
+        "min_split_tokens",
+        "num_warps",
+        "num_stages",
+        "return_lse",
+    ),
 )
 def paged_decode(
-    q, k_cache, v_cache, layer, seq_lens, page_tables, *, sm_scale, interpret=None,
-    block_n=None, num_splits=None, min_split_tokens=256, num_warps=4, num_stages=2, return_lse=False,
+    q,
+    k_cache,
+    v_cache,
+    layer,
+    seq_lens,
+    page_tables,
+    *,
+    sm_scale,
+    interpret=None,
+    block_n=None,
+    num_splits=None,
+    min_split_tokens=256,
+    num_warps=4,
+    num_stages=2,
+    return_lse=False,
 ):
     """Attention of one new token per sequence over its paged KV.
 
@@ -150,15 +208,28 @@ def paged_decode(
     num_kv_heads = k_cache.shape[3]
     if k_cache.shape[4] != head_dim or num_q_heads % num_kv_heads or v_cache.shape != k_cache.shape:
         raise ValueError(f"q {q.shape} does not fit the caches {k_cache.shape}, {v_cache.shape}")
-    plan = decode_plan(batch, num_q_heads, k_cache.shape, page_tables.shape[1], block_n=block_n,
-                       num_splits=num_splits, min_split_tokens=min_split_tokens, num_warps=num_warps,
-                       num_stages=num_stages)
+    plan = decode_plan(
+        batch,
+        num_q_heads,
+        k_cache.shape,
+        page_tables.shape[1],
+        block_n=block_n,
+        num_splits=num_splits,
+        min_split_tokens=min_split_tokens,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     group = num_q_heads // num_kv_heads
     # The partials (max, sum, acc) carry the log-sum-exp, so asking for it takes the split path.
     write_final = plan.num_splits == 1 and not return_lse
     kernel = functools.partial(
-        _decode_kernel, cache_shape=k_cache.shape, group=group, group_rows=plan.group_rows, block_n=plan.block_n,
-        scale_log2=float(sm_scale) * LOG2E, write_final=write_final,
+        _decode_kernel,
+        cache_shape=k_cache.shape,
+        group=group,
+        group_rows=plan.group_rows,
+        block_n=plan.block_n,
+        scale_log2=float(sm_scale) * LOG2E,
+        write_final=write_final,
     )
     kv_lens = jnp.minimum(seq_lens.astype(jnp.int32), page_tables.shape[1] * k_cache.shape[2])
     split_len = runtime_split_len(kv_lens, plan.num_splits, plan.block_n, plan.min_split_len)
@@ -183,7 +254,9 @@ def paged_decode(
         split_len,
         seq_lens.astype(jnp.int32),
         page_tables.astype(jnp.int32),
-        q, cache_rows(k_cache), cache_rows(v_cache),
+        q,
+        cache_rows(k_cache),
+        cache_rows(v_cache),
     )
     if write_final:
         return outs[0]

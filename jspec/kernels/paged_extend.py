@@ -44,8 +44,24 @@ from jspec.kernels.paged_tiles import (
 
 
 def _extend_kernel(
-    layer_ref, split_len_ref, seq_lens_ref, page_tables_ref, query_start_ref, q_ref, k_ref, v_ref, *refs,
-    cache_shape, group, block_m, block_n, num_q_blocks, splits, scale_log2, tree, write_final,
+    layer_ref,
+    split_len_ref,
+    seq_lens_ref,
+    page_tables_ref,
+    query_start_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    *refs,
+    cache_shape,
+    group,
+    block_m,
+    block_n,
+    num_q_blocks,
+    splits,
+    scale_log2,
+    tree,
+    write_final,
 ):
     if tree:
         tree_mask_ref, *refs = refs
@@ -89,8 +105,17 @@ def _extend_kernel(
         num_full = jnp.maximum(jnp.minimum(unmasked_end, hi) - lo, 0) // block_n
         masked_start = lo + num_full * block_n
         num_masked = lax.div(jnp.maximum(hi - masked_start, 0) + block_n - 1, block_n)
-        tiles = functools.partial(gather_kv_tiles, k_ref, v_ref, page_tables_ref, cache_shape=cache_shape,
-                                  layer=layer, seq=seq, kv_head=kv_head, block_n=block_n)
+        tiles = functools.partial(
+            gather_kv_tiles,
+            k_ref,
+            v_ref,
+            page_tables_ref,
+            cache_shape=cache_shape,
+            layer=layer,
+            seq=seq,
+            kv_head=kv_head,
+            block_n=block_n,
+        )
 
         def full_tile(i, carry):
             k, v = tiles(start=lo + i * block_n)
@@ -140,8 +165,20 @@ class ExtendPlan(NamedTuple):
     num_stages: int
 
 
-def extend_plan(batch, num_q_heads, cache_shape, max_pages, max_q_len, *, block_m=None, block_n=None,
-                num_splits=None, min_split_tokens=256, num_warps=None, num_stages=2) -> ExtendPlan:
+def extend_plan(
+    batch,
+    num_q_heads,
+    cache_shape,
+    max_pages,
+    max_q_len,
+    *,
+    block_m=None,
+    block_n=None,
+    num_splits=None,
+    min_split_tokens=256,
+    num_warps=None,
+    num_stages=2,
+) -> ExtendPlan:
     """Long prefill gets 128-row blocks and 8 warps (the usual Hopper flash-attention
     shape); short queries (tree verification) the smallest MMA-able block that
     holds them, so few rows are padding."""
@@ -156,23 +193,53 @@ def extend_plan(batch, num_q_heads, cache_shape, max_pages, max_q_len, *, block_
     check_pow2("block_m", block_m)
     check_pow2("block_n", block_n)
     num_q_blocks = -(-max_q_len // (block_m // group))
-    splits, _ = choose_splits(max_pages * page_size, batch * num_q_blocks * num_kv_heads, block_n, min_split_tokens,
-                              num_splits)
+    splits, _ = choose_splits(
+        max_pages * page_size, batch * num_q_blocks * num_kv_heads, block_n, min_split_tokens, num_splits
+    )
     num_warps = num_warps or (8 if block_m >= 128 else 4)
-    return ExtendPlan(block_m, block_n, num_q_blocks, splits, min_split_len(block_n, min_split_tokens, num_splits),
-                      num_warps, num_stages)
+    return ExtendPlan(
+        block_m,
+        block_n,
+        num_q_blocks,
+        splits,
+        min_split_len(block_n, min_split_tokens, num_splits),
+        num_warps,
+        num_stages,
+    )
 
 
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "sm_scale", "max_q_len", "interpret", "block_m", "block_n", "num_splits",
-        "min_split_tokens", "num_warps", "num_stages",
+        "sm_scale",
+        "max_q_len",
+        "interpret",
+        "block_m",
+        "block_n",
+        "num_splits",
+        "min_split_tokens",
+        "num_warps",
+        "num_stages",
     ),
 )
 def paged_extend(
-    q, k_cache, v_cache, layer, seq_lens, page_tables, query_start, *, sm_scale, max_q_len, mask=None,
-    interpret=None, block_m=None, block_n=None, num_splits=None, min_split_tokens=256, num_warps=None,
+    q,
+    k_cache,
+    v_cache,
+    layer,
+    seq_lens,
+    page_tables,
+    query_start,
+    *,
+    sm_scale,
+    max_q_len,
+    mask=None,
+    interpret=None,
+    block_m=None,
+    block_n=None,
+    num_splits=None,
+    min_split_tokens=256,
+    num_warps=None,
     num_stages=2,
 ):
     """Attention of ragged new tokens over their sequences' paged KV.
@@ -200,15 +267,32 @@ def paged_extend(
         raise ValueError(f"query_start must be [B+1] = [{batch + 1}], got {query_start.shape}")
     if mask is not None and mask.shape != (batch, max_q_len, max_q_len):
         raise ValueError(f"mask must be [B, max_q_len, max_q_len], got {mask.shape}")
-    plan = extend_plan(batch, num_q_heads, k_cache.shape, page_tables.shape[1], max_q_len, block_m=block_m,
-                       block_n=block_n, num_splits=num_splits, min_split_tokens=min_split_tokens,
-                       num_warps=num_warps, num_stages=num_stages)
+    plan = extend_plan(
+        batch,
+        num_q_heads,
+        k_cache.shape,
+        page_tables.shape[1],
+        max_q_len,
+        block_m=block_m,
+        block_n=block_n,
+        num_splits=num_splits,
+        min_split_tokens=min_split_tokens,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     group = num_q_heads // num_kv_heads
     write_final = plan.num_splits == 1
     tree = mask is not None
     kernel = functools.partial(
-        _extend_kernel, cache_shape=k_cache.shape, group=group, block_m=plan.block_m, block_n=plan.block_n,
-        num_q_blocks=plan.num_q_blocks, splits=plan.num_splits, scale_log2=float(sm_scale) * LOG2E, tree=tree,
+        _extend_kernel,
+        cache_shape=k_cache.shape,
+        group=group,
+        block_m=plan.block_m,
+        block_n=plan.block_n,
+        num_q_blocks=plan.num_q_blocks,
+        splits=plan.num_splits,
+        scale_log2=float(sm_scale) * LOG2E,
+        tree=tree,
         write_final=write_final,
     )
     # Sequences with no new tokens run no program: their KV does not set the split length.
@@ -221,7 +305,9 @@ def paged_extend(
         seq_lens.astype(jnp.int32),
         page_tables.astype(jnp.int32),
         query_start.astype(jnp.int32),
-        q, cache_rows(k_cache), cache_rows(v_cache),
+        q,
+        cache_rows(k_cache),
+        cache_rows(v_cache),
     ]
     if tree:
         inputs.append(mask.astype(jnp.int8))

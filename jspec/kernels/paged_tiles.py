@@ -51,8 +51,9 @@ def cache_rows(cache: jax.Array) -> jax.Array:
     return cache.reshape(-1, cache.shape[-1])
 
 
-def gather_kv_tiles(k_rows_ref, v_rows_ref, page_tables_ref, *, cache_shape, layer, seq, kv_head, start, block_n,
-                    valid_len=None):
+def gather_kv_tiles(
+    k_rows_ref, v_rows_ref, page_tables_ref, *, cache_shape, layer, seq, kv_head, start, block_n, valid_len=None
+):
     """K and V rows start..start+block_n of one sequence and kv head: two [block_n, D] tiles.
 
     k_rows_ref, v_rows_ref: the caches as cache_rows() views; cache_shape their

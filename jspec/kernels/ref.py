@@ -63,8 +63,9 @@ def _gather_chunk(cache, layer, page_tables, kv_lens, chunk, pages_per_chunk):
 
 def _empty(q: jax.Array) -> _Softmax:
     rows = q.shape[:-1]
-    return _Softmax(jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.float32),
-                    jnp.zeros(q.shape, jnp.float32))
+    return _Softmax(
+        jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.float32), jnp.zeros(q.shape, jnp.float32)
+    )
 
 
 def _attend_chunk(state: _Softmax, q, k, v, visible, sm_scale) -> _Softmax:
@@ -90,8 +91,9 @@ def _finish(state: _Softmax) -> tuple[jax.Array, jax.Array]:
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "return_lse", "kv_chunk"))
-def paged_decode_ref(q, k_cache, v_cache, layer, seq_lens, page_tables, *, sm_scale, return_lse=False,
-                     kv_chunk=KV_CHUNK):
+def paged_decode_ref(
+    q, k_cache, v_cache, layer, seq_lens, page_tables, *, sm_scale, return_lse=False, kv_chunk=KV_CHUNK
+):
     """One new query token per sequence. q [B, Hq, D] -> [B, Hq, D] in q's dtype.
 
     With return_lse: (out [B, Hq, D] f32, lse [B, Hq] f32 natural log, -inf for seq_len 0).
@@ -123,7 +125,17 @@ def paged_decode_ref(q, k_cache, v_cache, layer, seq_lens, page_tables, *, sm_sc
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "max_q_len", "kv_chunk"))
 def paged_extend_ref(
-    q, k_cache, v_cache, layer, seq_lens, page_tables, query_start, *, sm_scale, max_q_len, mask=None,
+    q,
+    k_cache,
+    v_cache,
+    layer,
+    seq_lens,
+    page_tables,
+    query_start,
+    *,
+    sm_scale,
+    max_q_len,
+    mask=None,
     kv_chunk=KV_CHUNK,
 ):
     """Ragged new tokens attending to their sequence's paged KV. q [T, Hq, D] -> [T, Hq, D].

@@ -30,8 +30,7 @@ MAX_ROWS = DOT_ROWS
 MIN_TILES_PER_SPLIT = 4
 
 
-def _skinny_kernel(x_ref, w_ref, out_ref, *, rows, block_n, block_k, split_len, tiles_per_split, ragged_n,
-                   ragged_k):
+def _skinny_kernel(x_ref, w_ref, out_ref, *, rows, block_n, block_k, split_len, tiles_per_split, ragged_n, ragged_k):
     strip, split = pl.program_id(0), pl.program_id(1)
     num_k, num_n = w_ref.shape
     cols = strip * block_n + lax.iota(jnp.int32, block_n)
@@ -81,8 +80,9 @@ class SkinnyPlan(NamedTuple):
     num_stages: int
 
 
-def skinny_matmul_plan(M: int, K: int, N: int, *, block_n=None, block_k=None, num_splits=None, num_warps=4,
-                       num_stages=3) -> SkinnyPlan:
+def skinny_matmul_plan(
+    M: int, K: int, N: int, *, block_n=None, block_k=None, num_splits=None, num_warps=4, num_stages=3
+) -> SkinnyPlan:
     """Default tiles and split-K for x[M, K] @ W[K, N].
 
     - block_n = block_k = 128 (fewer for a smaller N or K): a 32 KiB bf16 tile,
@@ -120,7 +120,8 @@ def skinny_matmul_plan(M: int, K: int, N: int, *, block_n=None, block_k=None, nu
 
 
 @functools.partial(
-    jax.jit, static_argnames=("block_n", "block_k", "num_splits", "num_warps", "num_stages", "interpret"),
+    jax.jit,
+    static_argnames=("block_n", "block_k", "num_splits", "num_warps", "num_stages", "interpret"),
 )
 def skinny_matmul(x, w, *, block_n=None, block_k=None, num_splits=None, num_warps=4, num_stages=3, interpret=None):
     """x [M, K] (M <= 16, any float dtype) @ w [K, N] -> f32 [M, N].
@@ -133,15 +134,21 @@ def skinny_matmul(x, w, *, block_n=None, block_k=None, num_splits=None, num_warp
     (M, K), (K_w, N) = x.shape, w.shape
     if K != K_w:
         raise ValueError(f"x {x.shape} does not fit w {w.shape}")
-    plan = skinny_matmul_plan(M, K, N, block_n=block_n, block_k=block_k, num_splits=num_splits,
-                              num_warps=num_warps, num_stages=num_stages)
+    plan = skinny_matmul_plan(
+        M, K, N, block_n=block_n, block_k=block_k, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages
+    )
     k_tiles = -(-K // plan.block_k)
     per_split = plan.split_len // plan.block_k
     even = k_tiles % per_split == 0
     kernel = functools.partial(
-        _skinny_kernel, rows=M, block_n=plan.block_n, block_k=plan.block_k, split_len=plan.split_len,
+        _skinny_kernel,
+        rows=M,
+        block_n=plan.block_n,
+        block_k=plan.block_k,
+        split_len=plan.split_len,
         tiles_per_split=per_split if even else (k_tiles, per_split),
-        ragged_n=N % plan.block_n != 0, ragged_k=K % plan.block_k != 0,
+        ragged_n=N % plan.block_n != 0,
+        ragged_k=K % plan.block_k != 0,
     )
     partials = pl.pallas_call(
         kernel,

@@ -41,8 +41,7 @@ class PageAllocator:
             raise ValueError(f"cannot allocate a negative number of pages ({n})")
         if n > len(self._free):
             raise OutOfPagesError(
-                f"KV pool exhausted: asked for {n} pages, {len(self._free)} of "
-                f"{self.num_usable} free"
+                f"KV pool exhausted: asked for {n} pages, {len(self._free)} of {self.num_usable} free"
             )
         pages = [self._free.pop() for _ in range(n)]
         self._refcount[pages] = 1
@@ -66,6 +65,4 @@ class PageAllocator:
         """Raises if any page is still held: call when no request is running."""
         if self.num_free != self.num_usable:
             held = [int(p) for p in np.nonzero(self._refcount[1:])[0] + 1]
-            raise AssertionError(
-                f"KV page leak: {self.num_usable - self.num_free} pages still held: {held[:16]}"
-            )
+            raise AssertionError(f"KV page leak: {self.num_usable - self.num_free} pages still held: {held[:16]}")

@@ -44,9 +44,7 @@ def create_kv_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> K
     return KVPool(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
-def write_kv(
-    cache: jax.Array, layer: jax.Array, slots: jax.Array, new: jax.Array
-) -> jax.Array:
+def write_kv(cache: jax.Array, layer: jax.Array, slots: jax.Array, new: jax.Array) -> jax.Array:
     """Writes new[t] at flat slot slots[t] (= page * page_size + offset) of one layer.
 
     Slots out of range (the padding convention: slot = pages * page_size) are

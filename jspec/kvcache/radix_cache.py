@@ -22,8 +22,7 @@ class _Node:
 
     __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_access", "id")
 
-    def __init__(self, key: tuple[int, ...], pages: list[int], parent: _Node | None,
-                 last_access: int, node_id: int):
+    def __init__(self, key: tuple[int, ...], pages: list[int], parent: _Node | None, last_access: int, node_id: int):
         self.key = key
         self.pages = pages
         # Children are keyed by their first page of tokens: siblings differ there.

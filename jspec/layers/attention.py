@@ -34,12 +34,23 @@ def paged_attention(
         return over_head_shards(run, q, k_cache, v_cache, layer, batch.seq_lens, batch.page_tables)
 
     def run(q, k, v, layer, lens, tables, starts, *mask):
-        return extend(q, k, v, layer, lens, tables, starts, sm_scale=sm_scale, max_q_len=mode.max_q_len,
-                      mask=mask[0] if mask else None)
+        return extend(
+            q,
+            k,
+            v,
+            layer,
+            lens,
+            tables,
+            starts,
+            sm_scale=sm_scale,
+            max_q_len=mode.max_q_len,
+            mask=mask[0] if mask else None,
+        )
 
     extra = () if mask is None else (mask,)
-    return over_head_shards(run, q, k_cache, v_cache, layer, batch.seq_lens, batch.page_tables,
-                            batch.query_start, *extra)
+    return over_head_shards(
+        run, q, k_cache, v_cache, layer, batch.seq_lens, batch.page_tables, batch.query_start, *extra
+    )
 
 
 def paged_decode_with_lse(q, k_cache, v_cache, layer, seq_lens, page_tables, *, sm_scale: float, backend: str):
@@ -50,8 +61,16 @@ def paged_decode_with_lse(q, k_cache, v_cache, layer, seq_lens, page_tables, *, 
         from jspec.kernels.paged_decode import paged_decode as decode
     else:
         from jspec.kernels.ref import paged_decode_ref as decode
-    run = lambda q, k, v, layer, lens, tables: decode(q, k, v, layer, lens, tables, sm_scale=sm_scale,  # noqa: E731
-                                                      return_lse=True)
+    run = lambda q, k, v, layer, lens, tables: decode(
+        q,
+        k,
+        v,
+        layer,
+        lens,
+        tables,
+        sm_scale=sm_scale,  # noqa: E731
+        return_lse=True,
+    )
     return over_head_shards(run, q, k_cache, v_cache, layer, seq_lens, page_tables, with_lse=True)
 
 
@@ -73,8 +92,7 @@ def over_head_shards(fn, q, k_cache, v_cache, *replicated, with_lse: bool = Fals
     heads = P(None, TENSOR, None)
     out_specs = (heads, P(None, TENSOR)) if with_lse else heads
     in_specs = (heads, kv_pool_spec(), kv_pool_spec()) + (P(),) * len(replicated)
-    return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
-        q, k_cache, v_cache, *replicated)
+    return jax.shard_map(fn, in_specs=in_specs, out_specs=out_specs, check_vma=False)(q, k_cache, v_cache, *replicated)
 
 
 def merge_attention(out_a, lse_a, out_b, lse_b):

@@ -23,16 +23,19 @@ class LoraWeights(NamedTuple):
     # are stacked, or one dict of [N, out] arrays per layer when they are per-layer arrays
     scale: jax.Array  # [S] float32, scale of slot index + 1 (0 where empty)
 
+
 class LoraBatch(NamedTuple):
     """What a forward needs for LoRA: the pool and each token's slot."""
 
     weights: LoraWeights
     token_slots: jax.Array  # [T] int32, 0 = no adapter
 
+
 def slot_mask(weights: LoraWeights, token_slots: jax.Array) -> jax.Array:
     """[T, S] float32: each token's scale on its own slot, zero elsewhere (all zero for slot 0)."""
     S = weights.scale.shape[0]
     return (token_slots[:, None] == jnp.arange(1, S + 1, dtype=jnp.int32)[None]) * weights.scale[None]
+
 
 def lora_dense(layer: dict, mask: jax.Array, x: jax.Array, w: jax.Array, projection: str) -> jax.Array:
     """x [T, in] @ P's weight plus each token's delta, float32. w: the weight with its a_P
@@ -44,6 +47,7 @@ def lora_dense(layer: dict, mask: jax.Array, x: jax.Array, w: jax.Array, project
     else:
         yu = jnp.einsum("ti,isn->tsn", x, w, preferred_element_type=jnp.float32)
     return add_lora_delta(yu, mask, layer["b_" + projection], x.dtype)
+
 
 def add_lora_delta(yu: jax.Array, mask: jax.Array, b: jax.Array, dtype) -> jax.Array:
     """[y | u] (float32, out of a weight with a_P appended) -> y + mask(u) @ b, float32.

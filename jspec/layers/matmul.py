@@ -27,7 +27,13 @@ def skinny_backend() -> str:
 
 def dense_f32(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [T, in] @ w [in, n] -> f32 [T, n]."""
-    if (x.shape[0] <= MAX_ROWS and w.ndim == 2 and w.dtype == jnp.bfloat16 and skinny_backend() == "pallas"
-            and jax.default_backend() == "gpu" and jax.device_count() == 1):
+    if (
+        x.shape[0] <= MAX_ROWS
+        and w.ndim == 2
+        and w.dtype == jnp.bfloat16
+        and skinny_backend() == "pallas"
+        and jax.default_backend() == "gpu"
+        and jax.device_count() == 1
+    ):
         return skinny_matmul(x, w)
     return jnp.dot(x, w, preferred_element_type=jnp.float32)

@@ -31,8 +31,7 @@ class PrefillCounts(NamedTuple):
 
 
 def init_penalty_state(num_slots: int, vocab_size: int) -> PenaltyState:
-    return PenaltyState(jnp.zeros((num_slots + 1, vocab_size), jnp.int32),
-                        jnp.zeros((num_slots + 1, vocab_size), bool))
+    return PenaltyState(jnp.zeros((num_slots + 1, vocab_size), jnp.int32), jnp.zeros((num_slots + 1, vocab_size), bool))
 
 
 def _penalise(x, count, prompt_seen, params):
@@ -45,12 +44,19 @@ def _penalise(x, count, prompt_seen, params):
 
 def apply_penalties(logits: jax.Array, state: PenaltyState, slot_ids: jax.Array, params: jax.Array) -> jax.Array:
     """logits [B, V] of the rows in slot_ids [B], params [B, 7] -> penalised float32 logits."""
-    return _penalise(logits.astype(jnp.float32), state.output_counts[slot_ids], state.prompt_seen[slot_ids],
-                     params[:, None, :])
+    return _penalise(
+        logits.astype(jnp.float32), state.output_counts[slot_ids], state.prompt_seen[slot_ids], params[:, None, :]
+    )
 
 
-def apply_tree_penalties(node_logits: jax.Array, state: PenaltyState, slot_ids: jax.Array, params: jax.Array,
-                         tree_tokens: jax.Array, tree_mask: jax.Array) -> jax.Array:
+def apply_tree_penalties(
+    node_logits: jax.Array,
+    state: PenaltyState,
+    slot_ids: jax.Array,
+    params: jax.Array,
+    tree_tokens: jax.Array,
+    tree_mask: jax.Array,
+) -> jax.Array:
     """node_logits [B, N, V]: the target's logits after each tree node; tree_tokens [B, N] (node 0 =
     root, already counted); tree_mask [B, N, N] (node i's ancestors and itself) -> penalised float32
     logits, node i's with the counts that emitting root..i one token at a time would have."""

@@ -34,8 +34,15 @@ def sampling_rows(params_list, seeds, rows: int) -> SamplingRows:
     out[:, TOP_P] = 1.0
     out[:, REPETITION] = 1.0
     for i, p in enumerate(params_list):
-        out[i] = (p.temperature, p.top_k, p.top_p, p.min_p, p.frequency_penalty, p.presence_penalty,
-                  p.repetition_penalty)
+        out[i] = (
+            p.temperature,
+            p.top_k,
+            p.top_p,
+            p.min_p,
+            p.frequency_penalty,
+            p.presence_penalty,
+            p.repetition_penalty,
+        )
     s = np.zeros(rows, np.uint32)
     s[: len(seeds)] = seeds
     return SamplingRows(out, s)
@@ -83,14 +90,16 @@ def _top_k_top_p_threshold_from_candidates(x: jax.Array, top_k: jax.Array, top_p
     z = jnp.exp(x - m).sum(axis=-1, keepdims=True)
     p = jnp.exp(top - m) / z
     above = top[:, None, :] > top[:, :, None]  # [R, i, j]: candidate j's logit exceeds candidate i's
-    kept = (above.sum(-1) < top_k[:, None]) & ((jnp.where(above, p[:, None, :], 0.0).sum(-1) < top_p[:, None])
-                                              | (top_p[:, None] >= 1))
+    kept = (above.sum(-1) < top_k[:, None]) & (
+        (jnp.where(above, p[:, None, :], 0.0).sum(-1) < top_p[:, None]) | (top_p[:, None] >= 1)
+    )
     tau = jnp.min(jnp.where(kept, top, jnp.inf), axis=-1)
     return jnp.where(top_k >= 1, tau, -jnp.inf)
 
 
-def _top_k_top_p_threshold_by_search(x: jax.Array, top_k: jax.Array, top_p: jax.Array, bits: int,
-                                     splits: int = SEARCH_SPLITS) -> jax.Array:
+def _top_k_top_p_threshold_by_search(
+    x: jax.Array, top_k: jax.Array, top_p: jax.Array, bits: int, splits: int = SEARCH_SPLITS
+) -> jax.Array:
     """x [R, V] -> [R] threshold for any top_k / top_p: the smallest float32 v with
     count(x > v) < top_k and mass(x > v) < top_p (both fall as v grows), found digit by digit
     over v's order key, `bits` bits per pass: 32 / bits passes, each over the whole row. Each
@@ -103,7 +112,7 @@ def _top_k_top_p_threshold_by_search(x: jax.Array, top_k: jax.Array, top_p: jax.
     k = jnp.where(top_k > 0, top_k, jnp.inf)[:, None]
     lowest, highest = _order_key(jnp.float32(-jnp.inf)), _order_key(jnp.float32(jnp.inf))
     base = jnp.zeros(x.shape[0], jnp.uint32)  # every key below base fails
-    steps = jnp.arange(1, 2 ** bits, dtype=jnp.uint32)
+    steps = jnp.arange(1, 2**bits, dtype=jnp.uint32)
 
     def settle_digit(d, base):
         shift = jnp.uint32(32 - bits * (d + 1))
@@ -122,8 +131,13 @@ def _top_k_top_p_threshold_by_search(x: jax.Array, top_k: jax.Array, top_p: jax.
     return _float_of_key(base)
 
 
-def keep_mask(x: jax.Array, params: jax.Array, method: str = "auto", search_bits: int = SEARCH_BITS,
-              search_splits: int = SEARCH_SPLITS) -> jax.Array:
+def keep_mask(
+    x: jax.Array,
+    params: jax.Array,
+    method: str = "auto",
+    search_bits: int = SEARCH_BITS,
+    search_splits: int = SEARCH_SPLITS,
+) -> jax.Array:
     """x [R, V] temperature-scaled logits -> [R, V] bool: the tokens top-k, top-p and min-p keep.
 
     method "search" finds every row's threshold by the bit search (any filter); "candidates"
@@ -143,8 +157,7 @@ def keep_mask(x: jax.Array, params: jax.Array, method: str = "auto", search_bits
         wide = sampled & ((top_p < 1) | (top_k > TOP_K_CAP))
         narrow = sampled & (top_k >= 1)
         none = lambda: jnp.full(x.shape[:1], -jnp.inf, x.dtype)  # noqa: E731
-        tau = jax.lax.cond(jnp.any(wide), search,
-                           lambda: jax.lax.cond(jnp.any(narrow), candidates, none))
+        tau = jax.lax.cond(jnp.any(wide), search, lambda: jax.lax.cond(jnp.any(narrow), candidates, none))
     m = x.max(axis=-1, keepdims=True)
     return (x >= tau[:, None]) & (x - m >= jnp.log(params[:, MIN_P])[:, None])
 

@@ -27,16 +27,27 @@ FUSED_PROJECTIONS = {
 }
 
 _TENSOR_NAME = re.compile(
-    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
+    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$"
+)
+
 
 class LoraError(CheckpointError):
     """An adapter that cannot be used with this engine (names the file and the problem)."""
 
+
 def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """(in, out) of each supported projection, as HF's Linear(in, out)."""
     H, I = cfg.hidden_size, cfg.intermediate_size
-    return {"q_proj": (H, cfg.q_size), "k_proj": (H, cfg.kv_size), "v_proj": (H, cfg.kv_size),
-            "o_proj": (cfg.q_size, H), "gate_proj": (H, I), "up_proj": (H, I), "down_proj": (I, H)}
+    return {
+        "q_proj": (H, cfg.q_size),
+        "k_proj": (H, cfg.kv_size),
+        "v_proj": (H, cfg.kv_size),
+        "o_proj": (cfg.q_size, H),
+        "gate_proj": (H, I),
+        "up_proj": (H, I),
+        "down_proj": (I, H),
+    }
+
 
 @dataclasses.dataclass
 class LoraAdapter:
@@ -50,17 +61,22 @@ class LoraAdapter:
     weights: dict[str, tuple[np.ndarray, np.ndarray]]
     uid: int = 0  # set when loaded: unique per load (a reload under the same name is a new adapter)
 
+
 def _config(path: str) -> dict:
     cfg_file = os.path.join(path, "adapter_config.json")
     if not os.path.isfile(cfg_file):
-        raise LoraError(f"LoRA adapter {path!r}: no adapter_config.json (a PEFT adapter directory has "
-                        f"adapter_config.json and adapter_model.safetensors)")
+        raise LoraError(
+            f"LoRA adapter {path!r}: no adapter_config.json (a PEFT adapter directory has "
+            f"adapter_config.json and adapter_model.safetensors)"
+        )
     with open(cfg_file) as f:
         return json.load(f)
+
 
 def read_rank(path: str | os.PathLike) -> int:
     """An adapter's rank r, from its adapter_config.json alone."""
     return int(_config(os.fspath(path))["r"])
+
 
 def load_adapter(name: str, path: str | os.PathLike, cfg: ModelConfig, max_rank: int) -> LoraAdapter:
     """Reads and checks a PEFT LoRA adapter against the base model's config."""
@@ -75,14 +91,17 @@ def load_adapter(name: str, path: str | os.PathLike, cfg: ModelConfig, max_rank:
     if ac.get("bias", "none") != "none":
         raise LoraError(f"{where}: bias={ac['bias']!r} is not supported (only 'none')")
     if ac.get("modules_to_save"):
-        raise LoraError(f"{where}: modules_to_save {ac['modules_to_save']} (fully trained extra modules) is not "
-                        f"supported")
+        raise LoraError(
+            f"{where}: modules_to_save {ac['modules_to_save']} (fully trained extra modules) is not supported"
+        )
     if ac.get("rank_pattern") or ac.get("alpha_pattern"):
         raise LoraError(f"{where}: per-module rank_pattern / alpha_pattern is not supported")
     r, alpha = int(ac["r"]), float(ac.get("lora_alpha", 8))  # PEFT's default alpha is 8
     if not 1 <= r <= max_rank:
-        raise LoraError(f"{where}: rank r={r} exceeds this engine's max_lora_rank={max_rank} "
-                        f"(start the engine with max_lora_rank >= {r})")
+        raise LoraError(
+            f"{where}: rank r={r} exceeds this engine's max_lora_rank={max_rank} "
+            f"(start the engine with max_lora_rank >= {r})"
+        )
     targets = ac.get("target_modules") or []
     if targets == "all-linear":  # PEFT's shorthand: every linear layer but the output head
         targets = list(SUPPORTED_MODULES)
@@ -90,16 +109,25 @@ def load_adapter(name: str, path: str | os.PathLike, cfg: ModelConfig, max_rank:
         # A regex over full module paths (PEFT's re.fullmatch): the tensors present say which
         # modules it chose; each is still checked against what jspec supports.
         pattern = re.compile(targets)
-        targets = [m for m in SUPPORTED_MODULES
-                   if any(pattern.fullmatch(f"model.layers.{i}.{kind}.{m}")
-                          for i in range(cfg.num_layers) for kind in ("self_attn", "mlp"))]
+        targets = [
+            m
+            for m in SUPPORTED_MODULES
+            if any(
+                pattern.fullmatch(f"model.layers.{i}.{kind}.{m}")
+                for i in range(cfg.num_layers)
+                for kind in ("self_attn", "mlp")
+            )
+        ]
         if not targets:
-            raise LoraError(f"{where}: target_modules regex {pattern.pattern!r} matches none of the projections "
-                            f"jspec supports ({list(SUPPORTED_MODULES)})")
+            raise LoraError(
+                f"{where}: target_modules regex {pattern.pattern!r} matches none of the projections "
+                f"jspec supports ({list(SUPPORTED_MODULES)})"
+            )
     bad = sorted(set(targets) - set(SUPPORTED_MODULES))
     if bad:
-        raise LoraError(f"{where}: target modules {bad} are not supported; jspec applies LoRA to "
-                        f"{list(SUPPORTED_MODULES)}")
+        raise LoraError(
+            f"{where}: target modules {bad} are not supported; jspec applies LoRA to {list(SUPPORTED_MODULES)}"
+        )
     scaling = alpha / math.sqrt(r) if ac.get("use_rslora", False) else alpha / r
 
     files = [os.path.join(path, "adapter_model.safetensors")]
@@ -116,21 +144,28 @@ def load_adapter(name: str, path: str | os.PathLike, cfg: ModelConfig, max_rank:
             raise LoraError(f"{where}: tensor {key!r} is not a LoRA A/B matrix of a decoder layer projection")
         layer, module, ab = int(m.group(1)), m.group(3), m.group(4)
         if module not in SUPPORTED_MODULES:
-            raise LoraError(f"{where}: tensor {key!r} targets module {module!r}; jspec applies LoRA to "
-                            f"{list(SUPPORTED_MODULES)}")
+            raise LoraError(
+                f"{where}: tensor {key!r} targets module {module!r}; jspec applies LoRA to {list(SUPPORTED_MODULES)}"
+            )
         if module not in targets:
-            raise LoraError(f"{where}: tensor {key!r} is for {module!r}, which adapter_config.json's "
-                            f"target_modules {targets} does not list")
+            raise LoraError(
+                f"{where}: tensor {key!r} is for {module!r}, which adapter_config.json's "
+                f"target_modules {targets} does not list"
+            )
         if not 0 <= layer < L:
             raise LoraError(f"{where}: tensor {key!r} is for layer {layer}; the base model has {L} layers")
         if layer in cfg.moe_layers and module in MLP_MODULES:
-            raise LoraError(f"{where}: tensor {key!r} is for the MLP of layer {layer}, a mixture-of-experts "
-                            f"layer; on MoE layers jspec applies LoRA to the attention projections only")
+            raise LoraError(
+                f"{where}: tensor {key!r} is for the MLP of layer {layer}, a mixture-of-experts "
+                f"layer; on MoE layers jspec applies LoRA to the attention projections only"
+            )
         fan_in, fan_out = shapes[module]
         want = (r, fan_in) if ab == "A" else (fan_out, r)
         if tuple(t.shape) != want:
-            raise LoraError(f"{where}: tensor {key!r} has shape {list(t.shape)}, expected {list(want)} (rank {r}, "
-                            f"{module} of the base model is {fan_in} -> {fan_out})")
+            raise LoraError(
+                f"{where}: tensor {key!r} has shape {list(t.shape)}, expected {list(want)} (rank {r}, "
+                f"{module} of the base model is {fan_in} -> {fan_out})"
+            )
         if module not in weights:
             weights[module] = (np.zeros((L, fan_in, r), np.float32), np.zeros((L, r, fan_out), np.float32))
         # PEFT's A [r, in] and B [out, r] -> jspec's x @ A [in, r] @ B [r, out].

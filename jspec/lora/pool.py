@@ -57,9 +57,12 @@ class ProjectionLayout:
         return sum(self.held) // {"blocked": self.k, "ranked_blocked": self.dp * self.k}.get(self.kind, 1)
 
     def w_lead(self) -> tuple[int, ...]:
-        return {"plain": (self.fan_in,), "blocked": (self.fan_in, self.k),
-                "ranked_blocked": (self.fan_in, self.dp, self.k),
-                "ranked_rows": (self.dp, self.fan_in // self.dp)}[self.kind]
+        return {
+            "plain": (self.fan_in,),
+            "blocked": (self.fan_in, self.k),
+            "ranked_blocked": (self.fan_in, self.dp, self.k),
+            "ranked_rows": (self.dp, self.fan_in // self.dp),
+        }[self.kind]
 
     def b_shape(self, rows: int) -> tuple[int, ...]:
         if self.kind == "blocked":
@@ -72,8 +75,9 @@ class ProjectionLayout:
         """A [in, cols] -> the weight's leading shape + (cols,)."""
         if self.kind == "ranked_rows":
             return A.reshape(self.dp, -1, A.shape[1])
-        return np.broadcast_to(A.reshape(A.shape[0], *(1,) * (len(self.w_lead()) - 1), A.shape[1]),
-                               (*self.w_lead(), A.shape[1]))
+        return np.broadcast_to(
+            A.reshape(A.shape[0], *(1,) * (len(self.w_lead()) - 1), A.shape[1]), (*self.w_lead(), A.shape[1])
+        )
 
     def lay_b(self, B: np.ndarray) -> np.ndarray:
         """B [rows, sum(held)] -> b_shape(rows)."""
@@ -97,14 +101,24 @@ def projection_layouts(cfg: ModelConfig, mesh) -> tuple[dict[str, ProjectionLayo
         raise ValueError(f"LoRA on a mesh with axes {mesh.axis_names} is not supported")
     dp, k = mesh.shape.get(DATA, 1), mesh.shape[TENSOR]
     kv_repeat = kv_head_repeat(cfg, k)
-    held = {p: tuple([outs[0]] + [o * kv_repeat for o in outs[1:]] if p == "qkv" else outs)
-            for p, (_, outs) in shapes.items()}
+    held = {
+        p: tuple([outs[0]] + [o * kv_repeat for o in outs[1:]] if p == "qkv" else outs)
+        for p, (_, outs) in shapes.items()
+    }
     L = lambda p, kind, **kw: ProjectionLayout(kind, shapes[p][0], held[p], **kw)  # noqa: E731
-    out = {"qkv": L("qkv", "blocked", k=k, w_spec=(None, TENSOR, None), b_spec=(None, TENSOR, None)),
-           "o": L("o", "plain", w_spec=(TENSOR, None))}
+    out = {
+        "qkv": L("qkv", "blocked", k=k, w_spec=(None, TENSOR, None), b_spec=(None, TENSOR, None)),
+        "o": L("o", "plain", w_spec=(TENSOR, None)),
+    }
     if DATA in mesh.axis_names:
-        out["gate_up"] = L("gate_up", "ranked_blocked", dp=dp, k=k, w_spec=(None, DATA, TENSOR, None),
-                           b_spec=(None, DATA, TENSOR, None))
+        out["gate_up"] = L(
+            "gate_up",
+            "ranked_blocked",
+            dp=dp,
+            k=k,
+            w_spec=(None, DATA, TENSOR, None),
+            b_spec=(None, DATA, TENSOR, None),
+        )
         out["down"] = L("down", "ranked_rows", dp=dp, w_spec=(DATA, TENSOR, None))
     else:
         out["gate_up"] = L("gate_up", "blocked", k=k, w_spec=(None, TENSOR, None), b_spec=(None, TENSOR, None))
@@ -143,8 +157,10 @@ class LoraPool:
         self.cfg, self.max_loras, self.max_rank, self.mesh = cfg, max_loras, max_rank, mesh
         self.layouts, self.kv_repeat = projection_layouts(cfg, mesh)
         # An MoE layer's MLP is its experts: no adapter there, so no pool parts either.
-        self.projections = [tuple(p for p in FUSED_PROJECTIONS if p in ("qkv", "o") or i not in cfg.moe_layers)
-                            for i in range(cfg.num_layers)]
+        self.projections = [
+            tuple(p for p in FUSED_PROJECTIONS if p in ("qkv", "o") or i not in cfg.moe_layers)
+            for i in range(cfg.num_layers)
+        ]
         # Stacked like the model's layers (a scan slices both alike), which are then all alike.
         self.stacked = stacked
         if stacked and len(set(self.projections)) > 1:
@@ -155,8 +171,11 @@ class LoraPool:
             return self._place(jnp.zeros((*lead, *shape), dtype), (None,) * len(lead) + tuple(spec or ()))
 
         L = cfg.num_layers
-        layers = ({"b_" + p: b_zeros(p, L) for p in self.projections[0]} if stacked else
-                  [{"b_" + p: b_zeros(p) for p in self.projections[i]} for i in range(L)])
+        layers = (
+            {"b_" + p: b_zeros(p, L) for p in self.projections[0]}
+            if stacked
+            else [{"b_" + p: b_zeros(p) for p in self.projections[i]} for i in range(L)]
+        )
         self.weights = LoraWeights(layers, self._place(jnp.zeros(max_loras, jnp.float32), ()))
         self.slots: dict[str, int] = {}  # adapter name -> slot
         self.num_loads = 0  # gives each load its uid
@@ -180,8 +199,9 @@ class LoraPool:
         layers are stacked or per-layer, as this pool is."""
         layers = params["layers"]
         if isinstance(layers, (list, tuple)) == self.stacked:
-            raise ValueError(f"this LoRA pool is {'stacked' if self.stacked else 'per-layer'}; the model's layers "
-                             f"are not")
+            raise ValueError(
+                f"this LoRA pool is {'stacked' if self.stacked else 'per-layer'}; the model's layers are not"
+            )
 
         def extend(lp, projections, lead):
             lp = dict(lp)
@@ -189,8 +209,10 @@ class LoraPool:
                 lay = self.layouts[p]
                 w, want = lp[PROJECTION_WEIGHT[p]], (*lead, *lay.w_lead(), lay.out)
                 if w.shape != want:
-                    raise ValueError(f"{PROJECTION_WEIGHT[p]} has shape {w.shape}, expected {want} "
-                                     f"(already extended, or not this model's weights)")
+                    raise ValueError(
+                        f"{PROJECTION_WEIGHT[p]} has shape {w.shape}, expected {want} "
+                        f"(already extended, or not this model's weights)"
+                    )
                 zeros = jnp.zeros((*w.shape[:-1], self._columns(p)), w.dtype)
                 spec = lay.w_spec and (None,) * len(lead) + tuple(lay.w_spec)
                 lp[PROJECTION_WEIGHT[p]] = self._place(jnp.concatenate([w, zeros], axis=-1), spec)
@@ -210,12 +232,12 @@ class LoraPool:
         if adapter.name in self.slots:
             raise ValueError(f"a LoRA adapter named {adapter.name!r} is already loaded (unload it first)")
         if adapter.rank > self.max_rank:
-            raise LoraError(f"LoRA adapter {adapter.name!r}: rank {adapter.rank} exceeds max_lora_rank="
-                            f"{self.max_rank}")
+            raise LoraError(f"LoRA adapter {adapter.name!r}: rank {adapter.rank} exceeds max_lora_rank={self.max_rank}")
         free = [s for s in range(1, self.max_loras + 1) if s not in self.slots.values()]
         if not free:
-            raise ValueError(f"all {self.max_loras} LoRA slots are in use ({sorted(self.slots)}); unload one or "
-                             f"raise max_loras")
+            raise ValueError(
+                f"all {self.max_loras} LoRA slots are in use ({sorted(self.slots)}); unload one or raise max_loras"
+            )
         slot = free[0]
         r, R = adapter.rank, self.max_rank
         # A stacked pool is written whole per projection (the layer axis leads); a per-layer
@@ -250,7 +272,9 @@ class LoraPool:
                     As.append(lay.lay_a(A))
                 B, A = (np.stack(Bs), np.stack(As)) if self.stacked else (Bs[0], As[0])
                 lead = (0,) if self.stacked else ()
-                lw["b_" + p] = _write_donated(lw["b_" + p], jnp.asarray(B), *lead, off, *(0,) * (B.ndim - 1 - len(lead)))
+                lw["b_" + p] = _write_donated(
+                    lw["b_" + p], jnp.asarray(B), *lead, off, *(0,) * (B.ndim - 1 - len(lead))
+                )
                 lp[name] = _write_donated(lp[name], jnp.asarray(A), *(0,) * (A.ndim - 1), lay.out + off)
         scale = self.weights.scale.at[slot - 1].set(adapter.scaling)
         self.weights = LoraWeights(layers, self._place(scale, ()))

@@ -76,6 +76,7 @@ def draft_layers(
         if "fc_bias" in dparams:
             x = x + dparams["fc_bias"].astype(jnp.float32)
         x = x.astype(hidden.dtype)
+
     def layer_body(carry, lp, layer):
         x, caches = carry
         if is_eagle3(dcfg):

@@ -47,8 +47,9 @@ def _combine(weights: jax.Array, per_assignment: jax.Array) -> jax.Array:
     return jnp.einsum("tk,tkh->th", weights, y)
 
 
-def moe_experts(h: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up: jax.Array,
-                w_down: jax.Array) -> jax.Array:
+def moe_experts(
+    h: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up: jax.Array, w_down: jax.Array
+) -> jax.Array:
     """Weighted sum of each token's chosen experts, all experts local: [T, H] float32."""
     T, k = experts.shape
     flat = experts.reshape(-1)
@@ -83,8 +84,15 @@ def moe_mlp(cfg: ModelConfig, lp, h: jax.Array) -> jax.Array:
 # Expert parallelism
 # ---------------------------------------------------------------------------
 
-def moe_experts_ep(h: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
-                   axis_name: str = EXPERT) -> jax.Array:
+
+def moe_experts_ep(
+    h: jax.Array,
+    weights: jax.Array,
+    experts: jax.Array,
+    w_gate_up: jax.Array,
+    w_down: jax.Array,
+    axis_name: str = EXPERT,
+) -> jax.Array:
     """moe_experts inside shard_map: h [T, H] this shard's tokens, experts [T, k] global ids,
     w_gate_up [E/ep, H, 2I] and w_down [E/ep, I, H] this shard's experts (shard s owns
     experts s*E/ep .. (s+1)*E/ep - 1). Returns [T, H] float32 for this shard's tokens.
@@ -138,8 +146,9 @@ def ep_param_specs(lp, axis_name: str = EXPERT) -> dict[str, P]:
     return {name: P(axis_name) if name.startswith("experts_") else P() for name in lp}
 
 
-def moe_mlp_expert_parallel(cfg: ModelConfig, mesh: Mesh | None, lp, h: jax.Array,
-                            axis_name: str = EXPERT, outer_axes: tuple[str, ...] = ()) -> jax.Array:
+def moe_mlp_expert_parallel(
+    cfg: ModelConfig, mesh: Mesh | None, lp, h: jax.Array, axis_name: str = EXPERT, outer_axes: tuple[str, ...] = ()
+) -> jax.Array:
     """moe_mlp with experts and tokens split over mesh axis axis_name (E divisible by its
     size; tokens are padded to a multiple of it): a shard_map of moe_mlp_ep, for callers
     outside any shard_map. mesh None: the current mesh (jax.set_mesh). outer_axes: axes an
@@ -155,8 +164,10 @@ def moe_mlp_expert_parallel(cfg: ModelConfig, mesh: Mesh | None, lp, h: jax.Arra
     hp = jnp.pad(h, ((0, pad), (0, 0))) if pad else h
     axes = (*outer_axes, axis_name) if outer_axes else axis_name
     fn = jax.shard_map(
-        lambda lp, h: moe_mlp_ep(cfg, lp, h, axes), mesh=mesh,
-        in_specs=(ep_param_specs(lp, axis_name), P(axis_name)), out_specs=P(axis_name),
+        lambda lp, h: moe_mlp_ep(cfg, lp, h, axes),
+        mesh=mesh,
+        in_specs=(ep_param_specs(lp, axis_name), P(axis_name)),
+        out_specs=P(axis_name),
     )
     return fn(lp, hp)[:T]
 

@@ -42,13 +42,13 @@ class IncrementalDetokenizer:
     def _diff(self) -> tuple[str, str]:
         """(context text, context + pending text) of the current window."""
         if self._prefix_text is None:
-            self._prefix_text = self._decode(self._ids[self._prefix:self._read])
-        return self._prefix_text, self._decode(self._ids[self._prefix:])
+            self._prefix_text = self._decode(self._ids[self._prefix : self._read])
+        return self._prefix_text, self._decode(self._ids[self._prefix :])
 
     def _advance(self, end: int | None = None) -> None:
         """Tokens up to `end` (default: all) are emitted: they become the next window's context."""
         self._prefix, self._read = self._read, len(self._ids) if end is None else end
-        del self._ids[:self._prefix]
+        del self._ids[: self._prefix]
         self._read -= self._prefix
         self._prefix = 0
         self._prefix_text = None
@@ -68,7 +68,7 @@ class IncrementalDetokenizer:
             if not full_text.endswith(_REPLACEMENT) or end - 1 <= self._read:
                 break
             end -= 1
-            full_text = self._decode(self._ids[self._prefix:end])
+            full_text = self._decode(self._ids[self._prefix : end])
         # Hold back when the tokens add no text yet (e.g. a skipped special token)
         # or the text still ends in an incomplete character.
         if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT):
@@ -76,7 +76,7 @@ class IncrementalDetokenizer:
         # Both decodes start at the same token, so the context's text is the head
         # of full_text (its leading-space handling included): cut by length.
         self._advance(end)
-        return full_text[len(prefix_text):]
+        return full_text[len(prefix_text) :]
 
     def flush(self) -> str:
         """The held-back rest as the tokenizer decodes it, incomplete sequence or not."""
@@ -84,7 +84,7 @@ class IncrementalDetokenizer:
             return ""
         prefix_text, full_text = self._diff()
         self._advance()
-        return full_text[len(prefix_text):]
+        return full_text[len(prefix_text) :]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,8 +137,14 @@ class StopChecker:
     Once finished, further updates return nothing: one-step-lag tokens are dropped.
     """
 
-    def __init__(self, stop: Iterable[str] = (), stop_token_ids: Iterable[int] = (),
-                 eos_token_ids: Iterable[int] = (), ignore_eos: bool = False, max_new_tokens: int | None = None):
+    def __init__(
+        self,
+        stop: Iterable[str] = (),
+        stop_token_ids: Iterable[int] = (),
+        eos_token_ids: Iterable[int] = (),
+        ignore_eos: bool = False,
+        max_new_tokens: int | None = None,
+    ):
         # An empty stop string would match before any text: it is meaningless, drop it.
         self.stop = sorted({s for s in stop if s}, key=len)
         self.stop_token_ids = {int(t) for t in stop_token_ids}
@@ -223,12 +229,12 @@ class StopChecker:
             end, neg_len, s = best
             self.finish_reason = FinishReason("stop", matched=s)
             self._pending = ""
-            return buf[:end + neg_len]
+            return buf[: end + neg_len]
         # Hold back the longest tail that a stop string starts with.
         hold = 0
         for k in range(min(self._max_hold, len(buf)), 0, -1):
             if buf[-k:] in self._stop_prefixes:
                 hold = k
                 break
-        self._pending = buf[len(buf) - hold:]
-        return buf[:len(buf) - hold]
+        self._pending = buf[len(buf) - hold :]
+        return buf[: len(buf) - hold]

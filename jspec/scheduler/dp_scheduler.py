@@ -44,8 +44,9 @@ class RankCaches:
 class DPScheduler:
     def __init__(self, worker, *, disable_radix_cache: bool = False, load_balance_method: str = "round_robin"):
         if load_balance_method not in LOAD_BALANCE_METHODS:
-            raise ValueError(f"unknown load_balance_method {load_balance_method!r}; choose one of "
-                             f"{LOAD_BALANCE_METHODS}")
+            raise ValueError(
+                f"unknown load_balance_method {load_balance_method!r}; choose one of {LOAD_BALANCE_METHODS}"
+            )
         self.load_balance_method = load_balance_method
         self.chunked_prefill_size = worker.chunked_prefill_size  # per rank
         # Each rank's Scheduler keeps its own pages, slots and prefix cache, with local ids.

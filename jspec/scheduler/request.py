@@ -77,7 +77,8 @@ class Request:
                 self.input_logprobs[pos - first] = float(logprobs[k])
                 if n:
                     self.input_top_logprobs[pos - first] = [
-                        (int(t), float(v)) for t, v in zip(top_ids[k][:n], top_logprobs[k][:n])]
+                        (int(t), float(v)) for t, v in zip(top_ids[k][:n], top_logprobs[k][:n])
+                    ]
 
     def append(self, tokens, logprobs=None, top_ids=None, top_logprobs=None) -> str:
         """Takes new tokens up to whatever ends the request (stop token, EOS, stop string,
@@ -90,7 +91,8 @@ class Request:
             n = self.params.top_logprobs_num
             for j in range(kept if n else 0):
                 self.output_top_logprobs.append(
-                    [(int(t), float(v)) for t, v in zip(top_ids[j][:n], top_logprobs[j][:n])])
+                    [(int(t), float(v)) for t, v in zip(top_ids[j][:n], top_logprobs[j][:n])]
+                )
         self.text += res.text
         if res.finish_reason is not None:
             self.finish(res.finish_reason.type, res.finish_reason.matched)

@@ -70,9 +70,13 @@ class Scheduler:
     def usage(self) -> dict[str, int]:
         """KV pages and request slots, for /metrics and /debug/state."""
         a = self.kv.allocator
-        return {"kv_pages_total": a.num_usable, "kv_pages_free": a.num_free,
-                "kv_pages_cached": self.prefix_cache.cached_pages() if self.prefix_cache is not None else 0,
-                "request_slots_total": self.kv.max_slots, "request_slots_free": len(self.kv.free_slots)}
+        return {
+            "kv_pages_total": a.num_usable,
+            "kv_pages_free": a.num_free,
+            "kv_pages_cached": self.prefix_cache.cached_pages() if self.prefix_cache is not None else 0,
+            "request_slots_total": self.kv.max_slots,
+            "request_slots_free": len(self.kv.free_slots),
+        }
 
     def check_no_leaks(self) -> None:
         """At idle, with the prefix cache emptied, every page and slot is back."""
@@ -271,8 +275,12 @@ class Scheduler:
             if out.prompt is not None and req.params.wants_prompt_logprobs and not req.finished:
                 n = len(chunk.tokens)
                 p = out.prompt
-                req.record_prompt_logprobs(chunk.start, p.logprobs[offset : offset + n],
-                                           p.top_ids[offset : offset + n], p.top_logprobs[offset : offset + n])
+                req.record_prompt_logprobs(
+                    chunk.start,
+                    p.logprobs[offset : offset + n],
+                    p.top_ids[offset : offset + n],
+                    p.top_logprobs[offset : offset + n],
+                )
             offset += len(chunk.tokens)
             req.inflight_outputs -= 1
             if following is None and not req.finished:

@@ -34,16 +34,27 @@ async def server_info(st: Served):
 
     core = st.core
     spec = core.spec
-    return {"model": st.model_name, "device_kind": jax.devices()[0].device_kind, "num_devices": jax.device_count(),
-            "jax_version": jax.__version__, "dtype": str(core.worker.dtype),
-            "context_length": st.model.cfg.max_position_embeddings, "page_size": core.worker.page_size,
-            "max_running_requests": core.config.max_running_requests, "overlap_schedule": core.overlap,
-            "speculative": dataclasses.asdict(spec) if spec is not None else None}
+    return {
+        "model": st.model_name,
+        "device_kind": jax.devices()[0].device_kind,
+        "num_devices": jax.device_count(),
+        "jax_version": jax.__version__,
+        "dtype": str(core.worker.dtype),
+        "context_length": st.model.cfg.max_position_embeddings,
+        "page_size": core.worker.page_size,
+        "max_running_requests": core.config.max_running_requests,
+        "overlap_schedule": core.overlap,
+        "speculative": dataclasses.asdict(spec) if spec is not None else None,
+    }
 
 
 @router.get("/debug/state")
 async def debug_state(st: Served):
     """KV and request bookkeeping: at idle every page is free or cached."""
     sched = st.core.scheduler
-    return {"requests": len(sched.requests), "running": len(sched.running) + len(sched.prefilling),
-            "waiting": len(sched.waiting), **sched.usage()}
+    return {
+        "requests": len(sched.requests),
+        "running": len(sched.running) + len(sched.prefilling),
+        "waiting": len(sched.waiting),
+        **sched.usage(),
+    }

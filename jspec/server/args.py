@@ -22,29 +22,42 @@ SPEC_PREFIX = "speculative_"
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
     model_path: str | None = setting(None, "local HF checkpoint directory (default: the embedded demo model)")
-    load_format: str = setting("auto", "dummy: random weights of config.json's shape (benchmarks)",
-                               choices=("auto", "dummy"))
+    load_format: str = setting(
+        "auto", "dummy: random weights of config.json's shape (benchmarks)", choices=("auto", "dummy")
+    )
     served_model_name: str | None = setting(None, "the model name clients send (default: the directory's name)")
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(30000, "port to listen on")
     skip_warmup: bool = setting(False, "compile lazily instead of at start-up")
-    warmup_sampling_modes: str = setting("all", "comma list of greedy,sampled: the decode programs to compile at "
-                                                "start-up, or 'all' (the others compile at first use)")
+    warmup_sampling_modes: str = setting(
+        "all",
+        "comma list of greedy,sampled: the decode programs to compile at "
+        "start-up, or 'all' (the others compile at first use)",
+    )
     log_level: str = setting("info", "logging level")
     nnodes: int = setting(1, "hosts in a multi-host run (jax.distributed)")
     node_rank: int = setting(0, "this host's rank in [0, nnodes)")
     dist_init_addr: str | None = setting(None, "HOST:PORT of node 0's jax.distributed coordinator (nnodes > 1)")
     disaggregation_mode: str = setting(
-        "null", "prefill: compute prompts' KV and hand them to decode engines (serves no HTTP, listens on "
+        "null",
+        "prefill: compute prompts' KV and hand them to decode engines (serves no HTTP, listens on "
         "--disaggregation-bootstrap-port); decode: the HTTP server, which sends each prompt to a prefill engine "
-        "and decodes it here", choices=("null", "prefill", "decode"))
+        "and decodes it here",
+        choices=("null", "prefill", "decode"),
+    )
     disaggregation_bootstrap_port: int = setting(8998, "prefill: the port decode engines connect to (on --host)")
     disaggregation_transfer_backend: str = setting(
-        "socket", "decode: how KV arrays cross (socket: in the TCP stream, works between hosts; shm: POSIX shared "
-        "memory, one host)", choices=("socket", "shm"))
+        "socket",
+        "decode: how KV arrays cross (socket: in the TCP stream, works between hosts; shm: POSIX shared "
+        "memory, one host)",
+        choices=("socket", "shm"),
+    )
     disaggregation_prefill_addrs: tuple[str, ...] = setting(
-        ("127.0.0.1:8998",), "decode: the prefill engines' bootstrap addresses (each request goes to the least "
-        "loaded)", nargs="+", metavar="HOST:PORT")
+        ("127.0.0.1:8998",),
+        "decode: the prefill engines' bootstrap addresses (each request goes to the least loaded)",
+        nargs="+",
+        metavar="HOST:PORT",
+    )
 
 
 def _add_fields(group, cls, prefix: str = "", defaults: dict | None = None) -> None:
@@ -66,16 +79,23 @@ def _add_fields(group, cls, prefix: str = "", defaults: dict | None = None) -> N
             group.add_argument(flag, type=base, default=default, choices=choices, help=help_text, **meta)
 
 
-def build_parser(description: str | None = None, server: bool = True, prog: str | None = None) -> argparse.ArgumentParser:
+def build_parser(
+    description: str | None = None, server: bool = True, prog: str | None = None
+) -> argparse.ArgumentParser:
     """The server's flags; server=False: the engine's and speculative decoding's alone."""
-    ap = argparse.ArgumentParser(prog=prog, description=description,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     if server:
         _add_fields(ap.add_argument_group("server"), ServerConfig)
     _add_fields(ap.add_argument_group("engine (SGLang's flag names)"), EngineConfig)
     # No algorithm: speculation off (SpecConfig's own default algorithm applies once one is named).
-    _add_fields(ap.add_argument_group("speculative decoding (SGLang's flag names)"), SpecConfig, SPEC_PREFIX,
-                defaults={"algorithm": None})
+    _add_fields(
+        ap.add_argument_group("speculative decoding (SGLang's flag names)"),
+        SpecConfig,
+        SPEC_PREFIX,
+        defaults={"algorithm": None},
+    )
     return ap
 
 
@@ -112,4 +132,3 @@ def parse_lora_paths(items) -> dict[str, str]:
             raise ValueError(f"--lora-paths {item!r}: give NAME=DIR (or DIR), each name once")
         paths[name] = path
     return paths
-

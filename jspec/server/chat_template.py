@@ -27,12 +27,16 @@ def _compile(source: str):
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
     if tokenizer is None or not tokenizer.chat_template:
-        raise APIError("this model has no chat template (tokenizer_config.json chat_template); "
-                       "use /v1/completions", param="messages")
+        raise APIError(
+            "this model has no chat template (tokenizer_config.json chat_template); use /v1/completions",
+            param="messages",
+        )
     try:
         return _compile(tokenizer.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token,
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=tokenizer.bos_token,
+            eos_token=tokenizer.eos_token,
         )
     except TemplateError as e:
         raise APIError(f"chat template: {e}", param="messages") from None

@@ -28,8 +28,12 @@ def make_engine(config, server: ServerConfig, model):
     if server.disaggregation_mode == "decode":
         from jspec.disaggregation.decode import DecodeEngine
 
-        return DecodeEngine(model, config, prefill_addrs=list(server.disaggregation_prefill_addrs),
-                            transfer_backend=server.disaggregation_transfer_backend)
+        return DecodeEngine(
+            model,
+            config,
+            prefill_addrs=list(server.disaggregation_prefill_addrs),
+            transfer_backend=server.disaggregation_transfer_backend,
+        )
     return Engine(model, config)
 
 
@@ -47,9 +51,13 @@ def main(argv=None) -> None:
 
     try:  # before anything starts a JAX backend
         if init_distributed(server.nnodes, server.node_rank, server.dist_init_addr):
-            log.warning("node %d of %d joined %s; the serving loop is single-controller: multi-host serving "
-                        "(every node running the same steps) is not implemented yet", server.node_rank,
-                        server.nnodes, server.dist_init_addr)
+            log.warning(
+                "node %d of %d joined %s; the serving loop is single-controller: multi-host serving "
+                "(every node running the same steps) is not implemented yet",
+                server.node_rank,
+                server.nnodes,
+                server.dist_init_addr,
+            )
     except ValueError as e:
         ap.error(str(e))
 
@@ -67,9 +75,14 @@ def main(argv=None) -> None:
         model = load(path, load_format=server.load_format)
     except ValueError as e:
         ap.error(str(e))
-    log.info("weights loaded: %s, %d layers, %.0fM parameters, %s, in %.1f s", os.path.basename(os.path.normpath(path)),
-             model.cfg.num_layers, count_params(model.params) / 1e6, model.params["embed"].dtype,
-             time.perf_counter() - t0)
+    log.info(
+        "weights loaded: %s, %d layers, %.0fM parameters, %s, in %.1f s",
+        os.path.basename(os.path.normpath(path)),
+        model.cfg.num_layers,
+        count_params(model.params) / 1e6,
+        model.params["embed"].dtype,
+        time.perf_counter() - t0,
+    )
     try:
         engine = make_engine(config, server, model)
     except ValueError as e:  # e.g. a --tp-size that does not divide the heads
@@ -97,8 +110,13 @@ def serve_http(engine, server: ServerConfig, name: str, started: float) -> None:
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        log.info("ready: %s on http://%s:%d (%.0f s after start)", name, server.host, server.port,
-                 time.perf_counter() - started)
+        log.info(
+            "ready: %s on http://%s:%d (%.0f s after start)",
+            name,
+            server.host,
+            server.port,
+            time.perf_counter() - started,
+        )
         yield
         log.warning("shutting down: aborting running requests")
         async_engine.shutdown()

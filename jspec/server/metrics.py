@@ -25,32 +25,43 @@ class ServerMetrics:
         self.registry = r = CollectorRegistry()
         self.prompt_tokens = Counter("jspec_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("jspec_generation_tokens", "Generated tokens", registry=r)
-        self.requests = Counter("jspec_requests", "Finished requests, by finish reason", ["finish_reason"],
-                                registry=r)
-        self.ttft = Histogram("jspec_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
-                              registry=r)
-        self.itl = Histogram("jspec_inter_token_latency_seconds", "Time between streamed outputs, per token",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("jspec_e2e_request_latency_seconds", "Request latency", buckets=LATENCY_BUCKETS + (
-            40.96, 81.92), registry=r)
-        self.accept_length = Histogram("jspec_spec_accept_length", "Tokens emitted per speculative iteration, "
-                                       "per finished request", buckets=tuple(range(1, 17)), registry=r)
+        self.requests = Counter("jspec_requests", "Finished requests, by finish reason", ["finish_reason"], registry=r)
+        self.ttft = Histogram(
+            "jspec_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "jspec_inter_token_latency_seconds",
+            "Time between streamed outputs, per token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "jspec_e2e_request_latency_seconds", "Request latency", buckets=LATENCY_BUCKETS + (40.96, 81.92), registry=r
+        )
+        self.accept_length = Histogram(
+            "jspec_spec_accept_length",
+            "Tokens emitted per speculative iteration, per finished request",
+            buckets=tuple(range(1, 17)),
+            registry=r,
+        )
         sched = engine.scheduler
         Gauge("jspec_num_requests_running", "Requests decoding or prefilling", registry=r).set_function(
-            lambda: len(sched.running) + len(sched.prefilling))
+            lambda: len(sched.running) + len(sched.prefilling)
+        )
         Gauge("jspec_num_requests_waiting", "Requests queued", registry=r).set_function(lambda: len(sched.waiting))
 
         def pages_used() -> int:
             u = sched.usage()
             return u["kv_pages_total"] - u["kv_pages_free"]
 
-        Gauge("jspec_kv_pages_used", "KV pages held (requests and prefix cache)", registry=r).set_function(
-            pages_used)
+        Gauge("jspec_kv_pages_used", "KV pages held (requests and prefix cache)", registry=r).set_function(pages_used)
         Gauge("jspec_kv_pages_total", "KV pages in the pool", registry=r).set_function(
-            lambda: sched.usage()["kv_pages_total"])
+            lambda: sched.usage()["kv_pages_total"]
+        )
 
-    def finished(self, prompt_tokens: int, completion_tokens: int, reason: str | None, e2e_s: float,
-                 verify_ct: int) -> None:
+    def finished(
+        self, prompt_tokens: int, completion_tokens: int, reason: str | None, e2e_s: float, verify_ct: int
+    ) -> None:
         self.prompt_tokens.inc(prompt_tokens)
         self.requests.labels(finish_reason=reason or "unknown").inc()
         self.e2e.observe(e2e_s)
@@ -73,8 +84,7 @@ class ServerMetrics:
             last[i] = now
             self.generation_tokens.inc(len(out.new_token_ids))
             if out.finished:
-                self.finished(out.prompt_tokens, out.completion_tokens, out.finish_reason, now - t0,
-                              out.spec_verify_ct)
+                self.finished(out.prompt_tokens, out.completion_tokens, out.finish_reason, now - t0, out.spec_verify_ct)
 
         return observe
 

@@ -42,9 +42,17 @@ def chat_logprobs(st: ServerState, token_ids, logprobs, top) -> dict:
     content = []
     for j, (t, lp) in enumerate(zip(token_ids, logprobs)):
         s = text(t)
-        content.append({"token": s, "logprob": lp, "bytes": list(s.encode()),
-                        "top_logprobs": [{"token": text(a), "logprob": b, "bytes": list(text(a).encode())}
-                                         for a, b in (top[j] if j < len(top) else [])]})
+        content.append(
+            {
+                "token": s,
+                "logprob": lp,
+                "bytes": list(s.encode()),
+                "top_logprobs": [
+                    {"token": text(a), "logprob": b, "bytes": list(text(a).encode())}
+                    for a, b in (top[j] if j < len(top) else [])
+                ],
+            }
+        )
     return {"content": content}
 
 
@@ -76,10 +84,16 @@ async def completions(body: CompletionRequest, request: Request, st: Served):
     prompt_tokens = sum(len(p) for p in ids) * body.n
     if not body.stream:
         choices = await collect(streams, st.metrics.observer(t0), request)
-        out = [{"index": c.index, "text": c.text, "finish_reason": openai_finish(c.finish_reason),
+        out = [
+            {
+                "index": c.index,
+                "text": c.text,
+                "finish_reason": openai_finish(c.finish_reason),
                 "matched_stop": c.matched_stop,
-                "logprobs": completion_logprobs(st, c, n_top) if body.logprobs is not None else None}
-               for c in sorted(choices.values(), key=lambda c: c.index)]
+                "logprobs": completion_logprobs(st, c, n_top) if body.logprobs is not None else None,
+            }
+            for c in sorted(choices.values(), key=lambda c: c.index)
+        ]
         completion = sum(c.completion_tokens for c in choices.values())
         return {**head, "choices": out, "usage": usage(prompt_tokens, completion)}
 
@@ -88,9 +102,12 @@ async def completions(body: CompletionRequest, request: Request, st: Served):
         async with aclosing(merged(streams, st.metrics.observer(t0))) as outputs:
             async for i, out in outputs:
                 completion[i] = out.completion_tokens
-                choice = {"index": i, "text": out.new_text,
-                          "finish_reason": openai_finish(out.finish_reason) if out.finished else None,
-                          "logprobs": None}
+                choice = {
+                    "index": i,
+                    "text": out.new_text,
+                    "finish_reason": openai_finish(out.finish_reason) if out.finished else None,
+                    "logprobs": None,
+                }
                 if body.logprobs is not None and out.new_token_ids:
                     c = Choice(i)
                     c.add(out)
@@ -110,14 +127,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, st: Se
     t0 = time.perf_counter()
     n_top = body.top_logprobs or 0
     if n_top > st.max_top:
-        raise APIError(f"top_logprobs={n_top} exceeds this server's --max-top-logprobs={st.max_top}",
-                       param="top_logprobs")
-    text = render_chat(st.tokenizer, [{**m.model_dump(exclude_none=True), "content": message_text(m)}
-                                      for m in body.messages])
+        raise APIError(
+            f"top_logprobs={n_top} exceeds this server's --max-top-logprobs={st.max_top}", param="top_logprobs"
+        )
+    text = render_chat(
+        st.tokenizer, [{**m.model_dump(exclude_none=True), "content": message_text(m)} for m in body.messages]
+    )
     ids = st.tokenizer.encode(text, add_special_tokens=False)
     ids = st.check_prompt(ids)
-    max_new = (body.max_completion_tokens or body.max_tokens
-               or max(1, st.model.cfg.max_position_embeddings - len(ids)))
+    max_new = body.max_completion_tokens or body.max_tokens or max(1, st.model.cfg.max_position_embeddings - len(ids))
     params = body.sampling_params(max_new, body.logprobs, n_top, adapter)
     asked = "max_completion_tokens" if body.max_completion_tokens else "max_tokens" if body.max_tokens else None
     if asked is not None:
@@ -128,10 +146,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, st: Se
     prompt_tokens = len(ids) * body.n
     if not body.stream:
         choices = await collect(streams, st.metrics.observer(t0), request)
-        out = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "finish_reason": openai_finish(c.finish_reason), "matched_stop": c.matched_stop,
-                "logprobs": chat_logprobs(st, c.token_ids, c.logprobs, c.top_logprobs) if body.logprobs else None}
-               for c in sorted(choices.values(), key=lambda c: c.index)]
+        out = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "finish_reason": openai_finish(c.finish_reason),
+                "matched_stop": c.matched_stop,
+                "logprobs": chat_logprobs(st, c.token_ids, c.logprobs, c.top_logprobs) if body.logprobs else None,
+            }
+            for c in sorted(choices.values(), key=lambda c: c.index)
+        ]
         completion = sum(c.completion_tokens for c in choices.values())
         return {**head, "object": "chat.completion", "choices": out, "usage": usage(prompt_tokens, completion)}
 
@@ -143,14 +167,38 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, st: Se
                 completion[i] = out.completion_tokens
                 if i not in started:
                     started.add(i)
-                    yield sse({**chunk, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                     "finish_reason": None, "logprobs": None}]})
-                lp = (chat_logprobs(st, out.new_token_ids, out.new_logprobs or [], out.new_top_logprobs or [])
-                      if body.logprobs and out.new_token_ids else None)
+                    yield sse(
+                        {
+                            **chunk,
+                            "choices": [
+                                {
+                                    "index": i,
+                                    "delta": {"role": "assistant", "content": ""},
+                                    "finish_reason": None,
+                                    "logprobs": None,
+                                }
+                            ],
+                        }
+                    )
+                lp = (
+                    chat_logprobs(st, out.new_token_ids, out.new_logprobs or [], out.new_top_logprobs or [])
+                    if body.logprobs and out.new_token_ids
+                    else None
+                )
                 if out.new_text or out.finished or lp:
-                    yield sse({**chunk, "choices": [{
-                        "index": i, "delta": {"content": out.new_text} if out.new_text else {},
-                        "finish_reason": openai_finish(out.finish_reason) if out.finished else None, "logprobs": lp}]})
+                    yield sse(
+                        {
+                            **chunk,
+                            "choices": [
+                                {
+                                    "index": i,
+                                    "delta": {"content": out.new_text} if out.new_text else {},
+                                    "finish_reason": openai_finish(out.finish_reason) if out.finished else None,
+                                    "logprobs": lp,
+                                }
+                            ],
+                        }
+                    )
         total = sum(completion.values())
         yield sse({**chunk, "choices": [], "usage": usage(prompt_tokens, total)})
         yield "data: [DONE]\n\n"
@@ -162,7 +210,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, st: Se
 async def models(st: Served):
     core, name, cfg = st.core, st.model_name, st.model.cfg
     adapters = sorted(core.lora.slots) if core.lora is not None else []
-    return {"object": "list", "data": [
-        {"id": m, "object": "model", "created": 0, "owned_by": "jspec", "root": name,
-         "max_model_len": cfg.max_position_embeddings, "vocab_size": cfg.vocab_size}
-        for m in [name] + [f"{name}:{a}" for a in adapters]]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": m,
+                "object": "model",
+                "created": 0,
+                "owned_by": "jspec",
+                "root": name,
+                "max_model_len": cfg.max_position_embeddings,
+                "vocab_size": cfg.vocab_size,
+            }
+            for m in [name] + [f"{name}:{a}" for a in adapters]
+        ],
+    }

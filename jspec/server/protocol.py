@@ -32,8 +32,7 @@ def check_stop(stop, param: str = "stop") -> list[str]:
     if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
         raise APIError(f"{param} must be a string or a list of strings", param=param)
     if len(stop) > MAX_STOP_STRINGS:
-        raise APIError(f"{param}: at most {MAX_STOP_STRINGS} stop strings are supported, got {len(stop)}",
-                       param=param)
+        raise APIError(f"{param}: at most {MAX_STOP_STRINGS} stop strings are supported, got {len(stop)}", param=param)
     return list(stop)
 
 
@@ -64,16 +63,27 @@ class _Sampling(BaseModel):
     user: str | None = None
     lora_path: str | None = None  # SGLang's extension: a loaded LoRA adapter's name (or model "base:adapter")
 
-    def sampling_params(self, max_new_tokens: int, return_logprob: bool, top_logprobs: int,
-                        lora_path: str | None = None) -> SamplingParams:
+    def sampling_params(
+        self, max_new_tokens: int, return_logprob: bool, top_logprobs: int, lora_path: str | None = None
+    ) -> SamplingParams:
         stop = check_stop(self.stop)
         try:
             return SamplingParams(
-                max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                min_p=self.min_p, seed=self.seed, frequency_penalty=self.frequency_penalty,
-                presence_penalty=self.presence_penalty, repetition_penalty=self.repetition_penalty,
-                return_logprob=return_logprob, top_logprobs_num=top_logprobs, stop=stop,
-                stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, n=self.n,
+                max_new_tokens=max_new_tokens,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                min_p=self.min_p,
+                seed=self.seed,
+                frequency_penalty=self.frequency_penalty,
+                presence_penalty=self.presence_penalty,
+                repetition_penalty=self.repetition_penalty,
+                return_logprob=return_logprob,
+                top_logprobs_num=top_logprobs,
+                stop=stop,
+                stop_token_ids=list(self.stop_token_ids or []),
+                ignore_eos=self.ignore_eos,
+                n=self.n,
                 lora_path=lora_path,
             )
         except ValueError as e:

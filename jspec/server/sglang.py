@@ -29,8 +29,13 @@ async def generate(body: GenerateRequest, request: Request, st: Served):
     if sp.get("stop") is not None:
         sp["stop"] = check_stop(sp["stop"], "sampling_params.stop")
     try:
-        params = SamplingParams(**sp, return_logprob=body.return_logprob, top_logprobs_num=body.top_logprobs_num,
-                                logprob_start_len=body.logprob_start_len, lora_path=body.lora_path)
+        params = SamplingParams(
+            **sp,
+            return_logprob=body.return_logprob,
+            top_logprobs_num=body.top_logprobs_num,
+            logprob_start_len=body.logprob_start_len,
+            lora_path=body.lora_path,
+        )
     except TypeError as e:
         raise APIError(f"sampling_params: {e}", param="sampling_params") from None
     except ValueError as e:
@@ -42,9 +47,13 @@ async def generate(body: GenerateRequest, request: Request, st: Served):
     streams = await start(st.engine, ids, params, 0)
 
     def meta(c: Choice) -> dict:
-        m = {"id": body.rid or "", "prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
-             "cached_tokens": c.cached_tokens,
-             "finish_reason": {"type": c.finish_reason, "matched": c.matched_stop} if c.finish_reason else None}
+        m = {
+            "id": body.rid or "",
+            "prompt_tokens": c.prompt_tokens,
+            "completion_tokens": c.completion_tokens,
+            "cached_tokens": c.cached_tokens,
+            "finish_reason": {"type": c.finish_reason, "matched": c.matched_stop} if c.finish_reason else None,
+        }
         if c.verify_ct:
             m["spec_verify_ct"] = c.verify_ct
             m["spec_accept_length"] = max(c.completion_tokens - 1, 0) / c.verify_ct

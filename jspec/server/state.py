@@ -35,8 +35,13 @@ class ServerState:
         if name is not None and name != model_name:
             base, sep, rest = name.partition(":")
             if not (sep and rest and base == model_name):
-                raise APIError(f"The model `{name}` does not exist; this server serves `{model_name}` (and its LoRA "
-                               f"adapters as `{model_name}:ADAPTER`)", 404, param="model", code="model_not_found")
+                raise APIError(
+                    f"The model `{name}` does not exist; this server serves `{model_name}` (and its LoRA "
+                    f"adapters as `{model_name}:ADAPTER`)",
+                    404,
+                    param="model",
+                    code="model_not_found",
+                )
             adapter = rest
         if lora_path is not None and adapter is not None and lora_path != adapter:
             raise APIError(f"model names adapter {adapter!r} but lora_path names {lora_path!r}", param="lora_path")
@@ -54,10 +59,14 @@ class ServerState:
         to its default is clipped."""
         context = self.model.cfg.max_position_embeddings
         if prompt_tokens + max_new_tokens > context:
-            raise APIError(f"This model's maximum context length is {context} tokens. However, you requested "
-                           f"{prompt_tokens + max_new_tokens} tokens ({prompt_tokens} in the {prompt}, "
-                           f"{max_new_tokens} in the completion). Please reduce the length of the {prompt} or "
-                           f"completion.", param=param, code="context_length_exceeded")
+            raise APIError(
+                f"This model's maximum context length is {context} tokens. However, you requested "
+                f"{prompt_tokens + max_new_tokens} tokens ({prompt_tokens} in the {prompt}, "
+                f"{max_new_tokens} in the completion). Please reduce the length of the {prompt} or "
+                f"completion.",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     def token_text(self, t: int) -> str:
         tok = self.tokenizer

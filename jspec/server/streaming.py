@@ -53,8 +53,11 @@ def openai_finish(reason: str | None) -> str | None:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def sse(obj) -> str:
@@ -97,8 +100,9 @@ async def close(streams: list[Stream]) -> None:
 _DONE = object()
 
 
-async def merged(streams: list[Stream], observe: Callable[[int, RequestOutput], None]
-                 ) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merged(
+    streams: list[Stream], observe: Callable[[int, RequestOutput], None]
+) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(index, output) from every stream as they come, each passed to observe first; closing it
     early aborts the unfinished requests.
 

@@ -59,8 +59,9 @@ def greedy_accept(tree: DraftTree, target_argmax: jax.Array, num_steps: int) -> 
     return AcceptResult(accept_len, path, bonus, tokens)
 
 
-def sampled_accept(tree: DraftTree, node_logits: jax.Array, rows, first_pos: jax.Array, num_steps: int,
-                   mode: str = "sampled") -> AcceptResult:
+def sampled_accept(
+    tree: DraftTree, node_logits: jax.Array, rows, first_pos: jax.Array, num_steps: int, mode: str = "sampled"
+) -> AcceptResult:
     """Verification for any temperature: node_logits [B, N, V] (the target's logits after each
     node), rows: SamplingRows [B], first_pos [B]: position of the token after the root.
 

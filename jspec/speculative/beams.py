@@ -26,8 +26,17 @@ StepFn = Callable[..., tuple[jax.Array, jax.Array, Any, Any]]
 
 
 def grow_beam_tree(
-    root: jax.Array, topk_p: jax.Array, topk_ids: jax.Array, beam_state: jax.Array, prefix_len: jax.Array,
-    page_tables: jax.Array, draft_kv: KVPool, step_fn: StepFn, *, num_steps: int, num_draft_tokens: int,
+    root: jax.Array,
+    topk_p: jax.Array,
+    topk_ids: jax.Array,
+    beam_state: jax.Array,
+    prefix_len: jax.Array,
+    page_tables: jax.Array,
+    draft_kv: KVPool,
+    step_fn: StepFn,
+    *,
+    num_steps: int,
+    num_draft_tokens: int,
     backend: str,
 ) -> DraftTree:
     """root [B]; topk_p / topk_ids [B, K]: the draft's top-k after the root (step 0);
@@ -42,12 +51,19 @@ def grow_beam_tree(
     beam_prefix = jnp.repeat(prefix_len, K)
     sm_scale = 1.0 / math.sqrt(D)
     for i in range(1, num_steps):
+
         def attend_for_layer(li, i=i):
             def attend(q, k_new, v_new, anc):
                 ak = anc[0].at[li, :, :, i - 1].set(k_new.reshape(B, K, *k_new.shape[1:]))
                 av = anc[1].at[li, :, :, i - 1].set(v_new.reshape(B, K, *v_new.shape[1:]))
                 out_p, lse_p = paged_decode_with_lse(
-                    q, draft_kv.k, draft_kv.v, jnp.int32(li), beam_prefix, beam_pages, sm_scale=sm_scale,
+                    q,
+                    draft_kv.k,
+                    draft_kv.v,
+                    jnp.int32(li),
+                    beam_prefix,
+                    beam_pages,
+                    sm_scale=sm_scale,
                     backend=backend,
                 )
                 lk = ak[li].reshape(B * K, *ak.shape[3:])
@@ -58,8 +74,13 @@ def grow_beam_tree(
 
             return attend
 
-        p, ids, new_state, anc = step_fn(cands.beam_tokens.reshape(B * K), state.reshape(B * K, *state.shape[2:]),
-                                         beam_prefix + (i - 1), attend_for_layer, anc)
+        p, ids, new_state, anc = step_fn(
+            cands.beam_tokens.reshape(B * K),
+            state.reshape(B * K, *state.shape[2:]),
+            beam_prefix + (i - 1),
+            attend_for_layer,
+            anc,
+        )
         step = expand_beams(cands.beam_scores, p.reshape(B, K, K), ids.reshape(B, K, K))
         cands = append_step(cands, step)
         # New beams continue from their parents: carry the parents' state and ancestors.

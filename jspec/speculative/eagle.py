@@ -62,15 +62,17 @@ class EagleMethod(SpecMethod):
 
     def init_extra(self, num_slots, dtype):
         n, k = num_slots + 1, self.spec.eagle_topk
-        return EagleExtra(jnp.zeros((n, k), jnp.float32), jnp.zeros((n, k), jnp.int32),
-                          jnp.zeros((n, self.dcfg.hidden_size), dtype))
+        return EagleExtra(
+            jnp.zeros((n, k), jnp.float32), jnp.zeros((n, k), jnp.int32), jnp.zeros((n, self.dcfg.hidden_size), dtype)
+        )
 
     def prefill(self, params, dparams, dkv, ctx: PrefillContext):
         # The draft's prefill over the same rows: pair (x_{t+1}, feature_t) at position t.
         dcfg = self.dcfg
         hidden = target_feature(dparams, dcfg, _target_features(dcfg, ctx.out))
-        dkv, dout = _draft_paged_forward(params, dparams, dcfg, dkv, ctx.batch._replace(tokens=ctx.next_tokens),
-                                         ctx.mode, ctx.next_tokens, hidden)
+        dkv, dout = _draft_paged_forward(
+            params, dparams, dcfg, dkv, ctx.batch._replace(tokens=ctx.next_tokens), ctx.mode, ctx.next_tokens, hidden
+        )
         last = dout[ctx.batch.logits_indices]
         p, ids = _draft_topk(dparams, dcfg, params, last, self.spec.eagle_topk)
         return dkv, EagleExtra(p, ids, last)
@@ -129,8 +131,15 @@ def _draft_paged_forward(params, dparams, dcfg, dkv: KVPool, batch: ForwardBatch
     lcfg = layer_config(dcfg)
     cos, sin = rope_cos_sin(lcfg, batch.positions)
     out, (k, v) = draft_layers(
-        dparams, dcfg, draft_embed(dparams, params), tokens, hidden, cos, sin,
-        lambda i: paged_attend(lcfg, mode, batch, jnp.int32(i)), (dkv.k, dkv.v),
+        dparams,
+        dcfg,
+        draft_embed(dparams, params),
+        tokens,
+        hidden,
+        cos,
+        sin,
+        lambda i: paged_attend(lcfg, mode, batch, jnp.int32(i)),
+        (dkv.k, dkv.v),
     )
     return KVPool(k, v), out
 
@@ -149,5 +158,16 @@ def _draft_tree(params, dparams, dcfg, spec: SpecConfig, draft_kv: KVPool, c: Sp
         return p, ids, out, anc
 
     # Beams at depth i sit at position n + i - 1 (the draft's shifted convention): prefix 0..n-1.
-    return grow_beam_tree(c.next_token, e.topk_p, e.topk_ids, e.hidden, c.seq_len, page_tables, draft_kv, step_fn,
-                          num_steps=spec.num_steps, num_draft_tokens=spec.num_draft_tokens, backend=backend)
+    return grow_beam_tree(
+        c.next_token,
+        e.topk_p,
+        e.topk_ids,
+        e.hidden,
+        c.seq_len,
+        page_tables,
+        draft_kv,
+        step_fn,
+        num_steps=spec.num_steps,
+        num_draft_tokens=spec.num_draft_tokens,
+        backend=backend,
+    )

@@ -102,19 +102,28 @@ class SpecMethod:
         """-> (draft, extra rows for ctx.slot_ids)."""
         raise NotImplementedError
 
-    def propose(self, params, dparams, draft, c: SpecCarry, page_tables, slot_ids,
-                backend: str) -> tuple[Any, DraftTree]:
+    def propose(
+        self, params, dparams, draft, c: SpecCarry, page_tables, slot_ids, backend: str
+    ) -> tuple[Any, DraftTree]:
         """Gathered carry c (rows of this batch) -> (draft, the verify tree rooted at c.next_token)."""
         raise NotImplementedError
 
-    def update(self, params, dparams, draft, c: SpecCarry, v: Verified, page_tables, slot_ids,
-               backend: str) -> tuple[Any, Any]:
+    def update(
+        self, params, dparams, draft, c: SpecCarry, v: Verified, page_tables, slot_ids, backend: str
+    ) -> tuple[Any, Any]:
         """After acceptance -> (draft, new extra rows for this batch)."""
         raise NotImplementedError
 
 
-def init_spec_state(method: SpecMethod, target_kv: KVPool, num_slots: int, num_pages: int, page_size: int, dtype,
-                    penalties: PenaltyState) -> SpecState:
+def init_spec_state(
+    method: SpecMethod,
+    target_kv: KVPool,
+    num_slots: int,
+    num_pages: int,
+    page_size: int,
+    dtype,
+    penalties: PenaltyState,
+) -> SpecState:
     n = num_slots + 1
     carry = SpecCarry(jnp.zeros(n, jnp.int32), jnp.zeros(n, jnp.int32), method.init_extra(num_slots, dtype))
     return SpecState(target_kv, method.init_draft(num_slots, num_pages, page_size, dtype), carry, penalties)
@@ -124,12 +133,28 @@ def _scatter_rows(full, part, slot_ids, mode=None):
     return jax.tree.map(lambda f, p: f.at[slot_ids].set(p.astype(f.dtype), mode=mode), full, part)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "method", "mode", "top_n", "with_prompt_logprobs", "sampling"),
-                   donate_argnames=("state",))
+@functools.partial(
+    jax.jit,
+    static_argnames=("cfg", "method", "mode", "top_n", "with_prompt_logprobs", "sampling"),
+    donate_argnames=("state",),
+)
 def spec_prefill_step(
-    params, dparams, state: SpecState, batch: ForwardBatch, draft_tokens, finish_rows, slot_ids,
-    counts: PrefillCounts, rows: SamplingRows, lora: LoraBatch | None = None, *, cfg: ModelConfig,
-    method: SpecMethod, mode: AttentionMode, top_n: int = 0, with_prompt_logprobs: bool = False,
+    params,
+    dparams,
+    state: SpecState,
+    batch: ForwardBatch,
+    draft_tokens,
+    finish_rows,
+    slot_ids,
+    counts: PrefillCounts,
+    rows: SamplingRows,
+    lora: LoraBatch | None = None,
+    *,
+    cfg: ModelConfig,
+    method: SpecMethod,
+    mode: AttentionMode,
+    top_n: int = 0,
+    with_prompt_logprobs: bool = False,
     sampling: str = "sampled",
 ):
     """Target prefill (one ragged chunk batch) plus the method's prefill of the same rows.
@@ -158,11 +183,23 @@ def spec_prefill_step(
     return SpecState(tkv, draft, carry, pen), pack_output(result)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "method", "backend", "top_n", "sampling"),
-                   donate_argnames=("state",))
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "method", "backend", "top_n", "sampling"), donate_argnames=("state",)
+)
 def spec_decode_step(
-    params, dparams, state: SpecState, slot_ids, page_tables, rows: SamplingRows, lora: LoraBatch | None = None,
-    *, cfg: ModelConfig, method: SpecMethod, backend: str = "pallas", top_n: int = 0, sampling: str = "sampled",
+    params,
+    dparams,
+    state: SpecState,
+    slot_ids,
+    page_tables,
+    rows: SamplingRows,
+    lora: LoraBatch | None = None,
+    *,
+    cfg: ModelConfig,
+    method: SpecMethod,
+    backend: str = "pallas",
+    top_n: int = 0,
+    sampling: str = "sampled",
 ) -> tuple[SpecState, PackedOutput]:
     """One speculative iteration (propose -> verify -> accept -> update) for the requests in
     slot_ids [B] (padding rows: the scratch slot), in one dispatch.
@@ -172,9 +209,24 @@ def spec_decode_step(
     """
     c = gather_slots(state.carry, slot_ids)
     draft, tree = method.propose(params, dparams, state.draft, c, page_tables, slot_ids, backend)
-    v = verify_tree(params, cfg, state.target_kv, tree, c.seq_len, page_tables, rows, state.penalties, slot_ids,
-                    num_steps=method.spec.num_steps, chain=method.chain, backend=backend,
-                    capture_layers=method.capture_layers, sampling=sampling, top_n=top_n, lora=lora)
+    v = verify_tree(
+        params,
+        cfg,
+        state.target_kv,
+        tree,
+        c.seq_len,
+        page_tables,
+        rows,
+        state.penalties,
+        slot_ids,
+        num_steps=method.spec.num_steps,
+        chain=method.chain,
+        backend=backend,
+        capture_layers=method.capture_layers,
+        sampling=sampling,
+        top_n=top_n,
+        lora=lora,
+    )
     draft, extra = method.update(params, dparams, draft, c, v, page_tables, slot_ids, backend)
     new = SpecCarry(v.acc.bonus, c.seq_len + v.acc.accept_len + 1, extra)
     carry = _scatter_rows(state.carry, new, slot_ids)

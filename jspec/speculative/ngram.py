@@ -80,8 +80,9 @@ class NgramMethod(SpecMethod):
         breadth, length = s.eagle_topk, s.num_steps
         rows = history[slot_ids]
         n = c.seq_len
-        ends, _ = match_candidates(rows, n, min_window=s.ngram_min_match_window_size,
-                                   max_window=s.ngram_max_match_window_size, breadth=breadth)
+        ends, _ = match_candidates(
+            rows, n, min_window=s.ngram_min_match_window_size, max_window=s.ngram_max_match_window_size, breadth=breadth
+        )
         follow = ends[:, :, None] + 1 + jnp.arange(length, dtype=jnp.int32)[None, None]  # [B, breadth, L]
         known = (ends[:, :, None] >= 0) & (follow <= n[:, None, None])
         flat = jnp.clip(follow, 0, self.capacity - 1).reshape(rows.shape[0], -1)

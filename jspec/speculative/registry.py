@@ -29,8 +29,10 @@ def make_method(spec: SpecConfig, cfg: ModelConfig, draft=None, dtype=None):
             draft = load_model(spec.draft_model_path, dtype=dtype)
         dcfg, dparams = draft
         if dcfg.vocab_size != cfg.vocab_size:
-            raise ValueError(f"the STANDALONE draft's vocabulary ({dcfg.vocab_size}) differs from the target's "
-                             f"({cfg.vocab_size}); the draft must share the target's tokenizer")
+            raise ValueError(
+                f"the STANDALONE draft's vocabulary ({dcfg.vocab_size}) differs from the target's "
+                f"({cfg.vocab_size}); the draft must share the target's tokenizer"
+            )
         return StandaloneMethod(spec, dcfg), dparams
     if spec.algorithm == "NGRAM":
         from jspec.speculative.ngram import NgramMethod

@@ -65,8 +65,12 @@ class StandaloneMethod(SpecMethod):
         for i in range(1, self.spec.num_steps):
             p = n + i
             step = ForwardBatch(
-                tokens=tok, positions=p, slots=slots_of(page_tables, p[:, None], S)[:, 0], seq_lens=p + 1,
-                page_tables=page_tables, query_start=jnp.arange(B + 1, dtype=jnp.int32),
+                tokens=tok,
+                positions=p,
+                slots=slots_of(page_tables, p[:, None], S)[:, 0],
+                seq_lens=p + 1,
+                page_tables=page_tables,
+                query_start=jnp.arange(B + 1, dtype=jnp.int32),
                 logits_indices=jnp.arange(B, dtype=jnp.int32),
             )
             dkv, out = forward(dparams, self.dcfg, dkv, step, AttentionMode(True, 1, backend))
@@ -87,8 +91,9 @@ class StandaloneMethod(SpecMethod):
 
             def layer_body(carry, lp, layer):
                 x, anc = carry
-                return decoder_layer(dcfg, lp, x, rms_norm(x, lp["attn_norm"], dcfg.rms_norm_eps), cos, sin,
-                                     attend_for_layer(layer), anc)
+                return decoder_layer(
+                    dcfg, lp, x, rms_norm(x, lp["attn_norm"], dcfg.rms_norm_eps), cos, sin, attend_for_layer(layer), anc
+                )
 
             x, anc = run_layers(layers, layer_body, (x, anc))
             p, ids = top(compute_logits(dparams, dcfg, rms_norm(x, dparams["final_norm"], dcfg.rms_norm_eps)))
@@ -96,9 +101,19 @@ class StandaloneMethod(SpecMethod):
 
         p, ids = top(root_logits)
         # Beams at depth i sit at position n + i and see the pool's 0..n (the root included).
-        return grow_beam_tree(c.next_token, p, ids.astype(jnp.int32), jnp.zeros((n.shape[0], 1), jnp.int32), n + 1,
-                              page_tables, dkv, step_fn, num_steps=self.spec.num_steps,
-                              num_draft_tokens=self.spec.num_draft_tokens, backend=backend)
+        return grow_beam_tree(
+            c.next_token,
+            p,
+            ids.astype(jnp.int32),
+            jnp.zeros((n.shape[0], 1), jnp.int32),
+            n + 1,
+            page_tables,
+            dkv,
+            step_fn,
+            num_steps=self.spec.num_steps,
+            num_draft_tokens=self.spec.num_draft_tokens,
+            backend=backend,
+        )
 
     def update(self, params, dparams, dkv, c: SpecCarry, v: Verified, page_tables, slot_ids, backend):
         if self.spec.eagle_topk > 1:

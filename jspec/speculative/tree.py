@@ -127,9 +127,7 @@ def build_tree(
     rows = jnp.arange(b)[:, None]
     node_of_cand = jnp.full((b, c), -1, jnp.int32).at[rows, kept].set(jnp.arange(1, n, dtype=jnp.int32))
     parent_cand = jnp.take_along_axis(cand_parents.astype(jnp.int32), kept, axis=1)
-    parent_node = jnp.where(
-        parent_cand < 0, 0, jnp.take_along_axis(node_of_cand, jnp.maximum(parent_cand, 0), axis=1)
-    )
+    parent_node = jnp.where(parent_cand < 0, 0, jnp.take_along_axis(node_of_cand, jnp.maximum(parent_cand, 0), axis=1))
 
     root_col = jnp.full((b, 1), -1, jnp.int32)
     parents = jnp.concatenate([root_col, parent_node], axis=1)
@@ -140,7 +138,9 @@ def build_tree(
     mask = ancestor_mask(parents)
     depths = mask.sum(axis=-1, dtype=jnp.int32) - 1
     first_child, next_sibling = child_links(parents)
-    return DraftTree(tokens, parents, depths, mask, jnp.concatenate([root_col, kept], axis=1), first_child, next_sibling)
+    return DraftTree(
+        tokens, parents, depths, mask, jnp.concatenate([root_col, kept], axis=1), first_child, next_sibling
+    )
 
 
 def ancestor_mask(parents: jax.Array) -> jax.Array:
@@ -184,5 +184,12 @@ def chains_tree(root_tokens: jax.Array, drafts: jax.Array) -> DraftTree:
     first_child, next_sibling = child_links(par)
     rep = lambda a: jnp.broadcast_to(a, (B, *a.shape[1:]))  # noqa: E731
     tokens = jnp.concatenate([root_tokens.astype(jnp.int32)[:, None], drafts.reshape(B, -1).astype(jnp.int32)], 1)
-    return DraftTree(tokens, rep(par), rep(mask.sum(-1, dtype=jnp.int32) - 1), rep(mask),
-                     rep(jnp.arange(len(parents), dtype=jnp.int32)[None] - 1), rep(first_child), rep(next_sibling))
+    return DraftTree(
+        tokens,
+        rep(par),
+        rep(mask.sum(-1, dtype=jnp.int32) - 1),
+        rep(mask),
+        rep(jnp.arange(len(parents), dtype=jnp.int32)[None] - 1),
+        rep(first_child),
+        rep(next_sibling),
+    )

@@ -34,9 +34,23 @@ class Verified(NamedTuple):
 
 
 def verify_tree(
-    params, cfg: ModelConfig, target_kv: KVPool, tree: DraftTree, n: jax.Array, page_tables: jax.Array,
-    rows: SamplingRows, penalties: PenaltyState, slot_ids: jax.Array, *, num_steps: int, chain: bool, backend: str,
-    capture_layers: tuple[int, ...] = (), sampling: str = "sampled", top_n: int = 0, lora: LoraBatch | None = None,
+    params,
+    cfg: ModelConfig,
+    target_kv: KVPool,
+    tree: DraftTree,
+    n: jax.Array,
+    page_tables: jax.Array,
+    rows: SamplingRows,
+    penalties: PenaltyState,
+    slot_ids: jax.Array,
+    *,
+    num_steps: int,
+    chain: bool,
+    backend: str,
+    capture_layers: tuple[int, ...] = (),
+    sampling: str = "sampled",
+    top_n: int = 0,
+    lora: LoraBatch | None = None,
 ) -> Verified:
     """tree: N nodes per request, root = the last verified token at position n [B]; chain (static):
     node i is at depth i, so accepted nodes already sit where they belong.
@@ -62,10 +76,19 @@ def verify_tree(
     )
     if lora is not None:
         lora = lora._replace(token_slots=jnp.repeat(lora.token_slots, N))
-    tkv, out = forward(params, cfg, target_kv, batch, AttentionMode(False, Q, backend),
-                       capture_layers=capture_layers, mask=mask, lora=lora)
-    node_logits = apply_tree_penalties(out.logits.reshape(B, N, -1), penalties, slot_ids, rows.params,
-                                       tree.tokens, tree.mask)
+    tkv, out = forward(
+        params,
+        cfg,
+        target_kv,
+        batch,
+        AttentionMode(False, Q, backend),
+        capture_layers=capture_layers,
+        mask=mask,
+        lora=lora,
+    )
+    node_logits = apply_tree_penalties(
+        out.logits.reshape(B, N, -1), penalties, slot_ids, rows.params, tree.tokens, tree.mask
+    )
     acc = sampled_accept(tree, node_logits, rows, n + 1, num_steps, sampling)
     E = num_steps + 1
     depth = jnp.arange(E, dtype=jnp.int32)[None]
@@ -75,16 +98,19 @@ def verify_tree(
     # Emitted token d was drawn at node path[d]: its logprob is the target's there.
     emitted_logits = jnp.take_along_axis(node_logits, path[:, :, None], axis=1).reshape(B * E, -1)
     lp, top_ids, top_lp = token_logprobs(
-        emitted_logits, jax.tree.map(lambda a: jnp.repeat(a, E, axis=0), rows),
-        jnp.where(valid, acc.tokens, 0).reshape(-1), top_n,
+        emitted_logits,
+        jax.tree.map(lambda a: jnp.repeat(a, E, axis=0), rows),
+        jnp.where(valid, acc.tokens, 0).reshape(-1),
+        top_n,
     )
     if not chain:
         # Accepted nodes were written in node order; move them to their depth's position.
         src = slots_of(page_tables, n[:, None] + path, page_size)
         dst = jnp.where(valid, slots_of(page_tables, n[:, None] + depth, page_size), num_pages * page_size)
         tkv = KVPool(*(_move_kv(cache, src, dst) for cache in tkv))
-    output = StepOutput(acc.tokens, acc.accept_len, lp.reshape(B, E), top_ids.reshape(B, E, top_n),
-                        top_lp.reshape(B, E, top_n))
+    output = StepOutput(
+        acc.tokens, acc.accept_len, lp.reshape(B, E), top_ids.reshape(B, E, top_n), top_lp.reshape(B, E, top_n)
+    )
     return Verified(tkv, acc, path, valid, out, output)
 
 

@@ -21,6 +21,7 @@ class PromptLogprobs(NamedTuple):
     top_ids: jax.Array  # [T, top_n] int32
     top_logprobs: jax.Array  # [T, top_n] float32
 
+
 class StepOutput(NamedTuple):
     """What the host reads back from a step (the only device->host transfer)."""
 
@@ -31,6 +32,7 @@ class StepOutput(NamedTuple):
     top_logprobs: jax.Array  # [B, K, top_n] float32
     prompt: PromptLogprobs | None = None  # prefills asked for prompt logprobs only
 
+
 class PackedOutput(NamedTuple):
     """A StepOutput in two arrays, so the host starts two device->host copies, not five: every
     array a launch hands over costs host time (the launch's budget is a fraction of a ms)."""
@@ -39,24 +41,33 @@ class PackedOutput(NamedTuple):
     floats: jax.Array  # [..., B, K + K * top_n]: logprobs, top_logprobs
     prompt: PromptLogprobs | None = None
 
+
 def pack_output(o: StepOutput) -> PackedOutput:
     B, K = o.tokens.shape
     ints = jnp.concatenate([o.tokens, o.accept_len[:, None], o.top_ids.reshape(B, -1)], axis=1)
     floats = jnp.concatenate([o.logprobs, o.top_logprobs.reshape(B, -1)], axis=1)
     return PackedOutput(ints, floats, o.prompt)
 
+
 def unpack_output(p: PackedOutput, top_n: int) -> StepOutput:
     """The host's view (numpy, any leading axes) of a packed step output."""
     K = p.floats.shape[-1] // (1 + top_n)
     lead = p.ints.shape[:-1]
-    return StepOutput(p.ints[..., :K], p.ints[..., K], p.floats[..., :K],
-                      p.ints[..., K + 1 :].reshape(*lead, K, top_n), p.floats[..., K:].reshape(*lead, K, top_n),
-                      p.prompt)
+    return StepOutput(
+        p.ints[..., :K],
+        p.ints[..., K],
+        p.floats[..., :K],
+        p.ints[..., K + 1 :].reshape(*lead, K, top_n),
+        p.floats[..., K:].reshape(*lead, K, top_n),
+        p.prompt,
+    )
+
 
 def one_token_output(logits, rows: SamplingRows, tok, top_n: int) -> StepOutput:
     lp, ids, tlp = token_logprobs(logits, rows, tok, top_n)
     B = tok.shape[0]
     return StepOutput(tok[:, None], jnp.zeros(B, jnp.int32), lp[:, None], ids[:, None], tlp[:, None])
+
 
 def prompt_logprobs(params, cfg: ModelConfig, hidden_normed, next_tokens, top_n: int) -> PromptLogprobs:
     """Logits at every prefill token (a [T, V] lm_head: only compiled into prefills that need it)
@@ -65,14 +76,17 @@ def prompt_logprobs(params, cfg: ModelConfig, hidden_normed, next_tokens, top_n:
 
     logits = compute_logits(params, cfg, hidden_normed)
     T = next_tokens.shape[0]
-    lp, ids, tlp = token_logprobs(logits, SamplingRows(jnp.zeros((T, NUM_PARAMS), jnp.float32), jnp.zeros(T, jnp.uint32)),
-                                  next_tokens, top_n)
+    lp, ids, tlp = token_logprobs(
+        logits, SamplingRows(jnp.zeros((T, NUM_PARAMS), jnp.float32), jnp.zeros(T, jnp.uint32)), next_tokens, top_n
+    )
     return PromptLogprobs(lp, ids, tlp)
+
 
 def slots_of(page_tables: jax.Array, positions: jax.Array, page_size: int) -> jax.Array:
     """Flat KV slot of each position [B, X] through its row's page table [B, M]."""
     pidx = jnp.clip(positions // page_size, 0, page_tables.shape[1] - 1)
     return jnp.take_along_axis(page_tables, pidx, axis=1) * page_size + positions % page_size
+
 
 def gather_slots(carry, slot_ids: jax.Array):
     """The carry rows of slot_ids, with padding rows (the scratch slot) reset to length 0."""
@@ -80,8 +94,10 @@ def gather_slots(carry, slot_ids: jax.Array):
     scratch = carry.seq_len.shape[0] - 1
     return c._replace(seq_len=jnp.where(slot_ids == scratch, 0, c.seq_len))
 
-def sample_first_tokens(logits, pen: PenaltyState, batch: ForwardBatch, slot_ids, counts: PrefillCounts,
-                        rows: SamplingRows, sampling: str):
+
+def sample_first_tokens(
+    logits, pen: PenaltyState, batch: ForwardBatch, slot_ids, counts: PrefillCounts, rows: SamplingRows, sampling: str
+):
     """A prefill's sampled tokens (the first token sits at position seq_len), after the chunk's
     tokens are counted for penalties: (tokens [B], penalised logits [B, V], new PenaltyState)."""
     pen = record_prefill(pen, batch.tokens, counts)

@@ -50,11 +50,25 @@ def init_plain_carry(num_slots: int) -> PlainCarry:
     return PlainCarry(jnp.zeros(num_slots + 1, jnp.int32), jnp.zeros(num_slots + 1, jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "mode", "top_n", "with_prompt_logprobs", "sampling"),
-                   donate_argnames=("state",))
-def plain_prefill_step(params, state: PlainState, batch: ForwardBatch, next_tokens, slot_ids, counts: PrefillCounts,
-                       rows: SamplingRows, lora: LoraBatch | None = None, *, cfg: ModelConfig, mode: AttentionMode,
-                       top_n: int = 0, with_prompt_logprobs: bool = False, sampling: str = "sampled"):
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "mode", "top_n", "with_prompt_logprobs", "sampling"), donate_argnames=("state",)
+)
+def plain_prefill_step(
+    params,
+    state: PlainState,
+    batch: ForwardBatch,
+    next_tokens,
+    slot_ids,
+    counts: PrefillCounts,
+    rows: SamplingRows,
+    lora: LoraBatch | None = None,
+    *,
+    cfg: ModelConfig,
+    mode: AttentionMode,
+    top_n: int = 0,
+    with_prompt_logprobs: bool = False,
+    sampling: str = "sampled",
+):
     """Prefills one ragged chunk batch. slot_ids [B]: carry slot of each sequence whose prompt
     ends in this chunk (it receives the sampled first token), else the scratch slot.
     next_tokens [T]: the prompt token after each token (scored when with_prompt_logprobs).
@@ -62,18 +76,29 @@ def plain_prefill_step(params, state: PlainState, batch: ForwardBatch, next_toke
     kv, out = forward(params, cfg, state.target_kv, batch, mode, lora=lora)
     first, logits, pen = sample_first_tokens(out.logits, state.penalties, batch, slot_ids, counts, rows, sampling)
     c = state.carry
-    carry = PlainCarry(c.next_token.at[slot_ids].set(first, mode="drop"), c.seq_len.at[slot_ids].set(batch.seq_lens, mode="drop"))
+    carry = PlainCarry(
+        c.next_token.at[slot_ids].set(first, mode="drop"), c.seq_len.at[slot_ids].set(batch.seq_lens, mode="drop")
+    )
     result = one_token_output(logits, rows, first, top_n)
     if with_prompt_logprobs:
         result = result._replace(prompt=prompt_logprobs(params, cfg, out.hidden, next_tokens, top_n))
     return PlainState(kv, carry, pen), pack_output(result)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "backend", "top_n", "sampling"),
-                   donate_argnames=("state",))
-def plain_decode_step(params, state: PlainState, slot_ids, page_tables, rows: SamplingRows,
-                      lora: LoraBatch | None = None, *, cfg: ModelConfig, backend: str = "pallas",
-                      top_n: int = 0, sampling: str = "sampled"):
+@functools.partial(jax.jit, static_argnames=("cfg", "backend", "top_n", "sampling"), donate_argnames=("state",))
+def plain_decode_step(
+    params,
+    state: PlainState,
+    slot_ids,
+    page_tables,
+    rows: SamplingRows,
+    lora: LoraBatch | None = None,
+    *,
+    cfg: ModelConfig,
+    backend: str = "pallas",
+    top_n: int = 0,
+    sampling: str = "sampled",
+):
     """One token for each slot in slot_ids [B]; page_tables [B, M] cover position seq_len.
     lora: the adapter pool and each row's adapter slot [B] (None: no LoRA)."""
     B = slot_ids.shape[0]

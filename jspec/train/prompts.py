@@ -14,13 +14,46 @@ import itertools
 import random
 
 TOPICS = [
-    "photosynthesis", "black holes", "the water cycle", "volcanoes", "the human heart", "electricity",
-    "gravity", "the moon", "rainbows", "honeybees", "the Roman Empire", "the printing press",
-    "climate change", "vaccines", "the internet", "dinosaurs", "the ocean tides", "earthquakes",
-    "the solar system", "magnets", "recycling", "the immune system", "coral reefs", "the pyramids of Egypt",
-    "machine learning", "democracy", "the stock market", "music theory", "chess", "coffee",
-    "the Amazon rainforest", "penguins", "clouds", "bread baking", "the French Revolution", "DNA",
-    "renewable energy", "the Olympic Games", "friendship", "sleep",
+    "photosynthesis",
+    "black holes",
+    "the water cycle",
+    "volcanoes",
+    "the human heart",
+    "electricity",
+    "gravity",
+    "the moon",
+    "rainbows",
+    "honeybees",
+    "the Roman Empire",
+    "the printing press",
+    "climate change",
+    "vaccines",
+    "the internet",
+    "dinosaurs",
+    "the ocean tides",
+    "earthquakes",
+    "the solar system",
+    "magnets",
+    "recycling",
+    "the immune system",
+    "coral reefs",
+    "the pyramids of Egypt",
+    "machine learning",
+    "democracy",
+    "the stock market",
+    "music theory",
+    "chess",
+    "coffee",
+    "the Amazon rainforest",
+    "penguins",
+    "clouds",
+    "bread baking",
+    "the French Revolution",
+    "DNA",
+    "renewable energy",
+    "the Olympic Games",
+    "friendship",
+    "sleep",
 ]
 
 GENERAL_TEMPLATES = [
@@ -39,11 +72,21 @@ GENERAL_TEMPLATES = [
 ]
 
 CODING_TASKS = [
-    "reverses a string", "checks whether a number is prime", "computes the factorial of n",
-    "returns the n-th Fibonacci number", "counts the vowels in a sentence", "finds the largest element of a list",
-    "removes duplicates from a list", "checks whether a word is a palindrome", "sorts a list with bubble sort",
-    "merges two sorted lists", "converts Celsius to Fahrenheit", "sums the digits of an integer",
-    "counts word frequencies in a text", "flattens a nested list", "computes the greatest common divisor",
+    "reverses a string",
+    "checks whether a number is prime",
+    "computes the factorial of n",
+    "returns the n-th Fibonacci number",
+    "counts the vowels in a sentence",
+    "finds the largest element of a list",
+    "removes duplicates from a list",
+    "checks whether a word is a palindrome",
+    "sorts a list with bubble sort",
+    "merges two sorted lists",
+    "converts Celsius to Fahrenheit",
+    "sums the digits of an integer",
+    "counts word frequencies in a text",
+    "flattens a nested list",
+    "computes the greatest common divisor",
     "checks whether two strings are anagrams",
 ]
 
@@ -69,7 +112,9 @@ def split_prompts(num_train: int, num_heldout: int, seed: int = 0) -> tuple[list
     of the shuffled list, so it does not change when num_train does."""
     prompts = all_prompts(seed)
     if num_train < 0 or num_heldout < 0 or num_train + num_heldout > len(prompts):
-        raise ValueError(f"num_train ({num_train}) + num_heldout ({num_heldout}) must be within the "
-                         f"{len(prompts)} prompts of the set")
-    heldout = prompts[len(prompts) - num_heldout:]
+        raise ValueError(
+            f"num_train ({num_train}) + num_heldout ({num_heldout}) must be within the "
+            f"{len(prompts)} prompts of the set"
+        )
+    heldout = prompts[len(prompts) - num_heldout :]
     return prompts[:num_train], heldout

@@ -105,9 +105,21 @@ class WorkerBase:
     """params, the device state and the step programs of one model; PlainWorker and SpecWorker
     add the state and the steps of their method."""
 
-    def __init__(self, cfg: ModelConfig, params, *, page_size: int, num_pages: int, max_slots: int,
-                 chunked_prefill_size: int, top_n: int = 0, attention_backend: str | None = None, mesh=None,
-                 layer_loop: str = "auto", lora=None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params,
+        *,
+        page_size: int,
+        num_pages: int,
+        max_slots: int,
+        chunked_prefill_size: int,
+        top_n: int = 0,
+        attention_backend: str | None = None,
+        mesh=None,
+        layer_loop: str = "auto",
+        lora=None,
+    ):
         # Tensor parallel (jspec.distributed): params arrive sharded over mesh; steps run under it.
         self.mesh = mesh
         self.layer_loop = check_layer_loop(layer_loop)
@@ -144,8 +156,16 @@ class WorkerBase:
     def launch(self, batch: PrefillBatch | DecodeBatch):
         loras = batch.loras if self.lora is not None else None
         if isinstance(batch, PrefillBatch):
-            return self.prefill(batch.chunks, batch.following, batch.slots, batch.sampling, batch.output_starts,
-                                batch.first_chunks, batch.with_prompt_logprobs, loras)
+            return self.prefill(
+                batch.chunks,
+                batch.following,
+                batch.slots,
+                batch.sampling,
+                batch.output_starts,
+                batch.first_chunks,
+                batch.with_prompt_logprobs,
+                loras,
+            )
         return self.decode(batch.slots, batch.page_tables, batch.sampling, loras)
 
     def decode(self, slots, page_tables, sampling, loras=None):
@@ -157,9 +177,14 @@ class WorkerBase:
             slot_ids, pt, rows = self._decode_inputs(slots, page_tables, sampling)
             ids = decode_lora_slots(slot_ids.shape[0], loras) if self.lora is not None else None
             arrays = (slot_ids, pt, rows, ids) if self.mesh is not None else jax.device_put((slot_ids, pt, rows, ids))
-            last = self._last_decode = DecodeInputs(list(slots), [list(p) for p in page_tables], list(sampling),
-                                                    None if loras is None else list(loras), arrays,
-                                                    sampling_mode(p for p, _ in sampling))
+            last = self._last_decode = DecodeInputs(
+                list(slots),
+                [list(p) for p in page_tables],
+                list(sampling),
+                None if loras is None else list(loras),
+                arrays,
+                sampling_mode(p for p, _ in sampling),
+            )
         slot_ids, pt, rows, ids = last.arrays
         return self.decode_arrays(slot_ids, pt, rows, last.mode, self._lora_batch(ids) if ids is not None else None)
 
@@ -246,8 +271,13 @@ class WorkerBase:
             for T in self.prefill_token_buckets():
                 # One sequence of T tokens on the scratch page; `following` set, so no slot is touched.
                 pages = [0] * (-(-T // self.page_size))
-                self.prefill([SeqChunk([0] * T, 0, pages)], [0], [None], [(SamplingParams(), 0)],
-                             with_prompt_logprobs=with_prompt_logprobs)
+                self.prefill(
+                    [SeqChunk([0] * T, 0, pages)],
+                    [0],
+                    [None],
+                    [(SamplingParams(), 0)],
+                    with_prompt_logprobs=with_prompt_logprobs,
+                )
             return self.programs.collecting
         finally:
             self.programs.collecting = collecting
@@ -270,16 +300,29 @@ class WorkerBase:
     def _prefill_key(self, T: int, with_prompt_logprobs: bool) -> tuple:
         return ("prefill", T, with_prompt_logprobs, self.top_n)
 
-    def _prefill_inputs(self, chunks: list[SeqChunk], following: list[int | None], slots: list[int | None],
-                        output_starts: list[int] | None, first_chunks: list[bool] | None, min_tokens: int = 8):
+    def _prefill_inputs(
+        self,
+        chunks: list[SeqChunk],
+        following: list[int | None],
+        slots: list[int | None],
+        output_starts: list[int] | None,
+        first_chunks: list[bool] | None,
+        min_tokens: int = 8,
+    ):
         """output_starts: per chunk, the position where its request's generated tokens begin
         (the prompt length; a re-prefill after retraction runs over both); first_chunks: the
         chunk is its request's first (its penalty counts start afresh). None: prompts only, all first.
         min_tokens: the smallest token bucket (DP attention gives every rank the largest rank's)."""
         T = self.prefill_tokens(max(sum(len(c.tokens) for c in chunks), min_tokens))
-        batch, mode = build_forward_batch(chunks, page_size=self.page_size, num_pages=self.num_pages,
-                                          min_seqs=self.max_slots, min_pages=self.table_width,
-                                          allow_decode_only=False, num_tokens=T)
+        batch, mode = build_forward_batch(
+            chunks,
+            page_size=self.page_size,
+            num_pages=self.num_pages,
+            min_seqs=self.max_slots,
+            min_pages=self.table_width,
+            allow_decode_only=False,
+            num_tokens=T,
+        )
         mode = mode._replace(backend=self.backend)
         T, B = batch.tokens.shape[0], batch.seq_lens.shape[0]
         draft_tokens = np.zeros(T, np.int32)  # the token after each row (draft inputs, prompt logprobs)
@@ -347,11 +390,13 @@ class DecodeInputs:
 
     def same_batch(self, slots, page_tables, sampling, loras) -> bool:
         # A request keeps its SamplingParams object, and list equality tries identity first.
-        return (slots == self.slots and page_tables == self.page_tables and sampling == self.sampling
-                and loras == self.loras)
+        return (
+            slots == self.slots
+            and page_tables == self.page_tables
+            and sampling == self.sampling
+            and loras == self.loras
+        )
 
 
 def _rows(sampling, n: int) -> SamplingRows:
     return sampling_rows([p for p, _ in sampling], [s for _, s in sampling], n)
-
-

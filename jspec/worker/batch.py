@@ -25,8 +25,10 @@ class PrefillBatch:
     @property
     def with_prompt_logprobs(self) -> bool:
         """Some chunk scores prompt tokens (the prefill then computes logits at every token)."""
-        return any(p.wants_prompt_logprobs and c.start < start
-                   for (p, _), c, start in zip(self.sampling, self.chunks, self.output_starts))
+        return any(
+            p.wants_prompt_logprobs and c.start < start
+            for (p, _), c, start in zip(self.sampling, self.chunks, self.output_starts)
+        )
 
 
 @dataclasses.dataclass

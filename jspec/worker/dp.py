@@ -102,8 +102,11 @@ class DPWorker:
         """One sub-batch or None per rank -> the PackedOutput of every rank, each leaf [dp, ...]."""
         subs = batch.per_rank
         if batch.is_prefill:
-            T = max(self.inner.prefill_tokens(sum(len(c.tokens) for c in b.chunks))
-                    for b in subs if isinstance(b, PrefillBatch))
+            T = max(
+                self.inner.prefill_tokens(sum(len(c.tokens) for c in b.chunks))
+                for b in subs
+                if isinstance(b, PrefillBatch)
+            )
             ranks = [self._prefill_inputs(b, T) if b is not None else self._idle_prefill_inputs(T) for b in subs]
             return self._launch_prefill(ranks, T, any(b is not None and b.with_prompt_logprobs for b in subs))
         B = max(bucket(len(b.slots)) for b in subs if b is not None)
@@ -114,7 +117,8 @@ class DPWorker:
     def _prefill_inputs(self, b, T: int):
         inner = self.inner
         batch, mode, draft_tokens, finish_rows, slot_ids, counts = inner._prefill_inputs(
-            b.chunks, b.following, b.slots, b.output_starts, b.first_chunks, min_tokens=T)
+            b.chunks, b.following, b.slots, b.output_starts, b.first_chunks, min_tokens=T
+        )
         assert mode.max_q_len == T, (mode, T)
         rows = sampling_rows([p for p, _ in b.sampling], [s for _, s in b.sampling], slot_ids.shape[0])
         return (batch, draft_tokens, finish_rows, slot_ids, counts, rows, prefill_lora_slots(batch, b.chunks, b.loras))
@@ -125,13 +129,25 @@ class DPWorker:
         inner = self.inner
         B, M = bucket(1, inner.max_slots), inner.table_width
         scratch = inner.scratch_slot
-        batch = ForwardBatch(np.zeros(T, np.int32), np.zeros(T, np.int32),
-                             np.full(T, inner.num_pages * inner.page_size, np.int32),
-                             np.zeros(B, np.int32), np.zeros((B, M), np.int32), np.zeros(B + 1, np.int32),
-                             np.zeros(B, np.int32))
+        batch = ForwardBatch(
+            np.zeros(T, np.int32),
+            np.zeros(T, np.int32),
+            np.full(T, inner.num_pages * inner.page_size, np.int32),
+            np.zeros(B, np.int32),
+            np.zeros((B, M), np.int32),
+            np.zeros(B + 1, np.int32),
+            np.zeros(B, np.int32),
+        )
         counts = PrefillCounts(np.full(B, scratch, np.int32), np.full(T, scratch, np.int32), np.zeros(T, bool))
-        return (batch, np.zeros(T, np.int32), np.full(B, T, np.int32), np.full(B, scratch, np.int32), counts,
-                sampling_rows([], [], B), np.zeros(T, np.int32))
+        return (
+            batch,
+            np.zeros(T, np.int32),
+            np.full(B, T, np.int32),
+            np.full(B, scratch, np.int32),
+            counts,
+            sampling_rows([], [], B),
+            np.zeros(T, np.int32),
+        )
 
     def _decode_inputs(self, b, B: int):
         """One rank's decode arrays with B rows (an idle rank: B scratch rows)."""
@@ -149,13 +165,39 @@ class DPWorker:
         batch, draft_tokens, finish_rows, slot_ids, counts, rows, loras = self._stack(ranks)
         if self.spec:
             self.state, out = self._prefill(
-                inner.params, inner.dparams, *self._pool(), self.state, batch, draft_tokens, finish_rows, slot_ids,
-                counts, rows, loras, cfg=inner.cfg, method=inner.method, mode=mode, top_n=inner.top_n,
-                with_prompt_logprobs=with_prompt_logprobs)
+                inner.params,
+                inner.dparams,
+                *self._pool(),
+                self.state,
+                batch,
+                draft_tokens,
+                finish_rows,
+                slot_ids,
+                counts,
+                rows,
+                loras,
+                cfg=inner.cfg,
+                method=inner.method,
+                mode=mode,
+                top_n=inner.top_n,
+                with_prompt_logprobs=with_prompt_logprobs,
+            )
         else:
             self.state, out = self._prefill(
-                inner.params, *self._pool(), self.state, batch, draft_tokens, slot_ids, counts, rows, loras,
-                cfg=inner.cfg, mode=mode, top_n=inner.top_n, with_prompt_logprobs=with_prompt_logprobs)
+                inner.params,
+                *self._pool(),
+                self.state,
+                batch,
+                draft_tokens,
+                slot_ids,
+                counts,
+                rows,
+                loras,
+                cfg=inner.cfg,
+                mode=mode,
+                top_n=inner.top_n,
+                with_prompt_logprobs=with_prompt_logprobs,
+            )
         return out
 
     def _stack(self, ranks: list[tuple]) -> tuple:
@@ -172,12 +214,35 @@ class DPWorker:
         inner = self.inner
         slot_ids, pt, rows, loras = self._stack(ranks)
         if self.spec:
-            self.state, out = self._decode(inner.params, inner.dparams, *self._pool(), self.state, slot_ids, pt, rows,
-                                           loras, cfg=inner.cfg, method=inner.method, backend=inner.backend,
-                                           top_n=inner.top_n, sampling=mode)
+            self.state, out = self._decode(
+                inner.params,
+                inner.dparams,
+                *self._pool(),
+                self.state,
+                slot_ids,
+                pt,
+                rows,
+                loras,
+                cfg=inner.cfg,
+                method=inner.method,
+                backend=inner.backend,
+                top_n=inner.top_n,
+                sampling=mode,
+            )
         else:
-            self.state, out = self._decode(inner.params, *self._pool(), self.state, slot_ids, pt, rows, loras,
-                                           cfg=inner.cfg, backend=inner.backend, top_n=inner.top_n, sampling=mode)
+            self.state, out = self._decode(
+                inner.params,
+                *self._pool(),
+                self.state,
+                slot_ids,
+                pt,
+                rows,
+                loras,
+                cfg=inner.cfg,
+                backend=inner.backend,
+                top_n=inner.top_n,
+                sampling=mode,
+            )
         return out
 
     def warmup(self, sampling_modes=SAMPLING_MODES, prompt_logprobs: bool = False) -> int:
@@ -192,8 +257,10 @@ class DPWorker:
                 self._launch_prefill([self._idle_prefill_inputs(T)] * self.dp, T, with_prompt)
                 n += 1
         for B in inner.decode_buckets():
-            idle = (*inner._decode_inputs([inner.scratch_slot] * B, [[0]] * B, [(SamplingParams(), 0)]),
-                    np.zeros(B, np.int32))
+            idle = (
+                *inner._decode_inputs([inner.scratch_slot] * B, [[0]] * B, [(SamplingParams(), 0)]),
+                np.zeros(B, np.int32),
+            )
             for mode in sampling_modes:
                 self._launch_decode([idle] * self.dp, mode)
                 n += 1

@@ -144,8 +144,10 @@ class Progress:
         if self.tty:
             width = 30
             fill = width * self.n // self.total
-            sys.stderr.write(f"\r[jspec] compiling [{'#' * fill}{'.' * (width - fill)}] {self.n}/{self.total} "
-                             f"{elapsed:5.1f}s  {label[:40]:<40}")
+            sys.stderr.write(
+                f"\r[jspec] compiling [{'#' * fill}{'.' * (width - fill)}] {self.n}/{self.total} "
+                f"{elapsed:5.1f}s  {label[:40]:<40}"
+            )
             sys.stderr.flush()
         else:
             log.info("compiled %d/%d programs (%s), %.1f s", self.n, self.total, label, elapsed)

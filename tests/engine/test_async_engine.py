@@ -17,7 +17,9 @@ def tiny(tmp_path_factory):
 
 
 def make_engine(tiny):
-    return jspec.Engine(tiny, page_size=16, max_total_tokens=4080, max_running_requests=8, attention_backend="reference")
+    return jspec.Engine(
+        tiny, page_size=16, max_total_tokens=4080, max_running_requests=8, attention_backend="reference"
+    )
 
 
 def test_concurrent_streams_equal_generate_and_disconnects_free_kv(tiny):

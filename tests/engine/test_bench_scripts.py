@@ -12,8 +12,13 @@ ROOT = REPO_ROOT
 
 
 def run_script(name: str, *args: str) -> None:
-    done = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--tiny", *args],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{name}", "--tiny", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
 
 
@@ -42,17 +47,21 @@ def test_bench_lora_rows_and_kernel_counts(tmp_path):
 def test_device_profile_splits_busy_time_and_gaps_per_call():
     from benchmarks.device_profile import _device_kernel_events, summarise
 
-    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
-            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
-            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #7(Compute)"}},
-            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 9, "args": {"name": "XLA Ops"}}]
+    meta = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #7(Compute)"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 9, "args": {"name": "XLA Ops"}},
+    ]
     kernels = []
     for call in range(2):  # each call: a gemv (10 us), a gap of 2 us, the attention kernel (4 us)
         t0 = call * 20.0
-        kernels += [{"ph": "X", "pid": 1, "tid": 7, "ts": t0, "dur": 10.0, "name": "gemv_fusion"},
-                    {"ph": "X", "pid": 1, "tid": 7, "ts": t0 + 12, "dur": 4.0, "name": "paged_decode_s16_g4_n64"},
-                    {"ph": "X", "pid": 1, "tid": 9, "ts": t0, "dur": 16.0, "name": "fusion.1"},  # op summary: ignored
-                    {"ph": "X", "pid": 2, "tid": 3, "ts": t0, "dur": 50.0, "name": "PjitFunction(step)"}]
+        kernels += [
+            {"ph": "X", "pid": 1, "tid": 7, "ts": t0, "dur": 10.0, "name": "gemv_fusion"},
+            {"ph": "X", "pid": 1, "tid": 7, "ts": t0 + 12, "dur": 4.0, "name": "paged_decode_s16_g4_n64"},
+            {"ph": "X", "pid": 1, "tid": 9, "ts": t0, "dur": 16.0, "name": "fusion.1"},  # op summary: ignored
+            {"ph": "X", "pid": 2, "tid": 3, "ts": t0, "dur": 50.0, "name": "PjitFunction(step)"},
+        ]
     s = summarise(_device_kernel_events({"traceEvents": meta + kernels}), calls=2)
     assert s["kernels"] == 2 and s["busy_us"] == 14.0
     assert s["span_us"] == (20 + 16) / 2 and s["gaps_us"] == s["span_us"] - 14.0
@@ -62,31 +71,81 @@ def test_device_profile_splits_busy_time_and_gaps_per_call():
 
 
 def _kernel_case(name, median_us, fraction, tbps, bundled_tbps=None):
-    results = [{"variant": "default", "kernel": "jspec", "ok": True, "median_us": median_us,
-                "fraction_of_copy_bw": fraction, "achieved_tbps": tbps}]
+    results = [
+        {
+            "variant": "default",
+            "kernel": "jspec",
+            "ok": True,
+            "median_us": median_us,
+            "fraction_of_copy_bw": fraction,
+            "achieved_tbps": tbps,
+        }
+    ]
     if bundled_tbps:
-        results.append({"variant": "bundled", "kernel": "jax_bundled", "ok": True, "median_us": 2 * median_us,
-                        "fraction_of_copy_bw": fraction / 2, "achieved_tbps": bundled_tbps})
+        results.append(
+            {
+                "variant": "bundled",
+                "kernel": "jax_bundled",
+                "ok": True,
+                "median_us": 2 * median_us,
+                "fraction_of_copy_bw": fraction / 2,
+                "achieved_tbps": bundled_tbps,
+            }
+        )
     return {"name": name, "results": results}
 
 
 def test_roofline_verdicts_follow_the_issue_thresholds():
     from benchmarks.bench_roofline import evaluate
 
-    kernels = {"cases": [_kernel_case("decode_b32_ctx4096_s16", 137.0, 0.91, 3.9, bundled_tbps=1.96),
-                         _kernel_case("decode_b32_ctx4096_s1", 160.0, 0.78, 3.4),   # 1.168x page 16: over 15%
-                         _kernel_case("decode_b32_ctx4096_s64", 136.0, 0.92, 3.94),
-                         _kernel_case("tree_b32_q8_ctx4096_s16", 165.0, 0.59, 3.25)]}  # under 60%
-    decode = {"rows": [{"batch": 64, "context": 1024, "layout": "per_layer", "step_ms": 7.7, "x_bandwidth_floor": 1.44,
-                        "bandwidth_floor_ms": 5.34, "matmul_floor_ms": 1.29, "verify_over_decode": 2.1,
-                        "verify_tokens": 8, "forward_verify_ms": 17.1, "forward_decode_ms": 8.2},
-                       {"batch": 1, "context": 1024, "layout": "per_layer", "step_ms": 3.8, "x_bandwidth_floor": 1.12,
-                        "bandwidth_floor_ms": 3.38, "matmul_floor_ms": 0.02, "verify_over_decode": 1.2,
-                        "verify_tokens": 8, "forward_verify_ms": 6.0, "forward_decode_ms": 5.0}]}
-    host = lambda model, method, h, d: {"model": model, "method": method, "batch": 1,  # noqa: E731
-                                        "device_step_ms": d, "overlap_host_ms": {"host": h, "launch": h - 0.1}}
-    overlap = {"rows": [host("small", "eagle3", 2.1, 1.3), host("8b", "eagle3", 2.3, 5.3),
-                        host("8b", "none", 2.3, 2.0)]}
+    kernels = {
+        "cases": [
+            _kernel_case("decode_b32_ctx4096_s16", 137.0, 0.91, 3.9, bundled_tbps=1.96),
+            _kernel_case("decode_b32_ctx4096_s1", 160.0, 0.78, 3.4),  # 1.168x page 16: over 15%
+            _kernel_case("decode_b32_ctx4096_s64", 136.0, 0.92, 3.94),
+            _kernel_case("tree_b32_q8_ctx4096_s16", 165.0, 0.59, 3.25),
+        ]
+    }  # under 60%
+    decode = {
+        "rows": [
+            {
+                "batch": 64,
+                "context": 1024,
+                "layout": "per_layer",
+                "step_ms": 7.7,
+                "x_bandwidth_floor": 1.44,
+                "bandwidth_floor_ms": 5.34,
+                "matmul_floor_ms": 1.29,
+                "verify_over_decode": 2.1,
+                "verify_tokens": 8,
+                "forward_verify_ms": 17.1,
+                "forward_decode_ms": 8.2,
+            },
+            {
+                "batch": 1,
+                "context": 1024,
+                "layout": "per_layer",
+                "step_ms": 3.8,
+                "x_bandwidth_floor": 1.12,
+                "bandwidth_floor_ms": 3.38,
+                "matmul_floor_ms": 0.02,
+                "verify_over_decode": 1.2,
+                "verify_tokens": 8,
+                "forward_verify_ms": 6.0,
+                "forward_decode_ms": 5.0,
+            },
+        ]
+    }
+    host = lambda model, method, h, d: {
+        "model": model,
+        "method": method,
+        "batch": 1,  # noqa: E731
+        "device_step_ms": d,
+        "overlap_host_ms": {"host": h, "launch": h - 0.1},
+    }
+    overlap = {
+        "rows": [host("small", "eagle3", 2.1, 1.3), host("8b", "eagle3", 2.3, 5.3), host("8b", "none", 2.3, 2.0)]
+    }
     rows = {r["target"]: r for r in evaluate(kernels, decode, overlap)}
     met = {k: r["met"] for k, r in rows.items()}
     assert met["1 decode attention B=32 ctx 4096 page 16"] is True
@@ -94,10 +153,10 @@ def test_roofline_verdicts_follow_the_issue_thresholds():
     assert met["1 decode attention page 1 vs page 16"] is False
     assert met["1 decode attention page 64 vs page 16"] is True
     assert met["2 tree verify attention B=32 x 8 ctx 4096"] is False
-    assert met["3 decode step bs=1 ctx 1024"] is True          # the bs=1 row, whatever the order
-    assert met["3 decode step bs=64 ctx 1024"] is None         # reported, not graded
+    assert met["3 decode step bs=1 ctx 1024"] is True  # the bs=1 row, whatever the order
+    assert met["3 decode step bs=64 ctx 1024"] is None  # reported, not graded
     assert "6.0x matmul floor" in rows["3 decode step bs=64 ctx 1024"]["figure"]
-    assert met["4 verify 8 tokens vs decode, bs=1"] is False   # 1.2x > 1.1x
+    assert met["4 verify 8 tokens vs decode, bs=1"] is False  # 1.2x > 1.1x
     assert met["5 host per iteration, small eagle3 bs=1"] is None
     graded = [r["met"] for r in evaluate(None, None, overlap) if r["target"].startswith("5") and "8b" in r["target"]]
     assert graded == [True, False]

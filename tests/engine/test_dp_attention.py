@@ -29,14 +29,32 @@ def models(tmp_path_factory):
     # As test_tensor_parallel: 8 query heads, 2 KV heads (so ranks of 2 devices split them),
     # and a Qwen3-MoE of 8 experts, 2 per token.
     dense = tiny_model(tmp_path_factory, "dp", seed=11, num_heads=8, num_kv_heads=2, context=256)
-    moe = tiny_model(tmp_path_factory, "dp_moe", arch="qwen3_moe", seed=12, num_heads=8, num_kv_heads=2,
-                     num_experts=8, num_experts_per_tok=2, max_position_embeddings=256)
+    moe = tiny_model(
+        tmp_path_factory,
+        "dp_moe",
+        arch="qwen3_moe",
+        seed=12,
+        num_heads=8,
+        num_kv_heads=2,
+        num_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+    )
     return {"dense": (dense, eagle_draft(dense, seed=5)), "moe": (moe, eagle_draft(moe, seed=5))}
 
 
 def make_engine(model, draft, **kw):
-    return jspec.Engine(model, speculative=SPEC, draft=draft, page_size=4, max_total_tokens=508, max_running_requests=4,
-                        attention_backend="reference", max_top_logprobs=2, **kw)
+    return jspec.Engine(
+        model,
+        speculative=SPEC,
+        draft=draft,
+        page_size=4,
+        max_total_tokens=508,
+        max_running_requests=4,
+        attention_backend="reference",
+        max_top_logprobs=2,
+        **kw,
+    )
 
 
 def run(engine, prompts=PROMPTS, n=10):
@@ -61,15 +79,15 @@ def dense_dp2(models):
     return make_engine(m, d, tp_size=2, dp_size=2, enable_dp_attention=True)
 
 
-@pytest.mark.parametrize("name,tp,dp", [("dense", 2, 2), ("dense", 4, 4), ("dense", 4, 2), ("moe", 2, 2),
-                                        ("moe", 4, 4)])
+@pytest.mark.parametrize(
+    "name,tp,dp", [("dense", 2, 2), ("dense", 4, 4), ("dense", 4, 2), ("moe", 2, 2), ("moe", 4, 4)]
+)
 def test_dp_attention_greedy_equals_one_device_with_eagle3_and_overlap(models, one_device, dense_dp2, name, tp, dp):
     m, d = models[name]
     if (name, tp, dp) == ("dense", 2, 2):
         engine = dense_dp2
     else:
-        engine = make_engine(m, d, tp_size=tp, dp_size=dp, enable_dp_attention=True,
-                             ep_size=tp if name == "moe" else 1)
+        engine = make_engine(m, d, tp_size=tp, dp_size=dp, enable_dp_attention=True, ep_size=tp if name == "moe" else 1)
     assert engine.overlap
     got = run(engine)
     assert got == one_device[name]
@@ -162,16 +180,40 @@ def test_serve_flags(models, monkeypatch):
     from jspec.server.args import build_parser, engine_config, server_config
     from jspec.server.launch import make_engine
 
-    args = build_parser().parse_args(["--tp-size", "4", "--dp-size", "2", "--enable-dp-attention",
-                                            "--load-balance-method", "shortest_queue", "--max-total-tokens", "400",
-                                            "--page-size", "4", "--attention-backend", "reference",
-                                            "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:5000"])
+    args = build_parser().parse_args(
+        [
+            "--tp-size",
+            "4",
+            "--dp-size",
+            "2",
+            "--enable-dp-attention",
+            "--load-balance-method",
+            "shortest_queue",
+            "--max-total-tokens",
+            "400",
+            "--page-size",
+            "4",
+            "--attention-backend",
+            "reference",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--dist-init-addr",
+            "10.0.0.1:5000",
+        ]
+    )
     assert (args.dp_size, args.enable_dp_attention, args.nnodes, args.node_rank) == (2, True, 2, 1)
     engine = make_engine(engine_config(args), server_config(args), models["dense"][0])
     assert engine.worker.dp == 2 and engine.scheduler.load_balance_method == "shortest_queue"
     assert [r.kv.allocator.num_usable for r in engine.scheduler.ranks] == [100, 100]  # --max-total-tokens per rank
-    for bad, match in [((2, 2, "h:1"), "node-rank"), ((2, 0, None), "needs --dist-init-addr"),
-                       ((2, 0, "nohost"), "HOST:PORT"), ((2, 0, "h:99999"), "HOST:PORT"), ((0, 0, None), "nnodes")]:
+    for bad, match in [
+        ((2, 2, "h:1"), "node-rank"),
+        ((2, 0, None), "needs --dist-init-addr"),
+        ((2, 0, "nohost"), "HOST:PORT"),
+        ((2, 0, "h:99999"), "HOST:PORT"),
+        ((0, 0, None), "nnodes"),
+    ]:
         with pytest.raises(ValueError, match=match):
             check_multihost_args(*bad)
     calls = []
@@ -199,8 +241,16 @@ def test_two_local_processes_join_one_runtime():
         s.bind(("127.0.0.1", 0))
         addr = f"127.0.0.1:{s.getsockname()[1]}"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(r), addr], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(r), addr],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
     outs = [p.communicate(timeout=120) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-2000:]
@@ -209,8 +259,15 @@ def test_two_local_processes_join_one_runtime():
 
 def test_sampling_logprobs_and_penalties_per_rank(dense_one_device, dense_dp2):
     """Seeded sampling, penalties and logprobs live in each rank's own slots: the same as on one device."""
-    sp = jspec.SamplingParams(max_new_tokens=6, temperature=0.8, top_k=20, seed=3, return_logprob=True,
-                              top_logprobs_num=2, frequency_penalty=0.3)
+    sp = jspec.SamplingParams(
+        max_new_tokens=6,
+        temperature=0.8,
+        top_k=20,
+        seed=3,
+        return_logprob=True,
+        top_logprobs_num=2,
+        frequency_penalty=0.3,
+    )
     one, dp = (e.generate(PROMPTS, sp) for e in (dense_one_device, dense_dp2))
     assert [o.token_ids for o in one] == [o.token_ids for o in dp]
     for a, b in zip(one, dp):
@@ -251,12 +308,24 @@ def test_dp_speculative_decode_step_lowers_for_cuda(models, name, monkeypatch):
     step = RankStep(w._decode.step, mesh, w._decode.shared)
     B, M = 4, 32
     with use_abstract_mesh(mesh):
-        fn = jax.jit(functools.partial(step._run, cfg=w.inner.cfg, method=w.inner.method, backend="pallas", top_n=0,
-                                       sampling="greedy"))
-        text = fn.trace(jax.tree.map(like, w.inner.params), jax.tree.map(like, w.inner.dparams),
-                        jax.tree.map(like, w.state), ranked(B), ranked(B, M),
-                        SamplingRows(ranked(B, NUM_PARAMS, dt=jnp.float32), ranked(B, dt=jnp.uint32)),
-                        None).lower(lowering_platforms=("cuda",)).as_text()
+        fn = jax.jit(
+            functools.partial(
+                step._run, cfg=w.inner.cfg, method=w.inner.method, backend="pallas", top_n=0, sampling="greedy"
+            )
+        )
+        text = (
+            fn.trace(
+                jax.tree.map(like, w.inner.params),
+                jax.tree.map(like, w.inner.dparams),
+                jax.tree.map(like, w.state),
+                ranked(B),
+                ranked(B, M),
+                SamplingRows(ranked(B, NUM_PARAMS, dt=jnp.float32), ranked(B, dt=jnp.uint32)),
+                None,
+            )
+            .lower(lowering_platforms=("cuda",))
+            .as_text()
+        )
     assert "__gpu$xla.gpu.triton" in text
     if name == "dense":
         assert "all_gather" in text and "reduce_scatter" in text

@@ -73,10 +73,18 @@ def collect(engine, arrivals):
 @pytest.mark.parametrize("page_size,speculative", [(16, False), (16, True), (1, True)])
 def test_overlap_equals_sync_on_a_mixed_workload(tiny, page_size, speculative):
     arrivals = workload()
-    kw = dict(page_size=page_size, max_total_tokens=(4096 // page_size + 63) * page_size, max_running_requests=16,
-              chunked_prefill_size=256, attention_backend="reference")
+    kw = dict(
+        page_size=page_size,
+        max_total_tokens=(4096 // page_size + 63) * page_size,
+        max_running_requests=16,
+        chunked_prefill_size=256,
+        attention_backend="reference",
+    )
     if speculative:
-        kw.update(speculative=jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=2, num_draft_tokens=5), draft=eagle_draft(tiny))
+        kw.update(
+            speculative=jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=2, num_draft_tokens=5),
+            draft=eagle_draft(tiny),
+        )
     sync = collect(jspec.Engine(tiny, disable_overlap_schedule=True, **kw), arrivals)
     overlap = collect(jspec.Engine(tiny, **kw), arrivals)
     assert sync.keys() == overlap.keys() and len(sync) == len(arrivals)
@@ -114,8 +122,10 @@ def test_loop_reads_the_device_only_at_the_designated_point(tiny):
 
 
 def test_retraction_finishes_everything_with_the_same_outputs(tiny):
-    arrivals = [Arrival(0, list(range(10 + 7 * i, 40 + 7 * i)), jspec.SamplingParams(max_new_tokens=40, ignore_eos=True),
-                        None) for i in range(6)]
+    arrivals = [
+        Arrival(0, list(range(10 + 7 * i, 40 + 7 * i)), jspec.SamplingParams(max_new_tokens=40, ignore_eos=True), None)
+        for i in range(6)
+    ]
     kw = dict(page_size=4, max_running_requests=8, attention_backend="reference", disable_radix_cache=True)
     big = jspec.Engine(tiny, max_total_tokens=1020, **kw)
     ref = collect(big, arrivals)
@@ -130,7 +140,9 @@ def test_prefix_cache_prefills_only_new_tokens(tiny):
     prefix = list(map(int, rng.integers(0, 256, 200)))
     a, b = prefix + [1, 2, 3], prefix + [7, 8, 9, 10, 11]
     params = jspec.SamplingParams(max_new_tokens=8, ignore_eos=True)
-    cold = jspec.Engine(tiny, page_size=16, max_total_tokens=2032, attention_backend="reference", disable_radix_cache=True)
+    cold = jspec.Engine(
+        tiny, page_size=16, max_total_tokens=2032, attention_backend="reference", disable_radix_cache=True
+    )
     expect = cold.generate([a, b], params)
     engine = jspec.Engine(tiny, page_size=16, max_total_tokens=2032, attention_backend="reference")
     first = engine.generate([a], params)
@@ -143,8 +155,14 @@ def test_prefix_cache_prefills_only_new_tokens(tiny):
 
 
 def test_warmup_compiles_every_program_the_loop_runs(tiny):
-    engine = jspec.Engine(tiny, page_size=16, max_total_tokens=8176, max_running_requests=4, chunked_prefill_size=64,
-                          attention_backend="reference")
+    engine = jspec.Engine(
+        tiny,
+        page_size=16,
+        max_total_tokens=8176,
+        max_running_requests=4,
+        chunked_prefill_size=64,
+        attention_backend="reference",
+    )
     # The workload is greedy without prompt logprobs, so the greedy programs must cover it.
     n = engine.warmup(sampling_modes=("greedy",))
     w = engine.worker
@@ -156,6 +174,8 @@ def test_warmup_compiles_every_program_the_loop_runs(tiny):
 
 
 def test_warmup_refuses_an_unknown_sampling_mode(tiny):
-    engine = jspec.Engine(tiny, page_size=16, max_total_tokens=1008, max_running_requests=2, attention_backend="reference")
+    engine = jspec.Engine(
+        tiny, page_size=16, max_total_tokens=1008, max_running_requests=2, attention_backend="reference"
+    )
     with pytest.raises(ValueError, match="unknown sampling modes"):
         engine.warmup(sampling_modes=("greedy", "beam"))

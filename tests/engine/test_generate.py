@@ -12,8 +12,16 @@ from jspec.kvcache.allocator import OutOfPagesError
 from jspec.models.llama import dense_forward
 
 TINY = ModelConfig(
-    family="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2,
-    num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256, eos_token_ids=(),
+    family="llama",
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    eos_token_ids=(),
 )
 
 
@@ -35,7 +43,7 @@ def dense_greedy(params, cfg, prompt, n, pad_to=64):
     for _ in range(n):
         padded = jnp.asarray(toks + [0] * (pad_to - len(toks)), jnp.int32)
         toks.append(int(jnp.argmax(_dense_logits(params, padded)[len(toks) - 1])))
-    return toks[len(prompt):]
+    return toks[len(prompt) :]
 
 
 def prompts_of_lengths(lengths, seed=0):
@@ -47,7 +55,9 @@ def prompts_of_lengths(lengths, seed=0):
 def test_paged_greedy_equals_dense_recompute(tiny_params, page_size, backend):
     prompts = prompts_of_lengths([1, 7, 16, 23])
     n_new = 9
-    engine = jspec.Engine((TINY, tiny_params), page_size=page_size, max_total_tokens=63 * page_size, attention_backend=backend)
+    engine = jspec.Engine(
+        (TINY, tiny_params), page_size=page_size, max_total_tokens=63 * page_size, attention_backend=backend
+    )
     outs = jspec.generate((TINY, tiny_params), prompts, max_new_tokens=n_new, engine=engine, ignore_eos=True)
     engine.check_idle_no_leaks()
     for p, o in zip(prompts, outs):
@@ -58,8 +68,9 @@ def test_paged_greedy_equals_dense_recompute(tiny_params, page_size, backend):
 def test_chunked_prefill_and_admission_waves_match(tiny_params):
     """A pool too small for all requests at once runs them in waves; chunked prefill splits prompts."""
     prompts = prompts_of_lengths([30, 5, 12], seed=1)
-    engine = jspec.Engine((TINY, tiny_params), page_size=4, max_total_tokens=52, chunked_prefill_size=8,
-                          attention_backend="reference")
+    engine = jspec.Engine(
+        (TINY, tiny_params), page_size=4, max_total_tokens=52, chunked_prefill_size=8, attention_backend="reference"
+    )
     outs = jspec.generate((TINY, tiny_params), prompts, max_new_tokens=6, engine=engine, ignore_eos=True)
     engine.check_idle_no_leaks()
     for p, o in zip(prompts, outs):
@@ -70,8 +81,9 @@ def test_stop_token_ends_a_request(tiny_params):
     prompt = prompts_of_lengths([5], seed=2)[0]
     expect = dense_greedy(tiny_params, TINY, prompt, 8)
     stop = expect[3]
-    out = jspec.generate((TINY, tiny_params), [prompt], max_new_tokens=8, stop_token_ids=[stop],
-                         attention_backend="reference")[0]
+    out = jspec.generate(
+        (TINY, tiny_params), [prompt], max_new_tokens=8, stop_token_ids=[stop], attention_backend="reference"
+    )[0]
     assert out.token_ids == expect[: expect.index(stop) + 1]
     assert out.finish_reason == "stop"
 

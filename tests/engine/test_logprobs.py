@@ -46,7 +46,9 @@ def test_logprobs_match_a_dense_recompute_and_spec_matches_plain(tiny):
 
 def test_sampled_logprobs_use_the_temperature(tiny):
     params = SamplingParams(max_new_tokens=6, temperature=0.5, seed=3, ignore_eos=True, return_logprob=True)
-    o = jspec.Engine(tiny, page_size=16, max_total_tokens=1008, attention_backend="reference").generate([[1, 2, 3]], params)[0]
+    o = jspec.Engine(tiny, page_size=16, max_total_tokens=1008, attention_backend="reference").generate(
+        [[1, 2, 3]], params
+    )[0]
     logits = np.asarray(dense_forward(tiny.params, tiny.cfg, np.asarray([1, 2, 3] + o.token_ids, np.int32)))
     for j, (tok, lp) in enumerate(zip(o.token_ids, o.logprobs)):
         assert abs(lp - log_softmax(logits[2 + j] / 0.5)[tok]) < 1e-4
@@ -65,11 +67,20 @@ def test_prompt_logprobs_match_a_dense_recompute_across_chunks(tiny, speculative
     from support.models import eagle_draft
 
     prompt = list(range(3, 40))
-    params = SamplingParams(max_new_tokens=3, ignore_eos=True, return_logprob=True, logprob_start_len=0,
-                            top_logprobs_num=2)
+    params = SamplingParams(
+        max_new_tokens=3, ignore_eos=True, return_logprob=True, logprob_start_len=0, top_logprobs_num=2
+    )
     spec = jspec.SpecConfig("EAGLE3", num_steps=2, eagle_topk=1) if speculative else None
-    engine = jspec.Engine(tiny, speculative=spec, draft=eagle_draft(tiny) if speculative else None, page_size=4,
-                          max_total_tokens=252, max_top_logprobs=2, chunked_prefill_size=16, attention_backend="reference")
+    engine = jspec.Engine(
+        tiny,
+        speculative=spec,
+        draft=eagle_draft(tiny) if speculative else None,
+        page_size=4,
+        max_total_tokens=252,
+        max_top_logprobs=2,
+        chunked_prefill_size=16,
+        attention_backend="reference",
+    )
     warm = engine.generate([prompt[:20]], SamplingParams(max_new_tokens=2))  # fills the prefix cache
     o = engine.generate([prompt], params)[0]
     logits = np.asarray(dense_forward(tiny.params, tiny.cfg, np.asarray(prompt, np.int32)))

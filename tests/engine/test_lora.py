@@ -31,8 +31,15 @@ def tiny(tmp_path_factory):
 
 def shapes(cfg):
     H, I = cfg.hidden_size, cfg.intermediate_size
-    return {"q_proj": (H, cfg.q_size), "k_proj": (H, cfg.kv_size), "v_proj": (H, cfg.kv_size),
-            "o_proj": (cfg.q_size, H), "gate_proj": (H, I), "up_proj": (H, I), "down_proj": (I, H)}
+    return {
+        "q_proj": (H, cfg.q_size),
+        "k_proj": (H, cfg.kv_size),
+        "v_proj": (H, cfg.kv_size),
+        "o_proj": (cfg.q_size, H),
+        "gate_proj": (H, I),
+        "up_proj": (H, I),
+        "down_proj": (I, H),
+    }
 
 
 def write_adapter(path, cfg, rank, targets, seed, alpha=None, rslora=False, config_extra=None, bad_shape=None):
@@ -53,8 +60,16 @@ def write_adapter(path, cfg, rank, targets, seed, alpha=None, rslora=False, conf
             tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"] = a, b
             raw[layer, m] = (a, b)
     os.makedirs(path, exist_ok=True)
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": targets, "bias": "none",
-              "use_rslora": rslora, "task_type": "CAUSAL_LM", **(config_extra or {})}
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": alpha,
+        "target_modules": targets,
+        "bias": "none",
+        "use_rslora": rslora,
+        "task_type": "CAUSAL_LM",
+        **(config_extra or {}),
+    }
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
         json.dump(config, f)
     save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
@@ -66,9 +81,15 @@ def merged(model, raw, scale):
     cfg = model.cfg
     layers = {k: np.array(v) for k, v in model.params["layers"].items()}
     q, kv, I = cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    where = {"q_proj": ("wqkv", 0, q), "k_proj": ("wqkv", q, q + kv), "v_proj": ("wqkv", q + kv, q + 2 * kv),
-             "gate_proj": ("w_gate_up", 0, I), "up_proj": ("w_gate_up", I, 2 * I),
-             "o_proj": ("wo", 0, cfg.hidden_size), "down_proj": ("w_down", 0, cfg.hidden_size)}
+    where = {
+        "q_proj": ("wqkv", 0, q),
+        "k_proj": ("wqkv", q, q + kv),
+        "v_proj": ("wqkv", q + kv, q + 2 * kv),
+        "gate_proj": ("w_gate_up", 0, I),
+        "up_proj": ("w_gate_up", I, 2 * I),
+        "o_proj": ("wo", 0, cfg.hidden_size),
+        "down_proj": ("w_down", 0, cfg.hidden_size),
+    }
     for (layer, m), (a, b) in raw.items():
         name, lo, hi = where[m]
         layers[name][layer, :, lo:hi] += scale * (a.T @ b.T)
@@ -76,8 +97,14 @@ def merged(model, raw, scale):
     return dataclasses.replace(model, params=params)
 
 
-PROMPTS = [[1, 5, 9, 33, 70], list(range(40, 70)), [7] * 3, list(range(200, 217)), [1, 5, 9, 33, 70, 80, 90],
-           list(range(100, 125))]
+PROMPTS = [
+    [1, 5, 9, 33, 70],
+    list(range(40, 70)),
+    [7] * 3,
+    list(range(200, 217)),
+    [1, 5, 9, 33, 70, 80, 90],
+    list(range(100, 125)),
+]
 USE = ["a", None, "b", "a", None, "b"]  # one batch mixing both adapters and none
 ENGINE = dict(page_size=4, max_total_tokens=1020, max_running_requests=8, attention_backend="reference")
 LORA = dict(max_loras_per_batch=2, max_lora_rank=8)  # one pool shape for every engine here: programs compile once
@@ -93,10 +120,17 @@ def greedy(engine, prompts, use, max_new=8):
 def adapters(tiny, tmp_path_factory):
     d = tmp_path_factory.mktemp("adapters")
     # target_modules as PEFT also writes them: a regex over module paths, and "all-linear".
-    a = write_adapter(d / "a", tiny.cfg, 4, ["q_proj", "v_proj", "down_proj"], seed=1,
-                      config_extra={"target_modules": r".*\.(q_proj|v_proj|down_proj)"})
-    b = write_adapter(d / "b", tiny.cfg, 8, ALL, seed=2, alpha=16, rslora=True,
-                      config_extra={"target_modules": "all-linear"})
+    a = write_adapter(
+        d / "a",
+        tiny.cfg,
+        4,
+        ["q_proj", "v_proj", "down_proj"],
+        seed=1,
+        config_extra={"target_modules": r".*\.(q_proj|v_proj|down_proj)"},
+    )
+    b = write_adapter(
+        d / "b", tiny.cfg, 8, ALL, seed=2, alpha=16, rslora=True, config_extra={"target_modules": "all-linear"}
+    )
     return {"a": a, "b": b}
 
 
@@ -139,8 +173,14 @@ def test_mixed_batch_with_eagle3_is_lossless(tiny, adapters, references):
     from support.models import eagle_draft
 
     spec = jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=1, num_draft_tokens=4)
-    engine = jspec.Engine(tiny, speculative=spec, draft=eagle_draft(tiny, seed=5), lora_paths={n: a[0] for n, a in adapters.items()},
-                          **LORA, **ENGINE)
+    engine = jspec.Engine(
+        tiny,
+        speculative=spec,
+        draft=eagle_draft(tiny, seed=5),
+        lora_paths={n: a[0] for n, a in adapters.items()},
+        **LORA,
+        **ENGINE,
+    )
     got, outs = greedy(engine, PROMPTS, USE)
     assert got == expected(references, USE, range(len(PROMPTS)))
     assert all(o.spec_verify_ct >= 1 for o in outs)
@@ -153,15 +193,17 @@ def test_bad_adapters_are_refused_by_name(tiny, tmp_path):
     too_big = write_adapter(tmp_path / "big", cfg, 16, ["q_proj"], seed=3)[0]
     with pytest.raises(LoraError, match=r"rank r=16 exceeds this engine's max_lora_rank=8"):
         engine.load_lora("big", too_big)
-    lm_head = write_adapter(tmp_path / "head", cfg, 4, ["q_proj"], seed=3,
-                            config_extra={"target_modules": ["q_proj", "lm_head"]})[0]
+    lm_head = write_adapter(
+        tmp_path / "head", cfg, 4, ["q_proj"], seed=3, config_extra={"target_modules": ["q_proj", "lm_head"]}
+    )[0]
     with pytest.raises(LoraError, match=r"target modules \['lm_head'\] are not supported"):
         engine.load_lora("head", lm_head)
     shape = write_adapter(tmp_path / "shape", cfg, 4, ["q_proj", "up_proj"], seed=3, bad_shape="up_proj")[0]
     with pytest.raises(LoraError, match=r"up_proj\.lora_A\.weight' has shape \[4, 72\], expected \[4, 64\]"):
         engine.load_lora("shape", shape)
-    regex = write_adapter(tmp_path / "regex", cfg, 4, ["q_proj", "k_proj"], seed=3,
-                          config_extra={"target_modules": r".*\.q_proj"})[0]
+    regex = write_adapter(
+        tmp_path / "regex", cfg, 4, ["q_proj", "k_proj"], seed=3, config_extra={"target_modules": r".*\.q_proj"}
+    )[0]
     with pytest.raises(LoraError, match=r"k_proj\.lora_A\.weight' is for 'k_proj', which .* does not list"):
         engine.load_lora("regex", regex)
     with pytest.raises(LoraError, match="no adapter_config.json"):
@@ -180,8 +222,15 @@ def test_tensor_parallel_mixed_batch_with_eagle3_equals_merged_models(tiny, adap
     from support.models import eagle_draft
 
     spec = jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=1, num_draft_tokens=4)
-    engine = jspec.Engine(tiny, speculative=spec, draft=eagle_draft(tiny, seed=5), lora_paths={n: a[0] for n, a in adapters.items()},
-                          tp_size=tp, **LORA, **ENGINE)
+    engine = jspec.Engine(
+        tiny,
+        speculative=spec,
+        draft=eagle_draft(tiny, seed=5),
+        lora_paths={n: a[0] for n, a in adapters.items()},
+        tp_size=tp,
+        **LORA,
+        **ENGINE,
+    )
     got, _ = greedy(engine, PROMPTS, USE)
     assert got == expected(references, USE, range(len(PROMPTS)))
     lw = engine.lora.weights.layers  # stacked as the model's layers: [L, ...]
@@ -209,8 +258,17 @@ def test_dp_attention_mixed_batch_with_eagle3_equals_merged_models(tiny, adapter
     from support.models import eagle_draft
 
     spec = jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=1, num_draft_tokens=4)
-    engine = jspec.Engine(tiny, speculative=spec, draft=eagle_draft(tiny, seed=5), lora_paths={n: a[0] for n, a in adapters.items()},
-                          tp_size=tp, dp_size=dp, enable_dp_attention=True, **LORA, **ENGINE)
+    engine = jspec.Engine(
+        tiny,
+        speculative=spec,
+        draft=eagle_draft(tiny, seed=5),
+        lora_paths={n: a[0] for n, a in adapters.items()},
+        tp_size=tp,
+        dp_size=dp,
+        enable_dp_attention=True,
+        **LORA,
+        **ENGINE,
+    )
     got, _ = greedy(engine, PROMPTS, USE)
     assert got == expected(references, USE, range(len(PROMPTS)))
     assert engine.lora.weights.layers["b_gate_up"].sharding.spec[2:4] == ("data", "tensor")  # [L, N, dp, tp, n]
@@ -222,8 +280,16 @@ def test_moe_model_attention_adapter_equals_merged_model(tmp_path, tp):
     # On an MoE model (Qwen3-MoE, every layer's MLP is experts) adapters apply to the attention
     # projections; one on an experts layer's MLP is refused by name. tp 2 splits the experts
     # over the devices (EP) while attention stays tensor-parallel.
-    moe = jspec.load(make_tiny_model(str(tmp_path / "moe"), arch="qwen3_moe", seed=12, num_experts=8,
-                                     num_experts_per_tok=2, max_position_embeddings=512))
+    moe = jspec.load(
+        make_tiny_model(
+            str(tmp_path / "moe"),
+            arch="qwen3_moe",
+            seed=12,
+            num_experts=8,
+            num_experts_per_tok=2,
+            max_position_embeddings=512,
+        )
+    )
     path, raw, scale = write_adapter(tmp_path / "attn", moe.cfg, 4, ["q_proj", "k_proj", "v_proj", "o_proj"], seed=4)
     ref = greedy(jspec.Engine(merged(moe, raw, scale), **ENGINE), PROMPTS[:3], [None] * 3)[0]
     base = greedy(jspec.Engine(moe, **ENGINE), PROMPTS[:3], [None] * 3)[0]
@@ -247,8 +313,10 @@ def test_load_use_unload_reload_without_restart(tiny, adapters, references):
     use = ["a", None, "a", None, "a", None]
     assert greedy(engine, PROMPTS, use)[0] == expected(references, use, range(len(PROMPTS)))
 
-    rids = [engine.add_request(p, jspec.SamplingParams(max_new_tokens=8, ignore_eos=True, lora_path=u))
-            for p, u in zip(PROMPTS, use)]
+    rids = [
+        engine.add_request(p, jspec.SamplingParams(max_new_tokens=8, ignore_eos=True, lora_path=u))
+        for p, u in zip(PROMPTS, use)
+    ]
     engine.step()
     users = sorted(r for r, u in zip(rids, use) if u == "a")
     with pytest.raises(ValueError, match=rf"'a' is in use by running requests {re.escape(str(users))}"):
@@ -279,24 +347,34 @@ def test_server_flags_and_routes(tiny, adapters, references):
     from jspec.server.args import build_parser, engine_config
 
     (pa, _, _), (pb, _, _) = adapters["a"], adapters["b"]
-    config = engine_config(build_parser().parse_args(["--lora-paths", f"a={pa}", pb, "--max-loras-per-batch", "2",
-                                                      "--max-lora-rank", "8"]))
+    config = engine_config(
+        build_parser().parse_args(["--lora-paths", f"a={pa}", pb, "--max-loras-per-batch", "2", "--max-lora-rank", "8"])
+    )
     assert config.lora_paths == {"a": pa, "b": pb}  # b named by its directory
     assert (config.max_loras_per_batch, config.max_lora_rank, config.serves_lora) == (2, 8, True)
     assert not engine_config(build_parser().parse_args([])).serves_lora
     aengine = AsyncEngine(jspec.Engine(tiny, config, **ENGINE))
     try:
         with TestClient(create_app(aengine, "tiny")) as c:
+
             def gen(p, lora=None):
-                r = c.post("/generate", json={"input_ids": PROMPTS[p], "lora_path": lora,
-                                              "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}})
+                r = c.post(
+                    "/generate",
+                    json={
+                        "input_ids": PROMPTS[p],
+                        "lora_path": lora,
+                        "sampling_params": {"max_new_tokens": 8, "ignore_eos": True},
+                    },
+                )
                 return r.status_code, r.json()
 
             code, body = gen(0, "a")
             assert code == 200 and body["output_ids"] == references["a"][0]
             assert gen(1)[1]["output_ids"] == references[None][1]
-            r = c.post("/v1/completions", json={"model": "tiny:b", "prompt": PROMPTS[2], "max_tokens": 8,
-                                                "temperature": 0, "ignore_eos": True})
+            r = c.post(
+                "/v1/completions",
+                json={"model": "tiny:b", "prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+            )
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == gen(2, "b")[1]["text"]
             assert gen(2, "b")[1]["output_ids"] == references["b"][2]
             assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["tiny", "tiny:a", "tiny:b"]
@@ -333,8 +411,9 @@ def test_lora_decode_step_lowers_for_cuda(tmp_path):
     slot_ids, pt, rows = w._decode_inputs([0, 1, 2], [[1, 2], [3], [4]], [(jspec.SamplingParams(), 0)] * 3)
     args = (w.params, w.state, slot_ids, pt, rows, w._decode_loras(slot_ids.shape[0], [1, 0, 2]))
     specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), args)
-    lowered = lower_for_cuda(functools.partial(plain_decode_step, cfg=w.cfg, backend="pallas", sampling="greedy"),
-                             *specs)
+    lowered = lower_for_cuda(
+        functools.partial(plain_decode_step, cfg=w.cfg, backend="pallas", sampling="greedy"), *specs
+    )
     text = lowered.as_text()
     # In the scanned layer body (compiled once), 4 fused projections (their weights carrying
     # the pool's A columns) and 4 LoRA B matmuls; then the logits.

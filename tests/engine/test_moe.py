@@ -37,10 +37,21 @@ H = 64
 
 def moe_cfg(num_experts=8, top_k=2, norm=False, shared=0, inter=32, layers=1, family="qwen3_moe"):
     return ModelConfig(
-        family=family, vocab_size=H, hidden_size=H, intermediate_size=2 * inter, num_layers=layers, num_heads=4,
-        num_kv_heads=2, head_dim=16, max_position_embeddings=512, num_experts=num_experts,
-        num_experts_per_tok=top_k, moe_intermediate_size=inter, norm_topk_prob=norm,
-        moe_layers=tuple(range(layers)), shared_expert_intermediate_size=shared,
+        family=family,
+        vocab_size=H,
+        hidden_size=H,
+        intermediate_size=2 * inter,
+        num_layers=layers,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=inter,
+        norm_topk_prob=norm,
+        moe_layers=tuple(range(layers)),
+        shared_expert_intermediate_size=shared,
     )
 
 
@@ -118,16 +129,18 @@ def _ep_check():
             h = h[:36]  # divisible by 2 and 4: each shard its own 18 or 9 tokens
             fn = jax.jit(functools.partial(moe_mlp_expert_parallel, cfg, mesh))
             got = np.asarray(fn(lp, h))
-            np.testing.assert_allclose(got, dense_reference(cfg, lp, h), rtol=2e-5, atol=2e-5,
-                                       err_msg=f"ep={ep} {case}")
+            np.testing.assert_allclose(
+                got, dense_reference(cfg, lp, h), rtol=2e-5, atol=2e-5, err_msg=f"ep={ep} {case}"
+            )
             print(f"ep={ep} {case}: ok")
 
 
 def test_expert_parallel_matches_dense_reference():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO_ROOT, "tests"), REPO_ROOT, env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "ep"], capture_output=True, text=True,
-                          env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "ep"], capture_output=True, text=True, env=env, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert proc.stdout.count(": ok") == 2 * len(CASES)
 
@@ -164,11 +177,24 @@ def _prompts():
 def hf_moe(tmp_path_factory):
     """Checkpoints written by transformers and its float32 logits for each, in two oracle runs."""
     ckpts = hf_make_checkpoints(tmp_path_factory.mktemp("hf_moe"), {**HF_MOE_VARIANTS, **FUSED_VARIANTS})
-    jobs = [{"name": n, "mode": "logits", "checkpoint": ckpts[n]["path"], "prompts": _prompts(),
-             "decode_steps": DECODE_STEPS} for n in HF_MOE_VARIANTS]
+    jobs = [
+        {
+            "name": n,
+            "mode": "logits",
+            "checkpoint": ckpts[n]["path"],
+            "prompts": _prompts(),
+            "decode_steps": DECODE_STEPS,
+        }
+        for n in HF_MOE_VARIANTS
+    ]
     out = run_oracle({"jobs": jobs})
-    refs = {n: {key: [out[f"{n}/{key}_{i}"] for i in range(len(_prompts()))]
-                for key in ("prefill_logits", "decode_logits", "generated")} for n in HF_MOE_VARIANTS}
+    refs = {
+        n: {
+            key: [out[f"{n}/{key}_{i}"] for i in range(len(_prompts()))]
+            for key in ("prefill_logits", "decode_logits", "generated")
+        }
+        for n in HF_MOE_VARIANTS
+    }
     return ckpts, refs
 
 
@@ -187,8 +213,9 @@ def test_moe_logits_match_transformers(hf_moe, variant):
     kv = create_kv_pool(cfg, 32, PAGE_SIZE, jnp.float32)
     pages = [alloc.alloc(-(-(len(p) + DECODE_STEPS + 1) // PAGE_SIZE)) for p in prompts]
 
-    batch, mode = build_forward_batch([SeqChunk(p, 0, pg) for p, pg in zip(prompts, pages)],
-                                      page_size=PAGE_SIZE, num_pages=32)
+    batch, mode = build_forward_batch(
+        [SeqChunk(p, 0, pg) for p, pg in zip(prompts, pages)], page_size=PAGE_SIZE, num_pages=32
+    )
     batch = batch._replace(logits_indices=np.arange(batch.tokens.shape[0], dtype=np.int32))
     kv, out = forward_logits(params, kv, batch, cfg=cfg, mode=mode._replace(backend="reference"))
     for i, p in enumerate(prompts):
@@ -219,23 +246,45 @@ def test_fused_expert_files_load_like_classic_ones(hf_moe, variant):
 # Speculative decoding over an MoE target
 # ---------------------------------------------------------------------------
 
+
 def test_eagle3_over_moe_target_is_lossless():
     target = moe_cfg(num_experts=4, top_k=2, norm=True, layers=4)
     params = init_random_params(target, jax.random.key(1), jnp.float32, std=0.1)
     dcfg = DraftConfig(
-        algorithm="EAGLE3", hidden_size=H, intermediate_size=2 * H, num_heads=4, num_kv_heads=2, head_dim=16,
-        rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta, rope_scaling=None,
-        max_position_embeddings=512, vocab_size=H, draft_vocab_size=48, num_layers=1, capture_layers=(1, 2, 3),
-        fc_bias=False, has_embed=False, has_lm_head=True,
+        algorithm="EAGLE3",
+        hidden_size=H,
+        intermediate_size=2 * H,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=target.rms_norm_eps,
+        rope_theta=target.rope_theta,
+        rope_scaling=None,
+        max_position_embeddings=512,
+        vocab_size=H,
+        draft_vocab_size=48,
+        num_layers=1,
+        capture_layers=(1, 2, 3),
+        fc_bias=False,
+        has_embed=False,
+        has_lm_head=True,
     )
     draft = init_random_draft_params(dcfg, jax.random.key(2), std=0.2)
     rng = np.random.default_rng(0)
     prompts = [list(map(int, rng.integers(0, H, n))) for n in (3, 17, 30)]
-    base = jspec.generate((target, params), prompts, max_new_tokens=12, ignore_eos=True, page_size=16,
-                          attention_backend="reference")
+    base = jspec.generate(
+        (target, params), prompts, max_new_tokens=12, ignore_eos=True, page_size=16, attention_backend="reference"
+    )
     spec = SpecConfig("EAGLE3", num_steps=3, eagle_topk=2, num_draft_tokens=5)
-    engine = jspec.Engine((target, params), speculative=spec, draft=(dcfg, draft), page_size=16, max_total_tokens=1520,
-                          max_running_requests=8, attention_backend="reference")
+    engine = jspec.Engine(
+        (target, params),
+        speculative=spec,
+        draft=(dcfg, draft),
+        page_size=16,
+        max_total_tokens=1520,
+        max_running_requests=8,
+        attention_backend="reference",
+    )
     out = jspec.generate((target, params), prompts, max_new_tokens=12, ignore_eos=True, engine=engine)
     engine.check_idle_no_leaks()
     for b, o in zip(base, out):

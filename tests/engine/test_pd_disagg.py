@@ -59,12 +59,35 @@ class PrefillProcess:
         self.addr = f"127.0.0.1:{port}"
         self.log = open(os.path.join(os.path.dirname(model), f"prefill-{port}.log"), "w+")
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.join(ROOT, "scripts", "serve.py"), "--model-path", model,
-             "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(port),
-             "--attention-backend", "reference", "--skip-warmup", "--page-size", "4", "--max-total-tokens", "2048",
-             "--max-running-requests", "8", "--speculative-algorithm", "EAGLE3",
-             "--speculative-draft-model-path", draft, *SPEC_FLAGS, "--log-level", "info"],
-            stdout=self.log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                os.path.join(ROOT, "scripts", "serve.py"),
+                "--model-path",
+                model,
+                "--disaggregation-mode",
+                "prefill",
+                "--disaggregation-bootstrap-port",
+                str(port),
+                "--attention-backend",
+                "reference",
+                "--skip-warmup",
+                "--page-size",
+                "4",
+                "--max-total-tokens",
+                "2048",
+                "--max-running-requests",
+                "8",
+                "--speculative-algorithm",
+                "EAGLE3",
+                "--speculative-draft-model-path",
+                draft,
+                *SPEC_FLAGS,
+                "--log-level",
+                "info",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.time() + 180
         while "listening on" not in self.output():
             if self.proc.poll() is not None or time.time() > deadline:
@@ -96,16 +119,30 @@ def prefill(dirs):
 def decode(dirs, spec, prefill):
     """Two request slots, so a third request's transfer has to wait for one; room on the device for
     about two requests' arrived KV, so later ones wait on the host (both paths run)."""
-    engine = DecodeEngine(dirs[0], speculative=spec, page_size=8, max_total_tokens=760, max_running_requests=2,
-                          attention_backend="reference", prefill_addrs=[prefill.addr], transfer_stage_bytes=60_000)
+    engine = DecodeEngine(
+        dirs[0],
+        speculative=spec,
+        page_size=8,
+        max_total_tokens=760,
+        max_running_requests=2,
+        attention_backend="reference",
+        prefill_addrs=[prefill.addr],
+        transfer_stage_bytes=60_000,
+    )
     yield engine
     engine.close()
 
 
 @pytest.fixture(scope="module")
 def reference(dirs, spec):
-    engine = jspec.Engine(dirs[0], speculative=spec, page_size=8, max_total_tokens=760, max_running_requests=2,
-                          attention_backend="reference")
+    engine = jspec.Engine(
+        dirs[0],
+        speculative=spec,
+        page_size=8,
+        max_total_tokens=760,
+        max_running_requests=2,
+        attention_backend="reference",
+    )
     return engine.generate
 
 
@@ -123,9 +160,10 @@ def test_two_processes_match_one_engine(decode, reference):
     second request samples with a seed and penalties: its first token is drawn by the prefill
     engine, the rest by the decode engine from the transferred penalty counts."""
     assert decode.overlap
-    params = [jspec.SamplingParams(max_new_tokens=16),
-              jspec.SamplingParams(max_new_tokens=16, temperature=0.8, seed=7, frequency_penalty=0.5,
-                                   repetition_penalty=1.3)]
+    params = [
+        jspec.SamplingParams(max_new_tokens=16),
+        jspec.SamplingParams(max_new_tokens=16, temperature=0.8, seed=7, frequency_penalty=0.5, repetition_penalty=1.3),
+    ]
     got = decode.generate(PROMPTS[:2], params)
     check_same(got, reference(PROMPTS[:2], params))
     assert sorted(t.num_tokens for t in decode.scheduler.transfers) == sorted(len(o.prompt_token_ids) for o in got)
@@ -151,8 +189,15 @@ def test_mismatched_decode_engine_is_refused(dirs, spec, prefill, tmp_path):
 
     other = make_tiny_model(str(tmp_path / "other"), seed=3, max_position_embeddings=256)
     for model, sp, why in ((dirs[0], None, "different state layouts"), (other, spec, "different weights")):
-        engine = DecodeEngine(model, speculative=sp, page_size=8, max_total_tokens=248, max_running_requests=2,
-                              attention_backend="reference", prefill_addrs=[prefill.addr])
+        engine = DecodeEngine(
+            model,
+            speculative=sp,
+            page_size=8,
+            max_total_tokens=248,
+            max_running_requests=2,
+            attention_backend="reference",
+            prefill_addrs=[prefill.addr],
+        )
         with pytest.raises(PrefillUnavailable, match=f"refused this decode engine: .*{why}"):
             engine.generate(["hi"], jspec.SamplingParams(max_new_tokens=2))
         engine.check_idle_no_leaks()
@@ -172,9 +217,9 @@ def test_killed_prefill_engine_fails_requests_and_leaks_nothing(decode, prefill,
     async def run():
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://decode", timeout=120) as client:
+
             def body(prompt, n):
-                return {"model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0,
-                        "ignore_eos": True}
+                return {"model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
 
             async def until(cond, what):
                 deadline = time.time() + 120
@@ -185,8 +230,9 @@ def test_killed_prefill_engine_fails_requests_and_leaks_nothing(decode, prefill,
             survivor = asyncio.create_task(client.post("/v1/completions", json=body("survivor", 60)))
             await until(lambda: decode.scheduler.running, "the first request decodes")
             # Prompts of a length the prefill engine has not compiled yet: it is busy with them when killed.
-            doomed = [asyncio.create_task(client.post("/v1/completions", json=body("z" * 150 + str(i), 8)))
-                      for i in range(3)]
+            doomed = [
+                asyncio.create_task(client.post("/v1/completions", json=body("z" * 150 + str(i), 8))) for i in range(3)
+            ]
             await until(lambda: len(decode.scheduler.awaiting) == 3, "three requests wait on the prefill engine")
             prefill.kill()
             failed = await asyncio.gather(*doomed)
@@ -219,16 +265,29 @@ def test_after_the_prefill_engine_is_gone(decode):
 def test_request_state_round_trip_is_exact(dirs, spec):
     """A prefilled request's every state leaf (target and draft KV, carry, penalty rows) read out
     of a page-4 engine, written into a page-8 engine and read out again is unchanged."""
-    src = PrefillEngine(dirs[0], speculative=spec, page_size=4, max_total_tokens=252, max_running_requests=2,
-                        attention_backend="reference", disable_overlap_schedule=True)
+    src = PrefillEngine(
+        dirs[0],
+        speculative=spec,
+        page_size=4,
+        max_total_tokens=252,
+        max_running_requests=2,
+        attention_backend="reference",
+        disable_overlap_schedule=True,
+    )
     src.add_prefill("a", list(range(3, 40)), jspec.SamplingParams(repetition_penalty=1.2), seed=5)
     while src.has_work():
         src.step()
     (h,) = src.handoffs
     out = [np.asarray(a) for a in h.arrays]
     out = [a[:, : h.num_tokens] if i < h.num_paged else a for i, a in enumerate(out)]
-    dst_engine = jspec.Engine(dirs[0], speculative=spec, page_size=8, max_total_tokens=504, max_running_requests=2,
-                              attention_backend="reference")
+    dst_engine = jspec.Engine(
+        dirs[0],
+        speculative=spec,
+        page_size=8,
+        max_total_tokens=504,
+        max_running_requests=2,
+        attention_backend="reference",
+    )
     dst, kv = dst_engine.worker, dst_engine.scheduler.kv
     pages, slot = kv.allocator.alloc(6), kv.alloc_slot()
     staged = kv_io.stage_request(kv_io.layout(dst.state), out, h.num_tokens, to_device=True)
@@ -248,8 +307,18 @@ def test_serve_flags_make_a_decode_engine(dirs):
     from jspec.server.launch import make_engine
 
     ap = build_parser()
-    base = ["--page-size", "8", "--max-total-tokens", "256", "--attention-backend", "reference",
-            "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "shm"]
+    base = [
+        "--page-size",
+        "8",
+        "--max-total-tokens",
+        "256",
+        "--attention-backend",
+        "reference",
+        "--disaggregation-mode",
+        "decode",
+        "--disaggregation-transfer-backend",
+        "shm",
+    ]
     model = jspec.load(dirs[0])
     args = ap.parse_args(base + ["--disaggregation-prefill-addrs", "127.0.0.1:1", "localhost:2"])
     engine = make_engine(engine_config(args), server_config(args), model)
@@ -271,8 +340,11 @@ def test_transfer_steps_lower_for_cuda(n):
     slots, pages, vocab = 33, 4096, 128256
     target = KVPool(*[sds((32, pages, 16, 8, 128), bf16)] * 2)
     draft = KVPool(*[sds((1, pages, 16, 8, 128), bf16)] * 2)
-    carry = (sds((slots,), i32), sds((slots,), i32), (sds((slots, 1), np.float32), sds((slots, 1), i32),
-                                                     sds((slots, 4096), bf16)))
+    carry = (
+        sds((slots,), i32),
+        sds((slots,), i32),
+        (sds((slots, 1), np.float32), sds((slots, 1), i32), sds((slots, 4096), bf16)),
+    )
     state = (target, draft, carry, PenaltyState(sds((slots, vocab), i32), sds((slots, vocab), bool)))
     paged = [sds((a.shape[0], n, 8, 128), bf16) for a in (*target, *draft)]
     rows = [sds(a.shape[1:], a.dtype) for a in jax.tree.leaves(state[2:])]
@@ -287,8 +359,12 @@ def test_link_carries_arrays_and_fails_clearly_mid_message(cls):
     a, b = socket.socketpair()
     tx, rx = cls(a, "tx"), cls(b, "rx")
     tx.peer_pid = rx.peer_pid = os.getpid()
-    arrays = [np.arange(12, dtype=np.float32).reshape(3, 4), np.array(7, np.int32),
-              np.ones((2, 3), jax.numpy.bfloat16), np.zeros((0, 5), np.int32)]
+    arrays = [
+        np.arange(12, dtype=np.float32).reshape(3, 4),
+        np.array(7, np.int32),
+        np.ones((2, 3), jax.numpy.bfloat16),
+        np.zeros((0, 5), np.int32),
+    ]
     tx.send({"type": "kv", "rid": "r"}, arrays)
     header, got = rx.recv()
     assert header["rid"] == "r"

@@ -37,13 +37,23 @@ def test_tree_penalties_equal_one_token_at_a_time():
     logits = rng.normal(size=(B, N, V)).astype(np.float32) * 2
     counts = rng.integers(0, 3, (B + 1, V)).astype(np.int32)
     seen = rng.random((B + 1, V)) < 0.3
-    params = [SamplingParams(frequency_penalty=0.4, presence_penalty=0.3, repetition_penalty=1.5),
-              SamplingParams(repetition_penalty=0.7),
-              SamplingParams(frequency_penalty=-0.5, presence_penalty=1.0)]
+    params = [
+        SamplingParams(frequency_penalty=0.4, presence_penalty=0.3, repetition_penalty=1.5),
+        SamplingParams(repetition_penalty=0.7),
+        SamplingParams(frequency_penalty=-0.5, presence_penalty=1.0),
+    ]
     rows = sampling_rows(params, [0, 0, 0], B)
     slot_ids = np.array([2, 0, 1], np.int32)
-    got = np.asarray(apply_tree_penalties(jnp.asarray(logits), PenaltyState(jnp.asarray(counts), jnp.asarray(seen)),
-                                          jnp.asarray(slot_ids), jnp.asarray(rows.params), tree.tokens, tree.mask))
+    got = np.asarray(
+        apply_tree_penalties(
+            jnp.asarray(logits),
+            PenaltyState(jnp.asarray(counts), jnp.asarray(seen)),
+            jnp.asarray(slot_ids),
+            jnp.asarray(rows.params),
+            tree.tokens,
+            tree.mask,
+        )
+    )
     for b in range(B):
         sp = params[b]
         for i in range(N):
@@ -52,8 +62,9 @@ def test_tree_penalties_equal_one_token_at_a_time():
                 path.append(tokens[b, j])
                 j = parents[j]
             c = counts[slot_ids[b]] + np.bincount(np.asarray(path, int), minlength=V)
-            ref = penalise_ref(logits[b, i], c, seen[slot_ids[b]], sp.frequency_penalty, sp.presence_penalty,
-                               sp.repetition_penalty)
+            ref = penalise_ref(
+                logits[b, i], c, seen[slot_ids[b]], sp.frequency_penalty, sp.presence_penalty, sp.repetition_penalty
+            )
             np.testing.assert_allclose(got[b, i], ref, rtol=1e-5, atol=1e-5)
 
 
@@ -64,11 +75,20 @@ def tiny(tmp_path_factory):
 
 def test_penalised_greedy_matches_a_dense_recompute(tiny):
     prompts = [[5, 9, 2, 7, 5, 5], list(range(30, 50))]
-    params = SamplingParams(max_new_tokens=16, ignore_eos=True, frequency_penalty=0.8, presence_penalty=0.5,
-                            repetition_penalty=1.3, return_logprob=True)
-    outs = jspec.Engine(tiny, page_size=4, max_total_tokens=252, attention_backend="reference").generate(prompts, params)
+    params = SamplingParams(
+        max_new_tokens=16,
+        ignore_eos=True,
+        frequency_penalty=0.8,
+        presence_penalty=0.5,
+        repetition_penalty=1.3,
+        return_logprob=True,
+    )
+    outs = jspec.Engine(tiny, page_size=4, max_total_tokens=252, attention_backend="reference").generate(
+        prompts, params
+    )
     unpenalised = jspec.Engine(tiny, page_size=4, max_total_tokens=252, attention_backend="reference").generate(
-        prompts, SamplingParams(max_new_tokens=16, ignore_eos=True))
+        prompts, SamplingParams(max_new_tokens=16, ignore_eos=True)
+    )
     # Causal, so padding after the sequence changes nothing before it: one compiled length.
     dense = jax.jit(lambda toks: dense_forward(tiny.params, tiny.cfg, toks))
     for prompt, o in zip(prompts, outs):
@@ -102,9 +122,18 @@ def test_speculative_penalties_equal_plain(steps, topk, ndt, temperature):
     # Frequency penalties of 1.1 and 1.3 push a cycle token below the rest in the middle of a
     # drafted path (dropping the per-node correction in apply_tree_penalties fails this test).
     ps = [[0, 1], [2], [1, 2, 0]]
-    sampling = [SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=temperature, seed=s,
-                               frequency_penalty=fp, presence_penalty=pp, repetition_penalty=rp)
-                for s, (fp, pp, rp) in enumerate([(1.1, 0.0, 1.0), (1.3, 0.5, 1.0), (1.1, 0.0, 1.5)])]
+    sampling = [
+        SamplingParams(
+            max_new_tokens=20,
+            ignore_eos=True,
+            temperature=temperature,
+            seed=s,
+            frequency_penalty=fp,
+            presence_penalty=pp,
+            repetition_penalty=rp,
+        )
+        for s, (fp, pp, rp) in enumerate([(1.1, 0.0, 1.0), (1.3, 0.5, 1.0), (1.1, 0.0, 1.5)])
+    ]
     kw = dict(page_size=4, max_total_tokens=380, max_running_requests=4, attention_backend="reference")
     plain = jspec.Engine((TARGET, target), **kw)
     base = [plain.generate([p], sp)[0] for p, sp in zip(ps, sampling)]
@@ -139,8 +168,16 @@ def test_penalties_survive_retraction_and_skip_the_prefix_cache(tiny):
     big.check_idle_no_leaks()
 
 
-@pytest.mark.parametrize("bad", [dict(frequency_penalty=2.5), dict(presence_penalty=-3), dict(repetition_penalty=0),
-                                 dict(repetition_penalty=2.1), dict(frequency_penalty="1")])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(frequency_penalty=2.5),
+        dict(presence_penalty=-3),
+        dict(repetition_penalty=0),
+        dict(repetition_penalty=2.1),
+        dict(frequency_penalty="1"),
+    ],
+)
 def test_bad_penalties_are_refused(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams(**bad)

@@ -68,8 +68,9 @@ def test_prompt_logprob_prefills_compile_in_the_background_while_others_run(tiny
     engine = jspec.Engine(tiny, max_top_logprobs=2, **KW)
     engine.warmup(sampling_modes=("greedy",))
     plain = engine.add_request([1, 2, 3], jspec.SamplingParams(max_new_tokens=4, ignore_eos=True))
-    scoring = jspec.SamplingParams(max_new_tokens=4, ignore_eos=True, return_logprob=True, logprob_start_len=0,
-                                   top_logprobs_num=2)
+    scoring = jspec.SamplingParams(
+        max_new_tokens=4, ignore_eos=True, return_logprob=True, logprob_start_len=0, top_logprobs_num=2
+    )
     scored = engine.add_request([4, 5, 6], scoring)
     scored_req = engine.scheduler.requests[scored]
     first = engine.scheduler.schedule()
@@ -111,5 +112,7 @@ def test_a_restart_loads_its_programs_from_the_compilation_cache(tmp_path):
     (n1, _, hits1), (n2, _, hits2) = [tuple(map(int, r.stdout.split()[-3:])) for r in (first, second)]
     assert n1 == n2 > 0 and sum(name.startswith("jit_plain_") for name in written) == n1, written
     # The first process compiled everything; the second found every program there.
-    assert hits1 == 0 and hits2 >= n2 and sorted(os.listdir(cache)) == written, (first.stderr[-2000:],
-                                                                                second.stderr[-2000:])
+    assert hits1 == 0 and hits2 >= n2 and sorted(os.listdir(cache)) == written, (
+        first.stderr[-2000:],
+        second.stderr[-2000:],
+    )

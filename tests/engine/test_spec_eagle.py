@@ -20,10 +20,18 @@ from jspec.config.spec import SpecConfig
 
 
 def run_both(target, dcfg, draft, spec, page_size, ps, max_new=12, backend="reference"):
-    base = jspec.generate((TARGET, target), ps, max_new_tokens=max_new, ignore_eos=True, page_size=page_size,
-                          attention_backend=backend)
-    engine = jspec.Engine((TARGET, target), speculative=spec, draft=(dcfg, draft), page_size=page_size, max_total_tokens=95 * page_size,
-                          max_running_requests=8, attention_backend=backend)
+    base = jspec.generate(
+        (TARGET, target), ps, max_new_tokens=max_new, ignore_eos=True, page_size=page_size, attention_backend=backend
+    )
+    engine = jspec.Engine(
+        (TARGET, target),
+        speculative=spec,
+        draft=(dcfg, draft),
+        page_size=page_size,
+        max_total_tokens=95 * page_size,
+        max_running_requests=8,
+        attention_backend=backend,
+    )
     out = jspec.generate((TARGET, target), ps, max_new_tokens=max_new, ignore_eos=True, engine=engine)
     engine.check_idle_no_leaks()
     for b, o in zip(base, out):
@@ -72,8 +80,15 @@ def test_over_allocation_never_writes_outside_reserved_pages():
     dcfg = draft_config("EAGLE3")
     draft = init_random_draft_params(dcfg, jax.random.key(2), std=0.2)
     spec = SpecConfig("EAGLE3", num_steps=3, eagle_topk=2, num_draft_tokens=5)
-    engine = jspec.Engine((TARGET, target), speculative=spec, draft=(dcfg, draft), page_size=4, max_total_tokens=252,
-                          max_running_requests=4, attention_backend="reference")
+    engine = jspec.Engine(
+        (TARGET, target),
+        speculative=spec,
+        draft=(dcfg, draft),
+        page_size=4,
+        max_total_tokens=252,
+        max_running_requests=4,
+        attention_backend="reference",
+    )
     runner = engine.worker
     poison = 1e4
     runner.state = runner.state._replace(

@@ -30,10 +30,16 @@ def test_ngram_matcher_equals_brute_force(seed):
 
 
 def run_pair(target, ps, spec, draft=None, page_size=16, overlap=True, max_new=16):
-    kw = dict(page_size=page_size, max_total_tokens=127 * page_size, max_running_requests=4, attention_backend="reference",
-              disable_overlap_schedule=not overlap)
-    base = jspec.generate((TARGET, target), ps, max_new_tokens=max_new, ignore_eos=True,
-                          engine=jspec.Engine((TARGET, target), **kw))
+    kw = dict(
+        page_size=page_size,
+        max_total_tokens=127 * page_size,
+        max_running_requests=4,
+        attention_backend="reference",
+        disable_overlap_schedule=not overlap,
+    )
+    base = jspec.generate(
+        (TARGET, target), ps, max_new_tokens=max_new, ignore_eos=True, engine=jspec.Engine((TARGET, target), **kw)
+    )
     engine = jspec.Engine((TARGET, target), speculative=spec, draft=draft, **kw)
     out = jspec.generate((TARGET, target), ps, max_new_tokens=max_new, ignore_eos=True, engine=engine)
     engine.check_idle_no_leaks()
@@ -68,8 +74,10 @@ def small_draft_config():
     return dataclasses.replace(TARGET, num_layers=2, intermediate_size=32)
 
 
-@pytest.mark.parametrize("page_size,overlap,steps,topk,ndt", [(16, True, 3, 1, None), (16, False, 1, 1, None),
-                                                           (4, True, 3, 2, 5), (1, False, 4, 3, 8)])
+@pytest.mark.parametrize(
+    "page_size,overlap,steps,topk,ndt",
+    [(16, True, 3, 1, None), (16, False, 1, 1, None), (4, True, 3, 2, 5), (1, False, 4, 3, 8)],
+)
 def test_standalone_random_draft_is_lossless(page_size, overlap, steps, topk, ndt):
     target = init_random_params(TARGET, jax.random.key(1), jnp.float32)
     dcfg = small_draft_config()
@@ -82,14 +90,22 @@ def test_standalone_random_draft_is_lossless(page_size, overlap, steps, topk, nd
 
 # Trees keep every candidate (1 + k + (steps - 1) k^2 nodes): with fewer, EAGLE-2's selection by
 # cumulative probability may cut the deep end of the target's own path, as it should.
-@pytest.mark.parametrize("page_size,overlap,topk,ndt", [(16, True, 1, None), (1, False, 1, None), (4, True, 2, 11),
-                                                        (1, False, 3, 22)])
+@pytest.mark.parametrize(
+    "page_size,overlap,topk,ndt", [(16, True, 1, None), (1, False, 1, None), (4, True, 2, 11), (1, False, 3, 22)]
+)
 def test_standalone_draft_equal_to_target_accepts_everything(page_size, overlap, topk, ndt):
     target = init_random_params(TARGET, jax.random.key(1), jnp.float32)
     steps = 3
     spec = SpecConfig("STANDALONE", num_steps=steps, eagle_topk=topk, num_draft_tokens=ndt)
-    acc = run_pair(target, prompts([3, 17, 30]), spec, draft=(TARGET, target), page_size=page_size, overlap=overlap,
-                   max_new=4 * (steps + 1))
+    acc = run_pair(
+        target,
+        prompts([3, 17, 30]),
+        spec,
+        draft=(TARGET, target),
+        page_size=page_size,
+        overlap=overlap,
+        max_new=4 * (steps + 1),
+    )
     print(f"standalone draft == target topk={topk}: mean accept length {acc:.2f}")
     # A chain takes every draft; a tree's beams (top-k by cumulative probability) can drop the target's
     # own path on near-flat random-weight distributions now and then.
@@ -102,12 +118,25 @@ def test_standalone_mismatched_vocabularies_are_refused():
     target = init_random_params(TARGET, jax.random.key(1), jnp.float32)
     dcfg = dataclasses.replace(small_draft_config(), vocab_size=32)
     with pytest.raises(ValueError, match="vocabulary"):
-        jspec.Engine((TARGET, target), speculative=SpecConfig("STANDALONE"), draft=(dcfg, init_random_params(
-            dcfg, jax.random.key(2), jnp.float32)), max_total_tokens=240, attention_backend="reference")
+        jspec.Engine(
+            (TARGET, target),
+            speculative=SpecConfig("STANDALONE"),
+            draft=(dcfg, init_random_params(dcfg, jax.random.key(2), jnp.float32)),
+            max_total_tokens=240,
+            attention_backend="reference",
+        )
 
 
-SHARED = ["jspec/scheduler", "jspec/speculative/verify.py", "jspec/speculative/method.py", "jspec/speculative/accept.py",
-          "jspec/engine/engine.py", "jspec/worker/base.py", "jspec/engine/async_engine.py", "jspec/steps/plain.py"]
+SHARED = [
+    "jspec/scheduler",
+    "jspec/speculative/verify.py",
+    "jspec/speculative/method.py",
+    "jspec/speculative/accept.py",
+    "jspec/engine/engine.py",
+    "jspec/worker/base.py",
+    "jspec/engine/async_engine.py",
+    "jspec/steps/plain.py",
+]
 
 
 def method_names_in_code(source: str) -> list[tuple[int, str]]:
@@ -116,9 +145,14 @@ def method_names_in_code(source: str) -> list[tuple[int, str]]:
 
     names = re.compile(r"eagle(?!_topk)|ngram|standalone", re.IGNORECASE)  # eagle_topk: the tree width flag
     tree = ast.parse(source)
-    docstrings = {id(n.body[0].value) for n in ast.walk(tree)
-                  if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
-                  and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    docstrings = {
+        id(n.body[0].value)
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
+        and n.body
+        and isinstance(n.body[0], ast.Expr)
+        and isinstance(n.body[0].value, ast.Constant)
+    }
     hits = []
     for node in ast.walk(tree):
         text = None
@@ -140,7 +174,7 @@ def test_shared_code_never_branches_on_a_method_name():
     hits = []
     for entry in SHARED:
         p = root / entry
-        for f in ([p] if p.is_file() else sorted(p.rglob("*.py"))):
+        for f in [p] if p.is_file() else sorted(p.rglob("*.py")):
             hits += [f"{f.relative_to(root)}:{line}: {text}" for line, text in method_names_in_code(f.read_text())]
     assert not hits, "shared code names a speculative method:\n" + "\n".join(hits)
     # The check itself catches a branch on the name, in an identifier or a string.

@@ -37,7 +37,9 @@ def draft_tokens(parents, logits):
 
 
 @pytest.mark.parametrize("shape", sorted(TREES))
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=6, top_p=0.95)])
+@pytest.mark.parametrize(
+    "params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=6, top_p=0.95)]
+)
 def test_verify_outcomes_follow_the_target_distribution(shape, params):
     parents = TREES[shape]
     N, V = len(parents), 8
@@ -48,8 +50,7 @@ def test_verify_outcomes_follow_the_target_distribution(shape, params):
     run = jax.jit(sampled_accept, static_argnums=4)
     acc = run(tree, jnp.broadcast_to(logits, (M, N, V)), rows, jnp.full(M, 10, jnp.int32), N - 1)
     emitted = np.asarray(acc.tokens)
-    filt = [reference_probs(logits[i], params.temperature, params.top_k, params.top_p, params.min_p)
-            for i in range(N)]
+    filt = [reference_probs(logits[i], params.temperature, params.top_k, params.top_p, params.min_p) for i in range(N)]
 
     def tv(samples, probs):
         return 0.5 * np.abs(np.bincount(samples, minlength=V) / len(samples) - probs).sum()
@@ -82,8 +83,10 @@ def test_seeded_speculative_sampling_equals_plain_sampling(tmp_path, topk, ndt):
     spec = jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=topk, num_draft_tokens=ndt)
     rng = np.random.default_rng(4)
     prompts = [list(map(int, rng.integers(0, 256, n))) for n in (4, 11, 25)]
-    params = [SamplingParams(max_new_tokens=16, temperature=t, top_p=0.9, seed=s, ignore_eos=True)
-              for t, s in ((1.0, 1), (0.7, 2), (0.0, 3))]
+    params = [
+        SamplingParams(max_new_tokens=16, temperature=t, top_p=0.9, seed=s, ignore_eos=True)
+        for t, s in ((1.0, 1), (0.7, 2), (0.0, 3))
+    ]
     kw = dict(page_size=16, max_total_tokens=4080, attention_backend="reference")
     plain = jspec.Engine(model, **kw).generate(prompts, params)
     engine = jspec.Engine(model, speculative=spec, draft=eagle_draft(model), **kw)

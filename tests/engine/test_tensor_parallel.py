@@ -19,8 +19,9 @@ def tiny(tmp_path_factory):
 
 
 def greedy(model, **kw):
-    engine = jspec.Engine(model, page_size=4, max_total_tokens=1020, max_running_requests=4, attention_backend="reference",
-                          **kw)
+    engine = jspec.Engine(
+        model, page_size=4, max_total_tokens=1020, max_running_requests=4, attention_backend="reference", **kw
+    )
     outs = engine.generate(PROMPTS, jspec.SamplingParams(max_new_tokens=10, ignore_eos=True))
     engine.check_idle_no_leaks()
     return [o.token_ids for o in outs], engine
@@ -45,7 +46,9 @@ def test_tp_greedy_equals_one_device_with_eagle3_and_overlap(tiny, one_device_ea
 
 def test_tp_plain_greedy_equals_one_device_on_the_pallas_kernels(tiny):
     ref, _ = greedy(tiny)
-    engine = jspec.Engine(tiny, page_size=4, max_total_tokens=1020, max_running_requests=4, tp_size=4)  # pallas, interpreted
+    engine = jspec.Engine(
+        tiny, page_size=4, max_total_tokens=1020, max_running_requests=4, tp_size=4
+    )  # pallas, interpreted
     got = [o.token_ids for o in engine.generate(PROMPTS, jspec.SamplingParams(max_new_tokens=10, ignore_eos=True))]
     assert got == ref
 
@@ -68,8 +71,17 @@ def test_tp_refuses_what_does_not_divide(tiny):
 @pytest.fixture(scope="module")
 def tiny_moe(tmp_path_factory):
     # 8 experts, 2 per token; 8 query and 2 KV heads, so TP/EP 2 and 4 divide everything.
-    return tiny_model(tmp_path_factory, "tp_moe", arch="qwen3_moe", seed=12, num_heads=8, num_kv_heads=2,
-                      num_experts=8, num_experts_per_tok=2, max_position_embeddings=256)
+    return tiny_model(
+        tmp_path_factory,
+        "tp_moe",
+        arch="qwen3_moe",
+        seed=12,
+        num_heads=8,
+        num_kv_heads=2,
+        num_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+    )
 
 
 @pytest.mark.parametrize("ep", [2, 4])

@@ -36,10 +36,10 @@ def setup(tmp_path_factory):
     assert len(data.lengths) == len(examples)  # nothing cut: the replay below sees whole answers
     cfg = eagle3.TrainConfig(steps=60, batch_size=6, seq_len=SEQ_LEN, lr=4e-3, ttt_steps=3, log_every=20)
     trained = eagle3.train_eagle3(model, data, cfg, log=lambda s: None)
-    untrained = eagle3.train_eagle3(model, data, eagle3.TrainConfig(steps=0, seq_len=SEQ_LEN, ttt_steps=3),
-                                    log=lambda s: None)
-    return dict(root=root, model=model, ids=ids, base=base, data=data, cfg=cfg, trained=trained,
-                untrained=untrained)
+    untrained = eagle3.train_eagle3(
+        model, data, eagle3.TrainConfig(steps=0, seq_len=SEQ_LEN, ttt_steps=3), log=lambda s: None
+    )
+    return dict(root=root, model=model, ids=ids, base=base, data=data, cfg=cfg, trained=trained, untrained=untrained)
 
 
 def spec_run(model, ids, head_dir):
@@ -91,8 +91,9 @@ def test_saved_head_loads_and_is_lossless_and_accepted(setup):
     dcfg, loaded = load_draft_model(path, model.cfg)
     assert dcfg == setup["trained"].dcfg
     for params in (loaded, restore_params(path)):
-        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
-                     params, setup["trained"].params)
+        jax.tree.map(
+            lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, setup["trained"].params
+        )
 
     # The teacher-forced replay predicts the engine's acceptance (it differs at most in the last
     # iteration of each request, which may run past the known answer).
@@ -105,16 +106,18 @@ def test_generate_examples_greedy_first_then_seeded_samples(setup):
     model, ids = setup["model"], setup["ids"][:3]
     engine = jspec.Engine(model, **ENGINE_KW)
     prompts = split_prompts(3, 0)[0]
-    examples = eagle3.generate_examples(model, prompts, NEW_TOKENS, engine=engine, sampled_answers=2,
-                                        temperature=1.0, seed=7)
+    examples = eagle3.generate_examples(
+        model, prompts, NEW_TOKENS, engine=engine, sampled_answers=2, temperature=1.0, seed=7
+    )
     assert len(examples) == 9 and [e.prompt_len for e in examples] == [len(i) for i in ids] * 3
     # The greedy answers come first, in prompt order, and are the plain greedy output.
     assert [e.tokens for e in examples[:3]] == [i + o.token_ids for i, o in zip(ids, setup["base"][:3])]
     sampled = [e.tokens for e in examples[3:]]
-    assert all(s[:len(i)] == i for s, i in zip(sampled, ids * 2))
+    assert all(s[: len(i)] == i for s, i in zip(sampled, ids * 2))
     assert any(s != g.tokens for s, g in zip(sampled, examples[:3] * 2))  # temperature 1 leaves the greedy loop
-    again = eagle3.generate_examples(model, prompts, NEW_TOKENS, engine=engine, sampled_answers=2,
-                                     temperature=1.0, seed=7)
+    again = eagle3.generate_examples(
+        model, prompts, NEW_TOKENS, engine=engine, sampled_answers=2, temperature=1.0, seed=7
+    )
     assert [e.tokens for e in again] == [e.tokens for e in examples]  # seeded: the data is reproducible
 
 

@@ -19,8 +19,9 @@ def test_decode_lse_matches_reference(num_splits):
     q = jax.random.normal(ks[2], (3, 8, D))
     pt = jnp.array([[1, 2, 3, 4, 11], [5, 6, 0, 0, 0], [7, 8, 9, 10, 12]], jnp.int32)
     sl = jnp.array([50, 0, 80], jnp.int32)
-    out, lse = paged_decode(q, kc, vc, jnp.int32(1), sl, pt, sm_scale=0.125, return_lse=True,
-                            num_splits=num_splits, min_split_tokens=16)
+    out, lse = paged_decode(
+        q, kc, vc, jnp.int32(1), sl, pt, sm_scale=0.125, return_lse=True, num_splits=num_splits, min_split_tokens=16
+    )
     ref_out, ref_lse = paged_decode_ref(q, kc, vc, jnp.int32(1), sl, pt, sm_scale=0.125, return_lse=True)
     np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(lse, ref_lse, rtol=1e-5)

@@ -57,7 +57,7 @@ def paged_problem(rng, seq_lens, *, page_size, num_kv_heads, head_dim, spare_slo
     owned = rng.permutation(num_used)  # scattered, not contiguous
     cursor = 0
     for b, (n, pages) in enumerate(zip(seq_lens, pages_needed)):
-        table = owned[cursor:cursor + pages]
+        table = owned[cursor : cursor + pages]
         cursor += pages
         page_tables[b, :pages] = table
         if b % 2:
@@ -72,7 +72,7 @@ def paged_problem(rng, seq_lens, *, page_size, num_kv_heads, head_dim, spare_slo
 def ragged_queries(rng, q_lens, num_q_heads, head_dim, pad_rows):
     query_start = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     q = rng.standard_normal((int(query_start[-1]) + pad_rows, num_q_heads, head_dim)).astype(np.float32)
-    q[query_start[-1]:] = np.nan  # padding rows must not be read
+    q[query_start[-1] :] = np.nan  # padding rows must not be read
     return q, query_start
 
 
@@ -186,13 +186,19 @@ def test_references_match_dense_oracle(page_size, kv_chunk, wide, tree):
     prefix = np.array([150, 40, 0, 3, 64, 20, 0])
     seq_lens = (prefix + q_lens).astype(np.int32)
     needed = -(-int(seq_lens.max()) // page_size)
-    k, v, tables = paged_problem(rng, seq_lens, page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                 spare_slots=(wide - 1) * needed)
+    k, v, tables = paged_problem(
+        rng,
+        seq_lens,
+        page_size=page_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        spare_slots=(wide - 1) * needed,
+    )
     assert tables.shape[1] == wide * needed
     q, query_start = ragged_queries(rng, q_lens, num_kv_heads * group, head_dim, pad_rows=3)
     layer = jnp.int32(LAYER)
 
-    q_dec = q[:len(seq_lens)]
+    q_dec = q[: len(seq_lens)]
     dec_args = (q_dec, k, v, layer, seq_lens, tables)
     want_out, want_lse = dense_decode(*dec_args, sm_scale=SM_SCALE, return_lse=True)
     got = paged_decode_ref(*dec_args, sm_scale=SM_SCALE, kv_chunk=kv_chunk)
@@ -204,12 +210,11 @@ def test_references_match_dense_oracle(page_size, kv_chunk, wide, tree):
 
     ext_args = (q, k, v, layer, seq_lens, tables, query_start)
     mask = random_tree_mask(rng, len(seq_lens), max_q_len) if tree else None
-    got = np.asarray(paged_extend_ref(*ext_args, sm_scale=SM_SCALE, max_q_len=max_q_len, mask=mask,
-                                      kv_chunk=kv_chunk))
+    got = np.asarray(paged_extend_ref(*ext_args, sm_scale=SM_SCALE, max_q_len=max_q_len, mask=mask, kv_chunk=kv_chunk))
     want = dense_extend(*ext_args, sm_scale=SM_SCALE, max_q_len=max_q_len, mask=mask)
     assert not np.isnan(got).any()
     assert rel_err(got, want) < 1e-5
-    assert not np.any(got[query_start[-1]:])  # padding rows are zeros
+    assert not np.any(got[query_start[-1] :])  # padding rows are zeros
 
 
 # (page_size, group, head_dim, tuning): every page size, GQA ratio and head dim
@@ -272,7 +277,7 @@ def test_paged_extend_matches_reference(page_size, group, head_dim, tree, tuning
     assert out.shape == q.shape and out.dtype == q.dtype
     assert not np.isnan(out).any()
     assert rel_err(out, ref) < 1e-5
-    assert not np.any(out[query_start[-1]:])  # padding rows are zeros
+    assert not np.any(out[query_start[-1] :])  # padding rows are zeros
 
 
 # Page tables 8x wider than the longest sequence needs (the columns past each
@@ -290,8 +295,9 @@ def test_paged_decode_wide_table(page_size, tuning):
     rng = np.random.default_rng(31 + page_size)
     seq_lens = np.array([0, 300, 3, 17, 1, 64], np.int32)
     needed = -(-300 // page_size)
-    k, v, tables = paged_problem(rng, seq_lens, page_size=page_size, num_kv_heads=2, head_dim=64,
-                                 spare_slots=7 * needed)
+    k, v, tables = paged_problem(
+        rng, seq_lens, page_size=page_size, num_kv_heads=2, head_dim=64, spare_slots=7 * needed
+    )
     q = rng.standard_normal((len(seq_lens), 8, 64)).astype(np.float32)
     args = (q, k, v, jnp.array([LAYER], jnp.int32), seq_lens, tables)
     tuning = dict(tuning)
@@ -307,10 +313,13 @@ def test_paged_decode_wide_table(page_size, tuning):
     assert not np.any(np.asarray(out[0]))  # seq_len 0 -> zeros
 
 
-@pytest.mark.parametrize("page_size,tree,tuning", [
-    pytest.param(16, False, dict(block_n=16, min_split_tokens=32), id="s16-causal-many_splits"),
-    pytest.param(64, True, dict(block_n=32, num_splits=3), id="s64-tree-explicit_splits"),
-])
+@pytest.mark.parametrize(
+    "page_size,tree,tuning",
+    [
+        pytest.param(16, False, dict(block_n=16, min_split_tokens=32), id="s16-causal-many_splits"),
+        pytest.param(64, True, dict(block_n=32, num_splits=3), id="s64-tree-explicit_splits"),
+    ],
+)
 def test_paged_extend_wide_table(page_size, tree, tuning):
     rng = np.random.default_rng(41 + page_size + tree)
     max_q_len = 8
@@ -319,8 +328,9 @@ def test_paged_extend_wide_table(page_size, tree, tuning):
     prefix = np.array([250, 40, 0, 5, 20, 0])
     seq_lens = (prefix + q_lens).astype(np.int32)
     needed = -(-int(seq_lens.max()) // page_size)
-    k, v, tables = paged_problem(rng, seq_lens, page_size=page_size, num_kv_heads=2, head_dim=64,
-                                 spare_slots=7 * needed)
+    k, v, tables = paged_problem(
+        rng, seq_lens, page_size=page_size, num_kv_heads=2, head_dim=64, spare_slots=7 * needed
+    )
     q, query_start = ragged_queries(rng, q_lens, 4, 64, pad_rows=5)
     mask = random_tree_mask(rng, len(seq_lens), max_q_len) if tree else None
     args = (q, k, v, jnp.int32(LAYER), seq_lens, tables, query_start)
@@ -328,7 +338,7 @@ def test_paged_extend_wide_table(page_size, tree, tuning):
     ref = paged_extend_ref(*args, sm_scale=SM_SCALE, max_q_len=max_q_len, mask=mask)
     assert not np.isnan(out).any()
     assert rel_err(out, ref) < 1e-5
-    assert not np.any(out[query_start[-1]:])  # padding rows are zeros
+    assert not np.any(out[query_start[-1] :])  # padding rows are zeros
 
 
 def test_tree_mask_changes_the_result():
@@ -372,8 +382,9 @@ def test_bfloat16_inputs():
     bf = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
     args = (jnp.int32(LAYER), seq_lens, tables)
     out = paged_decode(bf(q), bf(k), bf(v), *args, sm_scale=SM_SCALE, block_n=32)
-    ref = paged_decode_ref(bf(q).astype(jnp.float32), bf(k).astype(jnp.float32), bf(v).astype(jnp.float32), *args,
-                           sm_scale=SM_SCALE)
+    ref = paged_decode_ref(
+        bf(q).astype(jnp.float32), bf(k).astype(jnp.float32), bf(v).astype(jnp.float32), *args, sm_scale=SM_SCALE
+    )
     assert out.dtype == jnp.bfloat16
     assert rel_err(out, ref) < 2e-2
 
@@ -403,8 +414,11 @@ def test_skinny_matmul_matches_reference(M, K, N, tuning):
 
 def test_skinny_matmul_plan():
     """Splits fill the GPU for narrow N, never go below MIN_TILES_PER_SPLIT tiles, and tile K exactly."""
-    qkv, lm_head, down = skinny_matmul_plan(1, 4096, 6144), skinny_matmul_plan(1, 4096, 128256), \
-        skinny_matmul_plan(1, 14336, 4096)
+    qkv, lm_head, down = (
+        skinny_matmul_plan(1, 4096, 6144),
+        skinny_matmul_plan(1, 4096, 128256),
+        skinny_matmul_plan(1, 14336, 4096),
+    )
     assert lm_head.num_splits == 1  # 1002 strips are already enough programs
     assert qkv.num_splits == 8 and qkv.split_len == 512
     assert down.num_splits * down.split_len >= 14336 > (down.num_splits - 1) * down.split_len

@@ -37,8 +37,13 @@ def cache_specs(batch, ctx, page_size, num_kv_heads, head_dim, layers=LAYERS, ta
     """A pool for batch sequences of ctx tokens; the page table addresses table_ctx tokens (default ctx)."""
     num_pages = batch * ctx // page_size + 1
     cache = jax.ShapeDtypeStruct((layers, num_pages, page_size, num_kv_heads, head_dim), BF16)
-    return cache, cache, jax.ShapeDtypeStruct((), I32), jax.ShapeDtypeStruct((batch,), I32), \
-        jax.ShapeDtypeStruct((batch, (table_ctx or ctx) // page_size), I32)
+    return (
+        cache,
+        cache,
+        jax.ShapeDtypeStruct((), I32),
+        jax.ShapeDtypeStruct((batch,), I32),
+        jax.ShapeDtypeStruct((batch, (table_ctx or ctx) // page_size), I32),
+    )
 
 
 def assert_has_triton_call(lowered):
@@ -51,6 +56,7 @@ def test_lowering_catches_a_non_power_of_two_array():
     def kernel_with(n):
         def kernel(x_ref, o_ref):
             o_ref[...] = x_ref[...] + jnp.sum(jax.lax.iota(jnp.float32, n))
+
         return kernel
 
     def call(n, x):
@@ -83,9 +89,13 @@ def test_lowering_catches_a_non_power_of_two_array():
 def test_paged_decode_lowers_for_cuda(batch, ctx, page_size, num_q_heads, num_kv_heads, head_dim, tuning):
     q = jax.ShapeDtypeStruct((batch, num_q_heads, head_dim), BF16)
     tuning = dict(tuning)
-    specs = (q, *cache_specs(batch, ctx, page_size, num_kv_heads, head_dim, tuning.pop("layers", LAYERS),
-                             tuning.pop("table_ctx", None)))
-    fn = functools.partial(paged_decode, sm_scale=head_dim ** -0.5, interpret=False, **tuning)
+    specs = (
+        q,
+        *cache_specs(
+            batch, ctx, page_size, num_kv_heads, head_dim, tuning.pop("layers", LAYERS), tuning.pop("table_ctx", None)
+        ),
+    )
+    fn = functools.partial(paged_decode, sm_scale=head_dim**-0.5, interpret=False, **tuning)
     assert_has_triton_call(lower_for_cuda(fn, *specs))
 
 
@@ -111,15 +121,17 @@ def test_paged_extend_lowers_for_cuda(batch, q_len, ctx, page_size, num_kv_heads
     query_start = jax.ShapeDtypeStruct((batch + 1,), I32)
     tuning = dict(tuning)
     layers = tuning.pop("layers", LAYERS)
-    specs = [q, *cache_specs(batch, ctx, page_size, num_kv_heads, head_dim, layers, tuning.pop("table_ctx", None)),
-             query_start]
+    specs = [
+        q,
+        *cache_specs(batch, ctx, page_size, num_kv_heads, head_dim, layers, tuning.pop("table_ctx", None)),
+        query_start,
+    ]
     if tree:
         specs.append(jax.ShapeDtypeStruct((batch, q_len, q_len), jnp.bool_))
 
     def fn(*args):
         mask = args[7] if tree else None
-        return paged_extend(*args[:7], sm_scale=head_dim ** -0.5, max_q_len=q_len, mask=mask, interpret=False,
-                            **tuning)
+        return paged_extend(*args[:7], sm_scale=head_dim**-0.5, max_q_len=q_len, mask=mask, interpret=False, **tuning)
 
     assert_has_triton_call(lower_for_cuda(fn, *specs))
 

@@ -1,7 +1,6 @@
 """jspec logits equal HF transformers' (float32) for checkpoints that transformers itself wrote:
 a prefill of every prompt position, then 8 decode steps through the paged KV cache."""
 
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -37,8 +36,9 @@ def test_logits_match_transformers(hf_checkpoints, variant):
     pages = [alloc.alloc(-(-(len(p) + DECODE_STEPS + 1) // PAGE_SIZE)) for p in prompts]
 
     # Prefill both prompts in one ragged batch, logits at every position.
-    batch, mode = build_forward_batch([SeqChunk(p, 0, pg) for p, pg in zip(prompts, pages)],
-                                      page_size=PAGE_SIZE, num_pages=32)
+    batch, mode = build_forward_batch(
+        [SeqChunk(p, 0, pg) for p, pg in zip(prompts, pages)], page_size=PAGE_SIZE, num_pages=32
+    )
     T = batch.tokens.shape[0]
     batch = batch._replace(logits_indices=np.arange(T, dtype=np.int32))
     kv, out = forward_logits(params, kv, batch, cfg=cfg, mode=mode._replace(backend=BACKEND))

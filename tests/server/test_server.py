@@ -42,10 +42,31 @@ class Server:
         log_path = os.path.join(os.path.dirname(model_path), f"server-{self.port}.log")
         self.log = open(log_path, "w+")  # noqa: SIM115 - the server's output while it runs; stop() closes it
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.join(ROOT, "scripts", "serve.py"), "--model-path", model_path,
-             "--port", str(self.port), "--attention-backend", "reference", "--skip-warmup", "--page-size", "4",
-             "--max-total-tokens", "4096", "--served-model-name", "tiny", "--max-running-requests", "40", "--log-level", "warning", *extra],
-            stdout=self.log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                os.path.join(ROOT, "scripts", "serve.py"),
+                "--model-path",
+                model_path,
+                "--port",
+                str(self.port),
+                "--attention-backend",
+                "reference",
+                "--skip-warmup",
+                "--page-size",
+                "4",
+                "--max-total-tokens",
+                "4096",
+                "--served-model-name",
+                "tiny",
+                "--max-running-requests",
+                "40",
+                "--log-level",
+                "warning",
+                *extra,
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.time() + 180
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -102,8 +123,9 @@ def server(model_dir):
 
 
 def reference(model_dir, prompts, max_new, spec=None):
-    return jspec.generate(model_dir, prompts, max_new_tokens=max_new, page_size=4, attention_backend="reference",
-                          speculative=spec)
+    return jspec.generate(
+        model_dir, prompts, max_new_tokens=max_new, page_size=4, attention_backend="reference", speculative=spec
+    )
 
 
 def chat_prompt_ids(model_dir, messages):
@@ -121,15 +143,26 @@ def check_openai_matches_generate(srv, model_dir, spec=None):
         got = c.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0)
         assert got.choices[0].text == r.text
         assert got.usage.completion_tokens == len(r.token_ids)
-        streamed = "".join(ch.choices[0].text for ch in c.completions.create(
-            model="tiny", prompt=p, max_tokens=12, temperature=0, stream=True) if ch.choices)
+        streamed = "".join(
+            ch.choices[0].text
+            for ch in c.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0, stream=True)
+            if ch.choices
+        )
         assert streamed == r.text
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi!"}]
     ref_chat = reference(model_dir, [chat_prompt_ids(model_dir, messages)], 10, spec)[0]
     got = c.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
     assert got.choices[0].message.content == ref_chat.text
-    chunks = list(c.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        c.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == ref_chat.text
     assert chunks[-1].usage.completion_tokens == len(ref_chat.token_ids)
 
@@ -141,17 +174,34 @@ def test_openai_client_matches_generate(server, model_dir):
 def test_openai_client_matches_generate_with_eagle(model_dir, tmp_path):
     cfg = jspec.load(model_dir).cfg
     draft = make_tiny_draft(str(tmp_path / "eagle3"), cfg, "EAGLE3", seed=4)
-    spec_flags = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", draft,
-                  "--speculative-num-steps", "3", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "5"]
+    spec_flags = [
+        "--speculative-algorithm",
+        "EAGLE3",
+        "--speculative-draft-model-path",
+        draft,
+        "--speculative-num-steps",
+        "3",
+        "--speculative-eagle-topk",
+        "2",
+        "--speculative-num-draft-tokens",
+        "5",
+    ]
     srv = Server(model_dir, *spec_flags)
     try:
         spec = jspec.SpecConfig("EAGLE3", draft, num_steps=3, eagle_topk=2, num_draft_tokens=5)
         check_openai_matches_generate(srv, model_dir, spec)
-        r = srv.post_raw("/generate", json.dumps({"text": "abc", "sampling_params": {
-            "max_new_tokens": 8, "temperature": 0}}).encode())[1]
+        r = srv.post_raw(
+            "/generate",
+            json.dumps({"text": "abc", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}).encode(),
+        )[1]
         assert r["meta_info"]["spec_verify_ct"] >= 1
         info = json.loads(srv.get("/get_server_info"))["speculative"]
-        assert (info["algorithm"], info["num_steps"], info["eagle_topk"], info["num_draft_tokens"]) == ("EAGLE3", 3, 2, 5)
+        assert (info["algorithm"], info["num_steps"], info["eagle_topk"], info["num_draft_tokens"]) == (
+            "EAGLE3",
+            3,
+            2,
+            5,
+        )
     finally:
         assert srv.stop()
 
@@ -163,14 +213,21 @@ def test_concurrent_streams_and_disconnects_leak_nothing(server, model_dir):
 
     async def full(p):
         text = ""
-        async for ch in await client.completions.create(model="tiny", prompt=p, max_tokens=24, temperature=0,
-                                                         stream=True):
+        async for ch in await client.completions.create(
+            model="tiny", prompt=p, max_tokens=24, temperature=0, stream=True
+        ):
             text += ch.choices[0].text if ch.choices else ""
         return p, text
 
     async def hang_up(i):
-        stream = await client.completions.create(model="tiny", prompt=f"leaver {i}", max_tokens=400,
-                                                 temperature=0, stream=True, extra_body={"ignore_eos": True})
+        stream = await client.completions.create(
+            model="tiny",
+            prompt=f"leaver {i}",
+            max_tokens=400,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         n = 0
         async for _ in stream:
             n += 1
@@ -216,7 +273,6 @@ def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(server, model
         server.client.chat.completions.create(model="tiny", messages=[], max_tokens=3)
 
 
-
 def test_unknown_roles_overlong_completions_and_stop_lists_get_400s(server):
     """A chat role OpenAI does not know, a completion length that does not fit in the context
     after the prompt (asked for explicitly: a default is clipped), and more stop strings than
@@ -228,16 +284,24 @@ def test_unknown_roles_overlong_completions_and_stop_lists_get_400s(server):
     many = [f"stop{i}" for i in range(MAX_STOP_STRINGS + 1)]
     cases = [
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "", "content": "x"}]},
-         "messages.1.role"),
-        ("/v1/completions", {"prompt": near_full, "max_tokens": 5},
-         "maximum context length is 512 tokens. However, you requested 513 tokens (508 in the prompt, 5 in the"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "", "content": "x"}]},
+            "messages.1.role",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": near_full, "max_tokens": 5},
+            "maximum context length is 512 tokens. However, you requested 513 tokens (508 in the prompt, 5 in the",
+        ),
         ("/v1/completions", {"prompt": [[1, 2, 3], near_full], "max_tokens": 100}, "508 in the prompt"),
         ("/v1/chat/completions", {"messages": chat, "max_tokens": 600}, "in the messages, 600 in the completion"),
-        ("/v1/chat/completions", {"messages": chat, "max_completion_tokens": 512, "max_tokens": 4},
-         "maximum context length is 512 tokens"),
-        ("/generate", {"input_ids": near_full, "sampling_params": {"max_new_tokens": 5}},
-         "you requested 513 tokens"),
+        (
+            "/v1/chat/completions",
+            {"messages": chat, "max_completion_tokens": 512, "max_tokens": 4},
+            "maximum context length is 512 tokens",
+        ),
+        ("/generate", {"input_ids": near_full, "sampling_params": {"max_new_tokens": 5}}, "you requested 513 tokens"),
         ("/v1/completions", {"prompt": "hi", "stop": many}, f"at most {MAX_STOP_STRINGS} stop strings"),
         ("/v1/chat/completions", {"messages": chat, "stop": many}, f"at most {MAX_STOP_STRINGS} stop strings"),
         ("/generate", {"text": "hi", "sampling_params": {"stop": many}}, f"at most {MAX_STOP_STRINGS} stop strings"),
@@ -255,19 +319,30 @@ def test_unknown_roles_overlong_completions_and_stop_lists_get_400s(server):
 
     # What fits still runs: the room exactly, a length left to its default (clipped to the room),
     # the other roles, and MAX_STOP_STRINGS stop strings.
-    ok = server.client.completions.create(model="tiny", prompt=near_full, max_tokens=4, temperature=0,
-                                          extra_body={"ignore_eos": True})
+    ok = server.client.completions.create(
+        model="tiny", prompt=near_full, max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert ok.usage.completion_tokens == 4
-    ok = server.client.completions.create(model="tiny", prompt=near_full, temperature=0,
-                                          extra_body={"ignore_eos": True})
+    ok = server.client.completions.create(
+        model="tiny", prompt=near_full, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert ok.usage.completion_tokens == 4 and ok.choices[0].finish_reason == "length"
-    code, r = server.post_raw("/generate", json.dumps({"input_ids": near_full, "sampling_params": {
-        "max_new_tokens": 4, "ignore_eos": True, "stop": many[:MAX_STOP_STRINGS]}}).encode())
+    code, r = server.post_raw(
+        "/generate",
+        json.dumps(
+            {
+                "input_ids": near_full,
+                "sampling_params": {"max_new_tokens": 4, "ignore_eos": True, "stop": many[:MAX_STOP_STRINGS]},
+            }
+        ).encode(),
+    )
     assert code == 200 and r["meta_info"]["completion_tokens"] == 4
     roles = [{"role": r, "content": "hi"} for r in ("developer", "system", "user", "assistant", "tool", "user")]
-    ok = server.client.chat.completions.create(model="tiny", messages=roles, max_completion_tokens=3,
-                                               stop=many[:MAX_STOP_STRINGS], temperature=0)
+    ok = server.client.chat.completions.create(
+        model="tiny", messages=roles, max_completion_tokens=3, stop=many[:MAX_STOP_STRINGS], temperature=0
+    )
     assert ok.choices[0].message.content is not None
+
 
 def test_metrics_parse_and_move(server):
     from prometheus_client.parser import text_string_to_metric_families
@@ -293,8 +368,12 @@ def test_logprobs_and_native_generate(server, model_dir):
     got = server.client.completions.create(model="tiny", prompt="abc", max_tokens=4, temperature=0, logprobs=3)
     lp = got.choices[0].logprobs
     assert len(lp.token_logprobs) == 4 and all(len(t) <= 3 for t in lp.top_logprobs)
-    code, r = server.post_raw("/generate", json.dumps({"text": "abc", "sampling_params": {
-        "max_new_tokens": 4, "temperature": 0}, "return_logprob": True}).encode())
+    code, r = server.post_raw(
+        "/generate",
+        json.dumps(
+            {"text": "abc", "sampling_params": {"max_new_tokens": 4, "temperature": 0}, "return_logprob": True}
+        ).encode(),
+    )
     assert code == 200 and r["output_ids"] == reference(model_dir, ["abc"], 4)[0].token_ids
     assert len(r["meta_info"]["output_token_logprobs"]) == 4
     code, r = server.post_raw("/generate", json.dumps({"text": "abc", "sampling_params": {"bogus": 1}}).encode())
@@ -308,8 +387,9 @@ def test_the_readme_server_comes_up_with_no_flags_and_answers_a_chat(tmp_path):
 
     port = free_port()
     log = open(tmp_path / "serve.log", "w+")  # noqa: SIM115 - closed in the finally below, after the server
-    proc = subprocess.Popen([sys.executable, "scripts/serve.py", "--port", str(port)], cwd=ROOT, stdout=log,
-                            stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "scripts/serve.py", "--port", str(port)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 150
@@ -325,8 +405,12 @@ def test_the_readme_server_comes_up_with_no_flags_and_answers_a_chat(tmp_path):
         assert "programs ready" in out and "ready:" in out, out[-3000:]
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         model = client.models.list().data[0].id
-        r = client.chat.completions.create(model=model, max_tokens=16, temperature=0,
-                                           messages=[{"role": "user", "content": "What is the capital of France?"}])
+        r = client.chat.completions.create(
+            model=model,
+            max_tokens=16,
+            temperature=0,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+        )
         answer = r.choices[0].message.content
         assert answer and r.usage.completion_tokens > 0
         if "SmolLM2" in default_model_path()[1]:  # the real weights, when setup could fetch them
@@ -355,8 +439,15 @@ def test_disconnects_under_load_log_no_errors_and_hold_nothing(model_dir):
     log_path = srv.log.name
 
     def body(i, n, max_tokens, stream=True):
-        b = {"model": "tiny", "max_tokens": max_tokens, "temperature": 0.7, "seed": i, "n": n, "stream": stream,
-             "ignore_eos": True}
+        b = {
+            "model": "tiny",
+            "max_tokens": max_tokens,
+            "temperature": 0.7,
+            "seed": i,
+            "n": n,
+            "stream": stream,
+            "ignore_eos": True,
+        }
         if i % 2:
             return "/v1/chat/completions", {**b, "messages": [{"role": "user", "content": f"hello {i}"}]}
         return "/v1/completions", {**b, "prompt": f"request {i}: " + "xy" * (i % 5)}
@@ -389,8 +480,9 @@ def test_disconnects_under_load_log_no_errors_and_hold_nothing(model_dir):
 
     async def main():
         async with httpx.AsyncClient(base_url=srv.url, timeout=60) as client:
-            return await asyncio.gather(*[stream(client, i) for i in range(32)],
-                                        *[give_up(client, i) for i in range(4)])
+            return await asyncio.gather(
+                *[stream(client, i) for i in range(32)], *[give_up(client, i) for i in range(4)]
+            )
 
     try:
         results = asyncio.run(main())[:32]
@@ -407,8 +499,9 @@ def test_disconnects_under_load_log_no_errors_and_hold_nothing(model_dir):
         assert state["requests"] == state["running"] == state["waiting"] == 0, state
         assert state["kv_pages_free"] + state["kv_pages_cached"] == state["kv_pages_total"], state
         assert state["request_slots_free"] == state["request_slots_total"], state
-        ok = srv.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "still there?"}],
-                                                max_tokens=4, temperature=0)
+        ok = srv.client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "still there?"}], max_tokens=4, temperature=0
+        )
         assert ok.choices[0].message.content is not None and ok.usage.completion_tokens >= 1
     finally:
         assert srv.stop()

@@ -51,9 +51,16 @@ import torch
 import transformers
 
 DEFAULT_SHAPES = dict(
-    vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-    bos_token_id=256, eos_token_id=257, tie_word_embeddings=False,
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=256,
+    eos_token_id=257,
+    tie_word_embeddings=False,
 )
 ARCH_DEFAULTS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(rope_theta=500000.0, rms_norm_eps=1e-5)),
@@ -61,14 +68,29 @@ ARCH_DEFAULTS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1000000.0)),
     # Real Qwen3 has head_dim * heads != hidden; keep that property.
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(rope_theta=1000000.0, head_dim=32)),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
-        rope_theta=1000000.0, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)),
-    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
-        rope_theta=1000000.0, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-        shared_expert_intermediate_size=48)),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
-        rope_theta=1000000.0, sliding_window=None, num_local_experts=4, num_experts_per_tok=2,
-        intermediate_size=48)),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(rope_theta=1000000.0, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(
+            rope_theta=1000000.0,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+        ),
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(
+            rope_theta=1000000.0, sliding_window=None, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48
+        ),
+    ),
 }
 
 
@@ -109,8 +131,11 @@ def job_make(job: dict) -> dict[str, np.ndarray]:
     _redraw(model, torch.Generator().manual_seed(int(job.get("seed", 0))))
     if job.get("dtype", "float32") == "bfloat16":
         model = model.to(torch.bfloat16)
-    model.save_pretrained(job["out_dir"], safe_serialization=True,
-                          **({} if job.get("save_original_format", True) else {"save_original_format": False}))
+    model.save_pretrained(
+        job["out_dir"],
+        safe_serialization=True,
+        **({} if job.get("save_original_format", True) else {"save_original_format": False}),
+    )
     out = {"num_params": np.array([_num_params(model)], np.int64)}
     if job.get("dump_params"):
         out.update(_param_dump(model))
@@ -174,13 +199,19 @@ def job_gguf_generate(job: dict) -> dict[str, np.ndarray]:
     model.eval()
     out = {}
     for i, text in enumerate(job["messages"]):
-        prompt = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                         add_generation_prompt=True)
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
         ids = tok(prompt, add_special_tokens=False, return_tensors="pt").input_ids
-        gen = model.generate(ids, do_sample=False, max_new_tokens=int(job["max_new_tokens"]),
-                             eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+        gen = model.generate(
+            ids,
+            do_sample=False,
+            max_new_tokens=int(job["max_new_tokens"]),
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.eos_token_id,
+        )
         out[f"prompt_ids_{i}"] = ids[0].numpy().astype(np.int64)
-        out[f"generated_{i}"] = gen[0, ids.shape[1]:].numpy().astype(np.int64)
+        out[f"generated_{i}"] = gen[0, ids.shape[1] :].numpy().astype(np.int64)
     return out
 
 

@@ -36,9 +36,18 @@ ORACLE = Path(__file__).resolve().with_name("hf_oracle.py")
 # they carry transformers-5 config.json fields (rope_parameters, layer_types, dtype).
 HF_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", {}),
-    "llama3_rope": ("llama", {"rope_scaling": {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64}}),
+    "llama3_rope": (
+        "llama",
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
     "llama_tied": ("llama", {"tie_word_embeddings": True}),
     "mistral": ("mistral", {}),
     "qwen2": ("qwen2", {}),
@@ -89,15 +98,17 @@ def run_oracle(request: dict[str, Any], timeout: float = 600) -> dict[str, np.nd
         raise RuntimeError(NO_HF_REASON)
     # The oracle venv must not see this venv's packages (jax, jspec) through PYTHONPATH.
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               TRANSFORMERS_VERBOSITY="error")
+    env.update(
+        HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", TRANSFORMERS_VERBOSITY="error"
+    )
     with tempfile.TemporaryDirectory(prefix="jspec-oracle-") as tmp:
         request = {**request, "out": os.path.join(tmp, "out.npz")}
         req_path = os.path.join(tmp, "request.json")
         with open(req_path, "w") as f:
             json.dump(request, f)
-        proc = subprocess.run([py, str(ORACLE), req_path], capture_output=True, text=True, env=env,
-                              timeout=timeout, cwd=tmp)
+        proc = subprocess.run(
+            [py, str(ORACLE), req_path], capture_output=True, text=True, env=env, timeout=timeout, cwd=tmp
+        )
         if proc.returncode != 0:
             raise RuntimeError(
                 f"hf_oracle failed (exit {proc.returncode}) on mode {request.get('mode', 'jobs')!r}:\n"
@@ -107,18 +118,34 @@ def run_oracle(request: dict[str, Any], timeout: float = 600) -> dict[str, np.nd
             return {k: data[k] for k in data.files}
 
 
-def _job_make(name: str, out_dir: str | os.PathLike, arch_or_variant: str, seed: int, dtype: str,
-              overrides: dict[str, Any], dump_params: bool) -> dict[str, Any]:
+def _job_make(
+    name: str,
+    out_dir: str | os.PathLike,
+    arch_or_variant: str,
+    seed: int,
+    dtype: str,
+    overrides: dict[str, Any],
+    dump_params: bool,
+) -> dict[str, Any]:
     if arch_or_variant in HF_VARIANTS:
         arch, base = HF_VARIANTS[arch_or_variant]
     else:
         arch, base = arch_or_variant, {}
-    return {"name": name, "mode": "make", "arch": arch, "out_dir": os.fspath(out_dir), "seed": seed,
-            "dtype": dtype, "overrides": {**base, **overrides}, "dump_params": dump_params}
+    return {
+        "name": name,
+        "mode": "make",
+        "arch": arch,
+        "out_dir": os.fspath(out_dir),
+        "seed": seed,
+        "dtype": dtype,
+        "overrides": {**base, **overrides},
+        "dump_params": dump_params,
+    }
 
 
-def hf_make_checkpoint(out_dir: str | os.PathLike, arch: str = "llama", seed: int = 0,
-                       dtype: str = "float32", **overrides: Any) -> str:
+def hf_make_checkpoint(
+    out_dir: str | os.PathLike, arch: str = "llama", seed: int = 0, dtype: str = "float32", **overrides: Any
+) -> str:
     """A random checkpoint written by transformers' save_pretrained. `arch` is an
     arch (llama, mistral, qwen2, qwen3) or a HF_VARIANTS name; overrides are
     config kwargs (e.g. num_hidden_layers=3, tie_word_embeddings=True)."""
@@ -128,16 +155,22 @@ def hf_make_checkpoint(out_dir: str | os.PathLike, arch: str = "llama", seed: in
     return os.fspath(out_dir)
 
 
-def hf_make_checkpoints(root: str | os.PathLike, variants: dict[str, tuple] | None = None,
-                        seed: int = 0, dtype: str = "float32", dump_params: bool = False
-                        ) -> dict[str, dict[str, Any]]:
+def hf_make_checkpoints(
+    root: str | os.PathLike,
+    variants: dict[str, tuple] | None = None,
+    seed: int = 0,
+    dtype: str = "float32",
+    dump_params: bool = False,
+) -> dict[str, dict[str, Any]]:
     """Several checkpoints in one oracle run (one torch start-up). A variant is
     (arch, config overrides) or (arch, config overrides, make-job options such as
     {"save_original_format": False}). Returns
     {name: {"path", "num_params", "params": {HF name: array} (if dump_params)}}."""
     variants = HF_VARIANTS if variants is None else variants
-    jobs = [{**_job_make(name, Path(root) / name, arch, seed, dtype, ov, dump_params), **(opts[0] if opts else {})}
-            for name, (arch, ov, *opts) in variants.items()]
+    jobs = [
+        {**_job_make(name, Path(root) / name, arch, seed, dtype, ov, dump_params), **(opts[0] if opts else {})}
+        for name, (arch, ov, *opts) in variants.items()
+    ]
     out = run_oracle({"jobs": jobs})
     return {name: _unpack(out, name, os.fspath(Path(root) / name)) for name in variants}
 
@@ -152,18 +185,26 @@ def hf_inspect(paths: dict[str, str | os.PathLike]) -> dict[str, dict[str, Any]]
 
 def _unpack(out: dict[str, np.ndarray], name: str, path: str) -> dict[str, Any]:
     prefix = f"{name}/"
-    params = {k[len(prefix) + len("param:"):]: v for k, v in out.items() if k.startswith(prefix + "param:")}
+    params = {k[len(prefix) + len("param:") :]: v for k, v in out.items() if k.startswith(prefix + "param:")}
     return {"path": path, "num_params": int(out[prefix + "num_params"][0]), "params": params}
 
 
-def hf_logits(path: str | os.PathLike, prompts: list[list[int]], decode_steps: int = 8,
-              hidden_states: bool = False) -> dict[str, Any]:
+def hf_logits(
+    path: str | os.PathLike, prompts: list[list[int]], decode_steps: int = 8, hidden_states: bool = False
+) -> dict[str, Any]:
     """HF's float32 reference for each prompt (batch 1 each, eager attention):
     {"prefill_logits": [[T_i, V]], "decode_logits": [[decode_steps, V]],
      "generated": [[decode_steps + 1]], "prefill_hidden": [[L+1, T_i, H]] (if asked),
      "num_params": int}."""
-    out = run_oracle({"mode": "logits", "checkpoint": os.fspath(path), "prompts": [list(map(int, p)) for p in prompts],
-                      "decode_steps": decode_steps, "hidden_states": hidden_states})
+    out = run_oracle(
+        {
+            "mode": "logits",
+            "checkpoint": os.fspath(path),
+            "prompts": [list(map(int, p)) for p in prompts],
+            "decode_steps": decode_steps,
+            "hidden_states": hidden_states,
+        }
+    )
     res: dict[str, Any] = {"num_params": int(out["num_params"][0])}
     keys = ["prefill_logits", "decode_logits", "generated"] + (["prefill_hidden"] if hidden_states else [])
     for key in keys:

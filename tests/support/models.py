@@ -25,20 +25,39 @@ def tiny_model(tmp_path_factory, name: str = "m", *, context: int | None = None,
 H = 64
 
 TARGET = ModelConfig(
-    family="llama", vocab_size=H, hidden_size=H, intermediate_size=H, num_layers=4,
-    num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=128,
+    family="llama",
+    vocab_size=H,
+    hidden_size=H,
+    intermediate_size=H,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=128,
 )
+
 
 def draft_config(algorithm, cfg=TARGET, vocab=None):
     return DraftConfig(
-        algorithm=algorithm, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-        rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta, rope_scaling=None,
-        max_position_embeddings=cfg.max_position_embeddings, vocab_size=cfg.vocab_size,
-        draft_vocab_size=vocab or cfg.vocab_size, num_layers=1,
-        capture_layers=(1, 2, 3) if algorithm == "EAGLE3" else (), fc_bias=algorithm == "EAGLE",
-        has_embed=False, has_lm_head=algorithm == "EAGLE3",
+        algorithm=algorithm,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta,
+        rope_scaling=None,
+        max_position_embeddings=cfg.max_position_embeddings,
+        vocab_size=cfg.vocab_size,
+        draft_vocab_size=vocab or cfg.vocab_size,
+        num_layers=1,
+        capture_layers=(1, 2, 3) if algorithm == "EAGLE3" else (),
+        fc_bias=algorithm == "EAGLE",
+        has_embed=False,
+        has_lm_head=algorithm == "EAGLE3",
     )
+
 
 def permutation_models(algorithm, seed=0, perm=None):
     """Target whose greedy next token is pi(current), and a draft that predicts it exactly."""
@@ -51,12 +70,15 @@ def permutation_models(algorithm, seed=0, perm=None):
     target = {
         "embed": jnp.eye(H),
         "layers": {
-            "attn_norm": jnp.ones((L, H)), "wqkv": jnp.asarray(rng.normal(size=(L, H, qkv)) * 0.1, jnp.float32),
-            "wo": jnp.zeros((L, TARGET.q_size, H)), "mlp_norm": jnp.ones((L, H)),
+            "attn_norm": jnp.ones((L, H)),
+            "wqkv": jnp.asarray(rng.normal(size=(L, H, qkv)) * 0.1, jnp.float32),
+            "wo": jnp.zeros((L, TARGET.q_size, H)),
+            "mlp_norm": jnp.ones((L, H)),
             "w_gate_up": jnp.asarray(rng.normal(size=(L, H, 2 * H)) * 0.1, jnp.float32),
             "w_down": jnp.zeros((L, H, H)),
         },
-        "final_norm": jnp.ones(H), "lm_head": jnp.asarray(P),
+        "final_norm": jnp.ones(H),
+        "lm_head": jnp.asarray(P),
     }
     dcfg = draft_config(algorithm)
     a = b = 2.0
@@ -64,21 +86,29 @@ def permutation_models(algorithm, seed=0, perm=None):
     eye = np.eye(H, dtype=np.float32)
     layer = {
         "wqkv": jnp.asarray(rng.normal(size=(1, 2 * H if algorithm == "EAGLE3" else H, qkv)) * 0.1, jnp.float32),
-        "wo": jnp.zeros((1, TARGET.q_size, H)), "mlp_norm": jnp.ones((1, H)),
+        "wo": jnp.zeros((1, TARGET.q_size, H)),
+        "mlp_norm": jnp.ones((1, H)),
         "w_gate_up": jnp.asarray(np.concatenate([a * eye, b * eye], 1)[None]),
     }
     if algorithm == "EAGLE3":
         # fc keeps the lowest captured layer (= e_x); the MLP steps e_x -> e_pi(x); own lm_head = P.
-        layer.update(attn_norm=jnp.ones((1, H)), hidden_norm=jnp.ones((1, H)),
-                     w_down=jnp.asarray(((P - eye) / alpha)[None]))
+        layer.update(
+            attn_norm=jnp.ones((1, H)), hidden_norm=jnp.ones((1, H)), w_down=jnp.asarray(((P - eye) / alpha)[None])
+        )
         fc = np.concatenate([eye, 0 * eye, 0 * eye], 0)
-        draft = {"fc": jnp.asarray(fc), "layers": layer, "final_norm": jnp.ones(H), "lm_head": jnp.asarray(P),
-                 "d2t": jnp.zeros(H, jnp.int32)}
+        draft = {
+            "fc": jnp.asarray(fc),
+            "layers": layer,
+            "final_norm": jnp.ones(H),
+            "lm_head": jnp.asarray(P),
+            "d2t": jnp.zeros(H, jnp.int32),
+        }
     else:
         # fc keeps the token embedding; the layer is the identity; the target's lm_head does the rest.
         layer.update(w_down=jnp.zeros((1, H, H)))
         draft = {"fc": jnp.asarray(np.concatenate([eye, 0 * eye], 0)), "fc_bias": jnp.zeros(H), "layers": layer}
     return target, dcfg, draft
+
 
 def prompts(lengths, seed=0):
     rng = np.random.default_rng(seed)

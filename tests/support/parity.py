@@ -12,5 +12,6 @@ from jspec.models.llama import forward
 def forward_logits(params, kv, batch, *, cfg, mode):
     return forward(params, cfg, kv, batch, mode)
 
+
 def rel_err(a, b):
     return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))

@@ -20,6 +20,7 @@ def reference_keep(x, top_k, top_p, min_p):
         keep &= x - x.max() >= np.log(min_p)
     return keep
 
+
 def reference_probs(logits, temperature, top_k, top_p, min_p):
     """The distribution a row must sample from, in float64 numpy."""
     x = logits.astype(np.float64) / temperature
@@ -34,5 +35,12 @@ def fixed_tree(parents, tokens, B):
         depths[i] = 0 if p < 0 else depths[p] + 1
     first, nxt = child_links(parents[None])
     rep = lambda a: jnp.broadcast_to(jnp.asarray(a), (B, *np.shape(a)))  # noqa: E731
-    return DraftTree(rep(tokens), rep(parents), rep(depths), rep(ancestor_mask(parents[None])[0]),
-                     rep(np.arange(len(parents)) - 1), rep(first[0]), rep(nxt[0]))
+    return DraftTree(
+        rep(tokens),
+        rep(parents),
+        rep(depths),
+        rep(ancestor_mask(parents[None])[0]),
+        rep(np.arange(len(parents)) - 1),
+        rep(first[0]),
+        rep(nxt[0]),
+    )

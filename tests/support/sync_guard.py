@@ -68,7 +68,10 @@ _MISSING = object()
 
 # Frames of these files are left out of a read's stack: they say how, not where.
 _SKIP_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, jaxlib, np)) + (
-    os.path.abspath(__file__), contextlib.__file__, threading.__file__)
+    os.path.abspath(__file__),
+    contextlib.__file__,
+    threading.__file__,
+)
 
 
 class _Depth(threading.local):
@@ -99,8 +102,10 @@ class DeviceReads:
     designated: list[DeviceRead] = dataclasses.field(default_factory=list)
 
     def report(self) -> str:
-        lines = [f"{len(self.hidden)} device read(s) outside jspec.scheduler.sync.designated_read "
-                 f"({len(self.designated)} through it):"]
+        lines = [
+            f"{len(self.hidden)} device read(s) outside jspec.scheduler.sync.designated_read "
+            f"({len(self.designated)} through it):"
+        ]
         lines += [f"  {r}" for r in self.hidden]
         return "\n".join(lines)
 

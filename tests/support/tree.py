@@ -13,6 +13,7 @@ BATCH = 6
 
 VOCAB = 97
 
+
 def configs():
     """(topk, num_steps, num_draft_tokens) as the brief lists them."""
     out = []
@@ -25,6 +26,7 @@ def configs():
             for n in sorted({min(n, cap) for n in (2, 5, 8, 16)}):
                 out.append((topk, steps, n))
     return out
+
 
 @functools.cache
 def pipeline(topk: int, num_steps: int, n: int):
@@ -42,6 +44,7 @@ def pipeline(topk: int, num_steps: int, n: int):
 
     # Tiny graphs: XLA's backend optimisation costs more compile time than it saves.
     return jax.jit(run, compiler_options={"xla_backend_optimization_level": 0})
+
 
 def random_draft(rng, topk, num_steps, ties=False, vocab=VOCAB, distinct=True):
     """Per-step draft tables for BATCH requests: p0/t0 [B, topk], probs/tokens [S-1, B, topk, topk].

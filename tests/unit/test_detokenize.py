@@ -47,7 +47,7 @@ def split(ids: list[int], rng: random.Random, max_chunk: int = 4) -> list[list[i
     chunks, i = [], 0
     while i < len(ids):
         n = rng.randint(1, max_chunk)
-        chunks.append(ids[i:i + n])
+        chunks.append(ids[i : i + n])
         i += n
     return chunks
 
@@ -75,7 +75,7 @@ def test_byte_by_byte_emits_each_character_once_complete(tok):
         emitted += detok.add([b])
         try:
             # When the bytes so far are complete UTF-8, nothing may be held back.
-            assert emitted == data[:i + 1].decode("utf-8")
+            assert emitted == data[: i + 1].decode("utf-8")
         except UnicodeDecodeError:
             assert "\ufffd" not in emitted and TEXT.startswith(emitted)
     assert detok.flush() == ""
@@ -152,13 +152,14 @@ def test_sentencepiece_leading_space(sp_tok):
 
 # ---------------------------------------------------------------- stop checker
 
+
 def run(tok, text_or_ids, checker: StopChecker, chunk: int = 1):
     """Feeds tokens `chunk` at a time; returns (streamed pieces, kept ids, finish reason)."""
     ids = ids_of(text_or_ids.encode()) if isinstance(text_or_ids, str) else list(text_or_ids)
     detok = IncrementalDetokenizer(tok)
     pieces, kept = [], []
     for i in range(0, len(ids), chunk):
-        r = checker.update(ids[i:i + chunk], detok)
+        r = checker.update(ids[i : i + chunk], detok)
         pieces.append(r.text)
         kept += r.token_ids
         if r.finished:
@@ -323,5 +324,5 @@ def test_random_streams_match_one_shot(tok):
         elif reason.type == "length":
             expected = tok.decode(ids[:40])
         else:  # the text ends just before the stop string completed first
-            expected = data[:min((data.find(s) + len(s), data.find(s)) for s in stops if s in data)[1]]
+            expected = data[: min((data.find(s) + len(s), data.find(s)) for s in stops if s in data)[1]]
         assert "".join(pieces) == expected

@@ -33,11 +33,28 @@ from jspec.checkpoint.files import write_safetensors
 from jspec.config.model import ModelConfig
 from jspec.testing import eagle_tiny
 
-TARGET = ModelConfig(family="llama", vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2,
-                     num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=500000.0)
+TARGET = ModelConfig(
+    family="llama",
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rope_theta=500000.0,
+)
 # A deeper target, so SGLang's default capture layers [2, L//2, L-3] are distinct.
-DEEP_TARGET = ModelConfig(family="llama", vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=8,
-                          num_heads=4, num_kv_heads=2, head_dim=16)
+DEEP_TARGET = ModelConfig(
+    family="llama",
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=8,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+)
 
 # Runs in the HF venv: torch.save each job's npz as a state dict. With
 # "views", weights are saved as non-contiguous views (a transpose of their
@@ -71,8 +88,9 @@ def torch_save_many(tmp_path: Path, jobs: list[tuple[dict[str, np.ndarray], Path
     spec = []
     for k, (tensors, out, dtype, views) in enumerate(jobs):
         npz = tmp_path / f"in{k}.npz"
-        np.savez(npz, **{n: np.asarray(a, np.float32) if a.dtype == ml_dtypes.bfloat16 else a
-                         for n, a in tensors.items()})
+        np.savez(
+            npz, **{n: np.asarray(a, np.float32) if a.dtype == ml_dtypes.bfloat16 else a for n, a in tensors.items()}
+        )
         spec.append({"npz": str(npz), "out": str(out), "dtype": dtype, "views": views})
     req = tmp_path / "torch_save.json"
     req.write_text(json.dumps(spec))
@@ -95,6 +113,7 @@ def write_dir(d: Path, hf: dict, tensors: dict[str, np.ndarray]) -> Path:
 def check_values(cfg: DraftConfig, params: dict, t: dict[str, np.ndarray], dtype=np.float32) -> None:
     """Every leaf equals the HF tensor it came from: [out, in] -> [in, out], q|k|v and gate|up
     concatenated on the out axis, layers stacked on axis 0."""
+
     def f(name):
         return np.asarray(t[name]).astype(dtype).astype(np.float32)
 
@@ -131,6 +150,7 @@ def check_values(cfg: DraftConfig, params: dict, t: dict[str, np.ndarray], dtype
 # ---------------------------------------------------------------------------
 # Layouts
 # ---------------------------------------------------------------------------
+
 
 def test_eagle_safetensors(tmp_path):
     hf = hf_of("EAGLE")
@@ -199,8 +219,9 @@ def test_bin_layouts_written_by_torch(tmp_path):
     d1, d3 = tmp_path / "e1", tmp_path / "e3"
     for d, hf in ((d1, hf1), (d3, hf3)):
         eagle_tiny.write_draft_config(d, hf)
-    torch_save_many(tmp_path, [(t1, d1 / "pytorch_model.bin", "float32", True),
-                               (t3, d3 / "pytorch_model.bin", "bfloat16", False)])
+    torch_save_many(
+        tmp_path, [(t1, d1 / "pytorch_model.bin", "float32", True), (t3, d3 / "pytorch_model.bin", "bfloat16", False)]
+    )
     raw = read_torch_bin_file(d1 / "pytorch_model.bin")
     assert set(raw) == set(t1)
     for n in t1:  # views with swapped strides; vectors at offset 3 of zero-padded storages
@@ -232,12 +253,16 @@ def test_init_random_draft_params_matches_loaded_structure(tmp_path):
 # Errors
 # ---------------------------------------------------------------------------
 
+
 def test_wrong_shape_names_tensor_expected_and_got(tmp_path):
     hf = hf_of("EAGLE3")
     t = eagle_tiny.tiny_draft_tensors(TARGET, hf)
     t["midlayer.self_attn.q_proj.weight"] = t["midlayer.self_attn.q_proj.weight"][:, :64]  # in = H, not 2H
-    with pytest.raises(TensorShapeError, match=r"'midlayer.self_attn.q_proj.weight': expected \[64, 128\], "
-                                               r"got \[64, 64\]"):
+    with pytest.raises(
+        TensorShapeError,
+        match=r"'midlayer.self_attn.q_proj.weight': expected \[64, 128\], "
+        r"got \[64, 64\]",
+    ):
         load_draft_model(write_dir(tmp_path / "a", hf, t), TARGET)
     wide = ModelConfig(**{**TARGET.__dict__, "hidden_size": 96})
     with pytest.raises(TensorShapeError, match="hidden_size is 64, but the target's hidden_size is 96"):
@@ -263,8 +288,11 @@ def test_unknown_layout(tmp_path):
     with pytest.raises(UnknownDraftLayoutError, match="neither an EAGLE head.*nor an EAGLE-3 head.*encoder.weight"):
         load_draft_model(write_dir(tmp_path / "a", hf_of("EAGLE"), t), TARGET)
     # A full target model given as the draft: layers but no fc.
-    t = {"embed_tokens.weight": np.zeros((320, 64), np.float32), "norm.weight": np.ones(64, np.float32),
-         "layers.0.self_attn.q_proj.weight": np.zeros((64, 64), np.float32)}
+    t = {
+        "embed_tokens.weight": np.zeros((320, 64), np.float32),
+        "norm.weight": np.ones(64, np.float32),
+        "layers.0.self_attn.q_proj.weight": np.zeros((64, 64), np.float32),
+    }
     with pytest.raises(UnknownDraftLayoutError, match="looks like a full model"):
         load_draft_model(write_dir(tmp_path / "b", {"architectures": ["LlamaForCausalLM"]}, t), TARGET)
 

@@ -14,11 +14,17 @@ from jspec.checkpoint.files import read_hf_tensors  # noqa: E402 (after the impo
 from jspec.checkpoint.gguf import GGUFError, convert_gguf, unpermute_rope_rows  # noqa: E402 (after the importorskip)
 from jspec.testing.tiny import make_tiny_model  # noqa: E402 (after the importorskip)
 
-HF_TO_GGUF = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-              "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-              "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-              "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-              "mlp.down_proj.weight": "ffn_down.weight"}
+HF_TO_GGUF = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
 
 
 def permute_rope_rows(w, n_heads):
@@ -56,8 +62,11 @@ def write_llama_gguf(hf_dir, path, arch="llama"):
     for name, t in read_hf_tensors(hf_dir).items():
         t = np.asarray(t, np.float32)
         if name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
-            g = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
-                 "model.norm.weight": "output_norm.weight"}[name]
+            g = {
+                "model.embed_tokens.weight": "token_embd.weight",
+                "lm_head.weight": "output.weight",
+                "model.norm.weight": "output_norm.weight",
+            }[name]
         else:
             layer, rest = name.split(".")[2], name.split(".", 3)[3]
             g = f"blk.{layer}.{HF_TO_GGUF[rest]}"
@@ -69,8 +78,9 @@ def write_llama_gguf(hf_dir, path, arch="llama"):
                 stored = permute_rope_rows(t, cfg["num_key_value_heads"])
             q = gguf.quants.quantize(stored, gguf.GGMLQuantizationType.Q8_0)
             w.add_tensor(g, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-            t = gguf.quants.dequantize(gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0),
-                                       gguf.GGMLQuantizationType.Q8_0)
+            t = gguf.quants.dequantize(
+                gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
+            )
         else:
             w.add_tensor(g, t)
         want[name] = t
@@ -95,8 +105,17 @@ def test_tiny_gguf_converts_back_to_its_tensors_config_and_tokenizer(tmp_path):
     for name in want:  # q/k: Q8_0 blocks run along the input dimension, so rounding commutes with the row permutation
         np.testing.assert_array_equal(np.asarray(got[name], np.float32), want[name], err_msg=name)
     a, b = json.load(open(os.path.join(hf, "config.json"))), json.load(open(os.path.join(out, "config.json")))
-    for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-              "vocab_size", "rope_theta", "tie_word_embeddings", "bos_token_id"):
+    for k in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+        "rope_theta",
+        "tie_word_embeddings",
+        "bos_token_id",
+    ):
         assert a[k] == b[k], k
     src, conv = jspec.load(hf).tokenizer, jspec.load(out).tokenizer
     text = "Hello, world! 123 speculative  decoding\n<|eot_id|>"

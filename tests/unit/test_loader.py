@@ -38,8 +38,15 @@ from jspec.config.model import RopeScaling, UnsupportedArchitectureError
 from jspec.testing.tiny import EOS_IDS, make_tiny_model
 
 REPO = REPO_ROOT
-ARCH_CASES = [("llama", False), ("llama", True), ("mistral", False), ("qwen2", False), ("qwen2", True),
-              ("qwen3", False), ("qwen3", True)]
+ARCH_CASES = [
+    ("llama", False),
+    ("llama", True),
+    ("mistral", False),
+    ("qwen2", False),
+    ("qwen2", True),
+    ("qwen3", False),
+    ("qwen3", True),
+]
 
 
 def _np(x) -> np.ndarray:
@@ -87,16 +94,18 @@ def assert_matches_hf(cfg, params, hf: dict[str, np.ndarray]) -> None:
 def tiny_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
     return {
-        (arch, tied): make_tiny_model(root / f"{arch}-{'tied' if tied else 'untied'}", arch, seed=1,
-                                      tie_word_embeddings=tied)
+        (arch, tied): make_tiny_model(
+            root / f"{arch}-{'tied' if tied else 'untied'}", arch, seed=1, tie_word_embeddings=tied
+        )
         for arch, tied in ARCH_CASES
     }
 
 
 @pytest.fixture(scope="module")
 def llama_bf16(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("bf16") / "m", "llama", seed=2, dtype="bfloat16",
-                           rope_scaling="llama3")
+    return make_tiny_model(
+        tmp_path_factory.mktemp("bf16") / "m", "llama", seed=2, dtype="bfloat16", rope_scaling="llama3"
+    )
 
 
 def _copy(src, tmp_path, name="m"):
@@ -108,6 +117,7 @@ def _copy(src, tmp_path, name="m"):
 # ---------------------------------------------------------------------------
 # Round trips
 # ---------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("arch,tied", ARCH_CASES)
 def test_round_trip_each_arch(tiny_dirs, arch, tied):
@@ -129,8 +139,11 @@ def test_sharded_index_equals_single_file(tmp_path):
     sharded = make_tiny_model(tmp_path / "sharded", "qwen2", seed=5, num_shards=2)
     files = sorted(os.listdir(sharded))
     assert "model.safetensors" not in files
-    assert {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
-            "model.safetensors.index.json"} <= set(files)
+    assert {
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    } <= set(files)
     with open(os.path.join(sharded, "model.safetensors.index.json")) as f:
         assert len(set(json.load(f)["weight_map"].values())) == 2
     _, p1 = load_model(single, dtype=jnp.float32)
@@ -144,8 +157,9 @@ def test_bf16_checkpoint(llama_bf16):
     assert all(a.dtype == ml_dtypes.bfloat16 for a in raw.values())
     cfg, p16 = load_model(llama_bf16, dtype=jnp.bfloat16)
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(p16))
-    np.testing.assert_array_equal(_np(p16["layers"]["wqkv"][1][:, : cfg.q_size]),
-                                  raw["model.layers.1.self_attn.q_proj.weight"].T)
+    np.testing.assert_array_equal(
+        _np(p16["layers"]["wqkv"][1][:, : cfg.q_size]), raw["model.layers.1.self_attn.q_proj.weight"].T
+    )
     _, p32 = load_model(llama_bf16, dtype=jnp.float32)  # exact widening of bf16
     assert p32["embed"].dtype == jnp.float32
     assert_matches_hf(cfg, p32, raw)
@@ -192,12 +206,39 @@ def test_init_random_params(tiny_dirs):
 
 def test_make_tiny_model_cli(tmp_path):
     out = tmp_path / "cli"
-    subprocess.run([sys.executable, os.path.join(REPO, "scripts", "make_tiny_model.py"), str(out), "--arch", "qwen3",
-                    "--layers", "3", "--hidden", "32", "--heads", "2", "--kv-heads", "1", "--dtype", "bfloat16",
-                    "--shards", "2", "--tie-embeddings"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "scripts", "make_tiny_model.py"),
+            str(out),
+            "--arch",
+            "qwen3",
+            "--layers",
+            "3",
+            "--hidden",
+            "32",
+            "--heads",
+            "2",
+            "--kv-heads",
+            "1",
+            "--dtype",
+            "bfloat16",
+            "--shards",
+            "2",
+            "--tie-embeddings",
+        ],
+        check=True,
+        capture_output=True,
+    )
     cfg, params = load_model(out)
     assert (cfg.family, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
-        "qwen3", 3, 32, 2, 1, 32)
+        "qwen3",
+        3,
+        32,
+        2,
+        1,
+        32,
+    )
     assert cfg.tie_word_embeddings and "lm_head" not in params
     assert os.path.isfile(out / "model.safetensors.index.json")
 
@@ -205,6 +246,7 @@ def test_make_tiny_model_cli(tmp_path):
 # ---------------------------------------------------------------------------
 # Tokenizer
 # ---------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("text", ["Hello, world!", "héllo wörld — 你好, мир 🙂\n\ttabs  and  spaces", ""])
 def test_tokenizer_round_trip(tiny_dirs, text):
@@ -243,6 +285,7 @@ def test_tokenizer_special_ids_and_template(tiny_dirs, tmp_path):
 # Errors say what is wrong and where
 # ---------------------------------------------------------------------------
 
+
 def _rewrite_tensors(path, edit):
     tensors = {k: np.array(v) for k, v in read_hf_tensors(path).items()}
     edit(tensors)
@@ -263,8 +306,9 @@ def test_error_unknown_architecture(tiny_dirs, tmp_path):
 
 def test_error_missing_tensor(tiny_dirs, tmp_path):
     path = _copy(tiny_dirs[("qwen2", False)], tmp_path)
-    _rewrite_tensors(path, lambda t: (t.pop("model.layers.1.mlp.up_proj.weight"),
-                                      t.pop("model.layers.0.self_attn.k_proj.bias")))
+    _rewrite_tensors(
+        path, lambda t: (t.pop("model.layers.1.mlp.up_proj.weight"), t.pop("model.layers.0.self_attn.k_proj.bias"))
+    )
     with pytest.raises(MissingTensorError) as e:
         load_model(path)
     msg = str(e.value)
@@ -282,8 +326,9 @@ def test_error_missing_lm_head_when_untied(tiny_dirs, tmp_path):
 
 def test_error_wrong_shape(tiny_dirs, tmp_path):
     path = _copy(tiny_dirs[("llama", False)], tmp_path)
-    _rewrite_tensors(path, lambda t: t.__setitem__("model.layers.1.self_attn.k_proj.weight",
-                                                   np.zeros((64, 64), np.float32)))
+    _rewrite_tensors(
+        path, lambda t: t.__setitem__("model.layers.1.self_attn.k_proj.weight", np.zeros((64, 64), np.float32))
+    )
     with pytest.raises(TensorShapeError) as e:
         load_model(path)
     msg = str(e.value)
@@ -326,6 +371,7 @@ def test_error_missing_shard_and_truncated_file(tmp_path):
 # Agreement with transformers (needs the HF venv)
 # ---------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def hf_checkpoints(tmp_path_factory):
     if hf_python() is None:
@@ -348,8 +394,10 @@ def test_hf_written_checkpoints_load(hf_checkpoints, variant):
 
 @requires_hf
 def test_hf_loads_our_tiny_checkpoints(tiny_dirs, llama_bf16):
-    ours = {f"{a}-{t}": tiny_dirs[(a, t)] for a, t in [("llama", True), ("mistral", False), ("qwen2", True),
-                                                        ("qwen3", False)]}
+    ours = {
+        f"{a}-{t}": tiny_dirs[(a, t)]
+        for a, t in [("llama", True), ("mistral", False), ("qwen2", True), ("qwen3", False)]
+    }
     ours["llama-bf16"] = llama_bf16
     refs = hf_inspect(ours)  # fails if transformers finds a missing/unexpected/mis-shaped weight
     for name, path in ours.items():

@@ -13,15 +13,19 @@ from jspec.config.sampling import SamplingParams
 from jspec.layers.sampling import TOP_K_CAP, keep_mask, sample_tokens, sampling_mode, sampling_rows
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
-    (1.0, 0, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.3, 0, 0.8, 0.0), (1.0, 0, 1.0, 0.1), (0.9, 8, 0.9, 0.05)])
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p,min_p",
+    [(1.0, 0, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.3, 0, 0.8, 0.0), (1.0, 0, 1.0, 0.1), (0.9, 8, 0.9, 0.05)],
+)
 def test_sampled_distribution_matches_the_filtered_target(temperature, top_k, top_p, min_p):
     V, N = 24, 40000
     logits = np.random.default_rng(0).normal(size=V).astype(np.float32) * 2
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     rows = sampling_rows([params] * N, np.arange(N, dtype=np.uint32), N)
     sample = jax.jit(sample_tokens, static_argnames="mode")
-    toks = np.asarray(sample(jnp.broadcast_to(logits, (N, V)), rows, jnp.zeros(N, jnp.int32), mode=sampling_mode([params])))
+    toks = np.asarray(
+        sample(jnp.broadcast_to(logits, (N, V)), rows, jnp.zeros(N, jnp.int32), mode=sampling_mode([params]))
+    )
     want = reference_probs(logits, temperature, top_k, top_p, min_p)
     got = np.bincount(toks, minlength=V) / N
     assert np.all(got[want == 0] == 0), "a filtered-out token was sampled"
@@ -66,22 +70,44 @@ def test_seeded_request_reproduces_alongside_different_requests(tmp_path):
     other = SamplingParams(max_new_tokens=6, temperature=0.8, ignore_eos=True)
     kw = dict(page_size=16, max_total_tokens=2032, attention_backend="reference")
     a = jspec.Engine(model, **kw).generate([[5, 6, 7]], seeded)[0].token_ids
-    b = jspec.Engine(model, random_seed=9, **kw).generate([[1, 2], [5, 6, 7], [9] * 20], [other, seeded, other])[1].token_ids
+    b = (
+        jspec.Engine(model, random_seed=9, **kw)
+        .generate([[1, 2], [5, 6, 7], [9] * 20], [other, seeded, other])[1]
+        .token_ids
+    )
     c = jspec.Engine(model, **kw).generate([[5, 6, 7]], dataclasses.replace(seeded, seed=43))[0].token_ids
     assert a == b and a != c
 
 
-@pytest.mark.parametrize("kw,msg", [
-    (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-2), "top_k"), (dict(min_p=2.0), "min_p"), (dict(seed=-1), "seed"),
-    (dict(max_new_tokens=0), "max_new_tokens"), (dict(stop=[""]), "stop")])
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(min_p=2.0), "min_p"),
+        (dict(seed=-1), "seed"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(stop=[""]), "stop"),
+    ],
+)
 def test_invalid_params_are_refused(kw, msg):
     with pytest.raises(ValueError, match=msg):
         SamplingParams(**kw)
 
 
-FILTERS = [(5, 1.0, 0.0), (50, 0.9, 0.0), (0, 0.8, 0.0), (0, 1.0, 0.1), (8, 0.5, 0.05), (TOP_K_CAP, 0.99, 0.0),
-           (0, 0.999, 0.0), (1, 1.0, 0.0), (300, 1.0, 0.0)]
+FILTERS = [
+    (5, 1.0, 0.0),
+    (50, 0.9, 0.0),
+    (0, 0.8, 0.0),
+    (0, 1.0, 0.1),
+    (8, 0.5, 0.05),
+    (TOP_K_CAP, 0.99, 0.0),
+    (0, 0.999, 0.0),
+    (1, 1.0, 0.0),
+    (300, 1.0, 0.0),
+]
 
 
 @pytest.mark.parametrize("V", [300, 5000])  # 5000 > TOP_K_CAP * 32: the group-maximum candidates
@@ -107,8 +133,7 @@ def test_a_row_draws_the_same_token_whatever_its_batch_needs():
     rng = np.random.default_rng(4)
     logits = jnp.asarray(rng.normal(size=(16, 700)).astype(np.float32) * 2)
     pos = jnp.arange(16)
-    top_k = [SamplingParams(temperature=0.8, top_k=40) if i % 2 else SamplingParams(temperature=1.2)
-             for i in range(16)]
+    top_k = [SamplingParams(temperature=0.8, top_k=40) if i % 2 else SamplingParams(temperature=1.2) for i in range(16)]
     with_top_p = top_k[:15] + [SamplingParams(temperature=1.0, top_p=0.7)]
     plain = [SamplingParams(temperature=1.2)] * 16
     draw = lambda ps: np.asarray(sample_tokens(logits, sampling_rows(ps, list(range(16)), 16), pos))  # noqa: E731

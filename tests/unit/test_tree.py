@@ -89,7 +89,9 @@ def check_against_brute(rng, topk, num_steps, n, **draft_kw):
             np.testing.assert_array_equal(step.beam_scores[b], step.cand_scores[b][best])
         want = brute_tree(scores, tokens, parents, root[b], n)
         for name, value in want.items():
-            np.testing.assert_array_equal(getattr(tree, name)[b], value, err_msg=f"{name} b={b} cfg={topk, num_steps, n}")
+            np.testing.assert_array_equal(
+                getattr(tree, name)[b], value, err_msg=f"{name} b={b} cfg={topk, num_steps, n}"
+            )
         check_structure(tree, b, cands.parents[b])
 
 
