@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
 from typing import Protocol
 
 import jax
@@ -187,6 +188,58 @@ class WorkerBase:
             )
         slot_ids, pt, rows, ids = last.arrays
         return self.decode_arrays(slot_ids, pt, rows, last.mode, self._lora_batch(ids) if ids is not None else None)
+
+    # What a method's worker gives: its step functions, the weights they take before the state,
+    # their static arguments, and which prefill outputs they read.
+    prefill_step: Callable
+    decode_step: Callable
+
+    def step_weights(self) -> tuple:
+        return (self.params,)
+
+    def step_statics(self) -> dict:
+        return dict(cfg=self.cfg)
+
+    def prefill_step_tokens(self, next_tokens, finish_rows) -> tuple:
+        return (next_tokens,)
+
+    def prefill(
+        self,
+        chunks,
+        following,
+        slots,
+        sampling,
+        output_starts=None,
+        first_chunks=None,
+        with_prompt_logprobs=False,
+        loras=None,
+    ):
+        batch, mode, next_tokens, finish_rows, slot_ids, counts = self._prefill_inputs(
+            chunks, following, slots, output_starts, first_chunks
+        )
+        rows = _rows(sampling, slot_ids.shape[0])
+        lora = self._prefill_loras(batch, chunks, loras)
+        T = batch.tokens.shape[0]
+        statics = dict(self.step_statics(), mode=mode, top_n=self.top_n, with_prompt_logprobs=with_prompt_logprobs)
+        label = f"prefill T={T}{' prompt logprobs' if with_prompt_logprobs else ''}"
+        tokens = self.prefill_step_tokens(next_tokens, finish_rows)
+        return self._launch(
+            self._prefill_key(T, with_prompt_logprobs),
+            lambda: (self.prefill_step, statics, label),
+            (*self.step_weights(), self.state, batch, *tokens, slot_ids, counts, rows, lora),
+        )
+
+    def decode_arrays(self, slot_ids, page_tables, rows, mode: str, lora=None):
+        """decode() on prebuilt (bucketed) arrays: the launch alone."""
+        if lora is None and self.lora is not None:
+            lora = self._decode_loras(slot_ids.shape[0], None)
+        B = slot_ids.shape[0]
+        statics = dict(self.step_statics(), backend=self.backend, top_n=self.top_n, sampling=mode)
+        return self._launch(
+            ("decode", B, mode, self.top_n),
+            lambda: (self.decode_step, statics, f"decode B={B} {mode}"),
+            (*self.step_weights(), self.state, slot_ids, page_tables, rows, lora),
+        )
 
     def on_mesh(self):
         """Context for launching steps: the mesh, so attention runs per shard (shard_map)."""

@@ -20,8 +20,6 @@ from jspec.distributed.tensor_parallel import replicate
 from jspec.layers.batch import AttentionMode, ForwardBatch, bucket
 from jspec.layers.penalties import PrefillCounts
 from jspec.layers.sampling import SAMPLING_MODES, sampling_mode, sampling_rows
-from jspec.speculative.method import spec_decode_step, spec_prefill_step
-from jspec.steps.plain import plain_decode_step, plain_prefill_step
 from jspec.worker.base import WorkerBase, decode_lora_slots, prefill_lora_slots
 from jspec.worker.batch import DPBatch, PrefillBatch
 from jspec.worker.spec import SpecWorker
@@ -49,10 +47,7 @@ class DPWorker:
             else:
                 inner.dparams = replicate(inner.dparams, mesh)
                 shared.append(jax.tree.map(lambda _: P(), inner.dparams))
-            steps = spec_prefill_step, spec_decode_step
-        else:
-            steps = plain_prefill_step, plain_decode_step
-        self._shared, self._steps = tuple(shared), steps
+        self._shared, self._steps = tuple(shared), (inner.prefill_step, inner.decode_step)
         self._lora = inner.lora
         self._build_steps()
         self.state = lift_state(inner.state, mesh)
@@ -163,41 +158,22 @@ class DPWorker:
         inner = self.inner
         mode = AttentionMode(False, T, inner.backend)
         batch, draft_tokens, finish_rows, slot_ids, counts, rows, loras = self._stack(ranks)
-        if self.spec:
-            self.state, out = self._prefill(
-                inner.params,
-                inner.dparams,
-                *self._pool(),
-                self.state,
-                batch,
-                draft_tokens,
-                finish_rows,
-                slot_ids,
-                counts,
-                rows,
-                loras,
-                cfg=inner.cfg,
-                method=inner.method,
-                mode=mode,
-                top_n=inner.top_n,
-                with_prompt_logprobs=with_prompt_logprobs,
-            )
-        else:
-            self.state, out = self._prefill(
-                inner.params,
-                *self._pool(),
-                self.state,
-                batch,
-                draft_tokens,
-                slot_ids,
-                counts,
-                rows,
-                loras,
-                cfg=inner.cfg,
-                mode=mode,
-                top_n=inner.top_n,
-                with_prompt_logprobs=with_prompt_logprobs,
-            )
+        tokens = inner.prefill_step_tokens(draft_tokens, finish_rows)
+        self.state, out = self._prefill(
+            *inner.step_weights(),
+            *self._pool(),
+            self.state,
+            batch,
+            *tokens,
+            slot_ids,
+            counts,
+            rows,
+            loras,
+            **inner.step_statics(),
+            mode=mode,
+            top_n=inner.top_n,
+            with_prompt_logprobs=with_prompt_logprobs,
+        )
         return out
 
     def _stack(self, ranks: list[tuple]) -> tuple:
@@ -213,36 +189,19 @@ class DPWorker:
     def _launch_decode(self, ranks, mode: str):
         inner = self.inner
         slot_ids, pt, rows, loras = self._stack(ranks)
-        if self.spec:
-            self.state, out = self._decode(
-                inner.params,
-                inner.dparams,
-                *self._pool(),
-                self.state,
-                slot_ids,
-                pt,
-                rows,
-                loras,
-                cfg=inner.cfg,
-                method=inner.method,
-                backend=inner.backend,
-                top_n=inner.top_n,
-                sampling=mode,
-            )
-        else:
-            self.state, out = self._decode(
-                inner.params,
-                *self._pool(),
-                self.state,
-                slot_ids,
-                pt,
-                rows,
-                loras,
-                cfg=inner.cfg,
-                backend=inner.backend,
-                top_n=inner.top_n,
-                sampling=mode,
-            )
+        self.state, out = self._decode(
+            *inner.step_weights(),
+            *self._pool(),
+            self.state,
+            slot_ids,
+            pt,
+            rows,
+            loras,
+            **inner.step_statics(),
+            backend=inner.backend,
+            top_n=inner.top_n,
+            sampling=mode,
+        )
         return out
 
     def warmup(self, sampling_modes=SAMPLING_MODES, prompt_logprobs: bool = False) -> int:

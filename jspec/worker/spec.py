@@ -6,12 +6,15 @@ from jspec.config.model import ModelConfig
 from jspec.kvcache.pool import create_kv_pool
 from jspec.layers.penalties import init_penalty_state
 from jspec.speculative.method import init_spec_state, spec_decode_step, spec_prefill_step
-from jspec.worker.base import WorkerBase, _rows, lay_out_layers
+from jspec.worker.base import WorkerBase, lay_out_layers
 
 
 class SpecWorker(WorkerBase):
     """Speculative decoding with any SpecMethod (speculative/registry.py builds it from a SpecConfig):
     the target pool, the method's draft state and the speculative carry."""
+
+    prefill_step = staticmethod(spec_prefill_step)
+    decode_step = staticmethod(spec_decode_step)
 
     def __init__(
         self,
@@ -47,50 +50,11 @@ class SpecWorker(WorkerBase):
             )
         )
 
-    def prefill(
-        self,
-        chunks,
-        following,
-        slots,
-        sampling,
-        output_starts=None,
-        first_chunks=None,
-        with_prompt_logprobs=False,
-        loras=None,
-    ):
-        batch, mode, draft_tokens, finish_rows, slot_ids, counts = self._prefill_inputs(
-            chunks, following, slots, output_starts, first_chunks
-        )
-        rows = _rows(sampling, slot_ids.shape[0])
-        lora = self._prefill_loras(batch, chunks, loras)
-        T = batch.tokens.shape[0]
-        return self._launch(
-            self._prefill_key(T, with_prompt_logprobs),
-            lambda: (
-                spec_prefill_step,
-                dict(
-                    cfg=self.cfg,
-                    method=self.method,
-                    mode=mode,
-                    top_n=self.top_n,
-                    with_prompt_logprobs=with_prompt_logprobs,
-                ),
-                f"prefill T={T}{' prompt logprobs' if with_prompt_logprobs else ''}",
-            ),
-            (self.params, self.dparams, self.state, batch, draft_tokens, finish_rows, slot_ids, counts, rows, lora),
-        )
+    def step_weights(self) -> tuple:
+        return (self.params, self.dparams)
 
-    def decode_arrays(self, slot_ids, page_tables, rows, mode: str, lora=None):
-        """decode() on prebuilt (bucketed) arrays: the launch alone."""
-        if lora is None and self.lora is not None:
-            lora = self._decode_loras(slot_ids.shape[0], None)
-        B = slot_ids.shape[0]
-        return self._launch(
-            ("decode", B, mode, self.top_n),
-            lambda: (
-                spec_decode_step,
-                dict(cfg=self.cfg, method=self.method, backend=self.backend, top_n=self.top_n, sampling=mode),
-                f"decode B={B} {mode}",
-            ),
-            (self.params, self.dparams, self.state, slot_ids, page_tables, rows, lora),
-        )
+    def step_statics(self) -> dict:
+        return dict(cfg=self.cfg, method=self.method)
+
+    def prefill_step_tokens(self, next_tokens, finish_rows) -> tuple:
+        return (next_tokens, finish_rows)  # the draft's first tokens, and its rows' finishing flags
