@@ -167,9 +167,9 @@ class WorkerBase:
                 batch.with_prompt_logprobs,
                 loras,
             )
-        return self.decode(batch.slots, batch.page_tables, batch.sampling, loras)
+        return self.decode(batch.slots, batch.page_tables, batch.sampling, loras, batch.shape)
 
-    def decode(self, slots, page_tables, sampling, loras=None):
+    def decode(self, slots, page_tables, sampling, loras=None, shape: int = 0):
         """Builds the bucketed arrays, then launches (the subclass's decode_arrays). A batch the
         same as the last one (the common case: the same requests, no new page) reuses the last
         arrays, already on the device, so the launch only dispatches."""
@@ -187,7 +187,8 @@ class WorkerBase:
                 sampling_mode(p for p, _ in sampling),
             )
         slot_ids, pt, rows, ids = last.arrays
-        return self.decode_arrays(slot_ids, pt, rows, last.mode, self._lora_batch(ids) if ids is not None else None)
+        lora = self._lora_batch(ids) if ids is not None else None
+        return self.decode_arrays(slot_ids, pt, rows, last.mode, lora, shape)
 
     # What a method's worker gives: its step functions, the weights they take before the state,
     # their static arguments, and which prefill outputs they read.
@@ -197,8 +198,11 @@ class WorkerBase:
     def step_weights(self) -> tuple:
         return (self.params,)
 
-    def step_statics(self) -> dict:
+    def step_statics(self, shape: int = 0) -> dict:
+        """Static arguments of the steps; shape: which draft shape (speculative workers)."""
         return dict(cfg=self.cfg)
+
+    num_shapes = 1  # draft shapes a decode can run (an adaptive speculative worker has several)
 
     def prefill_step_tokens(self, next_tokens, finish_rows) -> tuple:
         return (next_tokens,)
@@ -229,17 +233,39 @@ class WorkerBase:
             (*self.step_weights(), self.state, batch, *tokens, slot_ids, counts, rows, lora),
         )
 
-    def decode_arrays(self, slot_ids, page_tables, rows, mode: str, lora=None):
+    def decode_arrays(self, slot_ids, page_tables, rows, mode: str, lora=None, shape: int = 0):
         """decode() on prebuilt (bucketed) arrays: the launch alone."""
         if lora is None and self.lora is not None:
             lora = self._decode_loras(slot_ids.shape[0], None)
         B = slot_ids.shape[0]
-        statics = dict(self.step_statics(), backend=self.backend, top_n=self.top_n, sampling=mode)
+        statics = dict(self.step_statics(shape), backend=self.backend, top_n=self.top_n, sampling=mode)
+        label = f"decode B={B} {mode}" + (f" shape {shape}" if shape else "")
         return self._launch(
-            ("decode", B, mode, self.top_n),
-            lambda: (self.decode_step, statics, f"decode B={B} {mode}"),
+            self._decode_key(B, mode, shape),
+            lambda: (self.decode_step, statics, label),
             (*self.step_weights(), self.state, slot_ids, page_tables, rows, lora),
         )
+
+    def _decode_key(self, B: int, mode: str, shape: int) -> tuple:
+        return ("decode", B, mode, self.top_n, shape)
+
+    def decode_ready(self, rows: int, mode: str, shape: int) -> bool:
+        """Whether the decode program for this many rows, sampling program and shape is compiled;
+        if not, starts compiling it in the background (the loop runs another shape meanwhile)."""
+        B = bucket(rows)
+        if self.programs.ready(self._decode_key(B, mode, shape)):
+            return True
+        scratch = (SamplingParams(temperature=1.0) if mode == "sampled" else SamplingParams(), 0)
+        collecting, self.programs.collecting = self.programs.collecting, []
+        try:
+            self.decode([self.scratch_slot] * B, [[0]] * B, [scratch] * B, shape=shape)
+            jobs = self.programs.collecting
+        finally:
+            self.programs.collecting = collecting
+            self._last_decode = None  # the scratch batch is not the loop's
+        for job in jobs:
+            self.programs.compile_in_background(job)
+        return False
 
     def on_mesh(self):
         """Context for launching steps: the mesh, so attention runs per shard (shard_map)."""
@@ -310,11 +336,13 @@ class WorkerBase:
         try:
             for with_prompt in (False, True) if prompt_logprobs else (False,):
                 jobs += self.prefill_jobs(with_prompt)
-            for B in self.decode_buckets():
-                for mode in sampling_modes:
-                    self.decode([self.scratch_slot] * B, [[0]] * B, [scratch[mode]] * B)
+            for shape in range(self.num_shapes):
+                for B in self.decode_buckets():
+                    for mode in sampling_modes:
+                        self.decode([self.scratch_slot] * B, [[0]] * B, [scratch[mode]] * B, shape=shape)
         finally:
             self.programs.collecting = None
+            self._last_decode = None
         return jobs
 
     def prefill_jobs(self, with_prompt_logprobs: bool) -> list[Job]:
