@@ -146,16 +146,18 @@ class AdaptivePolicy:
     def describe(self) -> dict:
         """The policy's state for /get_server_info."""
         per_bucket: dict[int, dict[str, int]] = {}
-        for (bucket, shape), n in self.stats.chosen.items():
+        # Copies first: the engine's thread updates these while a server thread reads them.
+        chosen, seconds, accept = dict(self.stats.chosen), dict(self.stats.seconds), dict(self.stats.accept_ema)
+        for (bucket, shape), n in chosen.items():
             per_bucket.setdefault(bucket, {})[shape_label(shape)] = n
         return {
             "shapes": [shape_label(s) for s in self.shapes],
-            "cost_source": self.costs.source,
+            "cost_source": self.costs.source if self.costs else "not measured yet",
             "costs_ms": {
                 shape_label(s): {b: round(t * 1e3, 4) for b, t in sorted(row.items())}
-                for s, row in self.costs.seconds.items()
+                for s, row in (self.costs.seconds if self.costs else {}).items()
             },
             "chosen_per_bucket": {b: per_bucket[b] for b in sorted(per_bucket)},
-            "seconds_per_shape": {shape_label(s): round(t, 4) for s, t in self.stats.seconds.items()},
-            "mean_accept_per_shape": {shape_label(s): round(a, 4) for s, a in self.stats.accept_ema.items()},
+            "seconds_per_shape": {shape_label(s): round(t, 4) for s, t in seconds.items()},
+            "mean_accept_per_shape": {shape_label(s): round(a, 4) for s, a in accept.items()},
         }
