@@ -59,7 +59,7 @@ class SpecWorker(WorkerBase):
     def step_statics(self, shape: int = 0) -> dict:
         return dict(cfg=self.cfg, method=self.methods[shape])
 
-    def measure_costs(self, repeats: int = 3):
+    def measure_costs(self, repeats: int = 5):
         """Each draft shape's decode time per row bucket, timed on scratch rows (they write only
         the scratch page and slot): the adaptive policy's cost table."""
         import time

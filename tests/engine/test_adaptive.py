@@ -121,3 +121,25 @@ def test_adaptive_refuses_dp_attention():
             max_total_tokens=512,
             attention_backend="reference",
         )
+
+
+def test_replayed_ngram_traces_match_the_engine():
+    """The replay benchmark computes NGRAM's accepts from a plain greedy record instead of running
+    each shape: its iterations per request must be the engine's own, shape by shape."""
+    from benchmarks.bench_adaptive import fixed, record, replay
+
+    target = init_random_params(TARGET, jax.random.key(1), jnp.float32)
+    ps = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [5, 6, 5, 6, 5, 6, 7], [9, 30, 41]]
+    spec = SpecConfig("NGRAM", adaptive=True, adaptive_shapes="3,2,7")
+    shapes = spec.shapes()
+    kw = dict(page_size=4, max_total_tokens=512, max_running_requests=4, attention_backend="reference")
+    traces = record((TARGET, target), ps, ["a", "b", "c"], 16, shapes, spec)
+    flat = CostTable({s: {1: 1.0} for s in shapes}, "unit")
+    engine = jspec.Engine((TARGET, target), speculative=spec, **kw)
+    engine.adaptive.costs = flat
+    for i, shape in enumerate(shapes):
+        engine.adaptive.choose = lambda alphas, bucket, ready=None, i=i: i  # this shape only
+        outs = engine.generate(ps, SamplingParams(max_new_tokens=16))
+        for t, o in zip(traces, outs):
+            assert len(o.token_ids) == t.generated
+            assert sum(replay([t], flat, shapes, fixed(i))["iterations"].values()) == o.spec_verify_ct, (shape, t.name)
