@@ -339,19 +339,23 @@ class Engine:
 
     def _launch(self, batch) -> Launched:
         if self.adaptive is not None and isinstance(batch, DecodeBatch):
-            batch.shape = self._choose_shape(batch)
+            choice = self._choose_shape(batch)
+            batch.shape, batch.drafting = choice.shape, choice.drafting
         launched = Launched(batch, start_host_copy(self.worker.launch(batch)))
         self.num_steps += 1
         self.on_launched(launched)
         return launched
 
-    def _choose_shape(self, batch: DecodeBatch) -> int:
+    def _choose_shape(self, batch: DecodeBatch):
         if self.adaptive.costs is None:
             self._measure_costs()
         mode = sampling_mode(p for p, _ in batch.sampling)
         rows = len(batch.reqs)
-        # The shape this engine was configured with is always compiled; others only once ready.
-        ready = lambda i: i == 0 or self.worker.decode_ready(rows, mode, i)  # noqa: E731
+
+        def ready(i: int, drafting_rows: int | None) -> bool:
+            # The configured shape for every row is always compiled; the rest once ready.
+            return (i == 0 and drafting_rows is None) or self.worker.decode_ready(rows, mode, i, drafting_rows)
+
         return self.adaptive.choose(self.adaptive.alphas(batch.reqs), bucket(rows), ready)
 
     def _process(self, launched: Launched) -> list[RequestOutput]:
@@ -370,7 +374,7 @@ class Engine:
             if self.adaptive is not None:
                 now = time.perf_counter()
                 b = launched.batch
-                self.adaptive.observe(b.shape, b.reqs, host.accept_len, now - self._last_processed)
+                self.adaptive.observe(b.shape, b.reqs, host.accept_len, now - self._last_processed, b.drafting)
         outputs = self.on_processed(launched, [self.output(r, *before[id(r)]) for r in touched])
         self._last_processed = time.perf_counter()
         times = self.loop_times

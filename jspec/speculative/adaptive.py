@@ -84,6 +84,15 @@ class AdaptiveStats:
     chosen: dict[tuple[int, Shape], int] = dataclasses.field(default_factory=dict)  # (bucket, shape) -> count
     seconds: dict[Shape, float] = dataclasses.field(default_factory=dict)  # wall time per shape
     accept_ema: dict[Shape, float] = dataclasses.field(default_factory=dict)  # mean accepted drafts per shape
+    rows_opted_out: int = 0  # rows that verified their root alone while others in the batch drafted
+
+
+@dataclasses.dataclass
+class Choice:
+    """One iteration's pick: the shape, and which rows draft (None: all)."""
+
+    shape: int
+    drafting: list[bool] | None = None
 
 
 @dataclasses.dataclass
@@ -96,38 +105,67 @@ class AdaptivePolicy:
     decay: float = 0.7  # EMA weight of a request's earlier estimate
     prior_alpha: float = 0.6  # a new request's estimate before any observation
     probe_every: int = 16  # after this many iterations without drafts, one with the cheapest drafting shape
+    opt_out: bool = True  # rows unlikely to accept may verify their root alone while the others draft
     stats: AdaptiveStats = dataclasses.field(default_factory=AdaptiveStats)
     _since_drafted: int = 0
 
-    def choose(self, alphas: np.ndarray, bucket: int, ready=lambda i: True) -> int:
-        """alphas [rows]: each row's estimate; bucket: the rows' program bucket; ready(i): shape
-        i's program for this batch is compiled (others are not picked)."""
-        best, best_rate = 0, -1.0
-        drafting = []
+    def choose(self, alphas: np.ndarray, bucket: int, ready=lambda i, drafting_rows: True) -> Choice:
+        """alphas [rows]: each row's estimate; bucket: the rows' program bucket; ready(i, d): the
+        program of shape i with d drafting rows (None: all) is compiled (others are not picked).
+
+        Beside each shape for the whole batch, it weighs the shape for only the rows most likely
+        to accept (a power of two of them), the others verifying their root alone: such an
+        iteration's cost is taken as off's plus the shape's extra cost in proportion to the
+        drafting rows, since its verify forward has that share of the extra tokens."""
+        rows = len(alphas)
+        off = self.costs.at((0, 1, 1), bucket) if (0, 1, 1) in self.shapes else None
+        best, best_rate, drafting_cost = Choice(0), -1.0, []
         for i, shape in enumerate(self.shapes):
             cost = self.costs.at(shape, bucket)
-            if cost is None or not ready(i):
+            if cost is None:
                 continue
-            if shape[0] > 0:
-                drafting.append((cost, i))
-            rate = (len(alphas) + float(expected_accepts(alphas, shape).sum())) / cost
-            if rate > best_rate:
-                best, best_rate = i, rate
-        if self.shapes[best][0] == 0:
+            accepts = expected_accepts(alphas, shape)
+            options = [(None, rows + float(accepts.sum()), cost)]
+            if shape[0] > 0 and off is not None and self.opt_out:
+                order = np.argsort(-accepts, kind="stable")
+                total = np.cumsum(accepts[order])
+                d = 1
+                while d < rows:
+                    options.append((d, rows + float(total[d - 1]), off + (cost - off) * d / bucket))
+                    d *= 2
+            for d, tokens, c in options:
+                if not ready(i, d):
+                    continue
+                if shape[0] > 0 and d is None:
+                    drafting_cost.append((c, i))
+                if tokens / c > best_rate:
+                    flags = None
+                    if d is not None:
+                        flags = [False] * rows
+                        for r in order[:d]:
+                            flags[r] = True
+                    best, best_rate = Choice(i, flags), tokens / c
+        if self.shapes[best.shape][0] == 0:
             self._since_drafted += 1
-            if self._since_drafted >= self.probe_every and drafting:
+            if self._since_drafted >= self.probe_every and drafting_cost:
                 # Off learns nothing about acceptance; a cheap probe keeps the estimates alive.
-                best = min(drafting)[1]
-        if self.shapes[best][0] > 0:
+                best = Choice(min(drafting_cost)[1])
+        if self.shapes[best.shape][0] > 0:
             self._since_drafted = 0
-        key = (bucket, self.shapes[best])
+        key = (bucket, self.shapes[best.shape])
         self.stats.chosen[key] = self.stats.chosen.get(key, 0) + 1
+        if best.drafting is not None:
+            self.stats.rows_opted_out += best.drafting.count(False)
         return best
 
-    def observe(self, shape_index: int, reqs, accept_lens: np.ndarray, seconds: float) -> None:
-        """One processed iteration: each request's accepted drafts under the shape it ran."""
+    def observe(self, shape_index: int, reqs, accept_lens: np.ndarray, seconds: float, drafting=None) -> None:
+        """One processed iteration: each request's accepted drafts under the shape it ran
+        (drafting: the rows that drafted; None: all)."""
         shape = self.shapes[shape_index]
         self.stats.seconds[shape] = self.stats.seconds.get(shape, 0.0) + seconds
+        if drafting is not None:
+            keep = [i for i, d in enumerate(drafting) if d]
+            reqs, accept_lens = [reqs[i] for i in keep], np.asarray(accept_lens)[keep]
         if shape[0] == 0 or not reqs:
             return
         acc = np.asarray(accept_lens[: len(reqs)], np.float64)
@@ -160,4 +198,5 @@ class AdaptivePolicy:
             "chosen_per_bucket": {b: per_bucket[b] for b in sorted(per_bucket)},
             "seconds_per_shape": {shape_label(s): round(t, 4) for s, t in seconds.items()},
             "mean_accept_per_shape": {shape_label(s): round(a, 4) for s, a in accept.items()},
+            "rows_opted_out": self.stats.rows_opted_out,
         }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from jspec.config.model import ModelConfig
 from jspec.kvcache.pool import create_kv_pool
+from jspec.layers.batch import bucket
 from jspec.layers.penalties import init_penalty_state
 from jspec.speculative.method import init_spec_state, spec_decode_step, spec_prefill_step
 from jspec.speculative.registry import shape_variants
@@ -58,6 +59,10 @@ class SpecWorker(WorkerBase):
 
     def step_statics(self, shape: int = 0) -> dict:
         return dict(cfg=self.cfg, method=self.methods[shape])
+
+    def verify_tokens(self, B: int, shape: int, drafting_rows: int) -> int:
+        N = self.methods[shape].spec.num_draft_tokens
+        return B + min(bucket(max(drafting_rows, 1)), B) * (N - 1)
 
     def measure_costs(self, repeats: int = 5):
         """Each draft shape's decode time per row bucket, timed on scratch rows (they write only

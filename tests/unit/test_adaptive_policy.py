@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jspec.config.spec import SpecConfig
-from jspec.speculative.adaptive import AdaptivePolicy, CostTable, alpha_from_accept, expected_accepts
+from jspec.speculative.adaptive import AdaptivePolicy, Choice, CostTable, alpha_from_accept, expected_accepts
 
 SHAPES = ((3, 1, 4), (5, 4, 8), (1, 1, 2), (0, 1, 1))
 
@@ -20,7 +20,7 @@ class Req:
 
 def costs():
     table = {(3, 1, 4): 2.0, (5, 4, 8): 3.0, (1, 1, 2): 1.4, (0, 1, 1): 1.0}
-    return CostTable({s: {1: t, 16: t * 2} for s, t in table.items()}, "test")
+    return CostTable({s: {1: t, 4: t * 1.5, 16: t * 2} for s, t in table.items()}, "test")
 
 
 @pytest.mark.parametrize("shape", SHAPES[:3])
@@ -39,21 +39,33 @@ def test_expected_accepts_grow_with_depth_and_width():
 
 def test_choice_follows_acceptance_and_cost():
     policy = AdaptivePolicy(SHAPES, costs())
-    assert SHAPES[policy.choose(np.full(4, 0.95), 1)] == (5, 4, 8)  # drafts nearly always right
-    assert SHAPES[policy.choose(np.full(4, 0.02), 1)] == (0, 1, 1)  # drafts never right: off
+    assert policy.choose(np.full(4, 0.95), 4) == Choice(1)  # drafts nearly always right: the widest tree
+    assert policy.choose(np.full(4, 0.02), 4) == Choice(3)  # drafts never right: off
     # Speculation that costs nothing extra pays even at modest acceptance.
     cheap = AdaptivePolicy(SHAPES, costs())
-    cheap.costs.seconds[(3, 1, 4)] = {1: 1.0}
-    assert SHAPES[cheap.choose(np.full(4, 0.3), 1)] == (3, 1, 4)
-    # A shape whose program is not ready is never picked.
-    assert SHAPES[policy.choose(np.full(4, 0.95), 1, ready=lambda i: i != 1)] == (3, 1, 4)
-    counts = policy.describe()["chosen_per_bucket"][1]
+    cheap.costs.seconds[(3, 1, 4)] = {4: 1.0}
+    assert cheap.choose(np.full(4, 0.3), 4) == Choice(0)
+    # A program that is not ready is never picked.
+    assert policy.choose(np.full(4, 0.95), 4, ready=lambda i, d: i != 1) == Choice(0)
+    counts = policy.describe()["chosen_per_bucket"][4]
     assert counts == {"5,4,8": 1, "off": 1, "3,1,4": 1}
+
+
+def test_rows_unlikely_to_accept_verify_their_root_alone():
+    policy = AdaptivePolicy(SHAPES, costs())
+    alphas = np.array([0.02, 0.97, 0.01, 0.96])
+    # Two rows whose drafts are right draft; the two that never accept verify their root alone.
+    choice = policy.choose(alphas, 4)
+    assert policy.shapes[choice.shape] == (5, 4, 8) and choice.drafting == [False, True, False, True]
+    assert policy.describe()["rows_opted_out"] == 2
+    # Without the ragged programs ready, the batch drafts whole or not at all.
+    assert policy.choose(alphas, 4, ready=lambda i, d: d is None).drafting is None
+    assert AdaptivePolicy(SHAPES, costs(), opt_out=False).choose(alphas, 4).drafting is None
 
 
 def test_off_probes_the_cheapest_drafting_shape_now_and_then():
     policy = AdaptivePolicy(SHAPES, costs(), probe_every=4)
-    picks = [SHAPES[policy.choose(np.full(2, 0.0), 1)] for _ in range(9)]
+    picks = [SHAPES[policy.choose(np.full(2, 0.0), 1).shape] for _ in range(9)]
     assert picks == [(0, 1, 1)] * 3 + [(1, 1, 2)] + [(0, 1, 1)] * 3 + [(1, 1, 2), (0, 1, 1)]
 
 
@@ -68,9 +80,11 @@ def test_observations_move_each_requests_estimate():
     np.testing.assert_allclose(policy.alphas([Req(), good]), [policy.prior_alpha, first / 2])
     policy.observe(3, [good], np.array([0]), 0.02)  # off tells nothing about acceptance
     assert good.accept_alpha == pytest.approx(first / 2, rel=1e-6)
+    policy.observe(0, [good, bad], np.array([0, 3]), 0.0, drafting=[True, False])  # nor does a root-only row
+    assert bad.accept_alpha == pytest.approx(0.0, abs=1e-6) and good.accept_alpha == pytest.approx(first / 4)
     info = policy.describe()
     assert info["seconds_per_shape"] == {"3,1,4": 0.02, "off": 0.02}
-    assert info["mean_accept_per_shape"]["3,1,4"] == pytest.approx(0.75)
+    assert info["mean_accept_per_shape"]["3,1,4"] == pytest.approx(0.375)  # means 1.5, 0, 0
 
 
 def test_cost_table_reads_json_and_nearest_buckets(tmp_path):
