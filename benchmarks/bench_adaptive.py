@@ -166,6 +166,42 @@ def adaptive(shapes, costs: CostTable, opt_out: bool = True):
     return choose
 
 
+def measure_ragged(engine, costs: CostTable, shapes, repeats: int = 5) -> list[dict]:
+    """The always-on shape with D of B rows drafting (the others verifying their root alone),
+    timed beside the policy's model of it: off + (full - off) * D / B."""
+    import time
+
+    import jax
+
+    w, out = engine.worker, []
+    B = w.decode_buckets()[-1]
+    greedy = [(jspec.SamplingParams(), 0)] * B
+    full, off = costs.at(shapes[0], B), costs.at((0, 1, 1), B)
+    d = 1
+    while d < B:
+        drafting = [i < d for i in range(B)]
+        times = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            jax.block_until_ready(w.decode([w.scratch_slot] * B, [[0]] * B, greedy, shape=0, drafting=drafting))
+            times.append(time.perf_counter() - t0)
+        measured = float(np.median(times[1:]))
+        model = off + (full - off) * d / B
+        out.append(
+            {
+                "shape": shape_label(shapes[0]),
+                "rows": B,
+                "drafting_rows": d,
+                "measured_s": measured,
+                "model_s": model,
+                "full_s": full,
+                "off_s": off,
+            }
+        )
+        d *= 2
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=RESULTS_DIR)
@@ -188,12 +224,14 @@ def main():
         prompts = [chat(p) for p in PROMPTS]
     shapes = spec.shapes()
     traces = record(model, prompts, [f"prompt{i}" for i in range(len(prompts))], args.max_new_tokens, shapes, spec)
+    ragged = []
     if args.cost_table:
         costs = CostTable.load(args.cost_table)
     else:
         engine = jspec.Engine(model, speculative=spec, max_running_requests=args.batch, page_size=16)
         engine.warmup(["greedy"])
         costs = engine.adaptive.costs
+        ragged = measure_ragged(engine, costs, shapes)
     ranked = sorted(traces, key=lambda t: -t.accept[shapes[0]].mean())
     half = len(ranked) // 2
     workloads = {
@@ -233,20 +271,22 @@ def main():
         for t in traces
     ]
     path = Results(args.out, "bench_adaptive", settings).write(
-        rows=rows, costs=costs.to_json()["costs"], traces=trace_summary
+        rows=rows, costs=costs.to_json()["costs"], ragged_verify=ragged, traces=trace_summary
     )
     print(f"wrote {path}\n")
     labels = [shape_label(s) for s in shapes]
-    print(
-        f"{'workload':>10} "
-        + " ".join(f"{x:>8}" for x in labels)
-        + f" {'adaptive':>8} {'vs max(on,off)':>14}  tokens/s"
-    )
+    head = " ".join(f"{x:>8}" for x in labels)
+    print(f"{'workload':>10} {head} {'per-batch':>9} {'adaptive':>8} {'vs max(on,off)':>14}  (tokens/s)")
     for r in rows:
+        fixed_rates = " ".join(f"{r[x]['tokens_per_s']:>8.1f}" for x in labels)
         print(
-            f"{r['workload']:>10} "
-            + " ".join(f"{r[x]['tokens_per_s']:>8.1f}" for x in labels)
-            + f" {r['adaptive']['tokens_per_s']:>8.1f} {r['adaptive_over_better_of_on_and_off']:>14.3f}"
+            f"{r['workload']:>10} {fixed_rates} {r['adaptive_per_batch']['tokens_per_s']:>9.1f} "
+            f"{r['adaptive']['tokens_per_s']:>8.1f} {r['adaptive_over_better_of_on_and_off']:>14.3f}"
+        )
+    for r in ragged:
+        print(
+            f"ragged verify {r['shape']} B={r['rows']} D={r['drafting_rows']}: {r['measured_s'] * 1e3:.1f} ms "
+            f"(model {r['model_s'] * 1e3:.1f}, full {r['full_s'] * 1e3:.1f}, off {r['off_s'] * 1e3:.1f})"
         )
 
 

@@ -120,8 +120,12 @@ def test_policy_measures_costs_and_reports_its_choices():
     assert set(info["seconds_per_shape"]) == {"3,1,4"}
 
 
-def test_adaptive_refuses_dp_attention():
+def test_adaptive_refuses_dp_attention_and_pd():
+    from jspec.disaggregation.prefill import PrefillEngine
+
     target, draft = _models("EAGLE3")
+    with pytest.raises(ValueError, match="adaptive speculation .* PD disaggregation"):
+        PrefillEngine((TARGET, target), speculative=SpecConfig("EAGLE3", adaptive=True), draft=draft)
     with pytest.raises(ValueError, match="adaptive speculation"):
         jspec.Engine(
             (TARGET, target),
