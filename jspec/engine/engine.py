@@ -254,9 +254,12 @@ class Engine:
 
     def _measure_costs(self) -> None:
         """The adaptive policy's cost table, timed on the device (at warm-up, or before the first
-        decode of an engine that was not warmed up)."""
+        decode of an engine that was not warmed up). The other shapes' greedy programs compile
+        for it here; their sampled ones and the ragged verifies compile when first wanted."""
         self.drain()
-        self.adaptive.costs = self.worker.measure_costs()
+        w = self.worker
+        w.programs.compile_all(w.decode_jobs(["greedy"], shapes=range(1, w.num_shapes)))
+        self.adaptive.costs = w.measure_costs()
         log.info("adaptive speculation: cost table %s", self.adaptive.costs.source)
 
     # ---- requests ----------------------------------------------------------------------------

@@ -359,19 +359,25 @@ class WorkerBase:
         unknown = set(sampling_modes) - set(SAMPLING_MODES)
         if unknown:
             raise ValueError(f"unknown sampling modes {sorted(unknown)}; choose from {SAMPLING_MODES}")
+        jobs = []
+        for with_prompt in (False, True) if prompt_logprobs else (False,):
+            jobs += self.prefill_jobs(with_prompt)
+        return jobs + self.decode_jobs(sampling_modes, shapes=(0,))
+
+    def decode_jobs(self, sampling_modes, shapes) -> list[Job]:
+        """The decode programs of every row bucket for these sampling programs and draft shapes
+        (recorded, not run). Warm-up takes the configured shape's; an adaptive engine the others'."""
         scratch = {"greedy": (SamplingParams(), 0), "sampled": (SamplingParams(temperature=1.0), 0)}
-        self.programs.collecting = jobs = []
+        collecting, self.programs.collecting = self.programs.collecting, []
         try:
-            for with_prompt in (False, True) if prompt_logprobs else (False,):
-                jobs += self.prefill_jobs(with_prompt)
-            for shape in range(self.num_shapes):
+            for shape in shapes:
                 for B in self.decode_buckets():
                     for mode in sampling_modes:
                         self.decode([self.scratch_slot] * B, [[0]] * B, [scratch[mode]] * B, shape=shape)
+            return self.programs.collecting
         finally:
-            self.programs.collecting = None
+            self.programs.collecting = collecting
             self._last_decode = None
-        return jobs
 
     def prefill_jobs(self, with_prompt_logprobs: bool) -> list[Job]:
         """The prefill programs of every token bucket (recorded, not run)."""
