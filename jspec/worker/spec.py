@@ -74,19 +74,23 @@ class SpecWorker(WorkerBase):
         from jspec.config.sampling import SamplingParams
         from jspec.speculative.adaptive import CostTable
 
-        seconds = {}
         greedy = (SamplingParams(), 0)
-        for shape, m in enumerate(self.methods):
-            row = seconds[m.spec.shape] = {}
-            for B in self.decode_buckets():
-                times = []
-                for _ in range(repeats + 1):
+        seconds = {m.spec.shape: {} for m in self.methods}
+        for B in self.decode_buckets():
+            times = [[] for _ in self.methods]
+            # Shapes in turn, so that a slow moment of the machine falls on all of them.
+            for rep in range(repeats + 1):
+                for shape in range(self.num_shapes):
                     t0 = time.perf_counter()
                     jax.block_until_ready(self.decode([self.scratch_slot] * B, [[0]] * B, [greedy] * B, shape=shape))
-                    times.append(time.perf_counter() - t0)
-                row[B] = min(times[1:])  # interference only adds time; the first run may compile
+                    if rep:  # the first run may compile
+                        times[shape].append(time.perf_counter() - t0)
+            for m, t in zip(self.methods, times):
+                seconds[m.spec.shape][B] = min(t)  # interference only adds time
         self._last_decode = None
-        return CostTable(seconds, f"measured at warm-up ({self.num_shapes} shapes x {len(row)} buckets)")
+        return CostTable(
+            seconds, f"measured at warm-up ({self.num_shapes} shapes x {len(self.decode_buckets())} buckets)"
+        )
 
     def prefill_step_tokens(self, next_tokens, finish_rows) -> tuple:
         return (next_tokens, finish_rows)  # the draft's first tokens, and its rows' finishing flags
