@@ -11,6 +11,7 @@ batch's bucket. The design and its model are in docs/design-details.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 import numpy as np
@@ -34,15 +35,18 @@ def expected_accepts(alpha: np.ndarray, shape: Shape) -> np.ndarray:
     return sum(r**d for d in range(1, steps + 1))
 
 
+@functools.cache
+def _accept_curve(shape: Shape) -> tuple[np.ndarray, np.ndarray]:
+    """expected_accepts on a fine grid of alpha: increasing, so np.interp inverts it."""
+    alpha = np.linspace(0.0, 1.0, 4097)
+    return alpha, expected_accepts(alpha, shape)
+
+
 def alpha_from_accept(accept: np.ndarray, shape: Shape) -> np.ndarray:
-    """The alpha whose expected accepts under `shape` equal `accept` (bisection; the map is
-    increasing in alpha)."""
-    lo, hi = np.zeros_like(accept, dtype=np.float64), np.ones_like(accept, dtype=np.float64)
-    for _ in range(30):
-        mid = (lo + hi) / 2
-        below = expected_accepts(mid, shape) < accept
-        lo, hi = np.where(below, mid, lo), np.where(below, hi, mid)
-    return (lo + hi) / 2
+    """The alpha whose expected accepts under `shape` equal `accept` (the curve inverted by
+    interpolation: one vector operation per processed iteration)."""
+    alpha, curve = _accept_curve(shape)
+    return np.interp(accept, curve, alpha)
 
 
 def parse_shape(label: str) -> Shape:
@@ -140,7 +144,7 @@ class AdaptivePolicy:
             cost = self.costs.at(shape, bucket)
             if cost is None:
                 continue
-            accepts = expected_accepts(alphas, shape)
+            accepts = np.interp(alphas, *_accept_curve(shape))  # expected_accepts, tabulated
             options = [(None, rows + float(accepts.sum()), cost)]
             if shape[0] > 0 and self.opt_out and rows > 1:
                 order = np.argsort(-accepts, kind="stable")

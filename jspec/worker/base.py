@@ -280,8 +280,11 @@ class WorkerBase:
         background (the loop runs another program meanwhile)."""
         B = bucket(rows)
         tokens = None if drafting_rows is None else self.verify_tokens(B, shape, drafting_rows)
-        if self.programs.ready(self._decode_key(B, mode, shape, tokens)):
+        key = self._decode_key(B, mode, shape, tokens)
+        if self.programs.ready(key):
             return True
+        if self.programs.pending(key):
+            return False
         scratch = (SamplingParams(temperature=1.0) if mode == "sampled" else SamplingParams(), 0)
         drafting = None if drafting_rows is None else [i < drafting_rows for i in range(B)]
         collecting, self.programs.collecting = self.programs.collecting, []
