@@ -166,6 +166,40 @@ def adaptive(shapes, costs: CostTable, opt_out: bool = True):
     return choose
 
 
+def policy_host_cost(shapes, costs: CostTable, rows=(1, 16, 64), calls: int = 2000) -> list[dict]:
+    """Host time of the policy per iteration (choose, and observe of the outputs), with every
+    ragged option in the table: what it adds to the loop's host work."""
+    import time
+
+    table = CostTable({s: {b: costs.at(s, b) for b in rows} for s in shapes}, "bench")
+    for s in shapes:
+        for b in rows:
+            d = 1
+            while d < b and s[0] > 0:
+                table.ragged[(s, b, d)] = table.at(s, b)
+                d *= 2
+
+    @dataclasses.dataclass
+    class Row:
+        accept_alpha: float | None = None
+
+    out = []
+    rng = np.random.default_rng(0)
+    for n in rows:
+        policy = AdaptivePolicy(tuple(shapes), table)
+        alphas, accepts = rng.random(n), rng.integers(0, 3, n)
+        reqs = [Row() for _ in range(n)]
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            policy.choose(alphas, n)
+        t1 = time.perf_counter()
+        for _ in range(calls):
+            policy.observe(0, reqs, accepts, 0.01)
+        t2 = time.perf_counter()
+        out.append({"rows": n, "choose_us": (t1 - t0) / calls * 1e6, "observe_us": (t2 - t1) / calls * 1e6})
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=RESULTS_DIR)
@@ -232,7 +266,9 @@ def main():
         }
         for t in traces
     ]
-    path = Results(args.out, "bench_adaptive", settings).write(rows=rows, **costs.to_json(), traces=trace_summary)
+    host = policy_host_cost(shapes, costs)
+    results = Results(args.out, "bench_adaptive", settings)
+    path = results.write(rows=rows, **costs.to_json(), traces=trace_summary, policy_host=host)
     print(f"wrote {path}\n")
     labels = [shape_label(s) for s in shapes]
     head = " ".join(f"{x:>8}" for x in labels)
@@ -243,6 +279,8 @@ def main():
             f"{r['workload']:>10} {fixed_rates} {r['adaptive_per_batch']['tokens_per_s']:>9.1f} "
             f"{r['adaptive']['tokens_per_s']:>8.1f} {r['adaptive_over_better_of_on_and_off']:>14.3f}"
         )
+    for h in host:
+        print(f"policy host time, {h['rows']} rows: choose {h['choose_us']:.0f} us, observe {h['observe_us']:.0f} us")
     for (shape, b, d), t in sorted(costs.ragged.items()):
         full, off = costs.at(shape, b), costs.at((0, 1, 1), b)
         print(
