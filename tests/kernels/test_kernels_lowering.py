@@ -84,11 +84,19 @@ def test_lowering_catches_a_non_power_of_two_array():
         (1, 1024, 16, 32, 8, 128, dict(table_ctx=8192)),  # many splits
         (32, 1024, 16, 32, 8, 128, dict(table_ctx=8192)),
         (4, 512, 1, 9, 3, 64, dict(table_ctx=8192)),  # SmolLM2-135M heads, 8192-column table
+        (32, 4096, 16, 32, 8, 128, dict(window=True)),  # sliding window, a traced int32
+        (1, 4096, 16, 32, 8, 128, dict(window=True, return_lse=True)),  # split-K path
     ],
 )
 def test_paged_decode_lowers_for_cuda(batch, ctx, page_size, num_q_heads, num_kv_heads, head_dim, tuning):
     q = jax.ShapeDtypeStruct((batch, num_q_heads, head_dim), BF16)
     tuning = dict(tuning)
+    if tuning.pop("window", False):
+        fn = functools.partial(paged_decode, sm_scale=head_dim**-0.5, interpret=False, **tuning)
+        specs = (q, *cache_specs(batch, ctx, page_size, num_kv_heads, head_dim), jax.ShapeDtypeStruct((), I32))
+        lowered = lower_for_cuda(lambda *a: fn(*a[:6], window=a[6]), *specs)
+        assert_has_triton_call(lowered)
+        return
     specs = (
         q,
         *cache_specs(
@@ -113,6 +121,9 @@ def test_paged_decode_lowers_for_cuda(batch, ctx, page_size, num_q_heads, num_kv
         (32, 8, 1024, 16, 8, 128, True, dict(table_ctx=8192)),
         (1, 512, 1024, 16, 8, 128, False, dict(table_ctx=8192)),  # a prefill chunk
         (4, 64, 512, 64, 32, 64, True, dict(table_ctx=8192, num_splits=4)),
+        (32, 8, 4096, 16, 8, 128, True, dict(window=True)),  # sliding window under a tree
+        (1, 2048, 2048, 16, 8, 128, False, dict(window=True)),  # windowed long prefill
+        (4, 512, 4096, 16, 8, 128, False, dict(window=True, num_splits=4)),
     ],
 )
 def test_paged_extend_lowers_for_cuda(batch, q_len, ctx, page_size, num_kv_heads, head_dim, tree, tuning):
@@ -126,12 +137,18 @@ def test_paged_extend_lowers_for_cuda(batch, q_len, ctx, page_size, num_kv_heads
         *cache_specs(batch, ctx, page_size, num_kv_heads, head_dim, layers, tuning.pop("table_ctx", None)),
         query_start,
     ]
+    windowed = tuning.pop("window", False)
     if tree:
         specs.append(jax.ShapeDtypeStruct((batch, q_len, q_len), jnp.bool_))
+    if windowed:
+        specs.append(jax.ShapeDtypeStruct((), I32))
 
     def fn(*args):
         mask = args[7] if tree else None
-        return paged_extend(*args[:7], sm_scale=head_dim**-0.5, max_q_len=q_len, mask=mask, interpret=False, **tuning)
+        window = args[-1] if windowed else None
+        return paged_extend(
+            *args[:7], sm_scale=head_dim**-0.5, max_q_len=q_len, mask=mask, window=window, interpret=False, **tuning
+        )
 
     assert_has_triton_call(lower_for_cuda(fn, *specs))
 
