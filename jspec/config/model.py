@@ -69,6 +69,9 @@ class ModelConfig:
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
     shared_expert_intermediate_size: int = 0
+    # Sliding-window attention: per layer, how many of the latest positions (the query's own
+    # included) a query sees; 0 for full attention. Empty: no layer has a window.
+    sliding_windows: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -78,6 +81,10 @@ class ModelConfig:
             )
         # Lists (from JSON) would make the config unhashable, so unusable as a jit static.
         object.__setattr__(self, "moe_layers", tuple(int(i) for i in self.moe_layers))
+        windows = tuple(int(w) for w in self.sliding_windows)
+        object.__setattr__(self, "sliding_windows", windows if any(windows) else ())
+        if windows and (len(windows) != self.num_layers or min(windows) < 0):
+            raise ValueError(f"sliding_windows {windows} must hold one window >= 0 per layer ({self.num_layers})")
         if self.moe_layers:
             if not 1 <= self.num_experts_per_tok <= self.num_experts:
                 raise ValueError(
@@ -96,6 +103,11 @@ class ModelConfig:
     def dense_layers(self) -> tuple[int, ...]:
         """Layers with a plain SwiGLU MLP (all of them in a dense model)."""
         return tuple(i for i in range(self.num_layers) if i not in self.moe_layers)
+
+    @property
+    def smallest_window(self) -> int | None:
+        """The narrowest sliding window of any layer (None: every layer attends to everything)."""
+        return min((w for w in self.sliding_windows if w), default=None)
 
     @property
     def q_size(self) -> int:
@@ -139,14 +151,6 @@ class ModelConfig:
         if rope_theta is None and isinstance(hf.get("rope_parameters"), dict):
             rope_theta = hf["rope_parameters"].get("rope_theta")
         max_pos = int(hf.get("max_position_embeddings", 4096))
-        # Sliding-window attention equals full attention while the context fits
-        # in the window, so a window is honoured by capping the context.
-        window = hf.get("sliding_window")
-        use_window = hf.get("use_sliding_window")
-        if use_window is None:  # transformers 5 writes null for Mistral, which always uses its window
-            use_window = family in ("mistral", "mixtral")
-        if window and use_window:
-            max_pos = min(max_pos, int(window))
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
         qkv_bias = family == "qwen2" or (family == "qwen2_moe" and bool(hf.get("qkv_bias", True)))
@@ -175,6 +179,7 @@ class ModelConfig:
             qk_norm=family in ("qwen3", "qwen3_moe"),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            sliding_windows=_sliding_windows(family, hf),
             **moe,
         )
 
@@ -185,6 +190,35 @@ class ModelConfig:
             raise FileNotFoundError(f"no config.json in model directory {os.fspath(path)!r}")
         with open(cfg_path) as f:
             return cls.from_hf(json.load(f))
+
+
+def _sliding_windows(family: str, hf: dict[str, Any]) -> tuple[int, ...]:
+    """Per-layer sliding windows (0: full attention) as HF's modeling code applies them.
+
+    Mistral and Mixtral window every layer when sliding_window is set. The others follow
+    layer_types (transformers 5 writes it), else Qwen's rule: with use_sliding_window, the
+    layers from max_window_layers on."""
+    window = hf.get("sliding_window")
+    L = int(hf["num_hidden_layers"])
+    if not window:
+        return ()
+    window = int(window)
+    if family in ("mistral", "mixtral"):
+        return (window,) * L
+    if hf.get("use_sliding_window") is False:  # Qwen's switch, off: HF drops the window
+        return ()
+    types = hf.get("layer_types")
+    if types is not None:
+        if len(types) != L:
+            raise UnsupportedArchitectureError(f"layer_types has {len(types)} entries for {L} layers")
+        unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+        if unknown:
+            raise UnsupportedArchitectureError(f"unsupported layer_types {unknown}")
+        return tuple(window if t == "sliding_attention" else 0 for t in types)
+    if not hf.get("use_sliding_window", False):
+        return ()
+    first = int(hf.get("max_window_layers", L))
+    return tuple(window if i >= first else 0 for i in range(L))
 
 
 def _moe_fields(family: str, hf: dict[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ import numpy as np
 
 from jspec.config.model import ModelConfig
 from jspec.distributed.mesh import DATA
+from jspec.kernels.paged_tiles import NO_WINDOW
 from jspec.kvcache.pool import KVPool, write_kv
 from jspec.layers.attention import paged_attention
 from jspec.layers.batch import AttentionMode, ForwardBatch
@@ -154,14 +155,33 @@ def _linear_lora(lp, x: jax.Array, name: str, projection: str) -> jax.Array:
     return _linear(x, lp[name])
 
 
-def paged_attend(cfg: ModelConfig, mode: AttentionMode, batch: ForwardBatch, layer, mask=None):
+def layer_window(cfg: ModelConfig, layer) -> jax.Array | None:
+    """The sliding window of layer (a traced index under the scan) as an int32 (), or None when
+    no layer has one. Windowless layers of a mixed model get one wider than any context."""
+    if not cfg.sliding_windows:
+        return None
+    windows = np.asarray([w or NO_WINDOW for w in cfg.sliding_windows], np.int32)
+    if isinstance(layer, int):
+        return jnp.int32(windows[layer])
+    return jnp.asarray(windows)[layer]
+
+
+def paged_attend(cfg: ModelConfig, mode: AttentionMode, batch: ForwardBatch, layer, mask=None, window=None):
     """attend(q, k, v, (k_cache, v_cache)) for the paged pool: write the new K/V, then attend."""
 
     def attend(q, k, v, caches):
         k_cache = write_kv(caches[0], layer, batch.slots, k)
         v_cache = write_kv(caches[1], layer, batch.slots, v)
         out = paged_attention(
-            q, k_cache, v_cache, layer, batch, mode, sm_scale=1.0 / math.sqrt(cfg.head_dim), mask=mask
+            q,
+            k_cache,
+            v_cache,
+            layer,
+            batch,
+            mode,
+            sm_scale=1.0 / math.sqrt(cfg.head_dim),
+            mask=mask,
+            window=window,
         )
         return out, (k_cache, v_cache)
 
@@ -267,7 +287,8 @@ def forward(
             lp = {**lp, "lora": (lp["lora"], lmask)}
         captured = store_capture(captured, capture_layers, layer, x)
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        attend = paged_attend(cfg, mode, batch, jnp.int32(layer) if isinstance(layer, int) else layer, mask)
+        window = layer_window(cfg, layer)
+        attend = paged_attend(cfg, mode, batch, jnp.int32(layer) if isinstance(layer, int) else layer, mask, window)
         x, (k_cache, v_cache) = decoder_layer(cfg, lp, x, h, cos, sin, attend, (k_cache, v_cache))
         return x, k_cache, v_cache, captured
 
@@ -311,16 +332,22 @@ def dense_forward(params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
     group = cfg.num_heads // cfg.num_kv_heads
     causal = jnp.tril(jnp.ones((T, T), bool))
 
-    def attend(q, k, v, caches):
-        k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
-        s = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k.astype(jnp.float32))
-        s = jnp.where(causal[None], s / math.sqrt(cfg.head_dim), -jnp.inf)
-        p = jax.nn.softmax(s, axis=-1)
-        return jnp.einsum("hqk,khd->qhd", p, v.astype(jnp.float32)).astype(q.dtype), caches
+    distance = jnp.arange(T)[:, None] - jnp.arange(T)[None, :]
+
+    def attend_within(window):
+        def attend(q, k, v, caches):
+            k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
+            s = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k.astype(jnp.float32))
+            visible = causal if window is None else causal & (distance < window)
+            s = jnp.where(visible[None], s / math.sqrt(cfg.head_dim), -jnp.inf)
+            p = jax.nn.softmax(s, axis=-1)
+            return jnp.einsum("hqk,khd->qhd", p, v.astype(jnp.float32)).astype(q.dtype), caches
+
+        return attend
 
     def body(x, lp, layer):
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        return decoder_layer(cfg, lp, x, h, cos, sin, attend, ())[0]
+        return decoder_layer(cfg, lp, x, h, cos, sin, attend_within(layer_window(cfg, layer)), ())[0]
 
     x = run_layers(params["layers"], body, x)
     return compute_logits(params, cfg, rms_norm(x, params["final_norm"], cfg.rms_norm_eps))

@@ -53,6 +53,10 @@ HF_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
     "qwen3_tied": ("qwen3", {"tie_word_embeddings": True}),
+    # Windows narrower than the prompts: every layer (Mistral), the layers from
+    # max_window_layers on (Qwen2).
+    "mistral_window": ("mistral", {"sliding_window": 4}),
+    "qwen2_window": ("qwen2", {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 1}),
 }
 # Mixture-of-experts checkpoints (tests/test_moe.py): every layer sparse with HF's default
 # norm_topk_prob=False; a dense layer among sparse ones with renormalised weights; Mixtral;
