@@ -170,3 +170,46 @@ def test_skinny_matmul_lowers_for_cuda(K, N, tuning):
     specs = (jax.ShapeDtypeStruct((1, K), BF16), jax.ShapeDtypeStruct((K, N), BF16))
     fn = functools.partial(skinny_matmul, interpret=False, **tuning)
     assert_has_triton_call(lower_for_cuda(fn, *specs))
+
+
+@pytest.mark.parametrize("decode_only,tree", [(True, False), (False, True), (False, False)])
+def test_windowed_model_forward_lowers_for_cuda(decode_only, tree, monkeypatch):
+    """A model whose layers alternate sliding and full attention: the scanned layer loop hands
+    each layer's window to the kernels as a traced int32."""
+    import jspec.kernels.backend
+
+    monkeypatch.setattr(jspec.kernels.backend, "interpret_mode", lambda: False)  # kernels as on the GPU
+    from jspec.checkpoint.loader import param_shapes
+    from jspec.config.model import ModelConfig
+    from jspec.kvcache.pool import KVPool
+    from jspec.layers.batch import AttentionMode, ForwardBatch
+    from jspec.models.llama import forward
+
+    cfg = ModelConfig(
+        family="mistral",
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=128,
+        sliding_windows=(128, 0, 128, 0),
+    )
+    params = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s, BF16), param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple)
+    )
+    B, Q, S, pages = 8, 1 if decode_only else 8, 16, 64
+    T = B * Q
+    cache = jax.ShapeDtypeStruct((cfg.num_layers, B * pages + 1, S, cfg.num_kv_heads, cfg.head_dim), BF16)
+    batch = ForwardBatch(
+        *(jax.ShapeDtypeStruct((n,), I32) for n in (T, T, T, B)),
+        jax.ShapeDtypeStruct((B, pages), I32),
+        jax.ShapeDtypeStruct((B + 1,), I32),
+        jax.ShapeDtypeStruct((B,), I32),
+    )
+    mask = jax.ShapeDtypeStruct((B, Q, Q), jnp.bool_) if tree else None
+    mode = AttentionMode(decode_only, Q, "pallas")
+    fn = lambda p, kv, b, m: forward(p, cfg, kv, b, mode, mask=m)[1].logits  # noqa: E731
+    text = lower_for_cuda(fn, params, KVPool(cache, cache), batch, mask).as_text()
+    assert "__gpu$xla.gpu.triton" in text and "stablehlo.while" in text  # the kernels, in the scanned loop
