@@ -60,6 +60,7 @@ def _decode_kernel(
     group_rows,
     block_n,
     scale_log2,
+    softcap,
     write_final,
 ):
     seq, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -91,7 +92,7 @@ def _decode_kernel(
 
     def full_tile(i, carry):
         k, v = tiles(start=lo + i * block_n)
-        return attend_tile(q, k, v, *carry, scale_log2=scale_log2)
+        return attend_tile(q, k, v, *carry, scale_log2=scale_log2, softcap=softcap)
 
     num_full = num_tokens // block_n
     tail_start = lo + num_full * block_n
@@ -100,7 +101,7 @@ def _decode_kernel(
         # Only the sequence's last tile is partial: mask it, and only it.
         k, v = tiles(start=tail_start, valid_len=hi)
         visible = (tail_start + lax.iota(jnp.int32, block_n) < hi)[None, :]
-        return attend_tile(q, k, v, *carry, scale_log2=scale_log2, visible=visible)
+        return attend_tile(q, k, v, *carry, scale_log2=scale_log2, visible=visible, softcap=softcap)
 
     carry = (
         jnp.full((group_rows,), MASK_VALUE, jnp.float32),
@@ -168,6 +169,7 @@ def decode_plan(
     jax.jit,
     static_argnames=(
         "sm_scale",
+        "logit_softcap",
         "interpret",
         "block_n",
         "num_splits",
@@ -194,6 +196,7 @@ def paged_decode(
     num_stages=2,
     return_lse=False,
     window=None,
+    logit_softcap=None,
 ):
     """Attention of one new token per sequence over its paged KV.
 
@@ -205,6 +208,7 @@ def paged_decode(
     so callers can merge this attention with one over keys outside the pool.
     window: None, or an int32 () array: the query (at position seq_len - 1) sees
     only the last window keys (HF's sliding_window; >= 1).
+    logit_softcap: None, or c: the scaled logits become c * tanh(logits / c) (Gemma 2).
 
     Tuning (see decode_plan): block_n tokens per KV tile (power of two, any
     page size); num_splits context partitions (None: from B and Hkv, no more
@@ -238,6 +242,7 @@ def paged_decode(
         group_rows=plan.group_rows,
         block_n=plan.block_n,
         scale_log2=float(sm_scale) * LOG2E,
+        softcap=None if logit_softcap is None else float(logit_softcap),
         write_final=write_final,
     )
     kv_lens = jnp.minimum(seq_lens.astype(jnp.int32), page_tables.shape[1] * k_cache.shape[2])

@@ -69,6 +69,7 @@ def _extend_kernel(
     num_q_blocks,
     splits,
     scale_log2,
+    softcap,
     tree,
     write_final,
 ):
@@ -142,7 +143,7 @@ def _extend_kernel(
 
         def full_tile(i, carry):
             k, v = tiles(start=full_start + i * block_n)
-            return attend_tile(q, k, v, *carry, scale_log2=scale_log2)
+            return attend_tile(q, k, v, *carry, scale_log2=scale_log2, softcap=softcap)
 
         def masked_tile(i, carry, first_tile):
             start = first_tile + i * block_n
@@ -158,7 +159,7 @@ def _extend_kernel(
             else:
                 visible = (kv_pos < hi) & (kv_pos <= prefix + token[:, None])
             visible &= kv_pos >= window_start
-            return attend_tile(q, k, v, *carry, scale_log2=scale_log2, visible=visible)
+            return attend_tile(q, k, v, *carry, scale_log2=scale_log2, visible=visible, softcap=softcap)
 
         carry = (
             jnp.full((block_m,), MASK_VALUE, jnp.float32),
@@ -237,6 +238,7 @@ def extend_plan(
     jax.jit,
     static_argnames=(
         "sm_scale",
+        "logit_softcap",
         "max_q_len",
         "interpret",
         "block_m",
@@ -267,6 +269,7 @@ def paged_extend(
     num_warps=None,
     num_stages=2,
     window=None,
+    logit_softcap=None,
 ):
     """Attention of ragged new tokens over their sequences' paged KV.
 
@@ -280,6 +283,7 @@ def paged_extend(
     positions > p - window only (HF's sliding_window). Under a tree mask a
     node's position is prefix + its depth, and the tree must be shallower than
     the window (a node sees all its ancestors).
+    logit_softcap: None, or c: the scaled logits become c * tanh(logits / c) (Gemma 2).
 
     Tuning (see extend_plan): block_m rows (tokens x GQA heads) per query
     block, block_n KV tokens per tile (both powers of two); num_splits context
@@ -322,6 +326,7 @@ def paged_extend(
         num_q_blocks=plan.num_q_blocks,
         splits=plan.num_splits,
         scale_log2=float(sm_scale) * LOG2E,
+        softcap=None if logit_softcap is None else float(logit_softcap),
         tree=tree,
         write_final=write_final,
     )

@@ -101,14 +101,18 @@ def gather_kv_tiles(
     return k, v
 
 
-def attend_tile(q, k, v, m, l, acc, *, scale_log2, visible=None):
+def attend_tile(q, k, v, m, l, acc, *, scale_log2, visible=None, softcap=None):
     """One online-softmax step of rows q [M, D] over a KV tile [N, D], in base 2.
 
     m, l: running max (log2 units) and normaliser [M]; acc: unnormalised [M, D] f32.
     visible [M, N] (or broadcastable) hides positions; None means all visible.
+    softcap: logits (natural units, after scaling) become softcap * tanh(logits / softcap).
     """
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    s = s * scale_log2
+    if softcap is None:
+        s = s * scale_log2
+    else:
+        s = jnp.tanh(s * (scale_log2 / (LOG2E * softcap))) * (softcap * LOG2E)
     if visible is not None:
         s = jnp.where(visible, s, MASK_VALUE)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))

@@ -9,7 +9,8 @@ batch costs nothing for its padding.
 
 A sliding window (window: an int32 () array, None for none) hides keys window
 or more positions behind the query; the loops then start at the first chunk
-any window reaches. Under a tree mask a node's position is prefix + depth.
+any window reaches. Under a tree mask a node's position is prefix + depth. logit_softcap c
+turns the scaled logits into c * tanh(logits / c) (Gemma 2).
 """
 
 from __future__ import annotations
@@ -74,9 +75,11 @@ def _empty(q: jax.Array) -> _Softmax:
     )
 
 
-def _attend_chunk(state: _Softmax, q, k, v, visible, sm_scale) -> _Softmax:
+def _attend_chunk(state: _Softmax, q, k, v, visible, sm_scale, softcap=None) -> _Softmax:
     """One online-softmax step of q [R, Q, Hkv, G, D] over k, v [R, C, Hkv, D]; visible [R, Q, C]."""
     logits = jnp.einsum("rqhgd,rchd->rqhgc", q, k, precision=HIGHEST) * sm_scale
+    if softcap is not None:
+        logits = softcap * jnp.tanh(logits / softcap)
     visible = visible[:, :, None, None, :]
     logits = jnp.where(visible, logits, -jnp.inf)
     m = jnp.maximum(state.m, jnp.max(logits, axis=-1))
@@ -96,9 +99,20 @@ def _finish(state: _Softmax) -> tuple[jax.Array, jax.Array]:
     return state.acc / l[..., None], jnp.where(seen, state.m + jnp.log(l), -jnp.inf)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "return_lse", "kv_chunk"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "return_lse", "kv_chunk", "logit_softcap"))
 def paged_decode_ref(
-    q, k_cache, v_cache, layer, seq_lens, page_tables, *, sm_scale, return_lse=False, kv_chunk=KV_CHUNK, window=None
+    q,
+    k_cache,
+    v_cache,
+    layer,
+    seq_lens,
+    page_tables,
+    *,
+    sm_scale,
+    return_lse=False,
+    kv_chunk=KV_CHUNK,
+    window=None,
+    logit_softcap=None,
 ):
     """One new query token per sequence. q [B, Hq, D] -> [B, Hq, D] in q's dtype.
 
@@ -118,7 +132,7 @@ def paged_decode_ref(
         k, positions = _gather_chunk(k_cache, layer, page_tables, kv_lens, chunk, pages_per_chunk)
         v, _ = _gather_chunk(v_cache, layer, page_tables, kv_lens, chunk, pages_per_chunk)
         visible = (positions[None, :] < kv_lens[:, None]) & (positions[None, :] >= window_start[:, None])
-        return _attend_chunk(state, q5, k, v, visible[:, None, :], sm_scale)
+        return _attend_chunk(state, q5, k, v, visible[:, None, :], sm_scale, logit_softcap)
 
     # The whole batch steps together, from the lowest window start to the longest sequence's end.
     chunk_len = pages_per_chunk * page_size
@@ -131,7 +145,7 @@ def paged_decode_ref(
     return out.astype(q.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "max_q_len", "kv_chunk"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "max_q_len", "kv_chunk", "logit_softcap"))
 def paged_extend_ref(
     q,
     k_cache,
@@ -146,6 +160,7 @@ def paged_extend_ref(
     mask=None,
     kv_chunk=KV_CHUNK,
     window=None,
+    logit_softcap=None,
 ):
     """Ragged new tokens attending to their sequence's paged KV. q [T, Hq, D] -> [T, Hq, D].
 
@@ -196,7 +211,7 @@ def paged_extend_ref(
                 tree = jnp.take(mask[b].astype(bool), jnp.clip(new_index[0], 0, max_q_len - 1), axis=1)
                 visible &= (new_index < 0) | tree
             visible &= j >= window_start[:, None]
-            return _attend_chunk(state, qb, k, v, visible[None], sm_scale)
+            return _attend_chunk(state, qb, k, v, visible[None], sm_scale, logit_softcap)
 
         # The last new token sees the whole sequence: that is as far as any row reaches.
         num_chunks = jnp.where(q_len > 0, -(-kv_len // chunk_len), 0)

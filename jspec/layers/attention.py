@@ -21,8 +21,10 @@ def paged_attention(
     sm_scale: float,
     mask: jax.Array | None = None,
     window: jax.Array | None = None,
+    logit_softcap: float | None = None,
 ) -> jax.Array:
-    """window: the layer's sliding window, an int32 () (None: full attention)."""
+    """window: the layer's sliding window, an int32 () (None: full attention); logit_softcap:
+    Gemma 2's cap on the attention logits."""
     if mode.backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {mode.backend!r}; choose one of {BACKENDS}")
     if mode.backend == "pallas":
@@ -35,7 +37,17 @@ def paged_attention(
     if mode.decode_only and mask is None:
 
         def run_decode(q, k, v, layer, lens, tables, *window):
-            return decode(q, k, v, layer, lens, tables, sm_scale=sm_scale, window=window[0] if windowed else None)
+            return decode(
+                q,
+                k,
+                v,
+                layer,
+                lens,
+                tables,
+                sm_scale=sm_scale,
+                window=window[0] if windowed else None,
+                logit_softcap=logit_softcap,
+            )
 
         extra = (window,) if windowed else ()
         return over_head_shards(run_decode, q, k_cache, v_cache, layer, batch.seq_lens, batch.page_tables, *extra)
@@ -53,6 +65,7 @@ def paged_attention(
             max_q_len=mode.max_q_len,
             mask=extra[0] if tree else None,
             window=extra[-1] if windowed else None,
+            logit_softcap=logit_softcap,
         )
 
     tree = mask is not None

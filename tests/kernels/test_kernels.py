@@ -83,7 +83,7 @@ def random_tree_mask(rng, batch, max_q_len):
     return mask
 
 
-def brute_force_attention(q_rows, k, v, seq_lens, page_tables, owners, visible_fn):
+def brute_force_attention(q_rows, k, v, seq_lens, page_tables, owners, visible_fn, softcap=None):
     """Loop-by-loop attention in float64 straight from the page table: the check on ref.py itself."""
     _, _, page_size, num_kv_heads, head_dim = k.shape
     out = np.zeros(q_rows.shape, np.float64)
@@ -100,6 +100,8 @@ def brute_force_attention(q_rows, k, v, seq_lens, page_tables, owners, visible_f
         vals = np.stack([v[LAYER, p, o] for p, o in slots]).astype(np.float64)
         for h in range(q_rows.shape[1]):
             logits = keys[:, h // group] @ q_rows[row, h].astype(np.float64) * SM_SCALE
+            if softcap is not None:
+                logits = softcap * np.tanh(logits / softcap)
             w = np.exp(logits - logits.max())
             out[row, h] = (w / w.sum()) @ vals[:, h // group]
     return out
@@ -500,3 +502,37 @@ def test_sliding_window_kernels_match_reference_and_brute_force(window, page_siz
     ref, ref_lse = paged_decode_ref(*dec_args, sm_scale=SM_SCALE, window=w, return_lse=True)
     assert rel_err(out, ref) < 1e-5
     np.testing.assert_allclose(lse, ref_lse, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_logit_softcap_kernels_match_reference_and_brute_force(tree):
+    """Gemma 2's attention logit soft-capping (with a window, as its sliding layers have)."""
+    rng = np.random.default_rng(17 + tree)
+    cap, max_q_len = 0.5, 4
+    q_lens = np.array([4, 1, 3])
+    prefix = np.array([20, 9, 0])
+    seq_lens = (prefix + q_lens).astype(np.int32)
+    k, v, tables = paged_problem(rng, seq_lens, page_size=4, num_kv_heads=2, head_dim=64)
+    q, query_start = ragged_queries(rng, q_lens, 4, 64, pad_rows=2)
+    q *= 4  # logits well past the cap
+    mask = random_tree_mask(rng, 3, max_q_len) if tree else None
+    owners = [None] * q.shape[0]
+    for b in range(3):
+        for i in range(q_lens[b]):
+            owners[query_start[b] + i] = (b, i)
+
+    def visible(b, i, j):
+        start = seq_lens[b] - q_lens[b]
+        return j < start or (mask[b, i, j - start] if tree else j <= start + i)
+
+    args = (q, k, v, jnp.int32(LAYER), seq_lens, tables, query_start)
+    kw = dict(sm_scale=SM_SCALE, max_q_len=max_q_len, mask=mask, logit_softcap=cap)
+    want = brute_force_attention(q, k, v, seq_lens, tables, owners, visible, softcap=cap)
+    assert rel_err(paged_extend_ref(*args, **kw), want) < 1e-5
+    assert rel_err(paged_extend(*args, block_m=16, block_n=16, num_splits=2, **kw), want) < 1e-5
+    assert rel_err(paged_extend_ref(*args, **{**kw, "logit_softcap": None}), want) > 1e-2
+    dec = (q[:3], k, v, jnp.int32(LAYER), seq_lens, tables)
+    want = brute_force_attention(q[:3], k, v, seq_lens, tables, [(b, 0) for b in range(3)], lambda *_: True, cap)
+    assert rel_err(paged_decode_ref(*dec, sm_scale=SM_SCALE, logit_softcap=cap), want) < 1e-5
+    out = paged_decode(*dec, sm_scale=SM_SCALE, logit_softcap=cap, block_n=16, num_splits=2, min_split_tokens=16)
+    assert rel_err(out, want) < 1e-5

@@ -86,6 +86,7 @@ def test_lowering_catches_a_non_power_of_two_array():
         (4, 512, 1, 9, 3, 64, dict(table_ctx=8192)),  # SmolLM2-135M heads, 8192-column table
         (32, 4096, 16, 32, 8, 128, dict(window=True)),  # sliding window, a traced int32
         (1, 4096, 16, 32, 8, 128, dict(window=True, return_lse=True)),  # split-K path
+        (8, 4096, 16, 8, 4, 256, dict(window=True, logit_softcap=50.0)),  # Gemma 2: head_dim 256, capped
     ],
 )
 def test_paged_decode_lowers_for_cuda(batch, ctx, page_size, num_q_heads, num_kv_heads, head_dim, tuning):
@@ -124,6 +125,7 @@ def test_paged_decode_lowers_for_cuda(batch, ctx, page_size, num_q_heads, num_kv
         (32, 8, 4096, 16, 8, 128, True, dict(window=True)),  # sliding window under a tree
         (1, 2048, 2048, 16, 8, 128, False, dict(window=True)),  # windowed long prefill
         (4, 512, 4096, 16, 8, 128, False, dict(window=True, num_splits=4)),
+        (8, 8, 4096, 16, 4, 256, True, dict(window=True, logit_softcap=50.0)),  # Gemma 2 under a tree
     ],
 )
 def test_paged_extend_lowers_for_cuda(batch, q_len, ctx, page_size, num_kv_heads, head_dim, tree, tuning):
