@@ -29,6 +29,7 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "Olmo2ForCausalLM": "olmo2",
     "GraniteForCausalLM": "granite",
+    "SmolLM3ForCausalLM": "smollm3",
 }
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3")
 # Families whose every layer uses config.json's sliding_window (HF ignores layer_types there).
@@ -105,6 +106,8 @@ class ModelConfig:
     # Gemma 3: sliding-window layers rotate with their own base (and scaling); None: as the others.
     sliding_rope_theta: float | None = None
     sliding_rope_scaling: RopeScaling | None = None
+    # SmolLM3's NoPE layers: per layer, whether it rotates q and k. Empty: every layer does.
+    rope_layers: tuple[bool, ...] = ()
     # Switches of the families past Llama (their HF config names in the comments).
     hidden_act: str = "silu"  # the gate's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     # "pre": RMSNorm before each sublayer; "sandwich": also on each sublayer's output (Gemma 2/3);
@@ -127,6 +130,10 @@ class ModelConfig:
             )
         # Lists (from JSON) would make the config unhashable, so unusable as a jit static.
         object.__setattr__(self, "moe_layers", tuple(int(i) for i in self.moe_layers))
+        rope_layers = tuple(bool(r) for r in self.rope_layers)
+        object.__setattr__(self, "rope_layers", () if all(rope_layers) else rope_layers)
+        if self.rope_layers and len(self.rope_layers) != self.num_layers:
+            raise ValueError(f"rope_layers {self.rope_layers} must hold one flag per layer ({self.num_layers})")
         windows = tuple(int(w) for w in self.sliding_windows)
         object.__setattr__(self, "sliding_windows", windows if any(windows) else ())
         if windows and (len(windows) != self.num_layers or min(windows) < 0):
@@ -254,6 +261,13 @@ def _family_fields(family: str, hf: dict[str, Any]) -> dict[str, Any]:
         fields["final_logit_softcap"] = _positive(hf.get("final_logit_softcapping"))
         if hf.get("use_bidirectional_attention"):
             raise UnsupportedArchitectureError("use_bidirectional_attention=true is not supported (a decoder only)")
+    if family == "smollm3":
+        L = int(hf["num_hidden_layers"])
+        flags = hf.get("no_rope_layers")  # 1: the layer uses RoPE (HF's naming)
+        if flags is None:
+            interval = int(hf.get("no_rope_layer_interval", 4))
+            flags = [(i + 1) % interval != 0 for i in range(L)]
+        fields["rope_layers"] = tuple(bool(f) for f in flags)
     if family == "olmo2":
         fields.update(norm_layout="post", qk_norm_whole=True)
     if family == "granite":
@@ -388,6 +402,8 @@ def _sliding_windows(family: str, hf: dict[str, Any]) -> tuple[int, ...]:
     if family in _WINDOW_EVERY_LAYER:
         return (window,) * L
     if hf.get("use_sliding_window") is False:  # Qwen's switch, off: HF drops the window
+        return ()
+    if family == "smollm3" and not hf.get("use_sliding_window"):  # its switch is off by default
         return ()
     types = hf.get("layer_types")
     if types is None and family == "gemma2":  # HF's default: sliding, full, sliding, ...

@@ -217,13 +217,19 @@ def decoder_layer(cfg: ModelConfig, lp, x, h, cos, sin, attend, caches):
 
 def layer_rope(cfg: ModelConfig, layer, full, sliding):
     """The (cos, sin) of layer: sliding's on a sliding-window layer when the model rotates
-    those with their own base (Gemma 3), else full's. A select under the scan."""
-    if sliding is None:
-        return full
-    if isinstance(layer, int):
-        return sliding if cfg.sliding_windows[layer] else full
-    is_sliding = jnp.asarray([w > 0 for w in cfg.sliding_windows])[layer]
-    return tuple(jnp.where(is_sliding, s, f) for s, f in zip(sliding, full))
+    those with their own base (Gemma 3), else full's; the identity (cos 1, sin 0) on SmolLM3's
+    NoPE layers. Selects under the scan."""
+    cos, sin = full
+    if sliding is not None:
+        if isinstance(layer, int):
+            cos, sin = sliding if cfg.sliding_windows[layer] else full
+        else:
+            is_sliding = jnp.asarray([w > 0 for w in cfg.sliding_windows])[layer]
+            cos, sin = (jnp.where(is_sliding, s, f) for s, f in zip(sliding, full))
+    if cfg.rope_layers:
+        rotates = cfg.rope_layers[layer] if isinstance(layer, int) else jnp.asarray(cfg.rope_layers)[layer]
+        cos, sin = jnp.where(rotates, cos, 1.0), jnp.where(rotates, sin, 0.0)
+    return cos, sin
 
 
 def rope_cos_sin(cfg: ModelConfig, positions: jax.Array, sliding: bool = False):

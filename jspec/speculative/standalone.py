@@ -24,6 +24,7 @@ from jspec.models.llama import (
     decoder_layer,
     embed_tokens,
     forward,
+    layer_rope,
     rms_norm,
     rope_cos_sin,
     run_layers,
@@ -101,7 +102,8 @@ class StandaloneMethod(SpecMethod):
             def layer_body(carry, lp, layer):
                 x, anc = carry
                 h = attention_input(dcfg, lp, x)
-                return decoder_layer(dcfg, lp, x, h, cos, sin, attend_for_layer(layer), anc)
+                layer_cos, layer_sin = layer_rope(dcfg, layer, (cos, sin), None)
+                return decoder_layer(dcfg, lp, x, h, layer_cos, layer_sin, attend_for_layer(layer), anc)
 
             x, anc = run_layers(layers, layer_body, (x, anc))
             p, ids = top(compute_logits(dparams, dcfg, rms_norm(x, dparams["final_norm"], dcfg.rms_norm_eps)))

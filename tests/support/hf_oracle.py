@@ -135,6 +135,12 @@ ARCH_DEFAULTS = {
         "GraniteForCausalLM",
         dict(embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=3.0),
     ),
+    # NoPE on every other layer; a window on the NoPE ones (SmolLM3's own rule).
+    "smollm3": (
+        "SmolLM3Config",
+        "SmolLM3ForCausalLM",
+        dict(no_rope_layers=[1, 0], use_sliding_window=True, sliding_window=5, pad_token_id=0),
+    ),
     "mixtral": (
         "MixtralConfig",
         "MixtralForCausalLM",

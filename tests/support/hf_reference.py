@@ -85,6 +85,7 @@ HF_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3": ("phi3", {}),
     "olmo2": ("olmo2", {}),
     "granite": ("granite", {"attention_bias": True}),
+    "smollm3": ("smollm3", {}),
     "mistral": ("mistral", {}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
