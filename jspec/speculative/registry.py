@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from jspec.config.model import ModelConfig
 from jspec.config.spec import SpecConfig
 
@@ -19,7 +21,7 @@ def make_method(spec: SpecConfig, cfg: ModelConfig, draft=None, dtype=None):
             _need_path(spec)
             draft = load_draft_model(spec.draft_model_path, cfg, dtype=dtype, algorithm=spec.algorithm)
         dcfg, dparams = draft
-        return EagleMethod(spec, dcfg), dparams
+        return EagleMethod(spec, dcfg, carry_topk=max(k for _, k, _ in spec.shapes())), dparams
     if spec.algorithm == "STANDALONE":
         from jspec.speculative.standalone import StandaloneMethod
 
@@ -35,7 +37,7 @@ def make_method(spec: SpecConfig, cfg: ModelConfig, draft=None, dtype=None):
                 f"({cfg.vocab_size}); the draft must share the target's tokenizer"
             )
         _check_tree_fits_windows(spec, dcfg, "STANDALONE draft")
-        if dcfg.sliding_windows and spec.eagle_topk > 1:
+        if dcfg.sliding_windows and max(k for _, k, _ in spec.shapes()) > 1:
             raise ValueError(
                 "a STANDALONE draft with sliding-window attention drafts chains only (eagle_topk=1): "
                 "beam drafting does not window the draft's attention"
@@ -47,19 +49,27 @@ def make_method(spec: SpecConfig, cfg: ModelConfig, draft=None, dtype=None):
         if draft is not None:
             raise ValueError("NGRAM speculation has no draft model; do not pass draft=")
         # The history holds every position a request can reach, plus one iteration's overshoot.
-        return NgramMethod(spec, cfg.max_position_embeddings + 2 * spec.num_draft_tokens + 2), None
+        widest = max(n for _, _, n in spec.shapes())
+        return NgramMethod(spec, cfg.max_position_embeddings + 2 * widest + 2), None
     raise ValueError(f"no implementation for speculative algorithm {spec.algorithm!r}")
 
 
 def _check_tree_fits_windows(spec: SpecConfig, cfg: ModelConfig, what: str) -> None:
     """Tree verification windows the prefix only; a node sees all its ancestors, so the
-    deepest node must see the root."""
+    deepest node of every shape the config may run must see the root."""
     window = cfg.smallest_window
-    if window is not None and spec.num_steps >= window:
+    steps = max(shape[0] for shape in spec.shapes())
+    if window is not None and steps >= window:
         raise ValueError(
-            f"speculative num_steps={spec.num_steps} reaches past the {what}'s sliding window of "
+            f"speculative num_steps={steps} reaches past the {what}'s sliding window of "
             f"{window} tokens; use num_steps < {window}"
         )
+
+
+def shape_variants(method) -> tuple:
+    """The method once per draft shape its config allows (speculative/adaptive.py picks among
+    them per iteration); they share one device state, the first one's."""
+    return tuple(dataclasses.replace(method, spec=method.spec.with_shape(s)) for s in method.spec.shapes())
 
 
 def _need_path(spec: SpecConfig) -> None:

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.models import TARGET, draft_config, permutation_models, prompts
+from support.models import TARGET, draft_config, engine_settings, permutation_models, prompts
 
 import jspec
 from jspec.checkpoint.eagle import init_random_draft_params
@@ -32,13 +32,7 @@ def test_ngram_matcher_equals_brute_force(seed):
 
 
 def run_pair(target, ps, spec, draft=None, page_size=16, overlap=True, max_new=16, cfg=TARGET, backend="reference"):
-    kw = dict(
-        page_size=page_size,
-        max_total_tokens=127 * page_size,
-        max_running_requests=4,
-        attention_backend=backend,
-        disable_overlap_schedule=not overlap,
-    )
+    kw = {**engine_settings(page_size, overlap), "attention_backend": backend}
     base = jspec.generate(
         (cfg, target), ps, max_new_tokens=max_new, ignore_eos=True, engine=jspec.Engine((cfg, target), **kw)
     )
