@@ -1,6 +1,7 @@
 """ModelConfig.from_hf on the config.json fields of the families past Llama: sliding windows,
 RoPE scalings, the family switches, and refusals that name the feature."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -125,3 +126,36 @@ def test_family_switches():
 def test_unimplemented_features_are_refused_by_name(fields, message):
     with pytest.raises(UnsupportedArchitectureError, match=message):
         ModelConfig.from_hf(hf_config("Qwen3ForCausalLM", **fields))
+
+
+def test_new_fields_survive_a_converted_checkpoints_json():
+    """convert_checkpoint writes the config as JSON: windows, NoPE flags and RoPE scalings
+    (their factor lists included) come back equal and hashable (a jit static)."""
+    import json
+
+    from jspec.checkpoint.loader import config_from_json, config_to_json
+    from jspec.config.model import RopeScaling
+
+    cfg = ModelConfig.from_hf(
+        hf_config(
+            "Gemma3ForCausalLM",
+            num_hidden_layers=2,
+            head_dim=16,
+            sliding_window=4,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            },
+        )
+    )
+    cfg = ModelConfig(
+        **{
+            **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)},
+            "rope_layers": (True, False),
+            "sliding_rope_scaling": RopeScaling(
+                2.0, rope_type="longrope", short_factor=(1.0,) * 8, long_factor=(2.0,) * 8
+            ),
+        }
+    )
+    back = config_from_json(json.loads(json.dumps(config_to_json(cfg))))
+    assert back == cfg and hash(back) == hash(cfg)
