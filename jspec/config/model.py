@@ -1,7 +1,7 @@
 """Configuration dataclasses.
 
 `ModelConfig` describes a Llama-family decoder (the shapes and the switches that tell
-Llama, Mistral, Qwen2/3, Gemma 1/2/3, Phi-3, OLMo 2 and Granite apart), optionally with
+Llama, Mistral, Qwen2/3, Gemma 1/2/3, Phi-3, OLMo 2, Granite and SmolLM3 apart), optionally with
 Mixture-of-Experts MLPs (Qwen3-MoE, Qwen2-MoE, Mixtral: see models/moe.py). It is frozen
 and hashable so it can be a static argument of jitted functions.
 """
