@@ -24,7 +24,7 @@ import numpy as np
 from jspec.checkpoint.errors import CheckpointError, MissingTensorError, TensorShapeError
 from jspec.checkpoint.files import read_hf_tensors
 from jspec.checkpoint.random_weights import random_weights
-from jspec.config.model import ModelConfig, RopeScaling, UnsupportedArchitectureError
+from jspec.config.model import GEMMA_FAMILIES, ModelConfig, RopeScaling, UnsupportedArchitectureError
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,33 @@ def _moe_hf_shapes(cfg: ModelConfig, layout: _MoeLayout) -> dict[str, tuple[int,
     return shapes
 
 
-def _hf_shapes(cfg: ModelConfig, moe_layout: _MoeLayout | None = None) -> dict[str, tuple[int, ...]]:
+# jspec's norm -> HF's name (relative to model.layers.{i}.), by norm layout. Llama's
+# post_attention_layernorm is the norm before the MLP; Gemma 2/3's and OLMo 2's is the one on
+# the attention's output.
+_NORM_NAMES = {
+    "pre": {"attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight"},
+    "sandwich": {
+        "attn_norm": "input_layernorm.weight",
+        "attn_post_norm": "post_attention_layernorm.weight",
+        "mlp_norm": "pre_feedforward_layernorm.weight",
+        "mlp_post_norm": "post_feedforward_layernorm.weight",
+    },
+    "post": {"attn_post_norm": "post_attention_layernorm.weight", "mlp_post_norm": "post_feedforward_layernorm.weight"},
+}
+_QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+_FUSED_QKV = ("self_attn.qkv_proj.weight",)  # Phi-3: q, k, v stacked on the out axis
+_GATE_UP = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
+_FUSED_GATE_UP = ("mlp.gate_up_proj.weight",)  # Phi-3: gate, up stacked on the out axis
+
+
+def _fused_projections(tensors: Mapping[str, Any]) -> bool:
+    """Whether the checkpoint stores q/k/v and gate/up fused (Phi-3)."""
+    return "model.layers.0." + _FUSED_QKV[0] in tensors
+
+
+def _hf_shapes(
+    cfg: ModelConfig, moe_layout: _MoeLayout | None = None, fused: bool = False
+) -> dict[str, tuple[int, ...]]:
     """Every HF tensor the config needs, with the shape HF stores it in ([out, in])."""
     H, I, V, D = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
     shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
@@ -127,24 +153,35 @@ def _hf_shapes(cfg: ModelConfig, moe_layout: _MoeLayout | None = None) -> dict[s
         shapes["lm_head.weight"] = (V, H)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (H,)
-        shapes[p + "post_attention_layernorm.weight"] = (H,)
-        shapes[p + "self_attn.q_proj.weight"] = (cfg.q_size, H)
-        shapes[p + "self_attn.k_proj.weight"] = (cfg.kv_size, H)
-        shapes[p + "self_attn.v_proj.weight"] = (cfg.kv_size, H)
+        for name in _NORM_NAMES[cfg.norm_layout].values():
+            shapes[p + name] = (H,)
+        if fused:
+            shapes[p + _FUSED_QKV[0]] = (cfg.q_size + 2 * cfg.kv_size, H)
+        else:
+            shapes[p + "self_attn.q_proj.weight"] = (cfg.q_size, H)
+            shapes[p + "self_attn.k_proj.weight"] = (cfg.kv_size, H)
+            shapes[p + "self_attn.v_proj.weight"] = (cfg.kv_size, H)
         shapes[p + "self_attn.o_proj.weight"] = (H, cfg.q_size)
         if cfg.qkv_bias:
             shapes[p + "self_attn.q_proj.bias"] = (cfg.q_size,)
             shapes[p + "self_attn.k_proj.bias"] = (cfg.kv_size,)
             shapes[p + "self_attn.v_proj.bias"] = (cfg.kv_size,)
+        if cfg.o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (H,)
         if cfg.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (D,)
             shapes[p + "self_attn.k_norm.weight"] = (D,)
+        if cfg.qk_norm_whole:
+            shapes[p + "self_attn.q_norm.weight"] = (cfg.q_size,)
+            shapes[p + "self_attn.k_norm.weight"] = (cfg.kv_size,)
         if i in cfg.moe_layers:
             shapes.update({p + n: s for n, s in _moe_hf_shapes(cfg, moe_layout or _MoeLayout()).items()})
             continue
-        shapes[p + "mlp.gate_proj.weight"] = (I, H)
-        shapes[p + "mlp.up_proj.weight"] = (I, H)
+        if fused:
+            shapes[p + _FUSED_GATE_UP[0]] = (2 * I, H)
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (I, H)
+            shapes[p + "mlp.up_proj.weight"] = (I, H)
         shapes[p + "mlp.down_proj.weight"] = (H, I)
     return shapes
 
@@ -152,7 +189,7 @@ def _hf_shapes(cfg: ModelConfig, moe_layout: _MoeLayout | None = None) -> dict[s
 def _check_tensors(
     cfg: ModelConfig, tensors: Mapping[str, Any], where: str, moe_layout: _MoeLayout | None = None
 ) -> None:
-    expected = _hf_shapes(cfg, moe_layout)
+    expected = _hf_shapes(cfg, moe_layout, _fused_projections(tensors))
     missing = [n for n in expected if n not in tensors]
     if missing:
         shown = ", ".join(repr(n) for n in missing[:8])
@@ -207,10 +244,13 @@ def convert_hf_params(
     dtype = np.dtype(jnp.dtype(dtype))
     L = cfg.num_layers
 
-    def vectors(parts: list[str]) -> jax.Array:
-        """[L, sum(n)]: tiny, so stacked on the host and sent at once."""
+    def vectors(parts: list[str], offset: float = 0.0) -> jax.Array:
+        """[L, sum(n)] (plus offset): tiny, so stacked on the host and sent at once."""
         rows = [np.concatenate([tensors[f"model.layers.{i}.{p}"] for p in parts]) for i in range(L)]
-        return _cast(jax.device_put(np.stack(rows), device), dtype)
+        stacked = np.stack(rows)
+        if offset:
+            stacked = stacked.astype(np.float32) + offset
+        return _cast(jax.device_put(stacked, device), dtype)
 
     def matrices(parts: list[str], layer_ids=tuple(range(L))) -> jax.Array:
         """[len(layer_ids), in, sum(out)]: each layer's parts concatenated on the out axis."""
@@ -253,20 +293,24 @@ def convert_hf_params(
             out = _place_transposed(out, jax.device_put(t[r : r + block], device), (0, r))
         return out
 
-    layers = {
-        "attn_norm": vectors(["input_layernorm.weight"]),
-        "wqkv": matrices(["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]),
-    }
+    fused = _fused_projections(tensors)
+    # Gemma's RMSNorms scale by (1 + w): the offset is added here, once.
+    norm_offset = 1.0 if cfg.family in GEMMA_FAMILIES else 0.0
+    norms = {k: vectors([n], norm_offset) for k, n in _NORM_NAMES[cfg.norm_layout].items()}
+    layers = {k: norms[k] for k in ("attn_norm",) if k in norms}
+    layers["wqkv"] = matrices(list(_FUSED_QKV if fused else _QKV))
     if cfg.qkv_bias:
         layers["bqkv"] = vectors(["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"])
-    if cfg.qk_norm:
-        layers["q_norm"] = vectors(["self_attn.q_norm.weight"])
-        layers["k_norm"] = vectors(["self_attn.k_norm.weight"])
+    if cfg.qk_norm or cfg.qk_norm_whole:
+        layers["q_norm"] = vectors(["self_attn.q_norm.weight"], norm_offset)
+        layers["k_norm"] = vectors(["self_attn.k_norm.weight"], norm_offset)
     layers["wo"] = matrices(["self_attn.o_proj.weight"])
-    layers["mlp_norm"] = vectors(["post_attention_layernorm.weight"])
+    if cfg.o_bias:
+        layers["bo"] = vectors(["self_attn.o_proj.bias"])
+    layers.update({k: v for k, v in norms.items() if k != "attn_norm"})
     dense = {}
     if cfg.dense_layers:
-        dense["w_gate_up"] = matrices(["mlp.gate_proj.weight", "mlp.up_proj.weight"], cfg.dense_layers)
+        dense["w_gate_up"] = matrices(list(_FUSED_GATE_UP if fused else _GATE_UP), cfg.dense_layers)
         dense["w_down"] = matrices(["mlp.down_proj.weight"], cfg.dense_layers)
     sparse = {}
     if cfg.moe_layers:
@@ -282,10 +326,13 @@ def convert_hf_params(
             sparse["shared_gate"] = matrices(["mlp.shared_expert_gate.weight"], ids)
     layers = assemble_layers(cfg, layers, dense, sparse, lambda a, j: a[j])
 
+    final_norm = tensors["model.norm.weight"]
+    if norm_offset:
+        final_norm = np.asarray(final_norm, np.float32) + norm_offset
     params = {
         "embed": _cast(jax.device_put(tensors["model.embed_tokens.weight"], device), dtype),
         "layers": layers,
-        "final_norm": _cast(jax.device_put(tensors["model.norm.weight"], device), dtype),
+        "final_norm": _cast(jax.device_put(final_norm, device), dtype),
     }
     if not cfg.tie_word_embeddings:
         params["lm_head"] = lm_head(tensors["lm_head.weight"])
@@ -327,13 +374,21 @@ def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
     """The pytree's leaf shapes for a config (same structure as the params)."""
     H, I, D, L = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_layers
     qkv = cfg.q_size + 2 * cfg.kv_size
-    layers = {"attn_norm": (L, H), "wqkv": (L, H, qkv)}
+    norms = {k: (L, H) for k in _NORM_NAMES[cfg.norm_layout]}
+    layers = {k: norms[k] for k in ("attn_norm",) if k in norms}
+    layers["wqkv"] = (L, H, qkv)
     if cfg.qkv_bias:
         layers["bqkv"] = (L, qkv)
     if cfg.qk_norm:
         layers["q_norm"] = (L, D)
         layers["k_norm"] = (L, D)
-    layers.update(wo=(L, cfg.q_size, H), mlp_norm=(L, H))
+    if cfg.qk_norm_whole:
+        layers["q_norm"] = (L, cfg.q_size)
+        layers["k_norm"] = (L, cfg.kv_size)
+    layers["wo"] = (L, cfg.q_size, H)
+    if cfg.o_bias:
+        layers["bo"] = (L, H)
+    layers.update({k: v for k, v in norms.items() if k != "attn_norm"})
     nd, ns = len(cfg.dense_layers), len(cfg.moe_layers)
     dense = dict(w_gate_up=(nd, H, 2 * I), w_down=(nd, I, H)) if nd else {}
     sparse = {}
@@ -376,8 +431,9 @@ def config_from_json(data: Mapping[str, Any]) -> ModelConfig:
     if data.get("format") != _FORMAT:
         raise CheckpointError(f"{JSPEC_CONFIG_FILE} has format {data.get('format')!r}, expected {_FORMAT!r}")
     d = dict(data["model_config"])
-    if d.get("rope_scaling") is not None:
-        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    for key in ("rope_scaling", "sliding_rope_scaling"):
+        if d.get(key) is not None:
+            d[key] = RopeScaling(**d[key])
     d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
     d["moe_layers"] = tuple(d.get("moe_layers") or ())
     return ModelConfig(**d)

@@ -269,7 +269,7 @@ class Engine:
 
         params = params or SamplingParams()
         params.validate()
-        ids = tokenize_prompt(prompt, self.model, 0)
+        ids = tokenize_prompt(prompt, self.model)
         rid = rid if rid is not None else f"req-{next(self._ids)}"
         if rid in self.scheduler.requests:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -421,9 +421,10 @@ class Engine:
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None):
         """Runs prompts to completion; returns GenerationOutputs in order (n per prompt when
         params.n > 1, prompt by prompt)."""
-        from jspec.engine.outputs import GenerationOutput, as_prompt_list
+        from jspec.engine.outputs import GenerationOutput, as_prompt_list, tokenize_prompt
 
-        prompts = as_prompt_list(prompts)
+        # Every prompt checked (and errors named by its index) before any is submitted.
+        prompts = [tokenize_prompt(p, self.model, i) for i, p in enumerate(as_prompt_list(prompts))]
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         rids = []
         try:

@@ -33,6 +33,24 @@ NUM_SMS = 132
 TARGET_PROGRAMS = 4 * NUM_SMS
 
 
+# The window of a layer that has none: wider than any context, small enough that
+# position - window stays in int32.
+NO_WINDOW = 1 << 30
+
+
+def window_scalar(window) -> jax.Array:
+    """A kernel's window argument (None or an int32 array of one element) as an int32 ()."""
+    if window is None:
+        return jnp.int32(NO_WINDOW)
+    return jnp.reshape(jnp.asarray(window, jnp.int32), ())
+
+
+def tree_depth(mask: jax.Array) -> jax.Array:
+    """[B, Q, Q] tree mask (each node sees itself and its ancestors) -> int32 [B, Q] depth of
+    each node below the tree's first token: its position past the prefix."""
+    return jnp.maximum(jnp.sum(mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
@@ -83,14 +101,18 @@ def gather_kv_tiles(
     return k, v
 
 
-def attend_tile(q, k, v, m, l, acc, *, scale_log2, visible=None):
+def attend_tile(q, k, v, m, l, acc, *, scale_log2, visible=None, softcap=None):
     """One online-softmax step of rows q [M, D] over a KV tile [N, D], in base 2.
 
     m, l: running max (log2 units) and normaliser [M]; acc: unnormalised [M, D] f32.
     visible [M, N] (or broadcastable) hides positions; None means all visible.
+    softcap: logits (natural units, after scaling) become softcap * tanh(logits / softcap).
     """
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    s = s * scale_log2
+    if softcap is None:
+        s = s * scale_log2
+    else:
+        s = jnp.tanh(s * (scale_log2 / (LOG2E * softcap))) * (softcap * LOG2E)
     if visible is not None:
         s = jnp.where(visible, s, MASK_VALUE)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
