@@ -197,10 +197,22 @@ def paged_extend_ref(
     return out[:num_rows].astype(q.dtype)
 
 
-def skinny_matmul_ref(x, w):
+def dequantize_fp8(w, scale):
+    """w [..., in, out] (FP8) and scale [..., in_blocks, out] f32 -> f32 [..., in, out]: each scale
+    row multiplies in / in_blocks consecutive rows of w."""
+    *lead, K, N = w.shape
+    nb = scale.shape[-2]
+    blocks = w.astype(jnp.float32).reshape(*lead, nb, K // nb, N) * scale[..., :, None, :]
+    return blocks.reshape(*lead, K, N)
+
+
+def skinny_matmul_ref(x, w, scale=None):
     """x [M, K] @ w [K, N] -> f32 [M, N]: x cast to w's dtype, products accumulated in f32.
 
     The same contract as the skinny_matmul kernel (and the models' jnp.dot with
-    preferred_element_type=f32), so the two differ only in summation order.
+    preferred_element_type=f32), so the two differ only in summation order. With scale
+    (FP8 w): x @ dequantize_fp8(w, scale), in f32.
     """
+    if scale is not None:
+        return jnp.dot(x.astype(jnp.float32), dequantize_fp8(w, scale), precision=HIGHEST)
     return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)

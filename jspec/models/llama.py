@@ -24,6 +24,7 @@ from jspec.layers.attention import paged_attention
 from jspec.layers.batch import AttentionMode, ForwardBatch
 from jspec.layers.lora import LoraBatch, add_lora_delta, lora_dense, slot_mask
 from jspec.layers.matmul import dense_f32
+from jspec.layers.quant import is_fp8
 from jspec.models.moe import moe_mlp_on_mesh
 
 
@@ -75,6 +76,8 @@ def _project(h: jax.Array, w: jax.Array) -> jax.Array:
     """h [T, in] @ w -> f32 [T, shards, n]; w is [in, n] (one shard) or [in, tp, n / tp]."""
     if w.ndim == 2:
         return dense_f32(h, w)[:, None, :]
+    if is_fp8(w):
+        return dense_f32(h, w)
     return jnp.einsum("ti,isn->tsn", h, w, preferred_element_type=jnp.float32)
 
 
@@ -291,12 +294,12 @@ def unstack_layers(params):
     layers = params["layers"]
     if isinstance(layers, (list, tuple)):
         return params
-    n = len(next(iter(layers.values())))
+    n = len(jax.tree.leaves(layers)[0])
     per_layer = [dict() for _ in range(n)]
     for name in list(layers):
         stacked = layers[name]
         for i in range(n):
-            per_layer[i][name] = stacked[i]
+            per_layer[i][name] = stacked[i]  # an Fp8Weight indexes its weight and scale alike
     return {**params, "layers": per_layer}
 
 
