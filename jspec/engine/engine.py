@@ -159,6 +159,7 @@ class Engine:
             mesh=mesh,
             layer_loop=config.layer_loop,
             lora=self._lora_pool(config, dtype, mesh or dp_mesh, params),
+            kv_cache_dtype=config.kv_cache_dtype,
         )
         if method is None:
             self.worker = PlainWorker(cfg, params, **kw)

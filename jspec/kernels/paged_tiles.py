@@ -78,8 +78,9 @@ def gather_kv_tiles(
     cols = lax.iota(jnp.int32, head_dim)[None, :]
     if valid is None:
         return k_rows_ref[rows, cols], v_rows_ref[rows, cols]
-    k = pltriton.load(k_rows_ref.at[rows, cols], mask=valid[:, None], other=0)
-    v = pltriton.load(v_rows_ref.at[rows, cols], mask=valid[:, None], other=0)
+    # other=0.0: a float fill, which Triton can convert to an FP8 cache's type (an int fill it cannot).
+    k = pltriton.load(k_rows_ref.at[rows, cols], mask=valid[:, None], other=0.0)
+    v = pltriton.load(v_rows_ref.at[rows, cols], mask=valid[:, None], other=0.0)
     return k, v
 
 
@@ -88,7 +89,9 @@ def attend_tile(q, k, v, m, l, acc, *, scale_log2, visible=None):
 
     m, l: running max (log2 units) and normaliser [M]; acc: unnormalised [M, D] f32.
     visible [M, N] (or broadcastable) hides positions; None means all visible.
+    An FP8 KV tile is upcast to q's dtype here, in registers (kv_compute_dtype).
     """
+    k, v = k.astype(q.dtype), v.astype(q.dtype)
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     s = s * scale_log2
     if visible is not None:
@@ -102,6 +105,12 @@ def attend_tile(q, k, v, m, l, acc, *, scale_log2, visible=None):
     l = l * alpha + jnp.sum(p, axis=1)
     pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
     return m_new, l, acc * alpha[:, None] + pv
+
+
+def kv_compute_dtype(cache_dtype, q_dtype):
+    """The dtype of the attention's dots: the cache's, or q's over an FP8 cache (whose tiles are
+    upcast after their load: the HBM read stays one byte per element)."""
+    return q_dtype if jnp.dtype(cache_dtype).itemsize == 1 else cache_dtype
 
 
 def normalise(acc, l):

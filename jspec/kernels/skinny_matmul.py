@@ -70,7 +70,9 @@ def _skinny_kernel(
         if w_mask is None:
             w = w_ref[ks[:, None], cols[None, :]]  # the common case: an unmasked, fully coalesced tile
         else:
-            w = pltriton.load(w_ref.at[ks[:, None], cols[None, :]], mask=w_mask, other=0)
+            w = pltriton.load(
+                w_ref.at[ks[:, None], cols[None, :]], mask=w_mask, other=0.0
+            )  # a float fill: FP8 takes no int
         # pl.dot is gone in this jax; dot_general with an f32 result lowers to tl.dot the same way.
         prod = lax.dot_general(x, w.astype(compute_dtype), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         if scale_block_rows:

@@ -34,6 +34,22 @@ def check_page_size(page_size: int) -> None:
         raise ValueError(f"page_size must be a power of two >= 1, got {page_size}")
 
 
+# --kv-cache-dtype (SGLang's values) -> the pool's dtype; "auto" is the model's.
+KV_CACHE_DTYPES = {"fp8_e4m3": jnp.float8_e4m3fn}
+
+
+def kv_cache_dtype(setting: str, model_dtype):
+    if setting == "auto":
+        return jnp.dtype(model_dtype)
+    if setting not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {setting!r}; choose auto or one of {sorted(KV_CACHE_DTYPES)}")
+    return jnp.dtype(KV_CACHE_DTYPES[setting])
+
+
+def is_fp8_cache(cache: jax.Array) -> bool:
+    return jnp.dtype(cache.dtype).itemsize == 1
+
+
 def kv_bytes_per_page(cfg: ModelConfig, page_size: int, dtype) -> int:
     return 2 * cfg.num_layers * page_size * cfg.kv_size * jnp.dtype(dtype).itemsize
 
@@ -51,4 +67,8 @@ def write_kv(cache: jax.Array, layer: jax.Array, slots: jax.Array, new: jax.Arra
     dropped, so padded tokens write nothing.
     """
     S = cache.shape[2]
+    if is_fp8_cache(cache):
+        # Saturate: e4m3fn has no infinity, and a value past its largest would become NaN.
+        limit = float(jnp.finfo(cache.dtype).max)
+        new = jnp.clip(new.astype(jnp.float32), -limit, limit)
     return cache.at[layer, slots // S, slots % S].set(new.astype(cache.dtype), mode="drop")

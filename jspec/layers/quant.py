@@ -69,15 +69,14 @@ def is_fp8(w) -> bool:
 
 def fp8_dense_f32(x: jax.Array, w: Fp8Weight) -> jax.Array:
     """x [T, in] @ w ([in, out], or the TP layout [in, tp, n]) -> f32 [T, out...]."""
-    if (
-        w.gemm == "pallas"
-        and x.shape[0] <= MAX_ROWS
-        and w.ndim == 2
-        and jax.default_backend() == "gpu"
-        and jax.device_count() == 1
-    ):
+    if w.gemm == "pallas" and x.shape[0] <= MAX_ROWS and w.ndim == 2 and one_gpu():
         return skinny_matmul(x, w.w, scale=w.scale)
     return fp8_dot_xla(x, w.w, w.scale)
+
+
+def one_gpu() -> bool:
+    """Where the Pallas GEMV runs: one GPU (under a mesh XLA's dot partitions the sharded weights)."""
+    return jax.default_backend() == "gpu" and jax.device_count() == 1
 
 
 def fp8_dot_xla(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:

@@ -19,7 +19,7 @@ import numpy as np
 
 from jspec.config.model import ModelConfig
 from jspec.distributed.mesh import DATA
-from jspec.kvcache.pool import KVPool, write_kv
+from jspec.kvcache.pool import KVPool, is_fp8_cache, write_kv
 from jspec.layers.attention import paged_attention
 from jspec.layers.batch import AttentionMode, ForwardBatch
 from jspec.layers.lora import LoraBatch, add_lora_delta, lora_dense, slot_mask
@@ -157,15 +157,25 @@ def _linear_lora(lp, x: jax.Array, name: str, projection: str) -> jax.Array:
     return _linear(x, lp[name])
 
 
-def paged_attend(cfg: ModelConfig, mode: AttentionMode, batch: ForwardBatch, layer, mask=None):
-    """attend(q, k, v, (k_cache, v_cache)) for the paged pool: write the new K/V, then attend."""
+def paged_attend(cfg: ModelConfig, mode: AttentionMode, batch: ForwardBatch, layer, mask=None, kv_scale=None):
+    """attend(q, k, v, (k_cache, v_cache)) for the paged pool: write the new K/V, then attend.
+
+    An FP8 pool holds K / k_scale and V / v_scale (kv_scale [2], this layer's; None: 1). The
+    kernels read it as stored, so k_scale multiplies q (q.(k s) = (q s).k) and v_scale the output.
+    """
 
     def attend(q, k, v, caches):
+        fp8 = is_fp8_cache(caches[0]) and kv_scale is not None
+        if fp8:
+            k, v = k.astype(jnp.float32) / kv_scale[0], v.astype(jnp.float32) / kv_scale[1]
         k_cache = write_kv(caches[0], layer, batch.slots, k)
         v_cache = write_kv(caches[1], layer, batch.slots, v)
+        qs = (q.astype(jnp.float32) * kv_scale[0]).astype(q.dtype) if fp8 else q
         out = paged_attention(
-            q, k_cache, v_cache, layer, batch, mode, sm_scale=1.0 / math.sqrt(cfg.head_dim), mask=mask
+            qs, k_cache, v_cache, layer, batch, mode, sm_scale=1.0 / math.sqrt(cfg.head_dim), mask=mask
         )
+        if fp8:
+            out = (out.astype(jnp.float32) * kv_scale[1]).astype(q.dtype)
         return out, (k_cache, v_cache)
 
     return attend
@@ -261,6 +271,7 @@ def forward(
     captured = jnp.zeros((len(capture_layers), T, cfg.hidden_size), dtype) if capture_layers else None
     lmask = slot_mask(lora.weights, lora.token_slots) if lora is not None else None
     layers = params["layers"]
+    kv_scales = params.get("kv_scale") if is_fp8_cache(kv.k) else None  # [L, 2], from the checkpoint
     if lora is not None:  # each layer's pool arrays travel with its weights
         layers = attach_lora(layers, lora.weights.layers)
 
@@ -270,7 +281,8 @@ def forward(
             lp = {**lp, "lora": (lp["lora"], lmask)}
         captured = store_capture(captured, capture_layers, layer, x)
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        attend = paged_attend(cfg, mode, batch, jnp.int32(layer) if isinstance(layer, int) else layer, mask)
+        kv_scale = None if kv_scales is None else kv_scales[layer]
+        attend = paged_attend(cfg, mode, batch, jnp.int32(layer) if isinstance(layer, int) else layer, mask, kv_scale)
         x, (k_cache, v_cache) = decoder_layer(cfg, lp, x, h, cos, sin, attend, (k_cache, v_cache))
         return x, k_cache, v_cache, captured
 

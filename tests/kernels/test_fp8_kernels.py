@@ -6,12 +6,17 @@ import re
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from support.lowering import lower_for_cuda
+from test_kernels import LAYER, SM_SCALE, paged_problem, ragged_queries, random_tree_mask, rel_err
 
-from jspec.kernels.ref import dequantize_fp8, skinny_matmul_ref
+from jspec.kernels.paged_decode import paged_decode
+from jspec.kernels.paged_extend import paged_extend
+from jspec.kernels.ref import dequantize_fp8, paged_decode_ref, paged_extend_ref, skinny_matmul_ref
 from jspec.kernels.skinny_matmul import skinny_matmul
+from jspec.kvcache.pool import write_kv
 from jspec.layers.quant import FP8, Fp8Weight, fp8_dot_xla, quantize_per_channel
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
@@ -87,6 +92,7 @@ BF16 = jnp.bfloat16
         (14336, 4096, 1, {}),  # down
         (4096, 6144, 32, {}),  # DeepSeek 128 x 128 blocks: a scale row per K tile
         (14336, 4096, 112, dict(block_k=64, num_splits=3)),  # two K tiles per scale row, uneven splits
+        (4000, 1000, 1, dict(block_n=64, block_k=256)),  # ragged K and N: masked FP8 loads
     ],
 )
 def test_skinny_matmul_fp8_lowers_for_cuda(K, N, in_blocks, tuning):
@@ -123,3 +129,79 @@ def test_fp8_weight_dequantize():
     w, scale = fp8_weight(128, 32, 2, 3)
     q = Fp8Weight(w, scale)
     np.testing.assert_array_equal(np.asarray(q.dequantize()), np.asarray(dequantize_fp8(w, scale)))
+
+
+# --- FP8 KV cache: the paged kernels read e4m3 pages and upcast them in registers ---
+
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+def fp8_paged_problem(seed, seq_lens, page_size, num_kv_heads=2, head_dim=64):
+    """A poisoned (NaN) FP8 pool, and the same pool upcast to f32 (what the kernels must see)."""
+    k, v, tables = paged_problem(
+        np.random.default_rng(seed), seq_lens, page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim
+    )
+    k8, v8 = (a.astype(E4M3) for a in (k, v))
+    return k8, v8, k8.astype(np.float32), v8.astype(np.float32), tables
+
+
+@pytest.mark.parametrize("q_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+    "page_size,tuning", [(16, dict(block_n=32, num_splits=1)), (4, dict(block_n=16, num_splits=3))]
+)
+def test_paged_decode_fp8_kv_matches_reference(q_dtype, page_size, tuning):
+    seq_lens = np.array([0, 1, 2 * page_size + 3, 5 * page_size + 7], np.int32)
+    k8, v8, k32, v32, tables = fp8_paged_problem(page_size, seq_lens, page_size)
+    q = jnp.asarray(np.random.default_rng(1).standard_normal((len(seq_lens), 8, 64)), q_dtype)
+    layer = jnp.array([LAYER], jnp.int32)
+    out = paged_decode(q, k8, v8, layer, seq_lens, tables, sm_scale=SM_SCALE, min_split_tokens=16, **tuning)
+    ref = paged_decode_ref(q, k8, v8, layer, seq_lens, tables, sm_scale=SM_SCALE)
+    # The reference over the FP8 pool is the reference over its exact f32 upcast.
+    ref32 = paged_decode_ref(q, k32, v32, layer, seq_lens, tables, sm_scale=SM_SCALE)
+    assert out.dtype == q_dtype and not np.isnan(np.asarray(out, np.float32)).any()
+    np.testing.assert_array_equal(np.asarray(ref, np.float32), np.asarray(ref32, np.float32))
+    tol = 1e-5 if q_dtype == jnp.float32 else 2e-2
+    assert rel_err(out, ref) < tol
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_paged_extend_fp8_kv_matches_reference(tree):
+    page_size, max_q_len = 8, 5
+    seq_lens = np.array([7, 0, 19, 26], np.int32)
+    q_lens = np.array([3, 0, 5, 1])
+    k8, v8, _, _, tables = fp8_paged_problem(7, seq_lens, page_size)
+    rng = np.random.default_rng(2)
+    q, query_start = ragged_queries(rng, q_lens, 8, 64, pad_rows=3)
+    mask = random_tree_mask(rng, len(seq_lens), max_q_len) if tree else None
+    args = (q, k8, v8, jnp.array([LAYER], jnp.int32), seq_lens, tables, query_start)
+    out = paged_extend(*args, sm_scale=SM_SCALE, max_q_len=max_q_len, mask=mask, block_n=16)
+    ref = paged_extend_ref(*args, sm_scale=SM_SCALE, max_q_len=max_q_len, mask=mask)
+    assert not np.isnan(np.asarray(out)).any()
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_write_kv_saturates_into_fp8():
+    cache = jnp.zeros((1, 2, 4, 1, 2), E4M3)
+    new = jnp.array([[[1000.0, -1e6]], [[0.1, -3.0]]], jnp.float32)
+    cache = write_kv(cache, jnp.int32(0), jnp.array([1, 8]), new)  # slot 8 is past the pool: dropped
+    got = np.asarray(cache.astype(jnp.float32))[0, 0, 1, 0]
+    np.testing.assert_array_equal(got, [448.0, -448.0])
+    assert not np.any(np.asarray(cache.astype(jnp.float32))[0, 1])
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_paged_attention_fp8_kv_lowers_for_cuda(tree):
+    """Decode and extend (causal or tree) over an FP8 pool with bf16 queries, for an H200."""
+    L, P, S, Hkv, D, B = 4, 257, 16, 8, 128, 8
+    cache = jax.ShapeDtypeStruct((L, P, S, Hkv, D), E4M3)
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    dec = functools.partial(paged_decode, sm_scale=0.1, interpret=False)
+    text = lower_for_cuda(
+        dec, jax.ShapeDtypeStruct((B, 32, D), BF16), cache, cache, i32(), i32(B), i32(B, 32)
+    ).as_text()
+    assert "__gpu$xla.gpu.triton" in text and "f8E4M3FN" in text
+    Q = 8
+    mask = (jax.ShapeDtypeStruct((B, Q, Q), jnp.bool_),) if tree else ()
+    ext = lambda *a: paged_extend(*a[:7], sm_scale=0.1, max_q_len=Q, mask=a[7] if tree else None, interpret=False)  # noqa: E731
+    specs = (jax.ShapeDtypeStruct((B * Q, 32, D), BF16), cache, cache, i32(), i32(B), i32(B, 32), i32(B + 1), *mask)
+    assert "__gpu$xla.gpu.triton" in lower_for_cuda(ext, *specs).as_text()
