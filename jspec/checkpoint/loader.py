@@ -535,6 +535,8 @@ def _check_converted(cfg: ModelConfig, params: Any, path: str) -> None:
 def convert_checkpoint(hf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: Any = None) -> str:
     """HF directory -> jspec converted directory (params + config + tokenizer files)."""
     cfg, params = load_model(hf_path, dtype)
+    if any(isinstance(x, Fp8Weight) for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Fp8Weight))):
+        raise UnsupportedQuantizationError("converting an FP8 checkpoint to jspec's orbax format is not implemented")
     save_params(params, out_dir, config=cfg)
     for name in _SIDE_FILES:
         src = os.path.join(hf_path, name)
