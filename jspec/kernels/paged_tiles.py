@@ -78,9 +78,8 @@ def gather_kv_tiles(
     cols = lax.iota(jnp.int32, head_dim)[None, :]
     if valid is None:
         return k_rows_ref[rows, cols], v_rows_ref[rows, cols]
-    # other=0.0: a float fill, which Triton can convert to an FP8 cache's type (an int fill it cannot).
-    k = pltriton.load(k_rows_ref.at[rows, cols], mask=valid[:, None], other=0.0)
-    v = pltriton.load(v_rows_ref.at[rows, cols], mask=valid[:, None], other=0.0)
+    k = pltriton.load(k_rows_ref.at[rows, cols], mask=valid[:, None], other=0)
+    v = pltriton.load(v_rows_ref.at[rows, cols], mask=valid[:, None], other=0)
     return k, v
 
 
@@ -89,9 +88,9 @@ def attend_tile(q, k, v, m, l, acc, *, scale_log2, visible=None):
 
     m, l: running max (log2 units) and normaliser [M]; acc: unnormalised [M, D] f32.
     visible [M, N] (or broadcastable) hides positions; None means all visible.
-    An FP8 KV tile is upcast to q's dtype here, in registers (kv_compute_dtype).
+    An FP8 KV tile (bytes: see FP8_KV_BYTES) is upcast to q's dtype here, in registers.
     """
-    k, v = k.astype(q.dtype), v.astype(q.dtype)
+    k, v = kv_values(k).astype(q.dtype), kv_values(v).astype(q.dtype)
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     s = s * scale_log2
     if visible is not None:
@@ -107,10 +106,22 @@ def attend_tile(q, k, v, m, l, acc, *, scale_log2, visible=None):
     return m_new, l, acc * alpha[:, None] + pv
 
 
+# An FP8 KV pool holds e4m3 values as their bytes: XLA:CPU has no FP8 scatter (it converts the
+# whole pool to f16 and back around every KV write), a byte scatter every backend has, and a
+# same-width bitcast is free wherever the bytes are read.
+FP8_KV_BYTES = jnp.uint8
+FP8_KV = jnp.float8_e4m3fn
+
+
+def kv_values(x: jax.Array) -> jax.Array:
+    """KV as numbers: an FP8 pool's bytes bitcast to e4m3, any other pool as it is."""
+    return lax.bitcast_convert_type(x, FP8_KV) if x.dtype == FP8_KV_BYTES else x
+
+
 def kv_compute_dtype(cache_dtype, q_dtype):
     """The dtype of the attention's dots: the cache's, or q's over an FP8 cache (whose tiles are
     upcast after their load: the HBM read stays one byte per element)."""
-    return q_dtype if jnp.dtype(cache_dtype).itemsize == 1 else cache_dtype
+    return q_dtype if jnp.dtype(cache_dtype) == FP8_KV_BYTES else cache_dtype
 
 
 def normalise(acc, l):

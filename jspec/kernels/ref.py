@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jspec.kernels.paged_tiles import kv_values
+
 KV_CHUNK = 256  # KV tokens per loop step, rounded to whole pages
 HIGHEST = lax.Precision.HIGHEST
 
@@ -55,7 +57,7 @@ def _gather_chunk(cache, layer, page_tables, kv_lens, chunk, pages_per_chunk):
     # The last chunk may run past the table, and slots past a sequence's pages hold
     # garbage ids: clip both to some page; what is read there is zeroed below.
     pages = jnp.clip(page_tables[:, jnp.minimum(slots, max_pages - 1)], 0, num_pages - 1)
-    kv = cache[layer, pages].reshape(rows, pages_per_chunk * page_size, num_heads, head_dim)
+    kv = kv_values(cache[layer, pages]).reshape(rows, pages_per_chunk * page_size, num_heads, head_dim)
     positions = chunk * pages_per_chunk * page_size + jnp.arange(pages_per_chunk * page_size)
     valid = positions[None, :] < kv_lens[:, None]
     return jnp.where(valid[:, :, None, None], kv.astype(jnp.float32), 0.0), positions

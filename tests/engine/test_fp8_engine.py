@@ -82,13 +82,13 @@ def test_fp8_kv_cache_uses_the_checkpoint_scales(fp8_checkpoints):
         (o,) = engine.generate(prompt, sp)
         out[kv] = (np.array(o.input_logprobs[1:], np.float64), engine.worker.state.target_kv.k)
     (lp32, k32), (lp8, k8) = out["auto"], out["fp8_e4m3"]
-    assert k8.dtype == jnp.float8_e4m3fn and k32.dtype == jnp.float32
+    assert k8.dtype == jnp.uint8 and k32.dtype == jnp.float32  # e4m3 stored as its bytes
     # Stored K is K / 0.02: 50 times the f32 pool's values within e4m3's rounding, saturated at 448
     # (in layer 0, whose K the FP8 cache does not change: later layers' inputs went through it).
-    k32, k8 = np.asarray(k32)[0], k8[0]
+    k32, k8 = np.asarray(k32)[0], np.asarray(k8)[0].view(jnp.float8_e4m3fn)
     used = np.abs(k32) > 0.1
     want = np.clip(k32[used] * 50, -448, 448)
-    got = np.asarray(k8.astype(jnp.float32))[used]
+    got = k8.astype(np.float32)[used]
     bad = np.abs(got / want - 1) > 2**-3
     assert not np.any(bad), (got[bad][:5], want[bad][:5])
     assert np.max(np.abs(lp8 - lp32)) < 0.05 * np.max(np.abs(lp32))
@@ -101,7 +101,7 @@ def test_fp8_kv_speculative_greedy_equals_plain_with_prefix_cache(tiny):
     spec, engine = greedy(tiny, PROMPTS, kv_cache_dtype="fp8_e4m3", speculative=SPEC, draft=eagle_draft(tiny, seed=5))
     assert spec == plain
     dtypes = [d for kind, _, d in kv_io.layout(engine.worker.state) if kind == "paged"]
-    assert dtypes == ["float8_e4m3fn"] * 2 + ["float32"] * 2  # the target's pool FP8, the draft's not
+    assert dtypes == ["uint8"] * 2 + ["float32"] * 2  # the target's pool FP8 (its bytes), the draft's not
     # A prompt extending a finished one reuses its cached FP8 pages and decodes as without them.
     engine.generate(PROMPTS[1:2], jspec.SamplingParams(max_new_tokens=10, ignore_eos=True))
     again = [PROMPTS[1] + plain[1] + [5, 6, 7]]
@@ -120,7 +120,7 @@ def test_fp8_kv_pd_round_trip_is_exact(tiny):
     (h,) = src.handoffs
     out = [np.asarray(a) for a in h.arrays]
     out = [a[:, : h.num_tokens] if i < h.num_paged else a for i, a in enumerate(out)]
-    assert out[0].dtype == np.dtype(jnp.float8_e4m3fn)
+    assert out[0].dtype == np.uint8
     dst_engine = jspec.Engine(tiny, **{**ENGINE, "page_size": 8, "max_total_tokens": 504}, kv_cache_dtype="fp8_e4m3")
     dst, kv = dst_engine.worker, dst_engine.scheduler.kv
     pages, slot = kv.allocator.alloc(6), kv.alloc_slot()
@@ -129,8 +129,6 @@ def test_fp8_kv_pd_round_trip_is_exact(tiny):
     back = [np.asarray(a) for a in kv_io.extract_request(dst.state, pages, 8, h.num_tokens, slot)]
     for i, (a, b) in enumerate(zip(out, back)):
         b = b[:, : h.num_tokens] if i < h.num_paged else b
-        if i < h.num_paged:  # compared as bytes: NaN-free, but exactness is the point
-            a, b = a.view(np.uint8), b.view(np.uint8)
         np.testing.assert_array_equal(a, b)
     # A bf16/f32-KV decode engine does not take an FP8 engine's requests.
     plain = jspec.Engine(tiny, **{**ENGINE, "page_size": 8, "max_total_tokens": 504})
@@ -183,4 +181,5 @@ def test_fp8_decode_step_lowers_for_cuda(tmp_path, monkeypatch, scan, gemm):
     # Per layer: qkv, o, gate_up and down through the FP8 GEMV kernel (each its own launch).
     assert text.count("skinny_matmul_fp8") >= (4 * w.cfg.num_layers if gemm == "pallas" else 0)
     signature = text[text.index("func.func public @main") :].split("{", 1)[0]
-    assert signature.count("f8E4M3FN") >= 4 + 2  # 4 projections (x layers when unrolled), K and V pools
+    assert signature.count("f8E4M3FN") >= 4  # 4 projections (x layers when unrolled)
+    assert signature.count("xui8>") >= 2  # the K and V pools: e4m3 bytes

@@ -12,12 +12,15 @@ import pytest
 from support.lowering import lower_for_cuda
 from test_kernels import LAYER, SM_SCALE, paged_problem, ragged_queries, random_tree_mask, rel_err
 
+from jspec.config.model import ModelConfig
 from jspec.kernels.paged_decode import paged_decode
 from jspec.kernels.paged_extend import paged_extend
 from jspec.kernels.ref import dequantize_fp8, paged_decode_ref, paged_extend_ref, skinny_matmul_ref
 from jspec.kernels.skinny_matmul import skinny_matmul
-from jspec.kvcache.pool import write_kv
+from jspec.kvcache.pool import create_kv_pool, kv_cache_dtype, write_kv
 from jspec.layers.quant import FP8, Fp8Weight, fp8_dot_xla, quantize_per_channel
+
+TINY_CFG = ModelConfig("llama", 64, 32, 64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=2)
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
@@ -131,18 +134,19 @@ def test_fp8_weight_dequantize():
     np.testing.assert_array_equal(np.asarray(q.dequantize()), np.asarray(dequantize_fp8(w, scale)))
 
 
-# --- FP8 KV cache: the paged kernels read e4m3 pages and upcast them in registers ---
+# --- FP8 KV cache: the paged kernels read e4m3 pages (stored as bytes) and upcast them in registers ---
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
 def fp8_paged_problem(seed, seq_lens, page_size, num_kv_heads=2, head_dim=64):
-    """A poisoned (NaN) FP8 pool, and the same pool upcast to f32 (what the kernels must see)."""
+    """A poisoned (NaN) FP8 pool as the engine stores it (e4m3 bytes), and the same pool upcast
+    to f32 (what the kernels must see)."""
     k, v, tables = paged_problem(
         np.random.default_rng(seed), seq_lens, page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim
     )
     k8, v8 = (a.astype(E4M3) for a in (k, v))
-    return k8, v8, k8.astype(np.float32), v8.astype(np.float32), tables
+    return k8.view(np.uint8), v8.view(np.uint8), k8.astype(np.float32), v8.astype(np.float32), tables
 
 
 @pytest.mark.parametrize("q_dtype", [jnp.float32, jnp.bfloat16])
@@ -181,25 +185,26 @@ def test_paged_extend_fp8_kv_matches_reference(tree):
 
 
 def test_write_kv_saturates_into_fp8():
-    cache = jnp.zeros((1, 2, 4, 1, 2), E4M3)
-    new = jnp.array([[[1000.0, -1e6]], [[0.1, -3.0]]], jnp.float32)
-    cache = write_kv(cache, jnp.int32(0), jnp.array([1, 8]), new)  # slot 8 is past the pool: dropped
-    got = np.asarray(cache.astype(jnp.float32))[0, 0, 1, 0]
-    np.testing.assert_array_equal(got, [448.0, -448.0])
-    assert not np.any(np.asarray(cache.astype(jnp.float32))[0, 1])
+    cache = create_kv_pool(TINY_CFG, 2, 4, kv_cache_dtype("fp8_e4m3", jnp.bfloat16)).k
+    assert cache.dtype == jnp.uint8
+    new = jnp.zeros((2, 1, 2), jnp.bfloat16).at[0, 0].set(jnp.array([1000.0, -1e6])).at[1, 0].set(jnp.array([0.1, -3]))
+    cache = write_kv(cache, jnp.int32(1), jnp.array([1, 8]), new)  # slot 8 is past the pool: dropped
+    values = np.asarray(cache).view(E4M3).astype(np.float32)
+    np.testing.assert_array_equal(values[1, 0, 1, 0], [448.0, -448.0])
+    assert np.count_nonzero(values) == 2
 
 
 @pytest.mark.parametrize("tree", [False, True])
 def test_paged_attention_fp8_kv_lowers_for_cuda(tree):
     """Decode and extend (causal or tree) over an FP8 pool with bf16 queries, for an H200."""
     L, P, S, Hkv, D, B = 4, 257, 16, 8, 128, 8
-    cache = jax.ShapeDtypeStruct((L, P, S, Hkv, D), E4M3)
+    cache = jax.ShapeDtypeStruct((L, P, S, Hkv, D), jnp.uint8)
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
     dec = functools.partial(paged_decode, sm_scale=0.1, interpret=False)
     text = lower_for_cuda(
         dec, jax.ShapeDtypeStruct((B, 32, D), BF16), cache, cache, i32(), i32(B), i32(B, 32)
     ).as_text()
-    assert "__gpu$xla.gpu.triton" in text and "f8E4M3FN" in text
+    assert "__gpu$xla.gpu.triton" in text and f"tensor<{L}x{P}x{S}x{Hkv}x{D}xui8>" in text
     Q = 8
     mask = (jax.ShapeDtypeStruct((B, Q, Q), jnp.bool_),) if tree else ()
     ext = lambda *a: paged_extend(*a[:7], sm_scale=0.1, max_q_len=Q, mask=a[7] if tree else None, interpret=False)  # noqa: E731
