@@ -1,8 +1,9 @@
 """FP8 decode on the GPU: the decode step against its FP8 floor, and tokens/s against bf16.
 
 For each model shape and batch, the plain decode step (per-layer weights, as the GPU runs
-them) in four variants: bf16; FP8 weights per output channel through XLA's dot (the upcast
-inside it); FP8 weights through the Pallas skinny GEMV; the GEMV with an FP8 KV cache too.
+them) in five variants: bf16; FP8 weights per output channel through XLA's dot (the upcast
+inside it); FP8 weights through the Pallas skinny GEMV; W8A8 (activations quantized per
+token, XLA's FP8 GEMM); the GEMV with an FP8 KV cache too.
 Each row: the step's time, its floor (the bytes a step must read: every weight but the
 embedding table, scales included, plus the KV of every sequence, over the read bandwidth
 measured in the same run), decode tokens/s (batch / step) and its ratio to bf16's, and the
@@ -37,6 +38,7 @@ VARIANTS = {  # name: (quantization, FP8 matmul path, KV dtype)
     "bf16": (None, None, jnp.bfloat16),
     "fp8_xla": ("fp8", "xla", jnp.bfloat16),
     "fp8_pallas": ("fp8", "pallas", jnp.bfloat16),
+    "fp8_w8a8": ("fp8", "w8a8", jnp.bfloat16),
     "fp8_pallas_fp8kv": ("fp8", "pallas", jnp.float8_e4m3fn),
 }
 PAGE = 16
@@ -59,8 +61,9 @@ def dequantised_copies(hlo: str, shapes: set[str]) -> int:
 
 def run_variant(cfg, base, variant: str, batches, ctx: int, bandwidth: float, dtype) -> list[dict]:
     quant, gemm, kv_dtype = VARIANTS[variant]
-    if jax.default_backend() != "gpu":
-        kv_dtype = jnp.float8_e4m3fn if kv_dtype == jnp.float8_e4m3fn else dtype
+    if jax.default_backend() != "gpu" and kv_dtype == jnp.bfloat16:
+        kv_dtype = dtype
+    fp8_kv = kv_dtype == jnp.float8_e4m3fn
     params = quantize_params(base, quant)
     if gemm:
         params = with_fp8_gemm(params, gemm)
@@ -69,7 +72,14 @@ def run_variant(cfg, base, variant: str, batches, ctx: int, bandwidth: float, dt
     per_seq = (ctx + 128) // PAGE
     num_pages = max(batches) * per_seq + 2
     kv_shape = (cfg.num_layers, num_pages, PAGE, cfg.num_kv_heads, cfg.head_dim)
-    fill = jax.jit(lambda k: (jax.random.normal(k, kv_shape, jnp.float32) * 0.5).astype(kv_dtype))
+    if fp8_kv:  # the engine's FP8 pool: e4m3 values stored as bytes
+        fill = jax.jit(
+            lambda k: jax.lax.bitcast_convert_type(
+                (jax.random.normal(k, kv_shape, jnp.float32) * 0.5).astype(kv_dtype), jnp.uint8
+            )
+        )
+    else:
+        fill = jax.jit(lambda k: (jax.random.normal(k, kv_shape, jnp.float32) * 0.5).astype(kv_dtype))
     kv = KVPool(fill(jax.random.key(10)), fill(jax.random.key(11)))
     rng = np.random.default_rng(0)
     rows = []

@@ -32,8 +32,9 @@ class Fp8Weight:
     tensor or per output channel; several: block scales). Both arrays keep the output axis
     last, so column operations (fusing, TP blocking, repeating KV heads) map over both alike.
 
-    gemm (static) picks the matmul: "xla" (the upcast inside XLA's dot) or "pallas" (the
-    skinny GEMV that upcasts in registers, for decode rows on one GPU)."""
+    gemm (static) picks the matmul: "xla" (the upcast inside XLA's dot), "pallas" (the
+    skinny GEMV that upcasts in registers, for decode rows on one GPU) or "w8a8" (XLA's
+    FP8 x FP8 GEMM over activations quantized per token)."""
 
     w: jax.Array
     scale: jax.Array
@@ -71,6 +72,8 @@ def fp8_dense_f32(x: jax.Array, w: Fp8Weight) -> jax.Array:
     """x [T, in] @ w ([in, out], or the TP layout [in, tp, n]) -> f32 [T, out...]."""
     if w.gemm == "pallas" and x.shape[0] <= MAX_ROWS and w.ndim == 2 and one_gpu():
         return skinny_matmul(x, w.w, scale=w.scale)
+    if w.gemm == "w8a8":
+        return fp8_dot_w8a8(x, w.w, w.scale)
     return fp8_dot_xla(x, w.w, w.scale)
 
 
@@ -93,6 +96,21 @@ def fp8_dot_xla(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
     wb = w.reshape(nb, K // nb, *w.shape[1:]).astype(compute)
     partial = jnp.einsum("tbk,bk...->tb...", xb, wb, preferred_element_type=jnp.float32)
     return jnp.sum(partial * scale[None], axis=1)
+
+
+def fp8_dot_w8a8(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
+    """W8A8: each row of x quantized to e4m3 by its own absolute maximum, an FP8 x FP8 dot with
+    an f32 result (on Hopper XLA's GEMM rewriter makes it a cuBLASLt FP8 GEMM), then both
+    scales on the f32 product. One scale row only: block scales would need per-block
+    activation scales inside the GEMM."""
+    if scale.shape[0] != 1:
+        raise NotImplementedError("the w8a8 FP8 GEMM takes per-tensor or per-channel weight scales, not block scales")
+    x32 = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
+    x_scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    x8 = jnp.clip(x32 / x_scale, -FP8_MAX, FP8_MAX).astype(FP8)
+    y = jax.lax.dot_general(x8, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return y * x_scale.reshape(x_scale.shape[0], *(1,) * (y.ndim - 1)) * scale[0]
 
 
 @jax.jit
@@ -137,6 +155,8 @@ def with_fp8_gemm(params, backend: str):
     if backend not in FP8_GEMM_BACKENDS:
         raise ValueError(f"unknown fp8_gemm_backend {backend!r}; choose one of {FP8_GEMM_BACKENDS}")
     gemm = "pallas" if backend == "auto" else backend
+    if gemm == "w8a8" and any(a.in_blocks > 1 for a in jax.tree.leaves(params, is_leaf=is_fp8) if is_fp8(a)):
+        raise NotImplementedError("fp8_gemm_backend w8a8 takes per-tensor or per-channel FP8 weights, not block scales")
     return jax.tree.map(
         lambda a: dataclasses.replace(a, gemm=gemm) if is_fp8(a) else a, params, is_leaf=lambda a: is_fp8(a)
     )

@@ -136,9 +136,12 @@ def test_fp8_kv_pd_round_trip_is_exact(tiny):
         kv_io.stage_request(kv_io.layout(plain.worker.state), out, h.num_tokens, to_device=False)
 
 
-def test_fp8_refusals(tiny, tmp_path):
+def test_fp8_refusals(tiny, fp8_checkpoints, tmp_path):
     with pytest.raises(NotImplementedError, match="LoRA adapters over FP8"):
         jspec.Engine(tiny, **ENGINE, quantization="fp8", enable_lora=True)
+    block = jspec.load(fp8_checkpoints["fp8_block"])
+    with pytest.raises(NotImplementedError, match="w8a8 takes per-tensor or per-channel"):
+        jspec.Engine(block, **ENGINE, fp8_gemm_backend="w8a8")
     with pytest.raises(ValueError, match="unknown quantization"):
         jspec.Engine(tiny, **ENGINE, quantization="int4")
     with pytest.raises(ValueError, match="kv_cache_dtype"):
@@ -148,7 +151,7 @@ def test_fp8_refusals(tiny, tmp_path):
         jspec.Engine(moe, **ENGINE, quantization="fp8")
 
 
-@pytest.mark.parametrize("scan,gemm", [(True, "xla"), (False, "pallas")])
+@pytest.mark.parametrize("scan,gemm", [(True, "xla"), (False, "pallas"), (True, "w8a8")])
 def test_fp8_decode_step_lowers_for_cuda(tmp_path, monkeypatch, scan, gemm):
     """The bf16 decode step with FP8 weights (stacked under the scan through XLA's dot, or per
     layer through the Pallas GEMV) and an FP8 KV pool lowers for an H200, kernels compiled;

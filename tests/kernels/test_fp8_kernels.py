@@ -18,7 +18,7 @@ from jspec.kernels.paged_extend import paged_extend
 from jspec.kernels.ref import dequantize_fp8, paged_decode_ref, paged_extend_ref, skinny_matmul_ref
 from jspec.kernels.skinny_matmul import skinny_matmul
 from jspec.kvcache.pool import create_kv_pool, kv_cache_dtype, write_kv
-from jspec.layers.quant import FP8, Fp8Weight, fp8_dot_xla, quantize_per_channel
+from jspec.layers.quant import FP8, Fp8Weight, fp8_dot_w8a8, fp8_dot_xla, quantize_per_channel
 
 TINY_CFG = ModelConfig("llama", 64, 32, 64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=2)
 
@@ -210,3 +210,34 @@ def test_paged_attention_fp8_kv_lowers_for_cuda(tree):
     ext = lambda *a: paged_extend(*a[:7], sm_scale=0.1, max_q_len=Q, mask=a[7] if tree else None, interpret=False)  # noqa: E731
     specs = (jax.ShapeDtypeStruct((B * Q, 32, D), BF16), cache, cache, i32(), i32(B), i32(B, 32), i32(B + 1), *mask)
     assert "__gpu$xla.gpu.triton" in lower_for_cuda(ext, *specs).as_text()
+
+
+@pytest.mark.parametrize("tp", [None, 2])
+def test_fp8_dot_w8a8_is_within_activation_rounding(tp):
+    """W8A8 equals the weight-only product of x rounded to e4m3 by its row's scale (amax / 448),
+    and stays within e4m3's rounding (3 mantissa bits) of the unrounded x's."""
+    w, scale = fp8_weight(256, 96, 1, seed=5)
+    xn = np.random.default_rng(2).standard_normal((7, 256)).astype(np.float32) * np.arange(1, 8)[:, None]
+    sx = np.abs(xn).max(axis=1, keepdims=True) / 448
+    x_rounded = (xn / sx).astype(E4M3).astype(np.float32) * sx
+    want = np.asarray(skinny_matmul_ref(jnp.asarray(x_rounded), w, scale))
+    exact = np.asarray(skinny_matmul_ref(jnp.asarray(xn), w, scale))
+    if tp:
+        w, scale = w.reshape(256, tp, -1), scale.reshape(1, tp, -1)
+    out = np.asarray(fp8_dot_w8a8(jnp.asarray(xn), w, scale)).reshape(7, 96)
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-3)
+    assert np.all(np.linalg.norm(out - exact, axis=1) < 2**-4 * np.linalg.norm(exact, axis=1))
+    with pytest.raises(NotImplementedError, match="not block scales"):
+        fp8_dot_w8a8(jnp.asarray(xn), *fp8_weight(256, 96, 2, seed=5))
+
+
+def test_fp8_dot_w8a8_lowers_for_cuda_as_an_fp8_dot():
+    K, N = 4096, 6144
+    specs = (
+        jax.ShapeDtypeStruct((64, K), BF16),
+        jax.ShapeDtypeStruct((K, N), FP8),
+        jax.ShapeDtypeStruct((1, N), jnp.float32),
+    )
+    text = lower_for_cuda(fp8_dot_w8a8, *specs).as_text()
+    # Both operands of the dot are FP8 (what XLA's GEMM rewriter turns into a cuBLASLt FP8 GEMM).
+    assert re.search(r"stablehlo.dot_general .*\(tensor<64x4096xf8E4M3FN>, tensor<4096x6144xf8E4M3FN>\)", text)
