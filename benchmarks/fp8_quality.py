@@ -1,7 +1,8 @@
 """FP8 quality on real weights: greedy agreement with bf16 and held-out perplexity.
 
-The model (default: the embedded SmolLM2-135M-Instruct) runs four ways: bf16, --quantization
-fp8 (weights per output channel), --kv-cache-dtype fp8_e4m3 (scales 1), and both. Greedy
+The model (default: the embedded SmolLM2-135M-Instruct) runs five ways: bf16, --quantization
+fp8 (weights per output channel), --kv-cache-dtype fp8_e4m3 (scales 1), both, and float32
+(the yardstick: how far greedy decoding moves when only bf16's rounding goes). Greedy
 completions of the held-out prompts (jspec/train/prompts.py, chat template) are compared with
 bf16's, token by token (agreement = matching positions before the first divergence, and the
 share of completions identical in full); perplexity is scored on the same prompts' rendered
@@ -29,6 +30,7 @@ VARIANTS = {
     "fp8_weights": dict(quantization="fp8"),
     "fp8_kv": dict(kv_cache_dtype="fp8_e4m3"),
     "fp8_weights_kv": dict(quantization="fp8", kv_cache_dtype="fp8_e4m3"),
+    "float32": {},  # the same weights in f32 activations: the noise floor of the comparison
 }
 
 
@@ -73,7 +75,8 @@ def main(argv=None):
     results = Results(args.out, args.name, settings)
     rows, ref = [], None
     for name in args.variants.split(","):
-        tokens, ppl, scored, gen_s = run(model, prompts, VARIANTS[name], args.max_new_tokens)
+        m = jspec.load(path, dtype=jnp.float32) if name == "float32" else model
+        tokens, ppl, scored, gen_s = run(m, prompts, VARIANTS[name], args.max_new_tokens)
         ref = tokens if ref is None else ref
         prefix, exact = agreement(tokens, ref)
         rows.append(

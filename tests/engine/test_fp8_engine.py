@@ -66,6 +66,10 @@ def test_fp8_checkpoint_tp_greedy_equals_one_device(fp8_checkpoints, layout):
         assert got == ref, tp
         scale = engine.worker.params["layers"]["wqkv"].scale
         assert len(scale.sharding.device_set) == tp
+    if layout == "ct_channel_dynamic":  # and the FP8 KV pool (with the checkpoint's scales) split over KV heads
+        ref, _ = greedy(model, kv_cache_dtype="fp8_e4m3")
+        got, engine = greedy(model, kv_cache_dtype="fp8_e4m3", tp_size=2)
+        assert got == ref and engine.worker.state.target_kv.k.sharding.spec[3] == "tensor"
 
 
 def test_fp8_kv_cache_uses_the_checkpoint_scales(fp8_checkpoints):
