@@ -50,10 +50,11 @@ def weight_bytes(params) -> int:
 
 
 def dequantised_copies(hlo: str, shapes: set[str]) -> int:
-    """Non-trivial ops of the optimized HLO whose result is a bf16 array of a projection's shape."""
+    """Non-trivial ops of the optimized HLO whose result is an array of a projection's shape in
+    the model dtype (shapes: "bf16[4096,6144]", ...)."""
     n = 0
     for line in hlo.splitlines():
-        m = re.match(r"\s*(?:ROOT )?%?[\w.\-]+ = (bf16\[[\d,]*\])(?:\{[^}]*\})? ([\w\-]+)\(", line)
+        m = re.match(r"\s*(?:ROOT )?%?[\w.\-]+ = ((?:bf16|f32)\[[\d,]*\])(?:\{[^}]*\})? ([\w\-]+)\(", line)
         if m and m.group(1) in shapes and m.group(2) not in ("parameter", "get-tuple-element", "bitcast", "tuple"):
             n += 1
     return n
@@ -68,7 +69,8 @@ def run_variant(cfg, base, variant: str, batches, ctx: int, bandwidth: float, dt
     if gemm:
         params = with_fp8_gemm(params, gemm)
     weights = unstack_layers(params)
-    proj_shapes = {f"bf16[{','.join(map(str, base['layers'][n].shape[1:]))}]" for n in QUANTIZED_LEAVES}
+    hlo_dtype = {"float32": "f32", "bfloat16": "bf16"}[jnp.dtype(dtype).name]
+    proj_shapes = {f"{hlo_dtype}[{','.join(map(str, base['layers'][n].shape[1:]))}]" for n in QUANTIZED_LEAVES}
     per_seq = (ctx + 128) // PAGE
     num_pages = max(batches) * per_seq + 2
     kv_shape = (cfg.num_layers, num_pages, PAGE, cfg.num_kv_heads, cfg.head_dim)
@@ -88,16 +90,19 @@ def run_variant(cfg, base, variant: str, batches, ctx: int, bandwidth: float, dt
         slot_ids = jnp.arange(B, dtype=jnp.int32)
         page_tables = jnp.asarray(pages, jnp.int32)
         greedy = jax.tree.map(jnp.asarray, sampling_rows([], [], B))
+        # From ctx - 64 tokens: the ~80 timed steps end near ctx (the pages hold ctx + 128).
         carry = PlainCarry(
-            jnp.asarray(rng.integers(0, cfg.vocab_size, B + 1), jnp.int32), jnp.full(B + 1, ctx, jnp.int32).at[B].set(0)
+            jnp.asarray(rng.integers(0, cfg.vocab_size, B + 1), jnp.int32),
+            jnp.full(B + 1, ctx - 64, jnp.int32).at[B].set(0),
         )
         state = {"s": PlainState(kv, carry, init_penalty_state(B, cfg.vocab_size))}
         args = (weights, state["s"], slot_ids, page_tables, greedy)
         hlo = plain_decode_step.lower(*args, cfg=cfg, sampling="greedy").compile().as_text()
 
         def step():
-            s = state["s"]._replace(carry=carry)  # every step from ctx tokens
-            state["s"], out = plain_decode_step(weights, s, slot_ids, page_tables, greedy, cfg=cfg, sampling="greedy")
+            state["s"], out = plain_decode_step(
+                weights, state["s"], slot_ids, page_tables, greedy, cfg=cfg, sampling="greedy"
+            )
             return out.ints
 
         jax.block_until_ready(step())
