@@ -55,21 +55,21 @@ def fp8_checkpoints(tmp_path_factory):
     }
 
 
-@pytest.mark.parametrize("layout", ["ct_channel_dynamic", "fp8_block"])
-def test_fp8_checkpoint_tp_greedy_equals_one_device(fp8_checkpoints, layout):
-    """Scales are blocked and sharded with their weights: TP 2 (KV heads split) and TP 4 (KV
-    heads repeated) give one device's tokens."""
+@pytest.mark.parametrize(
+    "layout,tp,kv",
+    [
+        ("ct_channel_dynamic", 2, "fp8_e4m3"),  # KV heads split, the FP8 pool (checkpoint scales) with them
+        ("fp8_block", 4, "auto"),  # KV heads repeated, block scales blocked with their columns
+    ],
+)
+def test_fp8_checkpoint_tp_greedy_equals_one_device(fp8_checkpoints, layout, tp, kv):
+    """Scales are blocked and sharded with their weights: TP gives one device's tokens."""
     model = jspec.load(fp8_checkpoints[layout])
-    ref, _ = greedy(model)
-    for tp in (2, 4):
-        got, engine = greedy(model, tp_size=tp)
-        assert got == ref, tp
-        scale = engine.worker.params["layers"]["wqkv"].scale
-        assert len(scale.sharding.device_set) == tp
-    if layout == "ct_channel_dynamic":  # and the FP8 KV pool (with the checkpoint's scales) split over KV heads
-        ref, _ = greedy(model, kv_cache_dtype="fp8_e4m3")
-        got, engine = greedy(model, kv_cache_dtype="fp8_e4m3", tp_size=2)
-        assert got == ref and engine.worker.state.target_kv.k.sharding.spec[3] == "tensor"
+    ref, _ = greedy(model, kv_cache_dtype=kv)
+    got, engine = greedy(model, kv_cache_dtype=kv, tp_size=tp)
+    assert got == ref
+    assert len(engine.worker.params["layers"]["wqkv"].scale.sharding.device_set) == tp
+    assert engine.worker.state.target_kv.k.sharding.spec[3] == "tensor"
 
 
 def test_fp8_kv_cache_uses_the_checkpoint_scales(fp8_checkpoints):

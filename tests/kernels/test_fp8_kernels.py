@@ -187,7 +187,7 @@ def test_paged_extend_fp8_kv_matches_reference(tree):
 def test_write_kv_saturates_into_fp8():
     cache = create_kv_pool(TINY_CFG, 2, 4, kv_cache_dtype("fp8_e4m3", jnp.bfloat16)).k
     assert cache.dtype == jnp.uint8
-    new = jnp.zeros((2, 1, 2), jnp.bfloat16).at[0, 0].set(jnp.array([1000.0, -1e6])).at[1, 0].set(jnp.array([0.1, -3]))
+    new = jnp.array([[[1000.0, -1e6]], [[0.1, -3.0]]], jnp.bfloat16)
     cache = write_kv(cache, jnp.int32(1), jnp.array([1, 8]), new)  # slot 8 is past the pool: dropped
     values = np.asarray(cache).view(E4M3).astype(np.float32)
     np.testing.assert_array_equal(values[1, 0, 1, 0], [448.0, -448.0])
