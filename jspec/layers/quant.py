@@ -70,11 +70,18 @@ def is_fp8(w) -> bool:
 
 def fp8_dense_f32(x: jax.Array, w: Fp8Weight) -> jax.Array:
     """x [T, in] @ w ([in, out], or the TP layout [in, tp, n]) -> f32 [T, out...]."""
-    if w.gemm == "pallas" and x.shape[0] <= MAX_ROWS and w.ndim == 2 and one_gpu():
+    if w.gemm == "pallas" and x.shape[0] <= MAX_ROWS and w.ndim == 2 and one_gpu() and gemv_takes(w):
         return skinny_matmul(x, w.w, scale=w.scale)
     if w.gemm == "w8a8":
         return fp8_dot_w8a8(x, w.w, w.scale)
     return fp8_dot_xla(x, w.w, w.scale)
+
+
+def gemv_takes(w: Fp8Weight) -> bool:
+    """The GEMV's tiles hold whole scale blocks: block scales need a power-of-two block height
+    (XLA's dot takes any other)."""
+    rows = w.shape[0] // w.in_blocks
+    return w.in_blocks == 1 or rows & (rows - 1) == 0
 
 
 def one_gpu() -> bool:

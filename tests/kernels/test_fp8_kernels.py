@@ -18,7 +18,7 @@ from jspec.kernels.paged_extend import paged_extend
 from jspec.kernels.ref import dequantize_fp8, paged_decode_ref, paged_extend_ref, skinny_matmul_ref
 from jspec.kernels.skinny_matmul import skinny_matmul
 from jspec.kvcache.pool import create_kv_pool, kv_cache_dtype, write_kv
-from jspec.layers.quant import FP8, Fp8Weight, fp8_dot_w8a8, fp8_dot_xla, quantize_per_channel
+from jspec.layers.quant import FP8, Fp8Weight, fp8_dot_w8a8, fp8_dot_xla, gemv_takes, quantize_per_channel
 
 TINY_CFG = ModelConfig("llama", 64, 32, 64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=2)
 
@@ -241,3 +241,10 @@ def test_fp8_dot_w8a8_lowers_for_cuda_as_an_fp8_dot():
     text = lower_for_cuda(fp8_dot_w8a8, *specs).as_text()
     # Both operands of the dot are FP8 (what XLA's GEMM rewriter turns into a cuBLASLt FP8 GEMM).
     assert re.search(r"stablehlo.dot_general .*\(tensor<64x4096xf8E4M3FN>, tensor<4096x6144xf8E4M3FN>\)", text)
+
+
+def test_the_gemv_takes_power_of_two_scale_blocks_only():
+    w, _ = fp8_weight(384, 32, 1, 0)
+    assert gemv_takes(Fp8Weight(w, jnp.ones((1, 32))))
+    assert gemv_takes(Fp8Weight(w, jnp.ones((3, 32))))  # 128-row blocks
+    assert not gemv_takes(Fp8Weight(w, jnp.ones((4, 32))))  # 96-row blocks: XLA's dot
