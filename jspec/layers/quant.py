@@ -2,8 +2,8 @@
 
 A quantized projection keeps its weight in HBM as float8_e4m3fn and multiplies by f32 scales
 after (or, for block scales, inside) the product, so a decode step reads one byte per weight.
-Activations stay in the model's dtype (weight-only FP8): more accurate than W8A8, and decode
-is bound by the weight reads, not by the math.
+Activations stay in the model's dtype (weight-only FP8: decode is bound by the weight reads,
+not by the math) unless the w8a8 path quantizes them too.
 """
 
 from __future__ import annotations
