@@ -97,12 +97,11 @@ def run_variant(cfg, base, variant: str, batches, ctx: int, bandwidth: float, dt
         )
         state = {"s": PlainState(kv, carry, init_penalty_state(B, cfg.vocab_size))}
         args = (weights, state["s"], slot_ids, page_tables, greedy)
-        hlo = plain_decode_step.lower(*args, cfg=cfg, sampling="greedy").compile().as_text()
+        compiled = plain_decode_step.lower(*args, cfg=cfg, sampling="greedy").compile()
+        hlo = compiled.as_text()
 
         def step():
-            state["s"], out = plain_decode_step(
-                weights, state["s"], slot_ids, page_tables, greedy, cfg=cfg, sampling="greedy"
-            )
+            state["s"], out = compiled(weights, state["s"], slot_ids, page_tables, greedy)
             return out.ints
 
         jax.block_until_ready(step())

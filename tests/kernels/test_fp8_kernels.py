@@ -149,9 +149,13 @@ def fp8_paged_problem(seed, seq_lens, page_size, num_kv_heads=2, head_dim=64):
     return k8.view(np.uint8), v8.view(np.uint8), k8.astype(np.float32), v8.astype(np.float32), tables
 
 
-@pytest.mark.parametrize("q_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize(
-    "page_size,tuning", [(16, dict(block_n=32, num_splits=1)), (4, dict(block_n=16, num_splits=3))]
+    "q_dtype,page_size,tuning",
+    [
+        (jnp.float32, 16, dict(block_n=32, num_splits=1)),
+        (jnp.float32, 4, dict(block_n=16, num_splits=3)),  # tiles over pages, split K
+        (jnp.bfloat16, 16, dict(block_n=32, num_splits=2)),  # bf16 q: the tiles upcast to bf16
+    ],
 )
 def test_paged_decode_fp8_kv_matches_reference(q_dtype, page_size, tuning):
     seq_lens = np.array([0, 1, 2 * page_size + 3, 5 * page_size + 7], np.int32)
