@@ -23,8 +23,18 @@ import numpy as np
 
 from jspec.checkpoint.errors import CheckpointError, MissingTensorError, TensorShapeError
 from jspec.checkpoint.files import read_hf_tensors
+from jspec.checkpoint.fp8 import (
+    Fp8Scheme,
+    UnsupportedQuantizationError,
+    fp8_scheme,
+    is_fp8_tensor,
+    known_extra_tensors,
+    kv_scales,
+    scale_columns,
+)
 from jspec.checkpoint.random_weights import random_weights
 from jspec.config.model import GEMMA_FAMILIES, ModelConfig, RopeScaling, UnsupportedArchitectureError
+from jspec.layers.quant import FP8, Fp8Weight
 
 log = logging.getLogger(__name__)
 
@@ -208,10 +218,12 @@ def _check_tensors(
         )
     # Old checkpoints carry rotary inv_freq buffers; anything else unexpected is
     # worth a warning, since the config checks should have rejected real variants.
+    extra = known_extra_tensors(tensors)
     unused = [
         n
         for n in tensors
         if n not in expected
+        and n not in extra
         and not n.endswith("rotary_emb.inv_freq")
         and not (cfg.tie_word_embeddings and n == "lm_head.weight")
     ]
@@ -226,6 +238,7 @@ def convert_hf_params(
     *,
     source: str | os.PathLike | None = None,
     device: jax.Device | None = None,
+    fp8: Fp8Scheme | None = None,
 ) -> dict[str, jax.Array]:
     """Builds the jspec param pytree (jax arrays on `device`, default: the default
     device) from HF-named tensors. `source` names the checkpoint in errors.
@@ -237,6 +250,9 @@ def convert_hf_params(
     tensor, and the transposes run on the device: numpy's strided bf16
     transpose and ml_dtypes' casts are slow on the host. (Transposing a whole
     stacked leaf at once instead made XLA's GPU autotuner take several times the leaf.)
+
+    fp8 (checkpoint/fp8.py, from config.json's quantization_config): the projections stored
+    in FP8 become Fp8Weight leaves (weights kept FP8, scales as [in_blocks, out] columns).
     """
     where = repr(os.fspath(source)) if source is not None else "(in memory)"
     moe_layout = _moe_layout(cfg, tensors)
@@ -252,17 +268,39 @@ def convert_hf_params(
             stacked = stacked.astype(np.float32) + offset
         return _cast(jax.device_put(stacked, device), dtype)
 
-    def matrices(parts: list[str], layer_ids=tuple(range(L))) -> jax.Array:
+    def matrices(parts: list[str], layer_ids=tuple(range(L))) -> jax.Array | Fp8Weight:
         """[len(layer_ids), in, sum(out)]: each layer's parts concatenated on the out axis."""
         first = [tensors[f"model.layers.{layer_ids[0]}.{p}"] for p in parts]
-        out = jnp.zeros((len(layer_ids), first[0].shape[1], sum(t.shape[0] for t in first)), dtype, device=device)
+        names = [f"model.layers.{i}.{p}" for i in layer_ids for p in parts]
+        quantized = [is_fp8_tensor(tensors[n]) for n in names]
+        if any(quantized) and not all(quantized):
+            raise UnsupportedQuantizationError(
+                f"checkpoint {where}: {parts} are FP8 in some layers only; jspec stacks a projection's "
+                f"layers, so they must all be FP8 or all unquantized"
+            )
+        if all(quantized) and fp8 is None:
+            raise UnsupportedQuantizationError(f"checkpoint {where}: FP8 tensors but no quantization_config")
+        leaf_dtype = FP8 if all(quantized) else dtype
+        out = jnp.zeros((len(layer_ids), first[0].shape[1], sum(t.shape[0] for t in first)), leaf_dtype, device=device)
         for j, i in enumerate(layer_ids):
             col = 0
             for p in parts:
                 t = tensors[f"model.layers.{i}.{p}"]
                 out = _place_transposed(out, jax.device_put(t, device), (j, 0, col))
                 col += t.shape[0]
-        return out
+        if not all(quantized):
+            return out
+        # Host side: a scale is [in_blocks, out] f32, 1/128 of the weight's bytes or less.
+        scales = np.stack(
+            [
+                np.concatenate(
+                    [scale_columns(fp8, tensors, f"model.layers.{i}.{p.removesuffix('.weight')}") for p in parts],
+                    axis=1,
+                )
+                for i in layer_ids
+            ]
+        )
+        return Fp8Weight(out, jax.device_put(scales, device))
 
     def experts(layer_ids, fused: str, per_expert: list[int]) -> jax.Array:
         """[n, E, in, sum(out)] from the fused [E, out, in] tensor or per-expert [out, in] ones."""
@@ -325,6 +363,13 @@ def convert_hf_params(
             sparse["shared_down"] = matrices(["mlp.shared_expert.down_proj.weight"], ids)
             sparse["shared_gate"] = matrices(["mlp.shared_expert_gate.weight"], ids)
     layers = assemble_layers(cfg, layers, dense, sparse, lambda a, j: a[j])
+    for n in ("model.embed_tokens.weight", "lm_head.weight"):
+        if n in tensors and is_fp8_tensor(tensors[n]):
+            raise UnsupportedQuantizationError(
+                f"checkpoint {where}: {n} in FP8 is not supported (only decoder projections)"
+            )
+    if cfg.is_moe and fp8 is not None:
+        raise UnsupportedQuantizationError(f"checkpoint {where}: FP8 MoE checkpoints are not supported")
 
     final_norm = tensors["model.norm.weight"]
     if norm_offset:
@@ -336,6 +381,9 @@ def convert_hf_params(
     }
     if not cfg.tie_word_embeddings:
         params["lm_head"] = lm_head(tensors["lm_head.weight"])
+    kv = kv_scales(tensors, L)
+    if kv is not None:
+        params["kv_scale"] = jax.device_put(kv, device)  # [L, 2]: what an FP8 KV cache divides K, V by
     return params
 
 
@@ -524,8 +572,10 @@ def load_model(path: str | os.PathLike, dtype: Any = None) -> tuple[ModelConfig,
         raise UnsupportedArchitectureError(f"{e} [model directory {path!r}]") from None
     except (KeyError, TypeError) as e:
         raise CheckpointError(f"config.json in {path!r} lacks or mistypes a required field: {e}") from None
+    with open(os.path.join(path, "config.json")) as f:
+        scheme = fp8_scheme(json.load(f))
     tensors = read_hf_tensors(path)
-    params = convert_hf_params(cfg, tensors, dtype, source=path)
+    params = convert_hf_params(cfg, tensors, dtype, source=path, fp8=scheme)
     return cfg, params
 
 
@@ -541,6 +591,8 @@ def _check_converted(cfg: ModelConfig, params: Any, path: str) -> None:
 def convert_checkpoint(hf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: Any = None) -> str:
     """HF directory -> jspec converted directory (params + config + tokenizer files)."""
     cfg, params = load_model(hf_path, dtype)
+    if any(isinstance(x, Fp8Weight) for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Fp8Weight))):
+        raise UnsupportedQuantizationError("converting an FP8 checkpoint to jspec's orbax format is not implemented")
     save_params(params, out_dir, config=cfg)
     for name in _SIDE_FILES:
         src = os.path.join(hf_path, name)

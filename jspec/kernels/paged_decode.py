@@ -37,6 +37,7 @@ from jspec.kernels.paged_tiles import (
     check_pow2,
     choose_splits,
     gather_kv_tiles,
+    kv_compute_dtype,
     merge_splits,
     min_split_len,
     next_pow2,
@@ -77,7 +78,9 @@ def _decode_kernel(
     real_row = rows < group
     heads = (kv_head * group + rows)[:, None]
     cols = lax.iota(jnp.int32, head_dim)[None, :]
-    q = pltriton.load(q_ref.at[seq, heads, cols], mask=real_row[:, None], other=0).astype(k_ref.dtype)
+    q = pltriton.load(q_ref.at[seq, heads, cols], mask=real_row[:, None], other=0).astype(
+        kv_compute_dtype(k_ref.dtype, q_ref.dtype)
+    )
     tiles = functools.partial(
         gather_kv_tiles,
         k_ref,

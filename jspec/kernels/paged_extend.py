@@ -42,6 +42,7 @@ from jspec.kernels.paged_tiles import (
     check_pow2,
     choose_splits,
     gather_kv_tiles,
+    kv_compute_dtype,
     merge_splits,
     min_split_len,
     next_pow2,
@@ -103,7 +104,9 @@ def _extend_kernel(
         flat_row = (row0 + token)[:, None]
         head = (kv_head * group + lax.rem(rows, group))[:, None]
         cols = lax.iota(jnp.int32, head_dim)[None, :]
-        q = pltriton.load(q_ref.at[flat_row, head, cols], mask=real_row[:, None], other=0).astype(k_ref.dtype)
+        q = pltriton.load(q_ref.at[flat_row, head, cols], mask=real_row[:, None], other=0).astype(
+            kv_compute_dtype(k_ref.dtype, q_ref.dtype)
+        )
         # Each row's position in the sequence, and the first key its window holds.
         if tree:
             depth = pltriton.load(depth_ref.at[seq, token], mask=real_row, other=0)

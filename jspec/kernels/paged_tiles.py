@@ -107,7 +107,9 @@ def attend_tile(q, k, v, m, l, acc, *, scale_log2, visible=None, softcap=None):
     m, l: running max (log2 units) and normaliser [M]; acc: unnormalised [M, D] f32.
     visible [M, N] (or broadcastable) hides positions; None means all visible.
     softcap: logits (natural units, after scaling) become softcap * tanh(logits / softcap).
+    An FP8 KV tile (bytes: see FP8_KV_BYTES) is upcast to q's dtype here, in registers.
     """
+    k, v = kv_values(k).astype(q.dtype), kv_values(v).astype(q.dtype)
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     if softcap is None:
         s = s * scale_log2
@@ -124,6 +126,24 @@ def attend_tile(q, k, v, m, l, acc, *, scale_log2, visible=None, softcap=None):
     l = l * alpha + jnp.sum(p, axis=1)
     pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
     return m_new, l, acc * alpha[:, None] + pv
+
+
+# An FP8 KV pool holds e4m3 values as their bytes: XLA:CPU has no FP8 scatter (it converts the
+# whole pool to f16 and back around every KV write), a byte scatter every backend has, and a
+# same-width bitcast is free wherever the bytes are read.
+FP8_KV_BYTES = jnp.uint8
+FP8_KV = jnp.float8_e4m3fn
+
+
+def kv_values(x: jax.Array) -> jax.Array:
+    """KV as numbers: an FP8 pool's bytes bitcast to e4m3, any other pool as it is."""
+    return lax.bitcast_convert_type(x, FP8_KV) if x.dtype == FP8_KV_BYTES else x
+
+
+def kv_compute_dtype(cache_dtype, q_dtype):
+    """The dtype of the attention's dots: the cache's, or q's over an FP8 cache (whose tiles are
+    upcast after their load: the HBM read stays one byte per element)."""
+    return q_dtype if jnp.dtype(cache_dtype) == FP8_KV_BYTES else cache_dtype
 
 
 def normalise(acc, l):

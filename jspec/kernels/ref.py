@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jspec.kernels.paged_tiles import tree_depth, window_scalar
+from jspec.kernels.paged_tiles import kv_values, tree_depth, window_scalar
 
 KV_CHUNK = 256  # KV tokens per loop step, rounded to whole pages
 HIGHEST = lax.Precision.HIGHEST
@@ -62,7 +62,7 @@ def _gather_chunk(cache, layer, page_tables, kv_lens, chunk, pages_per_chunk):
     # The last chunk may run past the table, and slots past a sequence's pages hold
     # garbage ids: clip both to some page; what is read there is zeroed below.
     pages = jnp.clip(page_tables[:, jnp.minimum(slots, max_pages - 1)], 0, num_pages - 1)
-    kv = cache[layer, pages].reshape(rows, pages_per_chunk * page_size, num_heads, head_dim)
+    kv = kv_values(cache[layer, pages]).reshape(rows, pages_per_chunk * page_size, num_heads, head_dim)
     positions = chunk * pages_per_chunk * page_size + jnp.arange(pages_per_chunk * page_size)
     valid = positions[None, :] < kv_lens[:, None]
     return jnp.where(valid[:, :, None, None], kv.astype(jnp.float32), 0.0), positions
@@ -229,10 +229,22 @@ def paged_extend_ref(
     return out[:num_rows].astype(q.dtype)
 
 
-def skinny_matmul_ref(x, w):
+def dequantize_fp8(w, scale):
+    """w [..., in, out] (FP8) and scale [..., in_blocks, out] f32 -> f32 [..., in, out]: each scale
+    row multiplies in / in_blocks consecutive rows of w."""
+    *lead, K, N = w.shape
+    nb = scale.shape[-2]
+    blocks = w.astype(jnp.float32).reshape(*lead, nb, K // nb, N) * scale[..., :, None, :]
+    return blocks.reshape(*lead, K, N)
+
+
+def skinny_matmul_ref(x, w, scale=None):
     """x [M, K] @ w [K, N] -> f32 [M, N]: x cast to w's dtype, products accumulated in f32.
 
     The same contract as the skinny_matmul kernel (and the models' jnp.dot with
-    preferred_element_type=f32), so the two differ only in summation order.
+    preferred_element_type=f32), so the two differ only in summation order. With scale
+    (FP8 w): x @ dequantize_fp8(w, scale), in f32.
     """
+    if scale is not None:
+        return jnp.dot(x.astype(jnp.float32), dequantize_fp8(w, scale), precision=HIGHEST)
     return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)

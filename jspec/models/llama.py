@@ -19,11 +19,12 @@ import numpy as np
 from jspec.config.model import ModelConfig
 from jspec.distributed.mesh import DATA
 from jspec.kernels.paged_tiles import NO_WINDOW
-from jspec.kvcache.pool import KVPool, write_kv
+from jspec.kvcache.pool import KVPool, is_fp8_cache, write_kv
 from jspec.layers.attention import paged_attention
 from jspec.layers.batch import AttentionMode, ForwardBatch
 from jspec.layers.lora import LoraBatch, add_lora_delta, lora_dense, slot_mask
 from jspec.layers.matmul import dense_f32
+from jspec.layers.quant import is_fp8
 from jspec.models import rope
 from jspec.models.moe import moe_mlp_on_mesh
 from jspec.models.rope import apply_rope
@@ -49,6 +50,8 @@ def _project(h: jax.Array, w: jax.Array) -> jax.Array:
     """h [T, in] @ w -> f32 [T, shards, n]; w is [in, n] (one shard) or [in, tp, n / tp]."""
     if w.ndim == 2:
         return dense_f32(h, w)[:, None, :]
+    if is_fp8(w):
+        return dense_f32(h, w)
     return jnp.einsum("ti,isn->tsn", h, w, preferred_element_type=jnp.float32)
 
 
@@ -177,14 +180,24 @@ def layer_window(cfg: ModelConfig, layer) -> jax.Array | None:
     return jnp.asarray(windows)[layer]
 
 
-def paged_attend(cfg: ModelConfig, mode: AttentionMode, batch: ForwardBatch, layer, mask=None, window=None):
-    """attend(q, k, v, (k_cache, v_cache)) for the paged pool: write the new K/V, then attend."""
+def paged_attend(
+    cfg: ModelConfig, mode: AttentionMode, batch: ForwardBatch, layer, mask=None, window=None, kv_scale=None
+):
+    """attend(q, k, v, (k_cache, v_cache)) for the paged pool: write the new K/V, then attend.
+
+    An FP8 pool holds K / k_scale and V / v_scale (kv_scale [2], this layer's; None: 1). The
+    kernels read it as stored, so k_scale multiplies q (q.(k s) = (q s).k) and v_scale the output.
+    """
 
     def attend(q, k, v, caches):
+        fp8 = is_fp8_cache(caches[0]) and kv_scale is not None
+        if fp8:
+            k, v = k.astype(jnp.float32) / kv_scale[0], v.astype(jnp.float32) / kv_scale[1]
         k_cache = write_kv(caches[0], layer, batch.slots, k)
         v_cache = write_kv(caches[1], layer, batch.slots, v)
+        qs = (q.astype(jnp.float32) * kv_scale[0]).astype(q.dtype) if fp8 else q
         out = paged_attention(
-            q,
+            qs,
             k_cache,
             v_cache,
             layer,
@@ -195,6 +208,8 @@ def paged_attend(cfg: ModelConfig, mode: AttentionMode, batch: ForwardBatch, lay
             window=window,
             logit_softcap=cfg.attn_logit_softcap,
         )
+        if fp8:
+            out = (out.astype(jnp.float32) * kv_scale[1]).astype(q.dtype)
         return out, (k_cache, v_cache)
 
     return attend
@@ -319,6 +334,7 @@ def forward(
     captured = jnp.zeros((len(capture_layers), T, cfg.hidden_size), dtype) if capture_layers else None
     lmask = slot_mask(lora.weights, lora.token_slots) if lora is not None else None
     layers = params["layers"]
+    kv_scales = params.get("kv_scale") if is_fp8_cache(kv.k) else None  # [L, 2], from the checkpoint
     if lora is not None:  # each layer's pool arrays travel with its weights
         layers = attach_lora(layers, lora.weights.layers)
 
@@ -329,7 +345,9 @@ def forward(
         captured = store_capture(captured, capture_layers, layer, x)
         h = attention_input(cfg, lp, x)
         window = layer_window(cfg, layer)
-        attend = paged_attend(cfg, mode, batch, jnp.int32(layer) if isinstance(layer, int) else layer, mask, window)
+        kv_scale = None if kv_scales is None else kv_scales[layer]
+        layer_index = jnp.int32(layer) if isinstance(layer, int) else layer
+        attend = paged_attend(cfg, mode, batch, layer_index, mask, window, kv_scale)
         layer_cos, layer_sin = layer_rope(cfg, layer, (cos, sin), sliding_rope)
         x, (k_cache, v_cache) = decoder_layer(cfg, lp, x, h, layer_cos, layer_sin, attend, (k_cache, v_cache))
         return x, k_cache, v_cache, captured
@@ -354,12 +372,12 @@ def unstack_layers(params):
     layers = params["layers"]
     if isinstance(layers, (list, tuple)):
         return params
-    n = len(next(iter(layers.values())))
+    n = len(jax.tree.leaves(layers)[0])
     per_layer = [dict() for _ in range(n)]
     for name in list(layers):
         stacked = layers[name]
         for i in range(n):
-            per_layer[i][name] = stacked[i]
+            per_layer[i][name] = stacked[i]  # an Fp8Weight indexes its weight and scale alike
     return {**params, "layers": per_layer}
 
 

@@ -45,7 +45,7 @@ class SpecWorker(WorkerBase):
         self.state = self._place(
             init_spec_state(
                 method,
-                create_kv_pool(cfg, int(num_pages), page_size, self.dtype),
+                create_kv_pool(cfg, int(num_pages), page_size, self.kv_dtype),
                 max_slots,
                 int(num_pages),
                 page_size,
