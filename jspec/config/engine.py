@@ -17,6 +17,7 @@ DEFAULT_COMPILATION_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", 
 ATTENTION_BACKENDS = ("pallas", "reference")
 LAYER_LOOPS = ("auto", "scan", "unrolled")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
+GRAMMAR_BACKENDS = ("llguidance", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,16 @@ class EngineConfig:
     disable_radix_cache: bool = setting(False, "no prefix cache")
     random_seed: int = setting(0, "seeds requests that bring none")
     max_top_logprobs: int = setting(5, "largest top-n logprobs a request may ask for")
+    # Structured outputs.
+    grammar_backend: str = setting(
+        "llguidance",
+        "the library that compiles json_schema / regex / ebnf grammars (none: refuse them)",
+        choices=GRAMMAR_BACKENDS,
+    )
+    grammar_cache_size: int = setting(256, "compiled grammars kept (by kind and text), least recently used dropped")
+    grammar_compile_timeout: float = setting(
+        10.0, "seconds a grammar may take to compile; a slower one is refused as too complex"
+    )
     # Programs.
     attention_backend: str | None = setting(
         None,

@@ -161,6 +161,7 @@ class Engine:
         self._arrival = itertools.count()
         self.num_steps = 0
         self.loop_times = LoopTimes()
+        self._grammar_compiler = None
         for name, path in config.lora_paths.items():
             self.load_lora(name, path)
 
@@ -268,6 +269,8 @@ class Engine:
         room = self.model.cfg.max_position_embeddings - len(ids)
         if room < params.max_new_tokens:
             params = dataclasses.replace(params, max_new_tokens=room)
+        self.check_grammar(params)
+        grammar = self.grammar_compiler.matcher(*params.grammar) if params.grammar is not None else None
         checker = StopChecker(params.stop, params.stop_token_ids, eos, params.ignore_eos, params.max_new_tokens)
         detok = IncrementalDetokenizer(tok, ids) if tok is not None else None
         req = Request(
@@ -280,9 +283,55 @@ class Engine:
             seed=params.seed if params.seed is not None else int(self._seeds.integers(2**32)),
             lora_slot=lora_slot,
             cache_namespace=lora_uid,
+            grammar=grammar,
         )
         self.scheduler.add(req)
         return rid
+
+    # ---- structured outputs --------------------------------------------------------------------
+
+    # Why this kind of engine refuses grammars (None: it runs them); PD engines set theirs.
+    grammar_refusal: str | None = None
+
+    @property
+    def grammar_compiler(self):
+        """The engine's GrammarCompiler (built at first use: it reads the whole vocabulary)."""
+        if self._grammar_compiler is None:
+            from jspec.constrained.grammar import GrammarCompiler
+
+            tok = self.model.tokenizer
+            eos = set(self.model.cfg.eos_token_ids) | set(tok.eos_token_ids)
+            self._grammar_compiler = GrammarCompiler.for_tokenizer(
+                tok,
+                self.model.cfg.vocab_size,
+                sorted(eos),
+                cache_size=self.config.grammar_cache_size,
+                compile_timeout_s=self.config.grammar_compile_timeout,
+            )
+        return self._grammar_compiler
+
+    def check_grammar(self, params: SamplingParams) -> None:
+        """Refuses a request's grammar (ValueError naming why) if this engine cannot run it, or
+        llguidance rejects it (GrammarError, a ValueError); compiles it into the cache
+        otherwise. The server calls it off the loop's thread, so the loop never compiles."""
+        grammar = params.grammar
+        if grammar is None:
+            return
+        kind = grammar[0]
+        if self.config.grammar_backend == "none":
+            raise ValueError(f"{kind}: structured outputs are off on this engine (grammar_backend='none')")
+        if self.spec is not None:
+            raise ValueError(
+                f"{kind}: structured outputs are not implemented with speculative decoding "
+                f"(speculative_algorithm={self.spec.algorithm}); serve this model without speculation"
+            )
+        if self.grammar_refusal is not None:
+            raise ValueError(f"{kind}: structured outputs are not implemented with {self.grammar_refusal}")
+        if not self.worker.supports_grammar:
+            raise ValueError(f"{kind}: structured outputs are not implemented with DP attention")
+        if self.model.tokenizer is None:
+            raise ValueError(f"{kind}: structured outputs need the model's tokenizer; this model has none")
+        self.grammar_compiler.compile(*grammar)
 
     def abort(self, rid: str) -> bool:
         """Finishes a request now and frees its KV; True if it was still running or waiting."""

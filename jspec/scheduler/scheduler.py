@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 
+from jspec.constrained.grammar import allow_all
 from jspec.kvcache.allocator import OutOfPagesError
 from jspec.kvcache.radix_cache import RadixCache
 from jspec.scheduler.kv_manager import KVManager
@@ -170,6 +171,7 @@ class Scheduler:
             batch.loras.append(req.lora_slot)
         if not batch.chunks:
             return None
+        batch.vocab_masks = self._vocab_masks(batch.reqs, [f is None for f in batch.following])
         for req, chunk, following in zip(batch.reqs, batch.chunks, batch.following):
             req.prefilled += len(chunk.tokens)
             self.prefilled_tokens += len(chunk.tokens)
@@ -225,6 +227,10 @@ class Scheduler:
         for req in sorted(self.running, key=lambda r: r.arrival):
             if req.status is not Status.RUNNING:
                 continue  # retracted earlier in this loop to make room
+            if req.grammar is not None and req.inflight_outputs:
+                # Its mask follows from the token still in flight: under the overlap loop a
+                # constrained request skips every other step (docs/architecture.md).
+                continue
             bound = req.kv_len + req.inflight * w.max_emit + w.kv_margin
             while not self._grow(req, bound):
                 victim = self._pick_victim(exclude=req)
@@ -245,10 +251,23 @@ class Scheduler:
             batch.loras.append(req.lora_slot)
         if not batch.reqs:
             return None
+        batch.vocab_masks = self._vocab_masks(batch.reqs, [True] * len(batch.reqs))
         for req in batch.reqs:
             req.inflight += 1
             req.inflight_outputs += 1
         return batch
+
+    def _vocab_masks(self, reqs: list[Request], samples: list[bool]):
+        """The rows' token bitmasks [rows, words] (int32), from each constrained request's
+        grammar state; None when no row that samples has a grammar (the step then runs its
+        unmasked program)."""
+        rows = [i for i, (r, s) in enumerate(zip(reqs, samples)) if s and r.grammar is not None]
+        if not rows:
+            return None
+        masks = allow_all(len(reqs), self.worker.vocab_size)
+        for i in rows:
+            reqs[i].grammar.fill_mask(masks[i])
+        return masks
 
     def _pick_victim(self, exclude: Request) -> Request | None:
         others = [r for r in self.running if r is not exclude]

@@ -23,7 +23,7 @@ from jspec.kvcache.pool import KVPool
 from jspec.layers.batch import AttentionMode, ForwardBatch
 from jspec.layers.lora import LoraBatch
 from jspec.layers.penalties import PenaltyState, PrefillCounts, apply_penalties, record_emitted
-from jspec.layers.sampling import SamplingRows, sample_tokens
+from jspec.layers.sampling import SamplingRows, apply_vocab_mask, sample_tokens
 from jspec.models.llama import forward
 from jspec.steps.common import (
     gather_slots,
@@ -62,6 +62,7 @@ def plain_prefill_step(
     counts: PrefillCounts,
     rows: SamplingRows,
     lora: LoraBatch | None = None,
+    vocab_mask=None,
     *,
     cfg: ModelConfig,
     mode: AttentionMode,
@@ -72,9 +73,12 @@ def plain_prefill_step(
     """Prefills one ragged chunk batch. slot_ids [B]: carry slot of each sequence whose prompt
     ends in this chunk (it receives the sampled first token), else the scratch slot.
     next_tokens [T]: the prompt token after each token (scored when with_prompt_logprobs).
-    lora: the adapter pool and each token's adapter slot [T] (None: no LoRA)."""
+    lora: the adapter pool and each token's adapter slot [T] (None: no LoRA).
+    vocab_mask: [B, words] token bitmasks of the sequences (None: every token allowed)."""
     kv, out = forward(params, cfg, state.target_kv, batch, mode, lora=lora)
-    first, logits, pen = sample_first_tokens(out.logits, state.penalties, batch, slot_ids, counts, rows, sampling)
+    first, logits, pen = sample_first_tokens(
+        out.logits, state.penalties, batch, slot_ids, counts, rows, sampling, vocab_mask
+    )
     c = state.carry
     carry = PlainCarry(
         c.next_token.at[slot_ids].set(first, mode="drop"), c.seq_len.at[slot_ids].set(batch.seq_lens, mode="drop")
@@ -93,6 +97,7 @@ def plain_decode_step(
     page_tables,
     rows: SamplingRows,
     lora: LoraBatch | None = None,
+    vocab_mask=None,
     *,
     cfg: ModelConfig,
     backend: str = "pallas",
@@ -100,7 +105,9 @@ def plain_decode_step(
     sampling: str = "sampled",
 ):
     """One token for each slot in slot_ids [B]; page_tables [B, M] cover position seq_len.
-    lora: the adapter pool and each row's adapter slot [B] (None: no LoRA)."""
+    lora: the adapter pool and each row's adapter slot [B] (None: no LoRA).
+    vocab_mask: [B, words] token bitmasks of the rows (None: every token allowed; a batch without
+    a grammar row runs the program compiled without one)."""
     B = slot_ids.shape[0]
     c = gather_slots(state.carry, slot_ids)
     n = c.seq_len
@@ -115,7 +122,7 @@ def plain_decode_step(
         logits_indices=jnp.arange(B, dtype=jnp.int32),
     )
     kv, out = forward(params, cfg, state.target_kv, batch, AttentionMode(True, 1, backend), lora=lora)
-    logits = apply_penalties(out.logits, state.penalties, slot_ids, rows.params)
+    logits = apply_vocab_mask(apply_penalties(out.logits, state.penalties, slot_ids, rows.params), vocab_mask)
     tok = sample_tokens(logits, rows, n + 1, sampling)
     new = PlainCarry(tok, n + 1)
     carry = jax.tree.map(lambda full, part: full.at[slot_ids].set(part), state.carry, new)

@@ -91,6 +91,8 @@ class Worker(Protocol):
     max_emit: int  # most tokens one decode emits per request
     chunked_prefill_size: int  # most prompt tokens one prefill runs
     top_n: int  # top logprobs every step returns
+    vocab_size: int  # columns of the logits (token bitmasks cover them)
+    supports_grammar: bool  # its steps take token bitmasks (structured outputs)
 
     def launch(self, batch) -> object:
         """Dispatches one step over the batch; returns its device outputs (a PackedOutput)."""
@@ -166,10 +168,32 @@ class WorkerBase:
                 batch.first_chunks,
                 batch.with_prompt_logprobs,
                 loras,
+                batch.vocab_masks,
             )
-        return self.decode(batch.slots, batch.page_tables, batch.sampling, loras)
+        return self.decode(batch.slots, batch.page_tables, batch.sampling, loras, batch.vocab_masks)
 
-    def decode(self, slots, page_tables, sampling, loras=None):
+    # Whether the steps take token bitmasks (structured outputs); a worker without them refuses
+    # a batch that has one.
+    supports_grammar = False
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    def _vocab_mask(self, masks, rows: int):
+        """The step's bitmask argument: masks [n, words] padded with allow-all rows to `rows`;
+        None stays None (the unmasked program)."""
+        if masks is None:
+            return None
+        if not self.supports_grammar:
+            raise ValueError(f"{type(self).__name__} does not run structured outputs (token bitmasks)")
+        from jspec.constrained.grammar import allow_all
+
+        full = allow_all(rows, self.vocab_size)
+        full[: len(masks)] = masks
+        return full if self.mesh is not None else jax.device_put(full)
+
+    def decode(self, slots, page_tables, sampling, loras=None, vocab_masks=None):
         """Builds the bucketed arrays, then launches (the subclass's decode_arrays). A batch the
         same as the last one (the common case: the same requests, no new page) reuses the last
         arrays, already on the device, so the launch only dispatches."""
@@ -187,7 +211,14 @@ class WorkerBase:
                 sampling_mode(p for p, _ in sampling),
             )
         slot_ids, pt, rows, ids = last.arrays
-        return self.decode_arrays(slot_ids, pt, rows, last.mode, self._lora_batch(ids) if ids is not None else None)
+        return self.decode_arrays(
+            slot_ids,
+            pt,
+            rows,
+            last.mode,
+            self._lora_batch(ids) if ids is not None else None,
+            self._vocab_mask(vocab_masks, slot_ids.shape[0]),
+        )
 
     # What a method's worker gives: its step functions, the weights they take before the state,
     # their static arguments, and which prefill outputs they read.
@@ -213,6 +244,7 @@ class WorkerBase:
         first_chunks=None,
         with_prompt_logprobs=False,
         loras=None,
+        vocab_masks=None,
     ):
         batch, mode, next_tokens, finish_rows, slot_ids, counts = self._prefill_inputs(
             chunks, following, slots, output_starts, first_chunks
@@ -223,22 +255,28 @@ class WorkerBase:
         statics = dict(self.step_statics(), mode=mode, top_n=self.top_n, with_prompt_logprobs=with_prompt_logprobs)
         label = f"prefill T={T}{' prompt logprobs' if with_prompt_logprobs else ''}"
         tokens = self.prefill_step_tokens(next_tokens, finish_rows)
+        mask = self._vocab_mask(vocab_masks, slot_ids.shape[0])
+        masked = () if mask is None else ("masked",)
         return self._launch(
-            self._prefill_key(T, with_prompt_logprobs),
-            lambda: (self.prefill_step, statics, label),
-            (*self.step_weights(), self.state, batch, *tokens, slot_ids, counts, rows, lora),
+            self._prefill_key(T, with_prompt_logprobs) + masked,
+            lambda: (self.prefill_step, statics, label + " masked" * bool(masked)),
+            (*self.step_weights(), self.state, batch, *tokens, slot_ids, counts, rows, lora)
+            + (() if mask is None else (mask,)),
         )
 
-    def decode_arrays(self, slot_ids, page_tables, rows, mode: str, lora=None):
-        """decode() on prebuilt (bucketed) arrays: the launch alone."""
+    def decode_arrays(self, slot_ids, page_tables, rows, mode: str, lora=None, vocab_mask=None):
+        """decode() on prebuilt (bucketed) arrays: the launch alone. vocab_mask: the rows'
+        token bitmasks (a program of its own; None: the program without one)."""
         if lora is None and self.lora is not None:
             lora = self._decode_loras(slot_ids.shape[0], None)
         B = slot_ids.shape[0]
         statics = dict(self.step_statics(), backend=self.backend, top_n=self.top_n, sampling=mode)
+        masked = () if vocab_mask is None else ("masked",)
         return self._launch(
-            ("decode", B, mode, self.top_n),
-            lambda: (self.decode_step, statics, f"decode B={B} {mode}"),
-            (*self.step_weights(), self.state, slot_ids, page_tables, rows, lora),
+            ("decode", B, mode, self.top_n) + masked,
+            lambda: (self.decode_step, statics, f"decode B={B} {mode}" + " masked" * bool(masked)),
+            (*self.step_weights(), self.state, slot_ids, page_tables, rows, lora)
+            + (() if vocab_mask is None else (vocab_mask,)),
         )
 
     def on_mesh(self):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from jspec.config.sampling import SamplingParams
 from jspec.worker.inputs import SeqChunk
 
@@ -21,6 +23,7 @@ class PrefillBatch:
     first_chunks: list[bool] = dataclasses.field(default_factory=list)  # chunk starts its request's prefill
     sampling: list[tuple[SamplingParams, int]] = dataclasses.field(default_factory=list)  # params and seed
     loras: list[int] = dataclasses.field(default_factory=list)  # LoRA pool slot (0: none)
+    vocab_masks: np.ndarray | None = None  # [chunks, words] int32 token bitmasks; None: no grammar row
 
     @property
     def with_prompt_logprobs(self) -> bool:
@@ -38,6 +41,7 @@ class DecodeBatch:
     page_tables: list[list[int]] = dataclasses.field(default_factory=list)
     sampling: list[tuple[SamplingParams, int]] = dataclasses.field(default_factory=list)
     loras: list[int] = dataclasses.field(default_factory=list)
+    vocab_masks: np.ndarray | None = None  # [rows, words] int32 token bitmasks; None: no grammar row
 
 
 @dataclasses.dataclass

@@ -88,6 +88,13 @@ class DPWorker:
     def dtype(self):
         return self.inner.dtype
 
+    # The per-rank steps take no token bitmasks: the engine refuses grammars under DP attention.
+    supports_grammar = False
+
+    @property
+    def vocab_size(self) -> int:
+        return self.inner.vocab_size
+
     def wait_for_programs(self) -> None:
         pass  # DP steps compile at their first launch, never in the background
 

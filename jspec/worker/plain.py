@@ -16,6 +16,7 @@ class PlainWorker(WorkerBase):
     max_emit = 1
     prefill_step = staticmethod(plain_prefill_step)
     decode_step = staticmethod(plain_decode_step)
+    supports_grammar = True
 
     def __init__(self, cfg: ModelConfig, params, *, page_size: int, num_pages: int, max_slots: int, **kw):
         super().__init__(cfg, params, page_size=page_size, num_pages=num_pages, max_slots=max_slots, **kw)
