@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 import time
 
 import numpy as np
@@ -162,6 +163,7 @@ class Engine:
         self.num_steps = 0
         self.loop_times = LoopTimes()
         self._grammar_compiler = None
+        self._grammar_lock = threading.Lock()
         for name, path in config.lora_paths.items():
             self.load_lora(name, path)
 
@@ -296,6 +298,10 @@ class Engine:
     @property
     def grammar_compiler(self):
         """The engine's GrammarCompiler (built at first use: it reads the whole vocabulary)."""
+        with self._grammar_lock:  # the server's threads and the loop may ask first at once
+            return self._make_grammar_compiler()
+
+    def _make_grammar_compiler(self):
         if self._grammar_compiler is None:
             from jspec.constrained.grammar import GrammarCompiler
 

@@ -13,6 +13,7 @@ from jspec.server.chat_template import render_chat
 from jspec.server.errors import APIError
 from jspec.server.protocol import ChatCompletionRequest, CompletionRequest, message_text
 from jspec.server.state import Served, ServerState
+from jspec.server.tools import check_tools, parse_tool_calls, tool_call_schema
 from jspec.server.streaming import (
     Choice,
     EventStream,
@@ -130,13 +131,25 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, st: Se
         raise APIError(
             f"top_logprobs={n_top} exceeds this server's --max-top-logprobs={st.max_top}", param="top_logprobs"
         )
+    functions, tool_choice = check_tools(body.tools, body.tool_choice)
+    grammar = None
+    if tool_choice not in (None, "auto"):
+        if body.grammar():
+            raise APIError(
+                "a forced tool_choice constrains the output itself; drop response_format", param="tool_choice"
+            )
+        grammar = {"json_schema": tool_call_schema(functions, tool_choice)}
+    if tool_choice is not None and body.stream:
+        raise APIError("streamed tool calls are not implemented; set stream to false", param="stream")
     text = render_chat(
-        st.tokenizer, [{**m.model_dump(exclude_none=True), "content": message_text(m)} for m in body.messages]
+        st.tokenizer,
+        [{**m.model_dump(exclude_none=True), "content": message_text(m)} for m in body.messages],
+        tools=body.tools if tool_choice is not None else None,
     )
     ids = st.tokenizer.encode(text, add_special_tokens=False)
     ids = st.check_prompt(ids)
     max_new = body.max_completion_tokens or body.max_tokens or max(1, st.model.cfg.max_position_embeddings - len(ids))
-    params = body.sampling_params(max_new, body.logprobs, n_top, adapter)
+    params = body.sampling_params(max_new, body.logprobs, n_top, adapter, grammar)
     asked = "max_completion_tokens" if body.max_completion_tokens else "max_tokens" if body.max_tokens else None
     if asked is not None:
         st.check_room(len(ids), max_new, asked, "messages")
@@ -146,16 +159,22 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, st: Se
     prompt_tokens = len(ids) * body.n
     if not body.stream:
         choices = await collect(streams, st.metrics.observer(t0), request)
-        out = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "finish_reason": openai_finish(c.finish_reason),
-                "matched_stop": c.matched_stop,
-                "logprobs": chat_logprobs(st, c.token_ids, c.logprobs, c.top_logprobs) if body.logprobs else None,
-            }
-            for c in sorted(choices.values(), key=lambda c: c.index)
-        ]
+        out = []
+        for c in sorted(choices.values(), key=lambda c: c.index):
+            content, calls = parse_tool_calls(c.text, functions, tool_choice)
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            finish = openai_finish(c.finish_reason)
+            out.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "finish_reason": "tool_calls" if calls and finish == "stop" else finish,
+                    "matched_stop": c.matched_stop,
+                    "logprobs": chat_logprobs(st, c.token_ids, c.logprobs, c.top_logprobs) if body.logprobs else None,
+                }
+            )
         completion = sum(c.completion_tokens for c in choices.values())
         return {**head, "object": "chat.completion", "choices": out, "usage": usage(prompt_tokens, completion)}
 
