@@ -13,7 +13,6 @@ from jspec.server.chat_template import render_chat
 from jspec.server.errors import APIError
 from jspec.server.protocol import ChatCompletionRequest, CompletionRequest, message_text
 from jspec.server.state import Served, ServerState
-from jspec.server.tools import check_tools, parse_tool_calls, tool_call_schema
 from jspec.server.streaming import (
     Choice,
     EventStream,
@@ -25,6 +24,7 @@ from jspec.server.streaming import (
     start,
     usage,
 )
+from jspec.server.tools import check_tools, parse_tool_calls, tool_call_schema
 
 router = APIRouter()
 
