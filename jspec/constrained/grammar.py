@@ -154,7 +154,7 @@ class GrammarMatcher:
         a mask was not applied: the caller treats it as an internal error."""
         n = 0
         for t in tokens:
-            if self._m.is_stopped():
+            if self._m.is_stopped():  # ended, or failed on an earlier token
                 break
             if not self._m.consume_token(int(t)):
                 break
@@ -164,7 +164,7 @@ class GrammarMatcher:
     @property
     def ended(self) -> bool:
         """Nothing but the end of sequence may follow (the grammar is complete and closed)."""
-        return self._m.is_stopped()
+        return self._m.is_stopped() and not self._m.is_error()
 
     @property
     def accepting(self) -> bool:

@@ -1,0 +1,185 @@
+"""Structured outputs through the engine and the server on a tiny random model: sampled
+completions of five JSON schemas, a regex and an EBNF grammar all validate, with the overlap
+loop and without (the same tokens either way); free rows batched with grammar rows get the
+tokens they get alone; max_tokens inside an open grammar ends with "length"; the OpenAI
+surfaces (response_format, tools, a bad schema's 400) through the official client."""
+
+import json
+import re
+
+import pytest
+from support.models import tiny_model
+
+import jspec
+from jspec.config.sampling import SamplingParams
+
+jsonschema = pytest.importorskip("jsonschema")
+
+ENGINE = dict(page_size=4, max_total_tokens=4096, max_running_requests=16, attention_backend="reference")
+
+SCHEMAS = {
+    "nested": {
+        "type": "object",
+        "properties": {
+            "user": {
+                "type": "object",
+                "properties": {"name": {"type": "string", "maxLength": 5}, "admin": {"type": "boolean"}},
+                "required": ["name", "admin"],
+                "additionalProperties": False,
+            }
+        },
+        "required": ["user"],
+        "additionalProperties": False,
+    },
+    "array": {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 3}},
+        "required": ["tags"],
+        "additionalProperties": False,
+    },
+    "enum": {"type": "string", "enum": ["red", "green", "blue"]},
+    "numbers": {
+        "type": "object",
+        "properties": {
+            "i": {"type": "integer", "minimum": -5, "maximum": 500},
+            "x": {"type": "number", "minimum": 0, "maximum": 1},
+        },
+        "required": ["i", "x"],
+        "additionalProperties": False,
+    },
+    "optional": {
+        "type": "object",
+        "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9}, "note": {"enum": ["a", "b", None]}},
+        "required": ["id"],
+        "additionalProperties": False,
+    },
+}
+REGEX = r"[a-c]{2,4}-[0-9]{1,3}"
+EBNF = 'root ::= item ("," item)?\nitem ::= "yes" | "no" | [0-9]'
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tiny_model(tmp_path_factory, "structured", context=256)
+
+
+@pytest.fixture(scope="module")
+def engines(model):
+    return {overlap: jspec.Engine(model, disable_overlap_schedule=not overlap, **ENGINE) for overlap in (True, False)}
+
+
+def sampled(k: int, **grammar) -> SamplingParams:
+    return SamplingParams(max_new_tokens=96, temperature=1.0, seed=1000 + k, **grammar)
+
+
+def run_all(engine):
+    """Every schema, the regex and the EBNF grammar, 6 seeded completions each, and 4 free
+    rows, all in one batch."""
+    params = [sampled(k, json_schema=json.dumps(s)) for s in SCHEMAS.values() for k in range(6)]
+    params += [sampled(k, regex=REGEX) for k in range(6)] + [sampled(k, ebnf=EBNF) for k in range(6)]
+    params += [SamplingParams(max_new_tokens=12, temperature=1.0, seed=k, ignore_eos=True) for k in range(4)]
+    outs = engine.generate(["{"] * len(params), params)
+    engine.check_idle_no_leaks()
+    return outs
+
+
+@pytest.fixture(scope="module")
+def results(engines):
+    return {overlap: run_all(e) for overlap, e in engines.items()}
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_sampled_completions_follow_their_grammars(results, overlap):
+    outs = results[overlap]
+    for i, schema in enumerate(SCHEMAS.values()):
+        for o in outs[6 * i : 6 * i + 6]:
+            assert o.finish_reason == "stop", o.text
+            jsonschema.validate(json.loads(o.text), schema)
+    n = 6 * len(SCHEMAS)
+    for o in outs[n : n + 6]:
+        assert o.finish_reason == "stop" and re.fullmatch(REGEX, o.text), o.text
+    for o in outs[n + 6 : n + 12]:
+        assert o.finish_reason == "stop" and re.fullmatch(r"(yes|no|[0-9])(,(yes|no|[0-9]))?", o.text), o.text
+    assert all(len(o.token_ids) == 12 for o in outs[n + 12 :])
+
+
+def test_overlap_gives_the_synchronous_tokens(results):
+    assert [o.token_ids for o in results[True]] == [o.token_ids for o in results[False]]
+
+
+def test_free_rows_are_untouched_by_grammar_rows(engines, results):
+    """Free rows batched with grammar rows: the tokens they get alone, and the batch's
+    programs without a mask where no grammar row runs."""
+    e = engines[True]
+    free = [SamplingParams(max_new_tokens=12, temperature=1.0, seed=k, ignore_eos=True) for k in range(4)]
+    alone = e.generate(["{"] * 4, free)
+    assert [o.token_ids for o in alone] == [o.token_ids for o in results[True][-4:]]
+    keys = set(e.worker.programs.compiled)
+    assert any(k[0] == "decode" and "masked" in k for k in keys)
+    assert any(k[0] == "decode" and "masked" not in k for k in keys)
+
+
+def test_length_inside_an_open_grammar(engines):
+    e = engines[True]
+    (o,) = e.generate(["{"], [SamplingParams(max_new_tokens=3, json_schema=json.dumps(SCHEMAS["nested"]))])
+    assert o.finish_reason == "length" and len(o.token_ids) == 3 and '{"user": {"name"'.startswith(o.text)
+
+
+def test_greedy_constrained_is_deterministic(engines):
+    p = SamplingParams(max_new_tokens=64, json_schema=json.dumps(SCHEMAS["numbers"]))
+    a = engines[True].generate(["{"], [p])[0]
+    b = engines[False].generate(["{"], [p])[0]
+    assert a.token_ids == b.token_ids and a.finish_reason == "stop"
+    jsonschema.validate(json.loads(a.text), SCHEMAS["numbers"])
+
+
+def test_server_surfaces(engines):
+    openai = pytest.importorskip("openai")
+    from fastapi.testclient import TestClient
+
+    from jspec.engine.async_engine import AsyncEngine
+    from jspec.server.app import create_app
+
+    aengine = AsyncEngine(engines[True])
+    try:
+        with TestClient(create_app(aengine, "tiny")) as http:
+            client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http)
+            chat = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=96)
+            schema = SCHEMAS["optional"]
+            fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+            for seed in range(3):
+                r = client.chat.completions.create(**chat, response_format=fmt, temperature=1.0, seed=seed)
+                jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+            r = client.chat.completions.create(**chat, response_format={"type": "json_object"}, temperature=1.0)
+            assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+            bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
+            with pytest.raises(openai.BadRequestError, match="nonsense"):
+                client.chat.completions.create(**chat, response_format=bad)
+            r = http.post("/generate", json={"text": "{", "sampling_params": {"regex": "[a-c", "max_new_tokens": 4}})
+            assert r.status_code == 400 and "unclosed character class" in r.json()["error"]["message"]
+            r = http.post("/generate", json={"text": "{", "sampling_params": {"regex": REGEX, "max_new_tokens": 16}})
+            assert r.status_code == 200 and re.fullmatch(REGEX, r.json()["text"])  # still serving
+
+            tools = [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "parameters": {
+                            "type": "object",
+                            "properties": {"city": {"enum": ["Oslo", "Lima"]}},
+                            "required": ["city"],
+                            "additionalProperties": False,
+                        },
+                    },
+                }
+            ]
+            for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+                r = client.chat.completions.create(**chat, tools=tools, tool_choice=choice, temperature=1.0)
+                c = r.choices[0]
+                assert c.finish_reason == "tool_calls" and c.message.content is None
+                assert c.message.tool_calls[0].function.name == "get_weather"
+                assert json.loads(c.message.tool_calls[0].function.arguments)["city"] in ("Oslo", "Lima")
+    finally:
+        aengine.shutdown()
