@@ -37,6 +37,28 @@ def mask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+def tree_masks(grammars, tokens: np.ndarray, parents: np.ndarray, vocab_size: int) -> np.ndarray:
+    """[B, N, words] masks of a verify tree's nodes for each row's grammar (None: all allowed);
+    tokens, parents [B, N] as the tree's (host copies; tokens gets the forced replacements)."""
+    B, N = tokens.shape
+    out = allow_all(B * N, vocab_size).reshape(B, N, -1)
+    for b, g in enumerate(grammars):
+        if g is not None:
+            g.fill_tree_masks(tokens[b], parents[b], out[b])
+    return out
+
+
+def _only_token(row: np.ndarray) -> int | None:
+    """The token a mask row allows if it allows exactly one, else None."""
+    words = np.flatnonzero(row)
+    if len(words) != 1:
+        return None
+    w = int(row[words[0]]) & 0xFFFFFFFF
+    if w & (w - 1):
+        return None
+    return int(words[0]) * 32 + w.bit_length() - 1
+
+
 def allow_all(rows: int, vocab_size: int) -> np.ndarray:
     """Bitmask rows that allow every token (the rows of requests without a grammar)."""
     return np.full((rows, mask_words(vocab_size)), -1, np.int32)
@@ -147,6 +169,51 @@ class GrammarMatcher:
         self.mask_s += time.perf_counter() - t0
         if self._m.is_error():
             raise GrammarError(f"grammar failed: {self._m.get_error()}")
+
+    def fill_tree_masks(self, tokens, parents, out: np.ndarray) -> None:
+        """Masks of a verify tree: out[i] ([N, words] int32 rows) gets the tokens allowed after
+        the path root..i, where tokens [N] are the nodes' tokens (node 0, the root, is the last
+        token this matcher took) and parents [N] their parents (parents come first). A draft
+        token that its parent's mask refuses is replaced (tokens is written) by the one token the
+        mask allows, where it allows one (a forced token: the target's masked draw there is
+        certain, so the node is accepted); otherwise the node can never be accepted, and it and
+        its subtree keep their rows as they are. The matcher ends where it began."""
+        n = len(tokens)
+        valid = np.zeros(n, bool)
+        path: list[int] = []  # the nodes (below the root) the matcher has taken, root first
+        try:
+            for i in range(n):
+                if i == 0:
+                    self.fill_mask(out[0])
+                    valid[0] = True
+                    continue
+                p, t = int(parents[i]), int(tokens[i])
+                if p < 0 or not valid[p]:
+                    continue
+                if not (int(out[p][t >> 5]) >> (t & 31)) & 1:
+                    forced = _only_token(out[p])
+                    if forced is None:
+                        continue
+                    tokens[i] = t = forced
+                target = [i]
+                while int(parents[target[-1]]) > 0:
+                    target.append(int(parents[target[-1]]))
+                target.reverse()
+                keep = 0
+                while keep < min(len(path), len(target)) and path[keep] == target[keep]:
+                    keep += 1
+                if keep < len(path):
+                    self._m.rollback(len(path) - keep)
+                    del path[keep:]
+                for j in target[keep:]:
+                    if not self._m.consume_token(int(tokens[j])):
+                        raise GrammarError(f"grammar failed on a draft token: {self._m.get_error()}")
+                    path.append(j)
+                self.fill_mask(out[i])
+                valid[i] = True
+        finally:
+            if path:
+                self._m.rollback(len(path))
 
     def accept(self, tokens) -> int:
         """Advances over tokens; returns how many it took: up to the first one the grammar

@@ -152,6 +152,8 @@ class Engine:
             from jspec.worker.dp import DPWorker
 
             self.worker = DPWorker(self.worker, dp_mesh)
+        # Speculation with grammar rows reads each proposed tree before verifying it.
+        self.worker.host_read = designated_read
         self.scheduler = self.make_scheduler()
         self.prefix_cache = self.scheduler.prefix_cache
         self.lora = self.worker.lora
@@ -326,11 +328,6 @@ class Engine:
         kind = grammar[0]
         if self.config.grammar_backend == "none":
             raise ValueError(f"{kind}: structured outputs are off on this engine (grammar_backend='none')")
-        if self.spec is not None:
-            raise ValueError(
-                f"{kind}: structured outputs are not implemented with speculative decoding "
-                f"(speculative_algorithm={self.spec.algorithm}); serve this model without speculation"
-            )
         if self.grammar_refusal is not None:
             raise ValueError(f"{kind}: structured outputs are not implemented with {self.grammar_refusal}")
         if not self.worker.supports_grammar:

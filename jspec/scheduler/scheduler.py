@@ -252,6 +252,8 @@ class Scheduler:
         if not batch.reqs:
             return None
         batch.vocab_masks = self._vocab_masks(batch.reqs, [True] * len(batch.reqs))
+        if batch.vocab_masks is not None:
+            batch.grammars = [r.grammar for r in batch.reqs]
         for req in batch.reqs:
             req.inflight += 1
             req.inflight_outputs += 1

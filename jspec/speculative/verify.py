@@ -17,7 +17,7 @@ from jspec.kvcache.pool import KVPool
 from jspec.layers.batch import AttentionMode, ForwardBatch, bucket
 from jspec.layers.lora import LoraBatch
 from jspec.layers.penalties import PenaltyState, apply_tree_penalties
-from jspec.layers.sampling import SamplingRows, token_logprobs
+from jspec.layers.sampling import SamplingRows, apply_vocab_mask, token_logprobs
 from jspec.models.llama import ForwardOutput, forward
 from jspec.speculative.accept import AcceptResult, sampled_accept
 from jspec.speculative.tree import DraftTree
@@ -51,6 +51,7 @@ def verify_tree(
     sampling: str = "sampled",
     top_n: int = 0,
     lora: LoraBatch | None = None,
+    node_masks=None,
 ) -> Verified:
     """tree: N nodes per request, root = the last verified token at position n [B]; chain (static):
     node i is at depth i, so accepted nodes already sit where they belong.
@@ -59,6 +60,9 @@ def verify_tree(
     mask replaces causality; after acceptance the accepted nodes' KV moves to n + depth.
     page_tables [B, M] must cover positions < n + N.
     lora: the adapter pool and each request's adapter slot [B] (every node takes its request's).
+    node_masks: [B, N, words] token bitmasks, the tokens allowed after each node's path (None:
+    all). The target's draw at every node then comes from its distribution renormalised over
+    them, so a draft outside the grammar is never accepted and the bonus stays inside it.
     """
     B, N = tree.tokens.shape
     page_size, num_pages = target_kv.page_size, target_kv.num_pages
@@ -89,6 +93,8 @@ def verify_tree(
     node_logits = apply_tree_penalties(
         out.logits.reshape(B, N, -1), penalties, slot_ids, rows.params, tree.tokens, tree.mask
     )
+    if node_masks is not None:
+        node_logits = apply_vocab_mask(node_logits.reshape(B * N, -1), node_masks.reshape(B * N, -1)).reshape(B, N, -1)
     acc = sampled_accept(tree, node_logits, rows, n + 1, num_steps, sampling)
     E = num_steps + 1
     depth = jnp.arange(E, dtype=jnp.int32)[None]

@@ -170,11 +170,18 @@ class WorkerBase:
                 loras,
                 batch.vocab_masks,
             )
-        return self.decode(batch.slots, batch.page_tables, batch.sampling, loras, batch.vocab_masks)
+        return self.decode(batch.slots, batch.page_tables, batch.sampling, loras, batch.vocab_masks, batch.grammars)
 
     # Whether the steps take token bitmasks (structured outputs); a worker without them refuses
     # a batch that has one.
     supports_grammar = False
+    # Whether a decode with grammar rows masks a verify tree (speculation: decode_tree_masked
+    # reads the proposed tree through host_read, the engine's designated read).
+    masks_tree_nodes = False
+    host_read: Callable | None = None
+
+    def decode_tree_masked(self, slot_ids, page_tables, rows, mode: str, lora, grammars):
+        raise NotImplementedError
 
     @property
     def vocab_size(self) -> int:
@@ -193,7 +200,7 @@ class WorkerBase:
         full[: len(masks)] = masks
         return full if self.mesh is not None else jax.device_put(full)
 
-    def decode(self, slots, page_tables, sampling, loras=None, vocab_masks=None):
+    def decode(self, slots, page_tables, sampling, loras=None, vocab_masks=None, grammars=None):
         """Builds the bucketed arrays, then launches (the subclass's decode_arrays). A batch the
         same as the last one (the common case: the same requests, no new page) reuses the last
         arrays, already on the device, so the launch only dispatches."""
@@ -211,6 +218,9 @@ class WorkerBase:
                 sampling_mode(p for p, _ in sampling),
             )
         slot_ids, pt, rows, ids = last.arrays
+        if vocab_masks is not None and self.masks_tree_nodes:
+            lora = self._lora_batch(ids) if ids is not None else None
+            return self.decode_tree_masked(slot_ids, pt, rows, last.mode, lora, grammars)
         return self.decode_arrays(
             slot_ids,
             pt,

@@ -42,6 +42,8 @@ class DecodeBatch:
     sampling: list[tuple[SamplingParams, int]] = dataclasses.field(default_factory=list)
     loras: list[int] = dataclasses.field(default_factory=list)
     vocab_masks: np.ndarray | None = None  # [rows, words] int32 token bitmasks; None: no grammar row
+    grammars: list | None = None  # each row's GrammarMatcher or None (with vocab_masks): speculation
+    # masks its verify trees from them
 
 
 @dataclasses.dataclass

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import jax
+import numpy as np
+
 from jspec.config.model import ModelConfig
+from jspec.constrained.grammar import tree_masks
 from jspec.kvcache.pool import create_kv_pool
 from jspec.layers.penalties import init_penalty_state
-from jspec.speculative.method import init_spec_state, spec_decode_step, spec_prefill_step
+from jspec.speculative.method import (
+    init_spec_state,
+    spec_decode_step,
+    spec_prefill_step,
+    spec_propose_step,
+    spec_verify_step,
+)
 from jspec.worker.base import WorkerBase, lay_out_layers
 
 
@@ -15,6 +25,8 @@ class SpecWorker(WorkerBase):
 
     prefill_step = staticmethod(spec_prefill_step)
     decode_step = staticmethod(spec_decode_step)
+    supports_grammar = True
+    masks_tree_nodes = True
 
     def __init__(
         self,
@@ -58,3 +70,33 @@ class SpecWorker(WorkerBase):
 
     def prefill_step_tokens(self, next_tokens, finish_rows) -> tuple:
         return (next_tokens, finish_rows)  # the draft's first tokens, and its rows' finishing flags
+
+    def decode_tree_masked(self, slot_ids, page_tables, rows, mode: str, lora, grammars):
+        """A decode with grammar rows, in two dispatches: the proposal, then (after the host has
+        read the tree and masked every node by the grammar state of its path) verification.
+        The host waits for the proposal here, so this iteration does not overlap the last."""
+        if self.host_read is None:
+            raise RuntimeError("SpecWorker.host_read (the engine's designated read) is not set")
+        B = slot_ids.shape[0]
+        if lora is None and self.lora is not None:
+            lora = self._decode_loras(B, None)
+        statics = dict(self.step_statics(), backend=self.backend)
+        tree = self._launch(
+            ("propose", B),
+            lambda: (spec_propose_step, statics, f"propose B={B}"),
+            (*self.step_weights(), self.state, slot_ids, page_tables),
+        )
+        tokens, parents = self.host_read((tree.tokens, tree.parents))
+        tokens = np.array(tokens)  # a copy: on the CPU the read is a view of the device buffer
+        padded = list(grammars) + [None] * (B - len(grammars))
+        masks = tree_masks(padded, tokens, parents, self.vocab_size)
+        # Drafts the grammar refuses where it forces one token now carry that token.
+        tree = tree._replace(tokens=tokens)
+        if self.mesh is None:
+            masks, tree = jax.device_put((masks, tree))
+        vstatics = dict(self.step_statics(), backend=self.backend, top_n=self.top_n, sampling=mode)
+        return self._launch(
+            ("verify", B, mode, self.top_n),
+            lambda: (spec_verify_step, vstatics, f"verify B={B} {mode} masked"),
+            (*self.step_weights(), self.state, tree, slot_ids, page_tables, rows, lora, masks),
+        )
