@@ -102,7 +102,7 @@ class GrammarCompiler:
 
         self.vocab_size = vocab_size
         self.words = mask_words(vocab_size)
-        eos = [int(t) for t in eos_token_ids]
+        eos = [int(t) for t in eos_token_ids if 0 <= int(t) < vocab_size]  # others can never be sampled
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos or None)
         self.limits = llguidance.LLParserLimits()
         self.compile_timeout_s = compile_timeout_s

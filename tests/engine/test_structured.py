@@ -183,3 +183,48 @@ def test_server_surfaces(engines):
                 assert json.loads(c.message.tool_calls[0].function.arguments)["city"] in ("Oslo", "Lima")
     finally:
         aengine.shutdown()
+
+
+SPEC_ENGINE = dict(page_size=4, max_total_tokens=2048, max_running_requests=4, attention_backend="reference")
+
+
+def spec_params():
+    schema = json.dumps(SCHEMAS["numbers"])
+    return [
+        SamplingParams(max_new_tokens=48, json_schema=schema),
+        SamplingParams(max_new_tokens=48, temperature=1.0, seed=3, json_schema=schema),
+        SamplingParams(max_new_tokens=24, temperature=1.0, seed=4, regex=REGEX),
+        SamplingParams(max_new_tokens=10, temperature=1.0, seed=5, ignore_eos=True),
+    ]
+
+
+@pytest.fixture(scope="module")
+def plain_spec_reference(model):
+    return jspec.Engine(model, **SPEC_ENGINE).generate(["{"] * 4, spec_params())
+
+
+# STANDALONE runs the same split (only its proposal differs): left out for the suite's time
+# (benchmarks/bench_structured.py --check runs every method).
+@pytest.mark.parametrize("method, topk, overlap", [("EAGLE3", 2, True), ("NGRAM", 1, False)], ids=str)
+def test_speculation_emits_the_plain_engines_tokens(model, plain_spec_reference, method, topk, overlap):
+    """Every verify-tree node masked by its path's grammar state: greedy and seeded sampled
+    constrained rows (and the free row beside them) get exactly the plain engine's tokens,
+    chain and tree, with and without overlap; forced tokens repair refused drafts, so the
+    constrained rows accept more than one token per step."""
+    from support.models import eagle_draft
+
+    from jspec.config.spec import SpecConfig
+
+    if method == "NGRAM":
+        spec, draft = SpecConfig("NGRAM", num_draft_tokens=5), None
+    elif method == "STANDALONE":
+        spec, draft = SpecConfig("STANDALONE", num_steps=3, eagle_topk=1, num_draft_tokens=4), (model.cfg, model.params)
+    else:
+        spec, draft = SpecConfig(method, num_steps=3, eagle_topk=topk, num_draft_tokens=6), eagle_draft(model)
+    engine = jspec.Engine(model, speculative=spec, draft=draft, disable_overlap_schedule=not overlap, **SPEC_ENGINE)
+    out = engine.generate(["{"] * 4, spec_params())
+    engine.check_idle_no_leaks()
+    assert [o.token_ids for o in out] == [o.token_ids for o in plain_spec_reference]
+    for o in out[:2]:
+        jsonschema.validate(json.loads(o.text), SCHEMAS["numbers"])
+        assert o.mean_accept_length > 1.3, (method, o.mean_accept_length)

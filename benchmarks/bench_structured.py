@@ -1,0 +1,225 @@
+"""Structured outputs: what one grammar row costs a decode batch, and a check that constrained
+speculation emits the plain engine's tokens for every method.
+
+Timing (default): B greedy requests decode new_tokens tokens through the Engine loop, with no
+grammar row and with one (a regex that cannot end before max_tokens, so the row runs to the
+end), plain and EAGLE-3 (3,1,4), overlap on and off. Per case: the loop's iteration time,
+its host time by phase (schedule holds the masks' computation; under speculation, launch
+holds the wait for the proposal and the tree masks), and the grammar row's own tokens per
+iteration. The model has random weights and a synthetic byte-level tokenizer of the shape's
+vocabulary (llguidance's mask cost follows the vocabulary's size).
+
+    python -m benchmarks.bench_structured [--tiny] [--batches 1,16] [--out benchmarks/results]
+    python -m benchmarks.bench_structured --check   # every method, greedy and sampled, vs plain
+
+GPU idle time with a grammar row ~ iteration time with one minus iteration time without
+(the device's work is the same but for the mask).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jspec
+from benchmarks.common import (
+    LLAMA_8B_CTX,
+    RESULTS_DIR,
+    Results,
+    eagle3_head,
+    int_list,
+    random_params,
+    tiny,
+    tiny_head,
+)
+from jspec.checkpoint.eagle import init_random_draft_params
+from jspec.checkpoint.model import Model
+from jspec.engine.engine import LoopTimes
+
+
+def synthetic_tokenizer(out_dir: str, vocab_size: int, seed: int = 0) -> str:
+    """A byte-level BPE tokenizer of vocab_size ids: the 256 bytes, prefix-closed words over
+    lowercase letters, digits and JSON punctuation (each merges its prefix with its last
+    character), and <eos> last. Written as tokenizer.json + tokenizer_config.json."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    table = _bytes_to_unicode()  # ByteLevel's printable stand-ins for bytes 0..255 (the GPT-2 table)
+    vocab = {table[b]: b for b in range(256)}
+    alphabet = [table[b] for b in b'abcdefghijklmnopqrstuvwxyz0123456789{}[]:," ']
+    rng = np.random.default_rng(seed)
+    merges, frontier = [], list(alphabet)
+    while len(vocab) < vocab_size - 1:
+        prefix = frontier[int(rng.integers(len(frontier)))]
+        word = prefix + alphabet[int(rng.integers(len(alphabet)))]
+        if word in vocab or len(word) > 12:
+            continue
+        vocab[word] = len(vocab)
+        merges.append((prefix, word[-1]))
+        frontier.append(word)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<eos>", special=True)])
+    os.makedirs(out_dir, exist_ok=True)
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<eos>"}, f)
+    return out_dir
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    keep = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    out, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + n)
+            n += 1
+    return out
+
+
+def run(engine, B: int, grammar_rows: int, new_tokens: int, seed: int):
+    """B greedy requests (the first grammar_rows constrained); -> (wall s, iterations, the
+    grammar row's tokens)."""
+    rng = np.random.default_rng(seed)
+    rids = []
+    for i in range(B):
+        extra = dict(regex=f"[a-z]{{{new_tokens + 8}}}") if i < grammar_rows else dict(ignore_eos=True)
+        prompt = list(map(int, rng.integers(0, 200, 32)))
+        rids.append(engine.add_request(prompt, jspec.SamplingParams(max_new_tokens=new_tokens, **extra)))
+    reqs = [engine.scheduler.requests[r] for r in rids]
+    steps, t0 = 0, time.perf_counter()
+    while engine.has_work():
+        engine.step()
+        steps += 1
+    return time.perf_counter() - t0, steps, len(reqs[0].output)
+
+
+def timing(args) -> None:
+    cfg = tiny(LLAMA_8B_CTX) if args.tiny else LLAMA_8B_CTX
+    cfg = dataclasses.replace(cfg, max_position_embeddings=512)
+    dtype = jnp.float32 if args.tiny else jnp.bfloat16
+    new_tokens = 16 if args.tiny else 128
+    batches = args.batches or ([1, 4] if args.tiny else [1, 16, 64])
+    tok_dir = synthetic_tokenizer(tempfile.mkdtemp(), cfg.vocab_size)
+    from jspec.checkpoint.tokenizer import Tokenizer
+
+    model = Model(cfg, random_params(cfg, dtype), Tokenizer(tok_dir))
+    head = tiny_head(cfg) if args.tiny else eagle3_head(cfg, 32000)
+    dparams = init_random_draft_params(head, jax.random.key(3), dtype)
+    results = Results(
+        args.out, "bench_structured", {"new_tokens": new_tokens, "vocab": cfg.vocab_size}, file_name=args.name
+    )
+    rows = []
+    for method in ("none", "eagle3"):
+        spec = None if method == "none" else jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=1, num_draft_tokens=4)
+        for B in batches:
+            for overlap in (True, False):
+                engine = jspec.Engine(
+                    model,
+                    speculative=spec,
+                    draft=(head, dparams) if spec else None,
+                    page_size=16,
+                    max_running_requests=B,
+                    max_total_tokens=B * (32 + new_tokens + 64) + 1024,
+                    disable_overlap_schedule=not overlap,
+                    disable_radix_cache=True,
+                )
+                row = dict(method=method, batch=B, overlap=overlap)
+                for g in (0, 1):
+                    run(engine, B, g, new_tokens, 0)  # untimed: compiles what this workload meets
+                    engine.loop_times = LoopTimes()
+                    wall, steps, grammar_tokens = run(engine, B, g, new_tokens, 1)
+                    engine.check_idle_no_leaks()
+                    row[f"grammar{g}_iter_ms"] = wall / steps * 1e3
+                    row[f"grammar{g}_host_ms"] = engine.loop_times.per_iteration_ms()
+                    if g:
+                        row["grammar_row_tokens_per_iter"] = grammar_tokens / steps
+                row["extra_ms_per_iter"] = row["grammar1_iter_ms"] - row["grammar0_iter_ms"]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                results.write(rows=rows)
+    print(f"wrote {results.write(rows=rows)}")
+
+
+def check() -> int:
+    """Every method, chain and tree, greedy and seeded sampled, overlap on and off: the
+    constrained (and free) rows' tokens equal the plain engine's. Returns the mismatches."""
+    from jspec.checkpoint.model import with_context_length
+    from jspec.config.sampling import SamplingParams
+    from jspec.config.spec import SpecConfig
+    from jspec.testing.tiny import make_tiny_model
+
+    model = with_context_length(jspec.load(make_tiny_model(tempfile.mkdtemp() + "/m")), 256)
+    head = eagle3_head(model.cfg, model.cfg.vocab_size)
+    eagle3 = (head, init_random_draft_params(head, jax.random.key(7), jnp.float32, std=0.2))
+
+    schema = json.dumps(
+        {
+            "type": "object",
+            "properties": {"name": {"type": "string", "maxLength": 6}, "n": {"type": "integer", "maximum": 99}},
+            "required": ["name", "n"],
+        }
+    )
+    params = [
+        SamplingParams(max_new_tokens=60, temperature=t, seed=i, json_schema=schema) for i, t in enumerate([0, 1, 1])
+    ]
+    params += [SamplingParams(max_new_tokens=24, temperature=1.0, seed=5, ebnf='root ::= ("ab" | "c")+ "."')]
+    params += [SamplingParams(max_new_tokens=20, temperature=1.0, seed=9, ignore_eos=True)]
+    engine = dict(page_size=4, max_total_tokens=4096, attention_backend="reference", max_running_requests=8)
+    base = jspec.Engine(model, **engine).generate(["hello"] * len(params), params)
+    cases = [
+        ("EAGLE3 chain", SpecConfig("EAGLE3", num_steps=3, eagle_topk=1, num_draft_tokens=4), eagle3),
+        ("EAGLE3 tree", SpecConfig("EAGLE3", num_steps=3, eagle_topk=2, num_draft_tokens=6), eagle3),
+        (
+            "STANDALONE chain",
+            SpecConfig("STANDALONE", num_steps=3, eagle_topk=1, num_draft_tokens=4),
+            (model.cfg, model.params),
+        ),
+        (
+            "STANDALONE tree",
+            SpecConfig("STANDALONE", num_steps=3, eagle_topk=2, num_draft_tokens=6),
+            (model.cfg, model.params),
+        ),
+        ("NGRAM", SpecConfig("NGRAM", num_draft_tokens=5), None),
+    ]
+    bad = 0
+    for name, spec, draft in cases:
+        for overlap in (True, False):
+            e = jspec.Engine(model, speculative=spec, draft=draft, disable_overlap_schedule=not overlap, **engine)
+            out = e.generate(["hello"] * len(params), params)
+            e.check_idle_no_leaks()
+            same = [o.token_ids == b.token_ids for o, b in zip(out, base)]
+            bad += same.count(False)
+            acc = [round(o.mean_accept_length or 0, 2) for o in out]
+            print(f"{name:17} overlap={overlap!s:5} equal={same} accept={acc}", flush=True)
+    return bad
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="a tiny model: a CPU dry run of the script itself")
+    ap.add_argument("--batches", type=int_list, help="e.g. 1,16,64")
+    ap.add_argument("--out", default=RESULTS_DIR)
+    ap.add_argument("--name", default="bench_structured", help="JSON file name under --out")
+    ap.add_argument("--check", action="store_true", help="the token-equality check of every method instead")
+    args = ap.parse_args()
+    if args.check:
+        sys.exit(1 if check() else 0)
+    timing(args)
+
+
+if __name__ == "__main__":
+    main()
