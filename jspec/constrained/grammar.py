@@ -44,7 +44,10 @@ def tree_masks(grammars, tokens: np.ndarray, parents: np.ndarray, vocab_size: in
     out = allow_all(B * N, vocab_size).reshape(B, N, -1)
     for b, g in enumerate(grammars):
         if g is not None:
-            g.fill_tree_masks(tokens[b], parents[b], out[b])
+            try:
+                g.fill_tree_masks(tokens[b], parents[b], out[b])
+            except GrammarError:
+                out[b] = -1  # g.failure is set: the request fails when this step's output comes back
     return out
 
 
@@ -97,6 +100,7 @@ class GrammarCompiler:
         *,
         cache_size: int = 256,
         compile_timeout_s: float = 10.0,
+        limits: dict | None = None,
     ):
         import llguidance
 
@@ -104,7 +108,8 @@ class GrammarCompiler:
         self.words = mask_words(vocab_size)
         eos = [int(t) for t in eos_token_ids if 0 <= int(t) < vocab_size]  # others can never be sampled
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos or None)
-        self.limits = llguidance.LLParserLimits()
+        # llguidance's fuel per mask and per grammar (its defaults unless given: LLParserLimits' fields).
+        self.limits = llguidance.LLParserLimits(**(limits or {}))
         self.compile_timeout_s = compile_timeout_s
         self.cache_size = cache_size
         self._cache: collections.OrderedDict[tuple[str, str], object] = collections.OrderedDict()
@@ -159,6 +164,8 @@ class GrammarMatcher:
         self._m = matcher
         self.words = words
         self.mask_s = 0.0  # host time spent computing this request's masks
+        # Why a mask could not be computed (llguidance's fuel ran out, ...): the request fails.
+        self.failure: str | None = None
 
     def fill_mask(self, row: np.ndarray) -> None:
         """Writes the bitmask of the tokens allowed next into row ([words] int32, C-contiguous)."""
@@ -168,7 +175,8 @@ class GrammarMatcher:
         self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
         self.mask_s += time.perf_counter() - t0
         if self._m.is_error():
-            raise GrammarError(f"grammar failed: {self._m.get_error()}")
+            self.failure = f"grammar failed: {self._m.get_error()}"
+            raise GrammarError(self.failure)
 
     def fill_tree_masks(self, tokens, parents, out: np.ndarray) -> None:
         """Masks of a verify tree: out[i] ([N, words] int32 rows) gets the tokens allowed after
@@ -207,7 +215,8 @@ class GrammarMatcher:
                     del path[keep:]
                 for j in target[keep:]:
                     if not self._m.consume_token(int(tokens[j])):
-                        raise GrammarError(f"grammar failed on a draft token: {self._m.get_error()}")
+                        self.failure = f"grammar failed on a draft token: {self._m.get_error()}"
+                        raise GrammarError(self.failure)
                     path.append(j)
                 self.fill_mask(out[i])
                 valid[i] = True

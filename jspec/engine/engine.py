@@ -405,6 +405,7 @@ class Engine:
             r.num_cached_tokens,
             r.verify_ct,
             r.matched_stop,
+            r.error,
         )
 
     def drain(self) -> None:

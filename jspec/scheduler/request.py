@@ -29,6 +29,7 @@ class Request:
     lora_slot: int = 0  # LoRA pool slot of params.lora_path (0: no adapter)
     cache_namespace: int = 0  # prefix-cache namespace: the loaded adapter's unique id (0: the base model)
     grammar: GrammarMatcher | None = None  # structured output: the grammar state after `output`
+    error: str | None = None  # why the request fails (its grammar could not give a mask)
     output: list[int] = dataclasses.field(default_factory=list)
     text: str = ""  # streamed text so far (stop strings trimmed)
     output_logprobs: list[float] = dataclasses.field(default_factory=list)  # if params.return_logprob

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import collections
 
-from jspec.constrained.grammar import allow_all
+from jspec.constrained.grammar import GrammarError, allow_all
 from jspec.kvcache.allocator import OutOfPagesError
 from jspec.kvcache.radix_cache import RadixCache
 from jspec.scheduler.kv_manager import KVManager
@@ -268,7 +268,12 @@ class Scheduler:
             return None
         masks = allow_all(len(reqs), self.worker.vocab_size)
         for i in rows:
-            reqs[i].grammar.fill_mask(masks[i])
+            try:
+                reqs[i].grammar.fill_mask(masks[i])
+            except GrammarError:
+                # The matcher keeps the failure: the row runs unmasked this once and the request
+                # fails when its output comes back (the batch stays as built, the token unused).
+                pass
         return masks
 
     def _pick_victim(self, exclude: Request) -> Request | None:
@@ -304,12 +309,24 @@ class Scheduler:
                 )
             offset += len(chunk.tokens)
             req.inflight_outputs -= 1
-            if following is None and not req.finished:
+            if following is None and self._failed(req):
+                touched.append(req)
+            elif following is None and not req.finished:
                 req.append(out.tokens[i, :1], out.logprobs[i], out.top_ids[i], out.top_logprobs[i])
                 touched.append(req)
                 if req.finished:
                     self.retire(req)
         return touched
+
+    def _failed(self, req: Request) -> bool:
+        """Ends a request that failed while its step ran (its error says why)."""
+        if req.error is None and req.grammar is not None:
+            req.error = req.grammar.failure
+        if req.error is None or req.finished:
+            return False
+        req.finish("abort")
+        self.retire(req)
+        return True
 
     def on_decode_done(self, batch: DecodeBatch, out, speculative: bool) -> list[Request]:
         """out: the decode's StepOutput on the host."""
@@ -318,6 +335,9 @@ class Scheduler:
             req.inflight_outputs -= 1
             if req.finished:
                 continue  # one-step lag: launched before its finish was seen; drop these tokens
+            if self._failed(req):
+                touched.append(req)
+                continue
             emitted = out.tokens[i, : int(out.accept_len[i]) + 1]
             if req.status is Status.RUNNING:
                 req.inflight -= 1

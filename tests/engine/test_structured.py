@@ -228,3 +228,30 @@ def test_speculation_emits_the_plain_engines_tokens(model, plain_spec_reference,
     for o in out[:2]:
         jsonschema.validate(json.loads(o.text), SCHEMAS["numbers"])
         assert o.mean_accept_length > 1.3, (method, o.mean_accept_length)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_grammar_out_of_fuel_fails_its_request_alone(engines, overlap):
+    """llguidance's per-mask fuel (here 5 Earley items) bounds a grammar's work per step: the
+    request whose mask runs out fails with the reason, the free request beside it finishes,
+    and nothing leaks."""
+    from jspec.constrained.grammar import GrammarCompiler
+    from jspec.testing.tiny import EOS_IDS, build_byte_tokenizer
+
+    e = engines[overlap]
+    kept = e._grammar_compiler
+    e._grammar_compiler = GrammarCompiler(
+        build_byte_tokenizer().to_str(), e.model.cfg.vocab_size, EOS_IDS, limits=dict(step_max_items=5)
+    )
+    try:
+        bad = e.add_request("{", SamplingParams(max_new_tokens=16, ebnf='root ::= ("a" | "ab" | [a-z]+ " ")+'))
+        good = e.add_request("{", SamplingParams(max_new_tokens=8, ignore_eos=True))
+        outs = []
+        while e.has_work():
+            outs += e.step()
+    finally:
+        e._grammar_compiler = kept
+    (failed,) = [o for o in outs if o.rid == bad and o.finished]
+    assert failed.finish_reason == "abort" and "Too many items" in failed.error
+    assert sum(len(o.new_token_ids) for o in outs if o.rid == good) == 8
+    e.check_idle_no_leaks()

@@ -159,3 +159,35 @@ def test_tool_call_parsers():
     content, calls = parse_tool_calls('[{"name": "add", "arguments": {"a": 2}}]', functions, "required")
     assert content is None and len(calls) == 1
     assert parse_tool_calls('[{"name": "add", "argu', functions, "required") == ('[{"name": "add", "argu', [])
+
+
+def test_tree_masks_follow_each_nodes_path(compiler):
+    """Every node of a verify tree gets the mask of its path's state (a fresh matcher fed the
+    path agrees); drafts refused where the grammar forces one token become that token; nodes
+    refused elsewhere keep all-ones rows (they can never be accepted); the matcher ends where
+    it began."""
+    from jspec.constrained.grammar import tree_masks
+
+    regex = "ab(c|d)[0-9]x"
+    g = compiler.matcher("regex", regex)
+    assert g.accept(b"a") == 1
+    # root = "a"; children "b" (node 1) and "z" (node 2, refused and forced to "b"); node 3 = "c"
+    # under 1, node 4 = "q" under 1 (refused, two choices: stays), node 5 = "7" under 3, node 6
+    # = "x" under 5, node 7 = "d" under 2.
+    parents = np.array([[-1, 0, 0, 1, 1, 3, 5, 2]])
+    tokens = np.array([[ord(c) for c in "abzcq7xd"]])
+    masks = tree_masks([g], tokens, parents, V)
+    assert bytes(tokens[0, 1:].tolist()) == b"bbcq7xd"
+    paths = {0: b"", 1: b"b", 2: b"b", 3: b"bc", 5: b"bc7", 6: b"bc7x", 7: b"bd"}
+    for node, path in paths.items():
+        fresh = compiler.matcher("regex", regex)
+        assert fresh.accept(b"a" + path) == len(path) + 1
+        row = np.zeros(mask_words(V), np.int32)
+        fresh.fill_mask(row)
+        assert allowed(masks[0, node]) == allowed(row), node
+    assert (masks[0, 4] == -1).all()
+    row = np.zeros(mask_words(V), np.int32)
+    g.fill_mask(row)
+    assert allowed(row) == {ord("b")}  # back at the root's state
+    free = tree_masks([None], tokens.copy(), parents, V)
+    assert (free == -1).all()
