@@ -147,6 +147,8 @@ class Scheduler:
                 continue  # a retracted request whose last outputs are still in flight
             if req.params.wants_prompt_logprobs and not self.worker.prompt_logprob_programs_ready():
                 continue  # its prefill program compiles in the background; the others go on
+            if req.grammar is not None and not self.worker.grammar_programs_ready():
+                continue  # likewise the masked programs
             if not self.kv.free_slots:
                 break
             if not self._admit(req):

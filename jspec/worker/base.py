@@ -101,6 +101,8 @@ class Worker(Protocol):
 
     def prompt_logprob_programs_ready(self) -> bool: ...
 
+    def grammar_programs_ready(self) -> bool: ...
+
     def wait_for_programs(self) -> None: ...
 
 
@@ -142,6 +144,8 @@ class WorkerBase:
         self.programs = Programs(mesh)
         self._program_specs: dict = {}
         self._last_decode: DecodeInputs | None = None
+        self.warmed_up = False  # warm-up ran: programs a request needs first compile in the background
+        self._grammar_keys: list | None = None
 
     def _place(self, state):
         """Device state on the mesh: the target's KV pool split over KV heads, the rest
@@ -344,8 +348,48 @@ class WorkerBase:
     def warmup(self, sampling_modes=SAMPLING_MODES, prompt_logprobs: bool = False) -> int:
         """Compiles every bucketed program the loop runs (without running them), so the serving
         loop never compiles. Returns the number of programs. Prompt-logprob prefills are left
-        out unless asked for: they compile in the background when a request first needs them."""
+        out unless asked for: they compile in the background when a request first needs them;
+        so do the masked programs of structured outputs (grammar_programs_ready)."""
+        self.warmed_up = True
         return self.programs.compile_all(self.warmup_jobs(sampling_modes, prompt_logprobs))
+
+    def grammar_programs_ready(self) -> bool:
+        """Whether the programs that take token bitmasks are compiled; if not, starts compiling
+        them in the background (requests without a grammar go on meanwhile). A worker that did
+        not warm up compiles each at its first use instead, as all its programs."""
+        if not self.warmed_up:
+            return True
+        if self._grammar_keys is None:
+            jobs = self.grammar_jobs()
+            self._grammar_keys = [j.program.key for j in jobs]
+        else:
+            jobs = None
+        if all(self.programs.ready(k) for k in self._grammar_keys):
+            return True
+        if not self.programs.compiling():
+            for job in jobs if jobs is not None else self.grammar_jobs():
+                self.programs.compile_in_background(job)
+        return False
+
+    def grammar_jobs(self) -> list[Job]:
+        """The masked programs of every decode bucket and sampling program, and of every prefill
+        token bucket (recorded, not run)."""
+        from jspec.constrained.grammar import allow_all
+
+        collecting, self.programs.collecting = self.programs.collecting, []
+        try:
+            scratch = {"greedy": (SamplingParams(), 0), "sampled": (SamplingParams(temperature=1.0), 0)}
+            for B in self.decode_buckets():
+                for mode in SAMPLING_MODES:
+                    masks = allow_all(B, self.vocab_size)
+                    self.decode([self.scratch_slot] * B, [[0]] * B, [scratch[mode]] * B, None, masks, [None] * B)
+            for T in self.prefill_token_buckets():
+                pages = [0] * (-(-T // self.page_size))
+                chunk = SeqChunk([0] * T, 0, pages)
+                self.prefill([chunk], [0], [None], [scratch["greedy"]], vocab_masks=allow_all(1, self.vocab_size))
+            return self.programs.collecting
+        finally:
+            self.programs.collecting = collecting
 
     def warmup_jobs(self, sampling_modes=SAMPLING_MODES, prompt_logprobs: bool = False) -> list[Job]:
         """The programs warm-up compiles: every launch shape, built on scratch inputs (padding

@@ -91,6 +91,9 @@ class DPWorker:
     # The per-rank steps take no token bitmasks: the engine refuses grammars under DP attention.
     supports_grammar = False
 
+    def grammar_programs_ready(self) -> bool:
+        return True
+
     @property
     def vocab_size(self) -> int:
         return self.inner.vocab_size

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 
@@ -81,11 +83,17 @@ class SpecWorker(WorkerBase):
         if lora is None and self.lora is not None:
             lora = self._decode_loras(B, None)
         statics = dict(self.step_statics(), backend=self.backend)
-        tree = self._launch(
-            ("propose", B),
-            lambda: (spec_propose_step, statics, f"propose B={B}"),
-            (*self.step_weights(), self.state, slot_ids, page_tables),
-        )
+        args = (*self.step_weights(), self.state, slot_ids, page_tables)
+        tree = self._launch(("propose", B), lambda: (spec_propose_step, statics, f"propose B={B}"), args)
+        vstatics = dict(self.step_statics(), backend=self.backend, top_n=self.top_n, sampling=mode)
+        verify = ("verify", B, mode, self.top_n), lambda: (spec_verify_step, vstatics, f"verify B={B} {mode} masked")
+        if tree is None:
+            # Warm-up records the programs: the verify program's tree has the proposal's shapes.
+            tree = jax.eval_shape(functools.partial(spec_propose_step, **statics), *args)[1]
+            masks = jax.ShapeDtypeStruct((B, tree.tokens.shape[1], -(-self.vocab_size // 32)), np.int32)
+            return self._launch(
+                *verify, (*self.step_weights(), self.state, tree, slot_ids, page_tables, rows, lora, masks)
+            )
         tokens, parents = self.host_read((tree.tokens, tree.parents))
         tokens = np.array(tokens)  # a copy: on the CPU the read is a view of the device buffer
         padded = list(grammars) + [None] * (B - len(grammars))
@@ -94,9 +102,4 @@ class SpecWorker(WorkerBase):
         tree = tree._replace(tokens=tokens)
         if self.mesh is None:
             masks, tree = jax.device_put((masks, tree))
-        vstatics = dict(self.step_statics(), backend=self.backend, top_n=self.top_n, sampling=mode)
-        return self._launch(
-            ("verify", B, mode, self.top_n),
-            lambda: (spec_verify_step, vstatics, f"verify B={B} {mode} masked"),
-            (*self.step_weights(), self.state, tree, slot_ids, page_tables, rows, lora, masks),
-        )
+        return self._launch(*verify, (*self.step_weights(), self.state, tree, slot_ids, page_tables, rows, lora, masks))

@@ -255,3 +255,24 @@ def test_a_grammar_out_of_fuel_fails_its_request_alone(engines, overlap):
     assert failed.finish_reason == "abort" and "Too many items" in failed.error
     assert sum(len(o.new_token_ids) for o in outs if o.rid == good) == 8
     e.check_idle_no_leaks()
+
+
+def test_a_warmed_engine_compiles_masked_programs_in_the_background(model):
+    """After warm-up, the first grammar request waits while its masked programs compile in
+    the background; the free request beside it decodes meanwhile, and both finish."""
+    e = jspec.Engine(model, **dict(ENGINE, max_running_requests=1, chunked_prefill_size=16))
+    e.warmup(sampling_modes=("greedy",))
+    g = e.add_request("{", SamplingParams(max_new_tokens=16, regex=REGEX))
+    f = e.add_request("{", SamplingParams(max_new_tokens=6, ignore_eos=True))
+    first_done = None
+    outs = []
+    while e.has_work():
+        for o in e.step():
+            outs.append(o)
+            if o.finished and first_done is None:
+                first_done = o.rid
+    assert first_done == f  # admitted first though it arrived second
+    text = "".join(o.new_text for o in outs if o.rid == g)
+    assert re.fullmatch(REGEX, text)
+    assert e.worker._grammar_keys and all(e.worker.programs.ready(k) for k in e.worker._grammar_keys)
+    e.check_idle_no_leaks()
