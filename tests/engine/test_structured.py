@@ -15,7 +15,7 @@ from jspec.config.sampling import SamplingParams
 
 jsonschema = pytest.importorskip("jsonschema")
 
-ENGINE = dict(page_size=4, max_total_tokens=4096, max_running_requests=16, attention_backend="reference")
+ENGINE = dict(page_size=4, max_total_tokens=4096, max_running_requests=8, attention_backend="reference")
 
 SCHEMAS = {
     "nested": {
@@ -72,11 +72,14 @@ def sampled(k: int, **grammar) -> SamplingParams:
     return SamplingParams(max_new_tokens=96, temperature=1.0, seed=1000 + k, **grammar)
 
 
+K = 4  # seeded completions per grammar
+
+
 def run_all(engine):
-    """Every schema, the regex and the EBNF grammar, 6 seeded completions each, and 4 free
-    rows, all in one batch."""
-    params = [sampled(k, json_schema=json.dumps(s)) for s in SCHEMAS.values() for k in range(6)]
-    params += [sampled(k, regex=REGEX) for k in range(6)] + [sampled(k, ebnf=EBNF) for k in range(6)]
+    """Every schema, the regex and the EBNF grammar, K seeded completions each, and 4 free
+    rows, batched together."""
+    params = [sampled(k, json_schema=json.dumps(s)) for s in SCHEMAS.values() for k in range(K)]
+    params += [sampled(k, regex=REGEX) for k in range(K)] + [sampled(k, ebnf=EBNF) for k in range(K)]
     params += [SamplingParams(max_new_tokens=12, temperature=1.0, seed=k, ignore_eos=True) for k in range(4)]
     outs = engine.generate(["{"] * len(params), params)
     engine.check_idle_no_leaks()
@@ -92,15 +95,15 @@ def results(engines):
 def test_sampled_completions_follow_their_grammars(results, overlap):
     outs = results[overlap]
     for i, schema in enumerate(SCHEMAS.values()):
-        for o in outs[6 * i : 6 * i + 6]:
+        for o in outs[K * i : K * i + K]:
             assert o.finish_reason == "stop", o.text
             jsonschema.validate(json.loads(o.text), schema)
-    n = 6 * len(SCHEMAS)
-    for o in outs[n : n + 6]:
+    n = K * len(SCHEMAS)
+    for o in outs[n : n + K]:
         assert o.finish_reason == "stop" and re.fullmatch(REGEX, o.text), o.text
-    for o in outs[n + 6 : n + 12]:
+    for o in outs[n + K : n + 2 * K]:
         assert o.finish_reason == "stop" and re.fullmatch(r"(yes|no|[0-9])(,(yes|no|[0-9]))?", o.text), o.text
-    assert all(len(o.token_ids) == 12 for o in outs[n + 12 :])
+    assert all(len(o.token_ids) == 12 for o in outs[n + 2 * K :])
 
 
 def test_overlap_gives_the_synchronous_tokens(results):
@@ -185,28 +188,24 @@ def test_server_surfaces(engines):
         aengine.shutdown()
 
 
-SPEC_ENGINE = dict(page_size=4, max_total_tokens=2048, max_running_requests=4, attention_backend="reference")
-
-
-def spec_params():
-    schema = json.dumps(SCHEMAS["numbers"])
+def spec_params(sampled: bool):
+    """Constrained rows (JSON, regex) and a free one; greedy only, or seeded sampling beside a
+    greedy row (one sampling program per case keeps the compiled programs few)."""
+    t = 1.0 if sampled else 0.0
     return [
-        SamplingParams(max_new_tokens=48, json_schema=schema),
-        SamplingParams(max_new_tokens=48, temperature=1.0, seed=3, json_schema=schema),
-        SamplingParams(max_new_tokens=24, temperature=1.0, seed=4, regex=REGEX),
-        SamplingParams(max_new_tokens=10, temperature=1.0, seed=5, ignore_eos=True),
+        SamplingParams(max_new_tokens=48, json_schema=json.dumps(SCHEMAS["numbers"])),
+        SamplingParams(max_new_tokens=48, temperature=t, seed=3, json_schema=json.dumps(SCHEMAS["nested"])),
+        SamplingParams(max_new_tokens=24, temperature=t, seed=4, regex=REGEX),
+        SamplingParams(max_new_tokens=10, temperature=t, seed=5, ignore_eos=True),
     ]
-
-
-@pytest.fixture(scope="module")
-def plain_spec_reference(model):
-    return jspec.Engine(model, **SPEC_ENGINE).generate(["{"] * 4, spec_params())
 
 
 # STANDALONE runs the same split (only its proposal differs): left out for the suite's time
 # (benchmarks/bench_structured.py --check runs every method).
-@pytest.mark.parametrize("method, topk, overlap", [("EAGLE3", 2, True), ("NGRAM", 1, False)], ids=str)
-def test_speculation_emits_the_plain_engines_tokens(model, plain_spec_reference, method, topk, overlap):
+@pytest.mark.parametrize(
+    "method, topk, overlap, sampled", [("EAGLE3", 2, True, False), ("NGRAM", 2, False, True)], ids=str
+)
+def test_speculation_emits_the_plain_engines_tokens(model, engines, method, topk, overlap, sampled):
     """Every verify-tree node masked by its path's grammar state: greedy and seeded sampled
     constrained rows (and the free row beside them) get exactly the plain engine's tokens,
     chain and tree, with and without overlap; forced tokens repair refused drafts, so the
@@ -215,18 +214,19 @@ def test_speculation_emits_the_plain_engines_tokens(model, plain_spec_reference,
 
     from jspec.config.spec import SpecConfig
 
-    if method == "NGRAM":
-        spec, draft = SpecConfig("NGRAM", num_draft_tokens=5), None
+    if method == "NGRAM":  # two chains: a tree
+        spec, draft = SpecConfig("NGRAM", num_draft_tokens=7, ngram_max_bfs_breadth=topk), None
     elif method == "STANDALONE":
         spec, draft = SpecConfig("STANDALONE", num_steps=3, eagle_topk=1, num_draft_tokens=4), (model.cfg, model.params)
     else:
         spec, draft = SpecConfig(method, num_steps=3, eagle_topk=topk, num_draft_tokens=6), eagle_draft(model)
-    engine = jspec.Engine(model, speculative=spec, draft=draft, disable_overlap_schedule=not overlap, **SPEC_ENGINE)
-    out = engine.generate(["{"] * 4, spec_params())
+    engine = jspec.Engine(model, speculative=spec, draft=draft, disable_overlap_schedule=not overlap, **ENGINE)
+    out = engine.generate(["{"] * 4, spec_params(sampled))
     engine.check_idle_no_leaks()
-    assert [o.token_ids for o in out] == [o.token_ids for o in plain_spec_reference]
-    for o in out[:2]:
-        jsonschema.validate(json.loads(o.text), SCHEMAS["numbers"])
+    reference = engines[True].generate(["{"] * 4, spec_params(sampled))
+    assert [o.token_ids for o in out] == [o.token_ids for o in reference]
+    for o, schema in zip(out[:2], (SCHEMAS["numbers"], SCHEMAS["nested"])):
+        jsonschema.validate(json.loads(o.text), schema)
         assert o.mean_accept_length > 1.3, (method, o.mean_accept_length)
 
 
