@@ -188,24 +188,26 @@ def test_server_surfaces(engines):
         aengine.shutdown()
 
 
-def spec_params(sampled: bool):
-    """Constrained rows (JSON, regex) and a free one; greedy only, or seeded sampling beside a
-    greedy row (one sampling program per case keeps the compiled programs few)."""
+def spec_params(sampled: bool, free: bool):
+    """Constrained rows (JSON, regex), and a free one if asked; greedy only, or seeded sampling
+    beside a greedy row (one sampling program per case keeps the compiled programs few)."""
     t = 1.0 if sampled else 0.0
+    free_row = [SamplingParams(max_new_tokens=10, temperature=t, seed=5, ignore_eos=True)] if free else []
     return [
         SamplingParams(max_new_tokens=48, json_schema=json.dumps(SCHEMAS["numbers"])),
         SamplingParams(max_new_tokens=48, temperature=t, seed=3, json_schema=json.dumps(SCHEMAS["nested"])),
         SamplingParams(max_new_tokens=24, temperature=t, seed=4, regex=REGEX),
-        SamplingParams(max_new_tokens=10, temperature=t, seed=5, ignore_eos=True),
-    ]
+    ] + free_row
 
 
 # STANDALONE runs the same split (only its proposal differs): left out for the suite's time
 # (benchmarks/bench_structured.py --check runs every method).
 @pytest.mark.parametrize(
-    "method, topk, overlap, sampled", [("EAGLE3", 2, True, False), ("NGRAM", 2, False, True)], ids=str
+    "method, topk, overlap, sampled, free",
+    [("EAGLE3", 2, True, False, False), ("NGRAM", 2, False, True, True)],
+    ids=str,
 )
-def test_speculation_emits_the_plain_engines_tokens(model, engines, method, topk, overlap, sampled):
+def test_speculation_emits_the_plain_engines_tokens(model, engines, method, topk, overlap, sampled, free):
     """Every verify-tree node masked by its path's grammar state: greedy and seeded sampled
     constrained rows (and the free row beside them) get exactly the plain engine's tokens,
     chain and tree, with and without overlap; forced tokens repair refused drafts, so the
@@ -221,9 +223,10 @@ def test_speculation_emits_the_plain_engines_tokens(model, engines, method, topk
     else:
         spec, draft = SpecConfig(method, num_steps=3, eagle_topk=topk, num_draft_tokens=6), eagle_draft(model)
     engine = jspec.Engine(model, speculative=spec, draft=draft, disable_overlap_schedule=not overlap, **ENGINE)
-    out = engine.generate(["{"] * 4, spec_params(sampled))
+    params = spec_params(sampled, free)
+    out = engine.generate(["{"] * len(params), params)
     engine.check_idle_no_leaks()
-    reference = engines[True].generate(["{"] * 4, spec_params(sampled))
+    reference = engines[True].generate(["{"] * len(params), spec_params(sampled, free))
     assert [o.token_ids for o in out] == [o.token_ids for o in reference]
     for o, schema in zip(out[:2], (SCHEMAS["numbers"], SCHEMAS["nested"])):
         jsonschema.validate(json.loads(o.text), schema)
