@@ -139,8 +139,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, st: Se
                 "a forced tool_choice constrains the output itself; drop response_format", param="tool_choice"
             )
         grammar = {"json_schema": tool_call_schema(functions, tool_choice)}
-    if tool_choice is not None and body.stream:
-        raise APIError("streamed tool calls are not implemented; set stream to false", param="stream")
     text = render_chat(
         st.tokenizer,
         [{**m.model_dump(exclude_none=True), "content": message_text(m)} for m in body.messages],
@@ -180,7 +178,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, st: Se
 
     async def events():
         chunk = {**head, "object": "chat.completion.chunk"}
-        completion, started = {}, set()
+        completion, started, held = {}, set(), {}
         async with aclosing(merged(streams, st.metrics.observer(t0))) as outputs:
             async for i, out in outputs:
                 completion[i] = out.completion_tokens
@@ -204,6 +202,31 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, st: Se
                     if body.logprobs and out.new_token_ids
                     else None
                 )
+                if tool_choice is not None:
+                    # Calls are parsed from the whole text: a choice with tools streams as one
+                    # delta at its end (content and tool_calls, as the non-streamed message).
+                    held[i] = held.get(i, "") + out.new_text
+                    if not out.finished:
+                        continue
+                    content, calls = parse_tool_calls(held.pop(i), functions, tool_choice)
+                    delta = {"content": content} if content else {}
+                    if calls:
+                        delta["tool_calls"] = [{"index": j, **c} for j, c in enumerate(calls)]
+                    finish = openai_finish(out.finish_reason)
+                    yield sse(
+                        {
+                            **chunk,
+                            "choices": [
+                                {
+                                    "index": i,
+                                    "delta": delta,
+                                    "finish_reason": "tool_calls" if calls and finish == "stop" else finish,
+                                    "logprobs": None,
+                                }
+                            ],
+                        }
+                    )
+                    continue
                 if out.new_text or out.finished or lp:
                     yield sse(
                         {

@@ -128,6 +128,11 @@ def test_length_inside_an_open_grammar(engines):
     assert o.finish_reason == "length" and len(o.token_ids) == 3 and '{"user": {"name"'.startswith(o.text)
 
 
+def test_python_api_keywords(engines, model):
+    (o,) = jspec.generate(model, ["{"], regex=REGEX, max_new_tokens=16, engine=engines[False])
+    assert o.finish_reason == "stop" and re.fullmatch(REGEX, o.text)
+
+
 def test_greedy_constrained_is_deterministic(engines):
     p = SamplingParams(max_new_tokens=64, json_schema=json.dumps(SCHEMAS["numbers"]))
     a = engines[True].generate(["{"], [p])[0]
@@ -184,6 +189,13 @@ def test_server_surfaces(engines):
                 assert c.finish_reason == "tool_calls" and c.message.content is None
                 assert c.message.tool_calls[0].function.name == "get_weather"
                 assert json.loads(c.message.tool_calls[0].function.arguments)["city"] in ("Oslo", "Lima")
+            chunks = list(
+                client.chat.completions.create(
+                    **chat, tools=tools, tool_choice="required", temperature=1.0, stream=True
+                )
+            )
+            last = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].finish_reason][0]
+            assert last.finish_reason == "tool_calls" and last.delta.tool_calls[0].function.name == "get_weather"
     finally:
         aengine.shutdown()
 
