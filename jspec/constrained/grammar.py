@@ -37,6 +37,20 @@ def mask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+def row_masks(grammars, vocab_size: int) -> np.ndarray:
+    """[rows, words] masks of each row's grammar (None: all allowed). A grammar that cannot
+    give one (g.failure set) leaves its row all-ones: its request fails when the step's output
+    comes back, and the token is never emitted."""
+    out = allow_all(len(grammars), vocab_size)
+    for i, g in enumerate(grammars):
+        if g is not None:
+            try:
+                g.fill_mask(out[i])
+            except GrammarError:
+                out[i] = -1
+    return out
+
+
 def tree_masks(grammars, tokens: np.ndarray, parents: np.ndarray, vocab_size: int) -> np.ndarray:
     """[B, N, words] masks of a verify tree's nodes for each row's grammar (None: all allowed);
     tokens, parents [B, N] as the tree's (host copies; tokens gets the forced replacements)."""

@@ -31,7 +31,7 @@ from jspec.scheduler.request import Request
 from jspec.scheduler.scheduler import Scheduler
 from jspec.scheduler.sync import designated_read, start_host_copy
 from jspec.steps.common import unpack_output
-from jspec.worker.base import check_layer_loop
+from jspec.worker.base import PendingLaunch, check_layer_loop
 from jspec.worker.batch import DecodeBatch, DPBatch, PrefillBatch
 from jspec.worker.plain import PlainWorker
 from jspec.worker.programs import enable_compilation_cache
@@ -359,15 +359,31 @@ class Engine:
         times.iterations += 1
         if self.overlap:
             done, self._inflight = self._inflight, launched
-        else:
-            done = launched
-        return self._process(done) if done is not None else []
+            outputs = self._process(done) if done is not None else []
+            # A launch with grammar rows finishes here: its masks follow from the tokens just
+            # processed, and its first half has kept the device busy meanwhile.
+            self._finish(launched)
+            return outputs
+        self._finish(launched)
+        return self._process(launched) if launched is not None else []
 
     def _launch(self, batch) -> Launched:
-        launched = Launched(batch, start_host_copy(self.worker.launch(batch)))
+        out = self.worker.launch(batch)
+        launched = Launched(batch, out)
         self.num_steps += 1
-        self.on_launched(launched)
+        if not isinstance(out, PendingLaunch):
+            launched.outputs = start_host_copy(out)
+            self.on_launched(launched)
         return launched
+
+    def _finish(self, launched: Launched | None) -> None:
+        """Dispatches the second half of a launch that waited for the host (PendingLaunch)."""
+        if launched is None or not isinstance(launched.outputs, PendingLaunch):
+            return
+        t0 = time.perf_counter()
+        launched.outputs = start_host_copy(launched.outputs.finish())
+        self.on_launched(launched)
+        self.loop_times.launch_s += time.perf_counter() - t0
 
     def _process(self, launched: Launched) -> list[RequestOutput]:
         t_start = time.perf_counter()
@@ -412,6 +428,7 @@ class Engine:
         """Waits for and processes the step in flight (for shutdown and idle checks)."""
         if self._inflight is not None:
             done, self._inflight = self._inflight, None
+            self._finish(done)
             self._process(done)
 
     def check_idle_no_leaks(self) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import collections
 
-from jspec.constrained.grammar import GrammarError, allow_all
+from jspec.constrained.grammar import row_masks
 from jspec.kvcache.allocator import OutOfPagesError
 from jspec.kvcache.radix_cache import RadixCache
 from jspec.scheduler.kv_manager import KVManager
@@ -229,10 +229,6 @@ class Scheduler:
         for req in sorted(self.running, key=lambda r: r.arrival):
             if req.status is not Status.RUNNING:
                 continue  # retracted earlier in this loop to make room
-            if req.grammar is not None and req.inflight_outputs:
-                # Its mask follows from the token still in flight: under the overlap loop a
-                # constrained request skips every other step (docs/architecture.md).
-                continue
             bound = req.kv_len + req.inflight * w.max_emit + w.kv_margin
             while not self._grow(req, bound):
                 victim = self._pick_victim(exclude=req)
@@ -253,8 +249,9 @@ class Scheduler:
             batch.loras.append(req.lora_slot)
         if not batch.reqs:
             return None
-        batch.vocab_masks = self._vocab_masks(batch.reqs, [True] * len(batch.reqs))
-        if batch.vocab_masks is not None:
+        if any(r.grammar is not None for r in batch.reqs):
+            # Masks follow from the tokens still in flight: the worker computes them when the
+            # engine has processed the previous step (a deferred launch, docs/architecture.md).
             batch.grammars = [r.grammar for r in batch.reqs]
         for req in batch.reqs:
             req.inflight += 1
@@ -262,21 +259,13 @@ class Scheduler:
         return batch
 
     def _vocab_masks(self, reqs: list[Request], samples: list[bool]):
-        """The rows' token bitmasks [rows, words] (int32), from each constrained request's
-        grammar state; None when no row that samples has a grammar (the step then runs its
-        unmasked program)."""
-        rows = [i for i, (r, s) in enumerate(zip(reqs, samples)) if s and r.grammar is not None]
-        if not rows:
+        """A prefill's token bitmasks [rows, words] (int32), from the grammar state of each
+        constrained request whose prompt ends here (nothing of it is in flight); None when no
+        such row has a grammar (the step then runs its unmasked program)."""
+        grammars = [r.grammar if s else None for r, s in zip(reqs, samples)]
+        if all(g is None for g in grammars):
             return None
-        masks = allow_all(len(reqs), self.worker.vocab_size)
-        for i in rows:
-            try:
-                reqs[i].grammar.fill_mask(masks[i])
-            except GrammarError:
-                # The matcher keeps the failure: the row runs unmasked this once and the request
-                # fails when its output comes back (the batch stays as built, the token unused).
-                pass
-        return masks
+        return row_masks(grammars, self.worker.vocab_size)
 
     def _pick_victim(self, exclude: Request) -> Request | None:
         others = [r for r in self.running if r is not exclude]

@@ -174,22 +174,27 @@ class WorkerBase:
                 loras,
                 batch.vocab_masks,
             )
-        return self.decode(batch.slots, batch.page_tables, batch.sampling, loras, batch.vocab_masks, batch.grammars)
+        return self.decode(batch.slots, batch.page_tables, batch.sampling, loras, batch.grammars)
 
     # Whether the steps take token bitmasks (structured outputs); a worker without them refuses
     # a batch that has one.
     supports_grammar = False
-    # Whether a decode with grammar rows masks a verify tree (speculation: decode_tree_masked
-    # reads the proposed tree through host_read, the engine's designated read).
-    masks_tree_nodes = False
+    # The engine's designated read: a speculative decode with grammar rows reads the proposed
+    # tree through it.
     host_read: Callable | None = None
 
-    def decode_tree_masked(self, slot_ids, page_tables, rows, mode: str, lora, grammars):
+    def decode_masked(self, slot_ids, page_tables, rows, mode: str, lora, grammars) -> PendingLaunch | None:
+        """A decode with grammar rows: the part that needs no mask is dispatched now, the rest
+        waits in the PendingLaunch for the engine to have processed the previous step (the
+        masks follow from its tokens). Warm-up (collecting programs) records both, returns None."""
         raise NotImplementedError
 
     @property
     def vocab_size(self) -> int:
         return self.cfg.vocab_size
+
+    def _device_masks(self, masks):
+        return masks if self.mesh is not None else jax.device_put(masks)
 
     def _vocab_mask(self, masks, rows: int):
         """The step's bitmask argument: masks [n, words] padded with allow-all rows to `rows`;
@@ -204,7 +209,7 @@ class WorkerBase:
         full[: len(masks)] = masks
         return full if self.mesh is not None else jax.device_put(full)
 
-    def decode(self, slots, page_tables, sampling, loras=None, vocab_masks=None, grammars=None):
+    def decode(self, slots, page_tables, sampling, loras=None, grammars=None):
         """Builds the bucketed arrays, then launches (the subclass's decode_arrays). A batch the
         same as the last one (the common case: the same requests, no new page) reuses the last
         arrays, already on the device, so the launch only dispatches."""
@@ -222,17 +227,15 @@ class WorkerBase:
                 sampling_mode(p for p, _ in sampling),
             )
         slot_ids, pt, rows, ids = last.arrays
-        if vocab_masks is not None and self.masks_tree_nodes:
-            lora = self._lora_batch(ids) if ids is not None else None
-            return self.decode_tree_masked(slot_ids, pt, rows, last.mode, lora, grammars)
-        return self.decode_arrays(
-            slot_ids,
-            pt,
-            rows,
-            last.mode,
-            self._lora_batch(ids) if ids is not None else None,
-            self._vocab_mask(vocab_masks, slot_ids.shape[0]),
-        )
+        lora = self._lora_batch(ids) if ids is not None else None
+        if grammars is not None:
+            if not self.supports_grammar:
+                raise ValueError(f"{type(self).__name__} does not run structured outputs (token bitmasks)")
+            if lora is None and self.lora is not None:
+                lora = self._decode_loras(slot_ids.shape[0], None)
+            padded = list(grammars) + [None] * (slot_ids.shape[0] - len(grammars))
+            return self.decode_masked(slot_ids, pt, rows, last.mode, lora, padded)
+        return self.decode_arrays(slot_ids, pt, rows, last.mode, lora)
 
     # What a method's worker gives: its step functions, the weights they take before the state,
     # their static arguments, and which prefill outputs they read.
@@ -278,19 +281,16 @@ class WorkerBase:
             + (() if mask is None else (mask,)),
         )
 
-    def decode_arrays(self, slot_ids, page_tables, rows, mode: str, lora=None, vocab_mask=None):
-        """decode() on prebuilt (bucketed) arrays: the launch alone. vocab_mask: the rows'
-        token bitmasks (a program of its own; None: the program without one)."""
+    def decode_arrays(self, slot_ids, page_tables, rows, mode: str, lora=None):
+        """decode() on prebuilt (bucketed) arrays: the launch alone."""
         if lora is None and self.lora is not None:
             lora = self._decode_loras(slot_ids.shape[0], None)
         B = slot_ids.shape[0]
         statics = dict(self.step_statics(), backend=self.backend, top_n=self.top_n, sampling=mode)
-        masked = () if vocab_mask is None else ("masked",)
         return self._launch(
-            ("decode", B, mode, self.top_n) + masked,
-            lambda: (self.decode_step, statics, f"decode B={B} {mode}" + " masked" * bool(masked)),
-            (*self.step_weights(), self.state, slot_ids, page_tables, rows, lora)
-            + (() if vocab_mask is None else (vocab_mask,)),
+            ("decode", B, mode, self.top_n),
+            lambda: (self.decode_step, statics, f"decode B={B} {mode}"),
+            (*self.step_weights(), self.state, slot_ids, page_tables, rows, lora),
         )
 
     def on_mesh(self):
@@ -381,8 +381,7 @@ class WorkerBase:
             scratch = {"greedy": (SamplingParams(), 0), "sampled": (SamplingParams(temperature=1.0), 0)}
             for B in self.decode_buckets():
                 for mode in SAMPLING_MODES:
-                    masks = allow_all(B, self.vocab_size)
-                    self.decode([self.scratch_slot] * B, [[0]] * B, [scratch[mode]] * B, None, masks, [None] * B)
+                    self.decode([self.scratch_slot] * B, [[0]] * B, [scratch[mode]] * B, None, [None] * B)
             for T in self.prefill_token_buckets():
                 pages = [0] * (-(-T // self.page_size))
                 chunk = SeqChunk([0] * T, 0, pages)
@@ -520,6 +519,15 @@ class WorkerBase:
         for i, p in enumerate(page_tables):
             pt[i, : len(p)] = p
         return slot_ids, pt, _rows(sampling, B)
+
+
+@dataclasses.dataclass
+class PendingLaunch:
+    """The second half of a decode with grammar rows: finish() computes the masks from the
+    grammars' state (the engine calls it once the previous step's tokens are processed),
+    dispatches the rest of the step and returns its outputs (a PackedOutput)."""
+
+    finish: Callable[[], object]
 
 
 @dataclasses.dataclass

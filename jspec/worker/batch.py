@@ -41,9 +41,8 @@ class DecodeBatch:
     page_tables: list[list[int]] = dataclasses.field(default_factory=list)
     sampling: list[tuple[SamplingParams, int]] = dataclasses.field(default_factory=list)
     loras: list[int] = dataclasses.field(default_factory=list)
-    vocab_masks: np.ndarray | None = None  # [rows, words] int32 token bitmasks; None: no grammar row
-    grammars: list | None = None  # each row's GrammarMatcher or None (with vocab_masks): speculation
-    # masks its verify trees from them
+    grammars: list | None = None  # each row's GrammarMatcher or None; None: no grammar row. The
+    # worker defers the masks' computation (Worker.launch returns a PendingLaunch)
 
 
 @dataclasses.dataclass

@@ -18,7 +18,7 @@ from jspec.speculative.method import (
     spec_propose_step,
     spec_verify_step,
 )
-from jspec.worker.base import WorkerBase, lay_out_layers
+from jspec.worker.base import PendingLaunch, WorkerBase, lay_out_layers
 
 
 class SpecWorker(WorkerBase):
@@ -28,7 +28,6 @@ class SpecWorker(WorkerBase):
     prefill_step = staticmethod(spec_prefill_step)
     decode_step = staticmethod(spec_decode_step)
     supports_grammar = True
-    masks_tree_nodes = True
 
     def __init__(
         self,
@@ -73,15 +72,12 @@ class SpecWorker(WorkerBase):
     def prefill_step_tokens(self, next_tokens, finish_rows) -> tuple:
         return (next_tokens, finish_rows)  # the draft's first tokens, and its rows' finishing flags
 
-    def decode_tree_masked(self, slot_ids, page_tables, rows, mode: str, lora, grammars):
-        """A decode with grammar rows, in two dispatches: the proposal, then (after the host has
-        read the tree and masked every node by the grammar state of its path) verification.
-        The host waits for the proposal here, so this iteration does not overlap the last."""
+    def decode_masked(self, slot_ids, page_tables, rows, mode: str, lora, grammars):
+        """The proposal now; in the PendingLaunch, the read of its tree, every node masked by the
+        grammar state of its path (constrained.grammar.tree_masks), and verification."""
         if self.host_read is None:
             raise RuntimeError("SpecWorker.host_read (the engine's designated read) is not set")
         B = slot_ids.shape[0]
-        if lora is None and self.lora is not None:
-            lora = self._decode_loras(B, None)
         statics = dict(self.step_statics(), backend=self.backend)
         args = (*self.step_weights(), self.state, slot_ids, page_tables)
         tree = self._launch(("propose", B), lambda: (spec_propose_step, statics, f"propose B={B}"), args)
@@ -94,12 +90,17 @@ class SpecWorker(WorkerBase):
             return self._launch(
                 *verify, (*self.step_weights(), self.state, tree, slot_ids, page_tables, rows, lora, masks)
             )
-        tokens, parents = self.host_read((tree.tokens, tree.parents))
-        tokens = np.array(tokens)  # a copy: on the CPU the read is a view of the device buffer
-        padded = list(grammars) + [None] * (B - len(grammars))
-        masks = tree_masks(padded, tokens, parents, self.vocab_size)
-        # Drafts the grammar refuses where it forces one token now carry that token.
-        tree = tree._replace(tokens=tokens)
-        if self.mesh is None:
-            masks, tree = jax.device_put((masks, tree))
-        return self._launch(*verify, (*self.step_weights(), self.state, tree, slot_ids, page_tables, rows, lora, masks))
+
+        def finish():
+            tokens, parents = self.host_read((tree.tokens, tree.parents))
+            tokens = np.array(tokens)  # a copy: on the CPU the read is a view of the device buffer
+            masks = tree_masks(grammars, tokens, parents, self.vocab_size)
+            # Drafts the grammar refuses where it forces one token now carry that token.
+            verified = tree._replace(tokens=tokens)
+            if self.mesh is None:
+                masks, verified = jax.device_put((masks, verified))
+            return self._launch(
+                *verify, (*self.step_weights(), self.state, verified, slot_ids, page_tables, rows, lora, masks)
+            )
+
+        return PendingLaunch(finish)
