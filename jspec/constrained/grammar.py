@@ -202,16 +202,18 @@ class GrammarMatcher:
         its subtree keep their rows as they are. The matcher ends where it began."""
         n = len(tokens)
         valid = np.zeros(n, bool)
+        stopped = np.zeros(n, bool)  # the path ends the grammar (or takes EOS): nothing follows
         path: list[int] = []  # the nodes (below the root) the matcher has taken, root first
         try:
             for i in range(n):
                 if i == 0:
                     self.fill_mask(out[0])
                     valid[0] = True
+                    stopped[0] = self._m.is_stopped()
                     continue
                 p, t = int(parents[i]), int(tokens[i])
-                if p < 0 or not valid[p]:
-                    continue
+                if p < 0 or not valid[p] or stopped[p]:
+                    continue  # below a refused node, or past the grammar's end (the request ends there)
                 if not (int(out[p][t >> 5]) >> (t & 31)) & 1:
                     forced = _only_token(out[p])
                     if forced is None:
@@ -234,6 +236,7 @@ class GrammarMatcher:
                     path.append(j)
                 self.fill_mask(out[i])
                 valid[i] = True
+                stopped[i] = self._m.is_stopped()
         finally:
             if path:
                 self._m.rollback(len(path))

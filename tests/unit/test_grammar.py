@@ -191,3 +191,18 @@ def test_tree_masks_follow_each_nodes_path(compiler):
     assert allowed(row) == {ord("b")}  # back at the root's state
     free = tree_masks([None], tokens.copy(), parents, V)
     assert (free == -1).all()
+
+
+def test_tree_masks_stop_at_the_grammars_end(compiler):
+    """A path that ends the grammar (here by EOS, which a stopped grammar's mask allows again)
+    gives its children nothing to consume: they keep all-ones rows, the matcher no error."""
+    from jspec.constrained.grammar import tree_masks
+
+    g = compiler.matcher("regex", "ab")
+    assert g.accept(b"a") == 1
+    eos, eot = EOS_IDS
+    parents = np.array([[-1, 0, 1, 2, 2]])
+    tokens = np.array([[ord("a"), ord("b"), eos, eot, ord("b")]])
+    masks = tree_masks([g], tokens, parents, V)
+    assert allowed(masks[0, 1]) <= set(EOS_IDS) and (masks[0, 3] == -1).all() and (masks[0, 4] == -1).all()
+    assert g.failure is None and g.accept(b"b") == 1 and g.ended
