@@ -4,9 +4,9 @@ speculation emits the plain engine's tokens for every method.
 Timing (default): B greedy requests decode new_tokens tokens through the Engine loop, with no
 grammar row and with one (a regex that cannot end before max_tokens, so the row runs to the
 end), plain and EAGLE-3 (3,1,4), overlap on and off. Per case: the loop's iteration time,
-its host time by phase (schedule holds the masks' computation; under speculation, launch
-holds the wait for the proposal and the tree masks), and the grammar row's own tokens per
-iteration. The model has random weights and a synthetic byte-level tokenizer of the shape's
+its host time by phase (launch holds the deferred launch's finish: the masks, and under
+speculation the wait for the proposal and the tree masks), and the grammar row's own tokens
+per iteration. The model has random weights and a synthetic byte-level tokenizer of the shape's
 vocabulary (llguidance's mask cost follows the vocabulary's size).
 
     python -m benchmarks.bench_structured [--tiny] [--batches 1,16] [--out benchmarks/results]

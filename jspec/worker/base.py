@@ -95,7 +95,8 @@ class Worker(Protocol):
     supports_grammar: bool  # its steps take token bitmasks (structured outputs)
 
     def launch(self, batch) -> object:
-        """Dispatches one step over the batch; returns its device outputs (a PackedOutput)."""
+        """Dispatches one step over the batch; returns its device outputs (a PackedOutput), or a
+        PendingLaunch for a decode with grammar rows (the engine finishes it)."""
 
     def warmup(self, sampling_modes=SAMPLING_MODES, prompt_logprobs: bool = False) -> int: ...
 
