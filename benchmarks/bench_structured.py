@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import sys
@@ -195,11 +196,24 @@ def check() -> int:
             (model.cfg, model.params),
         ),
         ("NGRAM", SpecConfig("NGRAM", num_draft_tokens=5), None),
+        (
+            "EAGLE3 adaptive",
+            SpecConfig("EAGLE3", num_steps=3, num_draft_tokens=4, adaptive=True, adaptive_shapes="2,2,4 1,1,2 0,1,1"),
+            eagle3,
+        ),
     ]
     bad = 0
     for name, spec, draft in cases:
         for overlap in (True, False):
             e = jspec.Engine(model, speculative=spec, draft=draft, disable_overlap_schedule=not overlap, **engine)
+            if e.adaptive is not None:
+                # Every iteration another shape, some rows opted out: batches with grammar rows
+                # keep the shape and verify every row's tree.
+                from jspec.speculative.adaptive import Choice, CostTable
+
+                cycle = itertools.cycle([Choice(0), Choice(1, [True, False] * 4), Choice(3), Choice(2), Choice(3)])
+                e.adaptive.costs = CostTable({}, "unused: the shapes are forced")
+                e.adaptive.choose = lambda alphas, bucket, ready=None: _fit(next(cycle), len(alphas))
             out = e.generate(["hello"] * len(params), params)
             e.check_idle_no_leaks()
             same = [o.token_ids == b.token_ids for o, b in zip(out, base)]
@@ -304,6 +318,12 @@ def validate(completions: int) -> int:
             )
             failures += bad
     return failures
+
+
+def _fit(choice, rows: int):
+    from jspec.speculative.adaptive import Choice
+
+    return choice if choice.drafting is None else Choice(choice.shape, choice.drafting[:rows])
 
 
 def main():

@@ -22,6 +22,11 @@ class SpecConfig:
     --speculative-ngram-{min,max}-match-window-size and --speculative-ngram-max-bfs-breadth:
     the tree is `breadth` chains of (num_draft_tokens - 1) // breadth tokens each, so
     num_steps and eagle_topk are derived from them (chain length and breadth).
+
+    num_steps=0 (num_draft_tokens 1) verifies the root alone: one token per iteration, the
+    draft's state still kept current, so speculation can resume losslessly. With
+    --speculative-adaptive the engine picks each iteration's draft shape among
+    adaptive_shapes and this config's own (speculative/adaptive.py).
     """
 
     algorithm: str = setting(
@@ -37,15 +42,38 @@ class SpecConfig:
     ngram_min_match_window_size: int = setting(1, "NGRAM: shortest suffix match that proposes drafts")
     ngram_max_match_window_size: int = setting(12, "NGRAM: longest suffix compared")
     ngram_max_bfs_breadth: int = setting(1, "NGRAM: candidate continuations verified side by side (tree branches)")
+    adaptive: bool = setting(
+        False, "pick the draft shape per iteration from the batch size and the measured acceptance (0 steps = off)"
+    )
+    adaptive_shapes: str = setting(
+        "5,4,8 3,1,4 1,1,2 0,1,1",
+        "the shapes --speculative-adaptive picks from: steps,topk,draft_tokens each, space-separated; "
+        "0,1,1 verifies the root alone (speculation off)",
+    )
+    adaptive_cost_table: str | None = setting(
+        None,
+        "JSON of each shape's iteration time per batch bucket (benchmarks.bench_adaptive writes one); "
+        "default: measured at warm-up",
+    )
 
     def __post_init__(self):
         if self.algorithm not in SPEC_ALGORITHMS:
             raise ValueError(f"unknown speculative algorithm {self.algorithm!r}; choose one of {SPEC_ALGORITHMS}")
+        if self.adaptive:
+            self.shapes()  # fails early on a malformed list
+        if self.num_draft_tokens == 1 or (self.num_steps == 0 and self.algorithm != "NGRAM"):
+            if (self.num_steps, self.eagle_topk, self.num_draft_tokens) not in ((0, 1, 1), (0, 1, None)):
+                raise ValueError(
+                    "a root-only shape (speculation off) is num_steps=0, eagle_topk=1, num_draft_tokens=1; "
+                    f"got {self.num_steps},{self.eagle_topk},{self.num_draft_tokens}"
+                )
+            object.__setattr__(self, "num_draft_tokens", 1)
+            return
         if self.algorithm == "NGRAM":
             self._derive_ngram_tree()
             return
         if self.num_steps < 1:
-            raise ValueError(f"speculative num_steps must be >= 1, got {self.num_steps}")
+            raise ValueError(f"speculative num_steps must be >= 0, got {self.num_steps}")
         if self.eagle_topk < 1:
             raise ValueError(f"speculative eagle_topk must be >= 1, got {self.eagle_topk}")
         if self.eagle_topk == 1:
@@ -80,3 +108,33 @@ class SpecConfig:
         object.__setattr__(self, "num_steps", length)
         object.__setattr__(self, "eagle_topk", b)
         object.__setattr__(self, "num_draft_tokens", 1 + b * length)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(num_steps, eagle_topk, num_draft_tokens): the draft tree's shape."""
+        return (self.num_steps, self.eagle_topk, self.num_draft_tokens)
+
+    def with_shape(self, shape: tuple[int, int, int]) -> SpecConfig:
+        """This config with another draft shape (NGRAM: topk is the breadth, steps the chain length)."""
+        steps, topk, tokens = shape
+        if self.algorithm == "NGRAM" and tokens > 1:
+            return dataclasses.replace(self, num_draft_tokens=tokens, ngram_max_bfs_breadth=topk, adaptive=False)
+        return dataclasses.replace(self, num_steps=steps, eagle_topk=topk, num_draft_tokens=tokens, adaptive=False)
+
+    def shapes(self) -> tuple[tuple[int, int, int], ...]:
+        """The draft shapes an iteration may run: this config's own first, then adaptive_shapes
+        (each checked by building its config); just its own without --speculative-adaptive."""
+        if not self.adaptive:
+            return (self.shape,)
+        out = [self.shape]
+        for item in self.adaptive_shapes.split():
+            try:
+                parts = tuple(int(x) for x in item.split(","))
+            except ValueError:
+                parts = ()
+            if len(parts) != 3:
+                raise ValueError(f"adaptive shape {item!r} is not steps,topk,draft_tokens (e.g. 3,1,4 or 0,1,1)")
+            shape = self.with_shape(parts).shape
+            if shape not in out:
+                out.append(shape)
+        return tuple(out)

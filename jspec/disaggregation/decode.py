@@ -365,7 +365,7 @@ class DecodeEngine(Engine):
         **settings,
     ):
         config = dataclasses.replace(config or EngineConfig(), **settings)
-        check_disaggregation_args(config.tp_size)
+        check_disaggregation_args(config)
         self._router_args = (prefill_addrs, transfer_backend, transfer_stage_bytes)
         super().__init__(model, config, draft=draft)
 

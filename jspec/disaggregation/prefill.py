@@ -59,7 +59,10 @@ class Handoff:
     num_tokens: int
 
 
-def check_disaggregation_args(tp_size: int) -> None:
+def check_disaggregation_args(config: EngineConfig) -> None:
+    tp_size = config.tp_size
+    if config.speculative is not None and config.speculative.adaptive:
+        raise ValueError("adaptive speculation (--speculative-adaptive) is not implemented with PD disaggregation")
     if tp_size != 1:
         raise ValueError(
             f"PD disaggregation with tp_size={tp_size} is not supported yet (a request's KV is "
@@ -74,7 +77,7 @@ class PrefillEngine(Engine):
 
     def __init__(self, model, config: EngineConfig | None = None, *, draft=None, **settings):
         config = dataclasses.replace(config or EngineConfig(), **settings)
-        check_disaggregation_args(config.tp_size)
+        check_disaggregation_args(config)
         super().__init__(model, config, draft=draft)
         self.num_paged = len(kv_io.split_state(self.worker.state)[0])
         self.weights = kv_io.weights_fingerprint(self.worker)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import threading
 import time
 
@@ -26,6 +27,8 @@ from jspec.checkpoint.model import as_model, with_context_length
 from jspec.config.engine import EngineConfig
 from jspec.config.sampling import SamplingParams
 from jspec.engine.sizing import check_parallel, kv_pages
+from jspec.layers.batch import bucket
+from jspec.layers.sampling import sampling_mode
 from jspec.scheduler.detokenize import IncrementalDetokenizer, StopChecker
 from jspec.scheduler.request import Request
 from jspec.scheduler.scheduler import Scheduler
@@ -36,6 +39,8 @@ from jspec.worker.batch import DecodeBatch, DPBatch, PrefillBatch
 from jspec.worker.plain import PlainWorker
 from jspec.worker.programs import enable_compilation_cache
 from jspec.worker.spec import SpecWorker
+
+log = logging.getLogger("jspec.engine")
 
 
 @dataclasses.dataclass
@@ -113,6 +118,8 @@ class Engine:
         cfg, params = self.model.cfg, self.model.params
         check_parallel(config, cfg)
         dp = config.dp_size if config.enable_dp_attention else 1
+        if self.spec is not None and self.spec.adaptive and dp > 1:
+            raise ValueError("adaptive speculation (--speculative-adaptive) is not implemented with DP attention")
         dp_mesh = mesh = None
         if dp > 1:
             # DP attention: dp ranks of tp / dp devices, each with max_running_requests / dp request
@@ -148,6 +155,14 @@ class Engine:
             self.worker = PlainWorker(cfg, params, **kw)
         else:
             self.worker = SpecWorker(cfg, params, method, dparams, **kw)
+        self.adaptive = None  # the AdaptivePolicy, when speculation picks its draft shape per iteration
+        if self.spec is not None and self.spec.adaptive:
+            from jspec.speculative.adaptive import AdaptivePolicy, CostTable
+
+            costs = CostTable.load(self.spec.adaptive_cost_table) if self.spec.adaptive_cost_table else None
+            self.adaptive = AdaptivePolicy(tuple(m.spec.shape for m in self.worker.methods), costs)
+            if costs is not None:
+                log.info("adaptive speculation: cost table %s", costs.source)
         if dp_mesh is not None:
             from jspec.worker.dp import DPWorker
 
@@ -166,6 +181,7 @@ class Engine:
         self.loop_times = LoopTimes()
         self._grammar_compiler = None
         self._grammar_lock = threading.Lock()
+        self._last_processed = time.perf_counter()
         for name, path in config.lora_paths.items():
             self.load_lora(name, path)
 
@@ -236,7 +252,20 @@ class Engine:
         background when a request first asks). Returns the programs compiled."""
         from jspec.layers.sampling import SAMPLING_MODES
 
-        return self.worker.warmup(sampling_modes or SAMPLING_MODES, prompt_logprobs)
+        n = self.worker.warmup(sampling_modes or SAMPLING_MODES, prompt_logprobs)
+        if self.adaptive is not None and self.adaptive.costs is None:
+            self._measure_costs()
+        return n
+
+    def _measure_costs(self) -> None:
+        """The adaptive policy's cost table, timed on the device (at warm-up, or before the first
+        decode of an engine that was not warmed up). The other shapes' greedy programs compile
+        for it here; their sampled ones and the ragged verifies compile when first wanted."""
+        self.drain()
+        w = self.worker
+        w.programs.compile_all(w.decode_jobs(["greedy"], shapes=range(1, w.num_shapes)))
+        self.adaptive.costs = w.measure_costs()
+        log.info("adaptive speculation: cost table %s", self.adaptive.costs.source)
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -368,6 +397,11 @@ class Engine:
         return self._process(launched) if launched is not None else []
 
     def _launch(self, batch) -> Launched:
+        if self.adaptive is not None and isinstance(batch, DecodeBatch):
+            choice = self._choose_shape(batch)
+            # Grammar rows verify whole trees (the deferred launch has no ragged verify): the
+            # policy's shape is kept, its opt-outs dropped.
+            batch.shape, batch.drafting = choice.shape, None if batch.grammars is not None else choice.drafting
         out = self.worker.launch(batch)
         launched = Launched(batch, out)
         self.num_steps += 1
@@ -385,6 +419,18 @@ class Engine:
         self.on_launched(launched)
         self.loop_times.launch_s += time.perf_counter() - t0
 
+    def _choose_shape(self, batch: DecodeBatch):
+        if self.adaptive.costs is None:
+            self._measure_costs()
+        mode = sampling_mode(p for p, _ in batch.sampling)
+        rows = len(batch.reqs)
+
+        def ready(i: int, drafting_rows: int | None) -> bool:
+            # The configured shape for every row is always compiled; the rest once ready.
+            return (i == 0 and drafting_rows is None) or self.worker.decode_ready(rows, mode, i, drafting_rows)
+
+        return self.adaptive.choose(self.adaptive.alphas(batch.reqs), bucket(rows), ready)
+
     def _process(self, launched: Launched) -> list[RequestOutput]:
         t_start = time.perf_counter()
         before = {
@@ -398,7 +444,12 @@ class Engine:
             touched = self.scheduler.on_prefill_done(launched.batch, host)
         else:
             touched = self.scheduler.on_decode_done(launched.batch, host, self.spec is not None)
+            if self.adaptive is not None:
+                now = time.perf_counter()
+                b = launched.batch
+                self.adaptive.observe(b.shape, b.reqs, host.accept_len, now - self._last_processed, b.drafting)
         outputs = self.on_processed(launched, [self.output(r, *before[id(r)]) for r in touched])
+        self._last_processed = time.perf_counter()
         times = self.loop_times
         times.wait_s += t1 - t0
         times.process_s += time.perf_counter() - t1 + (t0 - t_start)

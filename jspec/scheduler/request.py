@@ -57,6 +57,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache, not prefilled
     verify_ct: int = 0
     spec_emitted: int = 0
+    accept_alpha: float | None = None  # adaptive speculation's per-depth acceptance estimate
     retractions: int = 0
 
     @property

@@ -45,6 +45,7 @@ async def server_info(st: Served):
         "max_running_requests": core.config.max_running_requests,
         "overlap_schedule": core.overlap,
         "speculative": dataclasses.asdict(spec) if spec is not None else None,
+        "speculative_adaptive": core.adaptive.describe() if core.adaptive is not None else None,
     }
 
 

@@ -20,6 +20,38 @@ from prometheus_client import (
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48)
 
 
+class AdaptiveCollector:
+    """Adaptive speculation's choices, read from the policy when scraped."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        from jspec.speculative.adaptive import shape_label
+
+        stats = self.policy.stats
+        chosen = CounterMetricFamily(
+            "jspec_spec_adaptive_iterations",
+            "Decode iterations per draft shape and batch bucket",
+            labels=["shape", "bucket"],
+        )
+        for (b, shape), n in dict(stats.chosen).items():
+            chosen.add_metric([shape_label(shape), str(b)], n)
+        seconds = CounterMetricFamily(
+            "jspec_spec_adaptive_seconds", "Loop time spent in iterations of each draft shape", labels=["shape"]
+        )
+        for shape, t in dict(stats.seconds).items():
+            seconds.add_metric([shape_label(shape)], t)
+        accept = GaugeMetricFamily(
+            "jspec_spec_adaptive_accept_length", "Accepted drafts per iteration (EMA) per draft shape", labels=["shape"]
+        )
+        for shape, a in dict(stats.accept_ema).items():
+            accept.add_metric([shape_label(shape)], a)
+        return [chosen, seconds, accept]
+
+
 class ServerMetrics:
     def __init__(self, engine):
         self.registry = r = CollectorRegistry()
@@ -58,6 +90,8 @@ class ServerMetrics:
         Gauge("jspec_kv_pages_total", "KV pages in the pool", registry=r).set_function(
             lambda: sched.usage()["kv_pages_total"]
         )
+        if engine.adaptive is not None:
+            r.register(AdaptiveCollector(engine.adaptive))
 
     def finished(
         self, prompt_tokens: int, completion_tokens: int, reason: str | None, e2e_s: float, verify_ct: int

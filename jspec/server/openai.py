@@ -96,13 +96,14 @@ async def completions(body: CompletionRequest, request: Request, st: Served):
             for c in sorted(choices.values(), key=lambda c: c.index)
         ]
         completion = sum(c.completion_tokens for c in choices.values())
-        return {**head, "choices": out, "usage": usage(prompt_tokens, completion)}
+        spec = [(c.completion_tokens, c.verify_ct) for c in choices.values()]
+        return {**head, "choices": out, "usage": usage(prompt_tokens, completion, spec)}
 
     async def events():
-        completion = {}
+        completion, verify = {}, {}
         async with aclosing(merged(streams, st.metrics.observer(t0))) as outputs:
             async for i, out in outputs:
-                completion[i] = out.completion_tokens
+                completion[i], verify[i] = out.completion_tokens, out.spec_verify_ct
                 choice = {
                     "index": i,
                     "text": out.new_text,
@@ -116,7 +117,8 @@ async def completions(body: CompletionRequest, request: Request, st: Served):
                 if out.new_text or out.finished or choice["logprobs"]:
                     yield sse({**head, "choices": [choice]})
         total = sum(completion.values())
-        yield sse({**head, "choices": [], "usage": usage(prompt_tokens, total)})
+        spec = [(completion[i], verify[i]) for i in completion]
+        yield sse({**head, "choices": [], "usage": usage(prompt_tokens, total, spec)})
         yield "data: [DONE]\n\n"
 
     return EventStream(events(), streams)
@@ -174,14 +176,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, st: Se
                 }
             )
         completion = sum(c.completion_tokens for c in choices.values())
-        return {**head, "object": "chat.completion", "choices": out, "usage": usage(prompt_tokens, completion)}
+        spec = [(c.completion_tokens, c.verify_ct) for c in choices.values()]
+        return {**head, "object": "chat.completion", "choices": out, "usage": usage(prompt_tokens, completion, spec)}
 
     async def events():
         chunk = {**head, "object": "chat.completion.chunk"}
-        completion, started, held = {}, set(), {}
+        completion, verify, started, held = {}, {}, set(), {}
         async with aclosing(merged(streams, st.metrics.observer(t0))) as outputs:
             async for i, out in outputs:
-                completion[i] = out.completion_tokens
+                completion[i], verify[i] = out.completion_tokens, out.spec_verify_ct
                 if i not in started:
                     started.add(i)
                     yield sse(
@@ -242,7 +245,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, st: Se
                         }
                     )
         total = sum(completion.values())
-        yield sse({**chunk, "choices": [], "usage": usage(prompt_tokens, total)})
+        spec = [(completion[i], verify[i]) for i in completion]
+        yield sse({**chunk, "choices": [], "usage": usage(prompt_tokens, total, spec)})
         yield "data: [DONE]\n\n"
 
     return EventStream(events(), streams)

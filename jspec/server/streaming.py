@@ -52,12 +52,19 @@ def openai_finish(reason: str | None) -> str | None:
     return {"stop": "stop", "length": "length", "abort": "abort"}.get(reason, reason)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, spec: list[tuple[int, int]] = ()) -> dict:
+    """OpenAI's usage; with speculation also spec_accept_length (SGLang's meta_info name): tokens
+    emitted per verify iteration over the choices, spec: (completion tokens, iterations) each."""
+    out = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    iterations = sum(v for _, v in spec)
+    if iterations:
+        # The first token of each choice comes from the prefill, not from a verify.
+        out["spec_accept_length"] = sum(max(c - 1, 0) for c, v in spec if v) / iterations
+    return out
 
 
 def sse(obj) -> str:

@@ -26,10 +26,13 @@ class AcceptResult(NamedTuple):
     tokens: jax.Array  # [B, S+1] int32, emitted: m accepted drafts then the bonus; -1 after index m
 
 
-def greedy_accept(tree: DraftTree, target_argmax: jax.Array, num_steps: int) -> AcceptResult:
+def greedy_accept(
+    tree: DraftTree, target_argmax: jax.Array, num_steps: int, node_valid: jax.Array | None = None
+) -> AcceptResult:
     """tree with N nodes, target_argmax [B, N] (target's greedy token after each node) -> AcceptResult.
 
-    num_steps (static) sizes the outputs: tree depth never exceeds it.
+    num_steps (static) sizes the outputs: tree depth never exceeds it. node_valid [B, N]: nodes
+    that were verified (a row verifying its root alone has only node 0); others never accept.
     Vectorised instead of walked: a node is on the accepted path iff every node
     from the root to it is the first child of its parent that the target
     confirms, which is one pass over the ancestor mask.
@@ -39,6 +42,8 @@ def greedy_accept(tree: DraftTree, target_argmax: jax.Array, num_steps: int) -> 
     is_root = tree.parents < 0
     wanted = jnp.take_along_axis(target_argmax, jnp.maximum(tree.parents, 0), axis=1)
     confirmed = (tree.tokens == wanted) & ~is_root
+    if node_valid is not None:
+        confirmed &= node_valid
     # Keep the lowest-index confirmed child of each parent, so the walk is one path.
     earlier_confirmed_sibling = (
         (tree.parents[:, :, None] == tree.parents[:, None, :]) & (idx[None, :] < idx[:, None]) & confirmed[:, None, :]
@@ -60,7 +65,13 @@ def greedy_accept(tree: DraftTree, target_argmax: jax.Array, num_steps: int) -> 
 
 
 def sampled_accept(
-    tree: DraftTree, node_logits: jax.Array, rows, first_pos: jax.Array, num_steps: int, mode: str = "sampled"
+    tree: DraftTree,
+    node_logits: jax.Array,
+    rows,
+    first_pos: jax.Array,
+    num_steps: int,
+    mode: str = "sampled",
+    node_valid: jax.Array | None = None,
 ) -> AcceptResult:
     """Verification for any temperature: node_logits [B, N, V] (the target's logits after each
     node), rows: SamplingRows [B], first_pos [B]: position of the token after the root.
@@ -79,4 +90,4 @@ def sampled_accept(
     node_rows = jax.tree.map(lambda a: jnp.repeat(a, N, axis=0), rows)
     draw_pos = (first_pos[:, None] + tree.depths).reshape(-1)
     tokens = sample_tokens(node_logits.reshape(B * N, V), node_rows, draw_pos, mode).reshape(B, N)
-    return greedy_accept(tree, tokens, num_steps)
+    return greedy_accept(tree, tokens, num_steps, node_valid)

@@ -49,6 +49,13 @@ class EagleMethod(SpecMethod):
 
     spec: SpecConfig
     dcfg: object  # DraftConfig
+    # Top-k candidates the carry keeps after the root: the widest topk among the shapes an
+    # adaptive engine switches between (sorted, so a narrower shape reads the first k).
+    carry_topk: int = 0
+
+    @property
+    def topk_carried(self) -> int:
+        return max(self.carry_topk, self.spec.eagle_topk)
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
@@ -61,7 +68,7 @@ class EagleMethod(SpecMethod):
         return kv_bytes_per_page(layer_config(self.dcfg), page_size, dtype)
 
     def init_extra(self, num_slots, dtype):
-        n, k = num_slots + 1, self.spec.eagle_topk
+        n, k = num_slots + 1, self.topk_carried
         return EagleExtra(
             jnp.zeros((n, k), jnp.float32), jnp.zeros((n, k), jnp.int32), jnp.zeros((n, self.dcfg.hidden_size), dtype)
         )
@@ -74,10 +81,12 @@ class EagleMethod(SpecMethod):
             params, dparams, dcfg, dkv, ctx.batch._replace(tokens=ctx.next_tokens), ctx.mode, ctx.next_tokens, hidden
         )
         last = dout[ctx.batch.logits_indices]
-        p, ids = _draft_topk(dparams, dcfg, params, last, self.spec.eagle_topk)
+        p, ids = _draft_topk(dparams, dcfg, params, last, self.topk_carried)
         return dkv, EagleExtra(p, ids, last)
 
     def propose(self, params, dparams, dkv, c: SpecCarry, page_tables, slot_ids, backend):
+        if self.spec.num_steps == 0:  # root only; update's draft-extend keeps the draft current
+            return dkv, chains_tree(c.next_token, c.extra.topk_ids[:, None, :0])
         if self.spec.num_steps == 1 and self.spec.eagle_topk == 1:
             # The high-throughput path (1 step, topk 1, 2 verify tokens): the draft token is the
             # carry's top-1 from the last draft-extend; no draft forward, no tree search.
@@ -108,7 +117,7 @@ class EagleMethod(SpecMethod):
             params, dparams, dcfg, dkv, extend, AttentionMode(False, bucket(E), backend), extend.tokens, hidden
         )
         last = dout[extend.logits_indices]
-        p, ids = _draft_topk(dparams, dcfg, params, last, self.spec.eagle_topk)
+        p, ids = _draft_topk(dparams, dcfg, params, last, self.topk_carried)
         return dkv, EagleExtra(p, ids, last)
 
 
@@ -150,6 +159,7 @@ def _draft_tree(params, dparams, dcfg, spec: SpecConfig, draft_kv: KVPool, c: Sp
     lcfg = layer_config(dcfg)
     embed = draft_embed(dparams, params)
     K = spec.eagle_topk
+    e = e._replace(topk_p=e.topk_p[:, :K], topk_ids=e.topk_ids[:, :K])
 
     def step_fn(tokens, hidden, positions, attend_for_layer, anc):
         cos, sin = rope_cos_sin(lcfg, positions)

@@ -188,7 +188,9 @@ def spec_prefill_step(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "method", "backend", "top_n", "sampling"), donate_argnames=("state",)
+    jax.jit,
+    static_argnames=("cfg", "method", "backend", "top_n", "sampling", "verify_tokens"),
+    donate_argnames=("state",),
 )
 def spec_decode_step(
     params,
@@ -198,18 +200,22 @@ def spec_decode_step(
     page_tables,
     rows: SamplingRows,
     lora: LoraBatch | None = None,
+    drafting=None,
     *,
     cfg: ModelConfig,
     method: SpecMethod,
     backend: str = "pallas",
     top_n: int = 0,
     sampling: str = "sampled",
+    verify_tokens: int | None = None,
 ) -> tuple[SpecState, PackedOutput]:
     """One speculative iteration (propose -> verify -> accept -> update) for the requests in
     slot_ids [B] (padding rows: the scratch slot), in one dispatch.
 
     page_tables [B, M] must cover positions < n + method.kv_margin of each request.
     lora: the adapter pool and each row's adapter slot [B], for the target's verify forward.
+    drafting [B] bool with verify_tokens (static): rows opted out of drafting verify their root
+    alone, in a forward over verify_tokens ragged tokens (verify.verify_tree).
     """
     c = gather_slots(state.carry, slot_ids)
     draft, tree = method.propose(params, dparams, state.draft, c, page_tables, slot_ids, backend)
@@ -230,6 +236,8 @@ def spec_decode_step(
         backend,
         top_n,
         sampling,
+        drafting,
+        verify_tokens,
     )
 
 
@@ -308,6 +316,8 @@ def _verify_update(
     backend,
     top_n,
     sampling,
+    drafting=None,
+    verify_tokens=None,
 ):
     v = verify_tree(
         params,
@@ -327,6 +337,8 @@ def _verify_update(
         top_n=top_n,
         lora=lora,
         node_masks=node_masks,
+        drafting=drafting,
+        verify_tokens=verify_tokens,
     )
     draft, extra = method.update(params, dparams, draft, c, v, page_tables, slot_ids, backend)
     new = SpecCarry(v.acc.bonus, c.seq_len + v.acc.accept_len + 1, extra)

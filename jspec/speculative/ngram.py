@@ -78,6 +78,8 @@ class NgramMethod(SpecMethod):
     def propose(self, params, dparams, history, c: SpecCarry, page_tables, slot_ids, backend):
         s = self.spec
         breadth, length = s.eagle_topk, s.num_steps
+        if length == 0:  # root only
+            return history, chains_tree(c.next_token, jnp.zeros((slot_ids.shape[0], 1, 0), jnp.int32))
         rows = history[slot_ids]
         n = c.seq_len
         ends, _ = match_candidates(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from jspec.config.model import ModelConfig
 from jspec.config.spec import SpecConfig
 
@@ -18,7 +20,7 @@ def make_method(spec: SpecConfig, cfg: ModelConfig, draft=None, dtype=None):
             _need_path(spec)
             draft = load_draft_model(spec.draft_model_path, cfg, dtype=dtype, algorithm=spec.algorithm)
         dcfg, dparams = draft
-        return EagleMethod(spec, dcfg), dparams
+        return EagleMethod(spec, dcfg, carry_topk=max(k for _, k, _ in spec.shapes())), dparams
     if spec.algorithm == "STANDALONE":
         from jspec.speculative.standalone import StandaloneMethod
 
@@ -40,8 +42,15 @@ def make_method(spec: SpecConfig, cfg: ModelConfig, draft=None, dtype=None):
         if draft is not None:
             raise ValueError("NGRAM speculation has no draft model; do not pass draft=")
         # The history holds every position a request can reach, plus one iteration's overshoot.
-        return NgramMethod(spec, cfg.max_position_embeddings + 2 * spec.num_draft_tokens + 2), None
+        widest = max(n for _, _, n in spec.shapes())
+        return NgramMethod(spec, cfg.max_position_embeddings + 2 * widest + 2), None
     raise ValueError(f"no implementation for speculative algorithm {spec.algorithm!r}")
+
+
+def shape_variants(method) -> tuple:
+    """The method once per draft shape its config allows (speculative/adaptive.py picks among
+    them per iteration); they share one device state, the first one's."""
+    return tuple(dataclasses.replace(method, spec=method.spec.with_shape(s)) for s in method.spec.shapes())
 
 
 def _need_path(spec: SpecConfig) -> None:

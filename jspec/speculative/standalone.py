@@ -58,6 +58,8 @@ class StandaloneMethod(SpecMethod):
             logits_indices=jnp.arange(B, dtype=jnp.int32) * 2 + 1,
         )
         dkv, out = forward(dparams, self.dcfg, dkv, first, AttentionMode(False, 2, backend))
+        if self.spec.num_steps == 0:  # root only: the forward above kept the draft's KV current
+            return dkv, chains_tree(c.next_token, jnp.zeros((B, 1, 0), jnp.int32))
         if self.spec.eagle_topk > 1:
             return dkv, self._beam_tree(dparams, dkv, c, out.logits, n, page_tables, backend)
         tok = jnp.argmax(out.logits, axis=-1).astype(jnp.int32)

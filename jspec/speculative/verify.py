@@ -52,6 +52,8 @@ def verify_tree(
     top_n: int = 0,
     lora: LoraBatch | None = None,
     node_masks=None,
+    drafting: jax.Array | None = None,
+    verify_tokens: int | None = None,
 ) -> Verified:
     """tree: N nodes per request, root = the last verified token at position n [B]; chain (static):
     node i is at depth i, so accepted nodes already sit where they belong.
@@ -63,23 +65,47 @@ def verify_tree(
     node_masks: [B, N, words] token bitmasks, the tokens allowed after each node's path (None:
     all). The target's draw at every node then comes from its distribution renormalised over
     them, so a draft outside the grammar is never accepted and the bonus stays inside it.
+    drafting [B] bool with verify_tokens (static): rows that verify their tree; the others verify
+    their root alone. The forward then runs over verify_tokens ragged tokens (each row's nodes
+    back to back, the tail padding) instead of B * N, and its outputs are laid out as B x N again.
     """
     B, N = tree.tokens.shape
     page_size, num_pages = target_kv.page_size, target_kv.num_pages
     node_pos = n[:, None] + jnp.arange(N, dtype=jnp.int32)[None]
     Q = bucket(N)
     mask = jnp.zeros((B, Q, Q), bool).at[:, :N, :N].set(tree.mask)
-    batch = ForwardBatch(
-        tokens=tree.tokens.reshape(-1),
-        positions=(n[:, None] + tree.depths).reshape(-1),
-        slots=slots_of(page_tables, node_pos, page_size).reshape(-1),
-        seq_lens=n + N,
-        page_tables=page_tables,
-        query_start=jnp.arange(B + 1, dtype=jnp.int32) * N,
-        logits_indices=jnp.arange(B * N, dtype=jnp.int32),
-    )
+    node_slots = slots_of(page_tables, node_pos, page_size)
+    positions = n[:, None] + tree.depths
+    if drafting is None:
+        counts = jnp.full(B, N, jnp.int32)
+        node_valid, T = None, B * N
+        batch = ForwardBatch(
+            tokens=tree.tokens.reshape(-1),
+            positions=positions.reshape(-1),
+            slots=node_slots.reshape(-1),
+            seq_lens=n + N,
+            page_tables=page_tables,
+            query_start=jnp.arange(B + 1, dtype=jnp.int32) * N,
+            logits_indices=jnp.arange(B * N, dtype=jnp.int32),
+        )
+    else:
+        T = verify_tokens
+        counts = jnp.where(drafting, N, 1).astype(jnp.int32)
+        query_start = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts, dtype=jnp.int32)])
+        node_valid = jnp.arange(N, dtype=jnp.int32)[None] < counts[:, None]
+        flat = jnp.where(node_valid, query_start[:-1, None] + jnp.arange(N, dtype=jnp.int32)[None], T)
+        scatter = lambda fill, x: jnp.full(T, fill, jnp.int32).at[flat.reshape(-1)].set(x.reshape(-1), mode="drop")  # noqa: E731
+        batch = ForwardBatch(
+            tokens=scatter(0, tree.tokens),
+            positions=scatter(0, positions),
+            slots=scatter(num_pages * page_size, node_slots),  # the tail writes no KV
+            seq_lens=n + counts,
+            page_tables=page_tables,
+            query_start=query_start,
+            logits_indices=jnp.arange(T, dtype=jnp.int32),
+        )
     if lora is not None:
-        lora = lora._replace(token_slots=jnp.repeat(lora.token_slots, N))
+        lora = lora._replace(token_slots=jnp.repeat(lora.token_slots, counts, total_repeat_length=T))
     tkv, out = forward(
         params,
         cfg,
@@ -90,12 +116,20 @@ def verify_tree(
         mask=mask,
         lora=lora,
     )
+    if drafting is not None:
+        # Back to B x N rows: a node that was not verified reads row 0 (never accepted).
+        rows_of = jnp.where(node_valid, flat, 0).reshape(-1)
+        out = ForwardOutput(
+            out.logits[rows_of],
+            out.hidden[rows_of],
+            None if out.captured is None else out.captured[:, rows_of],
+        )
     node_logits = apply_tree_penalties(
         out.logits.reshape(B, N, -1), penalties, slot_ids, rows.params, tree.tokens, tree.mask
     )
     if node_masks is not None:
         node_logits = apply_vocab_mask(node_logits.reshape(B * N, -1), node_masks.reshape(B * N, -1)).reshape(B, N, -1)
-    acc = sampled_accept(tree, node_logits, rows, n + 1, num_steps, sampling)
+    acc = sampled_accept(tree, node_logits, rows, n + 1, num_steps, sampling, node_valid)
     E = num_steps + 1
     depth = jnp.arange(E, dtype=jnp.int32)[None]
     valid = depth <= acc.accept_len[:, None]

@@ -175,7 +175,9 @@ class WorkerBase:
                 loras,
                 batch.vocab_masks,
             )
-        return self.decode(batch.slots, batch.page_tables, batch.sampling, loras, batch.grammars)
+        return self.decode(
+            batch.slots, batch.page_tables, batch.sampling, loras, batch.shape, batch.drafting, batch.grammars
+        )
 
     # Whether the steps take token bitmasks (structured outputs); a worker without them refuses
     # a batch that has one.
@@ -184,7 +186,9 @@ class WorkerBase:
     # tree through it.
     host_read: Callable | None = None
 
-    def decode_masked(self, slot_ids, page_tables, rows, mode: str, lora, grammars) -> PendingLaunch | None:
+    def decode_masked(
+        self, slot_ids, page_tables, rows, mode: str, lora, grammars, shape: int = 0
+    ) -> PendingLaunch | None:
         """A decode with grammar rows: the part that needs no mask is dispatched now, the rest
         waits in the PendingLaunch for the engine to have processed the previous step (the
         masks follow from its tokens). Warm-up (collecting programs) records both, returns None."""
@@ -210,24 +214,31 @@ class WorkerBase:
         full[: len(masks)] = masks
         return full if self.mesh is not None else jax.device_put(full)
 
-    def decode(self, slots, page_tables, sampling, loras=None, grammars=None):
+    def decode(self, slots, page_tables, sampling, loras=None, shape: int = 0, drafting=None, grammars=None):
         """Builds the bucketed arrays, then launches (the subclass's decode_arrays). A batch the
         same as the last one (the common case: the same requests, no new page) reuses the last
         arrays, already on the device, so the launch only dispatches."""
         last = self._last_decode
-        if last is None or not last.same_batch(slots, page_tables, sampling, loras):
+        if drafting is not None and all(drafting):
+            drafting = None
+        if last is None or not last.same_batch(slots, page_tables, sampling, loras, drafting):
             slot_ids, pt, rows = self._decode_inputs(slots, page_tables, sampling)
             ids = decode_lora_slots(slot_ids.shape[0], loras) if self.lora is not None else None
-            arrays = (slot_ids, pt, rows, ids) if self.mesh is not None else jax.device_put((slot_ids, pt, rows, ids))
+            flags = None
+            if drafting is not None:  # padding rows verify their root alone
+                flags = np.zeros(slot_ids.shape[0], bool)
+                flags[: len(drafting)] = drafting
+            arrays = (slot_ids, pt, rows, ids, flags)
             last = self._last_decode = DecodeInputs(
                 list(slots),
                 [list(p) for p in page_tables],
                 list(sampling),
                 None if loras is None else list(loras),
-                arrays,
+                arrays if self.mesh is not None else jax.device_put(arrays),
                 sampling_mode(p for p, _ in sampling),
+                None if drafting is None else list(drafting),
             )
-        slot_ids, pt, rows, ids = last.arrays
+        slot_ids, pt, rows, ids, flags = last.arrays
         lora = self._lora_batch(ids) if ids is not None else None
         if grammars is not None:
             if not self.supports_grammar:
@@ -235,8 +246,9 @@ class WorkerBase:
             if lora is None and self.lora is not None:
                 lora = self._decode_loras(slot_ids.shape[0], None)
             padded = list(grammars) + [None] * (slot_ids.shape[0] - len(grammars))
-            return self.decode_masked(slot_ids, pt, rows, last.mode, lora, padded)
-        return self.decode_arrays(slot_ids, pt, rows, last.mode, lora)
+            return self.decode_masked(slot_ids, pt, rows, last.mode, lora, padded, shape)
+        drafting_rows = None if last.drafting is None else sum(last.drafting)
+        return self.decode_arrays(slot_ids, pt, rows, last.mode, lora, shape, flags, drafting_rows)
 
     # What a method's worker gives: its step functions, the weights they take before the state,
     # their static arguments, and which prefill outputs they read.
@@ -246,8 +258,11 @@ class WorkerBase:
     def step_weights(self) -> tuple:
         return (self.params,)
 
-    def step_statics(self) -> dict:
+    def step_statics(self, shape: int = 0) -> dict:
+        """Static arguments of the steps; shape: which draft shape (speculative workers)."""
         return dict(cfg=self.cfg)
+
+    num_shapes = 1  # draft shapes a decode can run (an adaptive speculative worker has several)
 
     def prefill_step_tokens(self, next_tokens, finish_rows) -> tuple:
         return (next_tokens,)
@@ -282,17 +297,59 @@ class WorkerBase:
             + (() if mask is None else (mask,)),
         )
 
-    def decode_arrays(self, slot_ids, page_tables, rows, mode: str, lora=None):
-        """decode() on prebuilt (bucketed) arrays: the launch alone."""
+    def decode_arrays(
+        self,
+        slot_ids,
+        page_tables,
+        rows,
+        mode: str,
+        lora=None,
+        shape: int = 0,
+        drafting=None,
+        drafting_rows: int | None = None,
+    ):
+        """decode() on prebuilt (bucketed) arrays: the launch alone. drafting [B] (speculative
+        workers): the rows that verify their tree, drafting_rows of them; None: every row."""
         if lora is None and self.lora is not None:
             lora = self._decode_loras(slot_ids.shape[0], None)
         B = slot_ids.shape[0]
-        statics = dict(self.step_statics(), backend=self.backend, top_n=self.top_n, sampling=mode)
-        return self._launch(
-            ("decode", B, mode, self.top_n),
-            lambda: (self.decode_step, statics, f"decode B={B} {mode}"),
-            (*self.step_weights(), self.state, slot_ids, page_tables, rows, lora),
-        )
+        statics = dict(self.step_statics(shape), backend=self.backend, top_n=self.top_n, sampling=mode)
+        label = f"decode B={B} {mode}" + (f" shape {shape}" if shape else "")
+        args = (*self.step_weights(), self.state, slot_ids, page_tables, rows, lora)
+        tokens = None
+        if drafting is not None:
+            tokens = statics["verify_tokens"] = self.verify_tokens(B, shape, drafting_rows)
+            label += f" {tokens} verify tokens"
+            args += (drafting,)
+        return self._launch(self._decode_key(B, mode, shape, tokens), lambda: (self.decode_step, statics, label), args)
+
+    def verify_tokens(self, B: int, shape: int, drafting_rows: int) -> int:
+        """The ragged verify's token count: the drafting rows rounded up to a power of two."""
+        raise ValueError("only a speculative worker lets rows opt out of drafting")
+
+    def _decode_key(self, B: int, mode: str, shape: int, verify_tokens: int | None = None) -> tuple:
+        return ("decode", B, mode, self.top_n, shape, verify_tokens)
+
+    def decode_ready(self, rows: int, mode: str, shape: int, drafting_rows: int | None = None) -> bool:
+        """Whether the decode program for this many rows, sampling program, shape and (with rows
+        opted out of drafting) drafting rows is compiled; if not, starts compiling it in the
+        background (the loop runs another program meanwhile)."""
+        B = bucket(rows)
+        tokens = None if drafting_rows is None else self.verify_tokens(B, shape, drafting_rows)
+        if self.programs.ready(self._decode_key(B, mode, shape, tokens)):
+            return True
+        scratch = (SamplingParams(temperature=1.0) if mode == "sampled" else SamplingParams(), 0)
+        drafting = None if drafting_rows is None else [i < drafting_rows for i in range(B)]
+        collecting, self.programs.collecting = self.programs.collecting, []
+        try:
+            self.decode([self.scratch_slot] * B, [[0]] * B, [scratch] * B, shape=shape, drafting=drafting)
+            jobs = self.programs.collecting
+        finally:
+            self.programs.collecting = collecting
+            self._last_decode = None  # the scratch batch is not the loop's
+        for job in jobs:
+            self.programs.compile_in_background(job)
+        return False
 
     def on_mesh(self):
         """Context for launching steps: the mesh, so attention runs per shard (shard_map)."""
@@ -382,7 +439,7 @@ class WorkerBase:
             scratch = {"greedy": (SamplingParams(), 0), "sampled": (SamplingParams(temperature=1.0), 0)}
             for B in self.decode_buckets():
                 for mode in SAMPLING_MODES:
-                    self.decode([self.scratch_slot] * B, [[0]] * B, [scratch[mode]] * B, None, [None] * B)
+                    self.decode([self.scratch_slot] * B, [[0]] * B, [scratch[mode]] * B, grammars=[None] * B)
             for T in self.prefill_token_buckets():
                 pages = [0] * (-(-T // self.page_size))
                 chunk = SeqChunk([0] * T, 0, pages)
@@ -397,17 +454,25 @@ class WorkerBase:
         unknown = set(sampling_modes) - set(SAMPLING_MODES)
         if unknown:
             raise ValueError(f"unknown sampling modes {sorted(unknown)}; choose from {SAMPLING_MODES}")
+        jobs = []
+        for with_prompt in (False, True) if prompt_logprobs else (False,):
+            jobs += self.prefill_jobs(with_prompt)
+        return jobs + self.decode_jobs(sampling_modes, shapes=(0,))
+
+    def decode_jobs(self, sampling_modes, shapes) -> list[Job]:
+        """The decode programs of every row bucket for these sampling programs and draft shapes
+        (recorded, not run). Warm-up takes the configured shape's; an adaptive engine the others'."""
         scratch = {"greedy": (SamplingParams(), 0), "sampled": (SamplingParams(temperature=1.0), 0)}
-        self.programs.collecting = jobs = []
+        collecting, self.programs.collecting = self.programs.collecting, []
         try:
-            for with_prompt in (False, True) if prompt_logprobs else (False,):
-                jobs += self.prefill_jobs(with_prompt)
-            for B in self.decode_buckets():
-                for mode in sampling_modes:
-                    self.decode([self.scratch_slot] * B, [[0]] * B, [scratch[mode]] * B)
+            for shape in shapes:
+                for B in self.decode_buckets():
+                    for mode in sampling_modes:
+                        self.decode([self.scratch_slot] * B, [[0]] * B, [scratch[mode]] * B, shape=shape)
+            return self.programs.collecting
         finally:
-            self.programs.collecting = None
-        return jobs
+            self.programs.collecting = collecting
+            self._last_decode = None
 
     def prefill_jobs(self, with_prompt_logprobs: bool) -> list[Job]:
         """The prefill programs of every token bucket (recorded, not run)."""
@@ -539,16 +604,18 @@ class DecodeInputs:
     page_tables: list[list[int]]
     sampling: list[tuple[SamplingParams, int]]
     loras: list[int] | None
-    arrays: tuple  # slot_ids, page tables, SamplingRows, adapter slots (None without a pool)
+    arrays: tuple  # slot_ids, page tables, SamplingRows, adapter slots, drafting flags (None: unused)
     mode: str
+    drafting: list[bool] | None = None
 
-    def same_batch(self, slots, page_tables, sampling, loras) -> bool:
+    def same_batch(self, slots, page_tables, sampling, loras, drafting=None) -> bool:
         # A request keeps its SamplingParams object, and list equality tries identity first.
         return (
             slots == self.slots
             and page_tables == self.page_tables
             and sampling == self.sampling
             and loras == self.loras
+            and drafting == self.drafting
         )
 
 

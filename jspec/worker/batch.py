@@ -41,6 +41,8 @@ class DecodeBatch:
     page_tables: list[list[int]] = dataclasses.field(default_factory=list)
     sampling: list[tuple[SamplingParams, int]] = dataclasses.field(default_factory=list)
     loras: list[int] = dataclasses.field(default_factory=list)
+    shape: int = 0  # which of the worker's draft shapes runs (adaptive speculation picks it)
+    drafting: list[bool] | None = None  # rows that verify their draft tree; None: all (others: the root alone)
     grammars: list | None = None  # each row's GrammarMatcher or None; None: no grammar row. The
     # worker defers the masks' computation (Worker.launch returns a PendingLaunch)
 

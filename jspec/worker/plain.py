@@ -38,7 +38,7 @@ class PlainWorker(WorkerBase):
             )
         )
 
-    def decode_masked(self, slot_ids, page_tables, rows, mode: str, lora, grammars):
+    def decode_masked(self, slot_ids, page_tables, rows, mode: str, lora, grammars, shape: int = 0):
         """The forward now; the sampling, masked, in the PendingLaunch: the device runs the
         forward while the host reads the previous step and advances the grammars."""
         B = slot_ids.shape[0]

@@ -10,6 +10,7 @@ import numpy as np
 from jspec.config.model import ModelConfig
 from jspec.constrained.grammar import tree_masks
 from jspec.kvcache.pool import create_kv_pool
+from jspec.layers.batch import bucket
 from jspec.layers.penalties import init_penalty_state
 from jspec.speculative.method import (
     init_spec_state,
@@ -18,6 +19,7 @@ from jspec.speculative.method import (
     spec_propose_step,
     spec_verify_step,
 )
+from jspec.speculative.registry import shape_variants
 from jspec.worker.base import PendingLaunch, WorkerBase, lay_out_layers
 
 
@@ -44,13 +46,15 @@ class SpecWorker(WorkerBase):
     ):
         super().__init__(cfg, params, page_size=page_size, num_pages=num_pages, max_slots=max_slots, mesh=mesh, **kw)
         self.method, self.spec = method, method.spec
+        self.methods = shape_variants(method)  # one per draft shape; the device state is shared
+        self.num_shapes = len(self.methods)
         self.dparams = lay_out_layers(dparams, self.layer_loop)
         if mesh is not None and self.dparams is not None:
             from jspec.distributed.tensor_parallel import replicate
 
             self.dparams = replicate(self.dparams, mesh)
-        self.kv_margin = method.kv_margin
-        self.max_emit = method.spec.num_steps + 1
+        self.kv_margin = max(m.kv_margin for m in self.methods)
+        self.max_emit = max(m.spec.num_steps for m in self.methods) + 1
         self.state = self._place(
             init_spec_state(
                 method,
@@ -66,23 +70,55 @@ class SpecWorker(WorkerBase):
     def step_weights(self) -> tuple:
         return (self.params, self.dparams)
 
-    def step_statics(self) -> dict:
-        return dict(cfg=self.cfg, method=self.method)
+    def step_statics(self, shape: int = 0) -> dict:
+        return dict(cfg=self.cfg, method=self.methods[shape])
+
+    def verify_tokens(self, B: int, shape: int, drafting_rows: int) -> int:
+        N = self.methods[shape].spec.num_draft_tokens
+        return B + min(bucket(max(drafting_rows, 1)), B) * (N - 1)
+
+    def measure_costs(self, repeats: int = 5):
+        """Each draft shape's decode time per row bucket, timed on scratch rows (they write only
+        the scratch page and slot, at a one-token context): the adaptive policy's cost table."""
+        import time
+
+        import jax
+
+        from jspec.config.sampling import SamplingParams
+        from jspec.speculative.adaptive import CostTable
+
+        seconds = {}
+        greedy = (SamplingParams(), 0)
+        for shape, m in enumerate(self.methods):
+            row = seconds[m.spec.shape] = {}
+            for B in self.decode_buckets():
+                times = []
+                for _ in range(repeats + 1):
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(self.decode([self.scratch_slot] * B, [[0]] * B, [greedy] * B, shape=shape))
+                    times.append(time.perf_counter() - t0)
+                row[B] = min(times[1:])  # interference only adds time; the first run may compile
+        self._last_decode = None
+        return CostTable(seconds, f"measured at warm-up ({self.num_shapes} shapes x {len(row)} buckets)")
 
     def prefill_step_tokens(self, next_tokens, finish_rows) -> tuple:
         return (next_tokens, finish_rows)  # the draft's first tokens, and its rows' finishing flags
 
-    def decode_masked(self, slot_ids, page_tables, rows, mode: str, lora, grammars):
+    def decode_masked(self, slot_ids, page_tables, rows, mode: str, lora, grammars, shape: int = 0):
         """The proposal now; in the PendingLaunch, the read of its tree, every node masked by the
-        grammar state of its path (constrained.grammar.tree_masks), and verification."""
+        grammar state of its path (constrained.grammar.tree_masks), and verification. shape:
+        the draft shape (adaptive speculation); every row verifies its tree."""
         if self.host_read is None:
             raise RuntimeError("SpecWorker.host_read (the engine's designated read) is not set")
         B = slot_ids.shape[0]
-        statics = dict(self.step_statics(), backend=self.backend)
+        statics = dict(self.step_statics(shape), backend=self.backend)
         args = (*self.step_weights(), self.state, slot_ids, page_tables)
-        tree = self._launch(("propose", B), lambda: (spec_propose_step, statics, f"propose B={B}"), args)
-        vstatics = dict(self.step_statics(), backend=self.backend, top_n=self.top_n, sampling=mode)
-        verify = ("verify", B, mode, self.top_n), lambda: (spec_verify_step, vstatics, f"verify B={B} {mode} masked")
+        tree = self._launch(("propose", B, shape), lambda: (spec_propose_step, statics, f"propose B={B}"), args)
+        vstatics = dict(self.step_statics(shape), backend=self.backend, top_n=self.top_n, sampling=mode)
+        verify = (
+            ("verify", B, mode, self.top_n, shape),
+            lambda: (spec_verify_step, vstatics, f"verify B={B} {mode} masked" + (f" shape {shape}" if shape else "")),
+        )
         if tree is None:
             # Warm-up records the programs: the verify program's tree has the proposal's shapes.
             tree = jax.eval_shape(functools.partial(spec_propose_step, **statics), *args)[1]

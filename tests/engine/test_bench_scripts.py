@@ -178,3 +178,17 @@ def test_bench_roofline_dry_run_runs_every_part_and_grades_every_target(tmp_path
     targets = result["targets"]
     assert {r["target"][0] for r in targets} == {"1", "2", "3", "4", "5"}
     assert not [r for r in targets if r["figure"] == "not run"]
+
+
+def test_bench_adaptive_replays_every_workload(tmp_path):
+    costs = tmp_path / "costs.json"
+    flat = {"1": 1.0, "2": 1.2}
+    costs.write_text(json.dumps({"costs": {"7,1,8": flat, "3,1,4": flat, "1,1,2": flat, "3,2,7": flat, "off": flat}}))
+    run_script("bench_adaptive", "--cost-table", str(costs), "--out", str(tmp_path))
+    result = json.load(open(tmp_path / "bench_adaptive.json"))
+    assert result["settings"]["cost_source"] == f"loaded from {costs}"
+    assert [r["workload"] for r in result["rows"]] == ["pays", "never_pays", "mixed"]
+    for r in result["rows"]:
+        # Every shape costs the same here: drafting never loses, so the policy never turns it off.
+        assert r["adaptive"]["tokens"] == r["off"]["tokens"] and r["off"]["tokens_per_s"] <= r["7,1,8"]["tokens_per_s"]
+        assert "off" not in r["adaptive"]["iterations"]

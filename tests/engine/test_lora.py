@@ -172,7 +172,11 @@ def test_mixed_batch_equals_merged_models(tiny, adapters, references):
 def test_mixed_batch_with_eagle3_is_lossless(tiny, adapters, references):
     from support.models import eagle_draft
 
-    spec = jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=1, num_draft_tokens=4)
+    from jspec.speculative.adaptive import Choice, CostTable
+
+    # Adaptive, forced to alternate: every other row verifying its root alone (the ragged verify,
+    # whose tokens take their rows' adapters), then off, then every row drafting.
+    spec = jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=1, adaptive=True, adaptive_shapes="0,1,1")
     engine = jspec.Engine(
         tiny,
         speculative=spec,
@@ -181,6 +185,14 @@ def test_mixed_batch_with_eagle3_is_lossless(tiny, adapters, references):
         **LORA,
         **ENGINE,
     )
+    engine.adaptive.costs = CostTable({}, "unused: the choices are forced")
+    step = iter(range(10**6))
+
+    def forced(alphas, bucket, ready=None):
+        k = next(step) % 3
+        return Choice(1) if k == 1 else Choice(0, [i % 2 == 0 for i in range(len(alphas))] if k == 0 else None)
+
+    engine.adaptive.choose = forced
     got, outs = greedy(engine, PROMPTS, USE)
     assert got == expected(references, USE, range(len(PROMPTS)))
     assert all(o.spec_verify_ct >= 1 for o in outs)

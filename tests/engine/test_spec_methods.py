@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.models import TARGET, permutation_models, prompts
+from support.models import TARGET, engine_settings, permutation_models, prompts
 
 import jspec
 from jspec.checkpoint.loader import init_random_params
@@ -30,13 +30,7 @@ def test_ngram_matcher_equals_brute_force(seed):
 
 
 def run_pair(target, ps, spec, draft=None, page_size=16, overlap=True, max_new=16):
-    kw = dict(
-        page_size=page_size,
-        max_total_tokens=127 * page_size,
-        max_running_requests=4,
-        attention_backend="reference",
-        disable_overlap_schedule=not overlap,
-    )
+    kw = engine_settings(page_size, overlap)
     base = jspec.generate(
         (TARGET, target), ps, max_new_tokens=max_new, ignore_eos=True, engine=jspec.Engine((TARGET, target), **kw)
     )

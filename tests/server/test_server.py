@@ -186,7 +186,12 @@ def test_openai_client_matches_generate_with_eagle(model_dir, tmp_path):
         "--speculative-num-draft-tokens",
         "5",
     ]
-    srv = Server(model_dir, *spec_flags)
+    # Adaptive between this tree and off, from a cost table on disk: lossless, so the output
+    # still equals the fixed tree's; the random head's low acceptance makes it switch.
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"costs": {"3,2,5": {"1": 0.0025, "64": 0.0025}, "off": {"1": 0.001, "64": 0.001}}}))
+    adaptive = ["--speculative-adaptive", "--speculative-adaptive-shapes", "0,1,1"]
+    srv = Server(model_dir, *spec_flags, *adaptive, "--speculative-adaptive-cost-table", str(costs))
     try:
         spec = jspec.SpecConfig("EAGLE3", draft, num_steps=3, eagle_topk=2, num_draft_tokens=5)
         check_openai_matches_generate(srv, model_dir, spec)
@@ -195,7 +200,14 @@ def test_openai_client_matches_generate_with_eagle(model_dir, tmp_path):
             json.dumps({"text": "abc", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}).encode(),
         )[1]
         assert r["meta_info"]["spec_verify_ct"] >= 1
-        info = json.loads(srv.get("/get_server_info"))["speculative"]
+        got = srv.client.completions.create(model="tiny", prompt="abc", max_tokens=8, temperature=0)
+        assert got.usage.model_extra["spec_accept_length"] >= 1.0
+        server_info = json.loads(srv.get("/get_server_info"))
+        adaptive_info = server_info["speculative_adaptive"]
+        assert adaptive_info["cost_source"] == f"loaded from {costs}"
+        assert adaptive_info["shapes"] == ["3,2,5", "off"] and adaptive_info["chosen_per_bucket"]
+        assert "jspec_spec_adaptive_iterations_total{" in srv.get("/metrics")
+        info = server_info["speculative"]
         assert (info["algorithm"], info["num_steps"], info["eagle_topk"], info["num_draft_tokens"]) == (
             "EAGLE3",
             3,
