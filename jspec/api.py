@@ -23,6 +23,9 @@ def generate(
     ignore_eos: bool = False,
     stop_token_ids: Sequence[int] = (),
     stop: Sequence[str] = (),
+    json_schema: str | None = None,
+    regex: str | None = None,
+    ebnf: str | None = None,
     sampling_params: SamplingParams | None = None,
     engine: Engine | None = None,
     config: EngineConfig | None = None,
@@ -35,6 +38,7 @@ def generate(
     is built from `config` and `settings` (EngineConfig's fields, e.g. `speculative=SpecConfig(...)`,
     `page_size=16`), `draft=(DraftConfig, draft_params)` giving the draft's weights in memory;
     pass `engine` to reuse one (its compiled programs and KV pool) across calls.
+    json_schema (as JSON text), regex or ebnf constrain the output to that grammar.
     `sampling_params` (a SamplingParams) replaces the sampling keywords above; with n > 1
     there are n outputs per prompt, prompt by prompt.
     Returns one GenerationOutput per prompt (and completion), in order.
@@ -49,6 +53,9 @@ def generate(
         stop=list(stop),
         stop_token_ids=list(stop_token_ids),
         ignore_eos=ignore_eos,
+        json_schema=json_schema,
+        regex=regex,
+        ebnf=ebnf,
     )
     if engine is None:
         settings.setdefault("max_top_logprobs", max(params.top_logprobs_num, EngineConfig.max_top_logprobs))

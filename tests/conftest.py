@@ -42,6 +42,7 @@ SLOW_FILES_FIRST = (
     "test_moe.py",
     "test_train_eagle.py",
     "test_logprobs.py",
+    "test_structured.py",
     "test_spec_sampling.py",
     "test_sampling.py",
     "test_kernels.py",

@@ -20,6 +20,7 @@ LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 QUANTIZATIONS = ("fp8",)
 FP8_GEMM_BACKENDS = ("auto", "xla", "pallas", "w8a8")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+GRAMMAR_BACKENDS = ("llguidance", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +61,16 @@ class EngineConfig:
         "auto",
         "auto: the model's dtype; fp8_e4m3: an FP8 KV cache (per-layer K and V scales from the checkpoint, else 1.0)",
         choices=KV_CACHE_DTYPES,
+    )
+    # Structured outputs.
+    grammar_backend: str = setting(
+        "llguidance",
+        "the library that compiles json_schema / regex / ebnf grammars (none: refuse them)",
+        choices=GRAMMAR_BACKENDS,
+    )
+    grammar_cache_size: int = setting(256, "compiled grammars kept (by kind and text), least recently used dropped")
+    grammar_compile_timeout: float = setting(
+        10.0, "seconds a grammar may take to compile; a slower one is refused as too complex"
     )
     # Programs.
     attention_backend: str | None = setting(

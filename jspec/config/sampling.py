@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
+
 
 @dataclasses.dataclass
 class SamplingParams:
@@ -24,6 +26,10 @@ class SamplingParams:
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     ignore_eos: bool = False
     lora_path: str | None = None  # SGLang's name: the LoRA adapter (its loaded name) this request runs with
+    # Structured output (SGLang's names; at most one): the output is a sentence of this grammar.
+    json_schema: str | None = None  # a JSON schema, as JSON text
+    regex: str | None = None
+    ebnf: str | None = None  # GBNF / EBNF (llama.cpp's dialect) or Lark
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -74,6 +80,12 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if self.lora_path is not None and (not isinstance(self.lora_path, str) or not self.lora_path):
             raise ValueError(f"lora_path must be a loaded adapter's name or None, got {self.lora_path!r}")
+        grammars = [k for k in GRAMMAR_FIELDS if getattr(self, k) is not None]
+        if len(grammars) > 1:
+            raise ValueError(f"at most one of json_schema, regex and ebnf may be given, got {grammars}")
+        for k in grammars:
+            if not isinstance(getattr(self, k), str) or not getattr(self, k):
+                raise ValueError(f"{k} must be a non-empty string, got {getattr(self, k)!r}")
 
     def completions(self) -> list[SamplingParams]:
         """The n single completions this asks for: seeds seed, seed+1, ... (each drawn apart when
@@ -86,6 +98,14 @@ class SamplingParams:
     @property
     def wants_prompt_logprobs(self) -> bool:
         return self.return_logprob and self.logprob_start_len >= 0
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, text) of the request's grammar, None for free text."""
+        for k in GRAMMAR_FIELDS:
+            if getattr(self, k) is not None:
+                return k, getattr(self, k)
+        return None
 
     @property
     def has_penalties(self) -> bool:

@@ -351,6 +351,8 @@ class DecodeScheduler(Scheduler):
 class DecodeEngine(Engine):
     """Engine(...) whose prompts are prefilled by the prefill engines at prefill_addrs."""
 
+    grammar_refusal = "PD disaggregation"
+
     def __init__(
         self,
         model,

@@ -73,6 +73,8 @@ def check_disaggregation_args(config: EngineConfig) -> None:
 class PrefillEngine(Engine):
     """Engine(...) whose requests stop after their prefill and come out as Handoffs."""
 
+    grammar_refusal = "PD disaggregation"
+
     def __init__(self, model, config: EngineConfig | None = None, *, draft=None, **settings):
         config = dataclasses.replace(config or EngineConfig(), **settings)
         check_disaggregation_args(config)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import threading
 import time
 
 import numpy as np
@@ -33,7 +34,7 @@ from jspec.scheduler.request import Request
 from jspec.scheduler.scheduler import Scheduler
 from jspec.scheduler.sync import designated_read, start_host_copy
 from jspec.steps.common import unpack_output
-from jspec.worker.base import check_layer_loop
+from jspec.worker.base import PendingLaunch, check_layer_loop
 from jspec.worker.batch import DecodeBatch, DPBatch, PrefillBatch
 from jspec.worker.plain import PlainWorker
 from jspec.worker.programs import enable_compilation_cache
@@ -184,6 +185,8 @@ class Engine:
             from jspec.worker.dp import DPWorker
 
             self.worker = DPWorker(self.worker, dp_mesh)
+        # Speculation with grammar rows reads each proposed tree before verifying it.
+        self.worker.host_read = designated_read
         self.scheduler = self.make_scheduler()
         self.prefix_cache = self.scheduler.prefix_cache
         self.lora = self.worker.lora
@@ -194,6 +197,8 @@ class Engine:
         self._arrival = itertools.count()
         self.num_steps = 0
         self.loop_times = LoopTimes()
+        self._grammar_compiler = None
+        self._grammar_lock = threading.Lock()
         self._last_processed = time.perf_counter()
         for name, path in config.lora_paths.items():
             self.load_lora(name, path)
@@ -315,6 +320,8 @@ class Engine:
         room = self.model.cfg.max_position_embeddings - len(ids)
         if room < params.max_new_tokens:
             params = dataclasses.replace(params, max_new_tokens=room)
+        self.check_grammar(params)
+        grammar = self.grammar_compiler.matcher(*params.grammar) if params.grammar is not None else None
         checker = StopChecker(params.stop, params.stop_token_ids, eos, params.ignore_eos, params.max_new_tokens)
         detok = IncrementalDetokenizer(tok, ids) if tok is not None else None
         req = Request(
@@ -327,9 +334,54 @@ class Engine:
             seed=params.seed if params.seed is not None else int(self._seeds.integers(2**32)),
             lora_slot=lora_slot,
             cache_namespace=lora_uid,
+            grammar=grammar,
         )
         self.scheduler.add(req)
         return rid
+
+    # ---- structured outputs --------------------------------------------------------------------
+
+    # Why this kind of engine refuses grammars (None: it runs them); PD engines set theirs.
+    grammar_refusal: str | None = None
+
+    @property
+    def grammar_compiler(self):
+        """The engine's GrammarCompiler (built at first use: it reads the whole vocabulary)."""
+        with self._grammar_lock:  # the server's threads and the loop may ask first at once
+            return self._make_grammar_compiler()
+
+    def _make_grammar_compiler(self):
+        if self._grammar_compiler is None:
+            from jspec.constrained.grammar import GrammarCompiler
+
+            tok = self.model.tokenizer
+            eos = set(self.model.cfg.eos_token_ids) | set(tok.eos_token_ids)
+            self._grammar_compiler = GrammarCompiler.for_tokenizer(
+                tok,
+                self.model.cfg.vocab_size,
+                sorted(eos),
+                cache_size=self.config.grammar_cache_size,
+                compile_timeout_s=self.config.grammar_compile_timeout,
+            )
+        return self._grammar_compiler
+
+    def check_grammar(self, params: SamplingParams) -> None:
+        """Refuses a request's grammar (ValueError naming why) if this engine cannot run it, or
+        llguidance rejects it (GrammarError, a ValueError); compiles it into the cache
+        otherwise. The server calls it off the loop's thread, so the loop never compiles."""
+        grammar = params.grammar
+        if grammar is None:
+            return
+        kind = grammar[0]
+        if self.config.grammar_backend == "none":
+            raise ValueError(f"{kind}: structured outputs are off on this engine (grammar_backend='none')")
+        if self.grammar_refusal is not None:
+            raise ValueError(f"{kind}: structured outputs are not implemented with {self.grammar_refusal}")
+        if not self.worker.supports_grammar:
+            raise ValueError(f"{kind}: structured outputs are not implemented with DP attention")
+        if self.model.tokenizer is None:
+            raise ValueError(f"{kind}: structured outputs need the model's tokenizer; this model has none")
+        self.grammar_compiler.compile(*grammar)
 
     def abort(self, rid: str) -> bool:
         """Finishes a request now and frees its KV; True if it was still running or waiting."""
@@ -354,18 +406,36 @@ class Engine:
         times.iterations += 1
         if self.overlap:
             done, self._inflight = self._inflight, launched
-        else:
-            done = launched
-        return self._process(done) if done is not None else []
+            outputs = self._process(done) if done is not None else []
+            # A launch with grammar rows finishes here: its masks follow from the tokens just
+            # processed, and its first half has kept the device busy meanwhile.
+            self._finish(launched)
+            return outputs
+        self._finish(launched)
+        return self._process(launched) if launched is not None else []
 
     def _launch(self, batch) -> Launched:
         if self.adaptive is not None and isinstance(batch, DecodeBatch):
             choice = self._choose_shape(batch)
-            batch.shape, batch.drafting = choice.shape, choice.drafting
-        launched = Launched(batch, start_host_copy(self.worker.launch(batch)))
+            # Grammar rows verify whole trees (the deferred launch has no ragged verify): the
+            # policy's shape is kept, its opt-outs dropped.
+            batch.shape, batch.drafting = choice.shape, None if batch.grammars is not None else choice.drafting
+        out = self.worker.launch(batch)
+        launched = Launched(batch, out)
         self.num_steps += 1
-        self.on_launched(launched)
+        if not isinstance(out, PendingLaunch):
+            launched.outputs = start_host_copy(out)
+            self.on_launched(launched)
         return launched
+
+    def _finish(self, launched: Launched | None) -> None:
+        """Dispatches the second half of a launch that waited for the host (PendingLaunch)."""
+        if launched is None or not isinstance(launched.outputs, PendingLaunch):
+            return
+        t0 = time.perf_counter()
+        launched.outputs = start_host_copy(launched.outputs.finish())
+        self.on_launched(launched)
+        self.loop_times.launch_s += time.perf_counter() - t0
 
     def _choose_shape(self, batch: DecodeBatch):
         if self.adaptive.costs is None:
@@ -420,12 +490,14 @@ class Engine:
             r.num_cached_tokens,
             r.verify_ct,
             r.matched_stop,
+            r.error,
         )
 
     def drain(self) -> None:
         """Waits for and processes the step in flight (for shutdown and idle checks)."""
         if self._inflight is not None:
             done, self._inflight = self._inflight, None
+            self._finish(done)
             self._process(done)
 
     def check_idle_no_leaks(self) -> None:

@@ -162,6 +162,19 @@ def keep_mask(
     return (x >= tau[:, None]) & (x - m >= jnp.log(params[:, MIN_P])[:, None])
 
 
+def apply_vocab_mask(logits: jax.Array, mask: jax.Array | None) -> jax.Array:
+    """logits [R, V] with the tokens a row's bitmask [R, ceil(V / 32)] int32 leaves out set to
+    -inf (bit t % 32 of word t // 32 allows token t); None: unchanged. Sampling and logprobs
+    after it are the distribution renormalised over the allowed tokens."""
+    if mask is None:
+        return logits
+    R, V = logits.shape
+    shifts = jnp.arange(32, dtype=jnp.uint32)
+    bits = (jax.lax.bitcast_convert_type(mask, jnp.uint32)[:, :, None] >> shifts) & 1
+    allowed = bits.reshape(R, -1)[:, :V].astype(bool)
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
 def row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
     return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)
 

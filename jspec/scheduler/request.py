@@ -6,6 +6,7 @@ import dataclasses
 import enum
 
 from jspec.config.sampling import SamplingParams
+from jspec.constrained.grammar import GrammarMatcher
 from jspec.scheduler.detokenize import IncrementalDetokenizer, StopChecker
 
 
@@ -27,6 +28,8 @@ class Request:
     seed: int = 0  # sampling seed (the request's own, or one the engine drew for it)
     lora_slot: int = 0  # LoRA pool slot of params.lora_path (0: no adapter)
     cache_namespace: int = 0  # prefix-cache namespace: the loaded adapter's unique id (0: the base model)
+    grammar: GrammarMatcher | None = None  # structured output: the grammar state after `output`
+    error: str | None = None  # why the request fails (its grammar could not give a mask)
     output: list[int] = dataclasses.field(default_factory=list)
     text: str = ""  # streamed text so far (stop strings trimmed)
     output_logprobs: list[float] = dataclasses.field(default_factory=list)  # if params.return_logprob
@@ -83,7 +86,19 @@ class Request:
 
     def append(self, tokens, logprobs=None, top_ids=None, top_logprobs=None) -> str:
         """Takes new tokens up to whatever ends the request (stop token, EOS, stop string,
-        length), with their logprobs when asked for; returns the new text safe to stream."""
+        length, the grammar's end), with their logprobs when asked for; returns the new text
+        safe to stream."""
+        ended = False
+        if self.grammar is not None and not self.finished:
+            tokens = list(tokens)
+            took = self.grammar.accept(tokens)
+            if took < len(tokens) and not self.grammar.ended:
+                # Every sampled token was masked by this grammar: a refused one is a bug, and
+                # the request fails rather than return text outside its grammar.
+                raise RuntimeError(
+                    f"request {self.rid}: token {tokens[took]} left its grammar ({self.grammar.error or 'refused'})"
+                )
+            tokens, ended = tokens[:took], self.grammar.ended
         res = self.stop_checker.update(tokens, self.detokenizer)
         self.output.extend(res.token_ids)
         kept = len(res.token_ids)
@@ -97,6 +112,12 @@ class Request:
         self.text += res.text
         if res.finish_reason is not None:
             self.finish(res.finish_reason.type, res.finish_reason.matched)
+        elif ended:
+            # The grammar is complete and admits nothing more: a stop, as if EOS had come.
+            rest = self.stop_checker.flush(self.detokenizer)
+            self.text += rest
+            self.finish("stop")
+            return res.text + rest
         return res.text
 
     def finish(self, reason: str, matched=None) -> str:

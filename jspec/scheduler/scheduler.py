@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 
+from jspec.constrained.grammar import row_masks
 from jspec.kvcache.allocator import OutOfPagesError
 from jspec.kvcache.radix_cache import RadixCache
 from jspec.scheduler.kv_manager import KVManager
@@ -146,6 +147,8 @@ class Scheduler:
                 continue  # a retracted request whose last outputs are still in flight
             if req.params.wants_prompt_logprobs and not self.worker.prompt_logprob_programs_ready():
                 continue  # its prefill program compiles in the background; the others go on
+            if req.grammar is not None and not self.worker.grammar_programs_ready():
+                continue  # likewise the masked programs
             if not self.kv.free_slots:
                 break
             if not self._admit(req):
@@ -170,6 +173,7 @@ class Scheduler:
             batch.loras.append(req.lora_slot)
         if not batch.chunks:
             return None
+        batch.vocab_masks = self._vocab_masks(batch.reqs, [f is None for f in batch.following])
         for req, chunk, following in zip(batch.reqs, batch.chunks, batch.following):
             req.prefilled += len(chunk.tokens)
             self.prefilled_tokens += len(chunk.tokens)
@@ -245,10 +249,23 @@ class Scheduler:
             batch.loras.append(req.lora_slot)
         if not batch.reqs:
             return None
+        if any(r.grammar is not None for r in batch.reqs):
+            # Masks follow from the tokens still in flight: the worker computes them when the
+            # engine has processed the previous step (a deferred launch, docs/architecture.md).
+            batch.grammars = [r.grammar for r in batch.reqs]
         for req in batch.reqs:
             req.inflight += 1
             req.inflight_outputs += 1
         return batch
+
+    def _vocab_masks(self, reqs: list[Request], samples: list[bool]):
+        """A prefill's token bitmasks [rows, words] (int32), from the grammar state of each
+        constrained request whose prompt ends here (nothing of it is in flight); None when no
+        such row has a grammar (the step then runs its unmasked program)."""
+        grammars = [r.grammar if s else None for r, s in zip(reqs, samples)]
+        if all(g is None for g in grammars):
+            return None
+        return row_masks(grammars, self.worker.vocab_size)
 
     def _pick_victim(self, exclude: Request) -> Request | None:
         others = [r for r in self.running if r is not exclude]
@@ -283,12 +300,24 @@ class Scheduler:
                 )
             offset += len(chunk.tokens)
             req.inflight_outputs -= 1
-            if following is None and not req.finished:
+            if following is None and self._failed(req):
+                touched.append(req)
+            elif following is None and not req.finished:
                 req.append(out.tokens[i, :1], out.logprobs[i], out.top_ids[i], out.top_logprobs[i])
                 touched.append(req)
                 if req.finished:
                     self.retire(req)
         return touched
+
+    def _failed(self, req: Request) -> bool:
+        """Ends a request that failed while its step ran (its error says why)."""
+        if req.error is None and req.grammar is not None:
+            req.error = req.grammar.failure
+        if req.error is None or req.finished:
+            return False
+        req.finish("abort")
+        self.retire(req)
+        return True
 
     def on_decode_done(self, batch: DecodeBatch, out, speculative: bool) -> list[Request]:
         """out: the decode's StepOutput on the host."""
@@ -297,6 +326,9 @@ class Scheduler:
             req.inflight_outputs -= 1
             if req.finished:
                 continue  # one-step lag: launched before its finish was seen; drop these tokens
+            if self._failed(req):
+                touched.append(req)
+                continue
             emitted = out.tokens[i, : int(out.accept_len[i]) + 1]
             if req.status is Status.RUNNING:
                 req.inflight -= 1

@@ -25,7 +25,7 @@ def _compile(source: str):
     return env.from_string(source)
 
 
-def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True, tools=None) -> str:
     if tokenizer is None or not tokenizer.chat_template:
         raise APIError(
             "this model has no chat template (tokenizer_config.json chat_template); use /v1/completions",
@@ -37,6 +37,7 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
             add_generation_prompt=add_generation_prompt,
             bos_token=tokenizer.bos_token,
             eos_token=tokenizer.eos_token,
+            **({"tools": tools} if tools else {}),
         )
     except TemplateError as e:
         raise APIError(f"chat template: {e}", param="messages") from None

@@ -24,6 +24,7 @@ from jspec.server.streaming import (
     start,
     usage,
 )
+from jspec.server.tools import check_tools, parse_tool_calls, tool_call_schema
 
 router = APIRouter()
 
@@ -132,13 +133,23 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, st: Se
         raise APIError(
             f"top_logprobs={n_top} exceeds this server's --max-top-logprobs={st.max_top}", param="top_logprobs"
         )
+    functions, tool_choice = check_tools(body.tools, body.tool_choice)
+    grammar = None
+    if tool_choice not in (None, "auto"):
+        if body.grammar():
+            raise APIError(
+                "a forced tool_choice constrains the output itself; drop response_format", param="tool_choice"
+            )
+        grammar = {"json_schema": tool_call_schema(functions, tool_choice)}
     text = render_chat(
-        st.tokenizer, [{**m.model_dump(exclude_none=True), "content": message_text(m)} for m in body.messages]
+        st.tokenizer,
+        [{**m.model_dump(exclude_none=True), "content": message_text(m)} for m in body.messages],
+        tools=body.tools if tool_choice is not None else None,
     )
     ids = st.tokenizer.encode(text, add_special_tokens=False)
     ids = st.check_prompt(ids)
     max_new = body.max_completion_tokens or body.max_tokens or max(1, st.model.cfg.max_position_embeddings - len(ids))
-    params = body.sampling_params(max_new, body.logprobs, n_top, adapter)
+    params = body.sampling_params(max_new, body.logprobs, n_top, adapter, grammar)
     asked = "max_completion_tokens" if body.max_completion_tokens else "max_tokens" if body.max_tokens else None
     if asked is not None:
         st.check_room(len(ids), max_new, asked, "messages")
@@ -148,23 +159,29 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, st: Se
     prompt_tokens = len(ids) * body.n
     if not body.stream:
         choices = await collect(streams, st.metrics.observer(t0), request)
-        out = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "finish_reason": openai_finish(c.finish_reason),
-                "matched_stop": c.matched_stop,
-                "logprobs": chat_logprobs(st, c.token_ids, c.logprobs, c.top_logprobs) if body.logprobs else None,
-            }
-            for c in sorted(choices.values(), key=lambda c: c.index)
-        ]
+        out = []
+        for c in sorted(choices.values(), key=lambda c: c.index):
+            content, calls = parse_tool_calls(c.text, functions, tool_choice)
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            finish = openai_finish(c.finish_reason)
+            out.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "finish_reason": "tool_calls" if calls and finish == "stop" else finish,
+                    "matched_stop": c.matched_stop,
+                    "logprobs": chat_logprobs(st, c.token_ids, c.logprobs, c.top_logprobs) if body.logprobs else None,
+                }
+            )
         completion = sum(c.completion_tokens for c in choices.values())
         spec = [(c.completion_tokens, c.verify_ct) for c in choices.values()]
         return {**head, "object": "chat.completion", "choices": out, "usage": usage(prompt_tokens, completion, spec)}
 
     async def events():
         chunk = {**head, "object": "chat.completion.chunk"}
-        completion, verify, started = {}, {}, set()
+        completion, verify, started, held = {}, {}, set(), {}
         async with aclosing(merged(streams, st.metrics.observer(t0))) as outputs:
             async for i, out in outputs:
                 completion[i], verify[i] = out.completion_tokens, out.spec_verify_ct
@@ -188,6 +205,31 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, st: Se
                     if body.logprobs and out.new_token_ids
                     else None
                 )
+                if tool_choice is not None:
+                    # Calls are parsed from the whole text: a choice with tools streams as one
+                    # delta at its end (content and tool_calls, as the non-streamed message).
+                    held[i] = held.get(i, "") + out.new_text
+                    if not out.finished:
+                        continue
+                    content, calls = parse_tool_calls(held.pop(i), functions, tool_choice)
+                    delta = {"content": content} if content else {}
+                    if calls:
+                        delta["tool_calls"] = [{"index": j, **c} for j, c in enumerate(calls)]
+                    finish = openai_finish(out.finish_reason)
+                    yield sse(
+                        {
+                            **chunk,
+                            "choices": [
+                                {
+                                    "index": i,
+                                    "delta": delta,
+                                    "finish_reason": "tool_calls" if calls and finish == "stop" else finish,
+                                    "logprobs": None,
+                                }
+                            ],
+                        }
+                    )
+                    continue
                 if out.new_text or out.finished or lp:
                     yield sse(
                         {

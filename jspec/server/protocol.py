@@ -6,6 +6,7 @@ Bodies are pydantic models (FastAPI's own validation): a known field of the wron
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -62,11 +63,52 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     user: str | None = None
     lora_path: str | None = None  # SGLang's extension: a loaded LoRA adapter's name (or model "base:adapter")
+    # Structured output: OpenAI's response_format, or SGLang's extensions (at most one of all).
+    response_format: dict[str, Any] | None = None
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+
+    def grammar(self) -> dict[str, str]:
+        """The SamplingParams grammar field this body asks for ({} for free text)."""
+        asked = {k: getattr(self, k) for k in ("json_schema", "regex", "ebnf") if getattr(self, k) is not None}
+        if isinstance(asked.get("json_schema"), dict):
+            asked["json_schema"] = json.dumps(asked["json_schema"])
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type")
+            if kind == "json_object":
+                asked["response_format"] = '{"type": "object"}'
+            elif kind == "json_schema":
+                spec = rf.get("json_schema")
+                schema = spec.get("schema") if isinstance(spec, dict) else None
+                if not isinstance(schema, dict):
+                    raise APIError(
+                        "response_format json_schema needs json_schema.schema, a JSON schema object",
+                        param="response_format",
+                    )
+                asked["response_format"] = json.dumps(schema)
+            elif kind != "text":
+                raise APIError(
+                    f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                    param="response_format",
+                )
+        if len(asked) > 1:
+            raise APIError(f"give at most one of response_format, json_schema, regex and ebnf, got {sorted(asked)}")
+        if "response_format" in asked:
+            return {"json_schema": asked["response_format"]}
+        return asked
 
     def sampling_params(
-        self, max_new_tokens: int, return_logprob: bool, top_logprobs: int, lora_path: str | None = None
+        self,
+        max_new_tokens: int,
+        return_logprob: bool,
+        top_logprobs: int,
+        lora_path: str | None = None,
+        grammar: dict[str, str] | None = None,
     ) -> SamplingParams:
         stop = check_stop(self.stop)
+        grammar = self.grammar() if grammar is None else grammar
         try:
             return SamplingParams(
                 max_new_tokens=max_new_tokens,
@@ -85,6 +127,7 @@ class _Sampling(BaseModel):
                 ignore_eos=self.ignore_eos,
                 n=self.n,
                 lora_path=lora_path,
+                **grammar,
             )
         except ValueError as e:
             raise APIError(str(e), param=str(e).split(" ", 1)[0]) from None
@@ -110,6 +153,8 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
 
 class GenerateRequest(BaseModel):

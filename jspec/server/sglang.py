@@ -3,6 +3,7 @@ and unload adapters on the engine thread, between steps, while requests run."""
 
 from __future__ import annotations
 
+import json
 import time
 from contextlib import aclosing
 
@@ -26,6 +27,8 @@ async def generate(body: GenerateRequest, request: Request, st: Served):
     sp = dict(body.sampling_params)
     asked = "max_new_tokens" in sp
     sp.setdefault("max_new_tokens", 128)
+    if isinstance(sp.get("json_schema"), dict):  # SGLang takes the schema as text; an object is as clear
+        sp["json_schema"] = json.dumps(sp["json_schema"])
     if sp.get("stop") is not None:
         sp["stop"] = check_stop(sp["stop"], "sampling_params.stop")
     try:

@@ -26,6 +26,8 @@ class ServerState:
         self.model_name = model_name
         self.metrics = ServerMetrics(self.core)
         self.max_top = self.core.worker.top_n
+        if self.tokenizer is not None and self.core.config.grammar_backend != "none":
+            self.core.grammar_compiler  # noqa: B018 - reads the vocabulary now, not in a request
 
     def check_model(self, name: str | None, lora_path: str | None = None) -> str | None:
         """The LoRA adapter a request asks for (None: the base model), named by OpenAI's `model`

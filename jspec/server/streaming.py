@@ -83,6 +83,13 @@ async def start(engine: AsyncEngine, ids: list[int], params: SamplingParams, bas
     """Submits params.n copies (consecutive seeds) and returns their streams, each already past its
     first output, so that a request the engine refuses fails before any response is sent."""
     streams = []
+    if params.grammar is not None:
+        # Compiled here, on a worker thread, into the engine's cache: the loop's thread only
+        # copies it, and a grammar llguidance rejects is the client's 400.
+        try:
+            await anyio.to_thread.run_sync(engine.engine.check_grammar, params)
+        except ValueError as e:
+            raise APIError(str(e), param=params.grammar[0]) from None
     try:
         for k, p in enumerate(params.completions()):
             agen = engine.stream(ids, p)

@@ -149,6 +149,7 @@ def spec_prefill_step(
     counts: PrefillCounts,
     rows: SamplingRows,
     lora: LoraBatch | None = None,
+    vocab_mask=None,
     *,
     cfg: ModelConfig,
     method: SpecMethod,
@@ -164,10 +165,13 @@ def spec_prefill_step(
     where the sampled first token goes. slot_ids [B]: carry slot of each sequence whose prompt
     ends in this chunk, else the scratch slot. lora: the adapter pool and each token's adapter
     slot [T], applied by the target only (the draft runs without adapters; it reads the
-    target's features, which carry the adapter's effect).
+    target's features, which carry the adapter's effect). vocab_mask: [B, words] token
+    bitmasks of the first tokens (None: every token allowed).
     """
     tkv, out = forward(params, cfg, state.target_kv, batch, mode, capture_layers=method.capture_layers, lora=lora)
-    first, logits, pen = sample_first_tokens(out.logits, state.penalties, batch, slot_ids, counts, rows, sampling)
+    first, logits, pen = sample_first_tokens(
+        out.logits, state.penalties, batch, slot_ids, counts, rows, sampling, vocab_mask
+    )
     next_tokens = draft_tokens.at[finish_rows].set(first, mode="drop")
     ctx = PrefillContext(batch, mode, out, next_tokens, first, slot_ids, counts.token_slots)
     draft, extra = method.prefill(params, dparams, state.draft, ctx)
@@ -215,6 +219,106 @@ def spec_decode_step(
     """
     c = gather_slots(state.carry, slot_ids)
     draft, tree = method.propose(params, dparams, state.draft, c, page_tables, slot_ids, backend)
+    return _verify_update(
+        params,
+        dparams,
+        state,
+        draft,
+        c,
+        tree,
+        slot_ids,
+        page_tables,
+        rows,
+        lora,
+        None,
+        cfg,
+        method,
+        backend,
+        top_n,
+        sampling,
+        drafting,
+        verify_tokens,
+    )
+
+
+# Structured outputs split the iteration in two dispatches: the host reads the proposed tree
+# between them and masks every node by the grammar state of its path (constrained/tree.py).
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "method", "backend"), donate_argnames=("state",))
+def spec_propose_step(
+    params, dparams, state: SpecState, slot_ids, page_tables, *, cfg: ModelConfig, method: SpecMethod, backend: str
+):
+    """The method's proposal alone -> (state with the draft's state advanced, the verify tree)."""
+    c = gather_slots(state.carry, slot_ids)
+    draft, tree = method.propose(params, dparams, state.draft, c, page_tables, slot_ids, backend)
+    return state._replace(draft=draft), tree
+
+
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "method", "backend", "top_n", "sampling"), donate_argnames=("state",)
+)
+def spec_verify_step(
+    params,
+    dparams,
+    state: SpecState,
+    tree: DraftTree,
+    slot_ids,
+    page_tables,
+    rows: SamplingRows,
+    lora: LoraBatch | None,
+    node_masks,
+    *,
+    cfg: ModelConfig,
+    method: SpecMethod,
+    backend: str = "pallas",
+    top_n: int = 0,
+    sampling: str = "sampled",
+) -> tuple[SpecState, PackedOutput]:
+    """The rest of spec_decode_step after spec_propose_step: verify the tree with the target's
+    logits at each node masked by node_masks [B, N, words] (the tokens the grammar allows after
+    the node's path), accept, update the draft."""
+    c = gather_slots(state.carry, slot_ids)
+    return _verify_update(
+        params,
+        dparams,
+        state,
+        state.draft,
+        c,
+        tree,
+        slot_ids,
+        page_tables,
+        rows,
+        lora,
+        node_masks,
+        cfg,
+        method,
+        backend,
+        top_n,
+        sampling,
+    )
+
+
+def _verify_update(
+    params,
+    dparams,
+    state: SpecState,
+    draft,
+    c: SpecCarry,
+    tree: DraftTree,
+    slot_ids,
+    page_tables,
+    rows,
+    lora,
+    node_masks,
+    cfg,
+    method,
+    backend,
+    top_n,
+    sampling,
+    drafting=None,
+    verify_tokens=None,
+):
     v = verify_tree(
         params,
         cfg,
@@ -232,6 +336,7 @@ def spec_decode_step(
         sampling=sampling,
         top_n=top_n,
         lora=lora,
+        node_masks=node_masks,
         drafting=drafting,
         verify_tokens=verify_tokens,
     )

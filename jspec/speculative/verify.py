@@ -17,7 +17,7 @@ from jspec.kvcache.pool import KVPool
 from jspec.layers.batch import AttentionMode, ForwardBatch, bucket
 from jspec.layers.lora import LoraBatch
 from jspec.layers.penalties import PenaltyState, apply_tree_penalties
-from jspec.layers.sampling import SamplingRows, token_logprobs
+from jspec.layers.sampling import SamplingRows, apply_vocab_mask, token_logprobs
 from jspec.models.llama import ForwardOutput, forward
 from jspec.speculative.accept import AcceptResult, sampled_accept
 from jspec.speculative.tree import DraftTree
@@ -51,6 +51,7 @@ def verify_tree(
     sampling: str = "sampled",
     top_n: int = 0,
     lora: LoraBatch | None = None,
+    node_masks=None,
     drafting: jax.Array | None = None,
     verify_tokens: int | None = None,
 ) -> Verified:
@@ -61,6 +62,9 @@ def verify_tree(
     mask replaces causality; after acceptance the accepted nodes' KV moves to n + depth.
     page_tables [B, M] must cover positions < n + N.
     lora: the adapter pool and each request's adapter slot [B] (every node takes its request's).
+    node_masks: [B, N, words] token bitmasks, the tokens allowed after each node's path (None:
+    all). The target's draw at every node then comes from its distribution renormalised over
+    them, so a draft outside the grammar is never accepted and the bonus stays inside it.
     drafting [B] bool with verify_tokens (static): rows that verify their tree; the others verify
     their root alone. The forward then runs over verify_tokens ragged tokens (each row's nodes
     back to back, the tail padding) instead of B * N, and its outputs are laid out as B x N again.
@@ -123,6 +127,8 @@ def verify_tree(
     node_logits = apply_tree_penalties(
         out.logits.reshape(B, N, -1), penalties, slot_ids, rows.params, tree.tokens, tree.mask
     )
+    if node_masks is not None:
+        node_logits = apply_vocab_mask(node_logits.reshape(B * N, -1), node_masks.reshape(B * N, -1)).reshape(B, N, -1)
     acc = sampled_accept(tree, node_logits, rows, n + 1, num_steps, sampling, node_valid)
     E = num_steps + 1
     depth = jnp.arange(E, dtype=jnp.int32)[None]

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jspec.config.model import ModelConfig
 from jspec.layers.batch import ForwardBatch
 from jspec.layers.penalties import PenaltyState, PrefillCounts, apply_penalties, record_emitted, record_prefill
-from jspec.layers.sampling import NUM_PARAMS, SamplingRows, sample_tokens, token_logprobs
+from jspec.layers.sampling import NUM_PARAMS, SamplingRows, apply_vocab_mask, sample_tokens, token_logprobs
 
 
 class PromptLogprobs(NamedTuple):
@@ -96,11 +96,18 @@ def gather_slots(carry, slot_ids: jax.Array):
 
 
 def sample_first_tokens(
-    logits, pen: PenaltyState, batch: ForwardBatch, slot_ids, counts: PrefillCounts, rows: SamplingRows, sampling: str
+    logits,
+    pen: PenaltyState,
+    batch: ForwardBatch,
+    slot_ids,
+    counts: PrefillCounts,
+    rows: SamplingRows,
+    sampling: str,
+    vocab_mask=None,
 ):
     """A prefill's sampled tokens (the first token sits at position seq_len), after the chunk's
     tokens are counted for penalties: (tokens [B], penalised logits [B, V], new PenaltyState)."""
     pen = record_prefill(pen, batch.tokens, counts)
-    logits = apply_penalties(logits, pen, slot_ids, rows.params)
+    logits = apply_vocab_mask(apply_penalties(logits, pen, slot_ids, rows.params), vocab_mask)
     first = sample_tokens(logits, rows, batch.seq_lens, sampling)
     return first, logits, record_emitted(pen, slot_ids, first[:, None])

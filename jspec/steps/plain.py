@@ -23,7 +23,7 @@ from jspec.kvcache.pool import KVPool
 from jspec.layers.batch import AttentionMode, ForwardBatch
 from jspec.layers.lora import LoraBatch
 from jspec.layers.penalties import PenaltyState, PrefillCounts, apply_penalties, record_emitted
-from jspec.layers.sampling import SamplingRows, sample_tokens
+from jspec.layers.sampling import SamplingRows, apply_vocab_mask, sample_tokens
 from jspec.models.llama import forward
 from jspec.steps.common import (
     gather_slots,
@@ -62,6 +62,7 @@ def plain_prefill_step(
     counts: PrefillCounts,
     rows: SamplingRows,
     lora: LoraBatch | None = None,
+    vocab_mask=None,
     *,
     cfg: ModelConfig,
     mode: AttentionMode,
@@ -72,9 +73,12 @@ def plain_prefill_step(
     """Prefills one ragged chunk batch. slot_ids [B]: carry slot of each sequence whose prompt
     ends in this chunk (it receives the sampled first token), else the scratch slot.
     next_tokens [T]: the prompt token after each token (scored when with_prompt_logprobs).
-    lora: the adapter pool and each token's adapter slot [T] (None: no LoRA)."""
+    lora: the adapter pool and each token's adapter slot [T] (None: no LoRA).
+    vocab_mask: [B, words] token bitmasks of the sequences (None: every token allowed)."""
     kv, out = forward(params, cfg, state.target_kv, batch, mode, lora=lora)
-    first, logits, pen = sample_first_tokens(out.logits, state.penalties, batch, slot_ids, counts, rows, sampling)
+    first, logits, pen = sample_first_tokens(
+        out.logits, state.penalties, batch, slot_ids, counts, rows, sampling, vocab_mask
+    )
     c = state.carry
     carry = PlainCarry(
         c.next_token.at[slot_ids].set(first, mode="drop"), c.seq_len.at[slot_ids].set(batch.seq_lens, mode="drop")
@@ -93,6 +97,7 @@ def plain_decode_step(
     page_tables,
     rows: SamplingRows,
     lora: LoraBatch | None = None,
+    vocab_mask=None,
     *,
     cfg: ModelConfig,
     backend: str = "pallas",
@@ -100,7 +105,31 @@ def plain_decode_step(
     sampling: str = "sampled",
 ):
     """One token for each slot in slot_ids [B]; page_tables [B, M] cover position seq_len.
-    lora: the adapter pool and each row's adapter slot [B] (None: no LoRA)."""
+    lora: the adapter pool and each row's adapter slot [B] (None: no LoRA).
+    vocab_mask: [B, words] token bitmasks of the rows (None: every token allowed)."""
+    kv, logits = _decode_forward(params, state, slot_ids, page_tables, rows, lora, cfg, backend)
+    return _decode_sample(state._replace(target_kv=kv), logits, slot_ids, rows, vocab_mask, top_n, sampling)
+
+
+# Structured outputs under the overlap loop split the decode in two dispatches: the forward
+# is launched before the host knows the rows' masks (they follow from the previous step's
+# tokens, read meanwhile), the sampling after.
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "backend"), donate_argnames=("state",))
+def plain_decode_forward(params, state: PlainState, slot_ids, page_tables, rows, lora, *, cfg: ModelConfig, backend):
+    """The decode's forward: -> (state with the new KV written, penalised logits [B, V])."""
+    kv, logits = _decode_forward(params, state, slot_ids, page_tables, rows, lora, cfg, backend)
+    return state._replace(target_kv=kv), logits
+
+
+@functools.partial(jax.jit, static_argnames=("top_n", "sampling"), donate_argnames=("state",))
+def plain_decode_sample(state: PlainState, logits, slot_ids, rows, vocab_mask, *, top_n: int, sampling: str):
+    """The decode's sampling over plain_decode_forward's logits, masked by vocab_mask [B, words]."""
+    return _decode_sample(state, logits, slot_ids, rows, vocab_mask, top_n, sampling)
+
+
+def _decode_forward(params, state: PlainState, slot_ids, page_tables, rows, lora, cfg, backend):
     B = slot_ids.shape[0]
     c = gather_slots(state.carry, slot_ids)
     n = c.seq_len
@@ -115,9 +144,14 @@ def plain_decode_step(
         logits_indices=jnp.arange(B, dtype=jnp.int32),
     )
     kv, out = forward(params, cfg, state.target_kv, batch, AttentionMode(True, 1, backend), lora=lora)
-    logits = apply_penalties(out.logits, state.penalties, slot_ids, rows.params)
+    return kv, apply_penalties(out.logits, state.penalties, slot_ids, rows.params)
+
+
+def _decode_sample(state: PlainState, logits, slot_ids, rows, vocab_mask, top_n, sampling):
+    n = gather_slots(state.carry, slot_ids).seq_len
+    logits = apply_vocab_mask(logits, vocab_mask)
     tok = sample_tokens(logits, rows, n + 1, sampling)
     new = PlainCarry(tok, n + 1)
     carry = jax.tree.map(lambda full, part: full.at[slot_ids].set(part), state.carry, new)
     pen = record_emitted(state.penalties, slot_ids, tok[:, None])
-    return PlainState(kv, carry, pen), pack_output(one_token_output(logits, rows, tok, top_n))
+    return PlainState(state.target_kv, carry, pen), pack_output(one_token_output(logits, rows, tok, top_n))

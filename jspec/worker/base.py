@@ -92,13 +92,18 @@ class Worker(Protocol):
     max_emit: int  # most tokens one decode emits per request
     chunked_prefill_size: int  # most prompt tokens one prefill runs
     top_n: int  # top logprobs every step returns
+    vocab_size: int  # columns of the logits (token bitmasks cover them)
+    supports_grammar: bool  # its steps take token bitmasks (structured outputs)
 
     def launch(self, batch) -> object:
-        """Dispatches one step over the batch; returns its device outputs (a PackedOutput)."""
+        """Dispatches one step over the batch; returns its device outputs (a PackedOutput), or a
+        PendingLaunch for a decode with grammar rows (the engine finishes it)."""
 
     def warmup(self, sampling_modes=SAMPLING_MODES, prompt_logprobs: bool = False) -> int: ...
 
     def prompt_logprob_programs_ready(self) -> bool: ...
+
+    def grammar_programs_ready(self) -> bool: ...
 
     def wait_for_programs(self) -> None: ...
 
@@ -143,6 +148,8 @@ class WorkerBase:
         self.programs = Programs(mesh)
         self._program_specs: dict = {}
         self._last_decode: DecodeInputs | None = None
+        self.warmed_up = False  # warm-up ran: programs a request needs first compile in the background
+        self._grammar_keys: list | None = None
 
     def _place(self, state):
         """Device state on the mesh: the target's KV pool split over KV heads, the rest
@@ -169,10 +176,48 @@ class WorkerBase:
                 batch.first_chunks,
                 batch.with_prompt_logprobs,
                 loras,
+                batch.vocab_masks,
             )
-        return self.decode(batch.slots, batch.page_tables, batch.sampling, loras, batch.shape, batch.drafting)
+        return self.decode(
+            batch.slots, batch.page_tables, batch.sampling, loras, batch.shape, batch.drafting, batch.grammars
+        )
 
-    def decode(self, slots, page_tables, sampling, loras=None, shape: int = 0, drafting=None):
+    # Whether the steps take token bitmasks (structured outputs); a worker without them refuses
+    # a batch that has one.
+    supports_grammar = False
+    # The engine's designated read: a speculative decode with grammar rows reads the proposed
+    # tree through it.
+    host_read: Callable | None = None
+
+    def decode_masked(
+        self, slot_ids, page_tables, rows, mode: str, lora, grammars, shape: int = 0
+    ) -> PendingLaunch | None:
+        """A decode with grammar rows: the part that needs no mask is dispatched now, the rest
+        waits in the PendingLaunch for the engine to have processed the previous step (the
+        masks follow from its tokens). Warm-up (collecting programs) records both, returns None."""
+        raise NotImplementedError
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    def _device_masks(self, masks):
+        return masks if self.mesh is not None else jax.device_put(masks)
+
+    def _vocab_mask(self, masks, rows: int):
+        """The step's bitmask argument: masks [n, words] padded with allow-all rows to `rows`;
+        None stays None (the unmasked program)."""
+        if masks is None:
+            return None
+        if not self.supports_grammar:
+            raise ValueError(f"{type(self).__name__} does not run structured outputs (token bitmasks)")
+        from jspec.constrained.grammar import allow_all
+
+        full = allow_all(rows, self.vocab_size)
+        full[: len(masks)] = masks
+        return full if self.mesh is not None else jax.device_put(full)
+
+    def decode(self, slots, page_tables, sampling, loras=None, shape: int = 0, drafting=None, grammars=None):
         """Builds the bucketed arrays, then launches (the subclass's decode_arrays). A batch the
         same as the last one (the common case: the same requests, no new page) reuses the last
         arrays, already on the device, so the launch only dispatches."""
@@ -198,6 +243,13 @@ class WorkerBase:
             )
         slot_ids, pt, rows, ids, flags = last.arrays
         lora = self._lora_batch(ids) if ids is not None else None
+        if grammars is not None:
+            if not self.supports_grammar:
+                raise ValueError(f"{type(self).__name__} does not run structured outputs (token bitmasks)")
+            if lora is None and self.lora is not None:
+                lora = self._decode_loras(slot_ids.shape[0], None)
+            padded = list(grammars) + [None] * (slot_ids.shape[0] - len(grammars))
+            return self.decode_masked(slot_ids, pt, rows, last.mode, lora, padded, shape)
         drafting_rows = None if last.drafting is None else sum(last.drafting)
         return self.decode_arrays(slot_ids, pt, rows, last.mode, lora, shape, flags, drafting_rows)
 
@@ -228,6 +280,7 @@ class WorkerBase:
         first_chunks=None,
         with_prompt_logprobs=False,
         loras=None,
+        vocab_masks=None,
     ):
         batch, mode, next_tokens, finish_rows, slot_ids, counts = self._prefill_inputs(
             chunks, following, slots, output_starts, first_chunks
@@ -238,10 +291,13 @@ class WorkerBase:
         statics = dict(self.step_statics(), mode=mode, top_n=self.top_n, with_prompt_logprobs=with_prompt_logprobs)
         label = f"prefill T={T}{' prompt logprobs' if with_prompt_logprobs else ''}"
         tokens = self.prefill_step_tokens(next_tokens, finish_rows)
+        mask = self._vocab_mask(vocab_masks, slot_ids.shape[0])
+        masked = () if mask is None else ("masked",)
         return self._launch(
-            self._prefill_key(T, with_prompt_logprobs),
-            lambda: (self.prefill_step, statics, label),
-            (*self.step_weights(), self.state, batch, *tokens, slot_ids, counts, rows, lora),
+            self._prefill_key(T, with_prompt_logprobs) + masked,
+            lambda: (self.prefill_step, statics, label + " masked" * bool(masked)),
+            (*self.step_weights(), self.state, batch, *tokens, slot_ids, counts, rows, lora)
+            + (() if mask is None else (mask,)),
         )
 
     def decode_arrays(
@@ -356,8 +412,47 @@ class WorkerBase:
     def warmup(self, sampling_modes=SAMPLING_MODES, prompt_logprobs: bool = False) -> int:
         """Compiles every bucketed program the loop runs (without running them), so the serving
         loop never compiles. Returns the number of programs. Prompt-logprob prefills are left
-        out unless asked for: they compile in the background when a request first needs them."""
+        out unless asked for: they compile in the background when a request first needs them;
+        so do the masked programs of structured outputs (grammar_programs_ready)."""
+        self.warmed_up = True
         return self.programs.compile_all(self.warmup_jobs(sampling_modes, prompt_logprobs))
+
+    def grammar_programs_ready(self) -> bool:
+        """Whether the programs that take token bitmasks are compiled; if not, starts compiling
+        them in the background (requests without a grammar go on meanwhile). A worker that did
+        not warm up compiles each at its first use instead, as all its programs."""
+        if not self.warmed_up:
+            return True
+        if self._grammar_keys is None:
+            jobs = self.grammar_jobs()
+            self._grammar_keys = [j.program.key for j in jobs]
+        else:
+            jobs = None
+        if all(self.programs.ready(k) for k in self._grammar_keys):
+            return True
+        if not self.programs.compiling():
+            for job in jobs if jobs is not None else self.grammar_jobs():
+                self.programs.compile_in_background(job)
+        return False
+
+    def grammar_jobs(self) -> list[Job]:
+        """The masked programs of every decode bucket and sampling program, and of every prefill
+        token bucket (recorded, not run)."""
+        from jspec.constrained.grammar import allow_all
+
+        collecting, self.programs.collecting = self.programs.collecting, []
+        try:
+            scratch = {"greedy": (SamplingParams(), 0), "sampled": (SamplingParams(temperature=1.0), 0)}
+            for B in self.decode_buckets():
+                for mode in SAMPLING_MODES:
+                    self.decode([self.scratch_slot] * B, [[0]] * B, [scratch[mode]] * B, grammars=[None] * B)
+            for T in self.prefill_token_buckets():
+                pages = [0] * (-(-T // self.page_size))
+                chunk = SeqChunk([0] * T, 0, pages)
+                self.prefill([chunk], [0], [None], [scratch["greedy"]], vocab_masks=allow_all(1, self.vocab_size))
+            return self.programs.collecting
+        finally:
+            self.programs.collecting = collecting
 
     def warmup_jobs(self, sampling_modes=SAMPLING_MODES, prompt_logprobs: bool = False) -> list[Job]:
         """The programs warm-up compiles: every launch shape, built on scratch inputs (padding
@@ -496,6 +591,15 @@ class WorkerBase:
         for i, p in enumerate(page_tables):
             pt[i, : len(p)] = p
         return slot_ids, pt, _rows(sampling, B)
+
+
+@dataclasses.dataclass
+class PendingLaunch:
+    """The second half of a decode with grammar rows: finish() computes the masks from the
+    grammars' state (the engine calls it once the previous step's tokens are processed),
+    dispatches the rest of the step and returns its outputs (a PackedOutput)."""
+
+    finish: Callable[[], object]
 
 
 @dataclasses.dataclass

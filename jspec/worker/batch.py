@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from jspec.config.sampling import SamplingParams
 from jspec.worker.inputs import SeqChunk
 
@@ -21,6 +23,7 @@ class PrefillBatch:
     first_chunks: list[bool] = dataclasses.field(default_factory=list)  # chunk starts its request's prefill
     sampling: list[tuple[SamplingParams, int]] = dataclasses.field(default_factory=list)  # params and seed
     loras: list[int] = dataclasses.field(default_factory=list)  # LoRA pool slot (0: none)
+    vocab_masks: np.ndarray | None = None  # [chunks, words] int32 token bitmasks; None: no grammar row
 
     @property
     def with_prompt_logprobs(self) -> bool:
@@ -40,6 +43,8 @@ class DecodeBatch:
     loras: list[int] = dataclasses.field(default_factory=list)
     shape: int = 0  # which of the worker's draft shapes runs (adaptive speculation picks it)
     drafting: list[bool] | None = None  # rows that verify their draft tree; None: all (others: the root alone)
+    grammars: list | None = None  # each row's GrammarMatcher or None; None: no grammar row. The
+    # worker defers the masks' computation (Worker.launch returns a PendingLaunch)
 
 
 @dataclasses.dataclass

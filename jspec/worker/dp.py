@@ -88,6 +88,16 @@ class DPWorker:
     def dtype(self):
         return self.inner.dtype
 
+    # The per-rank steps take no token bitmasks: the engine refuses grammars under DP attention.
+    supports_grammar = False
+
+    def grammar_programs_ready(self) -> bool:
+        return True
+
+    @property
+    def vocab_size(self) -> int:
+        return self.inner.vocab_size
+
     def wait_for_programs(self) -> None:
         pass  # DP steps compile at their first launch, never in the background
 

@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import functools
+
+import jax
+import numpy as np
+
 from jspec.config.model import ModelConfig
+from jspec.constrained.grammar import tree_masks
 from jspec.kvcache.pool import create_kv_pool
 from jspec.layers.batch import bucket
 from jspec.layers.penalties import init_penalty_state
-from jspec.speculative.method import init_spec_state, spec_decode_step, spec_prefill_step
+from jspec.speculative.method import (
+    init_spec_state,
+    spec_decode_step,
+    spec_prefill_step,
+    spec_propose_step,
+    spec_verify_step,
+)
 from jspec.speculative.registry import shape_variants
-from jspec.worker.base import WorkerBase, lay_out_layers
+from jspec.worker.base import PendingLaunch, WorkerBase, lay_out_layers
 
 
 class SpecWorker(WorkerBase):
@@ -17,6 +29,7 @@ class SpecWorker(WorkerBase):
 
     prefill_step = staticmethod(spec_prefill_step)
     decode_step = staticmethod(spec_decode_step)
+    supports_grammar = True
 
     def __init__(
         self,
@@ -106,3 +119,40 @@ class SpecWorker(WorkerBase):
 
     def prefill_step_tokens(self, next_tokens, finish_rows) -> tuple:
         return (next_tokens, finish_rows)  # the draft's first tokens, and its rows' finishing flags
+
+    def decode_masked(self, slot_ids, page_tables, rows, mode: str, lora, grammars, shape: int = 0):
+        """The proposal now; in the PendingLaunch, the read of its tree, every node masked by the
+        grammar state of its path (constrained.grammar.tree_masks), and verification. shape:
+        the draft shape (adaptive speculation); every row verifies its tree."""
+        if self.host_read is None:
+            raise RuntimeError("SpecWorker.host_read (the engine's designated read) is not set")
+        B = slot_ids.shape[0]
+        statics = dict(self.step_statics(shape), backend=self.backend)
+        args = (*self.step_weights(), self.state, slot_ids, page_tables)
+        tree = self._launch(("propose", B, shape), lambda: (spec_propose_step, statics, f"propose B={B}"), args)
+        vstatics = dict(self.step_statics(shape), backend=self.backend, top_n=self.top_n, sampling=mode)
+        verify = (
+            ("verify", B, mode, self.top_n, shape),
+            lambda: (spec_verify_step, vstatics, f"verify B={B} {mode} masked" + (f" shape {shape}" if shape else "")),
+        )
+        if tree is None:
+            # Warm-up records the programs: the verify program's tree has the proposal's shapes.
+            tree = jax.eval_shape(functools.partial(spec_propose_step, **statics), *args)[1]
+            masks = jax.ShapeDtypeStruct((B, tree.tokens.shape[1], -(-self.vocab_size // 32)), np.int32)
+            return self._launch(
+                *verify, (*self.step_weights(), self.state, tree, slot_ids, page_tables, rows, lora, masks)
+            )
+
+        def finish():
+            tokens, parents = self.host_read((tree.tokens, tree.parents))
+            tokens = np.array(tokens)  # a copy: on the CPU the read is a view of the device buffer
+            masks = tree_masks(grammars, tokens, parents, self.vocab_size)
+            # Drafts the grammar refuses where it forces one token now carry that token.
+            verified = tree._replace(tokens=tokens)
+            if self.mesh is None:
+                masks, verified = jax.device_put((masks, verified))
+            return self._launch(
+                *verify, (*self.step_weights(), self.state, verified, slot_ids, page_tables, rows, lora, masks)
+            )
+
+        return PendingLaunch(finish)
