@@ -24,6 +24,7 @@ import numpy as np
 from jspec.checkpoint.errors import CheckpointError, MissingTensorError, TensorShapeError
 from jspec.checkpoint.files import read_hf_tensors
 from jspec.checkpoint.random_weights import random_weights
+from jspec.config.deepseek import DeepseekConfig
 from jspec.config.model import ModelConfig, RopeScaling, UnsupportedArchitectureError
 
 log = logging.getLogger(__name__)
@@ -378,6 +379,8 @@ def config_from_json(data: Mapping[str, Any]) -> ModelConfig:
     d = dict(data["model_config"])
     if d.get("rope_scaling") is not None:
         d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    if d.get("deepseek") is not None:
+        d["deepseek"] = DeepseekConfig(**d["deepseek"])
     d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
     d["moe_layers"] = tuple(d.get("moe_layers") or ())
     return ModelConfig(**d)
@@ -469,6 +472,10 @@ def load_model(path: str | os.PathLike, dtype: Any = None) -> tuple[ModelConfig,
     except (KeyError, TypeError) as e:
         raise CheckpointError(f"config.json in {path!r} lacks or mistypes a required field: {e}") from None
     tensors = read_hf_tensors(path)
+    if cfg.deepseek is not None:
+        from jspec.checkpoint.deepseek import convert_deepseek_params
+
+        return cfg, convert_deepseek_params(cfg, tensors, dtype, source=path)
     params = convert_hf_params(cfg, tensors, dtype, source=path)
     return cfg, params
 

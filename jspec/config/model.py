@@ -13,6 +13,13 @@ import json
 import os
 from typing import Any
 
+from jspec.config.deepseek import (
+    DEEPSEEK_ARCHITECTURES,
+    REFUSED_DEEPSEEK_ARCHITECTURES,
+    DeepseekConfig,
+    deepseek_fields,
+)
+
 # HF `architectures[0]` -> jspec family name.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -69,6 +76,11 @@ class ModelConfig:
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
     shared_expert_intermediate_size: int = 0
+    # DeepSeek-V3: multi-head latent attention and its router (config/deepseek.py); None for
+    # the Llama family. num_mtp_layers: the checkpoint's multi-token-prediction layers
+    # (model.layers.{num_layers + i}), the NEXTN draft.
+    deepseek: DeepseekConfig | None = None
+    num_mtp_layers: int = 0
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -110,10 +122,16 @@ class ModelConfig:
         """Builds a config from a HF `config.json` dict; raises on anything unsupported."""
         archs = hf.get("architectures") or []
         arch = archs[0] if archs else None
+        if arch in DEEPSEEK_ARCHITECTURES:
+            return cls(**deepseek_fields(arch, hf))
+        if arch in REFUSED_DEEPSEEK_ARCHITECTURES:
+            raise UnsupportedArchitectureError(
+                f"{arch} is not supported yet; of the DeepSeek family jspec runs {sorted(DEEPSEEK_ARCHITECTURES)}"
+            )
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedArchitectureError(
                 f"unsupported architecture {arch!r} (config.json 'architectures' = {archs!r}); "
-                f"jspec supports {sorted(SUPPORTED_ARCHITECTURES)}"
+                f"jspec supports {sorted({**SUPPORTED_ARCHITECTURES, **DEEPSEEK_ARCHITECTURES})}"
             )
         family = SUPPORTED_ARCHITECTURES[arch]
         num_heads = hf["num_attention_heads"]

@@ -1,0 +1,57 @@
+"""DeepSeek-V3 (MLA, grouped sigmoid MoE, YaRN) equals HF transformers in float32, on a tiny
+checkpoint that transformers' own DeepseekV3ForCausalLM wrote (MTP layer beside it): prefill
+logits at every position through the expanded form, then decode steps through the absorbed
+form over the paged latent cache, and HF's greedy tokens."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from support.hf_reference import hf_logits, hf_make_checkpoints, requires_hf
+from support.parity import forward_logits, rel_err
+
+from jspec.checkpoint.loader import load_model
+from jspec.kvcache.allocator import PageAllocator
+from jspec.kvcache.pool import create_kv_pool
+from jspec.worker.inputs import SeqChunk, build_forward_batch
+
+DECODE_STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def deepseek_checkpoint(tmp_path_factory):
+    made = hf_make_checkpoints(tmp_path_factory.mktemp("hf"), {"deepseek_v3": ("deepseek_v3", {}, {"mtp_layers": 1})})
+    return made["deepseek_v3"]["path"]
+
+
+@requires_hf
+@pytest.mark.parametrize("page_size", [4])
+def test_deepseek_v3_matches_transformers(deepseek_checkpoint, page_size):
+    path = deepseek_checkpoint
+    cfg, params = load_model(path, dtype=jnp.float32)
+    assert cfg.deepseek is not None and cfg.num_mtp_layers == 1 and cfg.deepseek.yarn_factor == 4.0
+    rng = np.random.default_rng(0)
+    prompts = [list(map(int, rng.integers(0, cfg.vocab_size, n))) for n in (11, 6)]
+    ref = hf_logits(path, prompts, decode_steps=DECODE_STEPS)
+    pages_total = 64
+    alloc = PageAllocator(pages_total)
+    kv = create_kv_pool(cfg, pages_total, page_size, jnp.float32)
+    assert kv.k.shape[-2:] == (1, cfg.deepseek.latent_dim) and kv.v.shape[-1] == 0
+    pages = [alloc.alloc(-(-(len(p) + DECODE_STEPS + 1) // page_size)) for p in prompts]
+    batch, mode = build_forward_batch(
+        [SeqChunk(p, 0, pg) for p, pg in zip(prompts, pages)], page_size=page_size, num_pages=pages_total
+    )
+    T = batch.tokens.shape[0]
+    batch = batch._replace(logits_indices=np.arange(T, dtype=np.int32))
+    kv, out = forward_logits(params, kv, batch, cfg=cfg, mode=mode._replace(backend="reference"))
+    starts = batch.query_start
+    for i, p in enumerate(prompts):
+        got = np.asarray(out.logits[starts[i] : starts[i] + len(p)])
+        assert rel_err(got, ref["prefill_logits"][i]) < 1e-4, f"prefill prompt {i}"
+    for step in range(DECODE_STEPS):
+        chunks = [SeqChunk([int(ref["generated"][i][step])], len(p) + step, pages[i]) for i, p in enumerate(prompts)]
+        batch, mode = build_forward_batch(chunks, page_size=page_size, num_pages=pages_total)
+        kv, out = forward_logits(params, kv, batch, cfg=cfg, mode=mode._replace(backend="reference"))
+        for i in range(len(prompts)):
+            got = np.asarray(out.logits[i])
+            assert rel_err(got, ref["decode_logits"][i][step]) < 1e-4, f"decode step {step} prompt {i}"
+            assert int(np.argmax(got)) == int(ref["generated"][i][step + 1])
