@@ -198,3 +198,23 @@ def convert_mtp_params(
         lp["head_norm"] = jax.device_put(np.asarray(tensors[p + "shared_head.norm.weight"]), device).astype(dtype)
         out.append(lp)
     return out
+
+
+def load_mtp_params(path: str | os.PathLike, cfg: ModelConfig, dtype: Any = None) -> dict[str, Any]:
+    """The NEXTN draft's params from a checkpoint directory: {"mtp": the first MTP layer}, plus
+    that layer's embed_tokens / shared_head.head as "embed" / "lm_head" where they differ from
+    the target's (published checkpoints repeat the target's)."""
+    from jspec.checkpoint.files import read_hf_tensors
+
+    tensors = read_hf_tensors(path)
+    dtype = jnp.float32 if dtype is None else dtype
+    mtp = convert_mtp_params(cfg, tensors, dtype, source=path)
+    out: dict[str, Any] = {"mtp": mtp[0]}
+    p = f"model.layers.{cfg.num_layers}."
+    own_embed, own_head = tensors.get(p + "embed_tokens.weight"), tensors.get(p + "shared_head.head.weight")
+    if own_embed is not None and not np.array_equal(own_embed, tensors["model.embed_tokens.weight"]):
+        out["embed"] = jax.device_put(np.asarray(own_embed)).astype(dtype)
+    target_head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
+    if own_head is not None and not np.array_equal(own_head, target_head):
+        out["lm_head"] = jax.device_put(np.asarray(own_head)).T.astype(dtype)
+    return out

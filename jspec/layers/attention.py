@@ -106,7 +106,8 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
 
 
 def dense_attention_with_lse(q, k, v, visible, *, sm_scale: float):
-    """q [R, Hq, D]; k, v [R, K, Hkv, D]; visible [R, K] -> (out [R, Hq, D] f32, lse [R, Hq] f32)."""
+    """q [R, Hq, D]; k [R, K, Hkv, D], v [R, K, Hkv, Dv]; visible [R, K] -> (out [R, Hq, Dv] f32,
+    lse [R, Hq] f32)."""
     R, Hq, D = q.shape
     Hkv = k.shape[2]
     qg = q.astype(jnp.float32).reshape(R, Hkv, Hq // Hkv, D)
@@ -115,4 +116,4 @@ def dense_attention_with_lse(q, k, v, visible, *, sm_scale: float):
     lse = jax.nn.logsumexp(s, axis=-1)
     p = jnp.where(visible[:, None, None, :], jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
     out = jnp.einsum("rhgk,rkhd->rhgd", p, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
-    return out.reshape(R, Hq, D), lse.reshape(R, Hq)
+    return out.reshape(R, Hq, v.shape[-1]), lse.reshape(R, Hq)

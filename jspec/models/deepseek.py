@@ -196,14 +196,49 @@ def mlp(cfg: ModelConfig, lp, h: jax.Array) -> jax.Array:
     return swiglu(h, lp["w_gate_up"], lp["w_down"])
 
 
-def decoder_layer(cfg: ModelConfig, lp, x, h, cos, sin, cache, layer, batch, mode, mask):
-    """One DeepSeek layer on residual x with attention input h (normed): (x, cache)."""
+def paged_mla_attend(cfg: ModelConfig, mode: AttentionMode, batch: ForwardBatch, layer, mask=None):
+    """attend(lp, q_nope, q_rope, latent, cache) -> ([T, Hq, v], cache) over the paged latent
+    cache: writes the new tokens' latents, then attends (expanded or absorbed, see mla_attention)."""
+
+    def attend(lp, q_nope, q_rope, latent, cache):
+        cache = write_kv(cache, layer, batch.slots, latent[:, None, :])
+        return mla_attention(cfg, lp, q_nope, q_rope, cache, layer, batch, mode, mask), cache
+
+    return attend
+
+
+def absorbed_attend(attend):
+    """The MLA attend of an attention closure over latents (speculative/beams.py's
+    attend(q, k_new, v_new, caches) with values read from the keys): absorbed queries in,
+    per-head values out."""
+
+    def mla(lp, q_nope, q_rope, latent, caches):
+        q = absorb_query(q_nope, q_rope, lp["w_uk"])
+        lat, caches = attend(q, latent[:, None, :], latent[:, None, :0], caches)
+        out = jnp.einsum("thr,hvr->thv", lat, lp["w_uv"], preferred_element_type=jnp.float32)
+        return out.astype(q_rope.dtype), caches
+
+    return mla
+
+
+def decoder_layer(cfg: ModelConfig, lp, x, h, cos, sin, attend, caches):
+    """One DeepSeek layer on residual x with attention input h (normed): (x, caches)."""
     q_nope, q_rope, latent = mla_inputs(cfg, lp, h, cos, sin)
-    cache = write_kv(cache, layer, batch.slots, latent[:, None, :])
-    attn = mla_attention(cfg, lp, q_nope, q_rope, cache, layer, batch, mode, mask)
+    attn, caches = attend(lp, q_nope, q_rope, latent, caches)
     x = x + _linear(attn.reshape(x.shape[0], -1), lp["wo"])
     h2 = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    return x + mlp(cfg, lp, h2).astype(x.dtype), cache
+    return x + mlp(cfg, lp, h2).astype(x.dtype), caches
+
+
+def mtp_layer(cfg: ModelConfig, mp, embed, tokens, hidden, cos, sin, attend, caches):
+    """A multi-token-prediction layer: the token after each position (its embedding) and the
+    hidden state there -> (the layer's normed output [T, H], which both its logits and its next
+    step read, caches). The input is eh_proj([enorm(embedding) | hnorm(hidden)])."""
+    e = rms_norm(embed[tokens].astype(hidden.dtype), mp["enorm"], cfg.rms_norm_eps)
+    x = _linear(jnp.concatenate([e, rms_norm(hidden, mp["hnorm"], cfg.rms_norm_eps)], axis=-1), mp["eh_proj"])
+    h = rms_norm(x, mp["attn_norm"], cfg.rms_norm_eps)
+    x, caches = decoder_layer(cfg, mp, x, h, cos, sin, attend, caches)
+    return rms_norm(x, mp["head_norm"], cfg.rms_norm_eps), caches
 
 
 def forward(
@@ -223,7 +258,7 @@ def forward(
         captured = store_capture(captured, capture_layers, layer, x)
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
         layer = jnp.int32(layer) if isinstance(layer, int) else layer
-        x, cache = decoder_layer(cfg, lp, x, h, cos, sin, cache, layer, batch, mode, mask)
+        x, cache = decoder_layer(cfg, lp, x, h, cos, sin, paged_mla_attend(cfg, mode, batch, layer, mask), cache)
         return x, cache, captured
 
     x, cache, captured = run_layers(params["layers"], body, (x, kv.k, captured))

@@ -38,18 +38,30 @@ def grow_beam_tree(
     num_steps: int,
     num_draft_tokens: int,
     backend: str,
+    latent_values: int = 0,
+    sm_scale: float | None = None,
 ) -> DraftTree:
     """root [B]; topk_p / topk_ids [B, K]: the draft's top-k after the root (step 0);
-    beam_state [B, ...]: what each beam carries into its next forward (EAGLE: its hidden state)."""
+    beam_state [B, ...]: what each beam carries into its next forward (EAGLE: its hidden state).
+    latent_values > 0: a latent-attention draft (MLA, absorbed queries), whose pool's V is
+    empty and whose values are the first latent_values columns of its keys. sm_scale: None is
+    1/sqrt(the key width)."""
     B, K = topk_p.shape
     L, _, _, Hkv, D = draft_kv.k.shape
     cands = start_candidates(topk_p, topk_ids)
     state = jnp.broadcast_to(beam_state[:, None], (B, K, *beam_state.shape[1:]))
-    anc_shape = (L, B, K, max(num_steps - 1, 1), Hkv, D)
-    anc = (jnp.zeros(anc_shape, draft_kv.k.dtype), jnp.zeros(anc_shape, draft_kv.k.dtype))
+    anc_shape = (L, B, K, max(num_steps - 1, 1), Hkv)
+    anc = (
+        jnp.zeros((*anc_shape, D), draft_kv.k.dtype),
+        jnp.zeros((*anc_shape, draft_kv.v.shape[-1]), draft_kv.k.dtype),
+    )
     beam_pages = jnp.repeat(page_tables, K, axis=0)
     beam_prefix = jnp.repeat(prefix_len, K)
-    sm_scale = 1.0 / math.sqrt(D)
+    sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
+
+    def values(k):
+        return k[..., :latent_values] if latent_values else None
+
     for i in range(1, num_steps):
 
         def attend_for_layer(li, i=i):
@@ -59,7 +71,7 @@ def grow_beam_tree(
                 out_p, lse_p = paged_decode_with_lse(
                     q,
                     draft_kv.k,
-                    draft_kv.v,
+                    draft_kv.k if latent_values else draft_kv.v,
                     jnp.int32(li),
                     beam_prefix,
                     beam_pages,
@@ -68,6 +80,8 @@ def grow_beam_tree(
                 )
                 lk = ak[li].reshape(B * K, *ak.shape[3:])
                 lv = av[li].reshape(B * K, *av.shape[3:])
+                if latent_values:
+                    out_p, lv = out_p[..., :latent_values], values(lk)
                 visible = jnp.broadcast_to(jnp.arange(lk.shape[1]) < i, (B * K, lk.shape[1]))
                 out_l, lse_l = dense_attention_with_lse(q, lk, lv, visible, sm_scale=sm_scale)
                 return merge_attention(out_p, lse_p, out_l, lse_l).astype(q.dtype), (ak, av)

@@ -1,0 +1,141 @@
+"""DeepSeek-V3 served by the engine, and NEXTN (its MTP layer drafting).
+
+One tiny checkpoint written by transformers' DeepseekV3ForCausalLM (its MTP layer beside it in
+the published layout) and HF's greedy tokens for the prompts serve every test:
+- the plain engine (paged latent cache, prefix cache, overlap) emits HF's greedy tokens;
+- NEXTN is lossless: greedy output equal to HF's, chain and trees, page sizes 1 and 16,
+  overlap on and off (random MTP weights: drafts mostly rejected, every path exercised);
+- a constructed checkpoint whose MTP layer predicts exactly what the target emits gets
+  every draft accepted (the draft's token, position and hidden-state conventions);
+- seeded sampling with NEXTN emits exactly what plain sampling does.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from support.hf_reference import requires_hf, run_oracle
+
+import jspec
+from jspec.checkpoint.deepseek import load_mtp_params
+from jspec.checkpoint.loader import load_model
+from jspec.config.sampling import SamplingParams
+from jspec.config.spec import SpecConfig
+
+PROMPTS = [[5, 9, 13, 200, 7], list(range(11, 31)), [5, 9, 13, 200, 7, 31]]
+NEW = 8
+
+pytestmark = requires_hf
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    path = os.fspath(tmp_path_factory.mktemp("hf") / "deepseek_v3")
+    make = {"name": "m", "mode": "make", "arch": "deepseek_v3", "out_dir": path, "seed": 0, "mtp_layers": 1}
+    logits = {"name": "l", "mode": "logits", "checkpoint": path, "prompts": PROMPTS, "decode_steps": NEW - 1}
+    out = run_oracle({"jobs": [make, logits]})
+    cfg, params = load_model(path, dtype=jnp.float32)
+    hf_tokens = [list(map(int, out[f"l/generated_{i}"])) for i in range(len(PROMPTS))]
+    return path, cfg, params, hf_tokens
+
+
+def engine_kw(page_size, overlap):
+    return dict(
+        page_size=page_size,
+        max_total_tokens=127 * page_size,
+        max_running_requests=4,
+        attention_backend="reference",
+        disable_overlap_schedule=not overlap,
+    )
+
+
+def test_engine_serves_deepseek_with_hf_greedy_tokens(deepseek):
+    path, cfg, params, hf_tokens = deepseek
+    engine = jspec.Engine((cfg, params), **engine_kw(16, True))
+    prefilled = []
+    for _ in range(2):  # the second round reads its prompts' latents from the prefix cache
+        before = engine.scheduler.prefilled_tokens
+        out = jspec.generate((cfg, params), PROMPTS, max_new_tokens=NEW, ignore_eos=True, engine=engine)
+        prefilled.append(engine.scheduler.prefilled_tokens - before)
+        assert [o.token_ids for o in out] == hf_tokens
+    assert prefilled[1] == prefilled[0] - 16  # the long prompt's first page came from the cache
+    engine.check_idle_no_leaks()
+
+
+@pytest.mark.parametrize("page_size,overlap,steps,topk,ndt", [(16, True, 3, 1, None), (1, False, 2, 3, 5)])
+def test_nextn_greedy_equals_plain_greedy(deepseek, page_size, overlap, steps, topk, ndt):
+    path, cfg, params, hf_tokens = deepseek
+    spec = SpecConfig("NEXTN", num_steps=steps, eagle_topk=topk, num_draft_tokens=ndt)
+    # From the path, so that NEXTN reads the MTP layer from the target's own checkpoint.
+    engine = jspec.Engine(path, speculative=spec, **engine_kw(page_size, overlap))
+    out = jspec.generate(engine.model, PROMPTS, max_new_tokens=NEW, ignore_eos=True, engine=engine)
+    engine.check_idle_no_leaks()
+    assert [o.token_ids for o in out] == hf_tokens
+
+
+def copying_model(cfg, params, mtp):
+    """The target and MTP layer with attention outputs and MLPs zeroed and lm_head[:, perm[x]] =
+    embed[x]: the target's next token is perm[current token], and so is the MTP layer's (eh_proj
+    passes its normed embedding on), so every draft is right."""
+    V, H = cfg.vocab_size, cfg.hidden_size
+    perm = np.random.default_rng(3).permutation(V)
+    embed = np.asarray(params["embed"])
+    head = np.zeros((H, V), np.float32)
+    head[:, perm] = embed.T
+
+    def silence(lp):
+        lp = dict(lp, wo=jnp.zeros_like(lp["wo"]))
+        for name in ("w_down", "experts_down", "shared_down"):
+            if name in lp:
+                lp[name] = jnp.zeros_like(lp[name])
+        return lp
+
+    params = dict(params, layers=[silence(lp) for lp in params["layers"]], lm_head=jnp.asarray(head))
+    params["final_norm"] = jnp.ones_like(params["final_norm"])
+    m = silence(mtp["mtp"])
+    eh = np.zeros((2 * H, H), np.float32)
+    eh[:H] = np.eye(H)
+    m.update(eh_proj=jnp.asarray(eh), enorm=jnp.ones(H), head_norm=jnp.ones(H), attn_norm=m["attn_norm"])
+    return params, {"mtp": m}, perm
+
+
+def test_nextn_accepts_a_perfect_mtp_layer(deepseek):
+    path, cfg, params, _ = deepseek
+    params, mtp, perm = copying_model(cfg, params, load_mtp_params(path, cfg))
+    steps = 3
+    spec = SpecConfig("NEXTN", num_steps=steps)
+    engine = jspec.Engine((cfg, params), speculative=spec, draft=(cfg, mtp), **engine_kw(16, True))
+    out = jspec.generate((cfg, params), PROMPTS, max_new_tokens=4 * (steps + 1), ignore_eos=True, engine=engine)
+    for p, o in zip(PROMPTS, out):
+        want, t = [], p[-1]
+        for _ in range(len(o.token_ids)):
+            t = int(perm[t])
+            want.append(t)
+        assert o.token_ids == want
+        assert o.mean_accept_length == steps + 1
+
+
+def test_nextn_seeded_sampling_equals_plain_sampling(deepseek):
+    path, cfg, params, _ = deepseek
+    kw = engine_kw(16, True)
+    params_list = [
+        SamplingParams(max_new_tokens=NEW, temperature=t, top_p=0.9, seed=s, ignore_eos=True)
+        for t, s in ((1.0, 1), (0.7, 2), (1.0, 3))
+    ]
+    plain = jspec.Engine((cfg, params), **kw).generate(PROMPTS, params_list)
+    spec = SpecConfig("NEXTN", num_steps=3)
+    engine = jspec.Engine((cfg, params), speculative=spec, draft=(cfg, load_mtp_params(path, cfg)), **kw)
+    assert [o.token_ids for o in engine.generate(PROMPTS, params_list)] == [o.token_ids for o in plain]
+
+
+def test_nextn_needs_mtp_layers_of_a_deepseek_target():
+    from support.models import TARGET
+
+    from jspec.checkpoint.loader import init_random_params
+
+    with pytest.raises(ValueError, match="NEXTN drafts with DeepSeek-V3"):
+        jspec.Engine(
+            (TARGET, init_random_params(TARGET, jax.random.key(0))), speculative=SpecConfig("NEXTN", num_steps=1)
+        )
