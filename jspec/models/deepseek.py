@@ -114,8 +114,13 @@ def mla_attention(cfg, lp, q_nope, q_rope, cache, layer, batch: ForwardBatch, mo
     ds = cfg.deepseek
     if mode.backend not in ("pallas", "reference"):
         raise ValueError(f"unknown attention backend {mode.backend!r}")
-    # The MLA kernels run as their references on every backend until Pallas ones exist.
+    # Decode has its Pallas kernel; prefill and verify run the references on every backend.
     from jspec.kernels.mla_ref import mla_decode_ref, mla_extend_expanded_ref, mla_extend_ref
+
+    if mode.backend == "pallas":
+        from jspec.kernels.mla_decode import mla_decode
+    else:
+        mla_decode = mla_decode_ref
 
     if not mode.decode_only and mask is None:
         out = mla_extend_expanded_ref(
@@ -134,7 +139,7 @@ def mla_attention(cfg, lp, q_nope, q_rope, cache, layer, batch: ForwardBatch, mo
         return out.astype(q_rope.dtype)
     q = absorb_query(q_nope, q_rope, lp["w_uk"])
     if mode.decode_only and mask is None:
-        lat = mla_decode_ref(
+        lat = mla_decode(
             q, cache, layer, batch.seq_lens, batch.page_tables, kv_lora_rank=ds.kv_lora_rank, sm_scale=ds.sm_scale
         )
     else:

@@ -17,7 +17,12 @@ import jax
 import jax.numpy as jnp
 
 from jspec.kvcache.pool import KVPool
-from jspec.layers.attention import dense_attention_with_lse, merge_attention, paged_decode_with_lse
+from jspec.layers.attention import (
+    dense_attention_with_lse,
+    merge_attention,
+    mla_decode_with_lse,
+    paged_decode_with_lse,
+)
 from jspec.speculative.tree import DraftTree, append_step, build_tree, expand_beams, start_candidates
 
 # step_fn(tokens [B*K], beam_state [B*K, ...], positions [B*K], attend_for_layer, anc)
@@ -59,8 +64,10 @@ def grow_beam_tree(
     beam_prefix = jnp.repeat(prefix_len, K)
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
 
-    def values(k):
-        return k[..., :latent_values] if latent_values else None
+    def mla_prefix(q, latent, _empty_v, layer, lens, tables, *, sm_scale, backend):
+        return mla_decode_with_lse(
+            q, latent, layer, lens, tables, kv_lora_rank=latent_values, sm_scale=sm_scale, backend=backend
+        )
 
     for i in range(1, num_steps):
 
@@ -68,10 +75,11 @@ def grow_beam_tree(
             def attend(q, k_new, v_new, anc):
                 ak = anc[0].at[li, :, :, i - 1].set(k_new.reshape(B, K, *k_new.shape[1:]))
                 av = anc[1].at[li, :, :, i - 1].set(v_new.reshape(B, K, *v_new.shape[1:]))
-                out_p, lse_p = paged_decode_with_lse(
+                prefix_attention = mla_prefix if latent_values else paged_decode_with_lse
+                out_p, lse_p = prefix_attention(
                     q,
                     draft_kv.k,
-                    draft_kv.k if latent_values else draft_kv.v,
+                    draft_kv.v,
                     jnp.int32(li),
                     beam_prefix,
                     beam_pages,
@@ -81,7 +89,7 @@ def grow_beam_tree(
                 lk = ak[li].reshape(B * K, *ak.shape[3:])
                 lv = av[li].reshape(B * K, *av.shape[3:])
                 if latent_values:
-                    out_p, lv = out_p[..., :latent_values], values(lk)
+                    lv = lk[..., :latent_values]
                 visible = jnp.broadcast_to(jnp.arange(lk.shape[1]) < i, (B * K, lk.shape[1]))
                 out_l, lse_l = dense_attention_with_lse(q, lk, lv, visible, sm_scale=sm_scale)
                 return merge_attention(out_p, lse_p, out_l, lse_l).astype(q.dtype), (ak, av)

@@ -139,3 +139,35 @@ def test_nextn_needs_mtp_layers_of_a_deepseek_target():
         jspec.Engine(
             (TARGET, init_random_params(TARGET, jax.random.key(0))), speculative=SpecConfig("NEXTN", num_steps=1)
         )
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+def test_nextn_tree_decode_step_lowers_for_cuda(deepseek, monkeypatch):
+    """One NEXTN iteration with a beam tree, in bfloat16, lowered for an abstract H200 with the
+    kernels compiled (the beams' prefix attention is the Pallas MLA decode kernel)."""
+    import functools
+
+    from support.lowering import lower_for_cuda
+
+    import jspec.kernels.backend
+    from jspec.speculative.method import spec_decode_step
+
+    path, cfg, params, _ = deepseek
+    to_bf16 = functools.partial(jax.tree.map, lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a)
+    spec = SpecConfig("NEXTN", num_steps=3, eagle_topk=2, num_draft_tokens=6)
+    engine = jspec.Engine(
+        (cfg, to_bf16(params)),
+        speculative=spec,
+        draft=(cfg, to_bf16(load_mtp_params(path, cfg))),
+        page_size=16,
+        max_total_tokens=1008,
+        attention_backend="pallas",
+    )
+    w = engine.worker
+    slot_ids, pt, rows = w._decode_inputs([0, 1], [[1, 2], [3]], [(SamplingParams(), 0)] * 2)
+    args = (w.params, w.dparams, w.state, slot_ids, pt, rows)
+    specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), args)
+    monkeypatch.setattr(jspec.kernels.backend, "interpret_mode", lambda: False)
+    fn = functools.partial(spec_decode_step, cfg=w.cfg, method=w.method, backend="pallas", sampling="greedy")
+    text = lower_for_cuda(fn, *specs).as_text()
+    assert "mla_decode" in text and "__gpu$xla.gpu.triton" in text

@@ -1,7 +1,8 @@
 """DeepSeek-V3 (MLA, grouped sigmoid MoE, YaRN) equals HF transformers in float32, on a tiny
 checkpoint that transformers' own DeepseekV3ForCausalLM wrote (MTP layer beside it): prefill
 logits at every position through the expanded form, then decode steps through the absorbed
-form over the paged latent cache, and HF's greedy tokens."""
+form over the paged latent cache (the Pallas MLA decode kernel, interpreted), and HF's greedy
+tokens."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -50,7 +51,7 @@ def test_deepseek_v3_matches_transformers(deepseek_checkpoint, page_size):
     for step in range(DECODE_STEPS):
         chunks = [SeqChunk([int(ref["generated"][i][step])], len(p) + step, pages[i]) for i, p in enumerate(prompts)]
         batch, mode = build_forward_batch(chunks, page_size=page_size, num_pages=pages_total)
-        kv, out = forward_logits(params, kv, batch, cfg=cfg, mode=mode._replace(backend="reference"))
+        kv, out = forward_logits(params, kv, batch, cfg=cfg, mode=mode._replace(backend="pallas"))
         for i in range(len(prompts)):
             got = np.asarray(out.logits[i])
             assert rel_err(got, ref["decode_logits"][i][step]) < 1e-4, f"decode step {step} prompt {i}"
