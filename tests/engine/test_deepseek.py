@@ -101,6 +101,15 @@ def copying_model(cfg, params, mtp):
     return params, {"mtp": m}, perm
 
 
+def walk(perm, token, n):
+    """The copying target's greedy continuation of `token`."""
+    out = []
+    for _ in range(n):
+        token = int(perm[token])
+        out.append(token)
+    return out
+
+
 def test_nextn_accepts_a_perfect_mtp_layer(deepseek):
     path, cfg, params, _ = deepseek
     params, mtp, perm = copying_model(cfg, params, load_mtp_params(path, cfg))
@@ -109,11 +118,7 @@ def test_nextn_accepts_a_perfect_mtp_layer(deepseek):
     engine = jspec.Engine((cfg, params), speculative=spec, draft=(cfg, mtp), **engine_kw(16, True))
     out = jspec.generate((cfg, params), PROMPTS, max_new_tokens=4 * (steps + 1), ignore_eos=True, engine=engine)
     for p, o in zip(PROMPTS, out):
-        want, t = [], p[-1]
-        for _ in range(len(o.token_ids)):
-            t = int(perm[t])
-            want.append(t)
-        assert o.token_ids == want
+        assert o.token_ids == walk(perm, p[-1], len(o.token_ids))
         assert o.mean_accept_length == steps + 1
 
 
@@ -171,3 +176,25 @@ def test_nextn_tree_decode_step_lowers_for_cuda(deepseek, monkeypatch):
     fn = functools.partial(spec_decode_step, cfg=w.cfg, method=w.method, backend="pallas", sampling="greedy")
     text = lower_for_cuda(fn, *specs).as_text()
     assert "mla_decode" in text and "__gpu$xla.gpu.triton" in text
+
+
+def test_nextn_adaptive_forced_switches_keep_a_perfect_draft_lossless(deepseek):
+    """Adaptive NEXTN with the shape forced to change every iteration (a tree, the (1,1,2)
+    path, off twice in a row): the constructed MTP layer's drafts keep being accepted across
+    the switches and the output stays the target's."""
+    import itertools
+
+    from jspec.speculative.adaptive import Choice, CostTable
+
+    path, cfg, params, _ = deepseek
+    params, mtp, perm = copying_model(cfg, params, load_mtp_params(path, cfg))
+    spec = SpecConfig("NEXTN", num_steps=3, adaptive=True, adaptive_shapes="2,2,4 1,1,2 0,1,1")
+    engine = jspec.Engine((cfg, params), speculative=spec, draft=(cfg, mtp), **engine_kw(16, True))
+    cycle = itertools.cycle([Choice(i) for i in (0, 1, 2, 3, 3, 1, 0, 2)])
+    engine.adaptive.costs = CostTable({}, "unused: the shapes are forced")
+    engine.adaptive.choose = lambda alphas, bucket, ready=None: next(cycle)
+    out = jspec.generate((cfg, params), PROMPTS[:2], max_new_tokens=14, ignore_eos=True, engine=engine)
+    engine.check_idle_no_leaks()
+    for p, o in zip(PROMPTS, out):
+        assert o.token_ids == walk(perm, p[-1], len(o.token_ids))
+        assert o.mean_accept_length > 1.5
