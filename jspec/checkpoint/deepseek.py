@@ -43,7 +43,9 @@ def _mlp_shapes(cfg: ModelConfig, sparse: bool) -> dict[str, tuple[int, ...]]:
         I = cfg.intermediate_size
         return {"mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I)}
     E, I, Is = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
-    shapes = {"mlp.gate.weight": (E, H), "mlp.gate.e_score_correction_bias": (E,)}
+    shapes = {"mlp.gate.weight": (E, H)}
+    if cfg.deepseek.topk_method == "noaux_tc":
+        shapes["mlp.gate.e_score_correction_bias"] = (E,)
     for e in range(E):
         shapes[f"mlp.experts.{e}.gate_proj.weight"] = (I, H)
         shapes[f"mlp.experts.{e}.up_proj.weight"] = (I, H)
@@ -133,7 +135,8 @@ def _layer(cfg: ModelConfig, tensors, prefix: str, sparse: bool, dtype, device) 
         return lp
     # The router stays float32 whatever the dtype, as DeepSeek's and transformers' do.
     lp["router"] = t("mlp.gate.weight").T.astype(jnp.float32)
-    lp["router_bias"] = t("mlp.gate.e_score_correction_bias").astype(jnp.float32)
+    if ds.topk_method == "noaux_tc":
+        lp["router_bias"] = t("mlp.gate.e_score_correction_bias").astype(jnp.float32)
     E = cfg.num_experts
     lp["experts_gate_up"] = jnp.stack(
         [

@@ -1,4 +1,4 @@
-"""DeepSeek-V3's architecture switches: multi-head latent attention, its YaRN RoPE, and the
+"""DeepSeek-V3's (and V2's) architecture switches: multi-head latent attention, its YaRN RoPE, and the
 grouped sigmoid router (models/deepseek.py runs them)."""
 
 from __future__ import annotations
@@ -7,10 +7,12 @@ import dataclasses
 import math
 from typing import Any
 
-DEEPSEEK_ARCHITECTURES = {"DeepseekV3ForCausalLM": "deepseek_v3"}
-# Refused by name until their differences are built: V2 routes by softmax with a greedy or
-# group-limited top-k and rotates RoPE pairs as complex numbers.
-REFUSED_DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV32ForCausalLM")
+DEEPSEEK_ARCHITECTURES = {"DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV2ForCausalLM": "deepseek_v2"}
+# Refused by name: V3.2's sparse attention (its indexer) is not built.
+REFUSED_DEEPSEEK_ARCHITECTURES = ("DeepseekV32ForCausalLM",)
+# Router per family: V3 "noaux_tc" (sigmoid scores + correction bias, groups scored by their two
+# best); V2 "greedy" or "group_limited_greedy" (softmax, groups scored by their best).
+V3_TOPK_METHODS, V2_TOPK_METHODS = ("noaux_tc",), ("greedy", "group_limited_greedy")
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -35,8 +37,11 @@ class DeepseekConfig:
     yarn_mscale_all_dim: float = 0.0
     yarn_truncate: bool = True
     yarn_attention_factor: float = 1.0  # cos and sin are scaled by it
-    # Router: sigmoid scores plus a correction bias choose topk_group of n_group expert groups
-    # (a group scores its two best), then the top k inside them; weights from the raw scores.
+    # Router: "noaux_tc" (V3): sigmoid scores plus a correction bias choose topk_group of n_group
+    # expert groups (a group scores its two best), then the top k inside them, weights from the
+    # raw scores. "group_limited_greedy" (V2): softmax scores, groups scored by their best;
+    # "greedy" (V2-Lite): softmax top k.
+    topk_method: str = "noaux_tc"
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
@@ -67,11 +72,18 @@ def deepseek_fields(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
         raise UnsupportedArchitectureError("DeepSeek with attention_bias=true is not supported")
     if hf.get("hidden_act", "silu") != "silu":
         raise UnsupportedArchitectureError(f"unsupported hidden_act {hf['hidden_act']!r}; only 'silu'")
-    if hf.get("topk_method", "noaux_tc") != "noaux_tc" or hf.get("scoring_func", "sigmoid") != "sigmoid":
+    v3 = arch == "DeepseekV3ForCausalLM"
+    topk_method = hf.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+    scoring = hf.get("scoring_func") or ("sigmoid" if v3 else "softmax")
+    allowed = V3_TOPK_METHODS if v3 else V2_TOPK_METHODS
+    if topk_method not in allowed or scoring != ("sigmoid" if v3 else "softmax"):
         raise UnsupportedArchitectureError(
-            f"DeepSeek router topk_method={hf.get('topk_method')!r} scoring_func={hf.get('scoring_func')!r} is not "
-            "supported; jspec runs DeepSeek-V3's 'noaux_tc' with sigmoid scores"
+            f"{arch} router topk_method={topk_method!r} scoring_func={scoring!r} is not supported; jspec runs "
+            f"{allowed} with {'sigmoid' if v3 else 'softmax'} scores"
         )
+    if not v3 and hf.get("norm_topk_prob"):
+        # transformers' DeepseekV2 never renormalises; refused rather than guessed.
+        raise UnsupportedArchitectureError("DeepSeek-V2 with norm_topk_prob=true is not supported")
     rs = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     rope_theta = hf.get("rope_theta") or rs.get("rope_theta") or 10000.0
     rope_type = rs.get("rope_type", rs.get("type", "default"))
@@ -114,7 +126,8 @@ def deepseek_fields(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
         qk_rope_head_dim=int(hf["qk_rope_head_dim"]),
         v_head_dim=int(hf["v_head_dim"]),
         q_lora_rank=int(hf.get("q_lora_rank") or 0),
-        rope_interleave=bool(hf.get("rope_interleave", True)),
+        rope_interleave=bool(hf.get("rope_interleave", True)) if v3 else True,  # V2: complex pairs
+        topk_method=topk_method,
         n_group=int(hf.get("n_group") or 1),
         topk_group=int(hf.get("topk_group") or 1),
         routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
@@ -123,6 +136,11 @@ def deepseek_fields(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
     )
     if n_experts % ds.n_group or ds.n_group < ds.topk_group:
         raise UnsupportedArchitectureError(f"n_group {ds.n_group} must divide n_routed_experts and be >= topk_group")
+    top_k = int(hf["num_experts_per_tok"])
+    if ds.topk_method != "greedy" and top_k > ds.topk_group * (n_experts // ds.n_group):
+        raise UnsupportedArchitectureError(
+            f"num_experts_per_tok {top_k} exceeds the experts of the topk_group={ds.topk_group} kept groups"
+        )
     moe_inter = int(hf["moe_intermediate_size"])
     return dict(
         family=DEEPSEEK_ARCHITECTURES[arch],
@@ -140,9 +158,9 @@ def deepseek_fields(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=_eos(hf.get("eos_token_id")),
         num_experts=n_experts,
-        num_experts_per_tok=int(hf["num_experts_per_tok"]),
+        num_experts_per_tok=top_k,
         moe_intermediate_size=moe_inter,
-        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)) if v3 else False,
         moe_layers=tuple(range(first_dense, L)),
         shared_expert_intermediate_size=moe_inter * n_shared,
         num_mtp_layers=int(hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0)) or 0),

@@ -1,11 +1,12 @@
-"""Pure-functional DeepSeek-V3 decoder over a paged latent KV cache.
+"""Pure-functional DeepSeek-V3 (and V2) decoder over a paged latent KV cache.
 
 Multi-head latent attention (kernels/mla_ref.py explains its two forms): prefill-style batches
 (new tokens without a tree mask) attend in the expanded form, decode and verify in the
 absorbed form; both write the same latent cache entry per token. The MLP is SwiGLU on the
 first dense layers and, after them, DeepSeek's MoE: a sigmoid router with a correction bias
 that picks experts inside the best groups, routed weights scaled, and shared experts always
-on. RoPE is YaRN with DeepSeek's mscale, on interleaved pairs.
+on (V2: softmax scores, groups by their best expert). RoPE is YaRN with DeepSeek's mscale, on
+interleaved pairs.
 
 `forward` has llama.forward's contract (pool in and out, ForwardOutput), which dispatches here
 for a config with `deepseek` set. Layers are per-layer dicts (dense and sparse layers differ).
@@ -159,17 +160,25 @@ def mla_attention(cfg, lp, q_nope, q_rope, cache, layer, batch: ForwardBatch, mo
     return out.astype(q_rope.dtype)
 
 
-def route(ds: DeepseekConfig, h: jax.Array, router: jax.Array, bias: jax.Array, top_k: int, norm: bool):
-    """DeepSeek-V3's noaux_tc routing, in float32: h [T, H] -> (weights [T, k], experts [T, k])."""
+def route(ds: DeepseekConfig, h: jax.Array, router: jax.Array, bias, top_k: int, norm: bool):
+    """DeepSeek's routing (config/deepseek.py's topk_method), in float32: h [T, H] ->
+    (weights [T, k], experts [T, k]). bias: V3's correction bias [E], None for V2."""
     T = h.shape[0]
     E = router.shape[1]
-    scores = jax.nn.sigmoid(jnp.dot(h.astype(jnp.float32), router.astype(jnp.float32), precision="highest"))
-    choice = scores + bias.astype(jnp.float32)
-    grouped = choice.reshape(T, ds.n_group, E // ds.n_group)
-    group_scores = jnp.sum(jax.lax.top_k(grouped, min(2, E // ds.n_group))[0], axis=-1)
-    _, best_groups = jax.lax.top_k(group_scores, ds.topk_group)
-    keep = jnp.zeros((T, ds.n_group), bool).at[jnp.arange(T)[:, None], best_groups].set(True)
-    choice = jnp.where(jnp.repeat(keep, E // ds.n_group, axis=1), choice, -jnp.inf)
+    logits = jnp.dot(h.astype(jnp.float32), router.astype(jnp.float32), precision="highest")
+    if ds.topk_method == "noaux_tc":
+        scores = jax.nn.sigmoid(logits)
+        choice = scores + bias.astype(jnp.float32)
+        per_group = jax.lax.top_k(choice.reshape(T, ds.n_group, E // ds.n_group), min(2, E // ds.n_group))[0]
+        group_scores = jnp.sum(per_group, axis=-1)
+    else:
+        scores = choice = jax.nn.softmax(logits, axis=-1)
+        group_scores = jnp.max(choice.reshape(T, ds.n_group, E // ds.n_group), axis=-1)
+    if ds.topk_method != "greedy":
+        _, best_groups = jax.lax.top_k(group_scores, ds.topk_group)
+        keep = jnp.zeros((T, ds.n_group), bool).at[jnp.arange(T)[:, None], best_groups].set(True)
+        # V3 masks to -inf; V2 zeroes the scores, which ranks the same (softmax scores are > 0).
+        choice = jnp.where(jnp.repeat(keep, E // ds.n_group, axis=1), choice, -jnp.inf)
     _, experts = jax.lax.top_k(choice, top_k)
     weights = jnp.take_along_axis(scores, experts, axis=1)
     if norm:
@@ -187,7 +196,7 @@ def swiglu(h: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
 def moe_mlp(cfg: ModelConfig, lp, h: jax.Array) -> jax.Array:
     """Routed experts plus the shared experts on normed h [T, H]: [T, H] float32."""
     weights, experts = route(
-        cfg.deepseek, h, lp["router"], lp["router_bias"], cfg.num_experts_per_tok, cfg.norm_topk_prob
+        cfg.deepseek, h, lp["router"], lp.get("router_bias"), cfg.num_experts_per_tok, cfg.norm_topk_prob
     )
     y = moe_experts(h, weights, experts, lp["experts_gate_up"], lp["experts_down"])
     if "shared_gate_up" in lp:

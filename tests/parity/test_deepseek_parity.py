@@ -1,5 +1,6 @@
-"""DeepSeek-V3 (MLA, grouped sigmoid MoE, YaRN) equals HF transformers in float32, on a tiny
-checkpoint that transformers' own DeepseekV3ForCausalLM wrote (MTP layer beside it): prefill
+"""DeepSeek-V3 and V2 (MLA, grouped MoE, YaRN) equal HF transformers in float32, on tiny
+checkpoints that transformers' own DeepseekV3ForCausalLM (MTP layer beside it) and
+DeepseekV2ForCausalLM wrote: prefill
 logits at every position through the expanded form, then decode steps through the absorbed
 form over the paged latent cache (the Pallas MLA decode kernel, interpreted), and HF's greedy
 tokens."""
@@ -18,18 +19,23 @@ from jspec.worker.inputs import SeqChunk, build_forward_batch
 DECODE_STEPS = 6
 
 
+# V3 (q LoRA, sigmoid router with correction bias, its MTP layer beside it) and V2-Lite's
+# switches (q_proj, softmax group-limited routing, no renormalisation).
+VARIANTS = {"deepseek_v3": ("deepseek_v3", {}, {"mtp_layers": 1}), "deepseek_v2": ("deepseek_v2", {})}
+
+
 @pytest.fixture(scope="module")
-def deepseek_checkpoint(tmp_path_factory):
-    made = hf_make_checkpoints(tmp_path_factory.mktemp("hf"), {"deepseek_v3": ("deepseek_v3", {}, {"mtp_layers": 1})})
-    return made["deepseek_v3"]["path"]
+def deepseek_checkpoints(tmp_path_factory):
+    return hf_make_checkpoints(tmp_path_factory.mktemp("hf"), VARIANTS)
 
 
 @requires_hf
-@pytest.mark.parametrize("page_size", [4])
-def test_deepseek_v3_matches_transformers(deepseek_checkpoint, page_size):
-    path = deepseek_checkpoint
+@pytest.mark.parametrize("variant,page_size", [("deepseek_v3", 4), ("deepseek_v2", 1)])
+def test_deepseek_matches_transformers(deepseek_checkpoints, variant, page_size):
+    path = deepseek_checkpoints[variant]["path"]
     cfg, params = load_model(path, dtype=jnp.float32)
-    assert cfg.deepseek is not None and cfg.num_mtp_layers == 1 and cfg.deepseek.yarn_factor == 4.0
+    assert cfg.deepseek is not None and cfg.deepseek.yarn_factor == 4.0
+    assert cfg.num_mtp_layers == (1 if variant == "deepseek_v3" else 0)
     rng = np.random.default_rng(0)
     prompts = [list(map(int, rng.integers(0, cfg.vocab_size, n))) for n in (11, 6)]
     ref = hf_logits(path, prompts, decode_steps=DECODE_STEPS)

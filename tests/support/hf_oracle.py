@@ -117,6 +117,37 @@ ARCH_DEFAULTS = {
             },
         ),
     ),
+    # DeepSeek-V2-Lite's switches: queries straight from q_proj, softmax routing limited to the
+    # best groups (by their best expert), no renormalisation.
+    "deepseek_v2": (
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        dict(
+            num_key_value_heads=4,
+            q_lora_rank=None,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            n_routed_experts=8,
+            n_group=4,
+            topk_group=2,
+            topk_method="group_limited_greedy",
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=2,
+            first_k_dense_replace=1,
+            routed_scaling_factor=1.5,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+                "mscale": 0.707,
+                "mscale_all_dim": 0.707,
+            },
+        ),
+    ),
     "mixtral": (
         "MixtralConfig",
         "MixtralForCausalLM",
