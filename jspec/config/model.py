@@ -29,6 +29,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "MiMoForCausalLM": "qwen2",  # Qwen2 with multi-token-prediction layers (model.mtp_layers)
 }
 
 
@@ -193,6 +194,7 @@ class ModelConfig:
             qk_norm=family in ("qwen3", "qwen3_moe"),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            num_mtp_layers=int(hf.get("num_nextn_predict_layers") or 0) if arch == "MiMoForCausalLM" else 0,
             **moe,
         )
 

@@ -244,17 +244,6 @@ def decoder_layer(cfg: ModelConfig, lp, x, h, cos, sin, attend, caches):
     return x + mlp(cfg, lp, h2).astype(x.dtype), caches
 
 
-def mtp_layer(cfg: ModelConfig, mp, embed, tokens, hidden, cos, sin, attend, caches):
-    """A multi-token-prediction layer: the token after each position (its embedding) and the
-    hidden state there -> (the layer's normed output [T, H], which both its logits and its next
-    step read, caches). The input is eh_proj([enorm(embedding) | hnorm(hidden)])."""
-    e = rms_norm(embed[tokens].astype(hidden.dtype), mp["enorm"], cfg.rms_norm_eps)
-    x = _linear(jnp.concatenate([e, rms_norm(hidden, mp["hnorm"], cfg.rms_norm_eps)], axis=-1), mp["eh_proj"])
-    h = rms_norm(x, mp["attn_norm"], cfg.rms_norm_eps)
-    x, caches = decoder_layer(cfg, mp, x, h, cos, sin, attend, caches)
-    return rms_norm(x, mp["head_norm"], cfg.rms_norm_eps), caches
-
-
 def forward(
     params, cfg: ModelConfig, kv: KVPool, batch: ForwardBatch, mode: AttentionMode, capture_layers=(), mask=None
 ):

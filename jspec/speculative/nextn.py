@@ -1,12 +1,13 @@
-"""NEXTN: the target checkpoint's own multi-token-prediction layer drafts, EAGLE's way.
+"""NEXTN: the target checkpoint's own multi-token-prediction layer drafts, EAGLE's way
+(DeepSeek-V3's, or MiMo's on Qwen2: models/mtp.py).
 
 The MTP layer (model.layers.{num_hidden_layers}) reads, at position t, the embedding of
 x_{t+1} and the target's final-normed hidden state at t, and predicts x_{t+2} through the
 target's lm_head: exactly an EAGLE head's contract, so NEXTN is EagleMethod with the MTP layer
 as its draft (same carry, draft-extend, beam trees and chains). Deeper draft steps feed the
 layer its own normed output, as SGLang does. With several MTP layers the first one drafts.
-Its KV is a one-layer latent pool like the target's (MLA: absorbed attention in the beams,
-expanded in prefill and draft-extend).
+Its KV is a one-layer pool laid out as the target's: latent for MLA (absorbed attention in
+the beams, expanded in prefill and draft-extend), K and V for standard attention.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import jax
 import jax.numpy as jnp
 
 from jspec.kvcache.pool import KVPool, create_kv_pool, kv_bytes_per_page
-from jspec.models.deepseek import absorbed_attend, mtp_layer, paged_mla_attend, rope_cos_sin
-from jspec.models.llama import lm_head_logits
+from jspec.models.deepseek import absorbed_attend, paged_mla_attend
+from jspec.models.llama import lm_head_logits, paged_attend
+from jspec.models.mtp import mtp_layer, rope_cos_sin
 from jspec.speculative.beams import grow_beam_tree
 from jspec.speculative.eagle import EagleMethod
 from jspec.speculative.method import SpecCarry
@@ -46,10 +48,16 @@ class NextnMethod(EagleMethod):
         return feats
 
     def draft_forward(self, params, dparams, dkv, batch, mode, tokens, hidden):
-        cos, sin = rope_cos_sin(self.dcfg, batch.positions)
-        attend = paged_mla_attend(self.dcfg, mode, batch, jnp.int32(0))
-        out, k = mtp_layer(self.dcfg, dparams["mtp"], _embed(params, dparams), tokens, hidden, cos, sin, attend, dkv.k)
-        return KVPool(k, dkv.v), out
+        cfg = self.dcfg
+        cos, sin = rope_cos_sin(cfg, batch.positions)
+        embed = _embed(params, dparams)
+        if cfg.deepseek is not None:
+            attend = paged_mla_attend(cfg, mode, batch, jnp.int32(0))
+            out, k = mtp_layer(cfg, dparams["mtp"], embed, tokens, batch.positions, hidden, cos, sin, attend, dkv.k)
+            return KVPool(k, dkv.v), out
+        attend = paged_attend(cfg, mode, batch, jnp.int32(0))
+        out, kv = mtp_layer(cfg, dparams["mtp"], embed, tokens, batch.positions, hidden, cos, sin, attend, tuple(dkv))
+        return KVPool(*kv), out
 
     def draft_topk(self, params, dparams, out_hidden, topk: int):
         logits = lm_head_logits(dparams if "lm_head" in dparams else params, out_hidden)
@@ -63,8 +71,8 @@ class NextnMethod(EagleMethod):
 
         def step_fn(tokens, hidden, positions, attend_for_layer, anc):
             cos, sin = rope_cos_sin(cfg, positions)
-            attend = absorbed_attend(attend_for_layer(0))
-            out, anc = mtp_layer(cfg, dparams["mtp"], embed, tokens, hidden, cos, sin, attend, anc)
+            attend = absorbed_attend(attend_for_layer(0)) if cfg.deepseek is not None else attend_for_layer(0)
+            out, anc = mtp_layer(cfg, dparams["mtp"], embed, tokens, positions, hidden, cos, sin, attend, anc)
             p, ids = self.draft_topk(params, dparams, out, K)
             return p, ids, out, anc
 
@@ -80,8 +88,8 @@ class NextnMethod(EagleMethod):
             num_steps=self.spec.num_steps,
             num_draft_tokens=self.spec.num_draft_tokens,
             backend=backend,
-            latent_values=cfg.deepseek.kv_lora_rank,
-            sm_scale=cfg.deepseek.sm_scale,
+            latent_values=cfg.deepseek.kv_lora_rank if cfg.deepseek is not None else 0,
+            sm_scale=cfg.deepseek.sm_scale if cfg.deepseek is not None else None,
         )
 
 

@@ -40,13 +40,13 @@ def make_method(spec: SpecConfig, cfg: ModelConfig, draft=None, dtype=None, targ
     if spec.algorithm == "NEXTN":
         from jspec.speculative.nextn import NextnMethod
 
-        if cfg.deepseek is None:
+        if cfg.deepseek is None and not cfg.num_mtp_layers:
             raise ValueError(
-                f"NEXTN drafts with DeepSeek-V3's multi-token-prediction layers; the target is {cfg.family!r} "
-                "(MTP layers of other families, such as MiMo's, are not supported yet)"
+                f"NEXTN drafts with the checkpoint's own multi-token-prediction layers (DeepSeek-V3, MiMo); "
+                f"this {cfg.family!r} target has none"
             )
         if draft is None:
-            from jspec.checkpoint.deepseek import load_mtp_params
+            from jspec.checkpoint.mtp import load_mtp_params
 
             path = spec.draft_model_path or target_path
             if path is None:

@@ -140,7 +140,7 @@ def test_nextn_needs_mtp_layers_of_a_deepseek_target():
 
     from jspec.checkpoint.loader import init_random_params
 
-    with pytest.raises(ValueError, match="NEXTN drafts with DeepSeek-V3"):
+    with pytest.raises(ValueError, match="NEXTN drafts with the checkpoint.s own multi-token-prediction layers"):
         jspec.Engine(
             (TARGET, init_random_params(TARGET, jax.random.key(0))), speculative=SpecConfig("NEXTN", num_steps=1)
         )
