@@ -198,3 +198,26 @@ def test_nextn_adaptive_forced_switches_keep_a_perfect_draft_lossless(deepseek):
     for p, o in zip(PROMPTS, out):
         assert o.token_ids == walk(perm, p[-1], len(o.token_ids))
         assert o.mean_accept_length > 1.5
+
+
+def test_nextn_with_penalties_and_logprobs_equals_plain(deepseek):
+    """The shared verify paths under NEXTN: penalised greedy rows emit plain decoding's tokens,
+    with its logprobs and top logprobs."""
+    path, cfg, params, _ = deepseek
+    kw = engine_kw(16, True)
+    sp = SamplingParams(
+        max_new_tokens=NEW,
+        ignore_eos=True,
+        frequency_penalty=0.7,
+        repetition_penalty=1.3,
+        return_logprob=True,
+        top_logprobs_num=2,
+    )
+    plain = jspec.Engine((cfg, params), **kw).generate(PROMPTS, sp)
+    spec = SpecConfig("NEXTN", num_steps=3)
+    engine = jspec.Engine((cfg, params), speculative=spec, draft=(cfg, load_mtp_params(path, cfg)), **kw)
+    out = engine.generate(PROMPTS, sp)
+    assert [o.token_ids for o in out] == [o.token_ids for o in plain]
+    for a, b in zip(out, plain):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+        assert [[t for t, _ in top] for top in a.top_logprobs] == [[t for t, _ in top] for top in b.top_logprobs]
