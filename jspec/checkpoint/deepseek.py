@@ -221,3 +221,51 @@ def load_mtp_params(path: str | os.PathLike, cfg: ModelConfig, dtype: Any = None
     if own_head is not None and not np.array_equal(own_head, target_head):
         out["lm_head"] = jax.device_put(np.asarray(own_head)).T.astype(dtype)
     return out
+
+
+def layer_param_shapes(cfg: ModelConfig, sparse: bool) -> dict[str, tuple[int, ...]]:
+    """One layer's leaf shapes in models/deepseek.py's layout."""
+    ds, H, nh = cfg.deepseek, cfg.hidden_size, cfg.num_heads
+    lp: dict[str, tuple[int, ...]] = {"attn_norm": (H,), "mlp_norm": (H,)}
+    if ds.q_lora_rank:
+        lp.update(wq_a=(H, ds.q_lora_rank), q_a_norm=(ds.q_lora_rank,), wq_b=(ds.q_lora_rank, nh * ds.qk_head_dim))
+    else:
+        lp["wq"] = (H, nh * ds.qk_head_dim)
+    lp.update(
+        wkv_a=(H, ds.latent_dim),
+        kv_a_norm=(ds.kv_lora_rank,),
+        w_uk=(nh, ds.qk_nope_head_dim, ds.kv_lora_rank),
+        w_uv=(nh, ds.v_head_dim, ds.kv_lora_rank),
+        wo=(nh * ds.v_head_dim, H),
+    )
+    if not sparse:
+        lp.update(w_gate_up=(H, 2 * cfg.intermediate_size), w_down=(cfg.intermediate_size, H))
+        return lp
+    E, I, Is = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    lp.update(router=(H, E), experts_gate_up=(E, H, 2 * I), experts_down=(E, I, H))
+    if ds.topk_method == "noaux_tc":
+        lp["router_bias"] = (E,)
+    if Is:
+        lp.update(shared_gate_up=(H, 2 * Is), shared_down=(Is, H))
+    return lp
+
+
+def deepseek_param_shapes(cfg: ModelConfig) -> dict[str, Any]:
+    """The target's pytree of leaf shapes (loader.param_shapes for a DeepSeek config)."""
+    H = cfg.hidden_size
+    shapes = {
+        "embed": (cfg.vocab_size, H),
+        "layers": [layer_param_shapes(cfg, i in cfg.moe_layers) for i in range(cfg.num_layers)],
+        "final_norm": (H,),
+    }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (H, cfg.vocab_size)
+    return shapes
+
+
+def mtp_param_shapes(cfg: ModelConfig) -> dict[str, Any]:
+    """The NEXTN draft's pytree of leaf shapes: {"mtp": one sparse layer plus its fusion}."""
+    H = cfg.hidden_size
+    return {
+        "mtp": {**layer_param_shapes(cfg, True), "enorm": (H,), "hnorm": (H,), "eh_proj": (2 * H, H), "head_norm": (H,)}
+    }

@@ -326,6 +326,10 @@ def assemble_layers(cfg: ModelConfig, common: dict, dense: dict, sparse: dict, t
 
 def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
     """The pytree's leaf shapes for a config (same structure as the params)."""
+    if cfg.deepseek is not None:
+        from jspec.checkpoint.deepseek import deepseek_param_shapes
+
+        return deepseek_param_shapes(cfg)
     H, I, D, L = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_layers
     qkv = cfg.q_size + 2 * cfg.kv_size
     layers = {"attn_norm": (L, H), "wqkv": (L, H, qkv)}

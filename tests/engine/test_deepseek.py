@@ -111,8 +111,12 @@ def walk(perm, token, n):
 
 
 def test_nextn_accepts_a_perfect_mtp_layer(deepseek):
+    from jspec.checkpoint.deepseek import mtp_param_shapes
+
     path, cfg, params, _ = deepseek
-    params, mtp, perm = copying_model(cfg, params, load_mtp_params(path, cfg))
+    loaded = load_mtp_params(path, cfg)
+    assert jax.tree.map(lambda a: tuple(a.shape), loaded) == mtp_param_shapes(cfg)
+    params, mtp, perm = copying_model(cfg, params, loaded)
     steps = 3
     spec = SpecConfig("NEXTN", num_steps=steps)
     engine = jspec.Engine((cfg, params), speculative=spec, draft=(cfg, mtp), **engine_kw(16, True))

@@ -5,13 +5,14 @@ logits at every position through the expanded form, then decode steps through th
 form over the paged latent cache (the Pallas MLA decode kernel, interpreted), and HF's greedy
 tokens."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.hf_reference import hf_logits, hf_make_checkpoints, requires_hf
 from support.parity import forward_logits, rel_err
 
-from jspec.checkpoint.loader import load_model
+from jspec.checkpoint.loader import load_model, param_shapes
 from jspec.kvcache.allocator import PageAllocator
 from jspec.kvcache.pool import create_kv_pool
 from jspec.worker.inputs import SeqChunk, build_forward_batch
@@ -36,6 +37,8 @@ def test_deepseek_matches_transformers(deepseek_checkpoints, variant, page_size)
     cfg, params = load_model(path, dtype=jnp.float32)
     assert cfg.deepseek is not None and cfg.deepseek.yarn_factor == 4.0
     assert cfg.num_mtp_layers == (1 if variant == "deepseek_v3" else 0)
+    # The loader's layout is the one param_shapes (dummy loads, random weights) describes.
+    assert jax.tree.map(lambda a: tuple(a.shape), params) == param_shapes(cfg)
     rng = np.random.default_rng(0)
     prompts = [list(map(int, rng.integers(0, cfg.vocab_size, n))) for n in (11, 6)]
     ref = hf_logits(path, prompts, decode_steps=DECODE_STEPS)
