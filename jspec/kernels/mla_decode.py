@@ -1,4 +1,5 @@
-"""Absorbed multi-head latent attention for decode (DeepSeek's MLA), Pallas over Triton.
+"""Absorbed multi-head latent attention (DeepSeek's MLA), Pallas over Triton: decode, and the
+extend of a few new tokens per sequence (verify trees, causal or masked).
 
 One query token per sequence; every query head attends to the same latent cache row
 [c_kv (R) | k_rope (P)] (kernels/mla_ref.py explains the absorbed form). Grid (sequence,
@@ -6,6 +7,11 @@ head block, context split): a program holds block_h query heads, so a latent til
 once for all of them, and uses it twice: the score is q_lat . c + q_rope . k_rope and the
 value is c itself. Split-K partials are merged in jnp as in paged_decode. R and P must be
 powers of two (DeepSeek-V3: 512 and 64), since Triton tiles are.
+
+mla_extend runs one program per (sequence, new token, head block) over the keys that token
+sees (the prefix, then the new tokens its causal order or tree mask allows), so the latent is
+read once per new token: right for verify trees of a few nodes; prefills take the expanded
+form (kernels/mla_ref.py) instead.
 """
 
 from __future__ import annotations
@@ -205,3 +211,156 @@ def mla_decode(
         lse = jnp.where(total > 0, (m_max + jnp.log2(jnp.where(total > 0, total, 1.0))) * math.log(2.0), -jnp.inf)
         return out, lse
     return out.astype(q.dtype)
+
+
+def _mla_extend_kernel(
+    layer_ref,
+    seq_lens_ref,
+    page_tables_ref,
+    query_start_ref,
+    mask_ref,
+    q_lat_ref,
+    q_rope_ref,
+    rows_ref,
+    out_ref,
+    *,
+    cache_shape,
+    num_heads,
+    block_h,
+    block_n,
+    scale_log2,
+    tree,
+):
+    seq, i, head_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rank, rope = q_lat_ref.shape[2], q_rope_ref.shape[2]
+    layer = layer_ref[0]
+    start = query_start_ref[seq]
+    q_len = query_start_ref[seq + 1] - start
+    kv_len = jnp.minimum(seq_lens_ref[seq], page_tables_ref.shape[1] * cache_shape[2])
+    prefix = kv_len - q_len
+    own = i < q_len
+    # Causal: keys up to the token itself; a tree may show any earlier new token, so all of them.
+    hi = jnp.where(own, kv_len if tree else prefix + i + 1, 0)
+    num_tiles = -(-hi // block_n)
+    row = start + i
+
+    heads = head_block * block_h + lax.iota(jnp.int32, block_h)
+    real = (heads < num_heads) & own
+    h2 = heads[:, None]
+    dtype = rows_ref.dtype
+    q_lat = pltriton.load(q_lat_ref.at[row, h2, lax.iota(jnp.int32, rank)[None, :]], mask=real[:, None], other=0)
+    q_rope = pltriton.load(q_rope_ref.at[row, h2, lax.iota(jnp.int32, rope)[None, :]], mask=real[:, None], other=0)
+    q_lat, q_rope = q_lat.astype(dtype), q_rope.astype(dtype)
+    max_q = mask_ref.shape[1]
+
+    def tile(t, carry):
+        m, l, acc = carry
+        lo = t * block_n
+        c, k_rope = _latent_tiles(
+            rows_ref,
+            page_tables_ref,
+            cache_shape=cache_shape,
+            rank=rank,
+            layer=layer,
+            seq=seq,
+            start=lo,
+            block_n=block_n,
+            valid_len=hi,
+        )
+        dims = (((1,), (1,)), ((), ()))
+        s = lax.dot_general(q_lat, c, dims, preferred_element_type=jnp.float32)
+        s = (s + lax.dot_general(q_rope, k_rope, dims, preferred_element_type=jnp.float32)) * scale_log2
+        j = lo + lax.iota(jnp.int32, block_n)
+        visible = j < hi
+        if tree:
+            new = j - prefix
+            in_tree = (new >= 0) & visible
+            allowed = pltriton.load(
+                mask_ref.at[seq, jnp.minimum(i, max_q - 1), jnp.clip(new, 0, max_q - 1)], mask=in_tree, other=0
+            )
+            visible = visible & ((new < 0) | (allowed != 0))
+        visible = visible[None, :]
+        s = jnp.where(visible, s, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.where(visible, jnp.exp2(s - m_new[:, None]), 0.0)
+        l = l * alpha + jnp.sum(p, axis=1)
+        pv = lax.dot_general(p.astype(dtype), c, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        return m_new, l, acc * alpha[:, None] + pv
+
+    carry = (
+        jnp.full((block_h,), MASK_VALUE, jnp.float32),
+        jnp.zeros((block_h,), jnp.float32),
+        jnp.zeros((block_h, rank), jnp.float32),
+    )
+    m, l, acc = lax.fori_loop(0, num_tiles, tile, carry)
+    out = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(out_ref.dtype)
+    pltriton.store(out_ref.at[row, h2, lax.iota(jnp.int32, rank)[None, :]], out, mask=real[:, None])
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("kv_lora_rank", "sm_scale", "max_q_len", "interpret", "block_h", "block_n"),
+)
+def mla_extend(
+    q,
+    latent_cache,
+    layer,
+    seq_lens,
+    page_tables,
+    query_start,
+    *,
+    kv_lora_rank,
+    sm_scale,
+    max_q_len,
+    mask=None,
+    interpret=None,
+    block_h=16,
+    block_n=32,
+):
+    """mla_extend_ref's contract: q [T, Hq, R + P] (absorbed), sequence b's new tokens at rows
+    query_start[b]:query_start[b+1], the last of its seq_lens[b] cached latents; causal, or
+    mask [B, max_q_len, max_q_len] among the new tokens -> [T, Hq, R] in q's dtype (zeros on
+    rows no sequence owns)."""
+    num_rows, num_heads, width = q.shape
+    _, _, page_size, one, cache_width = latent_cache.shape
+    rank = kv_lora_rank
+    if one != 1 or width != cache_width:
+        raise ValueError(f"q {q.shape} does not fit the latent cache {latent_cache.shape}")
+    for name, value in (("page_size", page_size), ("block_h", block_h), ("block_n", block_n), ("kv_lora_rank", rank)):
+        check_pow2(name, value)
+    check_pow2("qk_rope_head_dim", cache_width - rank)
+    block_h = max(16, min(block_h, next_pow2(num_heads)))
+    head_blocks = -(-num_heads // block_h)
+    batch = seq_lens.shape[0]
+    tree = mask is not None
+    mask_arr = mask.astype(jnp.int32) if tree else jnp.zeros((batch, 1, 1), jnp.int32)
+    kernel = functools.partial(
+        _mla_extend_kernel,
+        cache_shape=latent_cache.shape,
+        num_heads=num_heads,
+        block_h=block_h,
+        block_n=block_n,
+        scale_log2=float(sm_scale) * LOG2E,
+        tree=tree,
+    )
+    out = pl.pallas_call(
+        kernel,
+        grid=(batch, max_q_len, head_blocks),
+        out_shape=jax.ShapeDtypeStruct((num_rows, num_heads, rank), q.dtype),
+        interpret=resolve_interpret(interpret),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        name=f"mla_extend_s{page_size}_h{block_h}_n{block_n}{'_tree' if tree else ''}",
+    )(
+        jnp.reshape(layer, (1,)).astype(jnp.int32),
+        seq_lens.astype(jnp.int32),
+        page_tables.astype(jnp.int32),
+        query_start.astype(jnp.int32),
+        mask_arr,
+        q[..., :rank],
+        q[..., rank:],
+        cache_rows(latent_cache),
+    )
+    # Rows no sequence owns (padding) were never written.
+    owned = jnp.arange(num_rows) < query_start[batch]
+    return jnp.where(owned[:, None, None], out, 0)

@@ -115,13 +115,14 @@ def mla_attention(cfg, lp, q_nope, q_rope, cache, layer, batch: ForwardBatch, mo
     ds = cfg.deepseek
     if mode.backend not in ("pallas", "reference"):
         raise ValueError(f"unknown attention backend {mode.backend!r}")
-    # Decode has its Pallas kernel; prefill and verify run the references on every backend.
+    # Decode and verify have Pallas kernels (absorbed); prefill runs the expanded reference on
+    # every backend.
     from jspec.kernels.mla_ref import mla_decode_ref, mla_extend_expanded_ref, mla_extend_ref
 
     if mode.backend == "pallas":
-        from jspec.kernels.mla_decode import mla_decode
+        from jspec.kernels.mla_decode import mla_decode, mla_extend
     else:
-        mla_decode = mla_decode_ref
+        mla_decode, mla_extend = mla_decode_ref, mla_extend_ref
 
     if not mode.decode_only and mask is None:
         out = mla_extend_expanded_ref(
@@ -144,7 +145,7 @@ def mla_attention(cfg, lp, q_nope, q_rope, cache, layer, batch: ForwardBatch, mo
             q, cache, layer, batch.seq_lens, batch.page_tables, kv_lora_rank=ds.kv_lora_rank, sm_scale=ds.sm_scale
         )
     else:
-        lat = mla_extend_ref(
+        lat = mla_extend(
             q,
             cache,
             layer,

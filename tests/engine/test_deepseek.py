@@ -41,12 +41,12 @@ def deepseek(tmp_path_factory):
     return path, cfg, params, hf_tokens
 
 
-def engine_kw(page_size, overlap):
+def engine_kw(page_size, overlap, backend="reference"):
     return dict(
         page_size=page_size,
         max_total_tokens=127 * page_size,
         max_running_requests=4,
-        attention_backend="reference",
+        attention_backend=backend,
         disable_overlap_schedule=not overlap,
     )
 
@@ -64,12 +64,16 @@ def test_engine_serves_deepseek_with_hf_greedy_tokens(deepseek):
     engine.check_idle_no_leaks()
 
 
-@pytest.mark.parametrize("page_size,overlap,steps,topk,ndt", [(16, True, 3, 1, None), (1, False, 2, 3, 5)])
-def test_nextn_greedy_equals_plain_greedy(deepseek, page_size, overlap, steps, topk, ndt):
+@pytest.mark.parametrize(
+    "page_size,overlap,steps,topk,ndt,backend",
+    [(16, True, 3, 1, None, "reference"), (1, False, 2, 3, 5, "reference"), (4, True, 2, 2, 4, "pallas")],
+)
+def test_nextn_greedy_equals_plain_greedy(deepseek, page_size, overlap, steps, topk, ndt, backend):
+    """backend "pallas": the MLA decode and verify kernels, interpreted, inside the engine."""
     path, cfg, params, hf_tokens = deepseek
     spec = SpecConfig("NEXTN", num_steps=steps, eagle_topk=topk, num_draft_tokens=ndt)
     # From the path, so that NEXTN reads the MTP layer from the target's own checkpoint.
-    engine = jspec.Engine(path, speculative=spec, **engine_kw(page_size, overlap))
+    engine = jspec.Engine(path, speculative=spec, **engine_kw(page_size, overlap, backend))
     out = jspec.generate(engine.model, PROMPTS, max_new_tokens=NEW, ignore_eos=True, engine=engine)
     engine.check_idle_no_leaks()
     assert [o.token_ids for o in out] == hf_tokens
@@ -179,7 +183,7 @@ def test_nextn_tree_decode_step_lowers_for_cuda(deepseek, monkeypatch):
     monkeypatch.setattr(jspec.kernels.backend, "interpret_mode", lambda: False)
     fn = functools.partial(spec_decode_step, cfg=w.cfg, method=w.method, backend="pallas", sampling="greedy")
     text = lower_for_cuda(fn, *specs).as_text()
-    assert "mla_decode" in text and "__gpu$xla.gpu.triton" in text
+    assert "mla_decode" in text and "mla_extend" in text and "__gpu$xla.gpu.triton" in text
 
 
 def test_nextn_adaptive_forced_switches_keep_a_perfect_draft_lossless(deepseek):

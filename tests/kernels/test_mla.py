@@ -133,3 +133,51 @@ def test_mla_decode_lowers_for_h200(batch, page_size, heads):
     )
     fn = functools.partial(mla_decode, kv_lora_rank=512, sm_scale=0.1, interpret=False)
     assert "__gpu$xla.gpu.triton" in lower_for_cuda(fn, *specs).as_text()
+
+
+@pytest.mark.parametrize("page_size,tree", [(1, True), (4, False), (4, True)])
+def test_mla_extend_kernel_matches_reference(page_size, tree):
+    from jspec.kernels.mla_decode import mla_extend
+
+    q_lens, seq_lens = [5, 3, 1, 0], np.array([9, 3, 14, 0], np.int32)
+    cache, tables, w_uk, _, starts, q_nope, q_rope, owners = problem(11, page_size, q_lens, np.maximum(seq_lens, 1))
+    mask = random_tree_mask(np.random.default_rng(2), len(q_lens), 8) if tree else None
+    q = absorbed(q_nope, q_rope, w_uk)
+    args = (q, cache, jnp.int32(LAYER), seq_lens, tables, starts)
+    kw = dict(kv_lora_rank=R, sm_scale=SCALE, max_q_len=8, mask=mask)
+    ref = mla_extend_ref(*args, **kw)
+    out = mla_extend(*args, block_n=16, **kw)
+    real = [r for r, o in enumerate(owners) if o is not None]
+    assert rel_err(np.asarray(out)[real], np.asarray(ref)[real]) < 1e-5
+    assert not np.asarray(out)[len(real) :].any()  # padding rows: zeros
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("tree", [False, True])
+def test_mla_extend_lowers_for_h200(tree):
+    import functools
+
+    import jax
+    from support.lowering import lower_for_cuda
+
+    from jspec.kernels.mla_decode import mla_extend
+
+    batch, q_len, ctx, page_size, heads = 16, 8, 4096, 64, 128
+    I32 = jnp.int32
+    specs = (
+        jax.ShapeDtypeStruct((batch * q_len, heads, 576), jnp.bfloat16),
+        jax.ShapeDtypeStruct((2, batch * ctx // page_size + 1, page_size, 1, 576), jnp.bfloat16),
+        jax.ShapeDtypeStruct((), I32),
+        jax.ShapeDtypeStruct((batch,), I32),
+        jax.ShapeDtypeStruct((batch, ctx // page_size), I32),
+        jax.ShapeDtypeStruct((batch + 1,), I32),
+    )
+    kw = dict(kv_lora_rank=512, sm_scale=0.1, max_q_len=q_len, interpret=False)
+    if tree:
+        specs += (jax.ShapeDtypeStruct((batch, q_len, q_len), jnp.bool_),)
+
+        def fn(*a):
+            return mla_extend(*a[:6], mask=a[6], **kw)
+    else:
+        fn = functools.partial(mla_extend, **kw)
+    assert "__gpu$xla.gpu.triton" in lower_for_cuda(fn, *specs).as_text()
