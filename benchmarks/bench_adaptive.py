@@ -4,8 +4,9 @@
    is lossless, so every shape emits these same tokens). NGRAM's drafts are a function of the
    tokens so far, so for every position and every shape the accepted length is computed exactly
    from the record (the engine's own matcher and acceptance rule), without running each shape.
-2. Costs: each shape's iteration time per batch bucket, measured on this device by the engine
-   (SpecWorker.measure_costs), or loaded with --cost-table.
+2. Costs: each shape's iteration time per batch bucket, and with only d rows drafting (the
+   ragged verify), measured on this device by the engine (SpecWorker.measure_costs), or loaded
+   with --cost-table. The JSON's "costs" and "ragged" are a cost table the server loads.
 3. Replay: batches of traces run to completion under each fixed shape, under "off", and under
    the policy (the engine's AdaptivePolicy, fed only the accept lengths it would read back).
    Three workloads, from the traces ranked by how often the always-on shape's drafts are
@@ -112,9 +113,8 @@ def replay(traces: list[Trace], costs: CostTable, shapes, choose) -> dict:
         s, drafting, observe = choose(rows, b)
         shape = shapes[s]
         cost = costs.at(shape, b)
-        if drafting is not None:  # the policy's own model of a ragged verify's cost
-            off = costs.at((0, 1, 1), b)
-            cost = off + (cost - off) * bucket(sum(drafting)) / b
+        if drafting is not None:  # only rows d drafted: that iteration's own measured cost
+            cost = costs.ragged[(shape, b, sum(drafting))]
             opted_out += drafting.count(False)
         accepts = []
         for j, i in enumerate(rows):
@@ -166,39 +166,37 @@ def adaptive(shapes, costs: CostTable, opt_out: bool = True):
     return choose
 
 
-def measure_ragged(engine, costs: CostTable, shapes, repeats: int = 5) -> list[dict]:
-    """The always-on shape with D of B rows drafting (the others verifying their root alone),
-    timed beside the policy's model of it: off + (full - off) * D / B."""
+def policy_host_cost(shapes, costs: CostTable, rows=(1, 16, 64), calls: int = 2000) -> list[dict]:
+    """Host time of the policy per iteration (choose, and observe of the outputs), with every
+    ragged option in the table: what it adds to the loop's host work."""
     import time
 
-    import jax
+    table = CostTable({s: {b: costs.at(s, b) for b in rows} for s in shapes}, "bench")
+    for s in shapes:
+        for b in rows:
+            d = 1
+            while d < b and s[0] > 0:
+                table.ragged[(s, b, d)] = table.at(s, b)
+                d *= 2
 
-    w, out = engine.worker, []
-    B = w.decode_buckets()[-1]
-    greedy = [(jspec.SamplingParams(), 0)] * B
-    full, off = costs.at(shapes[0], B), costs.at((0, 1, 1), B)
-    d = 1
-    while d < B:
-        drafting = [i < d for i in range(B)]
-        times = []
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            jax.block_until_ready(w.decode([w.scratch_slot] * B, [[0]] * B, greedy, shape=0, drafting=drafting))
-            times.append(time.perf_counter() - t0)
-        measured = float(np.median(times[1:]))
-        model = off + (full - off) * d / B
-        out.append(
-            {
-                "shape": shape_label(shapes[0]),
-                "rows": B,
-                "drafting_rows": d,
-                "measured_s": measured,
-                "model_s": model,
-                "full_s": full,
-                "off_s": off,
-            }
-        )
-        d *= 2
+    @dataclasses.dataclass
+    class Row:
+        accept_alpha: float | None = None
+
+    out = []
+    rng = np.random.default_rng(0)
+    for n in rows:
+        policy = AdaptivePolicy(tuple(shapes), table)
+        alphas, accepts = rng.random(n), rng.integers(0, 3, n)
+        reqs = [Row() for _ in range(n)]
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            policy.choose(alphas, n)
+        t1 = time.perf_counter()
+        for _ in range(calls):
+            policy.observe(0, reqs, accepts, 0.01)
+        t2 = time.perf_counter()
+        out.append({"rows": n, "choose_us": (t1 - t0) / calls * 1e6, "observe_us": (t2 - t1) / calls * 1e6})
     return out
 
 
@@ -224,14 +222,12 @@ def main():
         prompts = [chat(p) for p in PROMPTS]
     shapes = spec.shapes()
     traces = record(model, prompts, [f"prompt{i}" for i in range(len(prompts))], args.max_new_tokens, shapes, spec)
-    ragged = []
     if args.cost_table:
         costs = CostTable.load(args.cost_table)
     else:
+        # Every program compiles on its first (untimed) run.
         engine = jspec.Engine(model, speculative=spec, max_running_requests=args.batch, page_size=16)
-        engine.warmup(["greedy"])
-        costs = engine.adaptive.costs
-        ragged = measure_ragged(engine, costs, shapes)
+        costs = engine.worker.measure_costs(ragged=True)
     ranked = sorted(traces, key=lambda t: -t.accept[shapes[0]].mean())
     half = len(ranked) // 2
     workloads = {
@@ -270,9 +266,9 @@ def main():
         }
         for t in traces
     ]
-    path = Results(args.out, "bench_adaptive", settings).write(
-        rows=rows, costs=costs.to_json()["costs"], ragged_verify=ragged, traces=trace_summary
-    )
+    host = policy_host_cost(shapes, costs)
+    results = Results(args.out, "bench_adaptive", settings)
+    path = results.write(rows=rows, **costs.to_json(), traces=trace_summary, policy_host=host)
     print(f"wrote {path}\n")
     labels = [shape_label(s) for s in shapes]
     head = " ".join(f"{x:>8}" for x in labels)
@@ -283,10 +279,13 @@ def main():
             f"{r['workload']:>10} {fixed_rates} {r['adaptive_per_batch']['tokens_per_s']:>9.1f} "
             f"{r['adaptive']['tokens_per_s']:>8.1f} {r['adaptive_over_better_of_on_and_off']:>14.3f}"
         )
-    for r in ragged:
+    for h in host:
+        print(f"policy host time, {h['rows']} rows: choose {h['choose_us']:.0f} us, observe {h['observe_us']:.0f} us")
+    for (shape, b, d), t in sorted(costs.ragged.items()):
+        full, off = costs.at(shape, b), costs.at((0, 1, 1), b)
         print(
-            f"ragged verify {r['shape']} B={r['rows']} D={r['drafting_rows']}: {r['measured_s'] * 1e3:.1f} ms "
-            f"(model {r['model_s'] * 1e3:.1f}, full {r['full_s'] * 1e3:.1f}, off {r['off_s'] * 1e3:.1f})"
+            f"{shape_label(shape)} B={b}, {d} rows drafting: {t * 1e3:.1f} ms "
+            f"(all drafting {full * 1e3:.1f}, off {off * 1e3:.1f})"
         )
 
 

@@ -124,7 +124,8 @@ def run_variant(name, call, ref, problem: Problem, iters, reps, extra, caches=No
     return record
 
 
-def decode_case(name, batch, ctx, page_size, variants, *, iters, reps, bundled=True, layers=LAYERS):
+def decode_case(name, batch, ctx, page_size, variants, *, iters, reps, bundled=True, layers=LAYERS, window=None):
+    """window: a sliding window (the kernel reads only each sequence's last window tokens)."""
     p = Problem(
         batch=batch,
         ctx=ctx,
@@ -136,24 +137,26 @@ def decode_case(name, batch, ctx, page_size, variants, *, iters, reps, bundled=T
         layers=layers,
     )
     layer = jnp.int32(LAYER)
-    ref = paged_decode_ref(p.q, p.k, p.v, layer, p.seq_lens, p.page_tables[0], sm_scale=p.sm_scale)
+    win = None if window is None else jnp.int32(window)
+    ref = paged_decode_ref(p.q, p.k, p.v, layer, p.seq_lens, p.page_tables[0], sm_scale=p.sm_scale, window=win)
     case = dict(
         name=name,
         kind="decode",
+        window=window,
         batch=batch,
         ctx=ctx,
         page_size=page_size,
         num_q_heads=32,
         num_kv_heads=8,
         head_dim=128,
-        kv_bytes=p.kv_bytes,
+        kv_bytes=p.kv_bytes if window is None else p.kv_bytes * min(window, ctx) // ctx,
         cache_bytes=2 * p.k.nbytes,
         page_table_sets=p.sets,
         results=[],
     )
     for vname, tuning in variants:
         call = lambda q, pt, k, v, tuning=tuning: paged_decode(
-            q, k, v, layer, p.seq_lens, pt, sm_scale=p.sm_scale, **tuning
+            q, k, v, layer, p.seq_lens, pt, sm_scale=p.sm_scale, window=win, **tuning
         )
         plan = decode_plan(batch, 32, p.k.shape, ctx // page_size, **tuning)._asdict()
         extra = {"tuning": tuning, "plan": plan, "kernel": "jspec"}
@@ -195,7 +198,8 @@ def bundled_decode(p: Problem, ref, iters, reps):
     return run_variant("bundled", call, ref, p, iters, reps, extra, caches=(k_pages, v_pages))
 
 
-def extend_case(name, batch, q_len, ctx, page_size, variants, *, tree, iters, reps):
+def extend_case(name, batch, q_len, ctx, page_size, variants, *, tree, iters, reps, window=None):
+    """window: a sliding window narrower than ctx (each query reads its last window keys)."""
     p = Problem(
         batch=batch, ctx=ctx, page_size=page_size, num_q_heads=32, num_kv_heads=8, head_dim=128, q_rows=batch * q_len
     )
@@ -206,17 +210,32 @@ def extend_case(name, batch, q_len, ctx, page_size, variants, *, tree, iters, re
         rng = np.random.default_rng(1)
         m = np.tril(rng.random((batch, q_len, q_len)) < 0.4) | np.eye(q_len, dtype=bool)[None]
         mask = jnp.asarray(m)
+    win = None if window is None else jnp.int32(window)
     ref = paged_extend_ref(
-        p.q, p.k, p.v, layer, p.seq_lens, p.page_tables[0], query_start, sm_scale=p.sm_scale, max_q_len=q_len, mask=mask
+        p.q,
+        p.k,
+        p.v,
+        layer,
+        p.seq_lens,
+        p.page_tables[0],
+        query_start,
+        sm_scale=p.sm_scale,
+        max_q_len=q_len,
+        mask=mask,
+        window=win,
     )
     if tree:
         visible = float(np.asarray(mask).sum()) / batch + (ctx - q_len) * q_len
     else:
         visible = (ctx - q_len) * q_len + q_len * (q_len + 1) / 2
+    if window is not None:  # each query sees at most its last window positions
+        positions = np.arange(ctx - q_len, ctx)
+        visible = float(np.minimum(positions + 1, window).sum())
     flops = 4 * batch * visible * 32 * 128
     case = dict(
         name=name,
         kind="extend_tree" if tree else "extend_causal",
+        window=window,
         batch=batch,
         q_len=q_len,
         ctx=ctx,
@@ -231,7 +250,18 @@ def extend_case(name, batch, q_len, ctx, page_size, variants, *, tree, iters, re
     )
     for vname, tuning in variants:
         call = lambda q, pt, k, v, tuning=tuning: paged_extend(
-            q, k, v, layer, p.seq_lens, pt, query_start, sm_scale=p.sm_scale, max_q_len=q_len, mask=mask, **tuning
+            q,
+            k,
+            v,
+            layer,
+            p.seq_lens,
+            pt,
+            query_start,
+            sm_scale=p.sm_scale,
+            max_q_len=q_len,
+            mask=mask,
+            window=win,
+            **tuning,
         )
         plan = extend_plan(batch, 32, p.k.shape, ctx // page_size, q_len, **tuning)._asdict()
         extra = {"tuning": tuning, "plan": plan, "kernel": "jspec"}
@@ -397,6 +427,31 @@ def main():
             tree=False,
             iters=iters,
             reps=reps,
+        ),
+        # Sliding windows (Mistral / Gemma style) an eighth of the context: the kernels read
+        # only the window, so time should follow window / ctx of the plain cases above.
+        lambda: decode_case(
+            "decode_b32_ctx4096_s16_window512",
+            batch(32),
+            ctx(4096),
+            16,
+            big[:1],
+            iters=iters,
+            reps=reps,
+            bundled=False,
+            window=ctx(4096) // 8,
+        ),
+        lambda: extend_case(
+            "prefill_b1_q2048_ctx2048_s16_window256",
+            1,
+            ctx(2048),
+            ctx(2048),
+            16,
+            prefill_variants(True),
+            tree=False,
+            iters=iters,
+            reps=reps,
+            window=ctx(2048) // 8,
         ),
     ]
     # Per-iteration cost of the timing loop itself: a trivial body on a decode-sized q.

@@ -31,6 +31,7 @@ SLOW_FILES_FIRST = (
     "test_engine.py",
     "test_spec_methods.py",
     "test_spec_eagle.py",
+    "test_spec_families.py",
     "test_server.py",
     "test_tensor_parallel.py",
     "test_dp_attention.py",

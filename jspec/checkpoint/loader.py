@@ -23,9 +23,19 @@ import numpy as np
 
 from jspec.checkpoint.errors import CheckpointError, MissingTensorError, TensorShapeError
 from jspec.checkpoint.files import read_hf_tensors
+from jspec.checkpoint.fp8 import (
+    Fp8Scheme,
+    UnsupportedQuantizationError,
+    fp8_scheme,
+    is_fp8_tensor,
+    known_extra_tensors,
+    kv_scales,
+    scale_columns,
+)
 from jspec.checkpoint.random_weights import random_weights
 from jspec.config.deepseek import DeepseekConfig
-from jspec.config.model import ModelConfig, RopeScaling, UnsupportedArchitectureError
+from jspec.config.model import GEMMA_FAMILIES, ModelConfig, RopeScaling, UnsupportedArchitectureError
+from jspec.layers.quant import FP8, Fp8Weight
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +130,33 @@ def _moe_hf_shapes(cfg: ModelConfig, layout: _MoeLayout) -> dict[str, tuple[int,
     return shapes
 
 
-def _hf_shapes(cfg: ModelConfig, moe_layout: _MoeLayout | None = None) -> dict[str, tuple[int, ...]]:
+# jspec's norm -> HF's name (relative to model.layers.{i}.), by norm layout. Llama's
+# post_attention_layernorm is the norm before the MLP; Gemma 2/3's and OLMo 2's is the one on
+# the attention's output.
+_NORM_NAMES = {
+    "pre": {"attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight"},
+    "sandwich": {
+        "attn_norm": "input_layernorm.weight",
+        "attn_post_norm": "post_attention_layernorm.weight",
+        "mlp_norm": "pre_feedforward_layernorm.weight",
+        "mlp_post_norm": "post_feedforward_layernorm.weight",
+    },
+    "post": {"attn_post_norm": "post_attention_layernorm.weight", "mlp_post_norm": "post_feedforward_layernorm.weight"},
+}
+_QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+_FUSED_QKV = ("self_attn.qkv_proj.weight",)  # Phi-3: q, k, v stacked on the out axis
+_GATE_UP = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
+_FUSED_GATE_UP = ("mlp.gate_up_proj.weight",)  # Phi-3: gate, up stacked on the out axis
+
+
+def _fused_projections(tensors: Mapping[str, Any]) -> bool:
+    """Whether the checkpoint stores q/k/v and gate/up fused (Phi-3)."""
+    return "model.layers.0." + _FUSED_QKV[0] in tensors
+
+
+def _hf_shapes(
+    cfg: ModelConfig, moe_layout: _MoeLayout | None = None, fused: bool = False
+) -> dict[str, tuple[int, ...]]:
     """Every HF tensor the config needs, with the shape HF stores it in ([out, in])."""
     H, I, V, D = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
     shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
@@ -128,24 +164,35 @@ def _hf_shapes(cfg: ModelConfig, moe_layout: _MoeLayout | None = None) -> dict[s
         shapes["lm_head.weight"] = (V, H)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (H,)
-        shapes[p + "post_attention_layernorm.weight"] = (H,)
-        shapes[p + "self_attn.q_proj.weight"] = (cfg.q_size, H)
-        shapes[p + "self_attn.k_proj.weight"] = (cfg.kv_size, H)
-        shapes[p + "self_attn.v_proj.weight"] = (cfg.kv_size, H)
+        for name in _NORM_NAMES[cfg.norm_layout].values():
+            shapes[p + name] = (H,)
+        if fused:
+            shapes[p + _FUSED_QKV[0]] = (cfg.q_size + 2 * cfg.kv_size, H)
+        else:
+            shapes[p + "self_attn.q_proj.weight"] = (cfg.q_size, H)
+            shapes[p + "self_attn.k_proj.weight"] = (cfg.kv_size, H)
+            shapes[p + "self_attn.v_proj.weight"] = (cfg.kv_size, H)
         shapes[p + "self_attn.o_proj.weight"] = (H, cfg.q_size)
         if cfg.qkv_bias:
             shapes[p + "self_attn.q_proj.bias"] = (cfg.q_size,)
             shapes[p + "self_attn.k_proj.bias"] = (cfg.kv_size,)
             shapes[p + "self_attn.v_proj.bias"] = (cfg.kv_size,)
+        if cfg.o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (H,)
         if cfg.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (D,)
             shapes[p + "self_attn.k_norm.weight"] = (D,)
+        if cfg.qk_norm_whole:
+            shapes[p + "self_attn.q_norm.weight"] = (cfg.q_size,)
+            shapes[p + "self_attn.k_norm.weight"] = (cfg.kv_size,)
         if i in cfg.moe_layers:
             shapes.update({p + n: s for n, s in _moe_hf_shapes(cfg, moe_layout or _MoeLayout()).items()})
             continue
-        shapes[p + "mlp.gate_proj.weight"] = (I, H)
-        shapes[p + "mlp.up_proj.weight"] = (I, H)
+        if fused:
+            shapes[p + _FUSED_GATE_UP[0]] = (2 * I, H)
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (I, H)
+            shapes[p + "mlp.up_proj.weight"] = (I, H)
         shapes[p + "mlp.down_proj.weight"] = (H, I)
     return shapes
 
@@ -153,7 +200,7 @@ def _hf_shapes(cfg: ModelConfig, moe_layout: _MoeLayout | None = None) -> dict[s
 def _check_tensors(
     cfg: ModelConfig, tensors: Mapping[str, Any], where: str, moe_layout: _MoeLayout | None = None
 ) -> None:
-    expected = _hf_shapes(cfg, moe_layout)
+    expected = _hf_shapes(cfg, moe_layout, _fused_projections(tensors))
     missing = [n for n in expected if n not in tensors]
     if missing:
         shown = ", ".join(repr(n) for n in missing[:8])
@@ -172,10 +219,12 @@ def _check_tensors(
         )
     # Old checkpoints carry rotary inv_freq buffers; anything else unexpected is
     # worth a warning, since the config checks should have rejected real variants.
+    extra = known_extra_tensors(tensors)
     unused = [
         n
         for n in tensors
         if n not in expected
+        and n not in extra
         and not n.endswith("rotary_emb.inv_freq")
         and not (cfg.tie_word_embeddings and n == "lm_head.weight")
     ]
@@ -190,6 +239,7 @@ def convert_hf_params(
     *,
     source: str | os.PathLike | None = None,
     device: jax.Device | None = None,
+    fp8: Fp8Scheme | None = None,
 ) -> dict[str, jax.Array]:
     """Builds the jspec param pytree (jax arrays on `device`, default: the default
     device) from HF-named tensors. `source` names the checkpoint in errors.
@@ -201,6 +251,9 @@ def convert_hf_params(
     tensor, and the transposes run on the device: numpy's strided bf16
     transpose and ml_dtypes' casts are slow on the host. (Transposing a whole
     stacked leaf at once instead made XLA's GPU autotuner take several times the leaf.)
+
+    fp8 (checkpoint/fp8.py, from config.json's quantization_config): the projections stored
+    in FP8 become Fp8Weight leaves (weights kept FP8, scales as [in_blocks, out] columns).
     """
     where = repr(os.fspath(source)) if source is not None else "(in memory)"
     moe_layout = _moe_layout(cfg, tensors)
@@ -208,22 +261,47 @@ def convert_hf_params(
     dtype = np.dtype(jnp.dtype(dtype))
     L = cfg.num_layers
 
-    def vectors(parts: list[str]) -> jax.Array:
-        """[L, sum(n)]: tiny, so stacked on the host and sent at once."""
+    def vectors(parts: list[str], offset: float = 0.0) -> jax.Array:
+        """[L, sum(n)] (plus offset): tiny, so stacked on the host and sent at once."""
         rows = [np.concatenate([tensors[f"model.layers.{i}.{p}"] for p in parts]) for i in range(L)]
-        return _cast(jax.device_put(np.stack(rows), device), dtype)
+        stacked = np.stack(rows)
+        if offset:
+            stacked = stacked.astype(np.float32) + offset
+        return _cast(jax.device_put(stacked, device), dtype)
 
-    def matrices(parts: list[str], layer_ids=tuple(range(L))) -> jax.Array:
+    def matrices(parts: list[str], layer_ids=tuple(range(L))) -> jax.Array | Fp8Weight:
         """[len(layer_ids), in, sum(out)]: each layer's parts concatenated on the out axis."""
         first = [tensors[f"model.layers.{layer_ids[0]}.{p}"] for p in parts]
-        out = jnp.zeros((len(layer_ids), first[0].shape[1], sum(t.shape[0] for t in first)), dtype, device=device)
+        names = [f"model.layers.{i}.{p}" for i in layer_ids for p in parts]
+        quantized = [is_fp8_tensor(tensors[n]) for n in names]
+        if any(quantized) and not all(quantized):
+            raise UnsupportedQuantizationError(
+                f"checkpoint {where}: {parts} are FP8 in some layers only; jspec stacks a projection's "
+                f"layers, so they must all be FP8 or all unquantized"
+            )
+        if all(quantized) and fp8 is None:
+            raise UnsupportedQuantizationError(f"checkpoint {where}: FP8 tensors but no quantization_config")
+        leaf_dtype = FP8 if all(quantized) else dtype
+        out = jnp.zeros((len(layer_ids), first[0].shape[1], sum(t.shape[0] for t in first)), leaf_dtype, device=device)
         for j, i in enumerate(layer_ids):
             col = 0
             for p in parts:
                 t = tensors[f"model.layers.{i}.{p}"]
                 out = _place_transposed(out, jax.device_put(t, device), (j, 0, col))
                 col += t.shape[0]
-        return out
+        if not all(quantized):
+            return out
+        # Host side: a scale is [in_blocks, out] f32, 1/128 of the weight's bytes or less.
+        scales = np.stack(
+            [
+                np.concatenate(
+                    [scale_columns(fp8, tensors, f"model.layers.{i}.{p.removesuffix('.weight')}") for p in parts],
+                    axis=1,
+                )
+                for i in layer_ids
+            ]
+        )
+        return Fp8Weight(out, jax.device_put(scales, device))
 
     def experts(layer_ids, fused: str, per_expert: list[int]) -> jax.Array:
         """[n, E, in, sum(out)] from the fused [E, out, in] tensor or per-expert [out, in] ones."""
@@ -254,20 +332,24 @@ def convert_hf_params(
             out = _place_transposed(out, jax.device_put(t[r : r + block], device), (0, r))
         return out
 
-    layers = {
-        "attn_norm": vectors(["input_layernorm.weight"]),
-        "wqkv": matrices(["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]),
-    }
+    fused = _fused_projections(tensors)
+    # Gemma's RMSNorms scale by (1 + w): the offset is added here, once.
+    norm_offset = 1.0 if cfg.family in GEMMA_FAMILIES else 0.0
+    norms = {k: vectors([n], norm_offset) for k, n in _NORM_NAMES[cfg.norm_layout].items()}
+    layers = {k: norms[k] for k in ("attn_norm",) if k in norms}
+    layers["wqkv"] = matrices(list(_FUSED_QKV if fused else _QKV))
     if cfg.qkv_bias:
         layers["bqkv"] = vectors(["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"])
-    if cfg.qk_norm:
-        layers["q_norm"] = vectors(["self_attn.q_norm.weight"])
-        layers["k_norm"] = vectors(["self_attn.k_norm.weight"])
+    if cfg.qk_norm or cfg.qk_norm_whole:
+        layers["q_norm"] = vectors(["self_attn.q_norm.weight"], norm_offset)
+        layers["k_norm"] = vectors(["self_attn.k_norm.weight"], norm_offset)
     layers["wo"] = matrices(["self_attn.o_proj.weight"])
-    layers["mlp_norm"] = vectors(["post_attention_layernorm.weight"])
+    if cfg.o_bias:
+        layers["bo"] = vectors(["self_attn.o_proj.bias"])
+    layers.update({k: v for k, v in norms.items() if k != "attn_norm"})
     dense = {}
     if cfg.dense_layers:
-        dense["w_gate_up"] = matrices(["mlp.gate_proj.weight", "mlp.up_proj.weight"], cfg.dense_layers)
+        dense["w_gate_up"] = matrices(list(_FUSED_GATE_UP if fused else _GATE_UP), cfg.dense_layers)
         dense["w_down"] = matrices(["mlp.down_proj.weight"], cfg.dense_layers)
     sparse = {}
     if cfg.moe_layers:
@@ -282,14 +364,27 @@ def convert_hf_params(
             sparse["shared_down"] = matrices(["mlp.shared_expert.down_proj.weight"], ids)
             sparse["shared_gate"] = matrices(["mlp.shared_expert_gate.weight"], ids)
     layers = assemble_layers(cfg, layers, dense, sparse, lambda a, j: a[j])
+    for n in ("model.embed_tokens.weight", "lm_head.weight"):
+        if n in tensors and is_fp8_tensor(tensors[n]):
+            raise UnsupportedQuantizationError(
+                f"checkpoint {where}: {n} in FP8 is not supported (only decoder projections)"
+            )
+    if cfg.is_moe and fp8 is not None:
+        raise UnsupportedQuantizationError(f"checkpoint {where}: FP8 MoE checkpoints are not supported")
 
+    final_norm = tensors["model.norm.weight"]
+    if norm_offset:
+        final_norm = np.asarray(final_norm, np.float32) + norm_offset
     params = {
         "embed": _cast(jax.device_put(tensors["model.embed_tokens.weight"], device), dtype),
         "layers": layers,
-        "final_norm": _cast(jax.device_put(tensors["model.norm.weight"], device), dtype),
+        "final_norm": _cast(jax.device_put(final_norm, device), dtype),
     }
     if not cfg.tie_word_embeddings:
         params["lm_head"] = lm_head(tensors["lm_head.weight"])
+    kv = kv_scales(tensors, L)
+    if kv is not None:
+        params["kv_scale"] = jax.device_put(kv, device)  # [L, 2]: what an FP8 KV cache divides K, V by
     return params
 
 
@@ -332,13 +427,21 @@ def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
         return deepseek_param_shapes(cfg)
     H, I, D, L = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_layers
     qkv = cfg.q_size + 2 * cfg.kv_size
-    layers = {"attn_norm": (L, H), "wqkv": (L, H, qkv)}
+    norms = {k: (L, H) for k in _NORM_NAMES[cfg.norm_layout]}
+    layers = {k: norms[k] for k in ("attn_norm",) if k in norms}
+    layers["wqkv"] = (L, H, qkv)
     if cfg.qkv_bias:
         layers["bqkv"] = (L, qkv)
     if cfg.qk_norm:
         layers["q_norm"] = (L, D)
         layers["k_norm"] = (L, D)
-    layers.update(wo=(L, cfg.q_size, H), mlp_norm=(L, H))
+    if cfg.qk_norm_whole:
+        layers["q_norm"] = (L, cfg.q_size)
+        layers["k_norm"] = (L, cfg.kv_size)
+    layers["wo"] = (L, cfg.q_size, H)
+    if cfg.o_bias:
+        layers["bo"] = (L, H)
+    layers.update({k: v for k, v in norms.items() if k != "attn_norm"})
     nd, ns = len(cfg.dense_layers), len(cfg.moe_layers)
     dense = dict(w_gate_up=(nd, H, 2 * I), w_down=(nd, I, H)) if nd else {}
     sparse = {}
@@ -381,8 +484,9 @@ def config_from_json(data: Mapping[str, Any]) -> ModelConfig:
     if data.get("format") != _FORMAT:
         raise CheckpointError(f"{JSPEC_CONFIG_FILE} has format {data.get('format')!r}, expected {_FORMAT!r}")
     d = dict(data["model_config"])
-    if d.get("rope_scaling") is not None:
-        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    for key in ("rope_scaling", "sliding_rope_scaling"):
+        if d.get(key) is not None:
+            d[key] = RopeScaling(**d[key])
     if d.get("deepseek") is not None:
         d["deepseek"] = DeepseekConfig(**d["deepseek"])
     d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
@@ -475,12 +579,18 @@ def load_model(path: str | os.PathLike, dtype: Any = None) -> tuple[ModelConfig,
         raise UnsupportedArchitectureError(f"{e} [model directory {path!r}]") from None
     except (KeyError, TypeError) as e:
         raise CheckpointError(f"config.json in {path!r} lacks or mistypes a required field: {e}") from None
+    with open(os.path.join(path, "config.json")) as f:
+        scheme = fp8_scheme(json.load(f))
     tensors = read_hf_tensors(path)
     if cfg.deepseek is not None:
         from jspec.checkpoint.deepseek import convert_deepseek_params
 
+        if scheme is not None:
+            raise UnsupportedQuantizationError(
+                f"{cfg.family}: FP8 checkpoints of latent-attention (MLA) models are not supported yet [{path!r}]"
+            )
         return cfg, convert_deepseek_params(cfg, tensors, dtype, source=path)
-    params = convert_hf_params(cfg, tensors, dtype, source=path)
+    params = convert_hf_params(cfg, tensors, dtype, source=path, fp8=scheme)
     return cfg, params
 
 
@@ -496,6 +606,8 @@ def _check_converted(cfg: ModelConfig, params: Any, path: str) -> None:
 def convert_checkpoint(hf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: Any = None) -> str:
     """HF directory -> jspec converted directory (params + config + tokenizer files)."""
     cfg, params = load_model(hf_path, dtype)
+    if any(isinstance(x, Fp8Weight) for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Fp8Weight))):
+        raise UnsupportedQuantizationError("converting an FP8 checkpoint to jspec's orbax format is not implemented")
     save_params(params, out_dir, config=cfg)
     for name in _SIDE_FILES:
         src = os.path.join(hf_path, name)

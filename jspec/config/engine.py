@@ -17,6 +17,9 @@ DEFAULT_COMPILATION_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", 
 ATTENTION_BACKENDS = ("pallas", "reference")
 LAYER_LOOPS = ("auto", "scan", "unrolled")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
+QUANTIZATIONS = ("fp8",)
+FP8_GEMM_BACKENDS = ("auto", "xla", "pallas", "w8a8")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +42,25 @@ class EngineConfig:
     disable_radix_cache: bool = setting(False, "no prefix cache")
     random_seed: int = setting(0, "seeds requests that bring none")
     max_top_logprobs: int = setting(5, "largest top-n logprobs a request may ask for")
+    # Quantization.
+    quantization: str | None = setting(
+        None,
+        "fp8: quantize a bf16 checkpoint's decoder projections to FP8 e4m3 per output channel at load "
+        "(an FP8 checkpoint is read as FP8 without it)",
+        choices=QUANTIZATIONS,
+    )
+    fp8_gemm_backend: str = setting(
+        "auto",
+        "FP8 weights' matmul: xla (the upcast inside XLA's dot), pallas (the skinny GEMV upcasting in "
+        "registers, for decode rows on one GPU; XLA's dot for the others), w8a8 (activations quantized "
+        "per token, XLA's FP8 x FP8 GEMM; per-tensor or per-channel weights), auto: pallas",
+        choices=FP8_GEMM_BACKENDS,
+    )
+    kv_cache_dtype: str = setting(
+        "auto",
+        "auto: the model's dtype; fp8_e4m3: an FP8 KV cache (per-layer K and V scales from the checkpoint, else 1.0)",
+        choices=KV_CACHE_DTYPES,
+    )
     # Programs.
     attention_backend: str | None = setting(
         None,
@@ -102,7 +124,14 @@ class EngineConfig:
             raise ValueError(f"max_total_tokens={self.max_total_tokens} must be >= 1")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
             raise ValueError(f"mem_fraction_static={self.mem_fraction_static} must be in (0, 1]")
-        for name in ("attention_backend", "layer_loop", "load_balance_method"):
+        for name in (
+            "attention_backend",
+            "layer_loop",
+            "load_balance_method",
+            "quantization",
+            "fp8_gemm_backend",
+            "kv_cache_dtype",
+        ):
             choices = EngineConfig.__dataclass_fields__[name].metadata["choices"]
             value = getattr(self, name)
             if value is not None and value not in choices:

@@ -74,7 +74,8 @@ def replicate_kv_heads(cfg: ModelConfig, params, tp: int):
     r = kv_head_repeat(cfg, tp)
     if r == 1:
         return cfg, params
-    widen = lambda w: repeat_kv_columns(cfg, w, r)  # noqa: E731
+    # jax.tree.map: an FP8 weight's scale has its output axis last too, and widens alike.
+    widen = lambda w: jax.tree.map(lambda a: repeat_kv_columns(cfg, a, r), w)  # noqa: E731
 
     def layer(lp):
         lp = dict(lp)
@@ -102,8 +103,13 @@ def param_specs(params, tp: int) -> dict:
     """PartitionSpecs for a (TP-blocked) Llama param pytree, stacked or per-layer."""
 
     def spec(path, leaf):
-        name = path[-1].key if hasattr(path[-1], "key") else None
+        # An FP8 weight's arrays (path ... name, .w / .scale) take the weight's spec: the scale's
+        # [in_blocks, out] has the output axis last and the (blocked) input axis before it.
+        keys = [p.key for p in path if hasattr(p, "key")]
+        name = keys[-1] if keys else None
         nd = leaf.ndim
+        if getattr(path[-1], "name", None) == "scale" and name in ("wo", "w_down") and leaf.shape[-2] % tp:
+            return P()  # one scale row (per channel) for all of a row-parallel weight's shards
         lead = (None,) * (nd - 2)  # the stacked layer axis, when present
         if name == "embed":
             return P(TENSOR, None) if leaf.shape[0] % tp == 0 else P()
@@ -132,11 +138,13 @@ def shard_params(cfg: ModelConfig, params, mesh: Mesh):
 
     def layer(lp):
         lp = dict(lp)
-        lp["wqkv"] = block_columns(lp["wqkv"], (cfg.q_size, cfg.kv_size, cfg.kv_size), tp)
+        qkv = (cfg.q_size, cfg.kv_size, cfg.kv_size)
+        # jax.tree.map: an FP8 weight's scale is blocked as its weight (the output axis is last in both).
+        lp["wqkv"] = jax.tree.map(lambda a: block_columns(a, qkv, tp), lp["wqkv"])
         if "bqkv" in lp:
-            lp["bqkv"] = block_columns(lp["bqkv"], (cfg.q_size, cfg.kv_size, cfg.kv_size), tp)
+            lp["bqkv"] = block_columns(lp["bqkv"], qkv, tp)
         if "w_gate_up" in lp:  # a dense MLP (an MoE layer's experts are split whole instead)
-            lp["w_gate_up"] = block_columns(lp["w_gate_up"], (I, I), tp)
+            lp["w_gate_up"] = jax.tree.map(lambda a: block_columns(a, (I, I), tp), lp["w_gate_up"])
         return lp
 
     layers = params["layers"]

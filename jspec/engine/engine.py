@@ -103,6 +103,21 @@ class Launched:
     outputs: object
 
 
+def fp8_weights(config: EngineConfig, params):
+    """params quantized as config.quantization asks, their FP8 weights' matmul path set; the
+    features FP8 weights do not reach yet are refused by name."""
+    from jspec.layers.quant import has_fp8_weights, quantize_params, with_fp8_gemm
+
+    params = quantize_params(params, config.quantization)
+    if not has_fp8_weights(params):
+        return params
+    if config.serves_lora:
+        raise NotImplementedError("LoRA adapters over FP8 weights are not implemented")
+    if config.enable_dp_attention:
+        raise NotImplementedError("DP attention with FP8 weights is not implemented")
+    return with_fp8_gemm(params, config.fp8_gemm_backend)
+
+
 class Engine:
     """A model served by a worker and a scheduler. Settings: an EngineConfig, or its fields as
     keywords (`Engine(model, page_size=16, tp_size=2)`); draft: EAGLE / STANDALONE weights given
@@ -117,6 +132,8 @@ class Engine:
         self.spec = config.speculative
         cfg, params = self.model.cfg, self.model.params
         check_parallel(config, cfg)
+        params = fp8_weights(config, params)
+        self.model = dataclasses.replace(self.model, params=params)  # the unquantized weights are not kept
         dp = config.dp_size if config.enable_dp_attention else 1
         if self.spec is not None and self.spec.adaptive and dp > 1:
             raise ValueError("adaptive speculation (--speculative-adaptive) is not implemented with DP attention")
@@ -153,6 +170,7 @@ class Engine:
             mesh=mesh,
             layer_loop=config.layer_loop,
             lora=self._lora_pool(config, dtype, mesh or dp_mesh, params),
+            kv_cache_dtype=config.kv_cache_dtype,
         )
         if method is None:
             self.worker = PlainWorker(cfg, params, **kw)
@@ -273,7 +291,7 @@ class Engine:
 
         params = params or SamplingParams()
         params.validate()
-        ids = tokenize_prompt(prompt, self.model, 0)
+        ids = tokenize_prompt(prompt, self.model)
         rid = rid if rid is not None else f"req-{next(self._ids)}"
         if rid in self.scheduler.requests:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -425,9 +443,10 @@ class Engine:
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None):
         """Runs prompts to completion; returns GenerationOutputs in order (n per prompt when
         params.n > 1, prompt by prompt)."""
-        from jspec.engine.outputs import GenerationOutput, as_prompt_list
+        from jspec.engine.outputs import GenerationOutput, as_prompt_list, tokenize_prompt
 
-        prompts = as_prompt_list(prompts)
+        # Every prompt checked (and errors named by its index) before any is submitted.
+        prompts = [tokenize_prompt(p, self.model, i) for i, p in enumerate(as_prompt_list(prompts))]
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         rids = []
         try:

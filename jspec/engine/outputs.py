@@ -38,29 +38,31 @@ def as_prompt_list(prompts) -> list:
     return list(prompts)
 
 
-def tokenize_prompt(prompt, model: Model, index: int = 0) -> list[int]:
-    """Validates one prompt (text or token ids) and returns its token ids."""
+def tokenize_prompt(prompt, model: Model, index: int | None = None) -> list[int]:
+    """Validates one prompt (text or token ids) and returns its token ids. index: the prompt's
+    place in a list, which errors name (None: a single prompt)."""
     cfg = model.cfg
+    index = "" if index is None else f" {index}"
     if isinstance(prompt, str):
         if model.tokenizer is None:
-            raise ValueError(f"prompt {index} is text but the model has no tokenizer; pass token ids")
+            raise ValueError(f"prompt{index} is text but the model has no tokenizer; pass token ids")
         ids = model.tokenizer.encode(prompt)
     else:
         if not isinstance(prompt, (Sequence, np.ndarray)):
-            raise TypeError(f"prompt {index} must be text or a list of token ids, got {type(prompt).__name__}")
+            raise TypeError(f"prompt{index} must be text or a list of token ids, got {type(prompt).__name__}")
         ids = []
         for j, t in enumerate(prompt):
             if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
-                raise TypeError(f"prompt {index} token {j} is {t!r} ({type(t).__name__}), not an integer token id")
+                raise TypeError(f"prompt{index} token {j} is {t!r} ({type(t).__name__}), not an integer token id")
             ids.append(int(t))
     if not ids:
-        raise ValueError(f"prompt {index} is empty")
+        raise ValueError(f"prompt{index} is empty")
     bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
     if bad:
-        raise ValueError(f"prompt {index} has token ids outside the vocabulary [0, {cfg.vocab_size}): {bad[:8]}")
+        raise ValueError(f"prompt{index} has token ids outside the vocabulary [0, {cfg.vocab_size}): {bad[:8]}")
     if len(ids) >= cfg.max_position_embeddings:
         raise ValueError(
-            f"prompt {index} has {len(ids)} tokens; the model's context is "
+            f"prompt{index} has {len(ids)} tokens; the model's context is "
             f"{cfg.max_position_embeddings} tokens, leaving no room to generate"
         )
     return ids

@@ -6,7 +6,7 @@ import jax
 
 from jspec.config.engine import EngineConfig
 from jspec.config.model import ModelConfig
-from jspec.kvcache.pool import kv_bytes_per_page
+from jspec.kvcache.pool import kv_bytes_per_page, kv_cache_dtype
 
 DEFAULT_KV_BYTES = 256 * 2**20
 
@@ -19,6 +19,8 @@ def check_parallel(config: EngineConfig, cfg: ModelConfig) -> None:
             f"{cfg.family}: tensor / expert parallelism and DP attention are not implemented for latent-attention "
             f"(MLA) models yet; run with tp_size=1, dp_size=1 (got {tp}, {dp})"
         )
+    if cfg.deepseek is not None and config.kv_cache_dtype != "auto":
+        raise ValueError(f"{cfg.family}: an FP8 KV cache is not supported for latent-attention (MLA) models yet")
     if cfg.deepseek is not None and (config.lora_paths or config.enable_lora):
         raise ValueError(f"{cfg.family}: LoRA adapters are not supported for latent-attention (MLA) models")
     if ep != 1 and not (cfg.is_moe and ep == tp):
@@ -54,7 +56,8 @@ def kv_pages(config: EngineConfig, cfg: ModelConfig, params, method, dtype) -> i
     else 256 MiB of KV. cfg: the model as laid out (its KV heads repeated under TP if fewer
     than the devices), method: the speculative method whose draft KV shares each page."""
     S = config.page_size
-    per_page = kv_bytes_per_page(cfg, S, dtype) + (method.draft_kv_bytes_per_page(S, dtype) if method else 0)
+    kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)  # the target's pool; a draft's stays in dtype
+    per_page = kv_bytes_per_page(cfg, S, kv_dtype) + (method.draft_kv_bytes_per_page(S, dtype) if method else 0)
     if config.max_total_tokens:
         return -(-config.max_total_tokens // S) + 1
     if config.mem_fraction_static:

@@ -10,6 +10,10 @@ B * splits * Hq * D * 4 bytes against the B * ctx * Hkv * D * 4 of KV read.
 The number of splits is static (sized for the widest context the page table
 can address), their length is not: it comes from the batch's longest sequence,
 so work follows the real lengths whatever the table width.
+
+A sliding window (a runtime int32, so layers of different windows share one
+program) hides keys window or more positions behind the query: each sequence's
+splits then cover only its last window tokens.
 """
 
 from __future__ import annotations
@@ -33,16 +37,18 @@ from jspec.kernels.paged_tiles import (
     check_pow2,
     choose_splits,
     gather_kv_tiles,
+    kv_compute_dtype,
     merge_splits,
     min_split_len,
     next_pow2,
     normalise,
     runtime_split_len,
+    window_scalar,
 )
 
 
 def _decode_kernel(
-    layer_ref,
+    layer_window_ref,
     split_len_ref,
     seq_lens_ref,
     page_tables_ref,
@@ -55,14 +61,16 @@ def _decode_kernel(
     group_rows,
     block_n,
     scale_log2,
+    softcap,
     write_final,
 ):
     seq, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     head_dim = q_ref.shape[2]
-    layer = layer_ref[0]
+    layer, window = layer_window_ref[0], layer_window_ref[1]
     split_len = split_len_ref[0]
     kv_len = jnp.minimum(seq_lens_ref[seq], page_tables_ref.shape[1] * cache_shape[2])
-    lo = split * split_len
+    # The query sits at kv_len - 1: keys before kv_len - window are out of its window.
+    lo = jnp.maximum(kv_len - window, 0) + split * split_len
     hi = jnp.minimum(lo + split_len, kv_len)
     num_tokens = jnp.maximum(hi - lo, 0)
 
@@ -70,7 +78,9 @@ def _decode_kernel(
     real_row = rows < group
     heads = (kv_head * group + rows)[:, None]
     cols = lax.iota(jnp.int32, head_dim)[None, :]
-    q = pltriton.load(q_ref.at[seq, heads, cols], mask=real_row[:, None], other=0).astype(k_ref.dtype)
+    q = pltriton.load(q_ref.at[seq, heads, cols], mask=real_row[:, None], other=0).astype(
+        kv_compute_dtype(k_ref.dtype, q_ref.dtype)
+    )
     tiles = functools.partial(
         gather_kv_tiles,
         k_ref,
@@ -85,7 +95,7 @@ def _decode_kernel(
 
     def full_tile(i, carry):
         k, v = tiles(start=lo + i * block_n)
-        return attend_tile(q, k, v, *carry, scale_log2=scale_log2)
+        return attend_tile(q, k, v, *carry, scale_log2=scale_log2, softcap=softcap)
 
     num_full = num_tokens // block_n
     tail_start = lo + num_full * block_n
@@ -94,7 +104,7 @@ def _decode_kernel(
         # Only the sequence's last tile is partial: mask it, and only it.
         k, v = tiles(start=tail_start, valid_len=hi)
         visible = (tail_start + lax.iota(jnp.int32, block_n) < hi)[None, :]
-        return attend_tile(q, k, v, *carry, scale_log2=scale_log2, visible=visible)
+        return attend_tile(q, k, v, *carry, scale_log2=scale_log2, visible=visible, softcap=softcap)
 
     carry = (
         jnp.full((group_rows,), MASK_VALUE, jnp.float32),
@@ -162,6 +172,7 @@ def decode_plan(
     jax.jit,
     static_argnames=(
         "sm_scale",
+        "logit_softcap",
         "interpret",
         "block_n",
         "num_splits",
@@ -187,6 +198,8 @@ def paged_decode(
     num_warps=4,
     num_stages=2,
     return_lse=False,
+    window=None,
+    logit_softcap=None,
 ):
     """Attention of one new token per sequence over its paged KV.
 
@@ -196,6 +209,9 @@ def paged_decode(
     cache dtype for the matmuls. With return_lse: (out [B, Hq, D] f32, the
     natural-log log-sum-exp of the scaled logits [B, Hq] f32, -inf for seq_len 0),
     so callers can merge this attention with one over keys outside the pool.
+    window: None, or an int32 () array: the query (at position seq_len - 1) sees
+    only the last window keys (HF's sliding_window; >= 1).
+    logit_softcap: None, or c: the scaled logits become c * tanh(logits / c) (Gemma 2).
 
     Tuning (see decode_plan): block_n tokens per KV tile (power of two, any
     page size); num_splits context partitions (None: from B and Hkv, no more
@@ -229,10 +245,12 @@ def paged_decode(
         group_rows=plan.group_rows,
         block_n=plan.block_n,
         scale_log2=float(sm_scale) * LOG2E,
+        softcap=None if logit_softcap is None else float(logit_softcap),
         write_final=write_final,
     )
     kv_lens = jnp.minimum(seq_lens.astype(jnp.int32), page_tables.shape[1] * k_cache.shape[2])
-    split_len = runtime_split_len(kv_lens, plan.num_splits, plan.block_n, plan.min_split_len)
+    window = window_scalar(window)
+    split_len = runtime_split_len(jnp.minimum(kv_lens, window), plan.num_splits, plan.block_n, plan.min_split_len)
     if write_final:
         out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     else:
@@ -250,7 +268,7 @@ def paged_decode(
         compiler_params=pltriton.CompilerParams(num_warps=plan.num_warps, num_stages=plan.num_stages),
         name=f"paged_decode_s{k_cache.shape[2]}_g{group}_n{plan.block_n}",
     )(
-        jnp.reshape(layer, (1,)).astype(jnp.int32),
+        jnp.stack([jnp.reshape(layer, ()).astype(jnp.int32), window]),
         split_len,
         seq_lens.astype(jnp.int32),
         page_tables.astype(jnp.int32),

@@ -13,6 +13,13 @@ mask's reach skip masking, so a long prefill pays for it only near the diagonal.
 
 As in paged_decode, the number of context splits is static and their length
 comes from the batch's longest sequence, so the page-table width costs nothing.
+
+A sliding window (a runtime int32) hides keys window or more positions behind
+a query. A query block then reads from its first token's window start on; the
+tiles below the block's last token's window start are masked as well.
+A tree node's position is the prefix plus its depth in the tree (its count of
+ancestors in the mask); the window applies to the prefix, and a node sees all
+its ancestors (callers keep trees shallower than the window).
 """
 
 from __future__ import annotations
@@ -35,16 +42,19 @@ from jspec.kernels.paged_tiles import (
     check_pow2,
     choose_splits,
     gather_kv_tiles,
+    kv_compute_dtype,
     merge_splits,
     min_split_len,
     next_pow2,
     normalise,
     runtime_split_len,
+    tree_depth,
+    window_scalar,
 )
 
 
 def _extend_kernel(
-    layer_ref,
+    layer_window_ref,
     split_len_ref,
     seq_lens_ref,
     page_tables_ref,
@@ -60,11 +70,12 @@ def _extend_kernel(
     num_q_blocks,
     splits,
     scale_log2,
+    softcap,
     tree,
     write_final,
 ):
     if tree:
-        tree_mask_ref, *refs = refs
+        tree_mask_ref, depth_ref, *refs = refs
     if write_final:
         _zeros_ref, out_ref = refs  # the output aliases the zeros input
     else:
@@ -82,7 +93,7 @@ def _extend_kernel(
     @pl.when(first < q_len)
     def _():
         head_dim = q_ref.shape[2]
-        layer = layer_ref[0]
+        layer, window = layer_window_ref[0], layer_window_ref[1]
         kv_len = jnp.minimum(seq_lens_ref[seq], page_tables_ref.shape[1] * cache_shape[2])
         prefix = kv_len - q_len  # KV entries before the new tokens
         last = jnp.minimum(first + tokens_per_block, q_len) - 1
@@ -93,17 +104,33 @@ def _extend_kernel(
         flat_row = (row0 + token)[:, None]
         head = (kv_head * group + lax.rem(rows, group))[:, None]
         cols = lax.iota(jnp.int32, head_dim)[None, :]
-        q = pltriton.load(q_ref.at[flat_row, head, cols], mask=real_row[:, None], other=0).astype(k_ref.dtype)
+        q = pltriton.load(q_ref.at[flat_row, head, cols], mask=real_row[:, None], other=0).astype(
+            kv_compute_dtype(k_ref.dtype, q_ref.dtype)
+        )
+        # Each row's position in the sequence, and the first key its window holds.
+        if tree:
+            depth = pltriton.load(depth_ref.at[seq, token], mask=real_row, other=0)
+            row_pos = prefix + depth
+        else:
+            row_pos = prefix + token
+        window_start = jnp.maximum(row_pos - window + 1, 0)[:, None]
+        # Keys every row's window holds start at the block's highest window start.
+        lowest = jnp.min(jnp.where(real_row, window_start[:, 0], kv_len))
+        highest = jnp.max(jnp.where(real_row, window_start[:, 0], 0))
 
         split_len = split_len_ref[0]
-        lo = split * split_len
+        lo = lowest + split * split_len
         # Causal: nothing past the block's last token; tree: every new token may be visible.
         reach = kv_len if tree else jnp.minimum(kv_len, prefix + last + 1)
         hi = jnp.minimum(lo + split_len, reach)
         # Positions every row sees: the prefix (tree) or up to the block's first token (causal).
         unmasked_end = prefix if tree else prefix + first + 1
-        num_full = jnp.maximum(jnp.minimum(unmasked_end, hi) - lo, 0) // block_n
-        masked_start = lo + num_full * block_n
+        # Tiles below the highest window start are masked, then whole tiles every row sees,
+        # then masked tiles up to hi.
+        num_low = lax.div(jnp.maximum(jnp.minimum(highest, hi) - lo, 0) + block_n - 1, block_n)
+        full_start = lo + num_low * block_n
+        num_full = jnp.maximum(jnp.minimum(unmasked_end, hi) - full_start, 0) // block_n
+        masked_start = full_start + num_full * block_n
         num_masked = lax.div(jnp.maximum(hi - masked_start, 0) + block_n - 1, block_n)
         tiles = functools.partial(
             gather_kv_tiles,
@@ -118,11 +145,11 @@ def _extend_kernel(
         )
 
         def full_tile(i, carry):
-            k, v = tiles(start=lo + i * block_n)
-            return attend_tile(q, k, v, *carry, scale_log2=scale_log2)
+            k, v = tiles(start=full_start + i * block_n)
+            return attend_tile(q, k, v, *carry, scale_log2=scale_log2, softcap=softcap)
 
-        def masked_tile(i, carry):
-            start = masked_start + i * block_n
+        def masked_tile(i, carry, first_tile):
+            start = first_tile + i * block_n
             k, v = tiles(start=start, valid_len=hi)
             kv_pos = (start + lax.iota(jnp.int32, block_n))[None, :]
             if tree:
@@ -134,15 +161,17 @@ def _extend_kernel(
                 visible = (kv_pos < hi) & ((new_index < 0) | (allowed != 0))
             else:
                 visible = (kv_pos < hi) & (kv_pos <= prefix + token[:, None])
-            return attend_tile(q, k, v, *carry, scale_log2=scale_log2, visible=visible)
+            visible &= kv_pos >= window_start
+            return attend_tile(q, k, v, *carry, scale_log2=scale_log2, visible=visible, softcap=softcap)
 
         carry = (
             jnp.full((block_m,), MASK_VALUE, jnp.float32),
             jnp.zeros((block_m,), jnp.float32),
             jnp.zeros((block_m, head_dim), jnp.float32),
         )
+        carry = lax.fori_loop(0, num_low, functools.partial(masked_tile, first_tile=lo), carry)
         carry = lax.fori_loop(0, num_full, full_tile, carry)
-        m, l, acc = lax.fori_loop(0, num_masked, masked_tile, carry)
+        m, l, acc = lax.fori_loop(0, num_masked, functools.partial(masked_tile, first_tile=masked_start), carry)
 
         if write_final:
             out = normalise(acc, l).astype(out_ref.dtype)
@@ -212,6 +241,7 @@ def extend_plan(
     jax.jit,
     static_argnames=(
         "sm_scale",
+        "logit_softcap",
         "max_q_len",
         "interpret",
         "block_m",
@@ -241,6 +271,8 @@ def paged_extend(
     min_split_tokens=256,
     num_warps=None,
     num_stages=2,
+    window=None,
+    logit_softcap=None,
 ):
     """Attention of ragged new tokens over their sequences' paged KV.
 
@@ -250,6 +282,11 @@ def paged_extend(
     bounds every qlen_b. mask: None (causal) or bool [B, max_q_len, max_q_len]
     (tree: prefix visible, new token i sees new token k iff mask[b, i, k]).
     Returns [T, Hq, D] in q's dtype; rows from query_start[B] on are zeros.
+    window: None, or an int32 () array: a query at position p sees keys at
+    positions > p - window only (HF's sliding_window). Under a tree mask a
+    node's position is prefix + its depth, and the tree must be shallower than
+    the window (a node sees all its ancestors).
+    logit_softcap: None, or c: the scaled logits become c * tanh(logits / c) (Gemma 2).
 
     Tuning (see extend_plan): block_m rows (tokens x GQA heads) per query
     block, block_n KV tokens per tile (both powers of two); num_splits context
@@ -292,6 +329,7 @@ def paged_extend(
         num_q_blocks=plan.num_q_blocks,
         splits=plan.num_splits,
         scale_log2=float(sm_scale) * LOG2E,
+        softcap=None if logit_softcap is None else float(logit_softcap),
         tree=tree,
         write_final=write_final,
     )
@@ -299,9 +337,12 @@ def paged_extend(
     q_lens = query_start[1:] - query_start[:-1]
     capacity = page_tables.shape[1] * k_cache.shape[2]
     kv_lens = jnp.where(q_lens > 0, jnp.minimum(seq_lens.astype(jnp.int32), capacity), 0)
+    window = window_scalar(window)
+    # A window bounds what one query reads, and a block's rows add at most max_q_len.
+    split_kv = jnp.minimum(kv_lens, window + max_q_len)
     inputs = [
-        jnp.reshape(layer, (1,)).astype(jnp.int32),
-        runtime_split_len(kv_lens, plan.num_splits, plan.block_n, plan.min_split_len),
+        jnp.stack([jnp.reshape(layer, ()).astype(jnp.int32), window]),
+        runtime_split_len(split_kv, plan.num_splits, plan.block_n, plan.min_split_len),
         seq_lens.astype(jnp.int32),
         page_tables.astype(jnp.int32),
         query_start.astype(jnp.int32),
@@ -311,6 +352,7 @@ def paged_extend(
     ]
     if tree:
         inputs.append(mask.astype(jnp.int8))
+        inputs.append(tree_depth(mask))
     if write_final:
         # Rows no program owns (padding past query_start[B]) must read as zeros.
         inputs.append(jnp.zeros(q.shape, q.dtype))

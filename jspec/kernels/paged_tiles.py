@@ -33,6 +33,24 @@ NUM_SMS = 132
 TARGET_PROGRAMS = 4 * NUM_SMS
 
 
+# The window of a layer that has none: wider than any context, small enough that
+# position - window stays in int32.
+NO_WINDOW = 1 << 30
+
+
+def window_scalar(window) -> jax.Array:
+    """A kernel's window argument (None or an int32 array of one element) as an int32 ()."""
+    if window is None:
+        return jnp.int32(NO_WINDOW)
+    return jnp.reshape(jnp.asarray(window, jnp.int32), ())
+
+
+def tree_depth(mask: jax.Array) -> jax.Array:
+    """[B, Q, Q] tree mask (each node sees itself and its ancestors) -> int32 [B, Q] depth of
+    each node below the tree's first token: its position past the prefix."""
+    return jnp.maximum(jnp.sum(mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
@@ -83,14 +101,20 @@ def gather_kv_tiles(
     return k, v
 
 
-def attend_tile(q, k, v, m, l, acc, *, scale_log2, visible=None):
+def attend_tile(q, k, v, m, l, acc, *, scale_log2, visible=None, softcap=None):
     """One online-softmax step of rows q [M, D] over a KV tile [N, D], in base 2.
 
     m, l: running max (log2 units) and normaliser [M]; acc: unnormalised [M, D] f32.
     visible [M, N] (or broadcastable) hides positions; None means all visible.
+    softcap: logits (natural units, after scaling) become softcap * tanh(logits / softcap).
+    An FP8 KV tile (bytes: see FP8_KV_BYTES) is upcast to q's dtype here, in registers.
     """
+    k, v = kv_values(k).astype(q.dtype), kv_values(v).astype(q.dtype)
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    s = s * scale_log2
+    if softcap is None:
+        s = s * scale_log2
+    else:
+        s = jnp.tanh(s * (scale_log2 / (LOG2E * softcap))) * (softcap * LOG2E)
     if visible is not None:
         s = jnp.where(visible, s, MASK_VALUE)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -102,6 +126,24 @@ def attend_tile(q, k, v, m, l, acc, *, scale_log2, visible=None):
     l = l * alpha + jnp.sum(p, axis=1)
     pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
     return m_new, l, acc * alpha[:, None] + pv
+
+
+# An FP8 KV pool holds e4m3 values as their bytes: XLA:CPU has no FP8 scatter (it converts the
+# whole pool to f16 and back around every KV write), a byte scatter every backend has, and a
+# same-width bitcast is free wherever the bytes are read.
+FP8_KV_BYTES = jnp.uint8
+FP8_KV = jnp.float8_e4m3fn
+
+
+def kv_values(x: jax.Array) -> jax.Array:
+    """KV as numbers: an FP8 pool's bytes bitcast to e4m3, any other pool as it is."""
+    return lax.bitcast_convert_type(x, FP8_KV) if x.dtype == FP8_KV_BYTES else x
+
+
+def kv_compute_dtype(cache_dtype, q_dtype):
+    """The dtype of the attention's dots: the cache's, or q's over an FP8 cache (whose tiles are
+    upcast after their load: the HBM read stays one byte per element)."""
+    return q_dtype if jnp.dtype(cache_dtype) == FP8_KV_BYTES else cache_dtype
 
 
 def normalise(acc, l):

@@ -1,4 +1,5 @@
-"""Skinny matmul x[M, K] @ W[K, N] for decode rows (M <= 16), Pallas over Triton.
+"""Skinny matmul x[M, K] @ W[K, N] for decode rows (M <= 16), Pallas over Triton; W in the
+model's dtype, or FP8 (e4m3) with f32 scales, upcast in registers after the load.
 
 Every weight byte is read once, with as many bytes in flight as the SMs hold: program (j, s)
 walks the block_n columns of strip j over split s of K in block_k tiles (x padded to 16 rows,
@@ -30,7 +31,23 @@ MAX_ROWS = DOT_ROWS
 MIN_TILES_PER_SPLIT = 4
 
 
-def _skinny_kernel(x_ref, w_ref, out_ref, *, rows, block_n, block_k, split_len, tiles_per_split, ragged_n, ragged_k):
+def _skinny_kernel(
+    x_ref,
+    w_ref,
+    *refs,
+    rows,
+    block_n,
+    block_k,
+    split_len,
+    tiles_per_split,
+    ragged_n,
+    ragged_k,
+    compute_dtype,
+    scale_block_rows,
+):
+    # scale_block_rows: K rows per scale row of block-scaled FP8 weights (the scale ref comes
+    # before the output then); None when there is no in-kernel scale.
+    scale_ref, out_ref = refs if scale_block_rows else (None, refs[0])
     strip, split = pl.program_id(0), pl.program_id(1)
     num_k, num_n = w_ref.shape
     cols = strip * block_n + lax.iota(jnp.int32, block_n)
@@ -49,13 +66,21 @@ def _skinny_kernel(x_ref, w_ref, out_ref, *, rows, block_n, block_k, split_len, 
             k_ok = ks < num_k
             x_mask = x_mask & k_ok[None, :]
             w_mask = k_ok[:, None] if w_mask is None else k_ok[:, None] & w_mask
-        x = pltriton.load(x_ref.at[row_ids[:, None], ks[None, :]], mask=x_mask, other=0).astype(w_ref.dtype)
+        x = pltriton.load(x_ref.at[row_ids[:, None], ks[None, :]], mask=x_mask, other=0).astype(compute_dtype)
         if w_mask is None:
             w = w_ref[ks[:, None], cols[None, :]]  # the common case: an unmasked, fully coalesced tile
         else:
-            w = pltriton.load(w_ref.at[ks[:, None], cols[None, :]], mask=w_mask, other=0)
+            w = pltriton.load(
+                w_ref.at[ks[:, None], cols[None, :]], mask=w_mask, other=0.0
+            )  # a float fill: FP8 takes no int
         # pl.dot is gone in this jax; dot_general with an f32 result lowers to tl.dot the same way.
-        return acc + lax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        prod = lax.dot_general(x, w.astype(compute_dtype), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        if scale_block_rows:
+            # A K tile lies inside one scale block (block_k divides scale_block_rows).
+            block = lax.div(k_lo + i * block_k, scale_block_rows)
+            s_cols = cols if col_ok is None else jnp.minimum(cols, num_n - 1)
+            prod = prod * scale_ref[block, s_cols][None, :]
+        return acc + prod
 
     if isinstance(tiles_per_split, int):
         num_tiles = tiles_per_split  # every split has the same static trip count
@@ -123,17 +148,31 @@ def skinny_matmul_plan(
     jax.jit,
     static_argnames=("block_n", "block_k", "num_splits", "num_warps", "num_stages", "interpret"),
 )
-def skinny_matmul(x, w, *, block_n=None, block_k=None, num_splits=None, num_warps=4, num_stages=3, interpret=None):
+def skinny_matmul(
+    x, w, scale=None, *, block_n=None, block_k=None, num_splits=None, num_warps=4, num_stages=3, interpret=None
+):
     """x [M, K] (M <= 16, any float dtype) @ w [K, N] -> f32 [M, N].
 
     x is cast to w's dtype for the products; accumulation is f32. Any K and N
     (a ragged last tile is masked). Tuning (see skinny_matmul_plan): block_n
     and block_k powers of two >= 16; num_splits K partitions (None: from the
     shape); num_warps and num_stages go to Triton.
+
+    FP8 w comes with scale [in_blocks, N] f32 (kernels/ref.py: dequantize_fp8): its tiles
+    are upcast to x's dtype in registers; one scale row multiplies the f32 sum after the
+    kernel, several (block scales, K / in_blocks a power of two) each K tile's product.
     """
     (M, K), (K_w, N) = x.shape, w.shape
     if K != K_w:
         raise ValueError(f"x {x.shape} does not fit w {w.shape}")
+    fp8 = jnp.dtype(w.dtype).itemsize == 1
+    if fp8 != (scale is not None):
+        raise ValueError("an FP8 weight needs its scale, and only an FP8 weight takes one")
+    scale_block_rows = None
+    if scale is not None and scale.shape[0] > 1:
+        scale_block_rows = K // scale.shape[0]
+        check_pow2("K rows per scale block", scale_block_rows)
+        block_k = min(block_k or 128, scale_block_rows)
     plan = skinny_matmul_plan(
         M, K, N, block_n=block_n, block_k=block_k, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages
     )
@@ -149,13 +188,17 @@ def skinny_matmul(x, w, *, block_n=None, block_k=None, num_splits=None, num_warp
         tiles_per_split=per_split if even else (k_tiles, per_split),
         ragged_n=N % plan.block_n != 0,
         ragged_k=K % plan.block_k != 0,
+        compute_dtype=x.dtype if fp8 else w.dtype,
+        scale_block_rows=scale_block_rows,
     )
+    inputs = (x, w) if scale_block_rows is None else (x, w, scale.astype(jnp.float32))
     partials = pl.pallas_call(
         kernel,
         grid=(-(-N // plan.block_n), plan.num_splits),
         out_shape=jax.ShapeDtypeStruct((plan.num_splits, M, N), jnp.float32),
         interpret=resolve_interpret(interpret),
         compiler_params=pltriton.CompilerParams(num_warps=plan.num_warps, num_stages=plan.num_stages),
-        name=f"skinny_matmul_n{plan.block_n}_k{plan.block_k}_s{plan.num_splits}",
-    )(x, w)
-    return partials[0] if plan.num_splits == 1 else jnp.sum(partials, axis=0)
+        name=f"skinny_matmul{'_fp8' if fp8 else ''}_n{plan.block_n}_k{plan.block_k}_s{plan.num_splits}",
+    )(*inputs)
+    out = partials[0] if plan.num_splits == 1 else jnp.sum(partials, axis=0)
+    return out * scale[0].astype(jnp.float32) if scale is not None and scale_block_rows is None else out

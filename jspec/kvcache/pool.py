@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.config.model import ModelConfig
+from jspec.kernels.paged_tiles import FP8_KV, FP8_KV_BYTES
 
 
 class KVPool(NamedTuple):
@@ -37,6 +38,23 @@ def check_page_size(page_size: int) -> None:
     # Kernel tiles must be powers of two, so a page must be too.
     if page_size < 1 or page_size & (page_size - 1):
         raise ValueError(f"page_size must be a power of two >= 1, got {page_size}")
+
+
+# --kv-cache-dtype (SGLang's values) -> the pool's dtype; "auto" is the model's. An FP8 pool
+# stores its e4m3 values as bytes (kernels/paged_tiles.py says why).
+KV_CACHE_DTYPES = {"fp8_e4m3": FP8_KV_BYTES}
+
+
+def kv_cache_dtype(setting: str, model_dtype):
+    if setting == "auto":
+        return jnp.dtype(model_dtype)
+    if setting not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {setting!r}; choose auto or one of {sorted(KV_CACHE_DTYPES)}")
+    return jnp.dtype(KV_CACHE_DTYPES[setting])
+
+
+def is_fp8_cache(cache: jax.Array) -> bool:
+    return jnp.dtype(cache.dtype) == FP8_KV_BYTES
 
 
 def kv_token_shapes(cfg: ModelConfig) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -65,4 +83,9 @@ def write_kv(cache: jax.Array, layer: jax.Array, slots: jax.Array, new: jax.Arra
     dropped, so padded tokens write nothing.
     """
     S = cache.shape[2]
+    if is_fp8_cache(cache):
+        # Saturate: e4m3fn has no infinity, and a value past its largest would become NaN.
+        limit = float(jnp.finfo(FP8_KV).max)
+        new = jnp.clip(new.astype(jnp.float32), -limit, limit).astype(FP8_KV)
+        new = jax.lax.bitcast_convert_type(new, FP8_KV_BYTES)
     return cache.at[layer, slots // S, slots % S].set(new.astype(cache.dtype), mode="drop")

@@ -20,7 +20,11 @@ def paged_attention(
     *,
     sm_scale: float,
     mask: jax.Array | None = None,
+    window: jax.Array | None = None,
+    logit_softcap: float | None = None,
 ) -> jax.Array:
+    """window: the layer's sliding window, an int32 () (None: full attention); logit_softcap:
+    Gemma 2's cap on the attention logits."""
     if mode.backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {mode.backend!r}; choose one of {BACKENDS}")
     if mode.backend == "pallas":
@@ -29,11 +33,26 @@ def paged_attention(
     else:
         from jspec.kernels.ref import paged_decode_ref as decode
         from jspec.kernels.ref import paged_extend_ref as extend
+    windowed = window is not None
     if mode.decode_only and mask is None:
-        run = lambda q, k, v, layer, lens, tables: decode(q, k, v, layer, lens, tables, sm_scale=sm_scale)  # noqa: E731
-        return over_head_shards(run, q, k_cache, v_cache, layer, batch.seq_lens, batch.page_tables)
 
-    def run(q, k, v, layer, lens, tables, starts, *mask):
+        def run_decode(q, k, v, layer, lens, tables, *window):
+            return decode(
+                q,
+                k,
+                v,
+                layer,
+                lens,
+                tables,
+                sm_scale=sm_scale,
+                window=window[0] if windowed else None,
+                logit_softcap=logit_softcap,
+            )
+
+        extra = (window,) if windowed else ()
+        return over_head_shards(run_decode, q, k_cache, v_cache, layer, batch.seq_lens, batch.page_tables, *extra)
+
+    def run(q, k, v, layer, lens, tables, starts, *extra):
         return extend(
             q,
             k,
@@ -44,10 +63,13 @@ def paged_attention(
             starts,
             sm_scale=sm_scale,
             max_q_len=mode.max_q_len,
-            mask=mask[0] if mask else None,
+            mask=extra[0] if tree else None,
+            window=extra[-1] if windowed else None,
+            logit_softcap=logit_softcap,
         )
 
-    extra = () if mask is None else (mask,)
+    tree = mask is not None
+    extra = (() if mask is None else (mask,)) + ((window,) if windowed else ())
     return over_head_shards(
         run, q, k_cache, v_cache, layer, batch.seq_lens, batch.page_tables, batch.query_start, *extra
     )

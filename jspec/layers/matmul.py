@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.kernels.skinny_matmul import MAX_ROWS, skinny_matmul
+from jspec.layers.quant import fp8_dense_f32, is_fp8
 
 SKINNY_MATMUL_ENV = "JSPEC_SKINNY_MATMUL"
 
@@ -26,7 +27,9 @@ def skinny_backend() -> str:
 
 
 def dense_f32(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [T, in] @ w [in, n] -> f32 [T, n]."""
+    """x [T, in] @ w [in, n] -> f32 [T, n]; w may be an Fp8Weight (layers/quant.py picks its path)."""
+    if is_fp8(w):
+        return fp8_dense_f32(x, w)
     if (
         x.shape[0] <= MAX_ROWS
         and w.ndim == 2

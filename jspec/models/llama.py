@@ -10,7 +10,6 @@ lax.scan, so compile time does not grow with depth.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
@@ -19,12 +18,16 @@ import numpy as np
 
 from jspec.config.model import ModelConfig
 from jspec.distributed.mesh import DATA
-from jspec.kvcache.pool import KVPool, write_kv
+from jspec.kernels.paged_tiles import NO_WINDOW
+from jspec.kvcache.pool import KVPool, is_fp8_cache, write_kv
 from jspec.layers.attention import paged_attention
 from jspec.layers.batch import AttentionMode, ForwardBatch
 from jspec.layers.lora import LoraBatch, add_lora_delta, lora_dense, slot_mask
 from jspec.layers.matmul import dense_f32
+from jspec.layers.quant import is_fp8
+from jspec.models import rope
 from jspec.models.moe import moe_mlp_on_mesh
+from jspec.models.rope import apply_rope
 
 
 class ForwardOutput(NamedTuple):
@@ -39,34 +42,6 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * x32.astype(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse frequencies, with Llama-3's smooth long-context rescaling when configured."""
-    d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-    rs = cfg.rope_scaling
-    if rs is None:
-        return inv_freq.astype(np.float32)
-    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
-    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = np.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
-    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
-        rs.high_freq_factor - rs.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return np.where(medium, smoothed, scaled).astype(np.float32)
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x: [T, heads, D]; cos/sin: [T, D/2]. Half-split rotation (HF's rotate_half convention)."""
-    x32 = x.astype(jnp.float32)
-    x1, x2 = jnp.split(x32, 2, axis=-1)
-    c, s = cos[:, None, :], sin[:, None, :]
-    out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
-    return out.astype(x.dtype)
-
-
 def _linear(x: jax.Array, w: jax.Array) -> jax.Array:
     return dense_f32(x, w).astype(x.dtype)
 
@@ -75,6 +50,8 @@ def _project(h: jax.Array, w: jax.Array) -> jax.Array:
     """h [T, in] @ w -> f32 [T, shards, n]; w is [in, n] (one shard) or [in, tp, n / tp]."""
     if w.ndim == 2:
         return dense_f32(h, w)[:, None, :]
+    if is_fp8(w):
+        return dense_f32(h, w)
     return jnp.einsum("ti,isn->tsn", h, w, preferred_element_type=jnp.float32)
 
 
@@ -90,8 +67,12 @@ def qkv_heads(cfg: ModelConfig, lp, h: jax.Array, cos, sin):
         qkv = qkv + lp["bqkv"].reshape(shards, -1).astype(jnp.float32)
     qkv = qkv.astype(h.dtype)
     ql, kvl = cfg.q_size // shards, cfg.kv_size // shards
-    q = qkv[..., :ql].reshape(T, cfg.num_heads, cfg.head_dim)
-    k = qkv[..., ql : ql + kvl].reshape(T, cfg.num_kv_heads, cfg.head_dim)
+    q, k = qkv[..., :ql].reshape(T, cfg.q_size), qkv[..., ql : ql + kvl].reshape(T, cfg.kv_size)
+    if cfg.qk_norm_whole:
+        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+    q = q.reshape(T, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
     v = qkv[..., ql + kvl :].reshape(T, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
@@ -99,24 +80,58 @@ def qkv_heads(cfg: ModelConfig, lp, h: jax.Array, cos, sin):
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
+def activation(cfg: ModelConfig):
+    """The MLP gate's activation: SiLU (SwiGLU), or GELU's tanh form (GeGLU, Gemma)."""
+    if cfg.hidden_act == "gelu_tanh":
+        return lambda x: jax.nn.gelu(x, approximate=True)
+    return jax.nn.silu
+
+
+def attention_input(cfg: ModelConfig, lp, x: jax.Array) -> jax.Array:
+    """What a layer's attention reads of residual x: RMSNorm(x), or x itself where the norms
+    sit on the sublayers' outputs only (OLMo 2)."""
+    return x if cfg.norm_layout == "post" else rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+
+
+def add_residual(cfg: ModelConfig, lp, x: jax.Array, y: jax.Array, post_norm: str) -> jax.Array:
+    """x + y for a sublayer's output y: normed first under the sandwich and post layouts
+    (lp[post_norm]), scaled by Granite's residual multiplier."""
+    if cfg.norm_layout != "pre":
+        y = rms_norm(y, lp[post_norm], cfg.rms_norm_eps)
+    if cfg.residual_multiplier != 1.0:
+        y = y * cfg.residual_multiplier
+    return x + y
+
+
+def embed_tokens(params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """The embedding rows of tokens, times the family's multiplier (Gemma's sqrt(hidden),
+    rounded to the weights' dtype as HF does; Granite's embedding_multiplier)."""
+    x = params["embed"][tokens]
+    if cfg.embedding_multiplier != 1.0:
+        x = x * jnp.asarray(cfg.embedding_multiplier, x.dtype)
+    return x
+
+
 def mlp_block(cfg: ModelConfig, lp, x: jax.Array) -> jax.Array:
-    """x + SwiGLU(RMSNorm(x)), or x + MoE(RMSNorm(x)) on a sparse layer."""
-    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    """x + SwiGLU (GeGLU) of RMSNorm(x), or x + MoE(RMSNorm(x)) on a sparse layer; the norm
+    moves to the output under the post layout (add_residual)."""
+    h = x if cfg.norm_layout == "post" else rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     if "router" in lp:
         # The loader gives router and expert weights exactly to cfg.moe_layers (and a scan
         # stacks only alike layers), so the weights present say which block this layer is.
-        return x + moe_mlp_on_mesh(cfg, lp, h)
+        return add_residual(cfg, lp, x, moe_mlp_on_mesh(cfg, lp, h), "mlp_post_norm")
     if lp["w_gate_up"].ndim == 4:  # [in, 1, tp/dp, n]: this DP-attention rank's slice, for every rank's tokens
-        return x + dense_mlp_over_ranks(lp, h).astype(x.dtype)
+        return add_residual(cfg, lp, x, dense_mlp_over_ranks(lp, h, activation(cfg)).astype(x.dtype), "mlp_post_norm")
     # [in, 2I], or [in, tp, 2I / tp] (as wqkv); with LoRA, w_gate_up carries the pool's columns
     gate_up = _project_lora(lp, h, "w_gate_up", "gate_up")
     half = gate_up.shape[-1] // 2
     T = x.shape[0]
     gate, up = gate_up[..., :half].reshape(T, -1), gate_up[..., half:].reshape(T, -1)
-    return x + _linear_lora(lp, (jax.nn.silu(gate) * up).astype(x.dtype), "w_down", "down")
+    y = _linear_lora(lp, (activation(cfg)(gate) * up).astype(x.dtype), "w_down", "down")
+    return add_residual(cfg, lp, x, y, "mlp_post_norm")
 
 
-def dense_mlp_over_ranks(lp, h: jax.Array) -> jax.Array:
+def dense_mlp_over_ranks(lp, h: jax.Array, act_fn=jax.nn.silu) -> jax.Array:
     """SwiGLU MLP inside the per-rank shard_map: h [T, H] this rank's (normed) tokens; lp's
     w_gate_up [H, 1, tp/dp, n] and w_down [1, I/dp, H] this rank's slice of the MLP. Every
     rank's tokens are gathered, this slice's partial output is summed over the ranks and each
@@ -132,7 +147,7 @@ def dense_mlp_over_ranks(lp, h: jax.Array) -> jax.Array:
         gate_up = add_lora_delta(gate_up, everyone_mask, lw["b_gate_up"][:, 0], h.dtype)
     half = gate_up.shape[-1] // 2
     T = everyone.shape[0]
-    act = jax.nn.silu(gate_up[..., :half].reshape(T, -1)) * gate_up[..., half:].reshape(T, -1)
+    act = act_fn(gate_up[..., :half].reshape(T, -1)) * gate_up[..., half:].reshape(T, -1)
     partial = jnp.dot(act.astype(h.dtype), lp["w_down"][0], preferred_element_type=jnp.float32)
     out = jax.lax.psum_scatter(partial, DATA, scatter_dimension=0, tiled=True)
     return add_lora_delta(out, mask, lw["b_down"], h.dtype) if "lora" in lp else out
@@ -154,39 +169,99 @@ def _linear_lora(lp, x: jax.Array, name: str, projection: str) -> jax.Array:
     return _linear(x, lp[name])
 
 
-def paged_attend(cfg: ModelConfig, mode: AttentionMode, batch: ForwardBatch, layer, mask=None):
-    """attend(q, k, v, (k_cache, v_cache)) for the paged pool: write the new K/V, then attend."""
+def layer_window(cfg: ModelConfig, layer) -> jax.Array | None:
+    """The sliding window of layer (a traced index under the scan) as an int32 (), or None when
+    no layer has one. Windowless layers of a mixed model get one wider than any context."""
+    if not cfg.sliding_windows:
+        return None
+    windows = np.asarray([w or NO_WINDOW for w in cfg.sliding_windows], np.int32)
+    if isinstance(layer, int):
+        return jnp.int32(windows[layer])
+    return jnp.asarray(windows)[layer]
+
+
+def paged_attend(
+    cfg: ModelConfig, mode: AttentionMode, batch: ForwardBatch, layer, mask=None, window=None, kv_scale=None
+):
+    """attend(q, k, v, (k_cache, v_cache)) for the paged pool: write the new K/V, then attend.
+
+    An FP8 pool holds K / k_scale and V / v_scale (kv_scale [2], this layer's; None: 1). The
+    kernels read it as stored, so k_scale multiplies q (q.(k s) = (q s).k) and v_scale the output.
+    """
 
     def attend(q, k, v, caches):
+        fp8 = is_fp8_cache(caches[0]) and kv_scale is not None
+        if fp8:
+            k, v = k.astype(jnp.float32) / kv_scale[0], v.astype(jnp.float32) / kv_scale[1]
         k_cache = write_kv(caches[0], layer, batch.slots, k)
         v_cache = write_kv(caches[1], layer, batch.slots, v)
+        qs = (q.astype(jnp.float32) * kv_scale[0]).astype(q.dtype) if fp8 else q
         out = paged_attention(
-            q, k_cache, v_cache, layer, batch, mode, sm_scale=1.0 / math.sqrt(cfg.head_dim), mask=mask
+            qs,
+            k_cache,
+            v_cache,
+            layer,
+            batch,
+            mode,
+            sm_scale=cfg.sm_scale,
+            mask=mask,
+            window=window,
+            logit_softcap=cfg.attn_logit_softcap,
         )
+        if fp8:
+            out = (out.astype(jnp.float32) * kv_scale[1]).astype(q.dtype)
         return out, (k_cache, v_cache)
 
     return attend
 
 
 def decoder_layer(cfg: ModelConfig, lp, x, h, cos, sin, attend, caches):
-    """One pre-norm decoder layer on residual x whose attention input is h (already normed).
+    """One decoder layer on residual x whose attention input is h.
 
-    The target passes h = RMSNorm(x); EAGLE draft layers pass other inputs
+    The target passes h = attention_input(x); EAGLE draft layers pass other inputs
     (EAGLE-3 concatenates normed embeddings and normed hidden states).
     """
     q, k, v = qkv_heads(cfg, lp, h, cos, sin)
     attn, caches = attend(q, k, v, caches)
-    x = x + _linear_lora(lp, attn.reshape(x.shape[0], cfg.q_size), "wo", "o")
+    y = _linear_lora(lp, attn.reshape(x.shape[0], cfg.q_size), "wo", "o")
+    if cfg.o_bias:
+        y = y + lp["bo"].astype(y.dtype)
+    x = add_residual(cfg, lp, x, y, "attn_post_norm")
     return mlp_block(cfg, lp, x), caches
 
 
-def rope_cos_sin(cfg: ModelConfig, positions: jax.Array):
-    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(cfg))[None]
-    return jnp.cos(angles), jnp.sin(angles)
+def layer_rope(cfg: ModelConfig, layer, full, sliding):
+    """The (cos, sin) of layer: sliding's on a sliding-window layer when the model rotates
+    those with their own base (Gemma 3), else full's; the identity (cos 1, sin 0) on SmolLM3's
+    NoPE layers. Selects under the scan."""
+    cos, sin = full
+    if sliding is not None:
+        if isinstance(layer, int):
+            cos, sin = sliding if cfg.sliding_windows[layer] else full
+        else:
+            is_sliding = jnp.asarray([w > 0 for w in cfg.sliding_windows])[layer]
+            cos, sin = (jnp.where(is_sliding, s, f) for s, f in zip(sliding, full))
+    if cfg.rope_layers:
+        rotates = cfg.rope_layers[layer] if isinstance(layer, int) else jnp.asarray(cfg.rope_layers)[layer]
+        cos, sin = jnp.where(rotates, cos, 1.0), jnp.where(rotates, sin, 0.0)
+    return cos, sin
+
+
+def rope_cos_sin(cfg: ModelConfig, positions: jax.Array, sliding: bool = False):
+    """cos, sin [T, rotary_dim / 2] for positions [T] (models/rope.py); sliding: those of the
+    sliding-window layers when the model rotates them with their own base."""
+    return rope.cos_sin(cfg, positions, sliding and cfg.sliding_rope_theta is not None)
 
 
 def compute_logits(params, cfg: ModelConfig, hidden_normed: jax.Array) -> jax.Array:
-    return lm_head_logits(params, hidden_normed)
+    """f32 logits of final-normed hidden states: the LM head, divided by Granite's
+    logits_scaling, soft-capped for Gemma 2."""
+    logits = lm_head_logits(params, hidden_normed)
+    if cfg.logits_divisor != 1.0:
+        logits = logits / cfg.logits_divisor
+    if cfg.final_logit_softcap is not None:
+        logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
+    return logits
 
 
 def lm_head_logits(params, h: jax.Array) -> jax.Array:
@@ -259,12 +334,14 @@ def forward(
             raise ValueError("LoRA adapters are not supported for DeepSeek (MLA) models")
         return deepseek_forward(params, cfg, kv, batch, mode, capture_layers, mask)
     dtype = params["embed"].dtype
-    x = params["embed"][batch.tokens].astype(dtype)
+    x = embed_tokens(params, cfg, batch.tokens).astype(dtype)
     T = x.shape[0]
     cos, sin = rope_cos_sin(cfg, batch.positions)
+    sliding_rope = rope_cos_sin(cfg, batch.positions, sliding=True) if cfg.sliding_rope_theta is not None else None
     captured = jnp.zeros((len(capture_layers), T, cfg.hidden_size), dtype) if capture_layers else None
     lmask = slot_mask(lora.weights, lora.token_slots) if lora is not None else None
     layers = params["layers"]
+    kv_scales = params.get("kv_scale") if is_fp8_cache(kv.k) else None  # [L, 2], from the checkpoint
     if lora is not None:  # each layer's pool arrays travel with its weights
         layers = attach_lora(layers, lora.weights.layers)
 
@@ -273,9 +350,13 @@ def forward(
         if lora is not None:
             lp = {**lp, "lora": (lp["lora"], lmask)}
         captured = store_capture(captured, capture_layers, layer, x)
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        attend = paged_attend(cfg, mode, batch, jnp.int32(layer) if isinstance(layer, int) else layer, mask)
-        x, (k_cache, v_cache) = decoder_layer(cfg, lp, x, h, cos, sin, attend, (k_cache, v_cache))
+        h = attention_input(cfg, lp, x)
+        window = layer_window(cfg, layer)
+        kv_scale = None if kv_scales is None else kv_scales[layer]
+        layer_index = jnp.int32(layer) if isinstance(layer, int) else layer
+        attend = paged_attend(cfg, mode, batch, layer_index, mask, window, kv_scale)
+        layer_cos, layer_sin = layer_rope(cfg, layer, (cos, sin), sliding_rope)
+        x, (k_cache, v_cache) = decoder_layer(cfg, lp, x, h, layer_cos, layer_sin, attend, (k_cache, v_cache))
         return x, k_cache, v_cache, captured
 
     x, k_cache, v_cache, captured = run_layers(layers, layer_body, (x, kv.k, kv.v, captured))
@@ -298,12 +379,12 @@ def unstack_layers(params):
     layers = params["layers"]
     if isinstance(layers, (list, tuple)):
         return params
-    n = len(next(iter(layers.values())))
+    n = len(jax.tree.leaves(layers)[0])
     per_layer = [dict() for _ in range(n)]
     for name in list(layers):
         stacked = layers[name]
         for i in range(n):
-            per_layer[i][name] = stacked[i]
+            per_layer[i][name] = stacked[i]  # an Fp8Weight indexes its weight and scale alike
     return {**params, "layers": per_layer}
 
 
@@ -313,21 +394,31 @@ def dense_forward(params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
     tokens: [T] -> logits [T, V] float32. Causal attention recomputed from scratch.
     """
     T = tokens.shape[0]
-    x = params["embed"][tokens]
+    x = embed_tokens(params, cfg, tokens)
     cos, sin = rope_cos_sin(cfg, jnp.arange(T))
+    sliding_rope = rope_cos_sin(cfg, jnp.arange(T), sliding=True) if cfg.sliding_rope_theta is not None else None
     group = cfg.num_heads // cfg.num_kv_heads
     causal = jnp.tril(jnp.ones((T, T), bool))
 
-    def attend(q, k, v, caches):
-        k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
-        s = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k.astype(jnp.float32))
-        s = jnp.where(causal[None], s / math.sqrt(cfg.head_dim), -jnp.inf)
-        p = jax.nn.softmax(s, axis=-1)
-        return jnp.einsum("hqk,khd->qhd", p, v.astype(jnp.float32)).astype(q.dtype), caches
+    distance = jnp.arange(T)[:, None] - jnp.arange(T)[None, :]
+
+    def attend_within(window):
+        def attend(q, k, v, caches):
+            k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
+            s = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k.astype(jnp.float32)) * cfg.sm_scale
+            if cfg.attn_logit_softcap is not None:
+                s = cfg.attn_logit_softcap * jnp.tanh(s / cfg.attn_logit_softcap)
+            visible = causal if window is None else causal & (distance < window)
+            s = jnp.where(visible[None], s, -jnp.inf)
+            p = jax.nn.softmax(s, axis=-1)
+            return jnp.einsum("hqk,khd->qhd", p, v.astype(jnp.float32)).astype(q.dtype), caches
+
+        return attend
 
     def body(x, lp, layer):
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        return decoder_layer(cfg, lp, x, h, cos, sin, attend, ())[0]
+        layer_cos, layer_sin = layer_rope(cfg, layer, (cos, sin), sliding_rope)
+        attend = attend_within(layer_window(cfg, layer))
+        return decoder_layer(cfg, lp, x, attention_input(cfg, lp, x), layer_cos, layer_sin, attend, ())[0]
 
     x = run_layers(params["layers"], body, x)
     return compute_logits(params, cfg, rms_norm(x, params["final_norm"], cfg.rms_norm_eps))

@@ -93,8 +93,9 @@ def main(argv=None) -> None:
     )
     try:
         engine = make_engine(config, server, model)
-    except ValueError as e:  # e.g. a --tp-size that does not divide the heads
+    except (ValueError, NotImplementedError) as e:  # e.g. a --tp-size that does not divide the heads
         ap.error(str(e))
+    del model  # the engine holds the weights it runs (with --quantization, not these)
     if not server.skip_warmup:
         modes = server.warmup_sampling_modes
         t0 = time.perf_counter()

@@ -11,6 +11,7 @@ batch's bucket. The design and its model are in docs/design-details.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 import numpy as np
@@ -34,23 +35,33 @@ def expected_accepts(alpha: np.ndarray, shape: Shape) -> np.ndarray:
     return sum(r**d for d in range(1, steps + 1))
 
 
+@functools.cache
+def _accept_curve(shape: Shape) -> tuple[np.ndarray, np.ndarray]:
+    """expected_accepts on a fine grid of alpha: increasing, so np.interp inverts it."""
+    alpha = np.linspace(0.0, 1.0, 4097)
+    return alpha, expected_accepts(alpha, shape)
+
+
 def alpha_from_accept(accept: np.ndarray, shape: Shape) -> np.ndarray:
-    """The alpha whose expected accepts under `shape` equal `accept` (bisection; the map is
-    increasing in alpha)."""
-    lo, hi = np.zeros_like(accept, dtype=np.float64), np.ones_like(accept, dtype=np.float64)
-    for _ in range(30):
-        mid = (lo + hi) / 2
-        below = expected_accepts(mid, shape) < accept
-        lo, hi = np.where(below, mid, lo), np.where(below, hi, mid)
-    return (lo + hi) / 2
+    """The alpha whose expected accepts under `shape` equal `accept` (the curve inverted by
+    interpolation: one vector operation per processed iteration)."""
+    alpha, curve = _accept_curve(shape)
+    return np.interp(accept, curve, alpha)
+
+
+def parse_shape(label: str) -> Shape:
+    return (0, 1, 1) if label == "off" else tuple(int(x) for x in label.split(","))
 
 
 @dataclasses.dataclass
 class CostTable:
-    """Seconds per decode iteration of each shape at each batch bucket, and where they came from."""
+    """Seconds per decode iteration of each shape at each batch bucket, and where they came from.
+    ragged: (shape, bucket, drafting rows) -> seconds of the iteration where only that many rows
+    draft (the others verify their root alone); a row opts out only where this was measured."""
 
     seconds: dict[Shape, dict[int, float]]
     source: str
+    ragged: dict[tuple[Shape, int, int], float] = dataclasses.field(default_factory=dict)
 
     def at(self, shape: Shape, bucket: int) -> float | None:
         row = self.seconds.get(shape)
@@ -64,17 +75,28 @@ class CostTable:
 
     @classmethod
     def load(cls, path: str) -> CostTable:
-        """A cost table from JSON: {"costs": {"3,1,4": {"1": seconds, "16": ...}, "off": ...}}."""
+        """A cost table from JSON: {"costs": {"3,1,4": {"1": seconds, "16": ...}, "off": ...},
+        "ragged": {"3,1,4": {"16": {"4": seconds, ...}}}} (ragged optional)."""
         with open(path) as f:
             data = json.load(f)
-        seconds = {}
-        for label, row in data["costs"].items():
-            shape = (0, 1, 1) if label == "off" else tuple(int(x) for x in label.split(","))
-            seconds[shape] = {int(b): float(t) for b, t in row.items()}
-        return cls(seconds, f"loaded from {path}")
+        seconds = {
+            parse_shape(label): {int(b): float(t) for b, t in row.items()} for label, row in data["costs"].items()
+        }
+        ragged = {
+            (parse_shape(label), int(b), int(d)): float(t)
+            for label, per_bucket in data.get("ragged", {}).items()
+            for b, per_d in per_bucket.items()
+            for d, t in per_d.items()
+        }
+        return cls(seconds, f"loaded from {path}", ragged)
 
     def to_json(self) -> dict:
-        return {"costs": {shape_label(s): {str(b): t for b, t in row.items()} for s, row in self.seconds.items()}}
+        out = {"costs": {shape_label(s): {str(b): t for b, t in row.items()} for s, row in self.seconds.items()}}
+        if self.ragged:
+            out["ragged"] = {}
+            for (shape, b, d), t in self.ragged.items():
+                out["ragged"].setdefault(shape_label(shape), {}).setdefault(str(b), {})[str(d)] = t
+        return out
 
 
 @dataclasses.dataclass
@@ -104,34 +126,34 @@ class AdaptivePolicy:
     costs: CostTable
     decay: float = 0.7  # EMA weight of a request's earlier estimate
     prior_alpha: float = 0.6  # a new request's estimate before any observation
-    probe_every: int = 16  # after this many iterations without drafts, one with the cheapest drafting shape
+    probe_every: int = 16  # after this many iterations in which some row did not draft, one where all do
     opt_out: bool = True  # rows unlikely to accept may verify their root alone while the others draft
     stats: AdaptiveStats = dataclasses.field(default_factory=AdaptiveStats)
-    _since_drafted: int = 0
+    _since_all_drafted: int = 0
 
     def choose(self, alphas: np.ndarray, bucket: int, ready=lambda i, drafting_rows: True) -> Choice:
         """alphas [rows]: each row's estimate; bucket: the rows' program bucket; ready(i, d): the
         program of shape i with d drafting rows (None: all) is compiled (others are not picked).
 
-        Beside each shape for the whole batch, it weighs the shape for only the rows most likely
-        to accept (a power of two of them), the others verifying their root alone: such an
-        iteration's cost is taken as off's plus the shape's extra cost in proportion to the
-        drafting rows, since its verify forward has that share of the extra tokens."""
+        Beside each shape for the whole batch, it weighs the shape for only the d rows most
+        likely to accept (d a power of two), the others verifying their root alone, where the
+        cost table holds that iteration's measured cost."""
         rows = len(alphas)
-        off = self.costs.at((0, 1, 1), bucket) if (0, 1, 1) in self.shapes else None
         best, best_rate, drafting_cost = Choice(0), -1.0, []
         for i, shape in enumerate(self.shapes):
             cost = self.costs.at(shape, bucket)
             if cost is None:
                 continue
-            accepts = expected_accepts(alphas, shape)
+            accepts = np.interp(alphas, *_accept_curve(shape))  # expected_accepts, tabulated
             options = [(None, rows + float(accepts.sum()), cost)]
-            if shape[0] > 0 and off is not None and self.opt_out:
+            if shape[0] > 0 and self.opt_out and rows > 1:
                 order = np.argsort(-accepts, kind="stable")
                 total = np.cumsum(accepts[order])
                 d = 1
                 while d < rows:
-                    options.append((d, rows + float(total[d - 1]), off + (cost - off) * d / bucket))
+                    partial = self.costs.ragged.get((shape, bucket, d))
+                    if partial is not None:
+                        options.append((d, rows + float(total[d - 1]), partial))
                     d *= 2
             for d, tokens, c in options:
                 if not ready(i, d):
@@ -145,13 +167,12 @@ class AdaptivePolicy:
                         for r in order[:d]:
                             flags[r] = True
                     best, best_rate = Choice(i, flags), tokens / c
-        if self.shapes[best.shape][0] == 0:
-            self._since_drafted += 1
-            if self._since_drafted >= self.probe_every and drafting_cost:
-                # Off learns nothing about acceptance; a cheap probe keeps the estimates alive.
-                best = Choice(min(drafting_cost)[1])
-        if self.shapes[best.shape][0] > 0:
-            self._since_drafted = 0
+        everyone_drafts = self.shapes[best.shape][0] > 0 and best.drafting is None
+        self._since_all_drafted = 0 if everyone_drafts else self._since_all_drafted + 1
+        if self._since_all_drafted >= self.probe_every and drafting_cost:
+            # A row that does not draft teaches nothing about its acceptance; now and then every
+            # row drafts with the cheapest shape, so that no estimate stays stale.
+            best, self._since_all_drafted = Choice(min(drafting_cost)[1]), 0
         key = (bucket, self.shapes[best.shape])
         self.stats.chosen[key] = self.stats.chosen.get(key, 0) + 1
         if best.drafting is not None:

@@ -12,6 +12,7 @@ def make_method(spec: SpecConfig, cfg: ModelConfig, draft=None, dtype=None, targ
     """-> (method, draft params or None). draft: (config, params) of a draft model already in
     memory; else spec.draft_model_path is loaded (methods that need a draft model). NEXTN reads
     the MTP layers of spec.draft_model_path, else of target_path (the target's checkpoint)."""
+    _check_tree_fits_windows(spec, cfg, "target")
     if spec.algorithm in ("EAGLE", "EAGLE3"):
         from jspec.speculative.eagle import EagleMethod
 
@@ -35,6 +36,12 @@ def make_method(spec: SpecConfig, cfg: ModelConfig, draft=None, dtype=None, targ
             raise ValueError(
                 f"the STANDALONE draft's vocabulary ({dcfg.vocab_size}) differs from the target's "
                 f"({cfg.vocab_size}); the draft must share the target's tokenizer"
+            )
+        _check_tree_fits_windows(spec, dcfg, "STANDALONE draft")
+        if dcfg.sliding_windows and max(k for _, k, _ in spec.shapes()) > 1:
+            raise ValueError(
+                "a STANDALONE draft with sliding-window attention drafts chains only (eagle_topk=1): "
+                "beam drafting does not window the draft's attention"
             )
         return StandaloneMethod(spec, dcfg), dparams
     if spec.algorithm == "NEXTN":
@@ -66,6 +73,18 @@ def make_method(spec: SpecConfig, cfg: ModelConfig, draft=None, dtype=None, targ
         widest = max(n for _, _, n in spec.shapes())
         return NgramMethod(spec, cfg.max_position_embeddings + 2 * widest + 2), None
     raise ValueError(f"no implementation for speculative algorithm {spec.algorithm!r}")
+
+
+def _check_tree_fits_windows(spec: SpecConfig, cfg: ModelConfig, what: str) -> None:
+    """Tree verification windows the prefix only; a node sees all its ancestors, so the
+    deepest node of every shape the config may run must see the root."""
+    window = cfg.smallest_window
+    steps = max(shape[0] for shape in spec.shapes())
+    if window is not None and steps >= window:
+        raise ValueError(
+            f"speculative num_steps={steps} reaches past the {what}'s sliding window of "
+            f"{window} tokens; use num_steps < {window}"
+        )
 
 
 def shape_variants(method) -> tuple:

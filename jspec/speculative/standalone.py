@@ -18,7 +18,17 @@ from jspec.config.model import ModelConfig
 from jspec.config.spec import SpecConfig
 from jspec.kvcache.pool import create_kv_pool, kv_bytes_per_page
 from jspec.layers.batch import AttentionMode, ForwardBatch, bucket
-from jspec.models.llama import compute_logits, decoder_layer, forward, rms_norm, rope_cos_sin, run_layers
+from jspec.models.llama import (
+    attention_input,
+    compute_logits,
+    decoder_layer,
+    embed_tokens,
+    forward,
+    layer_rope,
+    rms_norm,
+    rope_cos_sin,
+    run_layers,
+)
 from jspec.speculative.beams import grow_beam_tree
 from jspec.speculative.method import PrefillContext, SpecCarry, SpecMethod
 from jspec.speculative.tree import chains_tree
@@ -89,13 +99,13 @@ class StandaloneMethod(SpecMethod):
 
         def step_fn(tokens, state, positions, attend_for_layer, anc):
             cos, sin = rope_cos_sin(dcfg, positions)
-            x = dparams["embed"][tokens]
+            x = embed_tokens(dparams, dcfg, tokens)
 
             def layer_body(carry, lp, layer):
                 x, anc = carry
-                return decoder_layer(
-                    dcfg, lp, x, rms_norm(x, lp["attn_norm"], dcfg.rms_norm_eps), cos, sin, attend_for_layer(layer), anc
-                )
+                h = attention_input(dcfg, lp, x)
+                layer_cos, layer_sin = layer_rope(dcfg, layer, (cos, sin), None)
+                return decoder_layer(dcfg, lp, x, h, layer_cos, layer_sin, attend_for_layer(layer), anc)
 
             x, anc = run_layers(layers, layer_body, (x, anc))
             p, ids = top(compute_logits(dparams, dcfg, rms_norm(x, dparams["final_norm"], dcfg.rms_norm_eps)))

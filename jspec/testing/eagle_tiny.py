@@ -71,7 +71,7 @@ def draft_hf_config(
         "torch_dtype": dtype,
     }
     if target.rope_scaling is not None:
-        cfg["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(target.rope_scaling)}
+        cfg["rope_scaling"] = dataclasses.asdict(target.rope_scaling)
     if algorithm == "EAGLE3":
         if num_layers != 1:
             raise ValueError("EAGLE3 heads have one layer")

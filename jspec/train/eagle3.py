@@ -27,7 +27,7 @@ from jspec.checkpoint.eagle import DraftConfig, init_random_draft_params
 from jspec.checkpoint.files import write_safetensors
 from jspec.config.model import ModelConfig
 from jspec.models.eagle import draft_layers, draft_logits, layer_config, target_feature
-from jspec.models.llama import compute_logits, decoder_layer, rms_norm, rope_cos_sin
+from jspec.models.llama import attention_input, compute_logits, decoder_layer, embed_tokens, rms_norm, rope_cos_sin
 from jspec.testing.eagle_tiny import draft_hf_config, tiny_capture_layers, write_draft_config
 
 # ---------------------------------------------------------------------------
@@ -244,13 +244,18 @@ def target_pass(params, cfg: ModelConfig, tokens: jax.Array, capture_layers: tup
     """tokens [S] -> (logits [S, V] float32, features [S, C*H]): a dense causal forward whose
     features are the residual streams entering the capture layers (index L = the last layer's
     output before the final norm), concatenated low to high as spec/eagle.py reads them."""
+    if cfg.sliding_windows or cfg.attn_logit_softcap is not None or cfg.rope_layers:
+        raise NotImplementedError(
+            "EAGLE-3 training over a target with sliding-window attention, attention logit "
+            "soft-capping or NoPE layers is not implemented (the training pass attends densely)"
+        )
     S = tokens.shape[0]
-    x = params["embed"][tokens]
+    x = embed_tokens(params, cfg, tokens)
     cos, sin = rope_cos_sin(cfg, jnp.arange(S))
-    attend = ttt_attend(0, cfg.num_heads // cfg.num_kv_heads, 1.0 / math.sqrt(cfg.head_dim))
+    attend = ttt_attend(0, cfg.num_heads // cfg.num_kv_heads, cfg.sm_scale)
 
     def layer(x, lp):
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+        h = attention_input(cfg, lp, x)
         y, _ = decoder_layer(cfg, lp, x, h, cos, sin, attend, ())
         return y, x  # also emit the stream entering this layer
 

@@ -19,6 +19,7 @@ import numpy as np
 from jspec.config.engine import LAYER_LOOPS
 from jspec.config.model import ModelConfig
 from jspec.config.sampling import SamplingParams
+from jspec.kvcache.pool import kv_cache_dtype as pool_dtype
 from jspec.layers.batch import bucket
 from jspec.layers.penalties import PrefillCounts
 from jspec.layers.sampling import SAMPLING_MODES, SamplingRows, sampling_mode, sampling_rows
@@ -120,12 +121,14 @@ class WorkerBase:
         mesh=None,
         layer_loop: str = "auto",
         lora=None,
+        kv_cache_dtype: str = "auto",
     ):
         # Tensor parallel (jspec.distributed): params arrive sharded over mesh; steps run under it.
         self.mesh = mesh
         self.layer_loop = check_layer_loop(layer_loop)
         self.cfg, self.params = cfg, lay_out_layers(params, self.layer_loop)
         self.dtype = params["embed"].dtype
+        self.kv_dtype = pool_dtype(kv_cache_dtype, self.dtype)  # the target's pool (a draft's keeps self.dtype)
         self.top_n = top_n  # top logprobs every step returns (static: part of the compiled programs)
         # A jspec.lora.pool.LoraPool when the engine serves adapters: every step then takes it, and
         # the projections' weights carry its A columns.
@@ -280,8 +283,11 @@ class WorkerBase:
         background (the loop runs another program meanwhile)."""
         B = bucket(rows)
         tokens = None if drafting_rows is None else self.verify_tokens(B, shape, drafting_rows)
-        if self.programs.ready(self._decode_key(B, mode, shape, tokens)):
+        key = self._decode_key(B, mode, shape, tokens)
+        if self.programs.ready(key):
             return True
+        if self.programs.pending(key):
+            return False
         scratch = (SamplingParams(temperature=1.0) if mode == "sampled" else SamplingParams(), 0)
         drafting = None if drafting_rows is None else [i < drafting_rows for i in range(B)]
         collecting, self.programs.collecting = self.programs.collecting, []

@@ -21,7 +21,7 @@ class PlainWorker(WorkerBase):
         super().__init__(cfg, params, page_size=page_size, num_pages=num_pages, max_slots=max_slots, **kw)
         self.state = self._place(
             PlainState(
-                create_kv_pool(cfg, int(num_pages), page_size, self.dtype),
+                create_kv_pool(cfg, int(num_pages), page_size, self.kv_dtype),
                 init_plain_carry(max_slots),
                 init_penalty_state(max_slots, cfg.vocab_size),
             )

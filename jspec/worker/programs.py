@@ -106,6 +106,10 @@ class Programs:
             self._pending[key] = future = self._background.submit(self._compile, job)
         future.add_done_callback(lambda f, key=key: self._pending.pop(key, None))
 
+    def pending(self, key: Hashable) -> bool:
+        """Whether key's program is compiling in the background."""
+        return key in self._pending
+
     def compiling(self) -> bool:
         """Whether a background compile is under way."""
         return bool(self._pending)

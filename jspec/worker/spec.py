@@ -45,7 +45,7 @@ class SpecWorker(WorkerBase):
         self.state = self._place(
             init_spec_state(
                 method,
-                create_kv_pool(cfg, int(num_pages), page_size, self.dtype),
+                create_kv_pool(cfg, int(num_pages), page_size, self.kv_dtype),
                 max_slots,
                 int(num_pages),
                 page_size,
@@ -64,9 +64,11 @@ class SpecWorker(WorkerBase):
         N = self.methods[shape].spec.num_draft_tokens
         return B + min(bucket(max(drafting_rows, 1)), B) * (N - 1)
 
-    def measure_costs(self, repeats: int = 5):
+    def measure_costs(self, repeats: int = 5, ragged: bool = False):
         """Each draft shape's decode time per row bucket, timed on scratch rows (they write only
-        the scratch page and slot): the adaptive policy's cost table."""
+        the scratch page and slot, at a one-token context): the adaptive policy's cost table.
+        ragged: also each drafting shape with d < B rows drafting (d a power of two), the others
+        verifying their root alone (a program per (shape, bucket, d))."""
         import time
 
         import jax
@@ -74,19 +76,33 @@ class SpecWorker(WorkerBase):
         from jspec.config.sampling import SamplingParams
         from jspec.speculative.adaptive import CostTable
 
-        seconds = {}
         greedy = (SamplingParams(), 0)
-        for shape, m in enumerate(self.methods):
-            row = seconds[m.spec.shape] = {}
-            for B in self.decode_buckets():
-                times = []
-                for _ in range(repeats + 1):
+        seconds = {m.spec.shape: {} for m in self.methods}
+        partial = {}
+        for B in self.decode_buckets():
+            variants = [(shape, None) for shape in range(self.num_shapes)]
+            if ragged:
+                drafting_shapes = [i for i, m in enumerate(self.methods) if m.spec.num_steps > 0]
+                variants += [(i, 1 << k) for i in drafting_shapes for k in range(B.bit_length() - 1)]
+            times = {v: [] for v in variants}
+            # Variants in turn, so that a slow moment of the machine falls on all of them.
+            for rep in range(repeats + 1):
+                for shape, d in variants:
+                    drafting = None if d is None else [r < d for r in range(B)]
                     t0 = time.perf_counter()
-                    jax.block_until_ready(self.decode([self.scratch_slot] * B, [[0]] * B, [greedy] * B, shape=shape))
-                    times.append(time.perf_counter() - t0)
-                row[B] = sorted(times[1:])[len(times[1:]) // 2]
+                    out = self.decode([self.scratch_slot] * B, [[0]] * B, [greedy] * B, shape=shape, drafting=drafting)
+                    jax.block_until_ready(out)
+                    if rep:  # the first run may compile
+                        times[(shape, d)].append(time.perf_counter() - t0)
+            for (shape, d), t in times.items():
+                # The least of the runs: interference only adds time.
+                if d is None:
+                    seconds[self.methods[shape].spec.shape][B] = min(t)
+                else:
+                    partial[(self.methods[shape].spec.shape, B, d)] = min(t)
         self._last_decode = None
-        return CostTable(seconds, f"measured at warm-up ({self.num_shapes} shapes x {len(row)} buckets)")
+        buckets = len(self.decode_buckets())
+        return CostTable(seconds, f"measured at warm-up ({self.num_shapes} shapes x {buckets} buckets)", partial)
 
     def prefill_step_tokens(self, next_tokens, finish_rows) -> tuple:
         return (next_tokens, finish_rows)  # the draft's first tokens, and its rows' finishing flags

@@ -8,7 +8,7 @@ import itertools
 import jax
 import jax.numpy as jnp
 import pytest
-from support.models import TARGET, permutation_models, prompts
+from support.models import TARGET, engine_settings, permutation_models, prompts
 
 import jspec
 from jspec.checkpoint.loader import init_random_params
@@ -65,13 +65,7 @@ def _fit(choice: Choice, rows: int) -> Choice:
 @pytest.mark.parametrize("method", ["EAGLE", "EAGLE3", "STANDALONE", "NGRAM"])
 def test_forced_switches_equal_plain_decoding(method, page_size, overlap):
     target, draft = _models(method)
-    kw = dict(
-        page_size=page_size,
-        max_total_tokens=127 * page_size,
-        max_running_requests=4,
-        attention_backend="reference",
-        disable_overlap_schedule=not overlap,
-    )
+    kw = engine_settings(page_size, overlap)
     base = _plain("permutation" if method.startswith("EAGLE") else "random", target, kw)
     steps = 4 if method == "NGRAM" else 3
     spec = SpecConfig(method, num_steps=steps, num_draft_tokens=steps + 1, adaptive=True, adaptive_shapes=SHAPES)

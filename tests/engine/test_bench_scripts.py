@@ -192,3 +192,14 @@ def test_bench_adaptive_replays_every_workload(tmp_path):
         # Every shape costs the same here: drafting never loses, so the policy never turns it off.
         assert r["adaptive"]["tokens"] == r["off"]["tokens"] and r["off"]["tokens_per_s"] <= r["7,1,8"]["tokens_per_s"]
         assert "off" not in r["adaptive"]["iterations"]
+
+
+def test_bench_fp8_rows_against_bf16(tmp_path):
+    run_script("bench_fp8", "--variants", "bf16,fp8_pallas_fp8kv", "--out", str(tmp_path))
+    rows = json.load(open(tmp_path / "bench_fp8.json"))["rows"]
+    assert [(r["variant"], r["batch"]) for r in rows] == [(v, b) for v in ("bf16", "fp8_pallas_fp8kv") for b in (1, 4)]
+    for r in rows:
+        assert r["step_ms"] > 0 and r["floor_ms"] > 0 and r["tokens_per_s_vs_bf16"] > 0
+    # FP8 weights read a quarter of f32's bytes (scales add 1/in), FP8 KV a quarter of its KV.
+    bf16, fp8kv = rows[0], rows[-2]
+    assert fp8kv["weight_mb"] < 0.3 * bf16["weight_mb"] and fp8kv["kv_mb"] == bf16["kv_mb"] / 4

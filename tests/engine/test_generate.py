@@ -1,5 +1,8 @@
 """End-to-end generation over the paged KV pool against a dense no-cache recompute."""
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,19 +33,23 @@ def tiny_params():
     return init_random_params(TINY, jax.random.key(0), jnp.float32)
 
 
-@jax.jit
-def _dense_logits(params, tokens):
-    return dense_forward(params, TINY, tokens)
+# A sliding window of 8 on the first layer (the second attends to everything).
+TINY_WINDOW = dataclasses.replace(TINY, sliding_windows=(8, 0))
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def _dense_logits(params, tokens, cfg=TINY):
+    return dense_forward(params, cfg, tokens)
 
 
 def dense_greedy(params, cfg, prompt, n, pad_to=64):
     """Greedy decoding by full recompute; tokens are padded to one length (causal, so the
     padding never changes earlier logits) to compile once."""
-    assert cfg is TINY and len(prompt) + n <= pad_to
+    assert len(prompt) + n <= pad_to
     toks = list(prompt)
     for _ in range(n):
         padded = jnp.asarray(toks + [0] * (pad_to - len(toks)), jnp.int32)
-        toks.append(int(jnp.argmax(_dense_logits(params, padded)[len(toks) - 1])))
+        toks.append(int(jnp.argmax(_dense_logits(params, padded, cfg=cfg)[len(toks) - 1])))
     return toks[len(prompt) :]
 
 
@@ -63,6 +70,22 @@ def test_paged_greedy_equals_dense_recompute(tiny_params, page_size, backend):
     for p, o in zip(prompts, outs):
         assert o.token_ids == dense_greedy(tiny_params, TINY, p, n_new)
         assert o.finish_reason == "length"
+
+
+@pytest.mark.parametrize("page_size,backend", [(4, "pallas"), (1, "reference")])
+def test_sliding_window_attends_past_the_window(tiny_params, page_size, backend):
+    """A window narrower than the prompts neither caps the context nor the output: every
+    request gets all its tokens, equal to a dense recompute that windows the first layer."""
+    m = (TINY_WINDOW, tiny_params)
+    prompts = prompts_of_lengths([5, 17], seed=4)
+    engine = jspec.Engine(m, page_size=page_size, chunked_prefill_size=8, attention_backend=backend)
+    outs = jspec.generate(m, prompts, max_new_tokens=12, engine=engine, ignore_eos=True)
+    engine.check_idle_no_leaks()
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == dense_greedy(tiny_params, TINY_WINDOW, p, 12)
+        assert o.finish_reason == "length"
+    # The window changes the tokens (the first layer really is windowed).
+    assert [o.token_ids for o in outs] != [dense_greedy(tiny_params, TINY, p, 12) for p in prompts]
 
 
 def test_chunked_prefill_and_admission_waves_match(tiny_params):
@@ -107,8 +130,10 @@ def test_bad_inputs_are_named(tiny_params):
         jspec.generate(m, [[1, "a"]])
     with pytest.raises(ValueError, match="outside the vocabulary"):
         jspec.generate(m, [[1, 500]])
-    with pytest.raises(ValueError, match="has 300 tokens; the model's context is 256"):
-        jspec.generate(m, [[1] * 300])
+    with pytest.raises(ValueError, match="prompt 1 has 300 tokens; the model's context is 256"):
+        jspec.generate(m, [[1], [1] * 300])
+    with pytest.raises(ValueError, match="prompt 2 has 256 tokens"):
+        jspec.Engine(m, attention_backend="reference").generate([[1], [2], [1] * 256])
     with pytest.raises(ValueError, match="no tokenizer"):
         jspec.generate(m, ["hello"])
     with pytest.raises(ValueError, match="empty"):

@@ -1,6 +1,7 @@
 """One speculative interface, several methods: NGRAM and STANDALONE are lossless, NGRAM's
 matcher equals a brute-force reference, and the shared code never names a method."""
 
+import dataclasses
 import pathlib
 import re
 
@@ -8,9 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.models import TARGET, permutation_models, prompts
+from support.models import TARGET, draft_config, engine_settings, permutation_models, prompts
 
 import jspec
+from jspec.checkpoint.eagle import init_random_draft_params
 from jspec.checkpoint.loader import init_random_params
 from jspec.config.spec import SpecConfig
 from jspec.speculative.ngram import match_candidates, match_candidates_ref
@@ -29,19 +31,13 @@ def test_ngram_matcher_equals_brute_force(seed):
         assert list(np.asarray(ends[b])) == ref_ends and list(np.asarray(lens[b])) == ref_lens, b
 
 
-def run_pair(target, ps, spec, draft=None, page_size=16, overlap=True, max_new=16):
-    kw = dict(
-        page_size=page_size,
-        max_total_tokens=127 * page_size,
-        max_running_requests=4,
-        attention_backend="reference",
-        disable_overlap_schedule=not overlap,
-    )
+def run_pair(target, ps, spec, draft=None, page_size=16, overlap=True, max_new=16, cfg=TARGET, backend="reference"):
+    kw = {**engine_settings(page_size, overlap), "attention_backend": backend}
     base = jspec.generate(
-        (TARGET, target), ps, max_new_tokens=max_new, ignore_eos=True, engine=jspec.Engine((TARGET, target), **kw)
+        (cfg, target), ps, max_new_tokens=max_new, ignore_eos=True, engine=jspec.Engine((cfg, target), **kw)
     )
-    engine = jspec.Engine((TARGET, target), speculative=spec, draft=draft, **kw)
-    out = jspec.generate((TARGET, target), ps, max_new_tokens=max_new, ignore_eos=True, engine=engine)
+    engine = jspec.Engine((cfg, target), speculative=spec, draft=draft, **kw)
+    out = jspec.generate((cfg, target), ps, max_new_tokens=max_new, ignore_eos=True, engine=engine)
     engine.check_idle_no_leaks()
     for b, o in zip(base, out):
         assert o.token_ids == b.token_ids
@@ -110,6 +106,50 @@ def test_standalone_draft_equal_to_target_accepts_everything(page_size, overlap,
     # A chain takes every draft; a tree's beams (top-k by cumulative probability) can drop the target's
     # own path on near-flat random-weight distributions now and then.
     assert acc == steps + 1 if topk == 1 else acc >= 0.9 * (steps + 1)
+
+
+# Sliding windows of 5 on layers 0 and 2, narrower than the prompts: verify trees window the
+# prefix, and the greedy output is the plain engine's.
+TARGET_WINDOW = dataclasses.replace(TARGET, sliding_windows=(5, 0, 5, 0))
+
+
+@pytest.mark.parametrize(
+    "algorithm,page_size,topk,backend",
+    [
+        ("NGRAM", 1, 2, "reference"),
+        ("STANDALONE", 16, 1, "reference"),
+        ("EAGLE3", 16, 2, "pallas"),
+    ],
+)
+def test_speculation_over_sliding_windows_is_lossless(algorithm, page_size, topk, backend):
+    target = init_random_params(TARGET_WINDOW, jax.random.key(1), jnp.float32)
+    draft = None
+    if algorithm == "NGRAM":
+        spec = SpecConfig("NGRAM", num_draft_tokens=7, ngram_max_bfs_breadth=topk)
+    else:
+        spec = SpecConfig(algorithm, num_steps=3, eagle_topk=topk, num_draft_tokens=None if topk == 1 else 6)
+    if algorithm == "STANDALONE":
+        draft = (TARGET_WINDOW, target)  # the target itself: every draft is right
+    if algorithm == "EAGLE3":
+        dcfg = draft_config("EAGLE3", TARGET_WINDOW)
+        draft = (dcfg, init_random_draft_params(dcfg, jax.random.key(2), std=0.2))
+    ps = prompts([3, 17, 30]) if algorithm != "NGRAM" else [[1, 2, 3, 4, 5, 6, 7, 1, 2, 3], *prompts([17, 30])]
+    acc = run_pair(target, ps, spec, draft=draft, page_size=page_size, cfg=TARGET_WINDOW, backend=backend)
+    assert acc >= 1.0
+    if algorithm == "STANDALONE":
+        assert acc >= 3.0
+
+
+def test_trees_deeper_than_a_window_are_refused():
+    target = init_random_params(TARGET_WINDOW, jax.random.key(1), jnp.float32)
+    with pytest.raises(ValueError, match="num_steps=5 reaches past the target's sliding window of 5"):
+        jspec.Engine((TARGET_WINDOW, target), speculative=SpecConfig("NGRAM", num_draft_tokens=6))
+    with pytest.raises(ValueError, match="drafts chains only"):
+        jspec.Engine(
+            (TARGET, init_random_params(TARGET, jax.random.key(1), jnp.float32)),
+            speculative=SpecConfig("STANDALONE", num_steps=2, eagle_topk=2, num_draft_tokens=4),
+            draft=(TARGET_WINDOW, target),
+        )
 
 
 def test_standalone_mismatched_vocabularies_are_refused():

@@ -83,7 +83,7 @@ def random_tree_mask(rng, batch, max_q_len):
     return mask
 
 
-def brute_force_attention(q_rows, k, v, seq_lens, page_tables, owners, visible_fn):
+def brute_force_attention(q_rows, k, v, seq_lens, page_tables, owners, visible_fn, softcap=None):
     """Loop-by-loop attention in float64 straight from the page table: the check on ref.py itself."""
     _, _, page_size, num_kv_heads, head_dim = k.shape
     out = np.zeros(q_rows.shape, np.float64)
@@ -100,6 +100,8 @@ def brute_force_attention(q_rows, k, v, seq_lens, page_tables, owners, visible_f
         vals = np.stack([v[LAYER, p, o] for p, o in slots]).astype(np.float64)
         for h in range(q_rows.shape[1]):
             logits = keys[:, h // group] @ q_rows[row, h].astype(np.float64) * SM_SCALE
+            if softcap is not None:
+                logits = softcap * np.tanh(logits / softcap)
             w = np.exp(logits - logits.max())
             out[row, h] = (w / w.sum()) @ vals[:, h // group]
     return out
@@ -442,3 +444,95 @@ def test_dense_matmul_switch(monkeypatch):
         matmul.dense_f32(x, w)
     monkeypatch.setenv(matmul.SKINNY_MATMUL_ENV, "pallas")
     np.testing.assert_array_equal(matmul.dense_f32(x, w), jnp.dot(x, w, preferred_element_type=jnp.float32))
+
+
+# Sliding windows: (window, page_size, tree, tuning). A window shorter than a block's tokens
+# (so its low edge cuts through the block), one longer than most prefixes, splits over it.
+WINDOW_CASES = [
+    pytest.param(3, 4, False, dict(block_m=16, block_n=16, num_splits=1), id="w3-s4-causal-window_in_block"),
+    pytest.param(37, 16, False, dict(block_m=32, block_n=16, num_splits=3), id="w37-s16-causal-split"),
+    pytest.param(9, 1, True, dict(block_m=16, block_n=16, num_splits=2), id="w9-s1-tree-split"),
+    pytest.param(100, 16, True, dict(block_m=32, block_n=32, num_splits=1), id="w100-s16-tree"),
+]
+
+
+@pytest.mark.parametrize("window,page_size,tree,tuning", WINDOW_CASES)
+def test_sliding_window_kernels_match_reference_and_brute_force(window, page_size, tree, tuning):
+    rng = np.random.default_rng(window + page_size)
+    num_kv_heads, group, head_dim, max_q_len = 2, 2, 64, 8
+    q_lens = np.array([5, 0, 8, 1, 3, 0])
+    prefix = np.array([70, 30, 0, 130, 2, 0])
+    seq_lens = (prefix + q_lens).astype(np.int32)
+    k, v, tables = paged_problem(rng, seq_lens, page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    q, query_start = ragged_queries(rng, q_lens, num_kv_heads * group, head_dim, pad_rows=3)
+    mask = random_tree_mask(rng, len(seq_lens), max_q_len) if tree else None
+    w = jnp.int32(window)
+    args = (q, k, v, jnp.int32(LAYER), seq_lens, tables, query_start)
+    out = np.asarray(paged_extend(*args, sm_scale=SM_SCALE, max_q_len=max_q_len, mask=mask, window=w, **tuning))
+    ref = paged_extend_ref(*args, sm_scale=SM_SCALE, max_q_len=max_q_len, mask=mask, window=w, kv_chunk=32)
+    owners = [None] * q.shape[0]
+    for b in range(len(seq_lens)):
+        for i in range(q_lens[b]):
+            owners[query_start[b] + i] = (b, i)
+
+    def visible(b, i, j):
+        start = seq_lens[b] - q_lens[b]
+        if mask is None:
+            return start + i - window < j <= start + i
+        depth = int(mask[b, i].sum()) - 1
+        return start + depth - window < j < start or (j >= start and mask[b, i, j - start])
+
+    want = brute_force_attention(q, k, v, seq_lens, tables, owners, visible)
+    assert not np.isnan(out).any()
+    assert rel_err(ref, want) < 1e-5
+    assert rel_err(out, want) < 1e-5
+    unwindowed = paged_extend_ref(*args, sm_scale=SM_SCALE, max_q_len=max_q_len, mask=mask)
+    assert rel_err(unwindowed, want) > 1e-2  # the window hides something here
+
+    q_dec = rng.standard_normal((len(seq_lens), num_kv_heads * group, head_dim)).astype(np.float32)
+    dec_args = (q_dec, k, v, jnp.int32(LAYER), seq_lens, tables)
+    want = brute_force_attention(
+        q_dec, k, v, seq_lens, tables, [(b, 0) for b in range(len(seq_lens))], lambda b, i, j: j >= seq_lens[b] - window
+    )
+    ref = paged_decode_ref(*dec_args, sm_scale=SM_SCALE, window=w, kv_chunk=32)
+    dec_tuning = dict(block_n=tuning["block_n"], num_splits=tuning.get("num_splits"), min_split_tokens=16)
+    out = paged_decode(*dec_args, sm_scale=SM_SCALE, window=w, **dec_tuning)
+    assert rel_err(ref, want) < 1e-5 and rel_err(out, want) < 1e-5
+    out, lse = paged_decode(*dec_args, sm_scale=SM_SCALE, window=w, return_lse=True, **dec_tuning)
+    ref, ref_lse = paged_decode_ref(*dec_args, sm_scale=SM_SCALE, window=w, return_lse=True)
+    assert rel_err(out, ref) < 1e-5
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_logit_softcap_kernels_match_reference_and_brute_force(tree):
+    """Gemma 2's attention logit soft-capping (with a window, as its sliding layers have)."""
+    rng = np.random.default_rng(17 + tree)
+    cap, max_q_len = 0.5, 4
+    q_lens = np.array([4, 1, 3])
+    prefix = np.array([20, 9, 0])
+    seq_lens = (prefix + q_lens).astype(np.int32)
+    k, v, tables = paged_problem(rng, seq_lens, page_size=4, num_kv_heads=2, head_dim=64)
+    q, query_start = ragged_queries(rng, q_lens, 4, 64, pad_rows=2)
+    q *= 4  # logits well past the cap
+    mask = random_tree_mask(rng, 3, max_q_len) if tree else None
+    owners = [None] * q.shape[0]
+    for b in range(3):
+        for i in range(q_lens[b]):
+            owners[query_start[b] + i] = (b, i)
+
+    def visible(b, i, j):
+        start = seq_lens[b] - q_lens[b]
+        return j < start or (mask[b, i, j - start] if tree else j <= start + i)
+
+    args = (q, k, v, jnp.int32(LAYER), seq_lens, tables, query_start)
+    kw = dict(sm_scale=SM_SCALE, max_q_len=max_q_len, mask=mask, logit_softcap=cap)
+    want = brute_force_attention(q, k, v, seq_lens, tables, owners, visible, softcap=cap)
+    assert rel_err(paged_extend_ref(*args, **kw), want) < 1e-5
+    assert rel_err(paged_extend(*args, block_m=16, block_n=16, num_splits=2, **kw), want) < 1e-5
+    assert rel_err(paged_extend_ref(*args, **{**kw, "logit_softcap": None}), want) > 1e-2
+    dec = (q[:3], k, v, jnp.int32(LAYER), seq_lens, tables)
+    want = brute_force_attention(q[:3], k, v, seq_lens, tables, [(b, 0) for b in range(3)], lambda *_: True, cap)
+    assert rel_err(paged_decode_ref(*dec, sm_scale=SM_SCALE, logit_softcap=cap), want) < 1e-5
+    out = paged_decode(*dec, sm_scale=SM_SCALE, logit_softcap=cap, block_n=16, num_splits=2, min_split_tokens=16)
+    assert rel_err(out, want) < 1e-5

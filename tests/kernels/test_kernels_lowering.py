@@ -84,11 +84,20 @@ def test_lowering_catches_a_non_power_of_two_array():
         (1, 1024, 16, 32, 8, 128, dict(table_ctx=8192)),  # many splits
         (32, 1024, 16, 32, 8, 128, dict(table_ctx=8192)),
         (4, 512, 1, 9, 3, 64, dict(table_ctx=8192)),  # SmolLM2-135M heads, 8192-column table
+        (32, 4096, 16, 32, 8, 128, dict(window=True)),  # sliding window, a traced int32
+        (1, 4096, 16, 32, 8, 128, dict(window=True, return_lse=True)),  # split-K path
+        (8, 4096, 16, 8, 4, 256, dict(window=True, logit_softcap=50.0)),  # Gemma 2: head_dim 256, capped
     ],
 )
 def test_paged_decode_lowers_for_cuda(batch, ctx, page_size, num_q_heads, num_kv_heads, head_dim, tuning):
     q = jax.ShapeDtypeStruct((batch, num_q_heads, head_dim), BF16)
     tuning = dict(tuning)
+    if tuning.pop("window", False):
+        fn = functools.partial(paged_decode, sm_scale=head_dim**-0.5, interpret=False, **tuning)
+        specs = (q, *cache_specs(batch, ctx, page_size, num_kv_heads, head_dim), jax.ShapeDtypeStruct((), I32))
+        lowered = lower_for_cuda(lambda *a: fn(*a[:6], window=a[6]), *specs)
+        assert_has_triton_call(lowered)
+        return
     specs = (
         q,
         *cache_specs(
@@ -113,6 +122,10 @@ def test_paged_decode_lowers_for_cuda(batch, ctx, page_size, num_q_heads, num_kv
         (32, 8, 1024, 16, 8, 128, True, dict(table_ctx=8192)),
         (1, 512, 1024, 16, 8, 128, False, dict(table_ctx=8192)),  # a prefill chunk
         (4, 64, 512, 64, 32, 64, True, dict(table_ctx=8192, num_splits=4)),
+        (32, 8, 4096, 16, 8, 128, True, dict(window=True)),  # sliding window under a tree
+        (1, 2048, 2048, 16, 8, 128, False, dict(window=True)),  # windowed long prefill
+        (4, 512, 4096, 16, 8, 128, False, dict(window=True, num_splits=4)),
+        (8, 8, 4096, 16, 4, 256, True, dict(window=True, logit_softcap=50.0)),  # Gemma 2 under a tree
     ],
 )
 def test_paged_extend_lowers_for_cuda(batch, q_len, ctx, page_size, num_kv_heads, head_dim, tree, tuning):
@@ -126,12 +139,18 @@ def test_paged_extend_lowers_for_cuda(batch, q_len, ctx, page_size, num_kv_heads
         *cache_specs(batch, ctx, page_size, num_kv_heads, head_dim, layers, tuning.pop("table_ctx", None)),
         query_start,
     ]
+    windowed = tuning.pop("window", False)
     if tree:
         specs.append(jax.ShapeDtypeStruct((batch, q_len, q_len), jnp.bool_))
+    if windowed:
+        specs.append(jax.ShapeDtypeStruct((), I32))
 
     def fn(*args):
         mask = args[7] if tree else None
-        return paged_extend(*args[:7], sm_scale=head_dim**-0.5, max_q_len=q_len, mask=mask, interpret=False, **tuning)
+        window = args[-1] if windowed else None
+        return paged_extend(
+            *args[:7], sm_scale=head_dim**-0.5, max_q_len=q_len, mask=mask, window=window, interpret=False, **tuning
+        )
 
     assert_has_triton_call(lower_for_cuda(fn, *specs))
 
@@ -153,3 +172,46 @@ def test_skinny_matmul_lowers_for_cuda(K, N, tuning):
     specs = (jax.ShapeDtypeStruct((1, K), BF16), jax.ShapeDtypeStruct((K, N), BF16))
     fn = functools.partial(skinny_matmul, interpret=False, **tuning)
     assert_has_triton_call(lower_for_cuda(fn, *specs))
+
+
+@pytest.mark.parametrize("decode_only,tree", [(True, False), (False, True), (False, False)])
+def test_windowed_model_forward_lowers_for_cuda(decode_only, tree, monkeypatch):
+    """A model whose layers alternate sliding and full attention: the scanned layer loop hands
+    each layer's window to the kernels as a traced int32."""
+    import jspec.kernels.backend
+
+    monkeypatch.setattr(jspec.kernels.backend, "interpret_mode", lambda: False)  # kernels as on the GPU
+    from jspec.checkpoint.loader import param_shapes
+    from jspec.config.model import ModelConfig
+    from jspec.kvcache.pool import KVPool
+    from jspec.layers.batch import AttentionMode, ForwardBatch
+    from jspec.models.llama import forward
+
+    cfg = ModelConfig(
+        family="mistral",
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=128,
+        sliding_windows=(128, 0, 128, 0),
+    )
+    params = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s, BF16), param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple)
+    )
+    B, Q, S, pages = 8, 1 if decode_only else 8, 16, 64
+    T = B * Q
+    cache = jax.ShapeDtypeStruct((cfg.num_layers, B * pages + 1, S, cfg.num_kv_heads, cfg.head_dim), BF16)
+    batch = ForwardBatch(
+        *(jax.ShapeDtypeStruct((n,), I32) for n in (T, T, T, B)),
+        jax.ShapeDtypeStruct((B, pages), I32),
+        jax.ShapeDtypeStruct((B + 1,), I32),
+        jax.ShapeDtypeStruct((B,), I32),
+    )
+    mask = jax.ShapeDtypeStruct((B, Q, Q), jnp.bool_) if tree else None
+    mode = AttentionMode(decode_only, Q, "pallas")
+    fn = lambda p, kv, b, m: forward(p, cfg, kv, b, mode, mask=m)[1].logits  # noqa: E731
+    text = lower_for_cuda(fn, params, KVPool(cache, cache), batch, mask).as_text()
+    assert "__gpu$xla.gpu.triton" in text and "stablehlo.while" in text  # the kernels, in the scanned loop

@@ -7,7 +7,7 @@ The request is one job, or {"jobs": [job, ...], "out": ...} whose jobs each
 have a "name" that prefixes their keys ("name/key") in the single .npz
 written to request["out"]. Jobs:
 
-  {"mode": "make", "arch": "llama"|"mistral"|"qwen2"|"qwen3"|"qwen2_moe"|"qwen3_moe"|"mixtral",
+  {"mode": "make", "arch": a key of ARCH_DEFAULTS (llama, mistral, qwen2, gemma2, phi3, ...),
    "out_dir": DIR, "seed": 0, "dtype": "float32"|"bfloat16", "overrides": {...config kwargs},
    "dump_params": false, "save_original_format": true}
       Builds a random model with transformers' own config class and
@@ -83,6 +83,63 @@ ARCH_DEFAULTS = {
             moe_intermediate_size=32,
             shared_expert_intermediate_size=48,
         ),
+    ),
+    # Gemma's own layout: tied embeddings, head_dim * heads != hidden; caps small enough to bite.
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=32, tie_word_embeddings=True)),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            head_dim=32,
+            tie_word_embeddings=True,
+            sliding_window=4,
+            query_pre_attn_scalar=32,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=15.0,
+        ),
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            head_dim=32,
+            tie_word_embeddings=True,
+            sliding_window=4,
+            query_pre_attn_scalar=32,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+            },
+        ),
+    ),
+    # Phi-4-mini's partial rotary (3/4 of each head) under LongRoPE past a 12-token original context.
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(
+            max_position_embeddings=48,
+            original_max_position_embeddings=12,
+            pad_token_id=0,
+            partial_rotary_factor=0.75,
+            rope_scaling={
+                "rope_type": "longrope",
+                "short_factor": [1.0, 1.2, 1.5, 2.0, 2.5, 3.0],
+                "long_factor": [1.0, 2.0, 4.0, 6.0, 9.0, 12.0],
+            },
+        ),
+    ),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(rope_theta=500000.0)),
+    "granite": (
+        "GraniteConfig",
+        "GraniteForCausalLM",
+        dict(embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=3.0),
+    ),
+    # NoPE on every other layer; a window on the NoPE ones (SmolLM3's own rule).
+    "smollm3": (
+        "SmolLM3Config",
+        "SmolLM3ForCausalLM",
+        dict(no_rope_layers=[1, 0], use_sliding_window=True, sliding_window=5, pad_token_id=0),
     ),
     # Small MLA shapes with every DeepSeek-V3 switch on: q LoRA, interleaved YaRN RoPE whose
     # mscale differs from mscale_all_dim (so both cos/sin and the softmax scale change), four

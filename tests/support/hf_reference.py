@@ -49,10 +49,51 @@ HF_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "llama_tied": ("llama", {"tie_word_embeddings": True}),
+    # RoPE scalings over an original context of 12 tokens, which decoding runs past (the
+    # prompts, 11 and 6 tokens, stay within it: see models/rope.py on dynamic and longrope).
+    "llama_linear_rope": (
+        "llama",
+        {"max_position_embeddings": 12, "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+    ),
+    "llama_dynamic_rope": (
+        "llama",
+        {"max_position_embeddings": 12, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}},
+    ),
+    "qwen2_yarn_rope": (
+        "qwen2",
+        {
+            "max_position_embeddings": 48,
+            "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 12},
+        },
+    ),
+    "llama_longrope": (
+        "llama",
+        {
+            "max_position_embeddings": 48,
+            "rope_scaling": {
+                "rope_type": "longrope",
+                "original_max_position_embeddings": 12,
+                "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 3.5],
+                "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 8.0, 12.0, 16.0],
+            },
+        },
+    ),
+    "llama_attention_bias": ("llama", {"attention_bias": True}),
+    "gemma": ("gemma", {}),
+    "gemma2": ("gemma2", {}),
+    "gemma3": ("gemma3", {}),
+    "phi3": ("phi3", {}),
+    "olmo2": ("olmo2", {}),
+    "granite": ("granite", {"attention_bias": True}),
+    "smollm3": ("smollm3", {}),
     "mistral": ("mistral", {}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
     "qwen3_tied": ("qwen3", {"tie_word_embeddings": True}),
+    # Windows narrower than the prompts: every layer (Mistral), the layers from
+    # max_window_layers on (Qwen2).
+    "mistral_window": ("mistral", {"sliding_window": 4}),
+    "qwen2_window": ("qwen2", {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 1}),
 }
 # Mixture-of-experts checkpoints (tests/test_moe.py): every layer sparse with HF's default
 # norm_topk_prob=False; a dense layer among sparse ones with renormalised weights; Mixtral;
@@ -187,6 +228,30 @@ def _unpack(out: dict[str, np.ndarray], name: str, path: str) -> dict[str, Any]:
     prefix = f"{name}/"
     params = {k[len(prefix) + len("param:") :]: v for k, v in out.items() if k.startswith(prefix + "param:")}
     return {"path": path, "num_params": int(out[prefix + "num_params"][0]), "params": params}
+
+
+def hf_logits_many(
+    paths: dict[str, str | os.PathLike], prompts: list[list[int]], decode_steps: int = 8
+) -> dict[str, dict[str, Any]]:
+    """hf_logits for several checkpoints in one oracle run (one torch start-up): {name: ref}."""
+    jobs = [
+        {
+            "name": name,
+            "mode": "logits",
+            "checkpoint": os.fspath(path),
+            "prompts": [list(map(int, p)) for p in prompts],
+            "decode_steps": decode_steps,
+        }
+        for name, path in paths.items()
+    ]
+    out = run_oracle({"jobs": jobs})
+    refs = {}
+    for name in paths:
+        ref: dict[str, Any] = {"num_params": int(out[f"{name}/num_params"][0])}
+        for key in ("prefill_logits", "decode_logits", "generated"):
+            ref[key] = [out[f"{name}/{key}_{i}"] for i in range(len(prompts))]
+        refs[name] = ref
+    return refs
 
 
 def hf_logits(

@@ -125,3 +125,14 @@ def eagle_draft(model, algorithm="EAGLE3", seed=7):
 PROMPTS = [[1, 5, 9, 33, 70], list(range(40, 100)), [7] * 3, list(range(200, 230))]
 
 SPEC = jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=1, num_draft_tokens=4)
+
+
+def engine_settings(page_size: int, overlap: bool) -> dict:
+    """The speculative tests' engine: room for 127 pages, 4 requests, the reference attention."""
+    return dict(
+        page_size=page_size,
+        max_total_tokens=127 * page_size,
+        max_running_requests=4,
+        attention_backend="reference",
+        disable_overlap_schedule=not overlap,
+    )

@@ -52,15 +52,29 @@ def test_choice_follows_acceptance_and_cost():
 
 
 def test_rows_unlikely_to_accept_verify_their_root_alone():
-    policy = AdaptivePolicy(SHAPES, costs())
+    table = costs()
     alphas = np.array([0.02, 0.97, 0.01, 0.96])
-    # Two rows whose drafts are right draft; the two that never accept verify their root alone.
+    # No measured cost for a batch where only some rows draft: the batch drafts whole or not at all.
+    assert AdaptivePolicy(SHAPES, table).choose(alphas, 4).drafting is None
+    table.ragged[((5, 4, 8), 4, 2)] = 2.6  # (5,4,8) with 2 of 4 rows drafting: cheaper than all 4 (4.5)
+    policy = AdaptivePolicy(SHAPES, table)
+    # The two rows whose drafts are right draft; the two that never accept verify their root alone.
     choice = policy.choose(alphas, 4)
     assert policy.shapes[choice.shape] == (5, 4, 8) and choice.drafting == [False, True, False, True]
     assert policy.describe()["rows_opted_out"] == 2
-    # Without the ragged programs ready, the batch drafts whole or not at all.
+    # Without the ragged program ready, or with opt-out turned off, the batch drafts whole.
     assert policy.choose(alphas, 4, ready=lambda i, d: d is None).drafting is None
-    assert AdaptivePolicy(SHAPES, costs(), opt_out=False).choose(alphas, 4).drafting is None
+    assert AdaptivePolicy(SHAPES, table, opt_out=False).choose(alphas, 4).drafting is None
+
+
+def test_rows_left_out_are_probed_again():
+    table = costs()
+    table.ragged[((5, 4, 8), 4, 2)] = 2.6
+    policy = AdaptivePolicy(SHAPES, table, probe_every=3)
+    alphas = np.array([0.02, 0.97, 0.01, 0.96])
+    picks = [policy.choose(alphas, 4) for _ in range(4)]
+    assert [p.drafting is None for p in picks] == [False, False, True, False]
+    assert SHAPES[picks[2].shape] == (1, 1, 2)  # every row drafts, with the cheapest drafting shape
 
 
 def test_off_probes_the_cheapest_drafting_shape_now_and_then():
@@ -89,11 +103,16 @@ def test_observations_move_each_requests_estimate():
 
 def test_cost_table_reads_json_and_nearest_buckets(tmp_path):
     path = tmp_path / "c.json"
-    path.write_text(json.dumps({"costs": {"3,1,4": {"1": 0.002, "16": 0.004}, "off": {"1": 0.001}}}))
+    data = {
+        "costs": {"3,1,4": {"1": 0.002, "16": 0.004}, "off": {"1": 0.001}},
+        "ragged": {"3,1,4": {"16": {"4": 3e-3}}},
+    }
+    path.write_text(json.dumps(data))
     table = CostTable.load(str(path))
     assert table.source == f"loaded from {path}"
     assert table.at((3, 1, 4), 1) == 0.002 and table.at((3, 1, 4), 8) == 0.004 and table.at((3, 1, 4), 64) == 0.004
     assert table.at((0, 1, 1), 16) == 0.001 and table.at((5, 4, 8), 1) is None
+    assert table.ragged == {((3, 1, 4), 16, 4): 3e-3}
     assert CostTable.load(str(path)).to_json() == json.loads(path.read_text())
 
 

@@ -88,6 +88,10 @@ def assert_matches_hf(cfg, params, hf: dict[str, np.ndarray]) -> None:
             np.testing.assert_array_equal(lay["k_norm"][i], h("self_attn.k_norm.weight"))
         else:
             assert "q_norm" not in lay and "k_norm" not in lay
+        if cfg.o_bias:
+            np.testing.assert_array_equal(lay["bo"][i], h("self_attn.o_proj.bias"))
+        else:
+            assert "bo" not in lay
 
 
 @pytest.fixture(scope="module")
@@ -376,18 +380,35 @@ def test_error_missing_shard_and_truncated_file(tmp_path):
 def hf_checkpoints(tmp_path_factory):
     if hf_python() is None:
         pytest.skip("no HF python")
-    return hf_make_checkpoints(tmp_path_factory.mktemp("hf"), dump_params=True)
+    return hf_make_checkpoints(tmp_path_factory.mktemp("hf"), LLAMA_LAYOUT_VARIANTS, dump_params=True)
+
+
+# The variants of Llama's tensor layout, which assert_matches_hf knows (the other families'
+# layouts are checked through their logits: tests/parity/test_hf_parity.py).
+LLAMA_LAYOUT_VARIANTS = {
+    name: HF_VARIANTS[name]
+    for name in (
+        "llama",
+        "llama3_rope",
+        "llama_tied",
+        "llama_attention_bias",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "qwen3_tied",
+    )
+}
 
 
 @requires_hf
-@pytest.mark.parametrize("variant", list(HF_VARIANTS))
+@pytest.mark.parametrize("variant", list(LLAMA_LAYOUT_VARIANTS))
 def test_hf_written_checkpoints_load(hf_checkpoints, variant):
     ref = hf_checkpoints[variant]
     cfg, params = load_model(ref["path"], dtype=jnp.float32)
     arch, overrides = HF_VARIANTS[variant]
     assert cfg.family == arch
     assert cfg.tie_word_embeddings == overrides.get("tie_word_embeddings", False)
-    assert (cfg.rope_scaling is not None) == (variant == "llama3_rope")
+    assert (cfg.rope_scaling is not None) == ("rope_scaling" in overrides)
     assert count_params(params) == ref["num_params"]
     assert_matches_hf(cfg, params, ref["params"])
 

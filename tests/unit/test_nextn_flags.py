@@ -58,3 +58,5 @@ def test_deepseek_engine_refusals():
         check_parallel(EngineConfig(tp_size=2, ep_size=2), cfg)
     with pytest.raises(ValueError, match="LoRA adapters are not supported"):
         check_parallel(EngineConfig(enable_lora=True), cfg)
+    with pytest.raises(ValueError, match="FP8 KV cache is not supported"):
+        check_parallel(EngineConfig(kv_cache_dtype="fp8_e4m3"), cfg)

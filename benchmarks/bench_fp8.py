@@ -1,0 +1,166 @@
+"""FP8 decode on the GPU: the decode step against its FP8 floor, and tokens/s against bf16.
+
+For each model shape and batch, the plain decode step (per-layer weights, as the GPU runs
+them) in five variants: bf16; FP8 weights per output channel through XLA's dot (the upcast
+inside it); FP8 weights through the Pallas skinny GEMV; W8A8 (activations quantized per
+token, XLA's FP8 GEMM); the GEMV with an FP8 KV cache too.
+Each row: the step's time, its floor (the bytes a step must read: every weight but the
+embedding table, scales included, plus the KV of every sequence, over the read bandwidth
+measured in the same run), decode tokens/s (batch / step) and its ratio to bf16's, and the
+optimized HLO's bf16 arrays of a weight's shape (a dequantised copy written to HBM: the FP8
+path reads its weights twice then, and the XLA path is not what it should be).
+
+    python -m benchmarks.bench_fp8 [--shapes llama-3.1-8b,smollm2-135m] [--batches 1,16] [--context 1024]
+        [--tiny] [--out DIR]
+
+--tiny: a 3-layer model of the small shape on whatever backend (a CPU dry run of the script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import RESULTS_DIR, Results, int_list, random_params, read_bandwidth, shape, timed, tiny
+from jspec.kvcache.pool import KVPool
+from jspec.layers.penalties import init_penalty_state
+from jspec.layers.quant import QUANTIZED_LEAVES, quantize_params, with_fp8_gemm
+from jspec.layers.sampling import sampling_rows
+from jspec.models.llama import unstack_layers
+from jspec.steps.plain import PlainCarry, PlainState, plain_decode_step
+
+VARIANTS = {  # name: (quantization, FP8 matmul path, KV dtype)
+    "bf16": (None, None, jnp.bfloat16),
+    "fp8_xla": ("fp8", "xla", jnp.bfloat16),
+    "fp8_pallas": ("fp8", "pallas", jnp.bfloat16),
+    "fp8_w8a8": ("fp8", "w8a8", jnp.bfloat16),
+    "fp8_pallas_fp8kv": ("fp8", "pallas", jnp.float8_e4m3fn),
+}
+PAGE = 16
+
+
+def weight_bytes(params) -> int:
+    """Bytes a step reads of the weights: all but the embedding table (one row per token)."""
+    return sum(x.nbytes for k, v in params.items() if k != "embed" for x in jax.tree.leaves(v))
+
+
+def dequantised_copies(hlo: str, shapes: set[str]) -> int:
+    """Non-trivial ops of the optimized HLO whose result is an array of a projection's shape in
+    the model dtype (shapes: "bf16[4096,6144]", ...)."""
+    n = 0
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%?[\w.\-]+ = ((?:bf16|f32)\[[\d,]*\])(?:\{[^}]*\})? ([\w\-]+)\(", line)
+        if m and m.group(1) in shapes and m.group(2) not in ("parameter", "get-tuple-element", "bitcast", "tuple"):
+            n += 1
+    return n
+
+
+def run_variant(cfg, base, variant: str, batches, ctx: int, bandwidth: float, dtype) -> list[dict]:
+    quant, gemm, kv_dtype = VARIANTS[variant]
+    if jax.default_backend() != "gpu" and kv_dtype == jnp.bfloat16:
+        kv_dtype = dtype
+    fp8_kv = kv_dtype == jnp.float8_e4m3fn
+    params = quantize_params(base, quant)
+    if gemm:
+        params = with_fp8_gemm(params, gemm)
+    weights = unstack_layers(params)
+    hlo_dtype = {"float32": "f32", "bfloat16": "bf16"}[jnp.dtype(dtype).name]
+    proj_shapes = {f"{hlo_dtype}[{','.join(map(str, base['layers'][n].shape[1:]))}]" for n in QUANTIZED_LEAVES}
+    per_seq = (ctx + 128) // PAGE
+    num_pages = max(batches) * per_seq + 2
+    kv_shape = (cfg.num_layers, num_pages, PAGE, cfg.num_kv_heads, cfg.head_dim)
+    if fp8_kv:  # the engine's FP8 pool: e4m3 values stored as bytes
+        fill = jax.jit(
+            lambda k: jax.lax.bitcast_convert_type(
+                (jax.random.normal(k, kv_shape, jnp.float32) * 0.5).astype(kv_dtype), jnp.uint8
+            )
+        )
+    else:
+        fill = jax.jit(lambda k: (jax.random.normal(k, kv_shape, jnp.float32) * 0.5).astype(kv_dtype))
+    kv = KVPool(fill(jax.random.key(10)), fill(jax.random.key(11)))
+    rng = np.random.default_rng(0)
+    rows = []
+    for B in batches:
+        pages = rng.permutation(np.arange(1, num_pages))[: B * per_seq].reshape(B, per_seq)
+        slot_ids = jnp.arange(B, dtype=jnp.int32)
+        page_tables = jnp.asarray(pages, jnp.int32)
+        greedy = jax.tree.map(jnp.asarray, sampling_rows([], [], B))
+        # From ctx - 64 tokens: the ~80 timed steps end near ctx (the pages hold ctx + 128).
+        carry = PlainCarry(
+            jnp.asarray(rng.integers(0, cfg.vocab_size, B + 1), jnp.int32),
+            jnp.full(B + 1, ctx - 64, jnp.int32).at[B].set(0),
+        )
+        state = {"s": PlainState(kv, carry, init_penalty_state(B, cfg.vocab_size))}
+        args = (weights, state["s"], slot_ids, page_tables, greedy)
+        compiled = plain_decode_step.lower(*args, cfg=cfg, sampling="greedy").compile()
+        hlo = compiled.as_text()
+
+        def step():
+            state["s"], out = compiled(weights, state["s"], slot_ids, page_tables, greedy)
+            return out.ints
+
+        jax.block_until_ready(step())
+        step_s = timed(step, 20, 3)
+        kv_bytes = 2 * cfg.num_layers * B * ctx * cfg.kv_size * jnp.dtype(kv_dtype).itemsize
+        floor_s = (weight_bytes(params) + kv_bytes) / bandwidth
+        row = dict(
+            variant=variant,
+            batch=B,
+            context=ctx,
+            step_ms=step_s * 1e3,
+            floor_ms=floor_s * 1e3,
+            x_floor=step_s / floor_s,
+            tokens_per_s=B / step_s,
+            weight_mb=weight_bytes(params) / 2**20,
+            kv_mb=kv_bytes / 2**20,
+            dequantised_weight_copies=dequantised_copies(hlo, proj_shapes) if quant else None,
+        )
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        kv = state["s"].target_kv
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="llama-3.1-8b,smollm2-135m")
+    ap.add_argument("--batches", type=int_list, default=[1, 16])
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--tiny", action="store_true", help="a tiny model: a CPU dry run of the script")
+    ap.add_argument("--name", default="bench_fp8")
+    ap.add_argument("--out", default=RESULTS_DIR)
+    args = ap.parse_args(argv)
+    gpu = jax.default_backend() == "gpu"
+    dtype = jnp.bfloat16 if gpu else jnp.float32
+    shapes = [(n, shape(n)) for n in args.shapes.split(",")]
+    batches, ctx = args.batches, args.context
+    if args.tiny:
+        shapes, batches, ctx = [("tiny", tiny(shape("smollm2-135m"), num_layers=3))], [1, 4], 64
+    bandwidth = read_bandwidth(1 << 31 if gpu else 1 << 22)
+    settings = dict(batches=batches, context=ctx, read_bandwidth_gbs=bandwidth / 1e9, tiny=args.tiny)
+    results = Results(args.out, args.name, settings)
+    rows = []
+    for name, cfg in shapes:
+        base = random_params(cfg, dtype)
+        for variant in args.variants.split(","):
+            for row in run_variant(cfg, base, variant, batches, ctx, bandwidth, dtype):
+                row["shape"] = name
+                rows.append(row)
+                bf16 = next(
+                    (r for r in rows if r["variant"] == "bf16" and r["shape"] == name and r["batch"] == row["batch"]),
+                    None,
+                )
+                row["tokens_per_s_vs_bf16"] = row["tokens_per_s"] / bf16["tokens_per_s"] if bf16 else None
+            results.write(rows=rows)
+        del base
+    return rows
+
+
+if __name__ == "__main__":
+    main()
