@@ -33,6 +33,7 @@ from jspec.checkpoint.fp8 import (
     scale_columns,
 )
 from jspec.checkpoint.random_weights import random_weights
+from jspec.config.deepseek import DeepseekConfig
 from jspec.config.model import GEMMA_FAMILIES, ModelConfig, RopeScaling, UnsupportedArchitectureError
 from jspec.layers.quant import FP8, Fp8Weight
 
@@ -420,6 +421,10 @@ def assemble_layers(cfg: ModelConfig, common: dict, dense: dict, sparse: dict, t
 
 def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
     """The pytree's leaf shapes for a config (same structure as the params)."""
+    if cfg.deepseek is not None:
+        from jspec.checkpoint.deepseek import deepseek_param_shapes
+
+        return deepseek_param_shapes(cfg)
     H, I, D, L = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_layers
     qkv = cfg.q_size + 2 * cfg.kv_size
     norms = {k: (L, H) for k in _NORM_NAMES[cfg.norm_layout]}
@@ -482,6 +487,8 @@ def config_from_json(data: Mapping[str, Any]) -> ModelConfig:
     for key in ("rope_scaling", "sliding_rope_scaling"):
         if d.get(key) is not None:
             d[key] = RopeScaling(**d[key])
+    if d.get("deepseek") is not None:
+        d["deepseek"] = DeepseekConfig(**d["deepseek"])
     d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
     d["moe_layers"] = tuple(d.get("moe_layers") or ())
     return ModelConfig(**d)
@@ -575,6 +582,14 @@ def load_model(path: str | os.PathLike, dtype: Any = None) -> tuple[ModelConfig,
     with open(os.path.join(path, "config.json")) as f:
         scheme = fp8_scheme(json.load(f))
     tensors = read_hf_tensors(path)
+    if cfg.deepseek is not None:
+        from jspec.checkpoint.deepseek import convert_deepseek_params
+
+        if scheme is not None:
+            raise UnsupportedQuantizationError(
+                f"{cfg.family}: FP8 checkpoints of latent-attention (MLA) models are not supported yet [{path!r}]"
+            )
+        return cfg, convert_deepseek_params(cfg, tensors, dtype, source=path)
     params = convert_hf_params(cfg, tensors, dtype, source=path, fp8=scheme)
     return cfg, params
 

@@ -14,6 +14,13 @@ import math
 import os
 from typing import Any
 
+from jspec.config.deepseek import (
+    DEEPSEEK_ARCHITECTURES,
+    REFUSED_DEEPSEEK_ARCHITECTURES,
+    DeepseekConfig,
+    deepseek_fields,
+)
+
 # HF `architectures[0]` -> jspec family name.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -30,6 +37,7 @@ SUPPORTED_ARCHITECTURES = {
     "Olmo2ForCausalLM": "olmo2",
     "GraniteForCausalLM": "granite",
     "SmolLM3ForCausalLM": "smollm3",
+    "MiMoForCausalLM": "qwen2",  # Qwen2 with multi-token-prediction layers (model.mtp_layers)
 }
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3")
 # Families whose every layer uses config.json's sliding_window (HF ignores layer_types there).
@@ -121,6 +129,11 @@ class ModelConfig:
     logits_divisor: float = 1.0  # Granite's logits_scaling
     attn_logit_softcap: float | None = None  # Gemma 2: c * tanh(logits / c) on attention logits
     final_logit_softcap: float | None = None  # Gemma 2: the same on the output logits
+    # DeepSeek-V3: multi-head latent attention and its router (config/deepseek.py); None for
+    # the Llama family. num_mtp_layers: the checkpoint's multi-token-prediction layers
+    # (model.layers.{num_layers + i}), the NEXTN draft.
+    deepseek: DeepseekConfig | None = None
+    num_mtp_layers: int = 0
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -183,10 +196,16 @@ class ModelConfig:
         """Builds a config from a HF `config.json` dict; raises on anything unsupported."""
         archs = hf.get("architectures") or []
         arch = archs[0] if archs else None
+        if arch in DEEPSEEK_ARCHITECTURES:
+            return cls(**deepseek_fields(arch, hf))
+        if arch in REFUSED_DEEPSEEK_ARCHITECTURES:
+            raise UnsupportedArchitectureError(
+                f"{arch} is not supported yet; of the DeepSeek family jspec runs {sorted(DEEPSEEK_ARCHITECTURES)}"
+            )
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedArchitectureError(
                 f"unsupported architecture {arch!r} (config.json 'architectures' = {archs!r}); "
-                f"jspec supports {sorted(SUPPORTED_ARCHITECTURES)}"
+                f"jspec supports {sorted({**SUPPORTED_ARCHITECTURES, **DEEPSEEK_ARCHITECTURES})}"
             )
         family = SUPPORTED_ARCHITECTURES[arch]
         num_heads = hf["num_attention_heads"]
@@ -235,6 +254,7 @@ class ModelConfig:
             hidden_act=ACTIVATIONS[act_name],
             o_bias=o_bias,
             **rope,
+            num_mtp_layers=int(hf.get("num_nextn_predict_layers") or 0) if arch == "MiMoForCausalLM" else 0,
             **moe,
             **_family_fields(family, hf),
         )

@@ -6,7 +6,7 @@ import dataclasses
 
 from jspec.config.fields import setting
 
-SPEC_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "NGRAM")
+SPEC_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "NGRAM", "NEXTN")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +32,8 @@ class SpecConfig:
     algorithm: str = setting(
         "EAGLE",
         "EAGLE / EAGLE3 (draft head), STANDALONE (a small model of the same "
-        "tokenizer), NGRAM (drafts copied from the request's own earlier tokens)",
+        "tokenizer), NGRAM (drafts copied from the request's own earlier tokens), NEXTN (the target "
+        "checkpoint's own multi-token-prediction layer, DeepSeek-V3)",
         choices=SPEC_ALGORITHMS,
     )
     draft_model_path: str | None = setting(None, "local draft checkpoint (EAGLE head or standalone model)")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 import threading
 import time
 
@@ -155,7 +156,10 @@ class Engine:
             from jspec.speculative.registry import make_method
 
             # The draft is built against the checkpoint's config; it runs replicated on every shard.
-            method, dparams = make_method(self.spec, self.model.cfg, draft, dtype=params["embed"].dtype)
+            target_path = os.fspath(model) if isinstance(model, (str, os.PathLike)) else None
+            method, dparams = make_method(
+                self.spec, self.model.cfg, draft, dtype=params["embed"].dtype, target_path=target_path
+            )
         dtype = params["embed"].dtype
         kw = dict(
             page_size=config.page_size,

@@ -14,6 +14,15 @@ DEFAULT_KV_BYTES = 256 * 2**20
 def check_parallel(config: EngineConfig, cfg: ModelConfig) -> None:
     """SGLang's rules for tp / ep / dp, checked before anything is placed."""
     tp, ep, dp = config.tp_size, config.ep_size, config.dp_size
+    if cfg.deepseek is not None and (tp > 1 or dp > 1):
+        raise ValueError(
+            f"{cfg.family}: tensor / expert parallelism and DP attention are not implemented for latent-attention "
+            f"(MLA) models yet; run with tp_size=1, dp_size=1 (got {tp}, {dp})"
+        )
+    if cfg.deepseek is not None and config.kv_cache_dtype != "auto":
+        raise ValueError(f"{cfg.family}: an FP8 KV cache is not supported for latent-attention (MLA) models yet")
+    if cfg.deepseek is not None and (config.lora_paths or config.enable_lora):
+        raise ValueError(f"{cfg.family}: LoRA adapters are not supported for latent-attention (MLA) models")
     if ep != 1 and not (cfg.is_moe and ep == tp):
         raise ValueError(
             f"ep_size={ep}: expert parallelism splits an MoE model's experts over its "

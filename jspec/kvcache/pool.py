@@ -1,5 +1,10 @@
 """Device KV pool: two large arrays, K and V, of shape [layers, pages, page_size, kv_heads, head_dim].
 
+A model with latent attention (DeepSeek's MLA) keeps one latent per token in K
+([layers, pages, page_size, 1, kv_lora_rank + qk_rope_head_dim], its values are part of it)
+and an empty V (last dim 0), so the pool keeps its two leaves and every page operation
+(moves, transfers) applies unchanged.
+
 All layers live in one array per K/V so a step's state has two KV leaves, not
 2 x layers (dispatch cost grows with the number of leaves). The pool is only
 ever updated inside jitted steps that donate it.
@@ -52,14 +57,23 @@ def is_fp8_cache(cache: jax.Array) -> bool:
     return jnp.dtype(cache.dtype) == FP8_KV_BYTES
 
 
+def kv_token_shapes(cfg: ModelConfig) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(heads, width) of one token's K and of its V in the pool."""
+    if cfg.deepseek is not None:
+        return (1, cfg.deepseek.latent_dim), (1, 0)
+    return (cfg.num_kv_heads, cfg.head_dim), (cfg.num_kv_heads, cfg.head_dim)
+
+
 def kv_bytes_per_page(cfg: ModelConfig, page_size: int, dtype) -> int:
-    return 2 * cfg.num_layers * page_size * cfg.kv_size * jnp.dtype(dtype).itemsize
+    per_token = sum(h * d for h, d in kv_token_shapes(cfg))
+    return cfg.num_layers * page_size * per_token * jnp.dtype(dtype).itemsize
 
 
-def create_kv_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> KVPool:
+def create_kv_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype, num_layers: int | None = None) -> KVPool:
     check_page_size(page_size)
-    shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
-    return KVPool(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    lead = (cfg.num_layers if num_layers is None else num_layers, num_pages, page_size)
+    k, v = kv_token_shapes(cfg)
+    return KVPool(jnp.zeros(lead + k, dtype), jnp.zeros(lead + v, dtype))
 
 
 def write_kv(cache: jax.Array, layer: jax.Array, slots: jax.Array, new: jax.Array) -> jax.Array:

@@ -96,6 +96,23 @@ def paged_decode_with_lse(q, k_cache, v_cache, layer, seq_lens, page_tables, *, 
     return over_head_shards(run, q, k_cache, v_cache, layer, seq_lens, page_tables, with_lse=True)
 
 
+def mla_decode_with_lse(q, latent_cache, layer, seq_lens, page_tables, *, kv_lora_rank, sm_scale, backend: str):
+    """paged_decode_with_lse for absorbed latent attention (MLA): q [B, Hq, R + P] over a latent
+    cache [L, P, S, 1, R + P] whose values are its first R columns -> (out [B, Hq, R] f32, lse)."""
+    if backend == "pallas":
+        from jspec.kernels.mla_decode import mla_decode
+
+        return mla_decode(
+            q, latent_cache, layer, seq_lens, page_tables, kv_lora_rank=kv_lora_rank, sm_scale=sm_scale, return_lse=True
+        )
+    from jspec.kernels.ref import paged_decode_ref
+
+    out, lse = paged_decode_ref(
+        q, latent_cache, latent_cache, layer, seq_lens, page_tables, sm_scale=sm_scale, return_lse=True
+    )
+    return out[..., :kv_lora_rank], lse
+
+
 def over_head_shards(fn, q, k_cache, v_cache, *replicated, with_lse: bool = False):
     """fn(q [T, Hq, D], k_cache, v_cache [L, P, S, Hkv, D], *replicated) -> out [T, Hq, D]
     (and lse [T, Hq] with_lse), run per tensor-parallel shard on its own heads when the
@@ -128,7 +145,8 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
 
 
 def dense_attention_with_lse(q, k, v, visible, *, sm_scale: float):
-    """q [R, Hq, D]; k, v [R, K, Hkv, D]; visible [R, K] -> (out [R, Hq, D] f32, lse [R, Hq] f32)."""
+    """q [R, Hq, D]; k [R, K, Hkv, D], v [R, K, Hkv, Dv]; visible [R, K] -> (out [R, Hq, Dv] f32,
+    lse [R, Hq] f32)."""
     R, Hq, D = q.shape
     Hkv = k.shape[2]
     qg = q.astype(jnp.float32).reshape(R, Hkv, Hq // Hkv, D)
@@ -137,4 +155,4 @@ def dense_attention_with_lse(q, k, v, visible, *, sm_scale: float):
     lse = jax.nn.logsumexp(s, axis=-1)
     p = jnp.where(visible[:, None, None, :], jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
     out = jnp.einsum("rhgk,rkhd->rhgd", p, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
-    return out.reshape(R, Hq, D), lse.reshape(R, Hq)
+    return out.reshape(R, Hq, v.shape[-1]), lse.reshape(R, Hq)

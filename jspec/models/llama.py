@@ -325,7 +325,14 @@ def forward(
     mask [B, max_q_len, max_q_len] replaces causal masking among each sequence's new tokens
     (tree verification). lora: the adapter pool and each token's slot (None: no LoRA, the
     programs are those without it); its layers are laid out as the model's.
+    A DeepSeek config runs models/deepseek.py's forward (latent attention), which has no LoRA.
     """
+    if cfg.deepseek is not None:
+        from jspec.models.deepseek import forward as deepseek_forward
+
+        if lora is not None:
+            raise ValueError("LoRA adapters are not supported for DeepSeek (MLA) models")
+        return deepseek_forward(params, cfg, kv, batch, mode, capture_layers, mask)
     dtype = params["embed"].dtype
     x = embed_tokens(params, cfg, batch.tokens).astype(dtype)
     T = x.shape[0]

@@ -116,6 +116,9 @@ def spec_config(args: argparse.Namespace) -> SpecConfig | None:
     algorithm = getattr(args, SPEC_PREFIX + "algorithm")
     if not algorithm:
         return None
+    if algorithm == "NEXTN" and not getattr(args, SPEC_PREFIX + "draft_model_path"):
+        # The MTP layers live in the target's own checkpoint (SGLang's default too).
+        setattr(args, SPEC_PREFIX + "draft_model_path", args.model_path)
     if algorithm != "NGRAM" and not getattr(args, SPEC_PREFIX + "draft_model_path"):
         raise ValueError(f"--speculative-algorithm {algorithm} needs --speculative-draft-model-path")
     return SpecConfig(**{f.name: getattr(args, SPEC_PREFIX + f.name) for f in dataclasses.fields(SpecConfig)})

@@ -21,6 +21,14 @@ def make_engine(config, server: ServerConfig, model):
     """The engine a server runs: a plain Engine, or a PD prefill / decode engine."""
     from jspec.engine.engine import Engine
 
+    if server.disaggregation_mode in ("prefill", "decode"):
+        from jspec.checkpoint.model import as_model
+
+        model = as_model(model)
+        if model.cfg.deepseek is not None:
+            raise ValueError(
+                f"PD disaggregation is not implemented for latent-attention (MLA) models ({model.cfg.family}) yet"
+            )
     if server.disaggregation_mode == "prefill":
         from jspec.disaggregation.prefill import PrefillEngine
 

@@ -17,7 +17,12 @@ import jax
 import jax.numpy as jnp
 
 from jspec.kvcache.pool import KVPool
-from jspec.layers.attention import dense_attention_with_lse, merge_attention, paged_decode_with_lse
+from jspec.layers.attention import (
+    dense_attention_with_lse,
+    merge_attention,
+    mla_decode_with_lse,
+    paged_decode_with_lse,
+)
 from jspec.speculative.tree import DraftTree, append_step, build_tree, expand_beams, start_candidates
 
 # step_fn(tokens [B*K], beam_state [B*K, ...], positions [B*K], attend_for_layer, anc)
@@ -38,25 +43,40 @@ def grow_beam_tree(
     num_steps: int,
     num_draft_tokens: int,
     backend: str,
+    latent_values: int = 0,
+    sm_scale: float | None = None,
 ) -> DraftTree:
     """root [B]; topk_p / topk_ids [B, K]: the draft's top-k after the root (step 0);
-    beam_state [B, ...]: what each beam carries into its next forward (EAGLE: its hidden state)."""
+    beam_state [B, ...]: what each beam carries into its next forward (EAGLE: its hidden state).
+    latent_values > 0: a latent-attention draft (MLA, absorbed queries), whose pool's V is
+    empty and whose values are the first latent_values columns of its keys. sm_scale: None is
+    1/sqrt(the key width)."""
     B, K = topk_p.shape
     L, _, _, Hkv, D = draft_kv.k.shape
     cands = start_candidates(topk_p, topk_ids)
     state = jnp.broadcast_to(beam_state[:, None], (B, K, *beam_state.shape[1:]))
-    anc_shape = (L, B, K, max(num_steps - 1, 1), Hkv, D)
-    anc = (jnp.zeros(anc_shape, draft_kv.k.dtype), jnp.zeros(anc_shape, draft_kv.k.dtype))
+    anc_shape = (L, B, K, max(num_steps - 1, 1), Hkv)
+    anc = (
+        jnp.zeros((*anc_shape, D), draft_kv.k.dtype),
+        jnp.zeros((*anc_shape, draft_kv.v.shape[-1]), draft_kv.k.dtype),
+    )
     beam_pages = jnp.repeat(page_tables, K, axis=0)
     beam_prefix = jnp.repeat(prefix_len, K)
-    sm_scale = 1.0 / math.sqrt(D)
+    sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
+
+    def mla_prefix(q, latent, _empty_v, layer, lens, tables, *, sm_scale, backend):
+        return mla_decode_with_lse(
+            q, latent, layer, lens, tables, kv_lora_rank=latent_values, sm_scale=sm_scale, backend=backend
+        )
+
     for i in range(1, num_steps):
 
         def attend_for_layer(li, i=i):
             def attend(q, k_new, v_new, anc):
                 ak = anc[0].at[li, :, :, i - 1].set(k_new.reshape(B, K, *k_new.shape[1:]))
                 av = anc[1].at[li, :, :, i - 1].set(v_new.reshape(B, K, *v_new.shape[1:]))
-                out_p, lse_p = paged_decode_with_lse(
+                prefix_attention = mla_prefix if latent_values else paged_decode_with_lse
+                out_p, lse_p = prefix_attention(
                     q,
                     draft_kv.k,
                     draft_kv.v,
@@ -68,6 +88,8 @@ def grow_beam_tree(
                 )
                 lk = ak[li].reshape(B * K, *ak.shape[3:])
                 lv = av[li].reshape(B * K, *av.shape[3:])
+                if latent_values:
+                    lv = lk[..., :latent_values]
                 visible = jnp.broadcast_to(jnp.arange(lk.shape[1]) < i, (B * K, lk.shape[1]))
                 out_l, lse_l = dense_attention_with_lse(q, lk, lv, visible, sm_scale=sm_scale)
                 return merge_attention(out_p, lse_p, out_l, lse_l).astype(q.dtype), (ak, av)

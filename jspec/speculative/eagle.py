@@ -75,13 +75,12 @@ class EagleMethod(SpecMethod):
 
     def prefill(self, params, dparams, dkv, ctx: PrefillContext):
         # The draft's prefill over the same rows: pair (x_{t+1}, feature_t) at position t.
-        dcfg = self.dcfg
-        hidden = target_feature(dparams, dcfg, _target_features(dcfg, ctx.out))
-        dkv, dout = _draft_paged_forward(
-            params, dparams, dcfg, dkv, ctx.batch._replace(tokens=ctx.next_tokens), ctx.mode, ctx.next_tokens, hidden
+        hidden = self.draft_hidden(dparams, self.target_features(ctx.out))
+        dkv, dout = self.draft_forward(
+            params, dparams, dkv, ctx.batch._replace(tokens=ctx.next_tokens), ctx.mode, ctx.next_tokens, hidden
         )
         last = dout[ctx.batch.logits_indices]
-        p, ids = _draft_topk(dparams, dcfg, params, last, self.topk_carried)
+        p, ids = self.draft_topk(params, dparams, last, self.topk_carried)
         return dkv, EagleExtra(p, ids, last)
 
     def propose(self, params, dparams, dkv, c: SpecCarry, page_tables, slot_ids, backend):
@@ -91,16 +90,16 @@ class EagleMethod(SpecMethod):
             # The high-throughput path (1 step, topk 1, 2 verify tokens): the draft token is the
             # carry's top-1 from the last draft-extend; no draft forward, no tree search.
             return dkv, chains_tree(c.next_token, c.extra.topk_ids[:, None, :1])
-        return dkv, _draft_tree(params, dparams, self.dcfg, self.spec, dkv, c, page_tables, backend)
+        return dkv, self.draft_tree(params, dparams, dkv, c, page_tables, backend)
 
     def update(self, params, dparams, dkv, c: SpecCarry, v: Verified, page_tables, slot_ids, backend):
         # Draft-extend over the emitted tokens: pair (x_{t+1}, feature_t) at position t for t = n..n+m.
-        dcfg, n, m = self.dcfg, c.seq_len, v.acc.accept_len
+        n, m = c.seq_len, v.acc.accept_len
         B, E = v.acc.tokens.shape
         N = self.spec.num_draft_tokens
         drop = dkv.num_pages * dkv.page_size
         depth = jnp.arange(E, dtype=jnp.int32)[None]
-        feats = _target_features(dcfg, v.out).reshape(B, N, -1)
+        feats = self.target_features(v.out).reshape(B, N, -1)
         feats = jnp.take_along_axis(feats, v.path[:, :, None], axis=1).reshape(B * E, -1)
         ext_pos = n[:, None] + depth
         extend = ForwardBatch(
@@ -112,13 +111,30 @@ class EagleMethod(SpecMethod):
             query_start=jnp.arange(B + 1, dtype=jnp.int32) * E,
             logits_indices=jnp.arange(B, dtype=jnp.int32) * E + m,
         )
-        hidden = target_feature(dparams, dcfg, feats)
-        dkv, dout = _draft_paged_forward(
-            params, dparams, dcfg, dkv, extend, AttentionMode(False, bucket(E), backend), extend.tokens, hidden
+        hidden = self.draft_hidden(dparams, feats)
+        dkv, dout = self.draft_forward(
+            params, dparams, dkv, extend, AttentionMode(False, bucket(E), backend), extend.tokens, hidden
         )
         last = dout[extend.logits_indices]
-        p, ids = _draft_topk(dparams, dcfg, params, last, self.topk_carried)
+        p, ids = self.draft_topk(params, dparams, last, self.topk_carried)
         return dkv, EagleExtra(p, ids, last)
+
+    # The draft model's parts; NEXTN (speculative/nextn.py) replaces them with an MTP layer's.
+
+    def target_features(self, out) -> jax.Array:
+        return _target_features(self.dcfg, out)
+
+    def draft_hidden(self, dparams, feats) -> jax.Array:
+        return target_feature(dparams, self.dcfg, feats)
+
+    def draft_forward(self, params, dparams, dkv, batch, mode, tokens, hidden):
+        return _draft_paged_forward(params, dparams, self.dcfg, dkv, batch, mode, tokens, hidden)
+
+    def draft_topk(self, params, dparams, out_hidden, topk: int):
+        return _draft_topk(dparams, self.dcfg, params, out_hidden, topk)
+
+    def draft_tree(self, params, dparams, dkv, c: SpecCarry, page_tables, backend):
+        return _draft_tree(params, dparams, self.dcfg, self.spec, dkv, c, page_tables, backend)
 
 
 def _target_features(dcfg, out) -> jax.Array:

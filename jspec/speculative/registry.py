@@ -8,9 +8,10 @@ from jspec.config.model import ModelConfig
 from jspec.config.spec import SpecConfig
 
 
-def make_method(spec: SpecConfig, cfg: ModelConfig, draft=None, dtype=None):
+def make_method(spec: SpecConfig, cfg: ModelConfig, draft=None, dtype=None, target_path=None):
     """-> (method, draft params or None). draft: (config, params) of a draft model already in
-    memory; else spec.draft_model_path is loaded (methods that need a draft model)."""
+    memory; else spec.draft_model_path is loaded (methods that need a draft model). NEXTN reads
+    the MTP layers of spec.draft_model_path, else of target_path (the target's checkpoint)."""
     _check_tree_fits_windows(spec, cfg, "target")
     if spec.algorithm in ("EAGLE", "EAGLE3"):
         from jspec.speculative.eagle import EagleMethod
@@ -43,6 +44,26 @@ def make_method(spec: SpecConfig, cfg: ModelConfig, draft=None, dtype=None):
                 "beam drafting does not window the draft's attention"
             )
         return StandaloneMethod(spec, dcfg), dparams
+    if spec.algorithm == "NEXTN":
+        from jspec.speculative.nextn import NextnMethod
+
+        if cfg.deepseek is None and not cfg.num_mtp_layers:
+            raise ValueError(
+                f"NEXTN drafts with the checkpoint's own multi-token-prediction layers (DeepSeek-V3, MiMo); "
+                f"this {cfg.family!r} target has none"
+            )
+        if draft is None:
+            from jspec.checkpoint.mtp import load_mtp_params
+
+            path = spec.draft_model_path or target_path
+            if path is None:
+                raise ValueError(
+                    "NEXTN reads the MTP layers from the target's checkpoint: load the target from its path, "
+                    "or pass spec.draft_model_path or draft=(cfg, mtp params)"
+                )
+            draft = (cfg, load_mtp_params(path, cfg, dtype=dtype))
+        dcfg, dparams = draft
+        return NextnMethod(spec, dcfg, carry_topk=max(k for _, k, _ in spec.shapes())), dparams
     if spec.algorithm == "NGRAM":
         from jspec.speculative.ngram import NgramMethod
 

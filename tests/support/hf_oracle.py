@@ -141,6 +141,70 @@ ARCH_DEFAULTS = {
         "SmolLM3ForCausalLM",
         dict(no_rope_layers=[1, 0], use_sliding_window=True, sliding_window=5, pad_token_id=0),
     ),
+    # Small MLA shapes with every DeepSeek-V3 switch on: q LoRA, interleaved YaRN RoPE whose
+    # mscale differs from mscale_all_dim (so both cos/sin and the softmax scale change), four
+    # expert groups of which two are kept, a shared expert, one dense layer first.
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            num_key_value_heads=4,
+            q_lora_rank=24,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            n_routed_experts=8,
+            n_group=4,
+            topk_group=2,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.8,
+            },
+        ),
+    ),
+    # DeepSeek-V2-Lite's switches: queries straight from q_proj, softmax routing limited to the
+    # best groups (by their best expert), no renormalisation.
+    "deepseek_v2": (
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        dict(
+            num_key_value_heads=4,
+            q_lora_rank=None,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            n_routed_experts=8,
+            n_group=4,
+            topk_group=2,
+            topk_method="group_limited_greedy",
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=2,
+            first_k_dense_replace=1,
+            routed_scaling_factor=1.5,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+                "mscale": 0.707,
+                "mscale_all_dim": 0.707,
+            },
+        ),
+    ),
     "mixtral": (
         "MixtralConfig",
         "MixtralForCausalLM",
@@ -185,7 +249,9 @@ def job_make(job: dict) -> dict[str, np.ndarray]:
     config = getattr(transformers, config_cls)(**kwargs)
     torch.manual_seed(int(job.get("seed", 0)))
     model = getattr(transformers, model_cls)(config).eval()
-    _redraw(model, torch.Generator().manual_seed(int(job.get("seed", 0))))
+    gen = torch.Generator().manual_seed(int(job.get("seed", 0)))
+    _redraw(model, gen)
+    _redraw_router_biases(model, gen)
     if job.get("dtype", "float32") == "bfloat16":
         model = model.to(torch.bfloat16)
     model.save_pretrained(
@@ -193,9 +259,69 @@ def job_make(job: dict) -> dict[str, np.ndarray]:
         safe_serialization=True,
         **({} if job.get("save_original_format", True) else {"save_original_format": False}),
     )
+    if job.get("mtp_layers"):
+        _append_mtp_layers(model, int(job["mtp_layers"]), job["out_dir"], gen)
     out = {"num_params": np.array([_num_params(model)], np.int64)}
     if job.get("dump_params"):
         out.update(_param_dump(model))
+    return out
+
+
+@torch.no_grad()
+def _redraw_router_biases(model, gen: torch.Generator) -> None:
+    """DeepSeek's e_score_correction_bias is a buffer (zeros at init): redrawn too, so that the
+    routing depends on it."""
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            b.copy_(0.3 * torch.randn(b.shape, generator=gen))
+
+
+@torch.no_grad()
+def _append_mtp_layers(model, n: int, out_dir: str, gen: torch.Generator) -> None:
+    """Writes DeepSeek-V3's multi-token-prediction layers beside the model in the published
+    layout (model.layers.{num_hidden_layers + i}: embed_tokens, enorm, hnorm, eh_proj, a full
+    decoder layer, shared_head.norm, shared_head.head), which transformers itself never builds.
+    The decoder layer is transformers' own class, saved with the names it gives its layers."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = model.config
+    L, H = cfg.num_hidden_layers, cfg.hidden_size
+    path = os.path.join(out_dir, "model.safetensors")
+    tensors = load_file(path)
+    layer_cls = type(model.model.layers[0])
+    for i in range(n):
+        idx = L + i
+        layer = layer_cls(cfg, layer_idx=idx).eval()
+        _redraw(layer, gen)
+        _redraw_router_biases(layer, gen)
+        extra = {
+            "enorm.weight": 1.0 + 0.1 * torch.randn(H, generator=gen),
+            "hnorm.weight": 1.0 + 0.1 * torch.randn(H, generator=gen),
+            "eh_proj.weight": torch.randn(H, 2 * H, generator=gen) / math.sqrt(2 * H),
+            "shared_head.norm.weight": 1.0 + 0.1 * torch.randn(H, generator=gen),
+            "embed_tokens.weight": model.model.embed_tokens.weight.detach().clone(),
+            "shared_head.head.weight": model.lm_head.weight.detach().clone(),
+        }
+        state = {**_per_expert(layer.state_dict()), **extra}
+        for k, v in state.items():
+            tensors[f"model.layers.{idx}.{k}"] = v.detach().to(next(model.parameters()).dtype).contiguous()
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def _per_expert(state: dict) -> dict:
+    """transformers 5's fused in-memory experts -> the published per-expert tensors."""
+    out = {}
+    for k, v in state.items():
+        if k.endswith("experts.gate_up_proj"):
+            gate, up = v.chunk(2, dim=1)
+            for e in range(v.shape[0]):
+                out[k.replace("gate_up_proj", f"{e}.gate_proj.weight")] = gate[e]
+                out[k.replace("gate_up_proj", f"{e}.up_proj.weight")] = up[e]
+        elif k.endswith("experts.down_proj"):
+            for e in range(v.shape[0]):
+                out[k.replace("down_proj", f"{e}.down_proj.weight")] = v[e]
+        else:
+            out[k] = v
     return out
 
 
@@ -203,6 +329,8 @@ def _load(path: str):
     model, info = transformers.AutoModelForCausalLM.from_pretrained(
         path, attn_implementation="eager", output_loading_info=True, **_dtype_kw(torch.float32)
     )
+    mtp = f"model.layers.{model.config.num_hidden_layers}."  # DeepSeek's MTP layers, which transformers drops
+    info["unexpected_keys"] = [k for k in info.get("unexpected_keys") or () if not k.startswith(mtp)]
     problems = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
     if problems:
         raise SystemExit(f"hf_oracle: transformers could not load {path!r} cleanly: {problems}")

@@ -1,0 +1,81 @@
+"""Absorbed MLA decode (DeepSeek's latent attention) on the GPU: the Pallas kernel against its
+jnp reference, time and bandwidth over the latent bytes a call must read.
+
+Each case is a decode batch at DeepSeek-V3's latent shape (kv_lora_rank 512 + RoPE 64, bf16)
+with 128 query heads (one GPU) or 16 (a TP-8 shard). The kernel's output is checked against
+the reference, then both are timed (median of repeated runs of back-to-back calls). Floor: the
+latent bytes read, B x ctx x 576 x 2, over the copy bandwidth measured in this run.
+
+    python -m benchmarks.bench_mla [--dry-run] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import RESULTS_DIR, Results, copy_bandwidth, timed
+from jspec.kernels.mla_decode import mla_decode
+from jspec.kernels.mla_ref import mla_decode_ref
+
+# (batch, context, page_size, heads)
+CASES = [(1, 4096, 64, 128), (32, 4096, 64, 128), (128, 2048, 64, 16), (32, 4096, 1, 16)]
+DRY_CASES = [(2, 64, 16, 16), (3, 40, 1, 16)]
+
+
+def problem(batch, ctx, page_size, heads, rank, rope, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    pages = batch * ctx // page_size + 1
+    cache = jnp.asarray(rng.standard_normal((1, pages, page_size, 1, rank + rope)), dtype)
+    tables = jnp.asarray(1 + rng.permutation(pages - 1).reshape(batch, ctx // page_size), jnp.int32)
+    q = jnp.asarray(rng.standard_normal((batch, heads, rank + rope)), dtype)
+    return q, cache, jnp.int32(0), jnp.full((batch,), ctx, jnp.int32), tables
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes (the CPU check of the script)")
+    ap.add_argument("--out", default=RESULTS_DIR)
+    ap.add_argument("--iters", type=int, default=20)
+    args = ap.parse_args(argv)
+    dry = args.dry_run
+    rank, rope, dtype = (32, 8, jnp.float32) if dry else (512, 64, jnp.bfloat16)
+    cases = DRY_CASES if dry else CASES
+    results = Results(args.out, "bench_mla", {"rank": rank, "rope": rope, "dtype": jnp.dtype(dtype).name})
+    bandwidth = None if dry else copy_bandwidth()
+    rows = []
+    for batch, ctx, page_size, heads in cases:
+        q, cache, layer, lens, tables = problem(batch, ctx, page_size, heads, rank, rope, dtype)
+        kw = dict(kv_lora_rank=rank, sm_scale=(192.0**-0.5))
+        kernel = jax.jit(functools.partial(mla_decode, **kw))
+        ref = jax.jit(functools.partial(mla_decode_ref, **kw))
+        out, want = kernel(q, cache, layer, lens, tables), ref(q, cache, layer, lens, tables)
+        err = float(jnp.linalg.norm((out - want).astype(jnp.float32)) / jnp.linalg.norm(want.astype(jnp.float32)))
+        iters, repeats = (1, 1) if dry else (args.iters, 5)
+        t_kernel = timed(lambda: kernel(q, cache, layer, lens, tables), iters, repeats)
+        t_ref = timed(lambda: ref(q, cache, layer, lens, tables), iters, repeats)
+        read = batch * ctx * (rank + rope) * jnp.dtype(dtype).itemsize
+        row = dict(
+            batch=batch,
+            ctx=ctx,
+            page_size=page_size,
+            heads=heads,
+            rel_err=err,
+            kernel_us=t_kernel * 1e6,
+            reference_us=t_ref * 1e6,
+            latent_bytes=read,
+            kernel_gbps=read / t_kernel / 1e9,
+            floor_us=None if bandwidth is None else read / bandwidth * 1e6,
+        )
+        rows.append(row)
+        print(row, flush=True)
+        results.write(rows=rows, copy_bandwidth=bandwidth)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
