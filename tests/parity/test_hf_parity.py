@@ -19,7 +19,7 @@ DECODE_STEPS = 12
 # The Pallas kernels (interpreted: slow to compile) where they have something new to show;
 # tests/kernels/ checks them against the reference everywhere else.
 PALLAS_VARIANTS = {"llama", "llama3_rope", "llama_tied", "mistral", "qwen2", "qwen3", "qwen3_tied"}
-PALLAS_VARIANTS |= {"mistral_window", "gemma2"}  # windows; attention soft-capping in windows
+PALLAS_VARIANTS |= {"mistral_window", "gemma2", "gpt_oss"}  # windows; soft-capping and sinks in windows
 
 
 VOCAB = 320  # every variant's (tests/support/hf_oracle.py)
