@@ -103,7 +103,7 @@ def brute_force_attention(q_rows, k, v, seq_lens, page_tables, owners, visible_f
             if softcap is not None:
                 logits = softcap * np.tanh(logits / softcap)
             sink = [] if sinks is None else [float(sinks[h])]
-            top = max(logits.max(), *sink)
+            top = max([logits.max(), *sink])
             w = np.exp(logits - top)
             total = w.sum() + sum(np.exp(s - top) for s in sink)
             out[row, h] = (w / total) @ vals[:, h // group]
