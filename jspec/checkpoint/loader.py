@@ -345,23 +345,23 @@ def convert_hf_params(
         return out
 
     def gpt_oss_experts(layer_ids, name: str, interleaved: bool) -> jax.Array:
-        """[n, E, in, out] of gpt-oss's [E, in, out] experts (dequantised from MXFP4 on the host);
-        interleaved gate / up columns become gate columns, then up columns."""
+        """[n, E, in, out] of gpt-oss's [E, in, out] experts, one expert at a time (dequantised
+        from MXFP4 on the host: a layer's experts in f32 would be gigabytes); interleaved gate /
+        up columns become gate columns, then up columns."""
 
-        def layer(i):
+        def expert(i, e):
             key = f"model.layers.{i}.{name}"
             if moe_layout.mxfp4:
-                return dequantize_mxfp4(tensors[key + "_blocks"], tensors[key + "_scales"])
-            return np.asarray(tensors[key])
-
-        def deinterleave(w):
+                w = dequantize_mxfp4(tensors[key + "_blocks"][e], tensors[key + "_scales"][e])
+            else:
+                w = np.asarray(tensors[key][e])
             return np.concatenate([w[..., 0::2], w[..., 1::2]], axis=-1) if interleaved else w
 
-        first = deinterleave(layer(layer_ids[0]))
-        out = jnp.zeros((len(layer_ids), *first.shape), dtype, device=device)
+        first = expert(layer_ids[0], 0)
+        out = jnp.zeros((len(layer_ids), cfg.num_experts, *first.shape), dtype, device=device)
         for j, i in enumerate(layer_ids):
-            w = first if j == 0 else deinterleave(layer(i))
-            out = _place(out, jax.device_put(w, device), (j, 0, 0, 0))
+            for e in range(cfg.num_experts):
+                out = _place(out, jax.device_put(first if j == e == 0 else expert(i, e), device), (j, e, 0, 0))
         return out
 
     def expert_vectors(layer_ids, name: str, interleaved: bool = False) -> jax.Array:
