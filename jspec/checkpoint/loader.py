@@ -32,6 +32,7 @@ from jspec.checkpoint.fp8 import (
     kv_scales,
     scale_columns,
 )
+from jspec.checkpoint.mxfp4 import check_mxfp4_family, dequantize_mxfp4, is_mxfp4
 from jspec.checkpoint.random_weights import random_weights
 from jspec.config.deepseek import DeepseekConfig
 from jspec.config.model import GEMMA_FAMILIES, ModelConfig, RopeScaling, UnsupportedArchitectureError
@@ -70,10 +71,15 @@ class _MoeLayout:
     prefix: str = "mlp"  # "mlp", or Mixtral's "block_sparse_moe"
     fused: bool = False  # experts.gate_up_proj [E, 2I, H] + experts.down_proj [E, H, I]
     names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # per expert: gate, up, down
+    # gpt-oss: router.weight + router.bias; experts.gate_up_proj [E, H, 2I] (gate and up columns
+    # interleaved) + experts.down_proj [E, I, H], each with a bias; mxfp4: both projections as
+    # MXFP4 _blocks + _scales (checkpoint/mxfp4.py) instead.
+    gpt_oss: bool = False
+    mxfp4: bool = False
 
     @property
     def router(self) -> str:
-        return f"{self.prefix}.gate.weight"
+        return f"{self.prefix}.router.weight" if self.gpt_oss else f"{self.prefix}.gate.weight"
 
     def expert(self, e: int, which: int) -> str:
         return f"{self.prefix}.experts.{e}.{self.names[which]}.weight"
@@ -96,6 +102,8 @@ def _moe_layout(cfg: ModelConfig, tensors: Mapping[str, Any]) -> _MoeLayout | No
     if not cfg.is_moe:
         return None
     base = f"model.layers.{cfg.moe_layers[0]}."
+    if cfg.family == "gpt_oss":
+        return _MoeLayout(fused=True, gpt_oss=True, mxfp4=base + "mlp.experts.gate_up_proj_blocks" in tensors)
     for prefix in ("mlp", "block_sparse_moe"):
         if base + f"{prefix}.experts.gate_up_proj" in tensors:
             return _MoeLayout(prefix, fused=True)
@@ -109,6 +117,17 @@ def _moe_hf_shapes(cfg: ModelConfig, layout: _MoeLayout) -> dict[str, tuple[int,
     """One sparse layer's HF tensors (relative names) and shapes."""
     H, E, I = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
     shapes = {layout.router: (E, H)}
+    if layout.gpt_oss:
+        shapes["mlp.router.bias"] = (E,)
+        shapes["mlp.experts.gate_up_proj_bias"] = (E, 2 * I)
+        shapes["mlp.experts.down_proj_bias"] = (E, H)
+        if not layout.mxfp4:
+            shapes.update({layout.fused_gate_up: (E, H, 2 * I), layout.fused_down: (E, I, H)})
+            return shapes
+        for name, out, inner in ((layout.fused_gate_up, 2 * I, H), (layout.fused_down, H, I)):
+            shapes[name + "_blocks"] = (E, out, inner // 32, 16)
+            shapes[name + "_scales"] = (E, out, inner // 32)
+        return shapes
     if layout.fused:
         shapes[layout.fused_gate_up] = (E, 2 * I, H)
         shapes[layout.fused_down] = (E, H, I)
@@ -185,6 +204,8 @@ def _hf_shapes(
         if cfg.qk_norm_whole:
             shapes[p + "self_attn.q_norm.weight"] = (cfg.q_size,)
             shapes[p + "self_attn.k_norm.weight"] = (cfg.kv_size,)
+        if cfg.attention_sinks:
+            shapes[p + "self_attn.sinks"] = (cfg.num_heads,)
         if i in cfg.moe_layers:
             shapes.update({p + n: s for n, s in _moe_hf_shapes(cfg, moe_layout or _MoeLayout()).items()})
             continue
@@ -324,6 +345,33 @@ def convert_hf_params(
                     col += t.shape[0]
         return out
 
+    def gpt_oss_experts(layer_ids, name: str, interleaved: bool) -> jax.Array:
+        """[n, E, in, out] of gpt-oss's [E, in, out] experts, one expert at a time (dequantised
+        from MXFP4 on the host: a layer's experts in f32 would be gigabytes); interleaved gate /
+        up columns become gate columns, then up columns."""
+
+        def expert(i, e):
+            key = f"model.layers.{i}.{name}"
+            if moe_layout.mxfp4:
+                w = dequantize_mxfp4(tensors[key + "_blocks"][e], tensors[key + "_scales"][e])
+            else:
+                w = np.asarray(tensors[key][e])
+            return np.concatenate([w[..., 0::2], w[..., 1::2]], axis=-1) if interleaved else w
+
+        first = expert(layer_ids[0], 0)
+        out = jnp.zeros((len(layer_ids), cfg.num_experts, *first.shape), dtype, device=device)
+        for j, i in enumerate(layer_ids):
+            for e in range(cfg.num_experts):
+                out = _place(out, jax.device_put(first if j == e == 0 else expert(i, e), device), (j, e, 0, 0))
+        return out
+
+    def expert_vectors(layer_ids, name: str, interleaved: bool = False) -> jax.Array:
+        """[n, *shape] of a small per-layer tensor (biases), gate / up columns as gpt_oss_experts'."""
+        rows = [np.asarray(tensors[f"model.layers.{i}.{name}"]) for i in layer_ids]
+        if interleaved:
+            rows = [np.concatenate([r[..., 0::2], r[..., 1::2]], axis=-1) for r in rows]
+        return _cast(jax.device_put(np.stack(rows), device), dtype)
+
     def lm_head(t: np.ndarray) -> jax.Array:
         """[V, H] -> [H, V], in row blocks of at most 256 MiB."""
         out = jnp.zeros(t.shape[::-1], dtype, device=device)
@@ -346,6 +394,8 @@ def convert_hf_params(
     layers["wo"] = matrices(["self_attn.o_proj.weight"])
     if cfg.o_bias:
         layers["bo"] = vectors(["self_attn.o_proj.bias"])
+    if cfg.attention_sinks:
+        layers["sinks"] = vectors(["self_attn.sinks"])
     layers.update({k: v for k, v in norms.items() if k != "attn_norm"})
     dense = {}
     if cfg.dense_layers:
@@ -355,8 +405,15 @@ def convert_hf_params(
     if cfg.moe_layers:
         ids = cfg.moe_layers
         sparse["router"] = matrices([moe_layout.router], ids)
-        sparse["experts_gate_up"] = experts(ids, moe_layout.fused_gate_up, [0, 1])
-        sparse["experts_down"] = experts(ids, moe_layout.fused_down, [2])
+        if moe_layout.gpt_oss:
+            sparse["router_bias"] = expert_vectors(ids, "mlp.router.bias")
+            sparse["experts_gate_up"] = gpt_oss_experts(ids, moe_layout.fused_gate_up, interleaved=True)
+            sparse["experts_down"] = gpt_oss_experts(ids, moe_layout.fused_down, interleaved=False)
+            sparse["experts_b_gate_up"] = expert_vectors(ids, "mlp.experts.gate_up_proj_bias", interleaved=True)
+            sparse["experts_b_down"] = expert_vectors(ids, "mlp.experts.down_proj_bias")
+        else:
+            sparse["experts_gate_up"] = experts(ids, moe_layout.fused_gate_up, [0, 1])
+            sparse["experts_down"] = experts(ids, moe_layout.fused_down, [2])
         if cfg.shared_expert_intermediate_size:
             sparse["shared_gate_up"] = matrices(
                 ["mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"], ids
@@ -395,6 +452,13 @@ def _cast(x: jax.Array, dtype: np.dtype) -> jax.Array:
 @functools.partial(jax.jit, static_argnums=(1,), donate_argnums=(0,))
 def _astype(x: jax.Array, dtype: np.dtype) -> jax.Array:
     return x.astype(dtype)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _place(out: jax.Array, piece: jax.Array, offsets: tuple[int, ...]) -> jax.Array:
+    """out[offsets...] = piece (cast), in place, as _place_transposed without the transpose."""
+    piece = piece.astype(out.dtype)
+    return jax.lax.dynamic_update_slice(out, piece.reshape((1,) * (out.ndim - piece.ndim) + piece.shape), offsets)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -441,6 +505,8 @@ def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
     layers["wo"] = (L, cfg.q_size, H)
     if cfg.o_bias:
         layers["bo"] = (L, H)
+    if cfg.attention_sinks:
+        layers["sinks"] = (L, cfg.num_heads)
     layers.update({k: v for k, v in norms.items() if k != "attn_norm"})
     nd, ns = len(cfg.dense_layers), len(cfg.moe_layers)
     dense = dict(w_gate_up=(nd, H, 2 * I), w_down=(nd, I, H)) if nd else {}
@@ -448,6 +514,8 @@ def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
     if ns:
         E, Im, Is = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
         sparse = dict(router=(ns, H, E), experts_gate_up=(ns, E, H, 2 * Im), experts_down=(ns, E, Im, H))
+        if cfg.moe_biases:
+            sparse.update(router_bias=(ns, E), experts_b_gate_up=(ns, E, 2 * Im), experts_b_down=(ns, E, H))
         if Is:
             sparse.update(shared_gate_up=(ns, H, 2 * Is), shared_down=(ns, Is, H), shared_gate=(ns, H, 1))
     layers = assemble_layers(cfg, layers, dense, sparse, lambda shape, j: shape[1:])
@@ -580,7 +648,12 @@ def load_model(path: str | os.PathLike, dtype: Any = None) -> tuple[ModelConfig,
     except (KeyError, TypeError) as e:
         raise CheckpointError(f"config.json in {path!r} lacks or mistypes a required field: {e}") from None
     with open(os.path.join(path, "config.json")) as f:
-        scheme = fp8_scheme(json.load(f))
+        hf_config = json.load(f)
+    if is_mxfp4(hf_config):  # the experts' blocks are dequantised in convert_hf_params
+        check_mxfp4_family(cfg.family)
+        scheme = None
+    else:
+        scheme = fp8_scheme(hf_config)
     tensors = read_hf_tensors(path)
     if cfg.deepseek is not None:
         from jspec.checkpoint.deepseek import convert_deepseek_params

@@ -2,7 +2,7 @@
 
 `ModelConfig` describes a Llama-family decoder (the shapes and the switches that tell
 Llama, Mistral, Qwen2/3, Gemma 1/2/3, Phi-3, OLMo 2, Granite and SmolLM3 apart), optionally with
-Mixture-of-Experts MLPs (Qwen3-MoE, Qwen2-MoE, Mixtral: see models/moe.py). It is frozen
+Mixture-of-Experts MLPs (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss: see models/moe.py). It is frozen
 and hashable so it can be a static argument of jitted functions.
 """
 
@@ -38,6 +38,7 @@ SUPPORTED_ARCHITECTURES = {
     "GraniteForCausalLM": "granite",
     "SmolLM3ForCausalLM": "smollm3",
     "MiMoForCausalLM": "qwen2",  # Qwen2 with multi-token-prediction layers (model.mtp_layers)
+    "GptOssForCausalLM": "gpt_oss",
 }
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3")
 # Families whose every layer uses config.json's sliding_window (HF ignores layer_types there).
@@ -134,6 +135,14 @@ class ModelConfig:
     # (model.layers.{num_layers + i}), the NEXTN draft.
     deepseek: DeepseekConfig | None = None
     num_mtp_layers: int = 0
+    # gpt-oss: a learned logit per query head joins each attention softmax's denominator (sinks).
+    attention_sinks: bool = False
+    # gpt-oss's experts: biases on the router and on both expert projections, and the clamped
+    # SwiGLU: gate clamped above and up on both sides at swiglu_limit, (up + 1) * gate *
+    # sigmoid(swiglu_alpha * gate). None: the plain SwiGLU.
+    moe_biases: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -290,6 +299,8 @@ def _family_fields(family: str, hf: dict[str, Any]) -> dict[str, Any]:
         fields["rope_layers"] = tuple(bool(f) for f in flags)
     if family == "olmo2":
         fields.update(norm_layout="post", qk_norm_whole=True)
+    if family == "gpt_oss":
+        fields["attention_sinks"] = True
     if family == "granite":
         fields.update(
             embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
@@ -426,7 +437,7 @@ def _sliding_windows(family: str, hf: dict[str, Any]) -> tuple[int, ...]:
     if family == "smollm3" and not hf.get("use_sliding_window"):  # its switch is off by default
         return ()
     types = hf.get("layer_types")
-    if types is None and family == "gemma2":  # HF's default: sliding, full, sliding, ...
+    if types is None and family in ("gemma2", "gpt_oss"):  # HF's default: sliding, full, sliding, ...
         types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(L)]
     if types is None and family == "gemma3":  # every sliding_window_pattern-th layer full
         pattern = int(hf.get("sliding_window_pattern", 6))
@@ -453,6 +464,18 @@ def _moe_fields(family: str, hf: dict[str, Any]) -> dict[str, Any]:
     logits, which is HF's softmax-then-topk-then-renormalise). transformers 5 may save
     the expert count as num_local_experts for either family.
     """
+    if family == "gpt_oss":  # every layer sparse; softmax over the top-k logits, as Mixtral's
+        L = int(hf["num_hidden_layers"])
+        return dict(
+            num_experts=int(hf["num_local_experts"]),
+            num_experts_per_tok=int(hf["num_experts_per_tok"]),
+            moe_intermediate_size=int(hf["intermediate_size"]),
+            norm_topk_prob=True,
+            moe_layers=tuple(range(L)),
+            moe_biases=True,
+            swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+            swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+        )
     if family not in ("qwen2_moe", "qwen3_moe", "mixtral"):
         return {}
     n = hf.get("num_experts", hf.get("num_local_experts"))

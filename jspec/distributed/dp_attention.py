@@ -35,6 +35,8 @@ def make_dp_mesh(tp_size: int, dp_size: int, devices=None) -> Mesh:
 
 def check_dp_config(cfg: ModelConfig, dp: int, attn_tp: int) -> None:
     tp = dp * attn_tp
+    if cfg.attention_sinks:
+        raise ValueError("DP attention over attention sinks (gpt-oss) is not implemented")
     problems = []
     if cfg.num_heads % attn_tp:
         problems.append(f"num_attention_heads ({cfg.num_heads}) by tp_size / dp_size = {attn_tp}")

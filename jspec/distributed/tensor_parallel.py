@@ -36,6 +36,8 @@ def tp_size_of(mesh: Mesh | None) -> int:
 
 
 def check_tp_config(cfg: ModelConfig, tp: int) -> None:
+    if tp > 1 and cfg.attention_sinks:
+        raise ValueError(f"--tp-size {tp}: tensor parallelism over attention sinks (gpt-oss) is not implemented")
     problems = []
     if cfg.is_moe and cfg.num_experts % tp:
         problems.append(f"num_experts ({cfg.num_experts}; experts are split over the TP devices)")

@@ -14,6 +14,9 @@ so work follows the real lengths whatever the table width.
 A sliding window (a runtime int32, so layers of different windows share one
 program) hides keys window or more positions behind the query: each sequence's
 splits then cover only its last window tokens.
+
+Attention sinks (gpt-oss) enter as the initial online-softmax state of the first
+split: running max the sink logit, normaliser 1, so the merge counts them once.
 """
 
 from __future__ import annotations
@@ -31,12 +34,12 @@ from jax.experimental.pallas import triton as pltriton
 from jspec.kernels.backend import resolve_interpret
 from jspec.kernels.paged_tiles import (
     LOG2E,
-    MASK_VALUE,
     attend_tile,
     cache_rows,
     check_pow2,
     choose_splits,
     gather_kv_tiles,
+    initial_state,
     kv_compute_dtype,
     merge_splits,
     min_split_len,
@@ -44,6 +47,7 @@ from jspec.kernels.paged_tiles import (
     normalise,
     runtime_split_len,
     window_scalar,
+    with_sink,
 )
 
 
@@ -55,15 +59,20 @@ def _decode_kernel(
     q_ref,
     k_ref,
     v_ref,
-    *out_refs,
+    *refs,
     cache_shape,
     group,
     group_rows,
     block_n,
     scale_log2,
     softcap,
+    sinks,
     write_final,
 ):
+    if sinks:
+        sinks_ref, *out_refs = refs
+    else:
+        out_refs = refs
     seq, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     head_dim = q_ref.shape[2]
     layer, window = layer_window_ref[0], layer_window_ref[1]
@@ -106,11 +115,10 @@ def _decode_kernel(
         visible = (tail_start + lax.iota(jnp.int32, block_n) < hi)[None, :]
         return attend_tile(q, k, v, *carry, scale_log2=scale_log2, visible=visible, softcap=softcap)
 
-    carry = (
-        jnp.full((group_rows,), MASK_VALUE, jnp.float32),
-        jnp.zeros((group_rows,), jnp.float32),
-        jnp.zeros((group_rows, head_dim), jnp.float32),
-    )
+    carry = initial_state(group_rows, head_dim)
+    if sinks:
+        sink = pltriton.load(sinks_ref.at[heads[:, 0]], mask=real_row, other=0)
+        carry = with_sink(carry, sink, first_split=split == 0)
     carry = lax.fori_loop(0, num_full, full_tile, carry)
     carry = lax.fori_loop(0, (num_tokens > num_full * block_n).astype(jnp.int32), tail_tile, carry)
     m, l, acc = carry
@@ -200,6 +208,7 @@ def paged_decode(
     return_lse=False,
     window=None,
     logit_softcap=None,
+    sinks=None,
 ):
     """Attention of one new token per sequence over its paged KV.
 
@@ -212,6 +221,8 @@ def paged_decode(
     window: None, or an int32 () array: the query (at position seq_len - 1) sees
     only the last window keys (HF's sliding_window; >= 1).
     logit_softcap: None, or c: the scaled logits become c * tanh(logits / c) (Gemma 2).
+    sinks: None, or f32 [Hq]: each head's learned sink logit joins its softmax's denominator
+    (a key of value zero: gpt-oss); the lse then counts it too.
 
     Tuning (see decode_plan): block_n tokens per KV tile (power of two, any
     page size); num_splits context partitions (None: from B and Hkv, no more
@@ -246,6 +257,7 @@ def paged_decode(
         block_n=plan.block_n,
         scale_log2=float(sm_scale) * LOG2E,
         softcap=None if logit_softcap is None else float(logit_softcap),
+        sinks=sinks is not None,
         write_final=write_final,
     )
     kv_lens = jnp.minimum(seq_lens.astype(jnp.int32), page_tables.shape[1] * k_cache.shape[2])
@@ -260,6 +272,7 @@ def paged_decode(
             jax.ShapeDtypeStruct(partial, jnp.float32),
             jax.ShapeDtypeStruct(partial, jnp.float32),
         ]
+    extra = () if sinks is None else (sinks.astype(jnp.float32),)
     outs = pl.pallas_call(
         kernel,
         grid=(batch, num_kv_heads, plan.num_splits),
@@ -275,6 +288,7 @@ def paged_decode(
         q,
         cache_rows(k_cache),
         cache_rows(v_cache),
+        *extra,
     )
     if write_final:
         return outs[0]

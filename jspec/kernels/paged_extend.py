@@ -20,6 +20,8 @@ tiles below the block's last token's window start are masked as well.
 A tree node's position is the prefix plus its depth in the tree (its count of
 ancestors in the mask); the window applies to the prefix, and a node sees all
 its ancestors (callers keep trees shallower than the window).
+
+Attention sinks (gpt-oss) start the first split's online softmax, as in paged_decode.
 """
 
 from __future__ import annotations
@@ -36,12 +38,12 @@ from jax.experimental.pallas import triton as pltriton
 from jspec.kernels.backend import resolve_interpret
 from jspec.kernels.paged_tiles import (
     LOG2E,
-    MASK_VALUE,
     attend_tile,
     cache_rows,
     check_pow2,
     choose_splits,
     gather_kv_tiles,
+    initial_state,
     kv_compute_dtype,
     merge_splits,
     min_split_len,
@@ -50,6 +52,7 @@ from jspec.kernels.paged_tiles import (
     runtime_split_len,
     tree_depth,
     window_scalar,
+    with_sink,
 )
 
 
@@ -72,10 +75,13 @@ def _extend_kernel(
     scale_log2,
     softcap,
     tree,
+    sinks,
     write_final,
 ):
     if tree:
         tree_mask_ref, depth_ref, *refs = refs
+    if sinks:
+        sinks_ref, *refs = refs
     if write_final:
         _zeros_ref, out_ref = refs  # the output aliases the zeros input
     else:
@@ -164,11 +170,10 @@ def _extend_kernel(
             visible &= kv_pos >= window_start
             return attend_tile(q, k, v, *carry, scale_log2=scale_log2, visible=visible, softcap=softcap)
 
-        carry = (
-            jnp.full((block_m,), MASK_VALUE, jnp.float32),
-            jnp.zeros((block_m,), jnp.float32),
-            jnp.zeros((block_m, head_dim), jnp.float32),
-        )
+        carry = initial_state(block_m, head_dim)
+        if sinks:
+            sink = pltriton.load(sinks_ref.at[head[:, 0]], mask=real_row, other=0)
+            carry = with_sink(carry, sink, first_split=split == 0)
         carry = lax.fori_loop(0, num_low, functools.partial(masked_tile, first_tile=lo), carry)
         carry = lax.fori_loop(0, num_full, full_tile, carry)
         m, l, acc = lax.fori_loop(0, num_masked, functools.partial(masked_tile, first_tile=masked_start), carry)
@@ -273,6 +278,7 @@ def paged_extend(
     num_stages=2,
     window=None,
     logit_softcap=None,
+    sinks=None,
 ):
     """Attention of ragged new tokens over their sequences' paged KV.
 
@@ -287,6 +293,8 @@ def paged_extend(
     node's position is prefix + its depth, and the tree must be shallower than
     the window (a node sees all its ancestors).
     logit_softcap: None, or c: the scaled logits become c * tanh(logits / c) (Gemma 2).
+    sinks: None, or f32 [Hq]: each head's learned sink logit joins its softmax's denominator
+    (gpt-oss).
 
     Tuning (see extend_plan): block_m rows (tokens x GQA heads) per query
     block, block_n KV tokens per tile (both powers of two); num_splits context
@@ -331,6 +339,7 @@ def paged_extend(
         scale_log2=float(sm_scale) * LOG2E,
         softcap=None if logit_softcap is None else float(logit_softcap),
         tree=tree,
+        sinks=sinks is not None,
         write_final=write_final,
     )
     # Sequences with no new tokens run no program: their KV does not set the split length.
@@ -353,6 +362,8 @@ def paged_extend(
     if tree:
         inputs.append(mask.astype(jnp.int8))
         inputs.append(tree_depth(mask))
+    if sinks is not None:
+        inputs.append(sinks.astype(jnp.float32))
     if write_final:
         # Rows no program owns (padding past query_start[B]) must read as zeros.
         inputs.append(jnp.zeros(q.shape, q.dtype))

@@ -146,6 +146,22 @@ def kv_compute_dtype(cache_dtype, q_dtype):
     return q_dtype if jnp.dtype(cache_dtype) == FP8_KV_BYTES else cache_dtype
 
 
+def initial_state(rows: int, head_dim: int):
+    """The online-softmax carry (m, l, acc) of rows that have seen nothing."""
+    return (
+        jnp.full((rows,), MASK_VALUE, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+        jnp.zeros((rows, head_dim), jnp.float32),
+    )
+
+
+def with_sink(carry, sink, *, first_split):
+    """carry as if each row had already seen a key of logit sink [rows] (natural units) and
+    value zero: an attention sink. Only the first split takes it, so merging counts it once."""
+    m, l, acc = carry
+    return jnp.where(first_split, sink * LOG2E, m), jnp.where(first_split, 1.0, l), acc
+
+
 def normalise(acc, l):
     """acc / l, with rows that saw nothing (l == 0) as zeros."""
     return acc / jnp.where(l > 0, l, 1.0)[:, None]

@@ -10,7 +10,9 @@ batch costs nothing for its padding.
 A sliding window (window: an int32 () array, None for none) hides keys window
 or more positions behind the query; the loops then start at the first chunk
 any window reaches. Under a tree mask a node's position is prefix + depth. logit_softcap c
-turns the scaled logits into c * tanh(logits / c) (Gemma 2).
+turns the scaled logits into c * tanh(logits / c) (Gemma 2). sinks (f32 [Hq], gpt-oss)
+are per-head logits of a key with value zero that every query sees: they join the
+softmax's denominator only.
 """
 
 from __future__ import annotations
@@ -68,11 +70,15 @@ def _gather_chunk(cache, layer, page_tables, kv_lens, chunk, pages_per_chunk):
     return jnp.where(valid[:, :, None, None], kv.astype(jnp.float32), 0.0), positions
 
 
-def _empty(q: jax.Array) -> _Softmax:
+def _empty(q: jax.Array, sinks=None) -> _Softmax:
+    """The state of rows q [..., Hkv, G, D] that have seen nothing, or only their head's sink
+    (sinks [Hkv * G]: a key of that logit and value zero)."""
     rows = q.shape[:-1]
-    return _Softmax(
-        jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.float32), jnp.zeros(q.shape, jnp.float32)
-    )
+    acc = jnp.zeros(q.shape, jnp.float32)
+    if sinks is None:
+        return _Softmax(jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.float32), acc)
+    m = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(rows[-2:]), rows)
+    return _Softmax(m, jnp.ones(rows, jnp.float32), acc)
 
 
 def _attend_chunk(state: _Softmax, q, k, v, visible, sm_scale, softcap=None) -> _Softmax:
@@ -113,6 +119,7 @@ def paged_decode_ref(
     kv_chunk=KV_CHUNK,
     window=None,
     logit_softcap=None,
+    sinks=None,
 ):
     """One new query token per sequence. q [B, Hq, D] -> [B, Hq, D] in q's dtype.
 
@@ -138,7 +145,7 @@ def paged_decode_ref(
     chunk_len = pages_per_chunk * page_size
     num_chunks = -(-jnp.max(kv_lens, initial=0) // chunk_len)
     first_chunk = jnp.min(jnp.where(kv_lens > 0, window_start, jnp.iinfo(jnp.int32).max), initial=0) // chunk_len
-    out, lse = _finish(lax.fori_loop(jnp.minimum(first_chunk, num_chunks), num_chunks, step, _empty(q5)))
+    out, lse = _finish(lax.fori_loop(jnp.minimum(first_chunk, num_chunks), num_chunks, step, _empty(q5, sinks)))
     out = out.reshape(batch, num_q_heads, head_dim)
     if return_lse:
         return out, lse.reshape(batch, num_q_heads)
@@ -161,6 +168,7 @@ def paged_extend_ref(
     kv_chunk=KV_CHUNK,
     window=None,
     logit_softcap=None,
+    sinks=None,
 ):
     """Ragged new tokens attending to their sequence's paged KV. q [T, Hq, D] -> [T, Hq, D].
 
@@ -216,7 +224,7 @@ def paged_extend_ref(
         # The last new token sees the whole sequence: that is as far as any row reaches.
         num_chunks = jnp.where(q_len > 0, -(-kv_len // chunk_len), 0)
         first_chunk = jnp.minimum(jnp.min(window_start) // chunk_len, num_chunks)
-        rows, _ = _finish(lax.fori_loop(first_chunk, num_chunks, step, _empty(qb)))
+        rows, _ = _finish(lax.fori_loop(first_chunk, num_chunks, step, _empty(qb, sinks)))
         rows = rows.reshape(max_q_len, num_q_heads, head_dim)
         # Write back this sequence's rows only: the rest of the window is not its own.
         old = lax.dynamic_slice_in_dim(out, start, max_q_len)

@@ -22,9 +22,11 @@ def paged_attention(
     mask: jax.Array | None = None,
     window: jax.Array | None = None,
     logit_softcap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """window: the layer's sliding window, an int32 () (None: full attention); logit_softcap:
-    Gemma 2's cap on the attention logits."""
+    Gemma 2's cap on the attention logits; sinks: gpt-oss's per-head sink logits [Hq] (one
+    device only: tensor parallelism refuses them, see check_tp_config)."""
     if mode.backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {mode.backend!r}; choose one of {BACKENDS}")
     if mode.backend == "pallas":
@@ -34,9 +36,10 @@ def paged_attention(
         from jspec.kernels.ref import paged_decode_ref as decode
         from jspec.kernels.ref import paged_extend_ref as extend
     windowed = window is not None
+    sinked = sinks is not None
     if mode.decode_only and mask is None:
 
-        def run_decode(q, k, v, layer, lens, tables, *window):
+        def run_decode(q, k, v, layer, lens, tables, *extra):
             return decode(
                 q,
                 k,
@@ -45,11 +48,12 @@ def paged_attention(
                 lens,
                 tables,
                 sm_scale=sm_scale,
-                window=window[0] if windowed else None,
+                window=extra[0] if windowed else None,
                 logit_softcap=logit_softcap,
+                sinks=extra[-1] if sinked else None,
             )
 
-        extra = (window,) if windowed else ()
+        extra = ((window,) if windowed else ()) + ((sinks,) if sinked else ())
         return over_head_shards(run_decode, q, k_cache, v_cache, layer, batch.seq_lens, batch.page_tables, *extra)
 
     def run(q, k, v, layer, lens, tables, starts, *extra):
@@ -64,12 +68,13 @@ def paged_attention(
             sm_scale=sm_scale,
             max_q_len=mode.max_q_len,
             mask=extra[0] if tree else None,
-            window=extra[-1] if windowed else None,
+            window=extra[int(tree)] if windowed else None,
             logit_softcap=logit_softcap,
+            sinks=extra[-1] if sinked else None,
         )
 
     tree = mask is not None
-    extra = (() if mask is None else (mask,)) + ((window,) if windowed else ())
+    extra = (() if mask is None else (mask,)) + ((window,) if windowed else ()) + ((sinks,) if sinked else ())
     return over_head_shards(
         run, q, k_cache, v_cache, layer, batch.seq_lens, batch.page_tables, batch.query_start, *extra
     )

@@ -1,5 +1,5 @@
 """Pure-functional Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, and their MoE
-kin Qwen2-MoE, Qwen3-MoE, Mixtral: see moe.py) over paged KV.
+kin Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss: see moe.py) over paged KV.
 
 `forward` runs one ragged token batch (see models/batch.py) through all layers,
 writes the new tokens' K/V into the pool, and returns logits only for the rows
@@ -181,9 +181,17 @@ def layer_window(cfg: ModelConfig, layer) -> jax.Array | None:
 
 
 def paged_attend(
-    cfg: ModelConfig, mode: AttentionMode, batch: ForwardBatch, layer, mask=None, window=None, kv_scale=None
+    cfg: ModelConfig,
+    mode: AttentionMode,
+    batch: ForwardBatch,
+    layer,
+    mask=None,
+    window=None,
+    kv_scale=None,
+    sinks=None,
 ):
     """attend(q, k, v, (k_cache, v_cache)) for the paged pool: write the new K/V, then attend.
+    sinks: the layer's attention sink logits [Hq] (gpt-oss), None for none.
 
     An FP8 pool holds K / k_scale and V / v_scale (kv_scale [2], this layer's; None: 1). The
     kernels read it as stored, so k_scale multiplies q (q.(k s) = (q s).k) and v_scale the output.
@@ -207,6 +215,7 @@ def paged_attend(
             mask=mask,
             window=window,
             logit_softcap=cfg.attn_logit_softcap,
+            sinks=sinks,
         )
         if fp8:
             out = (out.astype(jnp.float32) * kv_scale[1]).astype(q.dtype)
@@ -354,7 +363,7 @@ def forward(
         window = layer_window(cfg, layer)
         kv_scale = None if kv_scales is None else kv_scales[layer]
         layer_index = jnp.int32(layer) if isinstance(layer, int) else layer
-        attend = paged_attend(cfg, mode, batch, layer_index, mask, window, kv_scale)
+        attend = paged_attend(cfg, mode, batch, layer_index, mask, window, kv_scale, lp.get("sinks"))
         layer_cos, layer_sin = layer_rope(cfg, layer, (cos, sin), sliding_rope)
         x, (k_cache, v_cache) = decoder_layer(cfg, lp, x, h, layer_cos, layer_sin, attend, (k_cache, v_cache))
         return x, k_cache, v_cache, captured
@@ -402,7 +411,7 @@ def dense_forward(params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
 
     distance = jnp.arange(T)[:, None] - jnp.arange(T)[None, :]
 
-    def attend_within(window):
+    def attend_within(window, sinks):
         def attend(q, k, v, caches):
             k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
             s = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k.astype(jnp.float32)) * cfg.sm_scale
@@ -410,14 +419,18 @@ def dense_forward(params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
                 s = cfg.attn_logit_softcap * jnp.tanh(s / cfg.attn_logit_softcap)
             visible = causal if window is None else causal & (distance < window)
             s = jnp.where(visible[None], s, -jnp.inf)
-            p = jax.nn.softmax(s, axis=-1)
+            if sinks is None:
+                p = jax.nn.softmax(s, axis=-1)
+            else:  # a sink is one more logit in each row's softmax, with nothing to weigh
+                sink = jnp.broadcast_to(sinks.astype(jnp.float32)[:, None, None], (*s.shape[:2], 1))
+                p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
             return jnp.einsum("hqk,khd->qhd", p, v.astype(jnp.float32)).astype(q.dtype), caches
 
         return attend
 
     def body(x, lp, layer):
         layer_cos, layer_sin = layer_rope(cfg, layer, (cos, sin), sliding_rope)
-        attend = attend_within(layer_window(cfg, layer))
+        attend = attend_within(layer_window(cfg, layer), lp.get("sinks"))
         return decoder_layer(cfg, lp, x, attention_input(cfg, lp, x), layer_cos, layer_sin, attend, ())[0]
 
     x = run_layers(params["layers"], body, x)

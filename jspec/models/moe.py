@@ -1,4 +1,4 @@
-"""Mixture-of-Experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral) as pure functions.
+"""Mixture-of-Experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss) as pure functions.
 
 The router weighs the top-k experts as HF does (softmax over all logits in f32, top k,
 renormalised when norm_topk_prob); experts run as one grouped matmul (`ragged_dot` over the
@@ -7,6 +7,8 @@ parallelism sends each assignment to its expert's shard by all_to_all and back.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -18,9 +20,13 @@ from jspec.config.model import ModelConfig
 from jspec.distributed.mesh import EXPERT
 
 
-def route(h: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
-    """h [T, H], router [H, E] -> (weights [T, k] float32, expert ids [T, k] int32)."""
+def route(
+    h: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool, bias: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """h [T, H], router [H, E] (+ bias [E]) -> (weights [T, k] float32, expert ids [T, k] int32)."""
     logits = jnp.dot(h, router, preferred_element_type=jnp.float32)
+    if bias is not None:
+        logits = logits + bias.astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
     weights, experts = jax.lax.top_k(probs, top_k)
     if norm_topk_prob:
@@ -28,16 +34,55 @@ def route(h: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool) -> 
     return weights, experts.astype(jnp.int32)
 
 
-def grouped_swiglu(xs: jax.Array, group_sizes: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
+class ExpertMlp(NamedTuple):
+    """One layer's experts (this shard's): w_gate_up [E, H, 2I] (gate columns, then up),
+    w_down [E, I, H]; gpt-oss's biases b_gate_up [E, 2I] and b_down [E, H], and its clamped
+    SwiGLU (limit, alpha); None where the family has none."""
+
+    w_gate_up: jax.Array
+    w_down: jax.Array
+    b_gate_up: jax.Array | None = None
+    b_down: jax.Array | None = None
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
+
+
+def layer_experts(cfg: ModelConfig, lp) -> ExpertMlp:
+    return ExpertMlp(
+        lp["experts_gate_up"],
+        lp["experts_down"],
+        lp.get("experts_b_gate_up"),
+        lp.get("experts_b_down"),
+        cfg.swiglu_limit,
+        cfg.swiglu_alpha,
+    )
+
+
+def _gated(gate: jax.Array, up: jax.Array, limit: float | None, alpha: float) -> jax.Array:
+    if limit is None:
+        return jax.nn.silu(gate) * up
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1.0) * gate * jax.nn.sigmoid(alpha * gate)
+
+
+def grouped_swiglu(xs: jax.Array, group_sizes: jax.Array, mlp: ExpertMlp, row_experts: jax.Array | None = None):
     """Rows of xs [M, H] sorted by expert, group_sizes [G] rows per expert -> [M, H] in xs.dtype.
 
+    row_experts [M]: each row's expert (needed with biases); ids past G (padding) read any bias.
     Rows past sum(group_sizes) belong to no expert (padding); their output is undefined.
     The output is cast to the activation dtype before it is weighted, as HF's experts do.
     """
-    inter = w_down.shape[1]
-    gate_up = jax.lax.ragged_dot(xs, w_gate_up, group_sizes, preferred_element_type=jnp.float32)
-    act = (jax.nn.silu(gate_up[:, :inter]) * gate_up[:, inter:]).astype(xs.dtype)
-    return jax.lax.ragged_dot(act, w_down, group_sizes, preferred_element_type=jnp.float32).astype(xs.dtype)
+    inter = mlp.w_down.shape[1]
+    gate_up = jax.lax.ragged_dot(xs, mlp.w_gate_up, group_sizes, preferred_element_type=jnp.float32)
+    rows = None if row_experts is None else jnp.clip(row_experts, 0, mlp.w_gate_up.shape[0] - 1)
+    if mlp.b_gate_up is not None:
+        gate_up = gate_up + mlp.b_gate_up[rows].astype(jnp.float32)
+    act = _gated(gate_up[:, :inter], gate_up[:, inter:], mlp.swiglu_limit, mlp.swiglu_alpha).astype(xs.dtype)
+    out = jax.lax.ragged_dot(act, mlp.w_down, group_sizes, preferred_element_type=jnp.float32)
+    if mlp.b_down is not None:
+        out = out + mlp.b_down[rows].astype(jnp.float32)
+    return out.astype(xs.dtype)
 
 
 def _combine(weights: jax.Array, per_assignment: jax.Array) -> jax.Array:
@@ -47,16 +92,14 @@ def _combine(weights: jax.Array, per_assignment: jax.Array) -> jax.Array:
     return jnp.einsum("tk,tkh->th", weights, y)
 
 
-def moe_experts(
-    h: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up: jax.Array, w_down: jax.Array
-) -> jax.Array:
+def moe_experts(h: jax.Array, weights: jax.Array, experts: jax.Array, mlp: ExpertMlp) -> jax.Array:
     """Weighted sum of each token's chosen experts, all experts local: [T, H] float32."""
     T, k = experts.shape
     flat = experts.reshape(-1)
     # Stable, so a token's assignments keep their order within an expert's group.
     order = jnp.argsort(flat, stable=True)
-    sizes = jnp.bincount(flat, length=w_gate_up.shape[0])
-    ys = grouped_swiglu(h[order // k], sizes, w_gate_up, w_down)
+    sizes = jnp.bincount(flat, length=mlp.w_gate_up.shape[0])
+    ys = grouped_swiglu(h[order // k], sizes, mlp, flat[order])
     # order is a permutation, so this scatter writes each row once (deterministic, no adds).
     return _combine(weights, jnp.zeros_like(ys).at[order].set(ys))
 
@@ -73,8 +116,8 @@ def shared_expert(h: jax.Array, lp) -> jax.Array:
 
 def moe_mlp(cfg: ModelConfig, lp, h: jax.Array) -> jax.Array:
     """The sparse MLP on normed input h [T, H], every expert on this device: [T, H] in h.dtype."""
-    weights, experts = route(h, lp["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
-    y = moe_experts(h, weights, experts, lp["experts_gate_up"], lp["experts_down"])
+    weights, experts = route(h, lp["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob, lp.get("router_bias"))
+    y = moe_experts(h, weights, experts, layer_experts(cfg, lp))
     if cfg.shared_expert_intermediate_size:
         y = y + shared_expert(h, lp)
     return y.astype(h.dtype)
@@ -89,12 +132,11 @@ def moe_experts_ep(
     h: jax.Array,
     weights: jax.Array,
     experts: jax.Array,
-    w_gate_up: jax.Array,
-    w_down: jax.Array,
+    mlp: ExpertMlp,
     axis_name: str = EXPERT,
 ) -> jax.Array:
     """moe_experts inside shard_map: h [T, H] this shard's tokens, experts [T, k] global ids,
-    w_gate_up [E/ep, H, 2I] and w_down [E/ep, I, H] this shard's experts (shard s owns
+    mlp this shard's experts, w_gate_up [E/ep, H, 2I] and w_down [E/ep, I, H] (shard s owns
     experts s*E/ep .. (s+1)*E/ep - 1). Returns [T, H] float32 for this shard's tokens.
 
     Capacity: each (source, destination) buffer has T*k slots, the number of
@@ -104,7 +146,7 @@ def moe_experts_ep(
     padding when routing is balanced; a smaller capacity would need a drop policy.
     """
     ep = jax.lax.axis_size(axis_name)
-    local = w_gate_up.shape[0]
+    local = mlp.w_gate_up.shape[0]
     T, k = experts.shape
     cap = T * k
     flat = experts.reshape(-1)
@@ -122,7 +164,7 @@ def moe_experts_ep(
     recv_x = jax.lax.all_to_all(send_x, axis_name, 0, 0, tiled=True).reshape(ep * cap, -1)
     recv_e = jax.lax.all_to_all(send_e, axis_name, 0, 0, tiled=True).reshape(ep * cap)
     lorder = jnp.argsort(recv_e, stable=True)
-    ys = grouped_swiglu(recv_x[lorder], jnp.bincount(recv_e, length=local), w_gate_up, w_down)
+    ys = grouped_swiglu(recv_x[lorder], jnp.bincount(recv_e, length=local), mlp, recv_e[lorder])
     back = jnp.zeros_like(ys).at[lorder].set(ys).reshape(ep, cap, -1)
 
     # The inverse all_to_all: back[d] = results of what this shard sent to d, slot for slot.
@@ -134,8 +176,8 @@ def moe_experts_ep(
 def moe_mlp_ep(cfg: ModelConfig, lp, h: jax.Array, axis_name: str = EXPERT) -> jax.Array:
     """moe_mlp inside shard_map over axis_name: lp's expert weights are this shard's slice,
     the router and shared expert are replicated, h [T, H] are this shard's tokens."""
-    weights, experts = route(h, lp["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
-    y = moe_experts_ep(h, weights, experts, lp["experts_gate_up"], lp["experts_down"], axis_name)
+    weights, experts = route(h, lp["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob, lp.get("router_bias"))
+    y = moe_experts_ep(h, weights, experts, layer_experts(cfg, lp), axis_name)
     if cfg.shared_expert_intermediate_size:
         y = y + shared_expert(h, lp)
     return y.astype(h.dtype)

@@ -244,10 +244,10 @@ def target_pass(params, cfg: ModelConfig, tokens: jax.Array, capture_layers: tup
     """tokens [S] -> (logits [S, V] float32, features [S, C*H]): a dense causal forward whose
     features are the residual streams entering the capture layers (index L = the last layer's
     output before the final norm), concatenated low to high as spec/eagle.py reads them."""
-    if cfg.sliding_windows or cfg.attn_logit_softcap is not None or cfg.rope_layers:
+    if cfg.sliding_windows or cfg.attn_logit_softcap is not None or cfg.rope_layers or cfg.attention_sinks:
         raise NotImplementedError(
             "EAGLE-3 training over a target with sliding-window attention, attention logit "
-            "soft-capping or NoPE layers is not implemented (the training pass attends densely)"
+            "soft-capping, attention sinks or NoPE layers is not implemented (the training pass attends densely)"
         )
     S = tokens.shape[0]
     x = embed_tokens(params, cfg, tokens)

@@ -35,7 +35,8 @@ from jspec.models.moe import moe_mlp, moe_mlp_expert_parallel
 H = 64
 
 
-def moe_cfg(num_experts=8, top_k=2, norm=False, shared=0, inter=32, layers=1, family="qwen3_moe"):
+def moe_cfg(num_experts=8, top_k=2, norm=False, shared=0, inter=32, layers=1, family="qwen3_moe", limit=None):
+    """limit: gpt-oss's experts (router and expert biases, SwiGLU clamped at limit)."""
     return ModelConfig(
         family=family,
         vocab_size=H,
@@ -52,6 +53,9 @@ def moe_cfg(num_experts=8, top_k=2, norm=False, shared=0, inter=32, layers=1, fa
         norm_topk_prob=norm,
         moe_layers=tuple(range(layers)),
         shared_expert_intermediate_size=shared,
+        moe_biases=limit is not None,
+        swiglu_limit=limit,
+        swiglu_alpha=1.702 if limit is not None else 1.0,
     )
 
 
@@ -65,6 +69,8 @@ def random_layer(cfg, seed, skew=False):
     lp = {"router": n(H, E), "experts_gate_up": n(E, H, 2 * I), "experts_down": n(E, I, H)}
     if Is:
         lp.update(shared_gate_up=n(H, 2 * Is), shared_down=n(Is, H), shared_gate=n(H, 1))
+    if cfg.moe_biases:
+        lp.update(router_bias=n(1, E)[0], experts_b_gate_up=n(1, E, 2 * I)[0], experts_b_down=n(1, E, H)[0])
     h = rng.standard_normal((37, H)).astype(np.float32)
     if skew:
         u = rng.standard_normal(H).astype(np.float32)
@@ -77,7 +83,7 @@ def random_layer(cfg, seed, skew=False):
 def dense_reference(cfg, lp, h):
     """Every expert on every token, masked: float64 numpy, routing by a full sort."""
     h, lp = np.asarray(h, np.float64), jax.tree.map(lambda a: np.asarray(a, np.float64), lp)
-    logits = h @ lp["router"]
+    logits = h @ lp["router"] + lp.get("router_bias", 0.0)
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     top = np.argsort(-probs, axis=-1, kind="stable")[:, : cfg.num_experts_per_tok]
@@ -88,8 +94,14 @@ def dense_reference(cfg, lp, h):
         w /= w.sum(-1, keepdims=True)
     silu = lambda x: x / (1 + np.exp(-x))  # noqa: E731
     I = cfg.moe_intermediate_size
-    gu = np.einsum("th,ehi->tei", h, lp["experts_gate_up"])
-    y = np.einsum("tei,eih->teh", silu(gu[..., :I]) * gu[..., I:], lp["experts_down"])
+    gu = np.einsum("th,ehi->tei", h, lp["experts_gate_up"]) + lp.get("experts_b_gate_up", 0.0)
+    gate, up = gu[..., :I], gu[..., I:]
+    if cfg.swiglu_limit is None:
+        act = silu(gate) * up
+    else:
+        gate, up = np.minimum(gate, cfg.swiglu_limit), np.clip(up, -cfg.swiglu_limit, cfg.swiglu_limit)
+        act = (up + 1) * gate / (1 + np.exp(-cfg.swiglu_alpha * gate))
+    y = np.einsum("tei,eih->teh", act, lp["experts_down"]) + lp.get("experts_b_down", 0.0)
     out = np.einsum("te,teh->th", w, y)
     if cfg.shared_expert_intermediate_size:
         Is = cfg.shared_expert_intermediate_size
@@ -104,6 +116,7 @@ CASES = {  # name -> (config kwargs, skew)
     "e4k1_norm": (dict(num_experts=4, top_k=1, norm=True), False),
     "e8k3_norm_shared": (dict(top_k=3, norm=True, shared=48), False),
     "e8k2_skewed": (dict(), True),
+    "e8k2_gpt_oss": (dict(norm=True, limit=0.5), False),  # biases, and a clamp that bites
 }
 
 

@@ -83,7 +83,7 @@ def random_tree_mask(rng, batch, max_q_len):
     return mask
 
 
-def brute_force_attention(q_rows, k, v, seq_lens, page_tables, owners, visible_fn, softcap=None):
+def brute_force_attention(q_rows, k, v, seq_lens, page_tables, owners, visible_fn, softcap=None, sinks=None):
     """Loop-by-loop attention in float64 straight from the page table: the check on ref.py itself."""
     _, _, page_size, num_kv_heads, head_dim = k.shape
     out = np.zeros(q_rows.shape, np.float64)
@@ -94,7 +94,7 @@ def brute_force_attention(q_rows, k, v, seq_lens, page_tables, owners, visible_f
         b, i = owner
         positions = [j for j in range(seq_lens[b]) if visible_fn(b, i, j)]
         if not positions:
-            continue
+            continue  # zeros, sink or not: the sink's value is zero
         slots = [(page_tables[b, j // page_size], j % page_size) for j in positions]
         keys = np.stack([k[LAYER, p, o] for p, o in slots]).astype(np.float64)
         vals = np.stack([v[LAYER, p, o] for p, o in slots]).astype(np.float64)
@@ -102,8 +102,11 @@ def brute_force_attention(q_rows, k, v, seq_lens, page_tables, owners, visible_f
             logits = keys[:, h // group] @ q_rows[row, h].astype(np.float64) * SM_SCALE
             if softcap is not None:
                 logits = softcap * np.tanh(logits / softcap)
-            w = np.exp(logits - logits.max())
-            out[row, h] = (w / w.sum()) @ vals[:, h // group]
+            sink = [] if sinks is None else [float(sinks[h])]
+            top = max([logits.max(), *sink])
+            w = np.exp(logits - top)
+            total = w.sum() + sum(np.exp(s - top) for s in sink)
+            out[row, h] = (w / total) @ vals[:, h // group]
     return out
 
 
@@ -536,3 +539,44 @@ def test_logit_softcap_kernels_match_reference_and_brute_force(tree):
     assert rel_err(paged_decode_ref(*dec, sm_scale=SM_SCALE, logit_softcap=cap), want) < 1e-5
     out = paged_decode(*dec, sm_scale=SM_SCALE, logit_softcap=cap, block_n=16, num_splits=2, min_split_tokens=16)
     assert rel_err(out, want) < 1e-5
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_attention_sinks_kernels_match_reference_and_brute_force(tree):
+    """gpt-oss's per-head sink logits join the softmax's denominator (with a window, as its
+    sliding layers have, and split-K, so that the merge must count each sink once)."""
+    rng = np.random.default_rng(23 + tree)
+    window, max_q_len = 6, 4
+    q_lens = np.array([4, 1, 3])
+    prefix = np.array([20, 9, 0])
+    seq_lens = (prefix + q_lens).astype(np.int32)
+    k, v, tables = paged_problem(rng, seq_lens, page_size=4, num_kv_heads=2, head_dim=64)
+    q, query_start = ragged_queries(rng, q_lens, 4, 64, pad_rows=2)
+    sinks = jnp.asarray([2.0, -1.0, 0.5, 4.0], jnp.float32)  # 4.0 outweighs most keys
+    mask = random_tree_mask(rng, 3, max_q_len) if tree else None
+    owners = [None] * q.shape[0]
+    for b in range(3):
+        for i in range(q_lens[b]):
+            owners[query_start[b] + i] = (b, i)
+
+    def visible(b, i, j):
+        start = seq_lens[b] - q_lens[b]
+        if tree:
+            depth = int(mask[b, i].sum()) - 1
+            return start + depth - window < j < start or (j >= start and mask[b, i, j - start])
+        return start + i - window < j <= start + i
+
+    args = (q, k, v, jnp.int32(LAYER), seq_lens, tables, query_start)
+    kw = dict(sm_scale=SM_SCALE, max_q_len=max_q_len, mask=mask, window=jnp.int32(window), sinks=sinks)
+    want = brute_force_attention(q, k, v, seq_lens, tables, owners, visible, sinks=np.asarray(sinks))
+    assert rel_err(paged_extend_ref(*args, **kw), want) < 1e-5
+    assert rel_err(paged_extend(*args, block_m=16, block_n=16, num_splits=2, **kw), want) < 1e-5
+    assert rel_err(paged_extend_ref(*args, **{**kw, "sinks": None}), want) > 1e-2
+    dec = (q[:3], k, v, jnp.int32(LAYER), seq_lens, tables)
+    want = brute_force_attention(
+        q[:3], k, v, seq_lens, tables, [(b, 0) for b in range(3)], lambda *_: True, sinks=np.asarray(sinks)
+    )
+    assert rel_err(paged_decode_ref(*dec, sm_scale=SM_SCALE, sinks=sinks), want) < 1e-5
+    split = dict(block_n=16, num_splits=2, min_split_tokens=16)
+    assert rel_err(paged_decode(*dec, sm_scale=SM_SCALE, sinks=sinks, **split), want) < 1e-5
+    assert rel_err(paged_decode(*dec, sm_scale=SM_SCALE, sinks=sinks, block_n=16, num_splits=1), want) < 1e-5

@@ -87,6 +87,8 @@ def test_lowering_catches_a_non_power_of_two_array():
         (32, 4096, 16, 32, 8, 128, dict(window=True)),  # sliding window, a traced int32
         (1, 4096, 16, 32, 8, 128, dict(window=True, return_lse=True)),  # split-K path
         (8, 4096, 16, 8, 4, 256, dict(window=True, logit_softcap=50.0)),  # Gemma 2: head_dim 256, capped
+        (8, 4096, 16, 64, 8, 64, dict(window=True, sinks=True)),  # gpt-oss: sinks, split-K
+        (64, 4096, 16, 64, 8, 64, dict(window=True, sinks=True, num_splits=1)),  # sinks, one split
     ],
 )
 def test_paged_decode_lowers_for_cuda(batch, ctx, page_size, num_q_heads, num_kv_heads, head_dim, tuning):
@@ -95,7 +97,11 @@ def test_paged_decode_lowers_for_cuda(batch, ctx, page_size, num_q_heads, num_kv
     if tuning.pop("window", False):
         fn = functools.partial(paged_decode, sm_scale=head_dim**-0.5, interpret=False, **tuning)
         specs = (q, *cache_specs(batch, ctx, page_size, num_kv_heads, head_dim), jax.ShapeDtypeStruct((), I32))
-        lowered = lower_for_cuda(lambda *a: fn(*a[:6], window=a[6]), *specs)
+        if fn.keywords.pop("sinks", False):
+            specs = (*specs, jax.ShapeDtypeStruct((num_q_heads,), jnp.float32))
+            lowered = lower_for_cuda(lambda *a: fn(*a[:6], window=a[6], sinks=a[7]), *specs)
+        else:
+            lowered = lower_for_cuda(lambda *a: fn(*a[:6], window=a[6]), *specs)
         assert_has_triton_call(lowered)
         return
     specs = (
@@ -126,6 +132,8 @@ def test_paged_decode_lowers_for_cuda(batch, ctx, page_size, num_q_heads, num_kv
         (1, 2048, 2048, 16, 8, 128, False, dict(window=True)),  # windowed long prefill
         (4, 512, 4096, 16, 8, 128, False, dict(window=True, num_splits=4)),
         (8, 8, 4096, 16, 4, 256, True, dict(window=True, logit_softcap=50.0)),  # Gemma 2 under a tree
+        (8, 8, 4096, 16, 8, 64, True, dict(window=True, sinks=True)),  # gpt-oss under a tree
+        (1, 2048, 2048, 16, 8, 64, False, dict(window=True, sinks=True)),  # gpt-oss prefill
     ],
 )
 def test_paged_extend_lowers_for_cuda(batch, q_len, ctx, page_size, num_kv_heads, head_dim, tree, tuning):
@@ -144,12 +152,23 @@ def test_paged_extend_lowers_for_cuda(batch, q_len, ctx, page_size, num_kv_heads
         specs.append(jax.ShapeDtypeStruct((batch, q_len, q_len), jnp.bool_))
     if windowed:
         specs.append(jax.ShapeDtypeStruct((), I32))
+    sinked = tuning.pop("sinks", False)
+    if sinked:
+        specs.append(jax.ShapeDtypeStruct((num_q_heads,), jnp.float32))
 
     def fn(*args):
         mask = args[7] if tree else None
-        window = args[-1] if windowed else None
+        window = args[8 if tree else 7] if windowed else None
+        sinks = args[-1] if sinked else None
         return paged_extend(
-            *args[:7], sm_scale=head_dim**-0.5, max_q_len=q_len, mask=mask, window=window, interpret=False, **tuning
+            *args[:7],
+            sm_scale=head_dim**-0.5,
+            max_q_len=q_len,
+            mask=mask,
+            window=window,
+            sinks=sinks,
+            interpret=False,
+            **tuning,
         )
 
     assert_has_triton_call(lower_for_cuda(fn, *specs))

@@ -3,15 +3,22 @@ a prefill of every prompt position of 3 prompts, then 12 greedy decode steps thr
 KV cache (every family and feature of HF_VARIANTS: windows narrower than the prompts, RoPE
 positions past the original context)."""
 
+import json
+import os
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.hf_reference import HF_VARIANTS, hf_logits_many, hf_make_checkpoints, requires_hf
 from support.parity import forward_logits, rel_err
 
+import jspec
 from jspec.checkpoint.loader import load_model
+from jspec.checkpoint.mxfp4 import FP4_E2M1
+from jspec.config.spec import SpecConfig
 from jspec.kvcache.allocator import PageAllocator
 from jspec.kvcache.pool import create_kv_pool
+from jspec.models.llama import dense_forward
 from jspec.worker.inputs import SeqChunk, build_forward_batch
 
 PAGE_SIZE = 4
@@ -19,7 +26,7 @@ DECODE_STEPS = 12
 # The Pallas kernels (interpreted: slow to compile) where they have something new to show;
 # tests/kernels/ checks them against the reference everywhere else.
 PALLAS_VARIANTS = {"llama", "llama3_rope", "llama_tied", "mistral", "qwen2", "qwen3", "qwen3_tied"}
-PALLAS_VARIANTS |= {"mistral_window", "gemma2"}  # windows; attention soft-capping in windows
+PALLAS_VARIANTS |= {"mistral_window", "gemma2", "gpt_oss"}  # windows; soft-capping and sinks in windows
 
 
 VOCAB = 320  # every variant's (tests/support/hf_oracle.py)
@@ -69,3 +76,60 @@ def test_logits_match_transformers(hf_references, variant):
             want = ref["decode_logits"][i][step]
             assert rel_err(got, want) < 1e-4, f"{variant} decode step {step} prompt {i}"
             assert int(np.argmax(got)) == int(ref["generated"][i][step + 1])
+
+
+@requires_hf
+@pytest.mark.parametrize("variant,page_size,breadth", [("gpt_oss", 1, 2)])
+def test_ngram_speculation_keeps_transformers_greedy_tokens(hf_references, variant, page_size, breadth):
+    """NGRAM speculation on the checkpoint transformers wrote (draft trees through the windowed
+    layers, shallower than the window of 4): the 12 greedy tokens of HF itself."""
+    path, ref = hf_references[variant]
+    spec = SpecConfig("NGRAM", num_draft_tokens=4, ngram_max_bfs_breadth=breadth)
+    engine = jspec.Engine(
+        path, speculative=spec, page_size=page_size, max_total_tokens=64 * page_size, attention_backend="reference"
+    )
+    out = jspec.generate(path, PROMPTS, max_new_tokens=DECODE_STEPS, ignore_eos=True, engine=engine)
+    engine.check_idle_no_leaks()
+    assert [o.token_ids for o in out] == [list(map(int, g[:DECODE_STEPS])) for g in ref["generated"]]
+    assert all(o.spec_verify_ct >= 1 for o in out)
+
+
+def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[E, out, in] f32 -> the published MXFP4 (blocks [E, out, in / 32, 16], scales [E, out, in / 32]):
+    each block of 32 scaled by a power of two so that its largest value fits e2m1's 6, then
+    rounded to the nearest e2m1 code."""
+    blocks = w.reshape(*w.shape[:-1], -1, 32)
+    amax = np.maximum(np.abs(blocks).max(axis=-1), 1e-30)
+    exponent = np.ceil(np.log2(amax / 6.0)).astype(np.int32)
+    scaled = blocks / np.ldexp(1.0, exponent)[..., None]
+    codes = np.abs(scaled[..., None] - FP4_E2M1).argmin(axis=-1).astype(np.uint8)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed, (exponent + 127).astype(np.uint8)
+
+
+@requires_hf
+def test_mxfp4_experts_match_transformers(hf_references, tmp_path):
+    """gpt-oss's published MXFP4 expert layout: transformers dequantises the same blocks and
+    scales itself (its CPU path), and the prefill logits agree."""
+    from safetensors.numpy import load_file, save_file
+
+    path, _ = hf_references["gpt_oss"]
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = quantize_mxfp4(np.swapaxes(tensors.pop(name), 1, 2))  # stored [E, in, out]
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+    save_file(tensors, os.path.join(tmp_path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "mxfp4", "dequantize": True}
+    with open(os.path.join(tmp_path, "config.json"), "w") as f:
+        json.dump(config, f)
+    ref = hf_logits_many({"mxfp4": tmp_path}, PROMPTS, decode_steps=0)["mxfp4"]
+    cfg, params = load_model(tmp_path, dtype=jnp.float32)
+    unquantized = load_model(path, dtype=jnp.float32)[1]
+    for i, p in enumerate(PROMPTS):
+        got = np.asarray(dense_forward(params, cfg, jnp.asarray(p)))
+        assert rel_err(got, ref["prefill_logits"][i]) < 1e-4, f"prompt {i}"
+    # Rounding to FP4 moved the logits: the blocks were read, not the unquantised weights.
+    moved = np.asarray(dense_forward(unquantized, cfg, jnp.asarray(PROMPTS[0])))
+    assert rel_err(moved, ref["prefill_logits"][0]) > 1e-3

@@ -205,6 +205,30 @@ ARCH_DEFAULTS = {
             },
         ),
     ),
+    # Windows of 4 on alternate layers, attention sinks, experts with biases and a SwiGLU clamp
+    # tight enough to bite, YaRN (untruncated) past a 12-token original context.
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(
+            head_dim=16,
+            intermediate_size=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=4,
+            swiglu_limit=1.0,
+            max_position_embeddings=48,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 12,
+            },
+        ),
+    ),
     "mixtral": (
         "MixtralConfig",
         "MixtralForCausalLM",

@@ -86,6 +86,7 @@ HF_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "olmo2": ("olmo2", {}),
     "granite": ("granite", {"attention_bias": True}),
     "smollm3": ("smollm3", {}),
+    "gpt_oss": ("gpt_oss", {}),
     "mistral": ("mistral", {}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),

@@ -159,3 +159,25 @@ def test_new_fields_survive_a_converted_checkpoints_json():
     )
     back = config_from_json(json.loads(json.dumps(config_to_json(cfg))))
     assert back == cfg and hash(back) == hash(cfg)
+
+
+def test_gpt_oss_switches_and_what_it_refuses():
+    """gpt-oss without layer_types alternates windows from layer 0 (HF's default); every layer
+    is sparse, with biases and the clamped SwiGLU; what jspec cannot run with sinks is refused."""
+    from jspec.checkpoint.fp8 import UnsupportedQuantizationError
+    from jspec.checkpoint.mxfp4 import check_mxfp4_family
+    from jspec.distributed.dp_attention import check_dp_config
+    from jspec.distributed.tensor_parallel import check_tp_config
+
+    cfg = ModelConfig.from_hf(
+        hf_config("GptOssForCausalLM", sliding_window=128, num_local_experts=8, num_experts_per_tok=2)
+    )
+    assert cfg.sliding_windows == (128, 0, 128, 0) and cfg.attention_sinks
+    assert cfg.moe_layers == (0, 1, 2, 3) and cfg.moe_biases and cfg.norm_topk_prob
+    assert (cfg.swiglu_limit, cfg.swiglu_alpha, cfg.moe_intermediate_size) == (7.0, 1.702, 128)
+    with pytest.raises(ValueError, match="attention sinks"):
+        check_tp_config(cfg, 2)
+    with pytest.raises(ValueError, match="attention sinks"):
+        check_dp_config(cfg, 2, 1)
+    with pytest.raises(UnsupportedQuantizationError, match="'mxfp4' is supported for gpt-oss experts only"):
+        check_mxfp4_family("llama")
