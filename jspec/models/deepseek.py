@@ -25,6 +25,7 @@ from jspec.config.model import ModelConfig
 from jspec.kvcache.pool import KVPool, write_kv
 from jspec.layers.batch import AttentionMode, ForwardBatch
 from jspec.layers.matmul import dense_f32
+from jspec.models.llama import rms_norm
 from jspec.models.moe import moe_experts
 
 
@@ -73,12 +74,6 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, interleave: bool) -
         x1, x2 = jnp.split(x32, 2, axis=-1)
     c, s = cos[:, None, :], sin[:, None, :]
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * x32.astype(x.dtype)
 
 
 def _linear(x: jax.Array, w: jax.Array) -> jax.Array:
