@@ -53,6 +53,36 @@ def _latent_tiles(rows_ref, page_tables_ref, *, cache_shape, rank, layer, seq, s
     return c, k_rope
 
 
+def _tile_scores(q_lat, q_rope, rows_ref, page_tables_ref, *, scale_log2, **tile):
+    """One KV tile's latents c [block_n, R] and the scores of the absorbed query against them
+    (log2 units): q_lat . c + q_rope . k_rope."""
+    c, k_rope = _latent_tiles(rows_ref, page_tables_ref, **tile)
+    dims = (((1,), (1,)), ((), ()))
+    s = lax.dot_general(q_lat, c, dims, preferred_element_type=jnp.float32)
+    s = (s + lax.dot_general(q_rope, k_rope, dims, preferred_element_type=jnp.float32)) * scale_log2
+    return c, s
+
+
+def _online_softmax_step(carry, s, visible, c, dtype):
+    """The running (max, normaliser, accumulator) after one tile; the latents are the values."""
+    m, l, acc = carry
+    s = jnp.where(visible, s, MASK_VALUE)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.where(visible, jnp.exp2(s - m_new[:, None]), 0.0)
+    l = l * alpha + jnp.sum(p, axis=1)
+    pv = lax.dot_general(p.astype(dtype), c, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return m_new, l, acc * alpha[:, None] + pv
+
+
+def _empty_carry(block_h: int, rank: int):
+    return (
+        jnp.full((block_h,), MASK_VALUE, jnp.float32),
+        jnp.zeros((block_h,), jnp.float32),
+        jnp.zeros((block_h, rank), jnp.float32),
+    )
+
+
 def _mla_decode_kernel(
     layer_ref,
     split_len_ref,
@@ -89,11 +119,13 @@ def _mla_decode_kernel(
     q_lat, q_rope = q_lat.astype(dtype), q_rope.astype(dtype)
 
     def tile(i, carry):
-        m, l, acc = carry
         start = lo + i * block_n
-        c, k_rope = _latent_tiles(
+        c, s = _tile_scores(
+            q_lat,
+            q_rope,
             rows_ref,
             page_tables_ref,
+            scale_log2=scale_log2,
             cache_shape=cache_shape,
             rank=rank,
             layer=layer,
@@ -102,24 +134,10 @@ def _mla_decode_kernel(
             block_n=block_n,
             valid_len=hi,
         )
-        dims = (((1,), (1,)), ((), ()))
-        s = lax.dot_general(q_lat, c, dims, preferred_element_type=jnp.float32)
-        s = (s + lax.dot_general(q_rope, k_rope, dims, preferred_element_type=jnp.float32)) * scale_log2
         visible = (start + lax.iota(jnp.int32, block_n) < hi)[None, :]
-        s = jnp.where(visible, s, MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.where(visible, jnp.exp2(s - m_new[:, None]), 0.0)
-        l = l * alpha + jnp.sum(p, axis=1)
-        pv = lax.dot_general(p.astype(dtype), c, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        return m_new, l, acc * alpha[:, None] + pv
+        return _online_softmax_step(carry, s, visible, c, dtype)
 
-    carry = (
-        jnp.full((block_h,), MASK_VALUE, jnp.float32),
-        jnp.zeros((block_h,), jnp.float32),
-        jnp.zeros((block_h, rank), jnp.float32),
-    )
-    m, l, acc = lax.fori_loop(0, num_tiles, tile, carry)
+    m, l, acc = lax.fori_loop(0, num_tiles, tile, _empty_carry(block_h, rank))
     pltriton.store(acc_ref.at[seq, split, h2, lax.iota(jnp.int32, rank)[None, :]], acc, mask=real[:, None])
     pltriton.store(m_ref.at[seq, split, heads], m, mask=real)
     pltriton.store(l_ref.at[seq, split, heads], l, mask=real)
@@ -254,11 +272,13 @@ def _mla_extend_kernel(
     max_q = mask_ref.shape[1]
 
     def tile(t, carry):
-        m, l, acc = carry
         lo = t * block_n
-        c, k_rope = _latent_tiles(
+        c, s = _tile_scores(
+            q_lat,
+            q_rope,
             rows_ref,
             page_tables_ref,
+            scale_log2=scale_log2,
             cache_shape=cache_shape,
             rank=rank,
             layer=layer,
@@ -267,9 +287,6 @@ def _mla_extend_kernel(
             block_n=block_n,
             valid_len=hi,
         )
-        dims = (((1,), (1,)), ((), ()))
-        s = lax.dot_general(q_lat, c, dims, preferred_element_type=jnp.float32)
-        s = (s + lax.dot_general(q_rope, k_rope, dims, preferred_element_type=jnp.float32)) * scale_log2
         j = lo + lax.iota(jnp.int32, block_n)
         visible = j < hi
         if tree:
@@ -279,21 +296,9 @@ def _mla_extend_kernel(
                 mask_ref.at[seq, jnp.minimum(i, max_q - 1), jnp.clip(new, 0, max_q - 1)], mask=in_tree, other=0
             )
             visible = visible & ((new < 0) | (allowed != 0))
-        visible = visible[None, :]
-        s = jnp.where(visible, s, MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.where(visible, jnp.exp2(s - m_new[:, None]), 0.0)
-        l = l * alpha + jnp.sum(p, axis=1)
-        pv = lax.dot_general(p.astype(dtype), c, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        return m_new, l, acc * alpha[:, None] + pv
+        return _online_softmax_step(carry, s, visible[None, :], c, dtype)
 
-    carry = (
-        jnp.full((block_h,), MASK_VALUE, jnp.float32),
-        jnp.zeros((block_h,), jnp.float32),
-        jnp.zeros((block_h, rank), jnp.float32),
-    )
-    m, l, acc = lax.fori_loop(0, num_tiles, tile, carry)
+    m, l, acc = lax.fori_loop(0, num_tiles, tile, _empty_carry(block_h, rank))
     out = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(out_ref.dtype)
     pltriton.store(out_ref.at[row, h2, lax.iota(jnp.int32, rank)[None, :]], out, mask=real[:, None])
 
