@@ -26,7 +26,7 @@ from jspec.kvcache.pool import KVPool, write_kv
 from jspec.layers.batch import AttentionMode, ForwardBatch
 from jspec.layers.matmul import dense_f32
 from jspec.models.llama import rms_norm
-from jspec.models.moe import moe_experts
+from jspec.models.moe import ExpertMlp, moe_experts
 
 
 def yarn_inv_freq(ds: DeepseekConfig, rope_theta: float) -> np.ndarray:
@@ -194,7 +194,7 @@ def moe_mlp(cfg: ModelConfig, lp, h: jax.Array) -> jax.Array:
     weights, experts = route(
         cfg.deepseek, h, lp["router"], lp.get("router_bias"), cfg.num_experts_per_tok, cfg.norm_topk_prob
     )
-    y = moe_experts(h, weights, experts, lp["experts_gate_up"], lp["experts_down"])
+    y = moe_experts(h, weights, experts, ExpertMlp(lp["experts_gate_up"], lp["experts_down"]))
     if "shared_gate_up" in lp:
         y = y + swiglu(h, lp["shared_gate_up"], lp["shared_down"]).astype(h.dtype).astype(jnp.float32)
     return y
