@@ -138,6 +138,13 @@ def replay(traces: list[Trace], costs: CostTable, shapes, choose) -> dict:
     }
 
 
+@dataclasses.dataclass
+class ReplayRow:
+    """What the policy keeps of a replayed request (the engine keeps it on Request)."""
+
+    accept_alpha: float | None = None
+
+
 def fixed(index: int):
     def choose(rows, b):
         return index, None, lambda rows, accepts, cost, drafting: None
@@ -148,14 +155,10 @@ def fixed(index: int):
 def adaptive(shapes, costs: CostTable, opt_out: bool = True):
     policy = AdaptivePolicy(tuple(shapes), costs, opt_out=opt_out)
 
-    @dataclasses.dataclass
-    class Row:  # what the policy keeps per request
-        accept_alpha: float | None = None
-
-    state: dict[int, Row] = {}
+    state: dict[int, ReplayRow] = {}
 
     def choose(rows, b):
-        reqs = [state.setdefault(i, Row()) for i in rows]
+        reqs = [state.setdefault(i, ReplayRow()) for i in rows]
         c = policy.choose(policy.alphas(reqs), b)
         return (
             c.shape,
@@ -179,16 +182,12 @@ def policy_host_cost(shapes, costs: CostTable, rows=(1, 16, 64), calls: int = 20
                 table.ragged[(s, b, d)] = table.at(s, b)
                 d *= 2
 
-    @dataclasses.dataclass
-    class Row:
-        accept_alpha: float | None = None
-
     out = []
     rng = np.random.default_rng(0)
     for n in rows:
         policy = AdaptivePolicy(tuple(shapes), table)
         alphas, accepts = rng.random(n), rng.integers(0, 3, n)
-        reqs = [Row() for _ in range(n)]
+        reqs = [ReplayRow() for _ in range(n)]
         t0 = time.perf_counter()
         for _ in range(calls):
             policy.choose(alphas, n)

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import functools
+import time
 
 import jax
 import numpy as np
 
 from jspec.config.model import ModelConfig
+from jspec.config.sampling import SamplingParams
 from jspec.constrained.grammar import tree_masks
 from jspec.kvcache.pool import create_kv_pool
 from jspec.layers.batch import bucket
 from jspec.layers.penalties import init_penalty_state
+from jspec.speculative.adaptive import CostTable
 from jspec.speculative.method import (
     init_spec_state,
     spec_decode_step,
@@ -82,13 +85,6 @@ class SpecWorker(WorkerBase):
         the scratch page and slot, at a one-token context): the adaptive policy's cost table.
         ragged: also each drafting shape with d < B rows drafting (d a power of two), the others
         verifying their root alone (a program per (shape, bucket, d))."""
-        import time
-
-        import jax
-
-        from jspec.config.sampling import SamplingParams
-        from jspec.speculative.adaptive import CostTable
-
         greedy = (SamplingParams(), 0)
         seconds = {m.spec.shape: {} for m in self.methods}
         partial = {}
