@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
+import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jspec
-from benchmarks.common import RESULTS_DIR, TINY, Results, random_params
+from benchmarks.common import RESULTS_DIR, SMALL, TINY, Results, git_commit, int_list, random_params
 from jspec.layers.batch import bucket
 from jspec.speculative.adaptive import AdaptivePolicy, CostTable, shape_label
 from jspec.speculative.ngram import PAD, match_candidates_ref
@@ -205,12 +208,22 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="a tiny random model: a quick dry run of the script")
     ap.add_argument("--cost-table", default=None, help="a cost table JSON instead of measuring one here")
     ap.add_argument("--max-new-tokens", type=int, default=160)
-    ap.add_argument("--batch", type=int, default=6, help="rows per replayed batch")
+    ap.add_argument("--batches", type=int_list, default=[6], help="rows per replayed batch (traces repeat to fill)")
+    ap.add_argument(
+        "--costs-only",
+        metavar="PATH",
+        help="measure the cost table on this device with random weights of the SmolLM2 shape (costs "
+        "do not depend on the weights' values), write it to PATH and stop; replay elsewhere with --cost-table",
+    )
+    ap.add_argument("--max-running-requests", type=int, default=128, help="the largest bucket --costs-only measures")
     args = ap.parse_args()
     spec = jspec.SpecConfig("NGRAM", adaptive=True, adaptive_shapes=SHAPES)
+    if args.costs_only:
+        write_costs(args.costs_only, spec, args.max_running_requests)
+        return
     if args.tiny:
         model, prompts = (TINY, random_params(TINY, jnp.float32)), TINY_PROMPTS
-        args.max_new_tokens, args.batch = min(args.max_new_tokens, 24), 2
+        args.max_new_tokens, args.batches = min(args.max_new_tokens, 24), [2]
     else:
         from jspec.server.chat_template import render_chat
         from jspec.testing.demo import default_model_path
@@ -225,36 +238,25 @@ def main():
         costs = CostTable.load(args.cost_table)
     else:
         # Every program compiles on its first (untimed) run.
-        engine = jspec.Engine(model, speculative=spec, max_running_requests=args.batch, page_size=16)
+        engine = jspec.Engine(model, speculative=spec, max_running_requests=max(args.batches), page_size=16)
         costs = engine.worker.measure_costs(ragged=True)
     ranked = sorted(traces, key=lambda t: -t.accept[shapes[0]].mean())
     half = len(ranked) // 2
-    workloads = {
-        "pays": ranked[:half][: args.batch],
-        "never_pays": ranked[half:][: args.batch],
-        "mixed": (ranked[: args.batch // 2] + ranked[half:])[: args.batch],
-    }
     rows = []
-    for name, batch in workloads.items():
-        row = {"workload": name, "rows": len(batch)}
-        for i, s in enumerate(shapes):
-            row[shape_label(s)] = replay(batch, costs, shapes, fixed(i))
-        row["adaptive"] = replay(batch, costs, shapes, adaptive(shapes, costs))
-        row["adaptive_per_batch"] = replay(batch, costs, shapes, adaptive(shapes, costs, opt_out=False))
-        always = row[shape_label(shapes[0])]["tokens_per_s"]
-        off = row["off"]["tokens_per_s"]
-        best_fixed = max(row[shape_label(s)]["tokens_per_s"] for s in shapes)
-        row["adaptive_over_better_of_on_and_off"] = row["adaptive"]["tokens_per_s"] / max(always, off)
-        row["adaptive_over_best_fixed"] = row["adaptive"]["tokens_per_s"] / best_fixed
-        row["per_batch_over_better_of_on_and_off"] = row["adaptive_per_batch"]["tokens_per_s"] / max(always, off)
-        rows.append(row)
+    for size in args.batches:
+        for name, pool in (("pays", ranked[:half]), ("never_pays", ranked[half:]), ("mixed", ranked)):
+            if name == "mixed":  # half from each end, as far as the traces go
+                pool = ranked[: size // 2] + ranked[half:] if size <= len(ranked) else ranked
+            batch = list(itertools.islice(itertools.cycle(pool), size))
+            rows.append(replay_row(name, batch, costs, shapes))
+    print_rows(rows, shapes, costs)
     settings = {
         "model": "tiny random" if args.tiny else "SmolLM2-135M-Instruct (embedded)",
         "method": "NGRAM",
         "shapes": [shape_label(s) for s in shapes],
         "always_on": shape_label(shapes[0]),
         "max_new_tokens": args.max_new_tokens,
-        "batch": args.batch,
+        "batches": args.batches,
         "cost_source": costs.source,
     }
     trace_summary = [
@@ -269,17 +271,50 @@ def main():
     results = Results(args.out, "bench_adaptive", settings)
     path = results.write(rows=rows, **costs.to_json(), traces=trace_summary, policy_host=host)
     print(f"wrote {path}\n")
+    for h in host:
+        print(f"policy host time, {h['rows']} rows: choose {h['choose_us']:.0f} us, observe {h['observe_us']:.0f} us")
+
+
+def write_costs(path: str, spec: jspec.SpecConfig, max_rows: int):
+    """The cost table of `spec`'s shapes at every bucket up to max_rows, measured here."""
+    dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    model = (SMALL, random_params(SMALL, dtype))
+    engine = jspec.Engine(model, speculative=spec, max_running_requests=max_rows, page_size=16)
+    costs = engine.worker.measure_costs()
+    device = jax.devices()[0].device_kind
+    with open(path, "w") as f:
+        json.dump(dict(costs.to_json(), device=device, commit=git_commit(), shape="smollm2-135m"), f, indent=1)
+    for s, row in costs.seconds.items():
+        print(shape_label(s), " ".join(f"B={b}: {t * 1e3:.2f} ms" for b, t in sorted(row.items())))
+    print(f"wrote {path} ({device})")
+
+
+def replay_row(name: str, batch: list[Trace], costs: CostTable, shapes) -> dict:
+    """One workload under every fixed shape, the policy, and the policy without per-row opt-out."""
+    row = {"workload": name, "rows": len(batch)}
+    for i, s in enumerate(shapes):
+        row[shape_label(s)] = replay(batch, costs, shapes, fixed(i))
+    row["adaptive"] = replay(batch, costs, shapes, adaptive(shapes, costs))
+    row["adaptive_per_batch"] = replay(batch, costs, shapes, adaptive(shapes, costs, opt_out=False))
+    always = row[shape_label(shapes[0])]["tokens_per_s"]
+    off = row["off"]["tokens_per_s"]
+    best_fixed = max(row[shape_label(s)]["tokens_per_s"] for s in shapes)
+    row["adaptive_over_better_of_on_and_off"] = row["adaptive"]["tokens_per_s"] / max(always, off)
+    row["adaptive_over_best_fixed"] = row["adaptive"]["tokens_per_s"] / best_fixed
+    row["per_batch_over_better_of_on_and_off"] = row["adaptive_per_batch"]["tokens_per_s"] / max(always, off)
+    return row
+
+
+def print_rows(rows, shapes, costs: CostTable):
     labels = [shape_label(s) for s in shapes]
     head = " ".join(f"{x:>8}" for x in labels)
-    print(f"{'workload':>10} {head} {'per-batch':>9} {'adaptive':>8} {'vs max(on,off)':>14}  (tokens/s)")
+    print(f"{'workload':>10} {'rows':>4} {head} {'per-batch':>9} {'adaptive':>8} {'vs max(on,off)':>14}  (tokens/s)")
     for r in rows:
         fixed_rates = " ".join(f"{r[x]['tokens_per_s']:>8.1f}" for x in labels)
         print(
-            f"{r['workload']:>10} {fixed_rates} {r['adaptive_per_batch']['tokens_per_s']:>9.1f} "
+            f"{r['workload']:>10} {r['rows']:>4} {fixed_rates} {r['adaptive_per_batch']['tokens_per_s']:>9.1f} "
             f"{r['adaptive']['tokens_per_s']:>8.1f} {r['adaptive_over_better_of_on_and_off']:>14.3f}"
         )
-    for h in host:
-        print(f"policy host time, {h['rows']} rows: choose {h['choose_us']:.0f} us, observe {h['observe_us']:.0f} us")
     for (shape, b, d), t in sorted(costs.ragged.items()):
         full, off = costs.at(shape, b), costs.at((0, 1, 1), b)
         print(

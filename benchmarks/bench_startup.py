@@ -48,18 +48,31 @@ def run_generate(cache: str) -> dict:
     return dict(wall_s=wall, peak_rss_mb=usage.ru_maxrss / 1024, tokens_line=out.strip().splitlines()[-1])
 
 
+def machine() -> str:
+    """The accelerator the servers ran on, without starting JAX in this process."""
+    try:
+        gpu = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True
+        )
+        if gpu.returncode == 0 and gpu.stdout.strip():
+            return f"{gpu.stdout.strip().splitlines()[0]}, {os.cpu_count()} CPU cores"
+    except FileNotFoundError:
+        pass
+    return f"{os.cpu_count()} CPU cores"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def run_server(cache: str, limit_s: float = 300) -> dict:
+def run_server(cache: str, server_args: list[str], limit_s: float = 600) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     t0 = time.perf_counter()
     proc = subprocess.Popen(
-        [sys.executable, "scripts/serve.py", "--port", str(port), "--compilation-cache-dir", cache],
+        [sys.executable, "scripts/serve.py", "--port", str(port), "--compilation-cache-dir", cache, *server_args],
         cwd=REPO_ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -73,19 +86,21 @@ def run_server(cache: str, limit_s: float = 300) -> dict:
                 time.sleep(0.2)
         healthy = time.perf_counter() - t0
         peak = peak_rss_mb(proc.pid)
-        body = json.dumps(
-            {
-                "messages": [{"role": "user", "content": "What is the capital of France?"}],
-                "max_tokens": 16,
-                "temperature": 0,
-            }
-        ).encode()
+        if proc.poll() is not None:
+            raise RuntimeError(f"serve.py exited with {proc.returncode} before it was healthy")
+        if server_args:  # a shape directory with dummy weights has no tokenizer: token ids in and out
+            route, body = "/generate", {"input_ids": list(range(1, 33)), "sampling_params": {"max_new_tokens": 16}}
+        else:
+            route = "/v1/chat/completions"
+            body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 16}
+            body["temperature"] = 0
         req = urllib.request.Request(
-            url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+            url + route, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
         )
         t1 = time.perf_counter()
         with urllib.request.urlopen(req, timeout=120) as r:
-            answer = json.loads(r.read())["choices"][0]["message"]["content"]
+            reply = json.loads(r.read())
+        answer = reply["choices"][0]["message"]["content"] if not server_args else reply["output_ids"]
         return dict(healthy_s=healthy, peak_rss_mb=peak, first_chat_s=time.perf_counter() - t1, answer=answer)
     finally:
         proc.terminate()
@@ -96,9 +111,20 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=RESULTS_DIR)
     ap.add_argument("--runs", type=int, default=2, help="cold runs and warm runs of each command")
+    ap.add_argument(
+        "--server-args",
+        default="",
+        help="serve.py's arguments instead of the README's none (e.g. a shape directory with "
+        "--load-format dummy); only the server runs then",
+    )
+    ap.add_argument("--name", default="bench_startup", help="the JSON's file name under --out")
     args = ap.parse_args()
+    server_args = args.server_args.split()
+    commands = [("serve.py", lambda cache: run_server(cache, server_args))]
+    if not server_args:
+        commands.insert(0, ("generate.py", run_generate))
     rows = []
-    for what, run in (("generate.py", run_generate), ("serve.py", run_server)):
+    for what, run in commands:
         for i in range(args.runs):
             with tempfile.TemporaryDirectory() as cache:
                 for kind in ("cold", "warm"):
@@ -107,9 +133,10 @@ def main():
                     print(json.dumps(row), flush=True)
     settings = {
         "commands": "as the README gives them, plus a cache directory of the benchmark's own",
+        "server_args": args.server_args,
         "runs": args.runs,
     }
-    path = Results(args.out, "bench_startup", settings, device=f"{os.cpu_count()} CPU cores").write(rows=rows)
+    path = Results(args.out, args.name, settings, device=machine()).write(rows=rows)
     print(f"wrote {path}\n")
     print(f"{'command':>12} {'cache':>5} {'seconds':>8} {'peak MB':>8}")
     for r in rows:

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The GPU runs of one device call, each under its own time limit, so that a step that hangs or
+# fails costs only its own share. Every step's JSON lands in $RESULTS and its log in
+# $RESULTS/logs; after each step all of it is packed into $OUT/gpu_results.tar.gz, so what a
+# call measured comes back even if a later step is cut off.
+#   JSPEC_COMMIT=<hash> bash benchmarks/gpu_session.sh STEP...     (steps: see `case` below)
+# Wheels the image lacks (the server's and the grammar's) travel in .whl (docs/benchmarks.md).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_out}
+RESULTS=${RESULTS:-/tmp/gpu_results}
+PY=${PY:-python3}
+mkdir -p "$OUT" "$RESULTS/logs"
+export PYTHONUNBUFFERED=1
+if [ -d .whl ] && [ -z "${JSPEC_WHEELS_DONE:-}" ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} JSPEC_WHEELS_DONE=1
+fi
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
+t0=$SECONDS
+summary=()
+
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  local s=$SECONDS
+  echo "=== [$((SECONDS - t0)) s] $name (limit $limit s): $*"
+  timeout --kill-after=10 "$limit" "$@" >"$RESULTS/logs/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$RESULTS/logs/$name.log"
+  summary+=("$(printf '%-22s rc=%-3s %4d s' "$name" "$rc" $((SECONDS - s)))")
+  tar -C "$RESULTS" -czf "$OUT/gpu_results.tar.gz" .
+}
+
+for s in "$@"; do
+  case $s in
+    kernel_tests) step kernel_tests 120 $PY -m pytest -q -p no:cacheprovider tests/kernels --maxfail=10 ;;
+    fp8) step fp8 160 $PY -m benchmarks.bench_fp8 --out "$RESULTS" ;;
+    kernels) step kernels 120 $PY -m benchmarks.bench_kernels --quick --out "$RESULTS" ;;
+    mla) step mla 70 $PY -m benchmarks.bench_mla --out "$RESULTS" ;;
+    nextn) step nextn 70 $PY -m benchmarks.bench_nextn --layers 4 --out "$RESULTS" ;;
+    host_launch) step host_launch 70 $PY -m benchmarks.bench_host_launch --tokens 128 --out "$RESULTS" ;;
+    overlap) step overlap 150 $PY -m benchmarks.bench_overlap --batches 1 --out "$RESULTS" --name bench_overlap_bs1 ;;
+    adaptive_costs)
+      step adaptive_costs 120 $PY -m benchmarks.bench_adaptive --costs-only "$RESULTS/adaptive_costs_h200.json" ;;
+    startup_8b)
+      step startup_8b 240 $PY -m benchmarks.bench_startup --runs 1 --name bench_startup_8b --out "$RESULTS" \
+        --server-args "--model-path benchmarks/shapes/llama-3.1-8b --load-format dummy" ;;
+    layer_loop)
+      step layer_loop 170 env BENCH_BATCHES=1,16,64 $PY -m benchmarks.bench_layer_loop --variants per_layer,scan \
+        --name bench_layer_loop_bs64 --out "$RESULTS" ;;
+    structured) step structured 240 $PY -m benchmarks.bench_structured --batches 1,16,64 --out "$RESULTS" ;;
+    *) echo "unknown step $s" >&2 ;;
+  esac
+done
+echo
+echo "step                   rc    time"
+printf '%s\n' "${summary[@]}"
