@@ -3,22 +3,27 @@ a prefill of every prompt position of 3 prompts, then 12 greedy decode steps thr
 KV cache (every family and feature of HF_VARIANTS: windows narrower than the prompts, RoPE
 positions past the original context)."""
 
+import dataclasses
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.hf_reference import HF_VARIANTS, hf_logits_many, hf_make_checkpoints, requires_hf
+from support.models import draft_config
 from support.parity import forward_logits, rel_err
 
 import jspec
+from jspec.checkpoint.eagle import init_random_draft_params
 from jspec.checkpoint.loader import load_model
 from jspec.checkpoint.mxfp4 import FP4_E2M1
 from jspec.config.spec import SpecConfig
 from jspec.kvcache.allocator import PageAllocator
 from jspec.kvcache.pool import create_kv_pool
 from jspec.models.llama import dense_forward
+from jspec.testing.eagle_tiny import tiny_capture_layers
 from jspec.worker.inputs import SeqChunk, build_forward_batch
 
 PAGE_SIZE = 4
@@ -78,20 +83,47 @@ def test_logits_match_transformers(hf_references, variant):
             assert int(np.argmax(got)) == int(ref["generated"][i][step + 1])
 
 
+# gpt-oss under each method (its windows of 4 admit drafts 3 deep): trees at page size 1 and 16,
+# and a STANDALONE draft of its own family, windowed, so drafting chains.
+SPECULATION_CASES = [("gpt_oss", "NGRAM", 1, 2), ("gpt_oss", "EAGLE3", 16, 2), ("gpt_oss", "STANDALONE", 16, 1)]
+
+
 @requires_hf
-@pytest.mark.parametrize("variant,page_size,breadth", [("gpt_oss", 1, 2)])
-def test_ngram_speculation_keeps_transformers_greedy_tokens(hf_references, variant, page_size, breadth):
-    """NGRAM speculation on the checkpoint transformers wrote (draft trees through the windowed
-    layers, shallower than the window of 4): the 12 greedy tokens of HF itself."""
+@pytest.mark.parametrize("variant,method,page_size,topk", SPECULATION_CASES)
+def test_speculation_keeps_transformers_greedy_tokens(hf_references, variant, method, page_size, topk):
+    """Speculation on the checkpoint transformers wrote, with a random EAGLE-3 head or a one-layer
+    draft of the same family (sinks, experts, its window): HF's own 12 greedy tokens."""
     path, ref = hf_references[variant]
-    spec = SpecConfig("NGRAM", num_draft_tokens=4, ngram_max_bfs_breadth=breadth)
+    cfg, params = load_model(path, dtype=jnp.float32)
+    draft = None
+    if method == "NGRAM":
+        spec = SpecConfig("NGRAM", num_draft_tokens=4, ngram_max_bfs_breadth=topk)
+    else:
+        spec = SpecConfig(method, num_steps=2, eagle_topk=topk, num_draft_tokens=None if topk == 1 else 4)
+    if method == "EAGLE3":
+        dcfg = dataclasses.replace(draft_config("EAGLE3", cfg), capture_layers=tiny_capture_layers(cfg.num_layers))
+        draft = (dcfg, init_random_draft_params(dcfg, jax.random.key(2), std=0.2))
+    if method == "STANDALONE":  # the target's first layer, weights included: right some of the time
+        dcfg = dataclasses.replace(
+            cfg, num_layers=1, sliding_windows=cfg.sliding_windows[:1], moe_layers=cfg.moe_layers[:1]
+        )
+        draft = (dcfg, {**params, "layers": jax.tree.map(lambda w: w[:1], params["layers"])})
     engine = jspec.Engine(
-        path, speculative=spec, page_size=page_size, max_total_tokens=64 * page_size, attention_backend="reference"
+        path,
+        speculative=spec,
+        draft=draft,
+        page_size=page_size,
+        max_total_tokens=64 * page_size,
+        max_running_requests=1,  # one batch shape: one decode program
+        chunked_prefill_size=16,  # one prefill program
+        attention_backend="reference",
     )
     out = jspec.generate(path, PROMPTS, max_new_tokens=DECODE_STEPS, ignore_eos=True, engine=engine)
     engine.check_idle_no_leaks()
     assert [o.token_ids for o in out] == [list(map(int, g[:DECODE_STEPS])) for g in ref["generated"]]
     assert all(o.spec_verify_ct >= 1 for o in out)
+    if method == "STANDALONE":  # some drafts were right: the accepting path ran too
+        assert sum(o.spec_verify_ct for o in out) < len(PROMPTS) * (DECODE_STEPS - 1)
 
 
 def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
