@@ -35,12 +35,12 @@ step() {  # step NAME SECONDS COMMAND...
 for s in "$@"; do
   case $s in
     kernel_tests) step kernel_tests 120 $PY -m pytest -q -p no:cacheprovider tests/kernels --maxfail=10 ;;
-    fp8) step fp8 160 $PY -m benchmarks.bench_fp8 --out "$RESULTS" ;;
+    fp8) step fp8 150 $PY -m benchmarks.bench_fp8 --out "$RESULTS" ;;
     kernels) step kernels 120 $PY -m benchmarks.bench_kernels --quick --out "$RESULTS" ;;
     mla) step mla 70 $PY -m benchmarks.bench_mla --out "$RESULTS" ;;
     nextn) step nextn 70 $PY -m benchmarks.bench_nextn --layers 4 --out "$RESULTS" ;;
     host_launch) step host_launch 70 $PY -m benchmarks.bench_host_launch --tokens 128 --out "$RESULTS" ;;
-    overlap) step overlap 150 $PY -m benchmarks.bench_overlap --batches 1 --out "$RESULTS" --name bench_overlap_bs1 ;;
+    overlap) step overlap 140 $PY -m benchmarks.bench_overlap --batches 1 --out "$RESULTS" --name bench_overlap_bs1 ;;
     adaptive_costs)
       step adaptive_costs 120 $PY -m benchmarks.bench_adaptive --costs-only "$RESULTS/adaptive_costs_h200.json" ;;
     startup_8b)
