@@ -64,20 +64,20 @@ FAMILIES = {
     "llama_attention_bias": dict(family="llama", qkv_bias=True, o_bias=True),
 }
 # NGRAM and EAGLE-3 on every family, at page sizes 1 and 16, on chains (topk 1) and trees.
-# STANDALONE grows beams with a draft of the target's family, whose layers the beam drafter runs
-# itself (its chains run the shared forward, which verification runs too; gpt-oss's windowed
-# draft in tests/parity drafts chains). Beams need a draft without windows (a windowed one is
-# refused by name, below), so these drafts are the full-attention form of the target's first
-# layers. Left out for time: STANDALONE on Gemma 1 and Llama attention_bias (switches that
-# Gemma 2's and Granite's include), Gemma 3 and SmolLM3.
+# STANDALONE on every family with a draft of the target's family: beams, whose layers the beam
+# drafter runs itself, need a draft without windows (a windowed one is refused by name, below),
+# so those drafts are the full-attention form of the target's first layers; chains (topk 1) run
+# the shared forward, windows included.
 CASES = [
     ("gemma", "NGRAM", 1, 2),
     ("gemma", "EAGLE3", 16, 1),
+    ("gemma", "STANDALONE", 16, 2),
     ("gemma2", "NGRAM", 16, 1),
     ("gemma2", "EAGLE3", 1, 2),
     ("gemma2", "STANDALONE", 16, 2),
     ("gemma3", "NGRAM", 1, 2),
     ("gemma3", "EAGLE3", 16, 2),
+    ("gemma3", "STANDALONE", 1, 1),
     ("phi3", "NGRAM", 16, 2),
     ("phi3", "EAGLE3", 1, 1),
     ("phi3", "STANDALONE", 1, 2),
@@ -89,8 +89,10 @@ CASES = [
     ("granite", "STANDALONE", 16, 2),
     ("smollm3", "NGRAM", 1, 2),
     ("smollm3", "EAGLE3", 16, 1),
+    ("smollm3", "STANDALONE", 16, 1),
     ("llama_attention_bias", "NGRAM", 16, 1),
     ("llama_attention_bias", "EAGLE3", 1, 2),
+    ("llama_attention_bias", "STANDALONE", 1, 2),
 ]
 NEW_TOKENS = 12
 PROMPTS = prompts([3, 9, 14])  # two longer than the windows of 6; each one prefill chunk of 16
@@ -155,7 +157,7 @@ def test_speculation_is_lossless_on_every_family(greedy_outputs, family, method,
         spec = SpecConfig("NGRAM", num_draft_tokens=1 + 3 * topk, ngram_max_bfs_breadth=topk)
     elif method == "STANDALONE":
         spec = SpecConfig("STANDALONE", num_steps=2, eagle_topk=topk, num_draft_tokens=None if topk == 1 else 4)
-        draft = standalone_draft(cfg, params, windowed=False)
+        draft = standalone_draft(cfg, params, windowed=topk == 1)
     else:
         spec = SpecConfig("EAGLE3", num_steps=2, eagle_topk=topk, num_draft_tokens=None if topk == 1 else 4)
         dcfg = draft_config("EAGLE3", cfg)
