@@ -116,3 +116,20 @@ def test_a_restart_loads_its_programs_from_the_compilation_cache(tmp_path):
         first.stderr[-2000:],
         second.stderr[-2000:],
     )
+
+
+def test_precompile_bs_paddings_bound_the_decode_programs(tiny):
+    """Listed decode batch sizes (and every power of two past the largest) are the only decode
+    programs: warm-up compiles them, the loop pads into them and compiles nothing more, and the
+    tokens are the default buckets' tokens."""
+    engine = jspec.Engine(tiny, precompile_bs_paddings=[2], **KW)
+    w = engine.worker
+    assert w.decode_buckets() == [2, 4] and [w.decode_bucket(r) for r in (1, 2, 3, 4)] == [2, 2, 4, 4]
+    assert engine.warmup(sampling_modes=("greedy",)) == len(w.prefill_token_buckets()) + 2
+    compiled = dict(w.programs.compiled)
+    assert greedy(engine) == greedy(jspec.Engine(tiny, **KW))
+    assert w.programs.compiled == compiled, "the loop compiled"
+    engine.check_idle_no_leaks()
+    assert jspec.Engine(tiny, precompile_bs_paddings=[64], **KW).worker.decode_buckets() == [4]
+    with pytest.raises(ValueError, match="powers of two"):
+        jspec.Engine(tiny, precompile_bs_paddings=[3], **KW)

@@ -30,6 +30,7 @@ def run_both(target, dcfg, draft, spec, page_size, ps, max_new=12, backend="refe
         page_size=page_size,
         max_total_tokens=95 * page_size,
         max_running_requests=8,
+        precompile_bs_paddings=[4],  # one decode program for the 3 rows, however they finish
         attention_backend=backend,
     )
     out = jspec.generate((TARGET, target), ps, max_new_tokens=max_new, ignore_eos=True, engine=engine)
