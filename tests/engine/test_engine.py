@@ -136,7 +136,13 @@ def test_retraction_finishes_everything_with_the_same_outputs(tiny):
         Arrival(0, list(range(10 + 7 * i, 40 + 7 * i)), jspec.SamplingParams(max_new_tokens=40, ignore_eos=True), None)
         for i in range(6)
     ]
-    kw = dict(page_size=4, max_running_requests=8, attention_backend="reference", disable_radix_cache=True)
+    kw = dict(
+        page_size=4,
+        max_running_requests=8,
+        precompile_bs_paddings=[8],  # one decode program per pool, however many requests run
+        attention_backend="reference",
+        disable_radix_cache=True,
+    )
     big = jspec.Engine(tiny, max_total_tokens=1020, **kw)
     ref = collect(big, arrivals)
     small = jspec.Engine(tiny, max_total_tokens=156, **kw)  # 6 requests x 70 tokens need 108 pages at once
