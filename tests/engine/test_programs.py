@@ -65,7 +65,7 @@ def test_the_default_server_compiles_at_most_16_programs(tiny, spec):
 
 
 def test_prompt_logprob_prefills_compile_in_the_background_while_others_run(tiny):
-    engine = jspec.Engine(tiny, max_top_logprobs=2, **KW)
+    engine = jspec.Engine(tiny, **KW)  # the other tests' programs: warm-up compiles only what they did not
     engine.warmup(sampling_modes=("greedy",))
     plain = engine.add_request([1, 2, 3], jspec.SamplingParams(max_new_tokens=4, ignore_eos=True))
     scoring = jspec.SamplingParams(
@@ -81,7 +81,7 @@ def test_prompt_logprob_prefills_compile_in_the_background_while_others_run(tiny
         for out in engine.step():
             done.setdefault(out.rid, []).extend(out.new_token_ids)
     assert len(done[plain]) == len(done[scored]) == 4
-    reference = jspec.Engine(tiny, max_top_logprobs=2, **KW).generate([[4, 5, 6]], scoring)[0]
+    reference = jspec.Engine(tiny, **KW).generate([[4, 5, 6]], scoring)[0]
     assert done[scored] == reference.token_ids
     assert len(reference.input_logprobs) == 3
     np.testing.assert_allclose(scored_req.input_logprobs[1:], reference.input_logprobs[1:], rtol=1e-5)
