@@ -139,7 +139,7 @@ def test_retraction_finishes_everything_with_the_same_outputs(tiny):
     kw = dict(
         page_size=4,
         max_running_requests=8,
-        precompile_bs_paddings=[8],  # one decode program per pool, however many requests run
+        precompile_bs_paddings=[8],  # one decode program per pool (test_penalties.py runs the same)
         attention_backend="reference",
         disable_radix_cache=True,
     )
