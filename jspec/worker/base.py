@@ -419,7 +419,7 @@ class WorkerBase:
 
     def decode_bucket(self, rows: int) -> int:
         """The bucket a decode of this many rows pads to."""
-        return next(b for b in self.decode_buckets() if b >= rows)
+        return next((b for b in self.decode_buckets() if b >= rows), bucket(rows))
 
     def warmup(self, sampling_modes=SAMPLING_MODES, prompt_logprobs: bool = False) -> int:
         """Compiles every bucketed program the loop runs (without running them), so the serving
