@@ -355,6 +355,10 @@ def main():
     shrink = 64 if args.smoke else 1
     if args.smoke:
         iters, reps = 1, 1
+        # An interpreted kernel compiles once per unrolled call: one call per iteration keeps
+        # the dry run's compile short (the loop's own overhead means nothing on a CPU).
+        global CALLS_PER_ITER
+        CALLS_PER_ITER = 1
 
     device = jax.devices()[0]
     print(f"device: {device.device_kind}, jax {jax.__version__}", flush=True)

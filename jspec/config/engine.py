@@ -35,6 +35,14 @@ class EngineConfig:
         None, "fraction of the accelerator's memory for weights + KV (GPU only)"
     )
     chunked_prefill_size: int = setting(512, "prompt tokens prefilled per step at most")
+    precompile_bs_paddings: tuple[int, ...] | None = setting(
+        None,
+        "decode batch sizes compiled (powers of two): a decode pads to the smallest at or above its rows "
+        "(past the largest, to the next power of two); default: every power of two up to --max-running-requests",
+        nargs="+",
+        type=int,
+        metavar="BS",
+    )
     context_length: int | None = setting(
         None, "longest prompt + output served (default: the model's max_position_embeddings)"
     )
@@ -148,6 +156,10 @@ class EngineConfig:
             if value is not None and value not in choices:
                 raise ValueError(f"unknown {name} {value!r}; choose one of {choices}")
         object.__setattr__(self, "lora_paths", dict(self.lora_paths or {}))
+        paddings = tuple(sorted(set(self.precompile_bs_paddings or ()))) or None
+        if paddings is not None and any(b < 1 or b & (b - 1) for b in paddings):
+            raise ValueError(f"precompile_bs_paddings must be powers of two, got {list(paddings)}")
+        object.__setattr__(self, "precompile_bs_paddings", paddings)
 
     @property
     def compilation_cache(self) -> str | None:

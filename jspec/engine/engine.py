@@ -28,7 +28,6 @@ from jspec.checkpoint.model import as_model, with_context_length
 from jspec.config.engine import EngineConfig
 from jspec.config.sampling import SamplingParams
 from jspec.engine.sizing import check_parallel, kv_pages
-from jspec.layers.batch import bucket
 from jspec.layers.sampling import sampling_mode
 from jspec.scheduler.detokenize import IncrementalDetokenizer, StopChecker
 from jspec.scheduler.request import Request
@@ -165,6 +164,7 @@ class Engine:
             page_size=config.page_size,
             num_pages=kv_pages(config, cfg, params, method, dtype),
             max_slots=max(1, config.max_running_requests // dp),
+            decode_paddings=config.precompile_bs_paddings,
             chunked_prefill_size=max(8, config.chunked_prefill_size // dp),
             top_n=config.max_top_logprobs,
             attention_backend=config.attention_backend,
@@ -451,7 +451,7 @@ class Engine:
             # The configured shape for every row is always compiled; the rest once ready.
             return (i == 0 and drafting_rows is None) or self.worker.decode_ready(rows, mode, i, drafting_rows)
 
-        return self.adaptive.choose(self.adaptive.alphas(batch.reqs), bucket(rows), ready)
+        return self.adaptive.choose(self.adaptive.alphas(batch.reqs), self.worker.decode_bucket(rows), ready)
 
     def _process(self, launched: Launched) -> list[RequestOutput]:
         t_start = time.perf_counter()

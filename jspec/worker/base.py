@@ -127,6 +127,7 @@ class WorkerBase:
         layer_loop: str = "auto",
         lora=None,
         kv_cache_dtype: str = "auto",
+        decode_paddings: tuple[int, ...] | None = None,
     ):
         # Tensor parallel (jspec.distributed): params arrive sharded over mesh; steps run under it.
         self.mesh = mesh
@@ -143,6 +144,7 @@ class WorkerBase:
         self.page_size = page_size
         self.num_pages = int(num_pages)
         self.max_slots = max_slots
+        self.decode_paddings = decode_paddings
         self.chunked_prefill_size = chunked_prefill_size
         self.backend = attention_backend or default_attention_backend()
         self.programs = Programs(mesh)
@@ -337,7 +339,7 @@ class WorkerBase:
         """Whether the decode program for this many rows, sampling program, shape and (with rows
         opted out of drafting) drafting rows is compiled; if not, starts compiling it in the
         background (the loop runs another program meanwhile)."""
-        B = bucket(rows)
+        B = self.decode_bucket(rows)
         tokens = None if drafting_rows is None else self.verify_tokens(B, shape, drafting_rows)
         key = self._decode_key(B, mode, shape, tokens)
         if self.programs.ready(key):
@@ -406,8 +408,18 @@ class WorkerBase:
         return bucket(total)
 
     def decode_buckets(self) -> list[int]:
-        """Row counts a decode pads to."""
-        return [1 << i for i in range(bucket(self.max_slots).bit_length())]
+        """Row counts a decode pads to: the powers of two up to max_slots', or with paddings
+        given those (clipped to it) and every power of two past the largest."""
+        top = bucket(self.max_slots)
+        every = [1 << i for i in range(top.bit_length())]
+        if not self.decode_paddings:
+            return every
+        chosen = {min(b, top) for b in self.decode_paddings}
+        return [b for b in every if b in chosen or b > max(chosen)]
+
+    def decode_bucket(self, rows: int) -> int:
+        """The bucket a decode of this many rows pads to."""
+        return next((b for b in self.decode_buckets() if b >= rows), bucket(rows))
 
     def warmup(self, sampling_modes=SAMPLING_MODES, prompt_logprobs: bool = False) -> int:
         """Compiles every bucketed program the loop runs (without running them), so the serving
@@ -584,7 +596,7 @@ class WorkerBase:
         return self._lora_batch(decode_lora_slots(B, loras))
 
     def _decode_inputs(self, slots: list[int], page_tables: list[list[int]], sampling):
-        B, M = bucket(len(slots)), self.table_width
+        B, M = self.decode_bucket(len(slots)), self.table_width
         slot_ids = np.full(B, self.scratch_slot, np.int32)
         slot_ids[: len(slots)] = slots
         pt = np.zeros((B, M), np.int32)

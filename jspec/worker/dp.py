@@ -114,7 +114,7 @@ class DPWorker:
             )
             ranks = [self._prefill_inputs(b, T) if b is not None else self._idle_prefill_inputs(T) for b in subs]
             return self._launch_prefill(ranks, T, any(b is not None and b.with_prompt_logprobs for b in subs))
-        B = max(bucket(len(b.slots)) for b in subs if b is not None)
+        B = max(self.inner.decode_bucket(len(b.slots)) for b in subs if b is not None)
         ranks = [self._decode_inputs(b, B) for b in subs]
         mode = sampling_mode(p for b in subs if b is not None for p, _ in b.sampling)
         return self._launch_decode(ranks, mode)

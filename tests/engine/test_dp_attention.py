@@ -51,6 +51,7 @@ def make_engine(model, draft, **kw):
         page_size=4,
         max_total_tokens=508,
         max_running_requests=4,
+        precompile_bs_paddings=[4],  # one decode program per rank count, however the rows finish
         attention_backend="reference",
         max_top_logprobs=2,
         **kw,

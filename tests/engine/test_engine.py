@@ -69,16 +69,26 @@ def collect(engine, arrivals):
     return results
 
 
+# The page-16 engines of this file share their programs (one pool, slot count, chunk size and
+# decode buckets): each is compiled once. 4 and 16 rows: the batch still changes bucket.
+PAGE16 = dict(
+    page_size=16,
+    max_total_tokens=(4096 // 16 + 63) * 16,
+    max_running_requests=16,
+    chunked_prefill_size=256,
+    precompile_bs_paddings=[4, 16],
+    attention_backend="reference",
+)
+
+
 # Page 1 with speculation covers page 1; page 16 both ways covers the plain loop.
 @pytest.mark.parametrize("page_size,speculative", [(16, False), (16, True), (1, True)])
 def test_overlap_equals_sync_on_a_mixed_workload(tiny, page_size, speculative):
     arrivals = workload()
     kw = dict(
+        PAGE16,
         page_size=page_size,
         max_total_tokens=(4096 // page_size + 63) * page_size,
-        max_running_requests=16,
-        chunked_prefill_size=256,
-        attention_backend="reference",
     )
     if speculative:
         kw.update(
@@ -102,7 +112,7 @@ def test_overlap_equals_sync_on_a_mixed_workload(tiny, page_size, speculative):
 
 
 def test_loop_reads_the_device_only_at_the_designated_point(tiny):
-    engine = jspec.Engine(tiny, page_size=16, max_total_tokens=8176, attention_backend="reference")
+    engine = jspec.Engine(tiny, **PAGE16)
     arrivals = workload(n=12, seed=1)
     # Warm up (compilation, first transfers) outside the guard, then the guarded run.
     run_workload(engine, workload(n=12, seed=1))
@@ -126,7 +136,13 @@ def test_retraction_finishes_everything_with_the_same_outputs(tiny):
         Arrival(0, list(range(10 + 7 * i, 40 + 7 * i)), jspec.SamplingParams(max_new_tokens=40, ignore_eos=True), None)
         for i in range(6)
     ]
-    kw = dict(page_size=4, max_running_requests=8, attention_backend="reference", disable_radix_cache=True)
+    kw = dict(
+        page_size=4,
+        max_running_requests=8,
+        precompile_bs_paddings=[8],  # one decode program per pool (test_penalties.py runs the same)
+        attention_backend="reference",
+        disable_radix_cache=True,
+    )
     big = jspec.Engine(tiny, max_total_tokens=1020, **kw)
     ref = collect(big, arrivals)
     small = jspec.Engine(tiny, max_total_tokens=156, **kw)  # 6 requests x 70 tokens need 108 pages at once
@@ -140,11 +156,9 @@ def test_prefix_cache_prefills_only_new_tokens(tiny):
     prefix = list(map(int, rng.integers(0, 256, 200)))
     a, b = prefix + [1, 2, 3], prefix + [7, 8, 9, 10, 11]
     params = jspec.SamplingParams(max_new_tokens=8, ignore_eos=True)
-    cold = jspec.Engine(
-        tiny, page_size=16, max_total_tokens=2032, attention_backend="reference", disable_radix_cache=True
-    )
+    cold = jspec.Engine(tiny, **PAGE16, disable_radix_cache=True)
     expect = cold.generate([a, b], params)
-    engine = jspec.Engine(tiny, page_size=16, max_total_tokens=2032, attention_backend="reference")
+    engine = jspec.Engine(tiny, **PAGE16)
     first = engine.generate([a], params)
     before = engine.scheduler.prefilled_tokens
     second = engine.generate([b], params)
@@ -155,14 +169,7 @@ def test_prefix_cache_prefills_only_new_tokens(tiny):
 
 
 def test_warmup_compiles_every_program_the_loop_runs(tiny):
-    engine = jspec.Engine(
-        tiny,
-        page_size=16,
-        max_total_tokens=8176,
-        max_running_requests=4,
-        chunked_prefill_size=64,
-        attention_backend="reference",
-    )
+    engine = jspec.Engine(tiny, **PAGE16)
     # The workload is greedy without prompt logprobs, so the greedy programs must cover it.
     n = engine.warmup(sampling_modes=("greedy",))
     w = engine.worker

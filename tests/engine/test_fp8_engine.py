@@ -18,7 +18,14 @@ from jspec.layers.quant import Fp8Weight, quantize_params
 from jspec.testing.fp8 import write_fp8_checkpoint
 from jspec.testing.tiny import make_tiny_model
 
-ENGINE = dict(page_size=4, max_total_tokens=1020, max_running_requests=4, attention_backend="reference")
+# Every decode pads to 4 rows: one decode program however the rows finish.
+ENGINE = dict(
+    page_size=4,
+    max_total_tokens=1020,
+    max_running_requests=4,
+    precompile_bs_paddings=[4],
+    attention_backend="reference",
+)
 
 
 def greedy(model, prompts=PROMPTS, n=10, **kw):

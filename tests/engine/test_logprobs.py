@@ -26,7 +26,13 @@ def test_logprobs_match_a_dense_recompute_and_spec_matches_plain(tiny):
 
     prompts = [[5, 9, 2, 7], list(range(30, 55))]
     params = SamplingParams(max_new_tokens=10, ignore_eos=True, return_logprob=True, top_logprobs_num=4)
-    kw = dict(page_size=16, max_total_tokens=2032, max_top_logprobs=5, attention_backend="reference")
+    kw = dict(
+        page_size=16,
+        max_total_tokens=2032,
+        max_top_logprobs=5,
+        precompile_bs_paddings=[2],  # one decode program however the rows finish
+        attention_backend="reference",
+    )
     plain = jspec.Engine(tiny, **kw).generate(prompts, params)
     spec = jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=2, num_draft_tokens=5)
     spec_out = jspec.Engine(tiny, speculative=spec, draft=eagle_draft(tiny), **kw).generate(prompts, params)

@@ -106,7 +106,14 @@ PROMPTS = [
     list(range(100, 125)),
 ]
 USE = ["a", None, "b", "a", None, "b"]  # one batch mixing both adapters and none
-ENGINE = dict(page_size=4, max_total_tokens=1020, max_running_requests=8, attention_backend="reference")
+# Every decode pads to 8 rows: one decode program however the rows finish.
+ENGINE = dict(
+    page_size=4,
+    max_total_tokens=1020,
+    max_running_requests=8,
+    precompile_bs_paddings=[8],
+    attention_backend="reference",
+)
 LORA = dict(max_loras_per_batch=2, max_lora_rank=8)  # one pool shape for every engine here: programs compile once
 
 

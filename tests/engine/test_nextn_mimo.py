@@ -69,6 +69,7 @@ def engine_kw(page_size, overlap):
         page_size=page_size,
         max_total_tokens=127 * page_size,
         max_running_requests=4,
+        precompile_bs_paddings=[4],  # one decode program however the rows finish
         attention_backend="reference",
         disable_overlap_schedule=not overlap,
     )

@@ -153,9 +153,11 @@ def test_speculative_penalties_equal_plain(steps, topk, ndt, temperature):
 def test_penalties_survive_retraction_and_skip_the_prefix_cache(tiny):
     params = SamplingParams(max_new_tokens=40, ignore_eos=True, frequency_penalty=0.7, repetition_penalty=1.2)
     prompts = [list(range(10 + 7 * i, 40 + 7 * i)) for i in range(6)]
-    big = jspec.Engine(tiny, page_size=4, max_total_tokens=1020, max_running_requests=8, attention_backend="reference")
+    # test_engine.py's retraction settings and workload: the same programs, compiled once.
+    kw = dict(page_size=4, max_running_requests=8, precompile_bs_paddings=[8], attention_backend="reference")
+    big = jspec.Engine(tiny, max_total_tokens=1020, **kw)
     ref = big.generate(prompts, params)
-    small = jspec.Engine(tiny, page_size=4, max_total_tokens=156, max_running_requests=8, attention_backend="reference")
+    small = jspec.Engine(tiny, max_total_tokens=156, **kw)
     got = small.generate(prompts, params)
     assert small.scheduler.num_retractions > 0
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]

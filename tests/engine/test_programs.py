@@ -65,7 +65,7 @@ def test_the_default_server_compiles_at_most_16_programs(tiny, spec):
 
 
 def test_prompt_logprob_prefills_compile_in_the_background_while_others_run(tiny):
-    engine = jspec.Engine(tiny, max_top_logprobs=2, **KW)
+    engine = jspec.Engine(tiny, **KW)  # the other tests' programs: warm-up compiles only what they did not
     engine.warmup(sampling_modes=("greedy",))
     plain = engine.add_request([1, 2, 3], jspec.SamplingParams(max_new_tokens=4, ignore_eos=True))
     scoring = jspec.SamplingParams(
@@ -81,7 +81,7 @@ def test_prompt_logprob_prefills_compile_in_the_background_while_others_run(tiny
         for out in engine.step():
             done.setdefault(out.rid, []).extend(out.new_token_ids)
     assert len(done[plain]) == len(done[scored]) == 4
-    reference = jspec.Engine(tiny, max_top_logprobs=2, **KW).generate([[4, 5, 6]], scoring)[0]
+    reference = jspec.Engine(tiny, **KW).generate([[4, 5, 6]], scoring)[0]
     assert done[scored] == reference.token_ids
     assert len(reference.input_logprobs) == 3
     np.testing.assert_allclose(scored_req.input_logprobs[1:], reference.input_logprobs[1:], rtol=1e-5)
@@ -116,3 +116,20 @@ def test_a_restart_loads_its_programs_from_the_compilation_cache(tmp_path):
         first.stderr[-2000:],
         second.stderr[-2000:],
     )
+
+
+def test_precompile_bs_paddings_bound_the_decode_programs(tiny):
+    """Listed decode batch sizes (and every power of two past the largest) are the only decode
+    programs: warm-up compiles them, the loop pads into them and compiles nothing more, and the
+    tokens are the default buckets' tokens."""
+    engine = jspec.Engine(tiny, precompile_bs_paddings=[2], **KW)
+    w = engine.worker
+    assert w.decode_buckets() == [2, 4] and [w.decode_bucket(r) for r in (1, 2, 3, 4)] == [2, 2, 4, 4]
+    assert engine.warmup(sampling_modes=("greedy",)) == len(w.prefill_token_buckets()) + 2
+    compiled = dict(w.programs.compiled)
+    assert greedy(engine) == greedy(jspec.Engine(tiny, **KW))
+    assert w.programs.compiled == compiled, "the loop compiled"
+    engine.check_idle_no_leaks()
+    assert jspec.Engine(tiny, precompile_bs_paddings=[64], **KW).worker.decode_buckets() == [4]
+    with pytest.raises(ValueError, match="powers of two"):
+        jspec.Engine(tiny, precompile_bs_paddings=[3], **KW)

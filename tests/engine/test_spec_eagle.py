@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.models import TARGET, draft_config, permutation_models, prompts
+from support.models import TARGET, draft_config, engine_settings, permutation_models, prompts
 
 import jspec
 from jspec.checkpoint.eagle import init_random_draft_params
@@ -20,18 +20,12 @@ from jspec.config.spec import SpecConfig
 
 
 def run_both(target, dcfg, draft, spec, page_size, ps, max_new=12, backend="reference"):
+    # The other speculative tests' settings: the plain engine's programs are theirs too.
+    kw = {**engine_settings(page_size, overlap=True), "attention_backend": backend}
     base = jspec.generate(
-        (TARGET, target), ps, max_new_tokens=max_new, ignore_eos=True, page_size=page_size, attention_backend=backend
+        (TARGET, target), ps, max_new_tokens=max_new, ignore_eos=True, engine=jspec.Engine((TARGET, target), **kw)
     )
-    engine = jspec.Engine(
-        (TARGET, target),
-        speculative=spec,
-        draft=(dcfg, draft),
-        page_size=page_size,
-        max_total_tokens=95 * page_size,
-        max_running_requests=8,
-        attention_backend=backend,
-    )
+    engine = jspec.Engine((TARGET, target), speculative=spec, draft=(dcfg, draft), **kw)
     out = jspec.generate((TARGET, target), ps, max_new_tokens=max_new, ignore_eos=True, engine=engine)
     engine.check_idle_no_leaks()
     for b, o in zip(base, out):

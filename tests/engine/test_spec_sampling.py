@@ -87,7 +87,8 @@ def test_seeded_speculative_sampling_equals_plain_sampling(tmp_path, topk, ndt):
         SamplingParams(max_new_tokens=16, temperature=t, top_p=0.9, seed=s, ignore_eos=True)
         for t, s in ((1.0, 1), (0.7, 2), (0.0, 3))
     ]
-    kw = dict(page_size=16, max_total_tokens=4080, attention_backend="reference")
+    # One decode program per sampling program: every decode pads to 4 rows.
+    kw = dict(page_size=16, max_total_tokens=4080, precompile_bs_paddings=[4], attention_backend="reference")
     plain = jspec.Engine(model, **kw).generate(prompts, params)
     engine = jspec.Engine(model, speculative=spec, draft=eagle_draft(model), **kw)
     spec_out = engine.generate(prompts, params)

@@ -15,7 +15,14 @@ from jspec.config.sampling import SamplingParams
 
 jsonschema = pytest.importorskip("jsonschema")
 
-ENGINE = dict(page_size=4, max_total_tokens=4096, max_running_requests=8, attention_backend="reference")
+# Every decode pads to 8 rows: one decode program however the rows finish.
+ENGINE = dict(
+    page_size=4,
+    max_total_tokens=4096,
+    max_running_requests=8,
+    precompile_bs_paddings=[8],
+    attention_backend="reference",
+)
 
 SCHEMAS = {
     "nested": {

@@ -20,7 +20,13 @@ def tiny(tmp_path_factory):
 
 def greedy(model, **kw):
     engine = jspec.Engine(
-        model, page_size=4, max_total_tokens=1020, max_running_requests=4, attention_backend="reference", **kw
+        model,
+        page_size=4,
+        max_total_tokens=1020,
+        max_running_requests=4,
+        precompile_bs_paddings=[4],  # one decode program however the rows finish
+        attention_backend="reference",
+        **kw,
     )
     outs = engine.generate(PROMPTS, jspec.SamplingParams(max_new_tokens=10, ignore_eos=True))
     engine.check_idle_no_leaks()

@@ -21,7 +21,8 @@ from jspec.train.prompts import all_prompts, split_prompts
 
 NEW_TOKENS = 24
 SEQ_LEN = 128
-ENGINE_KW = dict(max_running_requests=4, attention_backend="reference", page_size=16)
+# Every decode pads to 4 rows: one decode program for the six requests however they finish.
+ENGINE_KW = dict(max_running_requests=4, precompile_bs_paddings=[4], attention_backend="reference", page_size=16)
 
 
 @pytest.fixture(scope="module")

@@ -123,8 +123,17 @@ def server(model_dir):
 
 
 def reference(model_dir, prompts, max_new, spec=None):
+    """jspec.generate with the Server's settings: its programs are the server's, so one of the
+    two processes loads them from the other's compilation cache."""
     return jspec.generate(
-        model_dir, prompts, max_new_tokens=max_new, page_size=4, attention_backend="reference", speculative=spec
+        model_dir,
+        prompts,
+        max_new_tokens=max_new,
+        page_size=4,
+        max_total_tokens=4096,
+        max_running_requests=40,
+        attention_backend="reference",
+        speculative=spec,
     )
 
 
