@@ -73,7 +73,7 @@ def main():
     if args.quick:
         cases = [("small", SMALL, SMALL_DRAFT, [1, 16])]
     if args.tiny:
-        cases, prompt_len, new_tokens = [("tiny", TINY, TINY_DRAFT, [1, 4])], 16, 8
+        cases, prompt_len, new_tokens = [("tiny", TINY, TINY_DRAFT, args.batches or [1, 4])], 16, 8
     rows = []
     results = Results(
         args.out,

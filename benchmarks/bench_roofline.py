@@ -216,7 +216,8 @@ def main(argv=None):
         "overlap": (
             ["bench_overlap", "--name", "bench_overlap_host"]
             + t
-            + ([] if args.tiny else ["--models", "small,8b", "--batches", "1"]),
+            + ["--batches", "1"]
+            + ([] if args.tiny else ["--models", "small,8b"]),
             "bench_overlap_host",
         ),
     }
