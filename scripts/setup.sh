@@ -16,6 +16,26 @@ find_python() {  # $1 = minor version, e.g. 3.12
   return 1
 }
 
+hf_venv() {
+  # torch 2.13.0 resolves to the local CPU wheel on Python 3.11; the oracle runs in its own venv
+  # because jax 0.11.2 needs 3.12 and PyPI's torch for 3.12 is a multi-GB CUDA build.
+  local PY311
+  if PY311=$(find_python 3.11); then
+    [ -x .venv-hf/bin/python ] || "$PY311" -m venv --clear .venv-hf
+    .venv-hf/bin/python -m pip install -q torch==2.13.0 "transformers==5.24.0" numpy safetensors gguf==0.19.0 accelerate \
+      || echo "setup: could not install the HF reference venv; parity tests will be skipped" >&2
+  else
+    echo "setup: no Python 3.11 for the HF reference venv; parity tests will be skipped" >&2
+  fi
+}
+
+# The two venvs share nothing and their installs mostly wait on downloads: build them side by side.
+hf_pid=
+if [ "${1:-}" = "--with-hf" ] && ! .venv-hf/bin/python -c "import torch, transformers, gguf, accelerate" 2>/dev/null; then
+  hf_venv &
+  hf_pid=$!
+fi
+
 if [ ! -x .venv/bin/python ]; then
   PY=$(find_python 3.12 || find_python 3.13) || {
     echo "setup: jax 0.11.2 needs Python >= 3.12; none found (tried python3.12/3.13 and pyenv)" >&2; exit 1; }
@@ -33,14 +53,4 @@ fi
 .venv/bin/python -m jspec.testing.demo >/dev/null \
   || echo "setup: could not fetch the SmolLM2-135M demo model; the default model is the tiny random one" >&2
 
-if [ "${1:-}" = "--with-hf" ] && ! .venv-hf/bin/python -c "import torch, transformers, gguf, accelerate" 2>/dev/null; then
-  # torch 2.13.0 resolves to the local CPU wheel on Python 3.11; the oracle runs in its own venv
-  # because jax 0.11.2 needs 3.12 and PyPI's torch for 3.12 is a multi-GB CUDA build.
-  if PY311=$(find_python 3.11); then
-    [ -x .venv-hf/bin/python ] || "$PY311" -m venv --clear .venv-hf
-    .venv-hf/bin/python -m pip install -q torch==2.13.0 "transformers==5.24.0" numpy safetensors gguf==0.19.0 accelerate \
-      || echo "setup: could not install the HF reference venv; parity tests will be skipped" >&2
-  else
-    echo "setup: no Python 3.11 for the HF reference venv; parity tests will be skipped" >&2
-  fi
-fi
+if [ -n "$hf_pid" ]; then wait "$hf_pid"; fi
