@@ -83,9 +83,22 @@ def test_logits_match_transformers(hf_references, variant):
             assert int(np.argmax(got)) == int(ref["generated"][i][step + 1])
 
 
-# gpt-oss under each method (its windows of 4 admit drafts 3 deep): trees at page size 1 and 16,
-# and a STANDALONE draft of its own family, windowed, so drafting chains.
-SPECULATION_CASES = [("gpt_oss", "NGRAM", 1, 2), ("gpt_oss", "EAGLE3", 16, 2), ("gpt_oss", "STANDALONE", 16, 1)]
+# NGRAM and a random EAGLE-3 head on each family past Llama, at both page sizes, chains and
+# trees; one of them on each window and RoPE variant; gpt-oss under all three methods (its
+# STANDALONE draft is its own first layer, windowed, so it drafts chains). Drafts are 2 deep:
+# below every window here.
+FAMILY_VARIANTS = ["gemma", "gemma2", "gemma3", "phi3", "olmo2", "granite", "smollm3", "llama_attention_bias"]
+FEATURE_VARIANTS = ["mistral_window", "qwen2_window", "llama_linear_rope", "llama_dynamic_rope"]
+FEATURE_VARIANTS += ["qwen2_yarn_rope", "llama_longrope"]
+SPECULATION_CASES = [
+    (v, method, page_size, topk)
+    for i, v in enumerate(FAMILY_VARIANTS)
+    for method, page_size, topk in [("NGRAM", (1, 16)[i % 2], 1 + i % 2), ("EAGLE3", (16, 1)[i % 2], 2 - i % 2)]
+]
+SPECULATION_CASES += [
+    (v, ("NGRAM", "EAGLE3")[i % 2], (1, 16)[i // 2 % 2], 1 + i % 2) for i, v in enumerate(FEATURE_VARIANTS)
+]
+SPECULATION_CASES += [("gpt_oss", "NGRAM", 1, 2), ("gpt_oss", "EAGLE3", 16, 2), ("gpt_oss", "STANDALONE", 16, 1)]
 
 
 @requires_hf
@@ -97,7 +110,7 @@ def test_speculation_keeps_transformers_greedy_tokens(hf_references, variant, me
     cfg, params = load_model(path, dtype=jnp.float32)
     draft = None
     if method == "NGRAM":
-        spec = SpecConfig("NGRAM", num_draft_tokens=4, ngram_max_bfs_breadth=topk)
+        spec = SpecConfig("NGRAM", num_draft_tokens=2 + topk, ngram_max_bfs_breadth=topk)
     else:
         spec = SpecConfig(method, num_steps=2, eagle_topk=topk, num_draft_tokens=None if topk == 1 else 4)
     if method == "EAGLE3":
