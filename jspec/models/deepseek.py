@@ -14,47 +14,34 @@ for a config with `deepseek` set. Layers are per-layer dicts (dense and sparse l
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jspec.config.deepseek import DeepseekConfig
-from jspec.config.model import ModelConfig
+from jspec.config.model import ModelConfig, RopeScaling
 from jspec.kvcache.pool import KVPool, write_kv
 from jspec.layers.batch import AttentionMode, ForwardBatch
 from jspec.layers.matmul import dense_f32
 from jspec.models.llama import rms_norm
 from jspec.models.moe import ExpertMlp, moe_experts
+from jspec.models.rope import inv_freq
 
 
 def yarn_inv_freq(ds: DeepseekConfig, rope_theta: float) -> np.ndarray:
     """RoPE inverse frequencies of the qk_rope_head_dim dims, YaRN-blended when yarn_factor > 1
-    (transformers' _compute_yarn_parameters)."""
-    dim = ds.qk_rope_head_dim
-    pos_freqs = rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
-    extrapolation = 1.0 / pos_freqs
-    if ds.yarn_factor == 1.0:
-        return extrapolation.astype(np.float32)
-    interpolation = 1.0 / (ds.yarn_factor * pos_freqs)
-
-    def correction_dim(rotations):
-        return (
-            dim
-            * math.log(ds.yarn_original_max_position_embeddings / (rotations * 2 * math.pi))
-            / (2 * math.log(rope_theta))
+    (transformers' _compute_yarn_parameters; the blend is rope.py's)."""
+    yarn = None
+    if ds.yarn_factor != 1.0:
+        yarn = RopeScaling(
+            ds.yarn_factor,
+            rope_type="yarn",
+            original_max_position_embeddings=ds.yarn_original_max_position_embeddings,
+            beta_fast=ds.yarn_beta_fast,
+            beta_slow=ds.yarn_beta_slow,
+            truncate=ds.yarn_truncate,
         )
-
-    low, high = correction_dim(ds.yarn_beta_fast), correction_dim(ds.yarn_beta_slow)
-    if ds.yarn_truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
-    keep = 1 - ramp  # share of the original (extrapolated) frequency
-    return (interpolation * (1 - keep) + extrapolation * keep).astype(np.float32)
+    return inv_freq(rope_theta, ds.qk_rope_head_dim, yarn)
 
 
 def rope_cos_sin(cfg: ModelConfig, positions: jax.Array):
