@@ -46,6 +46,7 @@ from benchmarks.common import (
 from jspec.checkpoint.eagle import init_random_draft_params
 from jspec.checkpoint.model import Model
 from jspec.engine.engine import LoopTimes
+from jspec.testing.tiny import bytes_to_unicode
 
 
 def synthetic_tokenizer(out_dir: str, vocab_size: int, seed: int = 0) -> str:
@@ -54,7 +55,7 @@ def synthetic_tokenizer(out_dir: str, vocab_size: int, seed: int = 0) -> str:
     character), and <eos> last. Written as tokenizer.json + tokenizer_config.json."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    table = _bytes_to_unicode()  # ByteLevel's printable stand-ins for bytes 0..255 (the GPT-2 table)
+    table = bytes_to_unicode()  # ByteLevel's printable stand-ins for bytes 0..255 (the GPT-2 table)
     vocab = {table[b]: b for b in range(256)}
     alphabet = [table[b] for b in b'abcdefghijklmnopqrstuvwxyz0123456789{}[]:," ']
     rng = np.random.default_rng(seed)
@@ -76,20 +77,6 @@ def synthetic_tokenizer(out_dir: str, vocab_size: int, seed: int = 0) -> str:
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump({"eos_token": "<eos>"}, f)
     return out_dir
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    keep = (
-        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    out, n = {}, 0
-    for b in range(256):
-        if b in keep:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(256 + n)
-            n += 1
-    return out
 
 
 def run(engine, B: int, grammar_rows: int, new_tokens: int, seed: int):

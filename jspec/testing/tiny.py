@@ -52,7 +52,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map (what ByteLevel uses)."""
     keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
     chars, n = {}, 0
@@ -69,7 +69,7 @@ def build_byte_tokenizer():
     """A `tokenizers.Tokenizer`: id b (0..255) is byte b, then SPECIAL_TOKENS; prepends BOS."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    vocab = {ch: b for b, ch in bytes_to_unicode().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
