@@ -19,6 +19,8 @@ fi
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 t0=$SECONDS
 summary=()
+SHAPE_8B="--model-path benchmarks/shapes/llama-3.1-8b --load-format dummy"
+SHAPE_SMALL="--model-path benchmarks/shapes/smollm2-135m --load-format dummy"
 
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2
@@ -34,7 +36,7 @@ step() {  # step NAME SECONDS COMMAND...
 
 for s in "$@"; do
   case $s in
-    kernel_tests) step kernel_tests 120 $PY -m pytest -q -p no:cacheprovider tests/kernels --maxfail=10 ;;
+    kernel_tests) step kernel_tests ${KERNEL_TESTS_LIMIT:-120} $PY -m pytest -q -p no:cacheprovider tests/kernels -rf --maxfail=300 ;;
     fp8) step fp8 150 $PY -m benchmarks.bench_fp8 --out "$RESULTS" ;;
     kernels) step kernels 120 $PY -m benchmarks.bench_kernels --quick --out "$RESULTS" ;;
     mla) step mla 70 $PY -m benchmarks.bench_mla --out "$RESULTS" ;;
@@ -50,6 +52,17 @@ for s in "$@"; do
       step layer_loop 170 env BENCH_BATCHES=1,16,64 $PY -m benchmarks.bench_layer_loop --variants per_layer,scan \
         --name bench_layer_loop_bs64 --out "$RESULTS" ;;
     structured) step structured 240 $PY -m benchmarks.bench_structured --batches 1,16,64 --out "$RESULTS" ;;
+    program_memory)
+      step program_memory 150 $PY -m benchmarks.program_memory --max-total-tokens 100000 --out "$RESULTS" ;;
+    curve_8b)
+      step curve_8b 330 $PY -m benchmarks.serving_curve --server-args "$SHAPE_8B" --input-lens 128 \
+        --out "$RESULTS" --name serving_curve_8b ;;
+    curve_8b_long)
+      step curve_8b_long 300 $PY -m benchmarks.serving_curve --server-args "$SHAPE_8B" --input-lens 1024 \
+        --out "$RESULTS" --name serving_curve_8b_1024 ;;
+    curve_small)
+      step curve_small 120 $PY -m benchmarks.serving_curve --server-args "$SHAPE_SMALL" --input-lens 128 \
+        --concurrency 1,64 --out "$RESULTS" --name serving_curve_smollm2 ;;
     *) echo "unknown step $s" >&2 ;;
   esac
 done

@@ -27,12 +27,18 @@ GRAMMAR_BACKENDS = ("llguidance", "none")
 class EngineConfig:
     # The KV pool and batching.
     page_size: int = setting(16, "tokens per KV page (a power of two)")
-    max_running_requests: int = setting(32, "requests decoded together at most")
+    max_running_requests: int | None = setting(
+        None,
+        "requests decoded together at most (default: 32 without an accelerator; on one 256, 64 with "
+        "speculation, fewer if the KV pool holds less than two pages a request)",
+    )
     max_total_tokens: int | None = setting(
-        None, "KV pool size in tokens (default: 256 MiB of KV, or what --mem-fraction-static gives)"
+        None,
+        "KV pool size in tokens (default: on an accelerator, the memory left after the weights and the "
+        "programs' measured needs; without one, 256 MiB of KV)",
     )
     mem_fraction_static: float | None = setting(
-        None, "fraction of the accelerator's memory for weights + KV (GPU only)"
+        None, "fraction of the accelerator's memory for weights + KV; the programs get the rest (GPU only)"
     )
     chunked_prefill_size: int = setting(512, "prompt tokens prefilled per step at most")
     precompile_bs_paddings: tuple[int, ...] | None = setting(
@@ -133,7 +139,7 @@ class EngineConfig:
 
     def __post_init__(self):
         for name in ("page_size", "max_running_requests", "chunked_prefill_size", "tp_size", "ep_size", "dp_size"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")

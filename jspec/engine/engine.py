@@ -22,12 +22,20 @@ import os
 import threading
 import time
 
+import jax
 import numpy as np
 
 from jspec.checkpoint.model import as_model, with_context_length
 from jspec.config.engine import EngineConfig
 from jspec.config.sampling import SamplingParams
-from jspec.engine.sizing import check_parallel, kv_pages
+from jspec.engine.sizing import (
+    PROBE_PAGES,
+    check_parallel,
+    device_memory_bytes,
+    plan_pool,
+    probe_running_requests,
+)
+from jspec.kvcache.pool import kv_bytes_per_page, kv_cache_dtype
 from jspec.layers.sampling import sampling_mode
 from jspec.scheduler.detokenize import IncrementalDetokenizer, StopChecker
 from jspec.scheduler.request import Request
@@ -76,6 +84,8 @@ class LoopTimes:
     launch_s: float = 0.0  # building the step's inputs and dispatching the jitted step
     wait_s: float = 0.0  # blocked on the previous step's outputs
     process_s: float = 0.0  # accept bookkeeping, detokenizing, stop checks, outputs
+    prefill_steps: int = 0  # launches that prefill (some with decode rows beside, when mixed)
+    decode_steps: int = 0  # launches that only decode
 
     @property
     def host_s(self) -> float:
@@ -162,8 +172,6 @@ class Engine:
         dtype = params["embed"].dtype
         kw = dict(
             page_size=config.page_size,
-            num_pages=kv_pages(config, cfg, params, method, dtype),
-            max_slots=max(1, config.max_running_requests // dp),
             decode_paddings=config.precompile_bs_paddings,
             chunked_prefill_size=max(8, config.chunked_prefill_size // dp),
             top_n=config.max_top_logprobs,
@@ -173,10 +181,15 @@ class Engine:
             lora=self._lora_pool(config, dtype, mesh or dp_mesh, params),
             kv_cache_dtype=config.kv_cache_dtype,
         )
-        if method is None:
-            self.worker = PlainWorker(cfg, params, **kw)
-        else:
-            self.worker = SpecWorker(cfg, params, method, dparams, **kw)
+        self.worker, self.plan = self._build_worker(config, cfg, params, method, dparams, dp, kw)
+        log.info(
+            "KV pool: %d tokens, %.2f GiB (%s); at most %d running requests (%s)",
+            self.plan.tokens,
+            self.plan.pool_bytes / 2**30,
+            self.plan.pool_source,
+            self.plan.max_running_requests,
+            self.plan.running_source,
+        )
         self.adaptive = None  # the AdaptivePolicy, when speculation picks its draft shape per iteration
         if self.spec is not None and self.spec.adaptive:
             from jspec.speculative.adaptive import AdaptivePolicy, CostTable
@@ -206,6 +219,49 @@ class Engine:
         self._last_processed = time.perf_counter()
         for name, path in config.lora_paths.items():
             self.load_lora(name, path)
+
+    def _build_worker(self, config: EngineConfig, cfg, params, method, dparams, dp: int, kw: dict):
+        """The worker with its pool sized (engine/sizing.py): on an accelerator with no pool
+        size given, the worker is first built over a two-page pool to measure its largest
+        programs, then given the pool that the memory left holds."""
+        dtype = params["embed"].dtype
+        page = kv_bytes_per_page(cfg, config.page_size, kv_cache_dtype(config.kv_cache_dtype, dtype))
+        page += method.draft_kv_bytes_per_page(config.page_size, dtype) if method is not None else 0
+        device = device_memory_bytes()
+        sizing = dict(
+            page_size=config.page_size,
+            # Per device: 1/tp of the weights, and each page's KV heads split over a rank's tp / dp devices.
+            bytes_per_page=page // max(1, config.tp_size // dp),
+            max_total_tokens=config.max_total_tokens,
+            mem_fraction_static=config.mem_fraction_static,
+            max_running_requests=config.max_running_requests,
+            device_bytes=device,
+            weight_bytes=sum(x.nbytes for x in jax.tree.leaves(params)) // config.tp_size,
+            speculative=method is not None,
+        )
+
+        def build(pages: int, running: int):
+            slots = max(1, running // dp)
+            if method is None:
+                return PlainWorker(cfg, params, num_pages=pages, max_slots=slots, **kw)
+            return SpecWorker(cfg, params, method, dparams, num_pages=pages, max_slots=slots, **kw)
+
+        if device is None or config.max_total_tokens:
+            plan = plan_pool(**sizing)
+            return build(plan.pages, plan.max_running_requests), plan
+        worker = build(PROBE_PAGES, probe_running_requests(config, accelerator=True))
+        t0 = time.perf_counter()
+        measured = worker.measure_programs()
+        peak = max(m.needs_bytes for m in measured.values())
+        log.info(
+            "programs measured in %.1f s: the largest needs %.2f GiB (%s)",
+            time.perf_counter() - t0,
+            peak / 2**30,
+            ", ".join(f"{k}: {m.needs_bytes / 2**30:.2f}" for k, m in measured.items()),
+        )
+        plan = plan_pool(**sizing, program_bytes=peak)
+        worker.resize(plan.pages, max(1, plan.max_running_requests // dp))
+        return worker, plan
 
     # ---- hooks: what an engine built on this one (PD disaggregation) changes --------------------
 
@@ -275,9 +331,30 @@ class Engine:
         from jspec.layers.sampling import SAMPLING_MODES
 
         n = self.worker.warmup(sampling_modes or SAMPLING_MODES, prompt_logprobs)
+        self._log_program_memory()
         if self.adaptive is not None and self.adaptive.costs is None:
             self._measure_costs()
         return n
+
+    def _log_program_memory(self) -> None:
+        """Each compiled program's device memory beside its arguments, once; a program whose
+        temporaries are as large as a quarter of the pool holds a copy of a pool-sized buffer."""
+        report = self.worker.programs.memory_report() if hasattr(self.worker, "programs") else {}
+        if not report:
+            return
+        log.info(
+            "programs' device memory beside their arguments (GiB): %s",
+            ", ".join(f"{k}: {m.needs_bytes / 2**30:.3f}" for k, m in sorted(report.items())),
+        )
+        pool = self.plan.pool_bytes
+        for label, m in report.items():
+            if m.temp_bytes >= pool / 4 and pool >= 2**30:
+                log.warning(
+                    "program %s needs %.2f GiB of temporaries beside a %.2f GiB KV pool: it copies a pool-sized buffer",
+                    label,
+                    m.temp_bytes / 2**30,
+                    pool / 2**30,
+                )
 
     def _measure_costs(self) -> None:
         """The adaptive policy's cost table, timed on the device (at warm-up, or before the first
@@ -427,6 +504,10 @@ class Engine:
         out = self.worker.launch(batch)
         launched = Launched(batch, out)
         self.num_steps += 1
+        if isinstance(batch, PrefillBatch) or (isinstance(batch, DPBatch) and batch.is_prefill):
+            self.loop_times.prefill_steps += 1
+        else:
+            self.loop_times.decode_steps += 1
         if not isinstance(out, PendingLaunch):
             launched.outputs = start_host_copy(out)
             self.on_launched(launched)

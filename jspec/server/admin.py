@@ -42,7 +42,7 @@ async def server_info(st: Served):
         "dtype": str(core.worker.dtype),
         "context_length": st.model.cfg.max_position_embeddings,
         "page_size": core.worker.page_size,
-        "max_running_requests": core.config.max_running_requests,
+        **core.plan.describe(),
         "overlap_schedule": core.overlap,
         "speculative": dataclasses.asdict(spec) if spec is not None else None,
         "speculative_adaptive": core.adaptive.describe() if core.adaptive is not None else None,
@@ -58,4 +58,6 @@ async def debug_state(st: Served):
         "running": len(sched.running) + len(sched.prefilling),
         "waiting": len(sched.waiting),
         **sched.usage(),
+        # The loop's host time against its wait on the device, summed since start (seconds).
+        "loop": dataclasses.asdict(st.core.loop_times),
     }

@@ -15,6 +15,7 @@ import time
 from jspec.server.args import ServerConfig, build_parser, engine_config, server_config
 
 log = logging.getLogger("jspec.serve")
+SERVER_GPU_MEMORY_FRACTION = "0.90"
 
 
 def make_engine(config, server: ServerConfig, model):
@@ -55,6 +56,9 @@ def main(argv=None) -> None:
         ap.error(str(e))
     logging.basicConfig(level=server.log_level.upper(), format="[jspec] %(asctime)s %(levelname)s %(message)s")
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU / no GPU" probes are noise
+    # JAX's GPU allocator takes 75% of the memory by default; a server holds the device alone,
+    # so it takes SGLang's share for weights, KV and programs (the KV pool is sized from it).
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", SERVER_GPU_MEMORY_FRACTION)
     from jspec.distributed.multihost import init_distributed
 
     try:  # before anything starts a JAX backend

@@ -25,7 +25,7 @@ from jspec.layers.penalties import PrefillCounts
 from jspec.layers.sampling import SAMPLING_MODES, SamplingRows, sampling_mode, sampling_rows
 from jspec.worker.batch import DecodeBatch, PrefillBatch
 from jspec.worker.inputs import SeqChunk, build_forward_batch
-from jspec.worker.programs import Job, Program, Programs
+from jspec.worker.programs import Job, Program, ProgramMemory, Programs
 
 
 def check_layer_loop(layer_loop: str) -> str:
@@ -152,6 +152,39 @@ class WorkerBase:
         self._last_decode: DecodeInputs | None = None
         self.warmed_up = False  # warm-up ran: programs a request needs first compile in the background
         self._grammar_keys: list | None = None
+
+    def init_state(self, num_pages: int, max_slots: int):
+        """The method's device state for a pool of num_pages and max_slots request slots."""
+        raise NotImplementedError
+
+    def resize(self, num_pages: int, max_slots: int) -> None:
+        """A new device state of num_pages and max_slots (the old one is dropped first, so both
+        never coexist); the programs compile again for its shapes."""
+        self.state = None
+        self.num_pages, self.max_slots = int(num_pages), max_slots
+        self.programs.clear()
+        self._program_specs.clear()
+        self._last_decode = None
+        self.state = self._place(self.init_state(self.num_pages, max_slots))
+
+    def measure_programs(self) -> dict[str, ProgramMemory]:
+        """Compiles the largest prefill and the largest decode (both sampling programs) for the
+        current state and returns their device memory by label: what sizing reserves for the
+        programs beside the weights and the pool."""
+        scratch = {"greedy": (SamplingParams(), 0), "sampled": (SamplingParams(temperature=1.0), 0)}
+        B, T = self.decode_buckets()[-1], self.prefill_token_buckets()[-1]
+        collecting, self.programs.collecting = self.programs.collecting, []
+        try:
+            pages = [0] * (-(-T // self.page_size))
+            self.prefill([SeqChunk([0] * T, 0, pages)], [0], [None], [scratch["greedy"]])
+            for mode in SAMPLING_MODES:
+                self.decode([self.scratch_slot] * B, [[0]] * B, [scratch[mode]] * B)
+            jobs = self.programs.collecting
+        finally:
+            self.programs.collecting = collecting
+            self._last_decode = None
+        self.programs.compile_all(jobs)
+        return {j.program.label: self.programs.memory(j.program.key) for j in jobs}
 
     def _place(self, state):
         """Device state on the mesh: the target's KV pool split over KV heads, the rest

@@ -30,12 +30,13 @@ class PlainWorker(WorkerBase):
 
     def __init__(self, cfg: ModelConfig, params, *, page_size: int, num_pages: int, max_slots: int, **kw):
         super().__init__(cfg, params, page_size=page_size, num_pages=num_pages, max_slots=max_slots, **kw)
-        self.state = self._place(
-            PlainState(
-                create_kv_pool(cfg, int(num_pages), page_size, self.kv_dtype),
-                init_plain_carry(max_slots),
-                init_penalty_state(max_slots, cfg.vocab_size),
-            )
+        self.state = self._place(self.init_state(int(num_pages), max_slots))
+
+    def init_state(self, num_pages: int, max_slots: int) -> PlainState:
+        return PlainState(
+            create_kv_pool(self.cfg, num_pages, self.page_size, self.kv_dtype),
+            init_plain_carry(max_slots),
+            init_penalty_state(max_slots, self.cfg.vocab_size),
         )
 
     def decode_masked(self, slot_ids, page_tables, rows, mode: str, lora, grammars, shape: int = 0):

@@ -48,6 +48,29 @@ class Program:
 
 
 @dataclasses.dataclass(frozen=True)
+class ProgramMemory:
+    """A compiled program's device memory beside its arguments: its temporaries, and outputs
+    that are new buffers (not donated arguments written in place)."""
+
+    temp_bytes: int
+    new_output_bytes: int
+    argument_bytes: int
+    aliased_bytes: int  # outputs written into donated arguments
+
+    @property
+    def needs_bytes(self) -> int:
+        return self.temp_bytes + self.new_output_bytes
+
+    @classmethod
+    def of(cls, compiled) -> ProgramMemory:
+        m = compiled.memory_analysis()
+        if m is None:  # a backend that does not say
+            return cls(0, 0, 0, 0)
+        alias = m.alias_size_in_bytes
+        return cls(m.temp_size_in_bytes, max(0, m.output_size_in_bytes - alias), m.argument_size_in_bytes, alias)
+
+
+@dataclasses.dataclass(frozen=True)
 class Job:
     """A program and arguments of its shape: what it compiles from (warm-up) or runs on."""
 
@@ -61,6 +84,7 @@ class Programs:
     def __init__(self, mesh=None):
         self.mesh = mesh  # programs lower and run under it (jax.set_mesh), when there is one
         self.compiled: dict[Hashable, Any] = {}
+        self.labels: dict[Hashable, str] = {}
         self._pending: dict[Hashable, concurrent.futures.Future] = {}
         self._lock = threading.Lock()
         self._background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jspec-compile")
@@ -70,6 +94,7 @@ class Programs:
         """Forgets every program (the arguments' shapes changed, e.g. LoRA columns were added)."""
         with self._lock:
             self.compiled.clear()
+            self.labels.clear()
 
     def ready(self, key: Hashable) -> bool:
         return key in self.compiled
@@ -95,7 +120,18 @@ class Programs:
             fn = p.step.lower(*job.args, **p.static).compile()
         with self._lock:
             self.compiled[p.key] = fn
+            self.labels[p.key] = p.label
         return fn
+
+    def memory(self, key: Hashable) -> ProgramMemory:
+        """A compiled program's device memory (XLA's memory analysis)."""
+        return ProgramMemory.of(self.compiled[key])
+
+    def memory_report(self) -> dict[str, ProgramMemory]:
+        """Every compiled program's device memory, by label."""
+        with self._lock:
+            items = list(self.compiled.items())
+        return {self.labels.get(k, str(k)): ProgramMemory.of(fn) for k, fn in items}
 
     def compile_in_background(self, job: Job) -> None:
         """Starts compiling job's program unless it is compiled or on its way; ready() tells when."""

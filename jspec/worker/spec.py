@@ -58,16 +58,17 @@ class SpecWorker(WorkerBase):
             self.dparams = replicate(self.dparams, mesh)
         self.kv_margin = max(m.kv_margin for m in self.methods)
         self.max_emit = max(m.spec.num_steps for m in self.methods) + 1
-        self.state = self._place(
-            init_spec_state(
-                method,
-                create_kv_pool(cfg, int(num_pages), page_size, self.kv_dtype),
-                max_slots,
-                int(num_pages),
-                page_size,
-                self.dtype,
-                init_penalty_state(max_slots, cfg.vocab_size),
-            )
+        self.state = self._place(self.init_state(int(num_pages), max_slots))
+
+    def init_state(self, num_pages: int, max_slots: int):
+        return init_spec_state(
+            self.method,
+            create_kv_pool(self.cfg, num_pages, self.page_size, self.kv_dtype),
+            max_slots,
+            num_pages,
+            self.page_size,
+            self.dtype,
+            init_penalty_state(max_slots, self.cfg.vocab_size),
         )
 
     def step_weights(self) -> tuple:

@@ -1,0 +1,89 @@
+"""Each compiled program's device memory beside its arguments, against the KV pool's size: a
+program whose temporaries are pool-sized keeps a second copy of a pool buffer (a donation not
+honoured, a copy around a scatter). For such a program, the instructions of its optimized HLO
+that produce a buffer of a pool array's shape are listed.
+
+    python -m benchmarks.program_memory --model-path benchmarks/shapes/llama-3.1-8b --max-total-tokens 200000
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import time
+
+import jax
+
+import jspec
+from benchmarks.common import Results
+
+
+def pool_shape_lines(hlo: str, shapes: list[str], limit: int = 12) -> list[str]:
+    """Instructions of an optimized HLO module whose result has one of these shapes."""
+    out = []
+    for line in hlo.splitlines():
+        line = line.strip()
+        if any(re.match(rf"^(ROOT )?%?[\w.\-]+ = {re.escape(s)}", line) for s in shapes):
+            out.append(line[:240])
+            if len(out) >= limit:
+                break
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", default="benchmarks/shapes/llama-3.1-8b")
+    ap.add_argument("--max-total-tokens", type=int, default=200_000)
+    ap.add_argument("--max-running-requests", type=int, default=256)
+    ap.add_argument("--speculative-args", default="", help="e.g. 'EAGLE3 /path/head 3 1 4'")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--name", default="program_memory")
+    a = ap.parse_args()
+    logging.basicConfig(level="INFO", format="[%(name)s] %(message)s")
+    model = jspec.load(a.model_path, load_format="dummy")
+    spec = None
+    if a.speculative_args:
+        algo, path, steps, topk, tokens = a.speculative_args.split()
+        spec = jspec.SpecConfig(algo, path, num_steps=int(steps), eagle_topk=int(topk), num_draft_tokens=int(tokens))
+    t0 = time.perf_counter()
+    engine = jspec.Engine(
+        model, max_total_tokens=a.max_total_tokens, max_running_requests=a.max_running_requests, speculative=spec
+    )
+    n = engine.warmup()
+    compile_s = time.perf_counter() - t0
+    pool = engine.worker.state.target_kv
+    dtype = str(pool.k.dtype).replace("bfloat16", "bf16").replace("float32", "f32")
+    shapes = [f"{dtype}[{','.join(map(str, x.shape))}]" for x in (pool.k, pool.v)]
+    pool_bytes = sum(x.nbytes for x in pool)
+    rows = []
+    programs = engine.worker.programs
+    for key, fn in list(programs.compiled.items()):
+        m = programs.memory(key)
+        row = dict(
+            program=programs.labels[key],
+            temp_gib=m.temp_bytes / 2**30,
+            new_output_gib=m.new_output_bytes / 2**30,
+            argument_gib=m.argument_bytes / 2**30,
+            aliased_gib=m.aliased_bytes / 2**30,
+        )
+        if m.temp_bytes > pool_bytes / 8:
+            row["pool_shaped_instructions"] = pool_shape_lines(fn.as_text(), shapes)
+        rows.append(row)
+    Results(a.out, a.name, vars(a)).write(
+        pool_gib=pool_bytes / 2**30, pool_shapes=shapes, programs=rows, compile_s=compile_s, num_programs=n
+    )
+    print(f"\npool {pool_bytes / 2**30:.2f} GiB {shapes}; {n} programs compiled in {compile_s:.1f} s")
+    print(f"{'program':<36} {'temp GiB':>9} {'new out':>8} {'args':>8} {'aliased':>8}")
+    for r in sorted(rows, key=lambda r: -r["temp_gib"]):
+        print(
+            f"{r['program']:<36} {r['temp_gib']:>9.3f} {r['new_output_gib']:>8.3f} {r['argument_gib']:>8.2f} "
+            f"{r['aliased_gib']:>8.2f}"
+        )
+        for line in r.get("pool_shaped_instructions", []):
+            print("    ", line)
+    print(f"device: {jax.devices()[0].device_kind}")
+
+
+if __name__ == "__main__":
+    main()

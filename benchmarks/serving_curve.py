@@ -1,0 +1,215 @@
+"""The serving curve: a server started with each flag set, driven by bench_serving at rising
+concurrency, output tok/s and latency against concurrency, the flag sets side by side.
+
+    python -m benchmarks.serving_curve --server-args "--model-path benchmarks/shapes/llama-3.1-8b --load-format dummy" \\
+        --variant default= --variant eagle3="--speculative-algorithm EAGLE3 ..." --concurrency 1,16,64,128,256
+
+Each variant's server starts once (its time to healthy is recorded, cold or warm as the
+compilation cache is), then for each prompt length and concurrency c: max(min_prompts, c x
+prompts_per_c) random prompts, all sent at once, at most c in flight, greedy, ignore_eos. The
+server's own loop split (host schedule / launch / process against the wait on the device, per
+iteration) is read from /debug/state around each run. One JSON (benchmarks/results/NAME.json)
+and a PNG plot beside it: per prompt length, output tok/s and ITL p50 / p99 against c.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import types
+import urllib.request
+
+from benchmarks.bench_serving import random_requests, run
+from benchmarks.common import Results
+
+LOOP_KEYS = ("iterations", "prefill_steps", "decode_steps", "schedule_s", "launch_s", "wait_s", "process_s")
+
+
+def get_json(url: str, timeout: float = 10):
+    return json.loads(urllib.request.urlopen(url, timeout=timeout).read())
+
+
+def start_server(args_line: str, port: int, log_path: str, timeout: float) -> tuple[subprocess.Popen, float]:
+    """Starts `jspec serve` with these flags; returns it and its seconds to healthy."""
+    cmd = [sys.executable, "-m", "jspec", "serve", "--port", str(port), *shlex.split(args_line)]
+    print("$", shlex.join(cmd), flush=True)
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was healthy (log: {log_path})")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return proc, time.perf_counter() - t0
+        except OSError:
+            time.sleep(0.5)
+    stop_server(proc)
+    raise RuntimeError(f"the server was not healthy after {timeout:.0f} s (log: {log_path})")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def loop_split(before: dict, after: dict) -> dict:
+    """The server's loop over one run: iterations, and host / wait milliseconds per iteration."""
+    d = {k: after[k] - before[k] for k in LOOP_KEYS}
+    n = max(d["iterations"], 1)
+    host = d["schedule_s"] + d["launch_s"] + d["process_s"]
+    return {
+        "iterations": d["iterations"],
+        "prefill_steps": d["prefill_steps"],
+        "decode_steps": d["decode_steps"],
+        **{f"{k[:-2]}_ms": 1e3 * d[k] / n for k in ("schedule_s", "launch_s", "process_s", "wait_s")},
+        "host_ms": 1e3 * host / n,
+    }
+
+
+def measure_variant(name: str, flags: str, a, port: int, out_dir: str) -> dict:
+    proc, healthy_s = start_server(f"{a.server_args} {flags}", port, os.path.join(out_dir, f"{name}.log"), a.timeout)
+    url = f"http://127.0.0.1:{port}"
+    rows, info = [], None
+    try:
+        info = get_json(url + "/get_server_info")
+        vocab = get_json(url + "/v1/models")["data"][0].get("vocab_size", 32000)
+        print(f"[{name}] healthy in {healthy_s:.1f} s: {json.dumps(info)}", flush=True)
+        client = types.SimpleNamespace(
+            base_url=url, backend="sglang", model=None, dataset_name="random", max_concurrency=None, seed=0
+        )
+        for input_len in a.input_lens:
+            for c in a.concurrency:
+                n = max(a.min_prompts, c * a.prompts_per_c)
+                requests = random_requests(n, input_len, a.output_len, 1.0, vocab, seed=c)
+                client.max_concurrency = c
+                before = get_json(url + "/debug/state")["loop"]
+                row = asyncio.run(run(client, requests, float("inf")))
+                after = get_json(url + "/debug/state")["loop"]
+                row.update(variant=name, input_len=input_len, output_len=a.output_len, concurrency=c, num_prompts=n)
+                row["loop"] = loop_split(before, after)
+                rows.append(row)
+                print(summary_line(row), flush=True)
+    finally:
+        stop_server(proc)
+    return {"name": name, "flags": flags, "healthy_s": healthy_s, "server": info, "rows": rows}
+
+
+def summary_line(r: dict) -> str:
+    def ms(d, k):
+        return f"{d[k]:.1f}" if d[k] is not None else "-"
+
+    lp = r["loop"]
+    return (
+        f"{r['variant']:>12} in={r['input_len']:<5} c={r['concurrency']:<4} ok={r['completed']:<4} "
+        f"tok/s={r['output_token_throughput']:>8.0f}  TTFT p50/p99={ms(r['ttft'], 'median_ms')}/{ms(r['ttft'], 'p99_ms')}  "
+        f"ITL p50/p99={ms(r['itl'], 'median_ms')}/{ms(r['itl'], 'p99_ms')}  "
+        f"loop: {lp['iterations']} it ({lp['prefill_steps']} prefill), host {lp['host_ms']:.2f} ms "
+        f"(launch {lp['launch_ms']:.2f}, process {lp['process_ms']:.2f}), wait {lp['wait_ms']:.2f} ms"
+        + (f"  accept {r['mean_accept_length']:.2f}" if r.get("mean_accept_length") else "")
+    )
+
+
+def plot(path_json: str) -> str | None:
+    """The PNG beside the JSON: a row of panels per prompt length (tok/s, ITL p50 and p99)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is missing: no plot (python -m benchmarks.serving_curve --plot JSON elsewhere)")
+        return None
+    with open(path_json) as f:
+        data = json.load(f)
+    lens = sorted({r["input_len"] for v in data["variants"] for r in v["rows"]})
+    fig, axes = plt.subplots(len(lens), 2, figsize=(11, 3.6 * len(lens)), squeeze=False)
+    for i, n in enumerate(lens):
+        tput, lat = axes[i]
+        for v in data["variants"]:
+            rows = sorted((r for r in v["rows"] if r["input_len"] == n), key=lambda r: r["concurrency"])
+            cs = [r["concurrency"] for r in rows]
+            (line,) = tput.plot(cs, [r["output_token_throughput"] for r in rows], "o-", label=v["name"])
+            lat.plot(cs, [r["itl"]["median_ms"] for r in rows], "o-", color=line.get_color(), label=f"{v['name']} p50")
+            lat.plot(cs, [r["itl"]["p99_ms"] for r in rows], "x--", color=line.get_color(), label=f"{v['name']} p99")
+        for ax, ylabel in ((tput, "output tok/s"), (lat, "ITL ms")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrent requests")
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        tput.set_title(f"{n} prompt tokens, {data['settings']['output_len']} output tokens")
+    fig.suptitle(
+        f"{data['settings']['server_args']} ({data.get('device', '')}, {(data.get('commit') or '')[:10]})", fontsize=8
+    )
+    fig.tight_layout()
+    png = path_json[: -len(".json")] + ".png"
+    fig.savefig(png, dpi=110)
+    return png
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--server-args", default="", help="flags every variant's server gets")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        metavar="NAME=FLAGS",
+        help="a flag set added to --server-args, side by side with the others (default: default=, no extra flags)",
+    )
+    ap.add_argument("--concurrency", default="1,16,64,128,256")
+    ap.add_argument("--input-lens", default="128,1024", help="prompt lengths, one curve each")
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--prompts-per-c", type=int, default=2, help="prompts sent per unit of concurrency")
+    ap.add_argument("--min-prompts", type=int, default=16)
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--timeout", type=float, default=600, help="seconds a server may take to get healthy")
+    ap.add_argument("--name", default="serving_curve")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--plot", metavar="JSON", help="only draw the PNG of an earlier run's JSON")
+    a = ap.parse_args()
+    if a.plot:
+        print(plot(a.plot))
+        return
+    a.concurrency = [int(c) for c in a.concurrency.split(",")]
+    a.input_lens = [int(n) for n in a.input_lens.split(",")]
+    variants = [v.split("=", 1) for v in (a.variant or ["default="])]
+    os.makedirs(a.out, exist_ok=True)
+    settings = {k: getattr(a, k) for k in ("server_args", "concurrency", "input_lens", "output_len", "prompts_per_c")}
+    settings["min_prompts"], settings["variants"] = a.min_prompts, dict(variants)
+    results, done = None, []
+    for name, flags in variants:
+        try:
+            done.append(measure_variant(name, flags, a, a.port, a.out))
+        except RuntimeError as e:
+            print(f"[{name}] {e}", flush=True)
+            done.append({"name": name, "flags": flags, "error": str(e), "rows": []})
+        # The device and jax version are the server's: this process starts no backend (on a GPU it
+        # would take the server's memory).
+        server = next((v["server"] for v in done if v.get("server")), None)
+        results = results or (Results(a.out, a.name, settings, server=server) if server else None)
+        if results is not None:  # after each variant, so a cut run keeps what it measured
+            path = results.write(variants=done)
+    if results is None:
+        raise SystemExit("no server got healthy: nothing measured")
+    print(f"\nwrote {path}; plot: {plot(path)}")
+    for v in done:
+        print(f"{v['name']}: healthy in {v.get('healthy_s', float('nan')):.1f} s")
+        for r in v["rows"]:
+            print(summary_line(r))
+
+
+if __name__ == "__main__":
+    main()
