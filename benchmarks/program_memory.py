@@ -9,6 +9,7 @@ that produce a buffer of a pool array's shape are listed.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import re
 import time
@@ -31,17 +32,52 @@ def pool_shape_lines(hlo: str, shapes: list[str], limit: int = 12) -> list[str]:
     return out
 
 
+def time_pools(model, pools: list[int], repeats: int = 10) -> None:
+    """Decode B=1 and the largest prefill over pools of these sizes (scratch rows), median ms."""
+    from jspec.config.sampling import SamplingParams
+    from jspec.worker.inputs import SeqChunk
+
+    for tokens in pools:
+        engine = jspec.Engine(model, max_total_tokens=tokens, max_running_requests=8)
+        w = engine.worker
+        T = w.prefill_token_buckets()[-1]
+        greedy = (SamplingParams(), 0)
+        chunk = SeqChunk([0] * T, 0, [0] * (-(-T // w.page_size)))
+        runs = {
+            "decode B=1": functools.partial(w.decode, [w.scratch_slot], [[0]], [greedy]),
+            f"prefill T={T}": functools.partial(w.prefill, [chunk], [0], [None], [greedy]),
+        }
+        for name, fn in runs.items():
+            jax.block_until_ready(fn())
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn())
+                times.append(time.perf_counter() - t0)
+            times.sort()
+            pool_gib = sum(x.nbytes for x in w.state.target_kv) / 2**30
+            print(f"pool {pool_gib:7.2f} GiB  {name:<16} {1e3 * times[len(times) // 2]:8.3f} ms", flush=True)
+        del engine, runs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default="benchmarks/shapes/llama-3.1-8b")
     ap.add_argument("--max-total-tokens", type=int, default=200_000)
     ap.add_argument("--max-running-requests", type=int, default=256)
     ap.add_argument("--speculative-args", default="", help="e.g. 'EAGLE3 /path/head 3 1 4'")
+    ap.add_argument(
+        "--time-pools",
+        help="comma list of pool sizes in tokens: time the largest prefill and decode B=1 over each (a step "
+        "that grows with the pool copies it)",
+    )
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--name", default="program_memory")
     a = ap.parse_args()
     logging.basicConfig(level="INFO", format="[%(name)s] %(message)s")
     model = jspec.load(a.model_path, load_format="dummy")
+    if a.time_pools:
+        return time_pools(model, [int(t) for t in a.time_pools.split(",")])
     spec = None
     if a.speculative_args:
         algo, path, steps, topk, tokens = a.speculative_args.split()

@@ -80,7 +80,8 @@ def loop_split(before: dict, after: dict) -> dict:
 
 
 def measure_variant(name: str, flags: str, a, port: int, out_dir: str) -> dict:
-    proc, healthy_s = start_server(f"{a.server_args} {flags}", port, os.path.join(out_dir, f"{name}.log"), a.timeout)
+    log = os.path.join(out_dir, f"{a.name}_{name}.log")
+    proc, healthy_s = start_server(f"{a.server_args} {flags}", port, log, a.timeout)
     url = f"http://127.0.0.1:{port}"
     rows, info = [], None
     try:
@@ -96,7 +97,13 @@ def measure_variant(name: str, flags: str, a, port: int, out_dir: str) -> dict:
                 requests = random_requests(n, input_len, a.output_len, 1.0, vocab, seed=c)
                 client.max_concurrency = c
                 before = get_json(url + "/debug/state")["loop"]
-                row = asyncio.run(run(client, requests, float("inf")))
+                try:
+                    row = asyncio.run(asyncio.wait_for(run(client, requests, float("inf")), a.run_timeout))
+                except TimeoutError as e:
+                    state = get_json(url + "/debug/state")
+                    raise RuntimeError(
+                        f"c={c}: not done in {a.run_timeout:.0f} s; server state {state} (log: {log})"
+                    ) from e
                 after = get_json(url + "/debug/state")["loop"]
                 row.update(variant=name, input_len=input_len, output_len=a.output_len, concurrency=c, num_prompts=n)
                 row["loop"] = loop_split(before, after)
@@ -176,6 +183,7 @@ def main() -> None:
     ap.add_argument("--min-prompts", type=int, default=16)
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--timeout", type=float, default=600, help="seconds a server may take to get healthy")
+    ap.add_argument("--run-timeout", type=float, default=180, help="seconds one concurrency's run may take")
     ap.add_argument("--name", default="serving_curve")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--plot", metavar="JSON", help="only draw the PNG of an earlier run's JSON")

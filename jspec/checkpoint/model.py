@@ -23,6 +23,27 @@ def load(path: str | os.PathLike, dtype=None, load_format: str = "auto") -> Mode
     return _load(path, dtype, load_format)
 
 
+def load_logged(path: str | os.PathLike, load_format: str = "auto") -> Model:
+    """load(), logging what was loaded and in how long."""
+    import logging
+    import time
+
+    from jspec.checkpoint.loader import count_params
+
+    t0 = time.perf_counter()
+    model = load(path, load_format=load_format)
+    logging.getLogger("jspec.checkpoint").info(
+        "weights loaded: %s, %d layers, %.0fM parameters, %s%s, in %.1f s",
+        os.path.basename(os.path.normpath(path)),
+        model.cfg.num_layers,
+        count_params(model.params) / 1e6,
+        model.params["embed"].dtype,
+        " (random: --load-format dummy)" if load_format == "dummy" else "",
+        time.perf_counter() - t0,
+    )
+    return model
+
+
 def with_context_length(model: Model, context_length: int | None) -> Model:
     """model with its context capped (SGLang's --context-length): it bounds the page tables."""
     if context_length is None:

@@ -15,12 +15,15 @@ client never blocks the overlap loop, and the loop never waits on a client.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
 
 from jspec.config.sampling import SamplingParams
 from jspec.engine.engine import Engine, RequestOutput
+
+log = logging.getLogger("jspec.engine")
 
 
 class RequestFailed(RuntimeError):
@@ -49,6 +52,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         added: asyncio.Future = loop.create_future()
+        self._check_alive()
         self._inbox.put(("add", prompt, params, rid, loop, outputs, added))
         rid = await added  # raises the engine's validation error, if any
         finished = False
@@ -64,6 +68,10 @@ class AsyncEngine:
         finally:
             if not finished:
                 self.abort(rid)
+
+    def _check_alive(self) -> None:
+        if not self.alive:
+            raise RequestFailed(f"the engine loop stopped: {self._error!r}")
 
     @property
     def alive(self) -> bool:
@@ -103,14 +111,30 @@ class AsyncEngine:
                     for out in self.engine.step():
                         self._publish(out)
         except BaseException as e:  # surface a crash to every waiting client instead of hanging them
+            log.exception("the engine loop stopped")
             self._error = e
             for rid in list(self._streams):
                 self._publish_error(rid, e)
         finally:
             for rid in list(self._streams):
-                self.engine.abort(rid)
-                self._publish(RequestOutput(rid, [], "", True, "abort"))
+                try:
+                    self.engine.abort(rid)
+                finally:
+                    self._publish(RequestOutput(rid, [], "", True, "abort"))
+            self._fail_inbox()
             self.engine.drain()
+
+    def _fail_inbox(self) -> None:
+        """Answers what was submitted after the loop stopped, so no caller waits for a dead loop."""
+        error = RequestFailed(f"the engine loop stopped: {self._error!r}")
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg[0] in ("add", "call"):
+                loop, future = (msg[4], msg[6]) if msg[0] == "add" else (msg[3], msg[4])
+                loop.call_soon_threadsafe(_settle, future, None, error)
 
     def _handle(self, msg) -> None:
         if msg is None or msg[0] == "wake":

@@ -25,12 +25,14 @@ import time
 import jax
 import numpy as np
 
-from jspec.checkpoint.model import as_model, with_context_length
+from jspec.checkpoint.model import as_model, load_logged, with_context_length
 from jspec.config.engine import EngineConfig
 from jspec.config.sampling import SamplingParams
 from jspec.engine.sizing import (
     PROBE_PAGES,
+    PoolPlan,
     check_parallel,
+    device_bytes_in_use,
     device_memory_bytes,
     plan_pool,
     probe_running_requests,
@@ -133,12 +135,18 @@ class Engine:
     keywords (`Engine(model, page_size=16, tp_size=2)`); draft: EAGLE / STANDALONE weights given
     in memory, as (DraftConfig, params), instead of config.speculative.draft_model_path."""
 
-    def __init__(self, model, config: EngineConfig | None = None, *, draft=None, **settings):
+    def __init__(self, model, config: EngineConfig | None = None, *, draft=None, load_format: str = "auto", **settings):
         config = dataclasses.replace(config or EngineConfig(), **settings)
         self.config = config
         # Before anything compiles: a second process reuses this one's programs.
         enable_compilation_cache(config.compilation_cache)
+        target_path = os.fspath(model) if isinstance(model, (str, os.PathLike)) else None
+        if target_path is not None:
+            # Loaded here, the engine holds the loader's weights alone and frees them once the
+            # worker has laid them out, before the KV pool is sized.
+            model = load_logged(target_path, load_format)
         self.model = with_context_length(as_model(model), config.context_length)
+        del model
         self.spec = config.speculative
         cfg, params = self.model.cfg, self.model.params
         check_parallel(config, cfg)
@@ -165,7 +173,6 @@ class Engine:
             from jspec.speculative.registry import make_method
 
             # The draft is built against the checkpoint's config; it runs replicated on every shard.
-            target_path = os.fspath(model) if isinstance(model, (str, os.PathLike)) else None
             method, dparams = make_method(
                 self.spec, self.model.cfg, draft, dtype=params["embed"].dtype, target_path=target_path
             )
@@ -181,7 +188,13 @@ class Engine:
             lora=self._lora_pool(config, dtype, mesh or dp_mesh, params),
             kv_cache_dtype=config.kv_cache_dtype,
         )
-        self.worker, self.plan = self._build_worker(config, cfg, params, method, dparams, dp, kw)
+        sizing = self._sizing(config, cfg, params, method, dp)
+        self.worker = self._build_worker(config, cfg, params, method, dparams, dp, kw, sizing)
+        # The worker holds the weights, laid out as its steps take them (per layer on the GPU): the
+        # engine keeps none, so what the loader made is freed unless the caller holds it.
+        self.model = dataclasses.replace(self.model, params=None)
+        del params
+        self.plan = self._size_pool(sizing, dp)
         log.info(
             "KV pool: %d tokens, %.2f GiB (%s); at most %d running requests (%s)",
             self.plan.tokens,
@@ -220,36 +233,44 @@ class Engine:
         for name, path in config.lora_paths.items():
             self.load_lora(name, path)
 
-    def _build_worker(self, config: EngineConfig, cfg, params, method, dparams, dp: int, kw: dict):
-        """The worker with its pool sized (engine/sizing.py): on an accelerator with no pool
-        size given, the worker is first built over a two-page pool to measure its largest
-        programs, then given the pool that the memory left holds."""
+    @staticmethod
+    def _sizing(config: EngineConfig, cfg, params, method, dp: int) -> dict:
+        """plan_pool's arguments but the measured ones (engine/sizing.py)."""
         dtype = params["embed"].dtype
         page = kv_bytes_per_page(cfg, config.page_size, kv_cache_dtype(config.kv_cache_dtype, dtype))
         page += method.draft_kv_bytes_per_page(config.page_size, dtype) if method is not None else 0
-        device = device_memory_bytes()
-        sizing = dict(
+        return dict(
             page_size=config.page_size,
             # Per device: 1/tp of the weights, and each page's KV heads split over a rank's tp / dp devices.
             bytes_per_page=page // max(1, config.tp_size // dp),
             max_total_tokens=config.max_total_tokens,
             mem_fraction_static=config.mem_fraction_static,
             max_running_requests=config.max_running_requests,
-            device_bytes=device,
+            device_bytes=device_memory_bytes(),
             weight_bytes=sum(x.nbytes for x in jax.tree.leaves(params)) // config.tp_size,
             speculative=method is not None,
         )
 
-        def build(pages: int, running: int):
-            slots = max(1, running // dp)
-            if method is None:
-                return PlainWorker(cfg, params, num_pages=pages, max_slots=slots, **kw)
-            return SpecWorker(cfg, params, method, dparams, num_pages=pages, max_slots=slots, **kw)
-
-        if device is None or config.max_total_tokens:
+    @staticmethod
+    def _build_worker(config: EngineConfig, cfg, params, method, dparams, dp: int, kw: dict, sizing: dict):
+        """The worker over its final pool when the settings fix it; on an accelerator with no pool
+        size given, over a two-page pool (_size_pool measures its programs, then resizes it)."""
+        if sizing["device_bytes"] is None or config.max_total_tokens:
             plan = plan_pool(**sizing)
-            return build(plan.pages, plan.max_running_requests), plan
-        worker = build(PROBE_PAGES, probe_running_requests(config, accelerator=True))
+            pages, running = plan.pages, plan.max_running_requests
+        else:
+            pages, running = PROBE_PAGES, probe_running_requests(config, accelerator=True)
+        slots = max(1, running // dp)
+        if method is None:
+            return PlainWorker(cfg, params, num_pages=pages, max_slots=slots, **kw)
+        return SpecWorker(cfg, params, method, dparams, num_pages=pages, max_slots=slots, **kw)
+
+    def _size_pool(self, sizing: dict, dp: int) -> PoolPlan:
+        """The pool plan; over a probe pool, the worker's largest programs are measured and the
+        pool sized from the memory they and everything already on the device leave."""
+        worker = self.worker
+        if worker.num_pages != PROBE_PAGES or sizing["device_bytes"] is None or sizing["max_total_tokens"]:
+            return plan_pool(**sizing)
         t0 = time.perf_counter()
         measured = worker.measure_programs()
         peak = max(m.needs_bytes for m in measured.values())
@@ -259,9 +280,12 @@ class Engine:
             peak / 2**30,
             ", ".join(f"{k}: {m.needs_bytes / 2**30:.2f}" for k, m in measured.items()),
         )
-        plan = plan_pool(**sizing, program_bytes=peak)
+        # What is on the device besides the probe's pool: the weights as the worker laid them out,
+        # and anything the caller still holds.
+        in_use = device_bytes_in_use() - PROBE_PAGES * sizing["bytes_per_page"]
+        plan = plan_pool(**{**sizing, "weight_bytes": max(in_use, sizing["weight_bytes"])}, program_bytes=peak)
         worker.resize(plan.pages, max(1, plan.max_running_requests // dp))
-        return worker, plan
+        return plan
 
     # ---- hooks: what an engine built on this one (PD disaggregation) changes --------------------
 

@@ -81,7 +81,7 @@ def plan_pool(
     """The pool's pages and the running-request limit.
 
     device_bytes: what the device's allocator may hold (None: no accelerator that reports it);
-    weight_bytes: the weights on one device; program_bytes: the largest temporary memory any
+    weight_bytes: what one device holds besides the pool (the weights; measured, when it is); program_bytes: the largest temporary memory any
     program needs (measured; None: not measured). bytes_per_page: one page of the target's KV
     and the draft's, per device.
 
@@ -124,7 +124,7 @@ def plan_pool(
             )
         pages = int(kv // bytes_per_page)
         source = (
-            f"device: {_gib(device_bytes)} less {_gib(weight_bytes)} of weights, {_gib(programs)} for the programs "
+            f"device: {_gib(device_bytes)} less {_gib(weight_bytes)} of weights in use, {_gib(programs)} for the programs "
             f"(measured peak x {PROGRAM_BYTES_FACTOR}) and {_gib(headroom)} headroom"
         )
     else:
@@ -169,6 +169,13 @@ def device_memory_bytes() -> int | None:
     if dev.platform == "cpu":
         return None
     return (dev.memory_stats() or {}).get("bytes_limit")
+
+
+def device_bytes_in_use() -> int:
+    """Bytes the first local device's allocator holds now (0 where it does not say)."""
+    import jax
+
+    return (jax.local_devices()[0].memory_stats() or {}).get("bytes_in_use", 0)
 
 
 def _gib(n: float) -> str:

@@ -18,32 +18,32 @@ log = logging.getLogger("jspec.serve")
 SERVER_GPU_MEMORY_FRACTION = "0.90"
 
 
-def make_engine(config, server: ServerConfig, model):
-    """The engine a server runs: a plain Engine, or a PD prefill / decode engine."""
+def make_engine(config, server: ServerConfig, path: str):
+    """The engine a server runs: a plain Engine, or a PD prefill / decode engine. A plain engine
+    loads the weights itself, so it holds the loader's copy alone and frees it once laid out."""
     from jspec.engine.engine import Engine
 
-    if server.disaggregation_mode in ("prefill", "decode"):
-        from jspec.checkpoint.model import as_model
+    if server.disaggregation_mode not in ("prefill", "decode"):
+        return Engine(path, config, load_format=server.load_format)
+    from jspec.checkpoint.model import load_logged
 
-        model = as_model(model)
-        if model.cfg.deepseek is not None:
-            raise ValueError(
-                f"PD disaggregation is not implemented for latent-attention (MLA) models ({model.cfg.family}) yet"
-            )
+    model = load_logged(path, server.load_format)
+    if model.cfg.deepseek is not None:
+        raise ValueError(
+            f"PD disaggregation is not implemented for latent-attention (MLA) models ({model.cfg.family}) yet"
+        )
     if server.disaggregation_mode == "prefill":
         from jspec.disaggregation.prefill import PrefillEngine
 
         return PrefillEngine(model, config)
-    if server.disaggregation_mode == "decode":
-        from jspec.disaggregation.decode import DecodeEngine
+    from jspec.disaggregation.decode import DecodeEngine
 
-        return DecodeEngine(
-            model,
-            config,
-            prefill_addrs=list(server.disaggregation_prefill_addrs),
-            transfer_backend=server.disaggregation_transfer_backend,
-        )
-    return Engine(model, config)
+    return DecodeEngine(
+        model,
+        config,
+        prefill_addrs=list(server.disaggregation_prefill_addrs),
+        transfer_backend=server.disaggregation_transfer_backend,
+    )
 
 
 def main(argv=None) -> None:
@@ -73,33 +73,16 @@ def main(argv=None) -> None:
     except ValueError as e:
         ap.error(str(e))
 
-    from jspec.checkpoint.loader import count_params
-    from jspec.checkpoint.model import load
-
     path = server.model_path
     if path is None:
         from jspec.testing.demo import default_model_path
 
         path, what = default_model_path()
         log.info("serving %s at %s", what, path)
-    t0 = time.perf_counter()
     try:
-        model = load(path, load_format=server.load_format)
-    except ValueError as e:
+        engine = make_engine(config, server, path)
+    except (ValueError, NotImplementedError) as e:  # a bad checkpoint, a --tp-size that does not divide the heads
         ap.error(str(e))
-    log.info(
-        "weights loaded: %s, %d layers, %.0fM parameters, %s, in %.1f s",
-        os.path.basename(os.path.normpath(path)),
-        model.cfg.num_layers,
-        count_params(model.params) / 1e6,
-        model.params["embed"].dtype,
-        time.perf_counter() - t0,
-    )
-    try:
-        engine = make_engine(config, server, model)
-    except (ValueError, NotImplementedError) as e:  # e.g. a --tp-size that does not divide the heads
-        ap.error(str(e))
-    del model  # the engine holds the weights it runs (with --quantization, not these)
     if not server.skip_warmup:
         modes = server.warmup_sampling_modes
         t0 = time.perf_counter()
