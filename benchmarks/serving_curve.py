@@ -29,7 +29,16 @@ import urllib.request
 from benchmarks.bench_serving import random_requests, run
 from benchmarks.common import Results
 
-LOOP_KEYS = ("iterations", "prefill_steps", "decode_steps", "schedule_s", "launch_s", "wait_s", "process_s")
+LOOP_KEYS = (
+    "iterations",
+    "prefill_steps",
+    "mixed_steps",
+    "decode_steps",
+    "schedule_s",
+    "launch_s",
+    "wait_s",
+    "process_s",
+)
 
 
 def get_json(url: str, timeout: float = 10):
@@ -73,6 +82,7 @@ def loop_split(before: dict, after: dict) -> dict:
     return {
         "iterations": d["iterations"],
         "prefill_steps": d["prefill_steps"],
+        "mixed_steps": d["mixed_steps"],
         "decode_steps": d["decode_steps"],
         **{f"{k[:-2]}_ms": 1e3 * d[k] / n for k in ("schedule_s", "launch_s", "process_s", "wait_s")},
         "host_ms": 1e3 * host / n,
@@ -123,7 +133,7 @@ def summary_line(r: dict) -> str:
         f"{r['variant']:>12} in={r['input_len']:<5} c={r['concurrency']:<4} ok={r['completed']:<4} "
         f"tok/s={r['output_token_throughput']:>8.0f}  TTFT p50/p99={ms(r['ttft'], 'median_ms')}/{ms(r['ttft'], 'p99_ms')}  "
         f"ITL p50/p99={ms(r['itl'], 'median_ms')}/{ms(r['itl'], 'p99_ms')}  "
-        f"loop: {lp['iterations']} it ({lp['prefill_steps']} prefill), host {lp['host_ms']:.2f} ms "
+        f"loop: {lp['iterations']} it ({lp['prefill_steps']} prefill, {lp['mixed_steps']} mixed), host {lp['host_ms']:.2f} ms "
         f"(launch {lp['launch_ms']:.2f}, process {lp['process_ms']:.2f}), wait {lp['wait_ms']:.2f} ms"
         + (f"  accept {r['mean_accept_length']:.2f}" if r.get("mean_accept_length") else "")
     )

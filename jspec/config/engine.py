@@ -54,6 +54,11 @@ class EngineConfig:
     )
     # The loop.
     disable_overlap_schedule: bool = setting(False, "run the synchronous loop instead")
+    disable_mixed_chunk: bool = setting(
+        False,
+        "run each prefill alone; by default the running requests decode in the same step (SGLang's "
+        "--enable-mixed-chunk), so new prompts do not stall them (plain decoding; speculation alternates)",
+    )
     disable_radix_cache: bool = setting(False, "no prefix cache")
     random_seed: int = setting(0, "seeds requests that bring none")
     max_top_logprobs: int = setting(5, "largest top-n logprobs a request may ask for")

@@ -87,6 +87,7 @@ class LoopTimes:
     wait_s: float = 0.0  # blocked on the previous step's outputs
     process_s: float = 0.0  # accept bookkeeping, detokenizing, stop checks, outputs
     prefill_steps: int = 0  # launches that prefill (some with decode rows beside, when mixed)
+    mixed_steps: int = 0  # of those, launches that carried running requests' decode rows too
     decode_steps: int = 0  # launches that only decode
 
     @property
@@ -299,7 +300,11 @@ class Engine:
                 disable_radix_cache=self.config.disable_radix_cache,
                 load_balance_method=self.config.load_balance_method,
             )
-        return Scheduler(self.worker, disable_radix_cache=self.config.disable_radix_cache)
+        return Scheduler(
+            self.worker,
+            disable_radix_cache=self.config.disable_radix_cache,
+            mixed_chunk=self.worker.mixes_decode_rows and not self.config.disable_mixed_chunk,
+        )
 
     def on_launched(self, launched: Launched) -> None:
         """Called right after each step's launch, before the next step can donate its state."""
@@ -530,6 +535,7 @@ class Engine:
         self.num_steps += 1
         if isinstance(batch, PrefillBatch) or (isinstance(batch, DPBatch) and batch.is_prefill):
             self.loop_times.prefill_steps += 1
+            self.loop_times.mixed_steps += isinstance(batch, PrefillBatch) and batch.mixed
         else:
             self.loop_times.decode_steps += 1
         if not isinstance(out, PendingLaunch):

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import collections
 
-from jspec.constrained.grammar import row_masks
+import numpy as np
+
+from jspec.constrained.grammar import allow_all, row_masks
 from jspec.kvcache.allocator import OutOfPagesError
 from jspec.kvcache.radix_cache import RadixCache
 from jspec.scheduler.kv_manager import KVManager
@@ -30,8 +32,11 @@ def cache_key(req: Request, tokens: list[int]) -> list[int]:
 
 
 class Scheduler:
-    def __init__(self, worker, *, disable_radix_cache: bool = False):
+    def __init__(self, worker, *, disable_radix_cache: bool = False, mixed_chunk: bool = False):
         self.worker = worker
+        # Prefills carry the running requests' decode rows (the worker reads their tokens from the
+        # device carry), so new prompts never stall the running ones for a step.
+        self.mixed_chunk = mixed_chunk
         self.page_size = worker.page_size
         self.chunked_prefill_size = worker.chunked_prefill_size
         self.kv = KVManager(worker.num_pages, worker.max_slots, worker.page_size)
@@ -135,7 +140,12 @@ class Scheduler:
         return True
 
     def _schedule_prefill(self) -> PrefillBatch | None:
-        budget = self.chunked_prefill_size
+        decode_rows = self._mixable_running() if self.mixed_chunk else []
+        # The decode rows take their share of the step's tokens first: a step's cost follows its
+        # token count, and the running requests' latency is what mixing protects.
+        budget = self.chunked_prefill_size - len(decode_rows)
+        if budget <= 0:
+            return None
         batch = PrefillBatch()
         # Requests mid-prefill first, then new (or retracted) ones in arrival order.
         candidates = list(self.prefilling)
@@ -174,6 +184,7 @@ class Scheduler:
         if not batch.chunks:
             return None
         batch.vocab_masks = self._vocab_masks(batch.reqs, [f is None for f in batch.following])
+        batch.decode_rows = [False] * len(batch.chunks)
         for req, chunk, following in zip(batch.reqs, batch.chunks, batch.following):
             req.prefilled += len(chunk.tokens)
             self.prefilled_tokens += len(chunk.tokens)
@@ -186,7 +197,43 @@ class Scheduler:
                 if req in self.prefilling:
                     self.prefilling.remove(req)
                 self.running.append(req)
+        if decode_rows and self._add_decode_rows(batch, decode_rows):
+            if batch.vocab_masks is not None:
+                batch.vocab_masks = np.concatenate(
+                    [batch.vocab_masks, allow_all(len(decode_rows), self.worker.vocab_size)]
+                )
         return batch
+
+    def _mixable_running(self) -> list[Request]:
+        """The running requests a prefill can carry as decode rows: all of them, unless one has
+        a grammar (its mask follows from a token still in flight: it decodes in a decode step,
+        whose launch waits for that token)."""
+        running = [r for r in self.running if r.status is Status.RUNNING]
+        if any(r.grammar is not None for r in running):
+            return []
+        return sorted(running, key=lambda r: r.arrival)
+
+    def _add_decode_rows(self, batch: PrefillBatch, reqs: list[Request]) -> bool:
+        """Appends reqs to batch as one-token rows at their next position (plain decoding emits
+        one token a step, so that is kv_len + in-flight decodes); False, adding none, when the
+        pool cannot grow them all (the next decode step retracts)."""
+        w = self.worker
+        for req in reqs:
+            if not self._grow(req, req.kv_len + req.inflight * w.max_emit + w.kv_margin):
+                return False
+        for req in reqs:
+            batch.reqs.append(req)
+            batch.chunks.append(SeqChunk([0], req.kv_len + req.inflight, req.pages))
+            batch.following.append(None)
+            batch.slots.append(req.slot)
+            batch.output_starts.append(len(req.prompt))
+            batch.first_chunks.append(False)
+            batch.sampling.append((req.params, req.seed))
+            batch.loras.append(req.lora_slot)
+            batch.decode_rows.append(True)
+            req.inflight += 1
+            req.inflight_outputs += 1
+        return True
 
     def _admit(self, req: Request) -> bool:
         """Moves a waiting request to prefilling if a slot and its whole prompt's pages are free."""
@@ -289,6 +336,11 @@ class Scheduler:
         offset = 0  # chunks sit back to back in the batch's token axis
         for i, (req, following) in enumerate(zip(batch.reqs, batch.following)):
             chunk = batch.chunks[i]
+            if batch.decode_rows and batch.decode_rows[i]:
+                offset += 1
+                if self._on_decode_row(req, out, i, speculative=False):
+                    touched.append(req)
+                continue
             if out.prompt is not None and req.params.wants_prompt_logprobs and not req.finished:
                 n = len(chunk.tokens)
                 p = out.prompt
@@ -321,23 +373,24 @@ class Scheduler:
 
     def on_decode_done(self, batch: DecodeBatch, out, speculative: bool) -> list[Request]:
         """out: the decode's StepOutput on the host."""
-        touched = []
-        for i, req in enumerate(batch.reqs):
-            req.inflight_outputs -= 1
-            if req.finished:
-                continue  # one-step lag: launched before its finish was seen; drop these tokens
-            if self._failed(req):
-                touched.append(req)
-                continue
-            emitted = out.tokens[i, : int(out.accept_len[i]) + 1]
-            if req.status is Status.RUNNING:
-                req.inflight -= 1
-                req.kv_len += len(emitted)
-            if speculative:
-                req.verify_ct += 1
-                req.spec_emitted += len(emitted)
-            req.append(emitted, out.logprobs[i], out.top_ids[i], out.top_logprobs[i])
-            touched.append(req)
-            if req.finished:
-                self.retire(req)
-        return touched
+        return [req for i, req in enumerate(batch.reqs) if self._on_decode_row(req, out, i, speculative)]
+
+    def _on_decode_row(self, req: Request, out, i: int, speculative: bool) -> bool:
+        """Row i of a step's output is req's decode: its emitted tokens are appended. Returns
+        whether req has news for its caller."""
+        req.inflight_outputs -= 1
+        if req.finished:
+            return False  # one-step lag: launched before its finish was seen; drop these tokens
+        if self._failed(req):
+            return True
+        emitted = out.tokens[i, : int(out.accept_len[i]) + 1]
+        if req.status is Status.RUNNING:
+            req.inflight -= 1
+            req.kv_len += len(emitted)
+        if speculative:
+            req.verify_ct += 1
+            req.spec_emitted += len(emitted)
+        req.append(emitted, out.logprobs[i], out.top_ids[i], out.top_logprobs[i])
+        if req.finished:
+            self.retire(req)
+        return True

@@ -63,6 +63,7 @@ def plain_prefill_step(
     rows: SamplingRows,
     lora: LoraBatch | None = None,
     vocab_mask=None,
+    carry_slots=None,
     *,
     cfg: ModelConfig,
     mode: AttentionMode,
@@ -74,7 +75,13 @@ def plain_prefill_step(
     ends in this chunk (it receives the sampled first token), else the scratch slot.
     next_tokens [T]: the prompt token after each token (scored when with_prompt_logprobs).
     lora: the adapter pool and each token's adapter slot [T] (None: no LoRA).
-    vocab_mask: [B, words] token bitmasks of the sequences (None: every token allowed)."""
+    vocab_mask: [B, words] token bitmasks of the sequences (None: every token allowed).
+    carry_slots: [T] the slot whose carried next token a token is, else -1: a running request's
+    decode row, mixed into the prefill (its token was sampled by a step the host has not read)."""
+    if carry_slots is not None:
+        fed = carry_slots >= 0
+        carried = state.carry.next_token[jnp.where(fed, carry_slots, 0)]
+        batch = batch._replace(tokens=jnp.where(fed, carried, batch.tokens))
     kv, out = forward(params, cfg, state.target_kv, batch, mode, lora=lora)
     first, logits, pen = sample_first_tokens(
         out.logits, state.penalties, batch, slot_ids, counts, rows, sampling, vocab_mask

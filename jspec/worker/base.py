@@ -65,6 +65,16 @@ def prefill_token_buckets(chunked_prefill_size: int, smallest: int) -> list[int]
     return out + [max(bucket(chunked_prefill_size, 8), smallest)]
 
 
+def carry_slots(query_start, chunks, slots, decode_rows, T: int) -> np.ndarray:
+    """Each prefill token's source [T]: the slot whose carried next token it is (a decode row's
+    one token), else -1 (the token the host gave)."""
+    out = np.full(T, -1, np.int32)
+    for i, row in enumerate(decode_rows or ()):
+        if row:
+            out[query_start[i]] = slots[i]
+    return out
+
+
 def prefill_lora_slots(batch, chunks, loras) -> np.ndarray:
     """Each prefill token's adapter slot [T] (padding rows, or no loras: 0)."""
     ids = np.zeros(batch.tokens.shape[0], np.int32)
@@ -212,6 +222,7 @@ class WorkerBase:
                 batch.with_prompt_logprobs,
                 loras,
                 batch.vocab_masks,
+                batch.decode_rows if batch.mixed else None,
             )
         return self.decode(
             batch.slots, batch.page_tables, batch.sampling, loras, batch.shape, batch.drafting, batch.grammars
@@ -220,6 +231,9 @@ class WorkerBase:
     # Whether the steps take token bitmasks (structured outputs); a worker without them refuses
     # a batch that has one.
     supports_grammar = False
+    # Whether its prefill step takes decode rows, their tokens read from the device carry (a
+    # mixed prefill + decode batch); its prefill programs then take carry_slots [T].
+    mixes_decode_rows = False
     # The engine's designated read: a speculative decode with grammar rows reads the proposed
     # tree through it.
     host_read: Callable | None = None
@@ -316,7 +330,11 @@ class WorkerBase:
         with_prompt_logprobs=False,
         loras=None,
         vocab_masks=None,
+        decode_rows=None,
     ):
+        """decode_rows: per chunk, a running request's decode row (mixes_decode_rows workers)."""
+        if decode_rows is not None and not self.mixes_decode_rows:
+            raise ValueError(f"{type(self).__name__} does not mix decode rows into a prefill")
         batch, mode, next_tokens, finish_rows, slot_ids, counts = self._prefill_inputs(
             chunks, following, slots, output_starts, first_chunks
         )
@@ -328,11 +346,15 @@ class WorkerBase:
         tokens = self.prefill_step_tokens(next_tokens, finish_rows)
         mask = self._vocab_mask(vocab_masks, slot_ids.shape[0])
         masked = () if mask is None else ("masked",)
+        args = (*self.step_weights(), self.state, batch, *tokens, slot_ids, counts, rows, lora)
+        if self.mixes_decode_rows:
+            args += (mask, carry_slots(batch.query_start, chunks, slots, decode_rows, T))
+        elif mask is not None:
+            args += (mask,)
         return self._launch(
             self._prefill_key(T, with_prompt_logprobs) + masked,
             lambda: (self.prefill_step, statics, label + " masked" * bool(masked)),
-            (*self.step_weights(), self.state, batch, *tokens, slot_ids, counts, rows, lora)
-            + (() if mask is None else (mask,)),
+            args,
         )
 
     def decode_arrays(

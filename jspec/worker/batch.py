@@ -24,6 +24,13 @@ class PrefillBatch:
     sampling: list[tuple[SamplingParams, int]] = dataclasses.field(default_factory=list)  # params and seed
     loras: list[int] = dataclasses.field(default_factory=list)  # LoRA pool slot (0: none)
     vocab_masks: np.ndarray | None = None  # [chunks, words] int32 token bitmasks; None: no grammar row
+    # Per chunk: a running request's decode row (mixed prefill + decode): its one token is the
+    # device carry's next token of its slot, which the host does not know yet.
+    decode_rows: list[bool] = dataclasses.field(default_factory=list)
+
+    @property
+    def mixed(self) -> bool:
+        return any(self.decode_rows)
 
     @property
     def with_prompt_logprobs(self) -> bool:

@@ -27,6 +27,7 @@ class PlainWorker(WorkerBase):
     prefill_step = staticmethod(plain_prefill_step)
     decode_step = staticmethod(plain_decode_step)
     supports_grammar = True
+    mixes_decode_rows = True
 
     def __init__(self, cfg: ModelConfig, params, *, page_size: int, num_pages: int, max_slots: int, **kw):
         super().__init__(cfg, params, page_size=page_size, num_pages=num_pages, max_slots=max_slots, **kw)

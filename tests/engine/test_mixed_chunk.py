@@ -1,0 +1,91 @@
+"""Mixed prefill + decode steps: a prefill carries the running requests' decode rows (their
+tokens read from the device carry), and every request gets the tokens it gets when prefills run
+alone: greedy, seeded sampling with penalties, logprobs, overlap on and off."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from support.models import tiny_model
+
+import jspec
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_model(tmp_path_factory, "tiny", seed=11, context=256)
+
+
+SETTINGS = dict(
+    page_size=4,
+    max_total_tokens=4096,
+    max_running_requests=8,
+    chunked_prefill_size=32,  # prompts longer than the step's budget are chunked beside decode rows
+    precompile_bs_paddings=[8],
+    attention_backend="reference",
+)
+
+
+def arrivals(n=14, seed=0):
+    """(step, prompt, params): requests arriving while others decode, greedy and sampled."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        params = jspec.SamplingParams(
+            max_new_tokens=int(rng.integers(4, 20)),
+            ignore_eos=True,
+            temperature=0.0 if i % 2 else 0.9,
+            seed=i,
+            repetition_penalty=1.3 if i % 3 == 0 else 1.0,
+            presence_penalty=0.5 if i % 4 == 1 else 0.0,
+            return_logprob=i % 5 == 0,
+            top_logprobs_num=2 if i % 5 == 0 else 0,
+        )
+        prompt = list(map(int, rng.integers(0, 200, int(rng.choice([1, 3, 9, 40, 70])))))
+        out.append((2 * i, prompt, params))
+    return out
+
+
+def run(engine, reqs):
+    pending, got, step = list(enumerate(reqs)), {}, 0
+    while pending or engine.has_work():
+        while pending and pending[0][1][0] <= step:
+            i, (_, prompt, params) = pending.pop(0)
+            engine.add_request(prompt, dataclasses.replace(params), rid=f"r{i}")
+        for o in engine.step():
+            ids, lps = got.setdefault(o.rid, ([], []))
+            ids += o.new_token_ids
+            lps += o.new_logprobs or []
+        step += 1
+        assert step < 3000
+    engine.check_idle_no_leaks()
+    return got
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_mixed_steps_give_the_tokens_of_prefills_alone(tiny, overlap):
+    reqs = arrivals()
+    kw = dict(SETTINGS, disable_overlap_schedule=not overlap)
+    alone = jspec.Engine(tiny, disable_mixed_chunk=True, **kw)
+    mixed = jspec.Engine(tiny, **kw)
+    ref, got = run(alone, reqs), run(mixed, reqs)
+    assert alone.loop_times.mixed_steps == 0
+    assert mixed.loop_times.mixed_steps >= 5, mixed.loop_times
+    assert got.keys() == ref.keys() and len(got) == len(reqs)
+    for rid in ref:
+        assert got[rid][0] == ref[rid][0], rid
+        np.testing.assert_allclose(got[rid][1], ref[rid][1], rtol=1e-4, atol=1e-5)
+    # The decode rows ride along: fewer launches than prefills and decodes taken one at a time.
+    assert mixed.num_steps < alone.num_steps
+
+
+def test_decode_rows_take_their_share_of_the_step_first(tiny):
+    engine = jspec.Engine(tiny, **SETTINGS)
+    engine.add_request(list(range(5)), jspec.SamplingParams(max_new_tokens=30, ignore_eos=True))
+    engine.step()  # its prefill
+    engine.add_request(list(range(100)), jspec.SamplingParams(max_new_tokens=2, ignore_eos=True))
+    batch = engine.scheduler.schedule()
+    assert batch.decode_rows == [False, True]
+    assert [len(c.tokens) for c in batch.chunks] == [SETTINGS["chunked_prefill_size"] - 1, 1]
+    running = engine.scheduler.running[0]
+    assert batch.chunks[1].start == running.kv_len + running.inflight - 1  # its next position
