@@ -57,6 +57,17 @@ def time_pools(model, pools: list[int], repeats: int = 10) -> None:
             times.sort()
             pool_gib = sum(x.nbytes for x in w.state.target_kv) / 2**30
             print(f"pool {pool_gib:7.2f} GiB  {name:<16} {1e3 * times[len(times) // 2]:8.3f} ms", flush=True)
+        # The same greedy tokens on the pool's first pages and on its last ones (an index that
+        # overflows past some pool size shows here).
+        prompt, params = list(range(1, 40)), SamplingParams(max_new_tokens=8, return_logprob=True, top_logprobs_num=5)
+        low = engine.generate([prompt], params)[0]
+        alloc = engine.scheduler.kv.allocator
+        hold = alloc.alloc(alloc.num_free - 8)
+        high = engine.generate([prompt], params)[0]
+        alloc.free(hold)
+        diff = max(abs(a[1] - b[1]) for x, y in zip(low.top_logprobs, high.top_logprobs) for a, b in zip(x, y))
+        same = low.token_ids == high.token_ids
+        print(f"pool {pool_gib:7.2f} GiB  first vs last pages: same tokens {same}, top-5 logprob diff {diff:.2e}")
         del engine, runs
 
 
