@@ -1,0 +1,38 @@
+"""An engine on an accelerator that reports its memory sizes its pool from what is left after
+the weights and its measured programs (the CPU reports none: its memory is stood in for here)."""
+
+import pytest
+from support.models import tiny_model
+
+import jspec
+import jspec.engine.engine as engine_module
+from jspec.engine.sizing import MAX_RUNNING_REQUESTS, PROBE_PAGES
+
+GiB = 2**30
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_model(tmp_path_factory, "tiny", seed=5, context=128)
+
+
+def test_pool_is_sized_from_the_device_after_measuring_the_programs(tiny, monkeypatch):
+    monkeypatch.setattr(engine_module, "device_memory_bytes", lambda: 2 * GiB)
+    kw = dict(page_size=16, attention_backend="reference", chunked_prefill_size=64, precompile_bs_paddings=[1, 256])
+    engine = jspec.Engine(tiny, **kw)
+    plan, w = engine.plan, engine.worker
+    assert plan.pool_source.startswith("device:") and "measured peak" in plan.pool_source
+    assert w.num_pages == plan.pages > PROBE_PAGES and w.state.target_kv.num_pages == plan.pages
+    assert w.max_slots == plan.max_running_requests == MAX_RUNNING_REQUESTS
+    assert engine.scheduler.kv.allocator.num_usable == plan.pages - 1
+    # The probe's programs were for the two-page pool: none survives the resize.
+    assert not w.programs.compiled
+    assert engine.model.params is None  # the worker holds the weights; the engine keeps no copy
+    params = jspec.SamplingParams(max_new_tokens=6, ignore_eos=True)
+    fixed = jspec.Engine(tiny, max_total_tokens=4096, max_running_requests=8, **kw)
+    prompts = [[1, 2, 3], list(range(40))]
+    assert [o.token_ids for o in engine.generate(prompts, params)] == [
+        o.token_ids for o in fixed.generate(prompts, params)
+    ]
+    assert fixed.plan.pool_source == "max_total_tokens"
+    engine.check_idle_no_leaks()
