@@ -56,8 +56,8 @@ for s in "$@"; do
       step program_memory 150 $PY -m benchmarks.program_memory --max-total-tokens 100000 --out "$RESULTS" ;;
     pool_scaling)
       step pool_scaling_small 90 $PY -m benchmarks.program_memory --model-path benchmarks/shapes/smollm2-135m \
-        --time-pools 100000,4000000
-      step pool_scaling_8b 120 $PY -m benchmarks.program_memory --time-pools 100000,700000 ;;
+        --time-pools ${SMALL_POOLS:-100000,4000000}
+      step pool_scaling_8b 120 $PY -m benchmarks.program_memory --time-pools ${POOLS_8B:-100000,700000} ;;
     curve_8b_quick)
       step curve_8b_quick 150 $PY -m benchmarks.serving_curve --server-args "$SHAPE_8B" --input-lens 128 \
         --concurrency 1,64 --min-prompts 4 --output-len 64 --run-timeout 40 --out "$RESULTS" --name curve_8b_quick ;;
