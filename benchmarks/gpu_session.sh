@@ -58,18 +58,33 @@ for s in "$@"; do
       step pool_scaling_small 90 $PY -m benchmarks.program_memory --model-path benchmarks/shapes/smollm2-135m \
         --time-pools ${SMALL_POOLS:-100000,4000000}
       step pool_scaling_8b 120 $PY -m benchmarks.program_memory --time-pools ${POOLS_8B:-100000,700000} ;;
+    memory_flags)
+      # Which XLA flags keep a large pool's programs free of a pool-sized temporary: each variant
+      # compiles the largest programs over a pool of $FLAG_POOL tokens; the first clean one is kept
+      # in $RESULTS/xla_flags for the steps after.
+      : >"$RESULTS/xla_flags"
+      for v in "" "--xla_gpu_enable_latency_hiding_scheduler=false" "--xla_gpu_memory_limit_slop_factor=1000" \
+               "--xla_gpu_enable_latency_hiding_scheduler=false --xla_gpu_memory_limit_slop_factor=1000"; do
+        name=memflags_$(echo "${v:-default}" | tr -c 'a-z0-9' _ | cut -c1-60)
+        XLA_FLAGS="$v" step "$name" 90 $PY -m benchmarks.program_memory --largest-only \
+          --max-total-tokens ${FLAG_POOL:-300000} --name "$name" --out "$RESULTS"
+        if grep -q "run: ok" "$RESULTS/logs/$name.log" && ! awk '/temp GiB/{f=1;next} f&&NF>=5&&$(NF-3)+$(NF-2)>1.0{bad=1} END{exit !bad}' "$RESULTS/logs/$name.log"; then
+          echo "clean: '$v'"; echo "$v" >"$RESULTS/xla_flags"; break
+        fi
+      done ;;
     curve_8b_quick)
       step curve_8b_quick 150 $PY -m benchmarks.serving_curve --server-args "$SHAPE_8B" --input-lens 128 \
         --concurrency 1,64 --min-prompts 4 --output-len 64 --run-timeout 40 --out "$RESULTS" --name curve_8b_quick ;;
     curve_8b)
-      step curve_8b 330 $PY -m benchmarks.serving_curve --server-args "$SHAPE_8B" --input-lens 128 \
-        --out "$RESULTS" --name serving_curve_8b ;;
+      XLA_FLAGS="$(cat "$RESULTS/xla_flags" 2>/dev/null)" step curve_8b ${CURVE_LIMIT:-330} $PY -m benchmarks.serving_curve \
+        --server-args "$SHAPE_8B" --input-lens 128 ${CURVE_ARGS:-} --out "$RESULTS" --name serving_curve_8b ;;
     curve_8b_long)
       step curve_8b_long 300 $PY -m benchmarks.serving_curve --server-args "$SHAPE_8B" --input-lens 1024 \
         --out "$RESULTS" --name serving_curve_8b_1024 ;;
     curve_small)
-      step curve_small 120 $PY -m benchmarks.serving_curve --server-args "$SHAPE_SMALL" --input-lens 128 \
-        --concurrency 1,64 --out "$RESULTS" --name serving_curve_smollm2 ;;
+      XLA_FLAGS="$(cat "$RESULTS/xla_flags" 2>/dev/null)" step curve_small ${SMALL_LIMIT:-120} $PY -m benchmarks.serving_curve \
+        --server-args "$SHAPE_SMALL" --input-lens 128 --concurrency ${SMALL_C:-1,64} --min-prompts 8 --out "$RESULTS" \
+        --name serving_curve_smollm2 ;;
     *) echo "unknown step $s" >&2 ;;
   esac
 done

@@ -82,6 +82,11 @@ def main() -> None:
         help="comma list of pool sizes in tokens: time the largest prefill and decode B=1 over each (a step "
         "that grows with the pool copies it)",
     )
+    ap.add_argument(
+        "--largest-only",
+        action="store_true",
+        help="compile the largest prefill and decode programs only (what sizing measures), over the real pool",
+    )
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--name", default="program_memory")
     a = ap.parse_args()
@@ -97,7 +102,17 @@ def main() -> None:
     engine = jspec.Engine(
         model, max_total_tokens=a.max_total_tokens, max_running_requests=a.max_running_requests, speculative=spec
     )
-    n = engine.warmup()
+    n = len(engine.worker.measure_programs()) if a.largest_only else engine.warmup()
+    if a.largest_only:  # and run one: a donation refused at run time shows only there
+        from jspec.config.sampling import SamplingParams
+
+        w = engine.worker
+        B = w.decode_buckets()[-1]
+        try:
+            jax.block_until_ready(w.decode([w.scratch_slot] * B, [[0]] * B, [(SamplingParams(), 0)] * B))
+            print("run: ok")
+        except Exception as e:  # noqa: BLE001 - reported, the table follows
+            print(f"run: FAILED {str(e)[:200]}")
     compile_s = time.perf_counter() - t0
     pool = engine.worker.state.target_kv
     dtype = str(pool.k.dtype).replace("bfloat16", "bf16").replace("float32", "f32")
