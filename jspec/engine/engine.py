@@ -34,6 +34,7 @@ from jspec.engine.sizing import (
     check_parallel,
     device_bytes_in_use,
     device_memory_bytes,
+    device_memory_stats,
     plan_pool,
     probe_running_requests,
 )
@@ -286,6 +287,14 @@ class Engine:
         in_use = device_bytes_in_use() - PROBE_PAGES * sizing["bytes_per_page"]
         plan = plan_pool(**{**sizing, "weight_bytes": max(in_use, sizing["weight_bytes"])}, program_bytes=peak)
         worker.resize(plan.pages, max(1, plan.max_running_requests // dp))
+        worker.first_step()
+        stats = device_memory_stats()
+        log.info(
+            "first step over the pool: %.2f GiB in use on the device, peak %.2f GiB of %.2f GiB",
+            stats.get("bytes_in_use", 0) / 2**30,
+            stats.get("peak_bytes_in_use", 0) / 2**30,
+            sizing["device_bytes"] / 2**30,
+        )
         return plan
 
     # ---- hooks: what an engine built on this one (PD disaggregation) changes --------------------

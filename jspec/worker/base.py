@@ -177,6 +177,13 @@ class WorkerBase:
         self._last_decode = None
         self.state = self._place(self.init_state(self.num_pages, max_slots))
 
+    def first_step(self) -> None:
+        """Runs the largest greedy decode once over scratch rows (they write only the scratch page
+        and slot): what the first step over a new pool costs is paid at start-up."""
+        B = self.decode_buckets()[-1]
+        jax.block_until_ready(self.decode([self.scratch_slot] * B, [[0]] * B, [(SamplingParams(), 0)] * B))
+        self._last_decode = None
+
     def measure_programs(self) -> dict[str, ProgramMemory]:
         """Compiles the largest prefill and the largest decode (both sampling programs) for the
         current state and returns their device memory by label: what sizing reserves for the

@@ -25,8 +25,9 @@ def test_pool_is_sized_from_the_device_after_measuring_the_programs(tiny, monkey
     assert w.num_pages == plan.pages > PROBE_PAGES and w.state.target_kv.num_pages == plan.pages
     assert w.max_slots == plan.max_running_requests == MAX_RUNNING_REQUESTS
     assert engine.scheduler.kv.allocator.num_usable == plan.pages - 1
-    # The probe's programs were for the two-page pool: none survives the resize.
-    assert not w.programs.compiled
+    # The probe's programs were for the two-page pool: none survives the resize; the first step
+    # over the real pool (the largest greedy decode) ran at start-up.
+    assert list(w.programs.labels.values()) == ["decode B=256 greedy"]
     assert engine.model.params is None  # the worker holds the weights; the engine keeps no copy
     params = jspec.SamplingParams(max_new_tokens=6, ignore_eos=True)
     fixed = jspec.Engine(tiny, max_total_tokens=4096, max_running_requests=8, **kw)
