@@ -7,6 +7,9 @@
 # Wheels the image lacks (the server's and the grammar's) travel in .whl (docs/benchmarks.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# The device machine's copy of .git is not this checkout's: results name the commit given here.
+: "${JSPEC_COMMIT:?set JSPEC_COMMIT to this checkout s HEAD: the device copy of .git is stale}"
+export JSPEC_COMMIT
 OUT=${OUT:-/tmp/gpu_out}
 RESULTS=${RESULTS:-/tmp/gpu_results}
 PY=${PY:-python3}
