@@ -108,8 +108,7 @@ class AsyncEngine:
                     except queue.Empty:
                         break
                 if self.engine.has_work():
-                    for out in self.engine.step():
-                        self._publish(out)
+                    self._publish_step(self.engine.step())
         except BaseException as e:  # surface a crash to every waiting client instead of hanging them
             log.exception("the engine loop stopped")
             self._error = e
@@ -161,6 +160,21 @@ class AsyncEngine:
         self._streams[rid] = (loop, outputs)
         loop.call_soon_threadsafe(_settle, added, rid, None)
 
+    def _publish_step(self, outs: list[RequestOutput]) -> None:
+        """A step's outputs, handed to each event loop in one callback: one wake-up of the
+        server's loop per step, not one per request (at hundreds of running requests those
+        wake-ups cost the engine thread more than the step's own host work)."""
+        by_loop: dict = {}
+        for out in outs:
+            target = self._streams.get(out.rid)
+            if target is None:
+                continue
+            if out.finished:
+                del self._streams[out.rid]
+            by_loop.setdefault(target[0], []).append((target[1], out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_deliver, items)
+
     def _publish(self, out: RequestOutput) -> None:
         target = self._streams.get(out.rid)
         if target is None:
@@ -173,6 +187,11 @@ class AsyncEngine:
     def _publish_error(self, rid: str, error: BaseException) -> None:
         loop, outputs = self._streams.pop(rid)
         loop.call_soon_threadsafe(outputs.put_nowait, error)
+
+
+def _deliver(items: list) -> None:
+    for outputs, out in items:
+        outputs.put_nowait(out)
 
 
 def _settle(future: asyncio.Future, value, error) -> None:
