@@ -81,6 +81,20 @@ for s in "$@"; do
     curve_8b)
       XLA_FLAGS="$(cat "$RESULTS/xla_flags" 2>/dev/null)" step curve_8b ${CURVE_LIMIT:-330} $PY -m benchmarks.serving_curve \
         --server-args "$SHAPE_8B" --input-lens 128 ${CURVE_ARGS:-} --out "$RESULTS" --name serving_curve_8b ;;
+    first_step_memory)
+      step first_step_memory 120 $PY -m benchmarks.first_step_memory --max-total-tokens ${FIRST_STEP_POOL:-100000} \
+        --out "$RESULTS" ;;
+    curve_8b_spec)
+      # Speculation while serving: a random EAGLE-3 head (nothing accepted: the method's cost),
+      # NGRAM and adaptive EAGLE-3, beside the plain server.
+      head=/tmp/jspec-heads/8b-eagle3
+      $PY -c "import jspec; from jspec.testing.eagle_tiny import make_tiny_draft
+make_tiny_draft('$head', jspec.ModelConfig.from_pretrained('benchmarks/shapes/llama-3.1-8b'), 'EAGLE3', dtype='bfloat16')"
+      eagle="--speculative-algorithm EAGLE3 --speculative-draft-model-path $head --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4"
+      step curve_8b_spec ${SPEC_LIMIT:-590} $PY -m benchmarks.serving_curve --server-args "$SHAPE_8B" --input-lens 128 \
+        --variant default= --variant "eagle3=$eagle" --variant "ngram=--speculative-algorithm NGRAM" \
+        --variant "eagle3_adaptive=$eagle --speculative-adaptive" ${CURVE_ARGS:-} --out "$RESULTS" \
+        --name serving_curve_8b_spec ;;
     curve_8b_long)
       step curve_8b_long 300 $PY -m benchmarks.serving_curve --server-args "$SHAPE_8B" --input-lens 1024 \
         --out "$RESULTS" --name serving_curve_8b_1024 ;;
