@@ -343,7 +343,7 @@ class WorkerBase:
         if decode_rows is not None and not self.mixes_decode_rows:
             raise ValueError(f"{type(self).__name__} does not mix decode rows into a prefill")
         batch, mode, next_tokens, finish_rows, slot_ids, counts = self._prefill_inputs(
-            chunks, following, slots, output_starts, first_chunks
+            chunks, following, slots, output_starts, first_chunks, decode_rows=decode_rows
         )
         rows = _rows(sampling, slot_ids.shape[0])
         lora = self._prefill_loras(batch, chunks, loras)
@@ -598,10 +598,13 @@ class WorkerBase:
         output_starts: list[int] | None,
         first_chunks: list[bool] | None,
         min_tokens: int = 8,
+        decode_rows: list[bool] | None = None,
     ):
         """output_starts: per chunk, the position where its request's generated tokens begin
         (the prompt length; a re-prefill after retraction runs over both); first_chunks: the
         chunk is its request's first (its penalty counts start afresh). None: prompts only, all first.
+        decode_rows: the chunk is a running request's decode row, whose token its penalty counts
+        already hold (counted when it was sampled).
         min_tokens: the smallest token bucket (DP attention gives every rank the largest rank's)."""
         T = self.prefill_tokens(max(sum(len(c.tokens) for c in chunks), min_tokens))
         batch, mode = build_forward_batch(
@@ -624,7 +627,8 @@ class WorkerBase:
         for i, c in enumerate(chunks):
             start, n = batch.query_start[i], len(c.tokens)
             slot = self.scratch_slot if slots[i] is None else slots[i]
-            token_slots[start : start + n] = slot
+            if not (decode_rows and decode_rows[i]):
+                token_slots[start : start + n] = slot
             if output_starts is not None:
                 is_output[start : start + n] = np.arange(c.start, c.start + n) >= output_starts[i]
             if first_chunks is None or first_chunks[i]:

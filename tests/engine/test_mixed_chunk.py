@@ -38,6 +38,7 @@ def arrivals(n=14, seed=0):
             seed=i,
             repetition_penalty=1.3 if i % 3 == 0 else 1.0,
             presence_penalty=0.5 if i % 4 == 1 else 0.0,
+            frequency_penalty=0.7 if i % 4 == 2 else 0.0,
             return_logprob=i % 5 == 0,
             top_logprobs_num=2 if i % 5 == 0 else 0,
         )
