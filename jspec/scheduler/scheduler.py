@@ -141,11 +141,11 @@ class Scheduler:
 
     def _schedule_prefill(self) -> PrefillBatch | None:
         decode_rows = self._mixable_running() if self.mixed_chunk else []
+        if len(decode_rows) >= self.chunked_prefill_size:
+            decode_rows = []  # they would fill the step: the prompts get one step alone, as unmixed
         # The decode rows take their share of the step's tokens first: a step's cost follows its
         # token count, and the running requests' latency is what mixing protects.
         budget = self.chunked_prefill_size - len(decode_rows)
-        if budget <= 0:
-            return None
         batch = PrefillBatch()
         # Requests mid-prefill first, then new (or retracted) ones in arrival order.
         candidates = list(self.prefilling)
