@@ -35,10 +35,10 @@ from jspec.engine.sizing import (
     device_bytes_in_use,
     device_memory_bytes,
     device_memory_stats,
+    page_bytes,
     plan_pool,
     probe_running_requests,
 )
-from jspec.kvcache.pool import kv_bytes_per_page, kv_cache_dtype
 from jspec.layers.sampling import sampling_mode
 from jspec.scheduler.detokenize import IncrementalDetokenizer, StopChecker
 from jspec.scheduler.request import Request
@@ -238,9 +238,7 @@ class Engine:
     @staticmethod
     def _sizing(config: EngineConfig, cfg, params, method, dp: int) -> dict:
         """plan_pool's arguments but the measured ones (engine/sizing.py)."""
-        dtype = params["embed"].dtype
-        page = kv_bytes_per_page(cfg, config.page_size, kv_cache_dtype(config.kv_cache_dtype, dtype))
-        page += method.draft_kv_bytes_per_page(config.page_size, dtype) if method is not None else 0
+        page = page_bytes(config, cfg, method, params["embed"].dtype)
         return dict(
             page_size=config.page_size,
             # Per device: 1/tp of the weights, and each page's KV heads split over a rank's tp / dp devices.

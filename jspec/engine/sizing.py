@@ -13,6 +13,7 @@ import dataclasses
 
 from jspec.config.engine import EngineConfig
 from jspec.config.model import ModelConfig
+from jspec.kvcache.pool import kv_bytes_per_page, kv_cache_dtype
 
 GiB = 2**30
 # Without an accelerator that reports its memory (the CPU): a pool this size.
@@ -141,6 +142,13 @@ def plan_pool(
         pages - 1, max_running_requests, accelerator=bool(device_bytes), speculative=speculative
     )
     return PoolPlan(pages, S, bytes_per_page, running, source, running_source)
+
+
+def page_bytes(config: EngineConfig, cfg: ModelConfig, method, dtype) -> int:
+    """Bytes of one KV page: the target's pool (in kv_cache_dtype) and the draft's state per
+    page, if the speculative method keeps one (in the model's dtype)."""
+    page = kv_bytes_per_page(cfg, config.page_size, kv_cache_dtype(config.kv_cache_dtype, dtype))
+    return page + (method.draft_kv_bytes_per_page(config.page_size, dtype) if method is not None else 0)
 
 
 def plan_running_requests(

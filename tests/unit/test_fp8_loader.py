@@ -122,8 +122,13 @@ def test_converting_an_fp8_checkpoint_is_refused(src, tmp_path):
 def test_an_fp8_pool_holds_twice_the_pages_of_bf16_in_the_same_bytes():
     from jspec.config.engine import EngineConfig
     from jspec.config.model import ModelConfig
-    from jspec.engine.sizing import kv_pages
+    from jspec.engine.sizing import page_bytes, plan_pool
 
     cfg = ModelConfig("llama", 64, 64, 64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
-    pages = {kv: kv_pages(EngineConfig(kv_cache_dtype=kv), cfg, {}, None, jnp.bfloat16) for kv in ("auto", "fp8_e4m3")}
+    pages = {
+        kv: plan_pool(
+            page_size=16, bytes_per_page=page_bytes(EngineConfig(kv_cache_dtype=kv), cfg, None, jnp.bfloat16)
+        ).pages
+        for kv in ("auto", "fp8_e4m3")
+    }
     assert pages["fp8_e4m3"] == 2 * pages["auto"]
