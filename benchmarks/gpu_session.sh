@@ -40,6 +40,7 @@ step() {  # step NAME SECONDS COMMAND...
 for s in "$@"; do
   case $s in
     kernel_tests) step kernel_tests ${KERNEL_TESTS_LIMIT:-120} $PY -m pytest -q -p no:cacheprovider tests/kernels -rf --maxfail=300 ;;
+    gpu_tests) step gpu_tests 300 $PY -m benchmarks.gpu_tests --limit-s 255 --out "$RESULTS" ;;
     fp8) step fp8 150 $PY -m benchmarks.bench_fp8 --out "$RESULTS" ;;
     kernels) step kernels 120 $PY -m benchmarks.bench_kernels --quick --out "$RESULTS" ;;
     mla) step mla 70 $PY -m benchmarks.bench_mla --out "$RESULTS" ;;

@@ -14,6 +14,37 @@ if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
 
 import jax  # noqa: E402
 import pytest
+from support.precision import emulate_tf32_dots  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _tf32_emulation():
+    """JSPEC_EMULATE_TF32=1: every test runs its dots as the GPU does (support/precision.py), so
+    that the GPU's tolerances can be checked on the CPU."""
+    if not os.environ.get("JSPEC_EMULATE_TF32"):
+        yield
+        return
+    with emulate_tf32_dots():
+        yield
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _float32_dots_in_float32_for_engines(request):
+    """On the GPU the tests that build engines run every float32 dot in float32 (XLA's and the
+    kernels'): they claim token for token equality of algorithms (speculative against plain
+    decoding, paged against a dense recompute), which holds in exact float32 arithmetic, not in
+    TF32's. Set globally, not by the thread-local context manager: engines compile on threads.
+    Module-scoped, and autouse, so that it comes before the modules' own fixtures, some of which
+    run engines."""
+    if request.path.parent.name not in SLOW_DIRS or jax.default_backend() != "gpu":
+        yield
+        return
+    before = jax.config.jax_default_matmul_precision
+    jax.config.update("jax_default_matmul_precision", "highest")
+    try:
+        yield
+    finally:
+        jax.config.update("jax_default_matmul_precision", before)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -27,6 +27,8 @@ from jax import lax
 from jspec.kernels.paged_tiles import kv_values, tree_depth, window_scalar
 
 KV_CHUNK = 256  # KV tokens per loop step, rounded to whole pages
+# Every dot here pins it: the references are float32 on every backend, whatever
+# jax_default_matmul_precision says (docs/design-details.md, "Precision").
 HIGHEST = lax.Precision.HIGHEST
 
 
@@ -251,8 +253,9 @@ def skinny_matmul_ref(x, w, scale=None):
 
     The same contract as the skinny_matmul kernel (and the models' jnp.dot with
     preferred_element_type=f32), so the two differ only in summation order. With scale
-    (FP8 w): x @ dequantize_fp8(w, scale), in f32.
+    (FP8 w): x @ dequantize_fp8(w, scale), in f32. At HIGHEST, as every reference's dots: float32
+    on every backend (the GPU's default would round float32 operands to TF32).
     """
     if scale is not None:
         return jnp.dot(x.astype(jnp.float32), dequantize_fp8(w, scale), precision=HIGHEST)
-    return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32, precision=HIGHEST)

@@ -206,3 +206,65 @@ def test_bench_fp8_rows_against_bf16(tmp_path):
     # FP8 weights read a quarter of f32's bytes (scales add 1/in), FP8 KV a quarter of its KV.
     bf16, fp8kv = rows[0], rows[-2]
     assert fp8kv["weight_mb"] < 0.3 * bf16["weight_mb"] and fp8kv["kv_mb"] == bf16["kv_mb"] / 4
+
+
+def test_gpu_tests_names_tests_that_exist():
+    from benchmarks.gpu_tests import ENGINE_TESTS
+
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *ENGINE_TESTS],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    collected = {line.strip() for line in done.stdout.splitlines()}
+    assert set(ENGINE_TESTS) <= collected
+
+
+def test_gpu_tests_counts_every_outcome(tmp_path):
+    from benchmarks.gpu_tests import summarize
+
+    def report(nodeid, when, outcome, **extra):
+        return {"nodeid": nodeid, "when": when, "outcome": outcome, "s": 1.0, **extra}
+
+    tests = summarize(
+        [
+            *(report("ok", w, "passed") for w in ("setup", "call", "teardown")),
+            report("bad", "setup", "passed"),
+            report("bad", "call", "failed"),
+            report("bad", "teardown", "passed"),
+            report("broken", "setup", "failed"),
+            report("broken", "teardown", "passed"),
+            report("skip", "setup", "skipped", reason="no HF"),
+            report("skip", "teardown", "passed"),
+            report("leaky", "setup", "passed"),
+            report("leaky", "call", "passed"),
+            report("leaky", "teardown", "failed"),
+            report("cut", "setup", "passed"),  # the limit struck inside its call
+        ]
+    )
+    outcomes = {n: t["outcome"] for n, t in tests.items()}
+    assert outcomes == dict(ok="passed", bad="failed", broken="error", skip="skipped", leaky="error", cut="interrupted")
+    assert tests["ok"]["s"] == 3.0 and tests["skip"]["reason"] == "no HF"
+
+    # The whole script on two quick tests: its JSON and the fields it promises.
+    nodes = [
+        "tests/kernels/test_kernels.py::test_interpret_mode_follows_backend",
+        "tests/kernels/test_kernels.py::test_choose_splits_fills_the_gpu_and_respects_bounds",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_tests", "--out", str(tmp_path), "--tests", *nodes],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    result = json.load(open(tmp_path / "gpu_tests.json"))
+    assert result["counts"] == dict(passed=2, failed=0, skipped=0, error=0, interrupted=0)
+    assert sorted(result["seconds"]) == sorted(nodes) and result["exit_code"] == 0 and not result["cut_short"]
+    assert {"device", "jax_version", "commit"} <= result.keys()
+    last = done.stdout.splitlines()[-3:]  # the table's row, then the summary line
+    assert last[-2].split()[:2] == ["tests/kernels", "2"] and last[-1].endswith("gpu_tests.json")

@@ -62,7 +62,8 @@ def test_random_draft_is_lossless(algorithm, page_size, steps, topk, ndt, backen
 def test_agreeing_draft_is_lossless_and_accepts_everything(algorithm, page_size, steps, topk, ndt, backend):
     target, dcfg, draft = permutation_models(algorithm)
     spec = SpecConfig(algorithm, num_steps=steps, eagle_topk=topk, num_draft_tokens=ndt)
-    acc = run_both(target, dcfg, draft, spec, page_size, prompts([2, 9, 21], seed=1), max_new=3 * (steps + 1))
+    ps = prompts([2, 9, 21], seed=1)
+    acc = run_both(target, dcfg, draft, spec, page_size, ps, max_new=3 * (steps + 1), backend=backend)
     print(f"agreeing draft {algorithm} steps={steps} topk={topk}: mean accept length {acc:.2f}")
     # Every iteration emits the full depth, except that the last one may be cut by max_new_tokens.
     assert acc >= 0.9 * (steps + 1) if steps > 1 else acc == 2.0

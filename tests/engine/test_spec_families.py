@@ -61,6 +61,10 @@ FAMILIES = {
         logits_divisor=3.0,
     ),
     "llama_attention_bias": dict(family="llama", qkv_bias=True, o_bias=True),
+    # gpt-oss's attention on a dense model: a sink logit per head, windows from layer 0, biases.
+    "gpt_oss_attention": dict(
+        family="llama", attention_sinks=True, sliding_windows=(6, 0, 6, 0), qkv_bias=True, o_bias=True
+    ),
 }
 # Every family with a draft of its own family, at page sizes 1 and 16. Beams, whose layers the
 # beam drafter runs itself, need a draft without windows (a windowed one is refused by name,
@@ -75,11 +79,13 @@ CASES = [
     ("granite", 16, 2),
     ("smollm3", 16, 1),
     ("llama_attention_bias", 1, 2),
+    ("gpt_oss_attention", 16, 1),
 ]
 NEW_TOKENS = 12
 PROMPTS = prompts([3, 9, 14])  # two longer than the windows of 6; each one prefill chunk of 16
 # One request at a time, in chunks of 16: each engine runs one prefill and one decode program.
-ENGINE = dict(attention_backend="reference", max_running_requests=1, chunked_prefill_size=16)
+# The backend's own attention: the jnp reference on the CPU, the kernels on the GPU.
+ENGINE = dict(max_running_requests=1, chunked_prefill_size=16)
 
 
 def family_config(family):

@@ -21,8 +21,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax.experimental import pallas as pl
-from support.lowering import lower_for_cuda
+from support.lowering import lower_for_cuda, triton_dots
 
+from jspec.kernels.mla_decode import mla_decode
 from jspec.kernels.paged_decode import paged_decode
 from jspec.kernels.paged_extend import paged_extend
 from jspec.kernels.skinny_matmul import skinny_matmul
@@ -191,6 +192,55 @@ def test_skinny_matmul_lowers_for_cuda(K, N, tuning):
     specs = (jax.ShapeDtypeStruct((1, K), BF16), jax.ShapeDtypeStruct((K, N), BF16))
     fn = functools.partial(skinny_matmul, interpret=False, **tuning)
     assert_has_triton_call(lower_for_cuda(fn, *specs))
+
+
+def lowered_kernels(dtype):
+    """Each kernel lowered with its operands in dtype (the skinny GEMV over FP8 weights, whose x
+    stays dtype), as small as their tiles allow."""
+    F8 = jnp.float8_e4m3fn
+    B, H, D, P, S = 4, 8, 64, 9, 16
+    x = lambda *shape: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, I32)  # noqa: E731
+    cache = x(2, P, S, 2, D)
+    attention = (cache, cache, i32(), i32(B), i32(B, 2))
+    decode = functools.partial(paged_decode, sm_scale=0.1, interpret=False)
+    extend = lambda q, k, v, layer, lens, tables, starts, mask: paged_extend(  # noqa: E731
+        q, k, v, layer, lens, tables, starts, sm_scale=0.1, max_q_len=4, mask=mask, interpret=False
+    )
+    mla = functools.partial(mla_decode, kv_lora_rank=32, sm_scale=0.1, interpret=False)
+    gemv = functools.partial(skinny_matmul, interpret=False)
+    return [
+        lower_for_cuda(decode, x(B, H, D), *attention),
+        lower_for_cuda(extend, x(B * 4, H, D), *attention, i32(B + 1), jax.ShapeDtypeStruct((B, 4, 4), jnp.bool_)),
+        lower_for_cuda(mla, x(B, H, 48), x(2, P, S, 1, 48), i32(), i32(B), i32(B, 2)),
+        lower_for_cuda(
+            gemv, x(1, 256), jax.ShapeDtypeStruct((256, 128), F8), jax.ShapeDtypeStruct((1, 128), jnp.float32)
+        ),
+    ]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, BF16])
+def test_dots_follow_the_default_matmul_precision(dtype):
+    """The precision contract at the dots (docs/design-details.md): the kernels' and XLA's FP8
+    dot name no precision, so JAX's default matmul precision decides for both. Triton runs a
+    float32 dot as TF32 by default and as true f32 (IEEE) at highest (bf16 operands multiply
+    exactly whatever it says: it applies to float32 operands only); XLA's dot carries the
+    setting in its precision config."""
+    from support import precision
+
+    from jspec.layers.quant import fp8_dot_xla
+
+    if precision.emulating_tf32():
+        pytest.skip("the TF32 emulation pins every dot it rounds at HIGHEST")
+    operand = jnp.dtype(dtype).name.replace("float", "f")  # f32, bf16
+    fp8_weight = (jax.ShapeDtypeStruct((256, 128), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((1, 128), jnp.float32))
+    for setting, triton, xla in ((None, "TF32", "DEFAULT"), ("highest", "IEEE", "HIGHEST")):
+        with jax.default_matmul_precision(setting):
+            for lowered in lowered_kernels(dtype):
+                dots = triton_dots(lowered)
+                assert dots and all(dot == (triton, operand) for dot in dots), dots
+            text = lower_for_cuda(fp8_dot_xla, jax.ShapeDtypeStruct((2, 256), dtype), *fp8_weight).as_text()
+        assert f"precision = [{xla}, {xla}]" in text
 
 
 @pytest.mark.parametrize("decode_only,tree", [(True, False), (False, True), (False, False)])
