@@ -35,7 +35,8 @@ def load(
     None: bfloat16 on a GPU, float32 elsewhere). load_format "dummy" (SGLang's name): random
     weights of config.json's shape, for benchmarks of shapes whose weights are not at hand.
     tokenizer_path: another tokenizer (a directory or a repo id); chat_template: a Jinja
-    template, or a file holding one, in place of the tokenizer's."""
+    template, or a file holding one, in place of the tokenizer's. A checkpoint of several
+    shards reports its reading as it goes: a bar on a terminal, else log lines."""
     return _load(path, dtype, load_format, revision, tokenizer_path, chat_template, local_files_only)
 
 
@@ -94,6 +95,7 @@ def _load(path, dtype, load_format, revision, tokenizer_path, chat_template, loc
         raise ValueError(f"unknown load_format {load_format!r}; choose auto or dummy")
     dtype = _dtype(dtype)
     template = read_chat_template(chat_template) if chat_template is not None else None
+    name = display_name(path, revision)
     directory = resolve_checkpoint(path, "model", revision, local_files_only)
     if load_format == "dummy":
         import jax
@@ -105,7 +107,8 @@ def _load(path, dtype, load_format, revision, tokenizer_path, chat_template, loc
         dtype = dtype or (jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32)
         params = init_random_params(cfg, jax.random.key(0), dtype)
     else:
-        cfg, params = load_model(directory, dtype=dtype)
+        # A checkpoint of several shards reports its reading (checkpoint/progress.py).
+        cfg, params = load_model(directory, dtype=dtype, progress_name=name)
     if tokenizer_path is None:
         tokenizer = load_tokenizer(directory)
     else:
