@@ -33,6 +33,11 @@ class ServerConfig:
     )
     host: str = setting("127.0.0.1", "address to listen on", group="serving")
     port: int = setting(30000, "port to listen on", group="serving")
+    api_key: str | None = setting(
+        None,
+        "clients must send 'Authorization: Bearer KEY' on every route but /health (a 401 otherwise)",
+        group="serving",
+    )
     skip_warmup: bool = setting(False, "compile lazily instead of at start-up", group="serving")
     warmup_sampling_modes: str = setting(
         "all",
@@ -71,6 +76,10 @@ class ServerConfig:
         metavar="HOST:PORT",
         group="disaggregation",
     )
+
+    def __post_init__(self):
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("--api-key must not be empty")
 
 
 def _flags(cls, prefix: str = "", defaults: dict | None = None) -> list[tuple[str, str, dict]]:

@@ -124,7 +124,7 @@ def serve_http(engine, server: ServerConfig, name: str, started: float) -> None:
         log.warning("shutting down: aborting running requests")
         async_engine.shutdown()
 
-    app = create_app(async_engine, name, lifespan=lifespan)
+    app = create_app(async_engine, name, lifespan=lifespan, api_key=server.api_key)
     uvicorn.run(app, host=server.host, port=server.port, log_level=server.log_level, timeout_graceful_shutdown=5)
 
 

@@ -1,6 +1,6 @@
 """`jspec serve`'s flags: grouped in --help as SGLang's docs group them, every field of every
-config in one group; the flags for Hub ids, revisions, dtype, tokenizer and chat template
-build the configs, and bad values are refused by name."""
+config in one group; the flags for Hub ids, revisions, dtype, tokenizer, chat template and API
+key build the configs, and bad values are refused by name."""
 
 import re
 
@@ -20,7 +20,7 @@ def test_help_groups_the_flags_as_sglangs_docs_do():
     sections = {title: text[start:end] for title, start, end in zip(GROUPS, titles, titles[1:] + [len(text)])}
     for group, flags in {
         "model": ["--model-path", "--revision", "--dtype", "--tokenizer-path", "--chat-template", "--context-length"],
-        "serving": ["--host", "--port", "--served-model-name"],
+        "serving": ["--host", "--port", "--api-key", "--served-model-name"],
         "memory": ["--page-size", "--max-total-tokens", "--chunked-prefill-size"],
         "speculative": ["--speculative-algorithm", "--speculative-draft-model-revision"],
         "parallel": ["--tp-size", "--enable-dp-attention", "--nnodes"],
@@ -32,7 +32,7 @@ def test_help_groups_the_flags_as_sglangs_docs_do():
         for f in cls.__dataclass_fields__.values():
             assert f.metadata["group"] in GROUPS, (cls.__name__, f.name)
     generate = build_parser(prog="jspec generate", server=False).format_help()
-    assert "PD disaggregation:" not in generate and "--host" not in generate and "--dtype" in generate
+    assert "PD disaggregation:" not in generate and "--api-key" not in generate and "--dtype" in generate
 
 
 def test_the_new_flags_build_the_configs():
@@ -48,6 +48,8 @@ def test_the_new_flags_build_the_configs():
             "org/tok",
             "--chat-template",
             "{{ messages }}",
+            "--api-key",
+            "sk-1",
             "--lora-paths",
             "a=org/adapter",
             "org/other-adapter",
@@ -62,7 +64,8 @@ def test_the_new_flags_build_the_configs():
     assert load_config(args) == LoadConfig(
         revision="v2", dtype="bfloat16", tokenizer_path="org/tok", chat_template="{{ messages }}"
     )
-    assert server_config(args).model_path == "org/model"
+    server = server_config(args)
+    assert (server.model_path, server.api_key) == ("org/model", "sk-1")
     config = engine_config(args)
     assert config.lora_paths == {"a": "org/adapter", "other-adapter": "org/other-adapter"}
     assert (config.speculative.draft_model_path, config.speculative.draft_model_revision) == ("org/head", "abc")
@@ -76,5 +79,7 @@ def test_bad_values_are_refused_by_name(capsys):
         with pytest.raises(SystemExit):
             build_parser().parse_args(flags)
         assert words in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--api-key must not be empty"):
+        server_config(build_parser().parse_args(["--api-key", ""]))
     with pytest.raises(ValueError, match="unknown dtype 'half'"):
         LoadConfig(dtype="half")
