@@ -442,7 +442,9 @@ class Engine:
         if room < params.max_new_tokens:
             params = dataclasses.replace(params, max_new_tokens=room)
         self.check_grammar(params)
-        grammar = self.grammar_compiler.matcher(*params.grammar) if params.grammar is not None else None
+        grammar = None
+        if params.grammar is not None:
+            grammar = self.grammar_compiler.matcher(*params.grammar, params.reasoning_format)
         checker = StopChecker(params.stop, params.stop_token_ids, eos, params.ignore_eos, params.max_new_tokens)
         detok = IncrementalDetokenizer(tok, ids) if tok is not None else None
         req = Request(
@@ -502,7 +504,7 @@ class Engine:
             raise ValueError(f"{kind}: structured outputs are not implemented with DP attention")
         if self.model.tokenizer is None:
             raise ValueError(f"{kind}: structured outputs need the model's tokenizer; this model has none")
-        self.grammar_compiler.compile(*grammar)
+        self.grammar_compiler.compile(*grammar, params.reasoning_format)
 
     def abort(self, rid: str) -> bool:
         """Finishes a request now and frees its KV; True if it was still running or waiting."""

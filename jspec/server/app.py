@@ -40,10 +40,13 @@ def create_app(
     lifespan=None,
     *,
     api_key: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
-    """The app over an engine. api_key: every route but /health needs it (auth.py)."""
+    """The app over an engine. api_key: every route but /health needs it (auth.py);
+    reasoning_parser: a REASONING_FORMATS name, whose reasoning part chat completions return
+    as reasoning_content (reasoning.py)."""
     app = FastAPI(title="jspec", docs_url=None, redoc_url=None, lifespan=lifespan)
-    app.state.served = ServerState(engine, model_name)
+    app.state.served = ServerState(engine, model_name, reasoning_parser)
     if api_key is not None:
         if not api_key:
             raise ValueError("--api-key must not be empty")

@@ -16,6 +16,7 @@ import typing
 from jspec.config.engine import EngineConfig
 from jspec.config.fields import GROUPS, setting
 from jspec.config.load import LoadConfig
+from jspec.config.reasoning import REASONING_FORMATS
 from jspec.config.spec import SpecConfig
 
 SPEC_PREFIX = "speculative_"
@@ -36,6 +37,14 @@ class ServerConfig:
     api_key: str | None = setting(
         None,
         "clients must send 'Authorization: Bearer KEY' on every route but /health (a 401 otherwise)",
+        group="serving",
+    )
+    reasoning_parser: str | None = setting(
+        None,
+        "split a chat completion's <think>...</think> into message.reasoning_content (deepseek-r1: everything "
+        "before </think>, the opening tag optional; qwen3: only when the output opens with <think>); "
+        "response_format and tools apply after it",
+        choices=tuple(REASONING_FORMATS),
         group="serving",
     )
     skip_warmup: bool = setting(False, "compile lazily instead of at start-up", group="serving")

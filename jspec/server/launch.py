@@ -124,7 +124,9 @@ def serve_http(engine, server: ServerConfig, name: str, started: float) -> None:
         log.warning("shutting down: aborting running requests")
         async_engine.shutdown()
 
-    app = create_app(async_engine, name, lifespan=lifespan, api_key=server.api_key)
+    app = create_app(
+        async_engine, name, lifespan=lifespan, api_key=server.api_key, reasoning_parser=server.reasoning_parser
+    )
     uvicorn.run(app, host=server.host, port=server.port, log_level=server.log_level, timeout_graceful_shutdown=5)
 
 

@@ -1,6 +1,6 @@
 """`jspec serve`'s flags: grouped in --help as SGLang's docs group them, every field of every
-config in one group; the flags for Hub ids, revisions, dtype, tokenizer, chat template and API
-key build the configs, and bad values are refused by name."""
+config in one group; the flags for Hub ids, dtype, tokenizer, chat template, API key and
+reasoning parser build the configs, and bad values are refused by name."""
 
 import re
 
@@ -20,7 +20,7 @@ def test_help_groups_the_flags_as_sglangs_docs_do():
     sections = {title: text[start:end] for title, start, end in zip(GROUPS, titles, titles[1:] + [len(text)])}
     for group, flags in {
         "model": ["--model-path", "--revision", "--dtype", "--tokenizer-path", "--chat-template", "--context-length"],
-        "serving": ["--host", "--port", "--api-key", "--served-model-name"],
+        "serving": ["--host", "--port", "--api-key", "--reasoning-parser", "--served-model-name"],
         "memory": ["--page-size", "--max-total-tokens", "--chunked-prefill-size"],
         "speculative": ["--speculative-algorithm", "--speculative-draft-model-revision"],
         "parallel": ["--tp-size", "--enable-dp-attention", "--nnodes"],
@@ -50,6 +50,8 @@ def test_the_new_flags_build_the_configs():
             "{{ messages }}",
             "--api-key",
             "sk-1",
+            "--reasoning-parser",
+            "qwen3",
             "--lora-paths",
             "a=org/adapter",
             "org/other-adapter",
@@ -65,7 +67,7 @@ def test_the_new_flags_build_the_configs():
         revision="v2", dtype="bfloat16", tokenizer_path="org/tok", chat_template="{{ messages }}"
     )
     server = server_config(args)
-    assert (server.model_path, server.api_key) == ("org/model", "sk-1")
+    assert (server.model_path, server.api_key, server.reasoning_parser) == ("org/model", "sk-1", "qwen3")
     config = engine_config(args)
     assert config.lora_paths == {"a": "org/adapter", "other-adapter": "org/other-adapter"}
     assert (config.speculative.draft_model_path, config.speculative.draft_model_revision) == ("org/head", "abc")
@@ -75,7 +77,10 @@ def test_the_new_flags_build_the_configs():
 
 
 def test_bad_values_are_refused_by_name(capsys):
-    for flags, words in ((["--dtype", "float8"], "invalid choice: 'float8'"),):
+    for flags, words in (
+        (["--dtype", "float8"], "invalid choice: 'float8'"),
+        (["--reasoning-parser", "r2"], "invalid choice: 'r2'"),
+    ):
         with pytest.raises(SystemExit):
             build_parser().parse_args(flags)
         assert words in capsys.readouterr().err
