@@ -117,9 +117,10 @@ ANSWER_GRAMMAR = "answer_after_reasoning"
 def after_reasoning(source: str, fmt: ReasoningFormat, tags: dict[str, str]) -> str:
     """llguidance's grammar for output that opens with a reasoning part in format `fmt`, free
     text up to its end tag, and then holds to grammar `source` (a grammar_source result: the
-    answer is its first grammar, referenced as a subgrammar). tags: each tag as a Lark grammar
+    answer is its first grammar, referred to as a subgrammar). tags: each tag as a Lark grammar
     item, `<[id]>` for a tag that is one special token of the tokenizer, else its text."""
-    top = json.loads(source)
+    # grammar_source gives llguidance's JSON form, or Lark text (what an EBNF converts to).
+    top = json.loads(source) if source.lstrip().startswith("{") else {"grammars": [{"lark_grammar": source}]}
     answer, *rest = top["grammars"]
     start, end = tags[fmt.start], tags[fmt.end]
     if end.startswith("<["):

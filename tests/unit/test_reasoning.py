@@ -88,3 +88,21 @@ def test_the_grammar_holds_only_the_text_after_the_reasoning(tags_special):
         assert (took and ended) == ok, (reasoning, text, took, ended)
     assert accepts(c, None, answer) == (True, True)
     assert accepts(c, None, f"<think>x</think>{answer}")[0] is False
+
+
+@pytest.mark.parametrize(
+    "kind, text", [("regex", "ab[0-9]"), ("ebnf", 'root ::= "ab" [0-9]'), ("ebnf", 'start: "ab" /[0-9]/')]
+)
+def test_every_grammar_kind_follows_the_reasoning(kind, text):
+    """A regex, a GBNF and a Lark grammar (llguidance gives the last two as Lark text, not JSON)."""
+    comp, tok = compiler(False)
+    for reasoning, output, ok in [
+        ("deepseek-r1", "<think>x</think>\nab5", True),
+        ("deepseek-r1", "x</think>ab5", True),
+        ("deepseek-r1", "<think>x</think>12", False),
+        ("qwen3", "ab5", True),
+        ("qwen3", "<think>x</think>ab5", True),
+    ]:
+        m = comp.matcher(kind, text, reasoning)
+        ids = tok.encode(output, add_special_tokens=False).ids
+        assert (m.accept(ids) == len(ids) and m.ended) == ok, (kind, reasoning, output)
