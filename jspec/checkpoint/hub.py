@@ -106,7 +106,8 @@ def resolve_checkpoint(
         raise HubCheckpointError(f"{where}: the Hub answered {str(e).splitlines()[0]}") from None
     if not os.path.isfile(os.path.join(snapshot, REQUIRED[kind])):
         raise HubCheckpointError(
-            f"{where}: its snapshot {snapshot} has no {REQUIRED[kind]} (offline, only what is cached is there)"
+            f"{where}: its snapshot {snapshot} has no {REQUIRED[kind]} (a repo of another kind, or, offline, "
+            f"one cached only in part)"
         )
     log.info("%s %s (revision %s): %s", kind, path, revision or "main", snapshot)
     return snapshot

@@ -163,6 +163,7 @@ def test_a_server_given_an_unknown_id_exits_naming_it(hub, monkeypatch, capsys):
     from jspec.server.launch import main
 
     use_cache(monkeypatch, hub["cache"])
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")  # main() sets the server's share: undone after
     with pytest.raises(SystemExit) as e:
         main(["--model-path", "org/unknown-model", "--port", "1"])
     assert e.value.code == 2
