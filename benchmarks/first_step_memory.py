@@ -13,6 +13,7 @@ import jax
 
 import jspec
 from benchmarks.common import Results
+from jspec.config.load import LoadConfig
 from jspec.config.sampling import SamplingParams
 
 
@@ -24,7 +25,10 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results")
     a = ap.parse_args()
     engine = jspec.Engine(
-        a.model_path, max_total_tokens=a.max_total_tokens, max_running_requests=8, load_format="dummy"
+        a.model_path,
+        max_total_tokens=a.max_total_tokens,
+        max_running_requests=8,
+        load=LoadConfig(load_format="dummy"),
     )
     w = engine.worker
     pool = w.state.target_kv

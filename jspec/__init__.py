@@ -1,7 +1,7 @@
 """jspec: speculative-decoding LLM inference on JAX/Pallas.
 
 import jspec
-model = jspec.load("/path/to/hf-checkpoint")        # config.json + safetensors (+ tokenizer.json)
+model = jspec.load("/path/to/hf-checkpoint")        # config.json + safetensors (+ tokenizer.json), or a Hub repo id
 outs = jspec.generate(model, ["Hello"], max_new_tokens=32)
 print(outs[0].text, outs[0].token_ids)
 

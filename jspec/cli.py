@@ -23,11 +23,13 @@ def main(argv=None) -> None:
 
 def generate(argv=None) -> None:
     """Generates text from the command line, with the chat template for the built-in prompts."""
-    from jspec.server.args import build_parser, engine_config
+    from jspec.server.args import build_parser, engine_config, load_config
 
     ap = build_parser(generate.__doc__, server=False, prog="jspec generate")
     g = ap.add_argument_group("generation")
-    g.add_argument("--model-path", help="local HF checkpoint directory (default: the embedded demo model)")
+    g.add_argument(
+        "--model-path", help="a local HF checkpoint directory or a Hub repo id (default: the embedded demo model)"
+    )
     g.add_argument("--prompt", action="append", help="prompt text; repeat for a batch")
     g.add_argument("--chat", action="store_true", help="send each prompt as a chat user message")
     g.add_argument("--max-new-tokens", type=int, default=32)
@@ -37,10 +39,10 @@ def generate(argv=None) -> None:
     g.add_argument("--top-k", type=int, default=0, help="0 = no limit")
     args = ap.parse_args(argv)
     try:
-        config = engine_config(args)
+        load, config = load_config(args), engine_config(args)
     except ValueError as e:
         ap.error(str(e))
-    from jspec.checkpoint.model import load
+    from jspec.checkpoint.model import load_logged
     from jspec.config.sampling import SamplingParams
     from jspec.engine.engine import Engine
 
@@ -51,7 +53,10 @@ def generate(argv=None) -> None:
         path, what = default_model_path()
         print(f"[jspec] using {what} at {path}")
     prompts = args.prompt or ["What is the capital of France?", "Write a short poem about speculation."]
-    model = load(path)
+    try:
+        model = load_logged(path, load)
+    except (ValueError, OSError) as e:  # a missing or bad checkpoint, a Hub repo id that resolves nowhere
+        ap.error(str(e))
     shown = prompts
     if (args.chat or not args.prompt) and model.tokenizer is not None and model.tokenizer.chat_template:
         from jspec.server.chat_template import render_chat

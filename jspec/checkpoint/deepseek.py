@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.checkpoint.errors import CheckpointError, MissingTensorError, TensorShapeError
+from jspec.checkpoint.progress import peek
 from jspec.config.model import ModelConfig
 
 
@@ -96,7 +97,8 @@ def check_tensors(cfg: ModelConfig, tensors: Mapping[str, Any], where: str, with
             + ", ".join(repr(n) for n in missing[:8])
             + more
         )
-    bad = [(n, s, tuple(tensors[n].shape)) for n, s in expected.items() if tuple(tensors[n].shape) != s]
+    shapes = {n: tuple(peek(tensors, n).shape) for n in expected}
+    bad = [(n, s, shapes[n]) for n, s in expected.items() if shapes[n] != s]
     if bad:
         raise TensorShapeError(
             f"checkpoint {where}: tensors disagree with config.json: "

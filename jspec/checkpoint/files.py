@@ -110,9 +110,18 @@ def safetensors_files(path: str | os.PathLike) -> list[str]:
 def read_hf_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """All tensors of an HF checkpoint directory by name, as memory-mapped numpy arrays
     (bf16 as `ml_dtypes.bfloat16`), so reading costs no host memory until used."""
+    return merge_shards(read_hf_shards(path), path)
+
+
+def read_hf_shards(path: str | os.PathLike) -> list[dict[str, np.ndarray]]:
+    """Each safetensors file's tensors by name (memory-mapped), file by file."""
+    return [read_safetensors_file(filename) for filename in safetensors_files(path)]
+
+
+def merge_shards(shards: list[dict[str, np.ndarray]], path: str | os.PathLike) -> dict[str, np.ndarray]:
     tensors: dict[str, np.ndarray] = {}
-    for filename in safetensors_files(path):
-        for name, arr in read_safetensors_file(filename).items():
+    for shard in shards:
+        for name, arr in shard.items():
             if name in tensors:
                 raise CorruptCheckpointError(f"tensor {name!r} appears in more than one shard of {os.fspath(path)!r}")
             tensors[name] = arr

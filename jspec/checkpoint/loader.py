@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.checkpoint.errors import CheckpointError, MissingTensorError, TensorShapeError
-from jspec.checkpoint.files import read_hf_tensors
+from jspec.checkpoint.files import merge_shards, read_hf_shards
 from jspec.checkpoint.fp8 import (
     Fp8Scheme,
     UnsupportedQuantizationError,
@@ -33,6 +33,7 @@ from jspec.checkpoint.fp8 import (
     scale_columns,
 )
 from jspec.checkpoint.mxfp4 import check_mxfp4_family, dequantize_mxfp4, is_mxfp4
+from jspec.checkpoint.progress import ReadProgress, TrackedTensors, peek
 from jspec.checkpoint.random_weights import random_weights
 from jspec.config.deepseek import DeepseekConfig
 from jspec.config.model import GEMMA_FAMILIES, ModelConfig, RopeScaling, UnsupportedArchitectureError
@@ -230,7 +231,8 @@ def _check_tensors(
             f"checkpoint {where}: missing {len(missing)} tensor(s) required by config.json "
             f"({cfg.family}, {cfg.num_layers} layers): {shown}{more}"
         )
-    bad = [(n, s, tuple(tensors[n].shape)) for n, s in expected.items() if tuple(tensors[n].shape) != s]
+    shapes = {n: tuple(peek(tensors, n).shape) for n in expected}
+    bad = [(n, s, shapes[n]) for n, s in expected.items() if shapes[n] != s]
     if bad:
         lines = "; ".join(f"{n!r}: expected {list(s)}, got {list(g)}" for n, s, g in bad[:8])
         more = f" (and {len(bad) - 8} more)" if len(bad) > 8 else ""
@@ -618,11 +620,14 @@ def _default_dtype():
     return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
 
 
-def load_model(path: str | os.PathLike, dtype: Any = None) -> tuple[ModelConfig, dict[str, Any]]:
+def load_model(
+    path: str | os.PathLike, dtype: Any = None, progress_name: str | None = None
+) -> tuple[ModelConfig, dict[str, Any]]:
     """Loads an HF checkpoint directory or a jspec converted directory.
 
     dtype None: bfloat16 on a GPU backend, float32 otherwise. Returns jax arrays
-    on the default device.
+    on the default device. progress_name: a checkpoint of several shards reports its
+    reading under this name (checkpoint/progress.py).
     """
     path = os.fspath(path)
     if not os.path.exists(path):
@@ -654,16 +659,26 @@ def load_model(path: str | os.PathLike, dtype: Any = None) -> tuple[ModelConfig,
         scheme = None
     else:
         scheme = fp8_scheme(hf_config)
-    tensors = read_hf_tensors(path)
-    if cfg.deepseek is not None:
-        from jspec.checkpoint.deepseek import convert_deepseek_params
+    if cfg.deepseek is not None and scheme is not None:
+        raise UnsupportedQuantizationError(
+            f"{cfg.family}: FP8 checkpoints of latent-attention (MLA) models are not supported yet [{path!r}]"
+        )
+    shards = read_hf_shards(path)
+    tensors = merge_shards(shards, path)
+    progress = None
+    if progress_name is not None and len(shards) > 1:
+        progress = ReadProgress(shards, progress_name)
+        tensors = TrackedTensors(tensors, progress)
+    try:
+        if cfg.deepseek is not None:
+            from jspec.checkpoint.deepseek import convert_deepseek_params
 
-        if scheme is not None:
-            raise UnsupportedQuantizationError(
-                f"{cfg.family}: FP8 checkpoints of latent-attention (MLA) models are not supported yet [{path!r}]"
-            )
-        return cfg, convert_deepseek_params(cfg, tensors, dtype, source=path)
-    params = convert_hf_params(cfg, tensors, dtype, source=path, fp8=scheme)
+            params = convert_deepseek_params(cfg, tensors, dtype, source=path)
+        else:
+            params = convert_hf_params(cfg, tensors, dtype, source=path, fp8=scheme)
+    finally:
+        if progress is not None:
+            progress.close()
     return cfg, params
 
 

@@ -10,38 +10,68 @@ from jspec.config.model import ModelConfig
 
 @dataclasses.dataclass
 class Model:
-    """A loaded model: config, param pytree and (optionally) its tokenizer."""
+    """A loaded model: config, param pytree and (optionally) its tokenizer; path: the checkpoint
+    directory it was read from (a Hub repo's snapshot), when it was."""
 
     cfg: ModelConfig
     params: object
     tokenizer: object = None
+    path: str | None = None
 
 
-def load(path: str | os.PathLike, dtype=None, load_format: str = "auto") -> Model:
-    """A checkpoint directory -> Model. load_format "dummy" (SGLang's name): random weights of
-    config.json's shape, for benchmarks of model shapes whose weights are not at hand."""
-    return _load(path, dtype, load_format)
+def load(
+    path: str | os.PathLike,
+    dtype=None,
+    load_format: str = "auto",
+    *,
+    revision: str | None = None,
+    tokenizer_path: str | os.PathLike | None = None,
+    chat_template: str | None = None,
+    local_files_only: bool = False,
+) -> Model:
+    """A checkpoint -> Model. path: a directory, or a Hugging Face Hub repo id ("org/name", at
+    `revision`; fetched into huggingface_hub's cache unless HF_HUB_OFFLINE or local_files_only
+    keep it to what is cached: checkpoint/hub.py). dtype: a jnp dtype or its name ("auto" or
+    None: bfloat16 on a GPU, float32 elsewhere). load_format "dummy" (SGLang's name): random
+    weights of config.json's shape, for benchmarks of shapes whose weights are not at hand.
+    tokenizer_path: another tokenizer (a directory or a repo id); chat_template: a Jinja
+    template, or a file holding one, in place of the tokenizer's. A checkpoint of several
+    shards reports its reading as it goes: a bar on a terminal, else log lines."""
+    return _load(path, dtype, load_format, revision, tokenizer_path, chat_template, local_files_only)
 
 
-def load_logged(path: str | os.PathLike, load_format: str = "auto") -> Model:
-    """load(), logging what was loaded and in how long."""
+def load_logged(path: str | os.PathLike, load_config=None) -> Model:
+    """load() with a LoadConfig's settings, logging what was loaded and in how long."""
     import logging
     import time
 
     from jspec.checkpoint.loader import count_params
+    from jspec.config.load import LoadConfig
 
+    load_config = load_config or LoadConfig()
     t0 = time.perf_counter()
-    model = load(path, load_format=load_format)
+    model = load(path, **dataclasses.asdict(load_config))
     logging.getLogger("jspec.checkpoint").info(
         "weights loaded: %s, %d layers, %.0fM parameters, %s%s, in %.1f s",
-        os.path.basename(os.path.normpath(path)),
+        display_name(path, load_config.revision),
         model.cfg.num_layers,
         count_params(model.params) / 1e6,
         model.params["embed"].dtype,
-        " (random: --load-format dummy)" if load_format == "dummy" else "",
+        " (random: --load-format dummy)" if load_config.load_format == "dummy" else "",
         time.perf_counter() - t0,
     )
     return model
+
+
+def display_name(path: str | os.PathLike, revision: str | None = None) -> str:
+    """How a checkpoint is named in logs and by default to clients: a Hub repo id as it is
+    (with its revision), a directory by its last component."""
+    from jspec.checkpoint.hub import is_repo_id
+
+    path = os.fspath(path)
+    if not os.path.exists(path) and is_repo_id(path):
+        return f"{path}@{revision}" if revision else path
+    return os.path.basename(os.path.normpath(path))
 
 
 def with_context_length(model: Model, context_length: int | None) -> Model:
@@ -56,32 +86,64 @@ def with_context_length(model: Model, context_length: int | None) -> Model:
     return dataclasses.replace(model, cfg=dataclasses.replace(model.cfg, max_position_embeddings=context_length))
 
 
-def _load(path, dtype, load_format) -> Model:
+def _load(path, dtype, load_format, revision, tokenizer_path, chat_template, local_files_only) -> Model:
+    from jspec.checkpoint.hub import resolve_checkpoint
     from jspec.checkpoint.loader import load_model
-    from jspec.checkpoint.tokenizer import load_tokenizer
+    from jspec.checkpoint.tokenizer import load_tokenizer, read_chat_template
 
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"unknown load_format {load_format!r}; choose auto or dummy")
+    dtype = _dtype(dtype)
+    template = read_chat_template(chat_template) if chat_template is not None else None
+    name = display_name(path, revision)
+    directory = resolve_checkpoint(path, "model", revision, local_files_only)
     if load_format == "dummy":
         import jax
         import jax.numpy as jnp
 
         from jspec.checkpoint.loader import init_random_params
 
-        cfg = ModelConfig.from_pretrained(path)
+        cfg = ModelConfig.from_pretrained(directory)
         dtype = dtype or (jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32)
-        return Model(cfg, init_random_params(cfg, jax.random.key(0), dtype), load_tokenizer(path))
-    if load_format != "auto":
-        raise ValueError(f"unknown load_format {load_format!r}; choose auto or dummy")
-    cfg, params = load_model(path, dtype=dtype)
-    return Model(cfg, params, load_tokenizer(path))
+        params = init_random_params(cfg, jax.random.key(0), dtype)
+    else:
+        # A checkpoint of several shards reports its reading (checkpoint/progress.py).
+        cfg, params = load_model(directory, dtype=dtype, progress_name=name)
+    if tokenizer_path is None:
+        tokenizer = load_tokenizer(directory)
+    else:
+        tokenizer_dir = resolve_checkpoint(tokenizer_path, "tokenizer", local_files_only=local_files_only)
+        tokenizer = load_tokenizer(tokenizer_dir)
+        if tokenizer is None:
+            raise FileNotFoundError(f"tokenizer path {os.fspath(tokenizer_path)!r} has no tokenizer.json")
+    if template is not None:
+        if tokenizer is None:
+            raise ValueError("a chat template needs a tokenizer; this model has none (give tokenizer_path)")
+        tokenizer.chat_template = template
+    return Model(cfg, params, tokenizer, directory)
+
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _dtype(dtype):
+    """None for the default ("auto" or None), else the jnp dtype a name or dtype stands for."""
+    if dtype is None or (isinstance(dtype, str) and dtype == "auto"):
+        return None
+    import jax.numpy as jnp
+
+    if isinstance(dtype, str) and dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose auto or one of {DTYPES}")
+    return jnp.dtype(dtype)
 
 
 def as_model(model) -> Model:
     if isinstance(model, Model):
         return model
     if isinstance(model, (str, os.PathLike)):
-        return load(model)
+        return load(model)  # a directory or a Hub repo id
     if isinstance(model, tuple) and len(model) in (2, 3) and isinstance(model[0], ModelConfig):
         return Model(*model)
     raise TypeError(
-        f"model must be a checkpoint path, a jspec.Model or a (ModelConfig, params) tuple, got {type(model).__name__}"
+        f"model must be a checkpoint path or Hub repo id, a jspec.Model or a (ModelConfig, params) tuple, got {type(model).__name__}"
     )

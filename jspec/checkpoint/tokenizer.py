@@ -112,3 +112,16 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer | None:
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         return None
     return Tokenizer(path)
+
+
+def read_chat_template(template: str) -> str:
+    """A chat template given as a file holding one, or as the Jinja source itself (SGLang's
+    and vLLM's --chat-template). Its syntax is checked where it is rendered (the server)."""
+    if os.path.isfile(template):
+        with open(template, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in template or "{%" in template:
+        return template
+    raise ValueError(
+        f"chat template {template!r} is neither a file nor a Jinja template (one holds {{{{ ... }}}} or {{% ... %}})"
+    )

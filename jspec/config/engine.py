@@ -26,21 +26,25 @@ GRAMMAR_BACKENDS = ("llguidance", "none")
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     # The KV pool and batching.
-    page_size: int = setting(16, "tokens per KV page (a power of two)")
+    page_size: int = setting(16, "tokens per KV page (a power of two)", group="memory")
     max_running_requests: int | None = setting(
         None,
         "requests decoded together at most (default: 32 without an accelerator; on one 256, 64 with "
         "speculation, fewer if the KV pool holds less than two pages a request)",
+        group="memory",
     )
     max_total_tokens: int | None = setting(
         None,
         "KV pool size in tokens (default: on an accelerator, the memory left after the weights and the "
         "programs' measured needs; without one, 256 MiB of KV)",
+        group="memory",
     )
     mem_fraction_static: float | None = setting(
-        None, "fraction of the accelerator's memory for weights + KV; the programs get the rest (GPU only)"
+        None,
+        "fraction of the accelerator's memory for weights + KV; the programs get the rest (GPU only)",
+        group="memory",
     )
-    chunked_prefill_size: int = setting(512, "prompt tokens prefilled per step at most")
+    chunked_prefill_size: int = setting(512, "prompt tokens prefilled per step at most", group="memory")
     precompile_bs_paddings: tuple[int, ...] | None = setting(
         None,
         "decode batch sizes compiled (powers of two): a decode pads to the smallest at or above its rows "
@@ -48,26 +52,29 @@ class EngineConfig:
         nargs="+",
         type=int,
         metavar="BS",
+        group="kernels",
     )
     context_length: int | None = setting(
-        None, "longest prompt + output served (default: the model's max_position_embeddings)"
+        None, "longest prompt + output served (default: the model's max_position_embeddings)", group="model"
     )
     # The loop.
-    disable_overlap_schedule: bool = setting(False, "run the synchronous loop instead")
+    disable_overlap_schedule: bool = setting(False, "run the synchronous loop instead", group="memory")
     disable_mixed_chunk: bool = setting(
         False,
         "run each prefill alone; by default the running requests decode in the same step (SGLang's "
         "--enable-mixed-chunk), so new prompts do not stall them (plain decoding; speculation alternates)",
+        group="memory",
     )
-    disable_radix_cache: bool = setting(False, "no prefix cache")
-    random_seed: int = setting(0, "seeds requests that bring none")
-    max_top_logprobs: int = setting(5, "largest top-n logprobs a request may ask for")
+    disable_radix_cache: bool = setting(False, "no prefix cache", group="memory")
+    random_seed: int = setting(0, "seeds requests that bring none", group="serving")
+    max_top_logprobs: int = setting(5, "largest top-n logprobs a request may ask for", group="serving")
     # Quantization.
     quantization: str | None = setting(
         None,
         "fp8: quantize a bf16 checkpoint's decoder projections to FP8 e4m3 per output channel at load "
         "(an FP8 checkpoint is read as FP8 without it)",
         choices=QUANTIZATIONS,
+        group="model",
     )
     fp8_gemm_backend: str = setting(
         "auto",
@@ -75,72 +82,87 @@ class EngineConfig:
         "registers, for decode rows on one GPU; XLA's dot for the others), w8a8 (activations quantized "
         "per token, XLA's FP8 x FP8 GEMM; per-tensor or per-channel weights), auto: pallas",
         choices=FP8_GEMM_BACKENDS,
+        group="kernels",
     )
     kv_cache_dtype: str = setting(
         "auto",
         "auto: the model's dtype; fp8_e4m3: an FP8 KV cache (per-layer K and V scales from the checkpoint, else 1.0)",
         choices=KV_CACHE_DTYPES,
+        group="model",
     )
     # Structured outputs.
     grammar_backend: str = setting(
         "llguidance",
         "the library that compiles json_schema / regex / ebnf grammars (none: refuse them)",
         choices=GRAMMAR_BACKENDS,
+        group="serving",
     )
-    grammar_cache_size: int = setting(256, "compiled grammars kept (by kind and text), least recently used dropped")
+    grammar_cache_size: int = setting(
+        256, "compiled grammars kept (by kind and text), least recently used dropped", group="serving"
+    )
     grammar_compile_timeout: float = setting(
-        10.0, "seconds a grammar may take to compile; a slower one is refused as too complex"
+        10.0, "seconds a grammar may take to compile; a slower one is refused as too complex", group="serving"
     )
     # Programs.
     attention_backend: str | None = setting(
         None,
         "default: pallas on the GPU, the jnp reference elsewhere (Pallas would run interpreted)",
         choices=ATTENTION_BACKENDS,
+        group="kernels",
     )
     layer_loop: str = setting(
         "auto",
         "scan: one compiled layer body (compile time independent of depth); unrolled: per-layer "
         "weight arrays (no weight sliced out of a stack); auto: unrolled on the GPU, else scan",
         choices=LAYER_LOOPS,
+        group="kernels",
     )
     compilation_cache_dir: str = setting(
-        DEFAULT_COMPILATION_CACHE_DIR, "JAX's persistent compilation cache: a restart loads its programs from here"
+        DEFAULT_COMPILATION_CACHE_DIR,
+        "JAX's persistent compilation cache: a restart loads its programs from here",
+        group="kernels",
     )
-    disable_compilation_cache: bool = setting(False, "compile every program afresh")
+    disable_compilation_cache: bool = setting(False, "compile every program afresh", group="kernels")
     # Parallelism.
-    tp_size: int = setting(1, "tensor-parallel degree: shards the model and KV over this many local devices")
+    tp_size: int = setting(
+        1, "tensor-parallel degree: shards the model and KV over this many local devices", group="parallel"
+    )
     ep_size: int = setting(
-        1, "expert-parallel degree of an MoE model: equal to --tp-size (experts split over those devices)"
+        1,
+        "expert-parallel degree of an MoE model: equal to --tp-size (experts split over those devices)",
+        group="parallel",
     )
     dp_size: int = setting(
         1,
         "DP attention ranks (with --enable-dp-attention): attention data-parallel over dp "
         "groups of tp-size / dp-size devices, each with its own requests and KV; the MLP "
         "stays over all tp",
+        group="parallel",
     )
-    enable_dp_attention: bool = setting(False, "data-parallel attention (see --dp-size)")
+    enable_dp_attention: bool = setting(False, "data-parallel attention (see --dp-size)", group="parallel")
     load_balance_method: str = setting(
-        "round_robin", "how DP attention assigns new requests to ranks", choices=LOAD_BALANCE_METHODS
+        "round_robin", "how DP attention assigns new requests to ranks", choices=LOAD_BALANCE_METHODS, group="parallel"
     )
     # LoRA adapters.
     enable_lora: bool = setting(
-        False, "serve LoRA adapters even when --lora-paths gives none (load them by /load_lora_adapter)"
+        False, "serve LoRA adapters even when --lora-paths gives none (load them by /load_lora_adapter)", group="lora"
     )
     lora_paths: dict[str, str] = setting(
         None,
-        "PEFT LoRA adapters loaded at start-up, NAME=DIR (a bare DIR is named by its basename); requests "
-        "pick one with lora_path, or model BASE:NAME",
+        "PEFT LoRA adapters loaded at start-up, NAME=PATH (a directory or a Hugging Face Hub repo id; a bare "
+        "PATH is named by its last component); requests pick one with lora_path, or model BASE:NAME",
         nargs="+",
-        metavar="NAME=DIR",
+        metavar="NAME=PATH",
+        group="lora",
     )
     max_loras_per_batch: int | None = setting(
-        None, "adapters resident at once (LoRA pool slots; default: the number of --lora-paths, >= 1)"
+        None, "adapters resident at once (LoRA pool slots; default: the number of --lora-paths, >= 1)", group="lora"
     )
     max_lora_rank: int | None = setting(
-        None, "largest adapter rank the pool holds (default: the largest among --lora-paths, at least 16)"
+        None, "largest adapter rank the pool holds (default: the largest among --lora-paths, at least 16)", group="lora"
     )
     # Speculative decoding (its own flags: --speculative-*, from SpecConfig's fields).
-    speculative: SpecConfig | None = setting(None, "speculative decoding; None: off")
+    speculative: SpecConfig | None = setting(None, "speculative decoding; None: off", group="speculative")
 
     def __post_init__(self):
         for name in ("page_size", "max_running_requests", "chunked_prefill_size", "tp_size", "ep_size", "dp_size"):

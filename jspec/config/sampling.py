@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jspec.config.reasoning import REASONING_FORMATS
+
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
 
 
@@ -30,6 +32,9 @@ class SamplingParams:
     json_schema: str | None = None  # a JSON schema, as JSON text
     regex: str | None = None
     ebnf: str | None = None  # GBNF / EBNF (llama.cpp's dialect) or Lark
+    # The output opens with a reasoning part in this format (config/reasoning.py: deepseek-r1,
+    # qwen3): a grammar above holds only the text after it.
+    reasoning_format: str | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -86,6 +91,10 @@ class SamplingParams:
         for k in grammars:
             if not isinstance(getattr(self, k), str) or not getattr(self, k):
                 raise ValueError(f"{k} must be a non-empty string, got {getattr(self, k)!r}")
+        if self.reasoning_format is not None and self.reasoning_format not in REASONING_FORMATS:
+            raise ValueError(
+                f"reasoning_format {self.reasoning_format!r} is unknown; choose one of {sorted(REASONING_FORMATS)}"
+            )
 
     def completions(self) -> list[SamplingParams]:
         """The n single completions this asks for: seeds seed, seed+1, ... (each drawn apart when

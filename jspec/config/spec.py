@@ -13,7 +13,8 @@ SPEC_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "NGRAM", "NEXTN")
 class SpecConfig:
     """Speculative decoding settings, named as SGLang's --speculative-* flags.
 
-    algorithm: --speculative-algorithm; draft_model_path: --speculative-draft-model-path;
+    algorithm: --speculative-algorithm; draft_model_path: --speculative-draft-model-path (a
+    directory or a Hub repo id, at draft_model_revision);
     num_steps: --speculative-num-steps (draft depth); eagle_topk: --speculative-eagle-topk
     (branching per step); num_draft_tokens: --speculative-num-draft-tokens (tree nodes
     verified per iteration, the root included).
@@ -35,26 +36,42 @@ class SpecConfig:
         "tokenizer), NGRAM (drafts copied from the request's own earlier tokens), NEXTN (the target "
         "checkpoint's own multi-token-prediction layer, DeepSeek-V3)",
         choices=SPEC_ALGORITHMS,
+        group="speculative",
     )
-    draft_model_path: str | None = setting(None, "local draft checkpoint (EAGLE head or standalone model)")
-    num_steps: int = setting(3, "draft depth per iteration")
-    eagle_topk: int = setting(1, "branching per draft step (1 = chain)")
-    num_draft_tokens: int | None = setting(None, "tree nodes verified per iteration")
-    ngram_min_match_window_size: int = setting(1, "NGRAM: shortest suffix match that proposes drafts")
-    ngram_max_match_window_size: int = setting(12, "NGRAM: longest suffix compared")
-    ngram_max_bfs_breadth: int = setting(1, "NGRAM: candidate continuations verified side by side (tree branches)")
+    draft_model_path: str | None = setting(
+        None,
+        "the draft checkpoint (EAGLE head or standalone model): a directory or a Hugging Face Hub repo id",
+        group="speculative",
+    )
+    draft_model_revision: str | None = setting(
+        None, "the draft's Hub revision (branch, tag or commit; default: main)", group="speculative"
+    )
+    num_steps: int = setting(3, "draft depth per iteration", group="speculative")
+    eagle_topk: int = setting(1, "branching per draft step (1 = chain)", group="speculative")
+    num_draft_tokens: int | None = setting(None, "tree nodes verified per iteration", group="speculative")
+    ngram_min_match_window_size: int = setting(
+        1, "NGRAM: shortest suffix match that proposes drafts", group="speculative"
+    )
+    ngram_max_match_window_size: int = setting(12, "NGRAM: longest suffix compared", group="speculative")
+    ngram_max_bfs_breadth: int = setting(
+        1, "NGRAM: candidate continuations verified side by side (tree branches)", group="speculative"
+    )
     adaptive: bool = setting(
-        False, "pick the draft shape per iteration from the batch size and the measured acceptance (0 steps = off)"
+        False,
+        "pick the draft shape per iteration from the batch size and the measured acceptance (0 steps = off)",
+        group="speculative",
     )
     adaptive_shapes: str = setting(
         "5,4,8 3,1,4 1,1,2 0,1,1",
         "the shapes --speculative-adaptive picks from: steps,topk,draft_tokens each, space-separated; "
         "0,1,1 verifies the root alone (speculation off)",
+        group="speculative",
     )
     adaptive_cost_table: str | None = setting(
         None,
         "JSON of each shape's iteration time per batch bucket (benchmarks.bench_adaptive writes one); "
         "default: measured at warm-up",
+        group="speculative",
     )
 
     def __post_init__(self):

@@ -1,10 +1,14 @@
 """Grammars of structured outputs (JSON schema, regex, EBNF) compiled by llguidance.
 
 A `GrammarCompiler` belongs to one tokenizer and vocabulary: it checks and compiles a grammar
-once and keeps the compiled matcher by (kind, text), so a schema that many requests share is
+once and keeps the compiled matcher by (kind, text, reasoning format), so a schema that many requests share is
 compiled once; each request gets a cheap copy (`GrammarMatcher`), which follows the tokens the
 request emits and writes the bitmask of the tokens allowed next. Bit t of a row (word t // 32,
 bit t % 32) allows token t; tokens past the tokenizer's vocabulary are never allowed.
+
+A request of a reasoning model (SamplingParams.reasoning_format) gets its grammar behind the
+reasoning part: free text up to the format's end tag, then the grammar (`after_reasoning`, a
+Lark grammar that refers to the request's grammar as a subgrammar).
 
 llguidance bounds every mask computation by its lexer and parser fuel (LLParserLimits), so a
 pathological grammar costs a bounded time per step; compilation is bounded the same way, and a
@@ -20,6 +24,8 @@ import threading
 import time
 
 import numpy as np
+
+from jspec.config.reasoning import REASONING_FORMATS, ReasoningFormat
 
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
 
@@ -102,9 +108,38 @@ def grammar_source(kind: str, text: str) -> str:
         raise GrammarError(f"invalid {kind}: {e}") from e
 
 
+# A blank between the reasoning and the answer, as reasoning models write one ("</think>\n\n");
+# bounded, so that a model cannot spend its tokens on blanks there.
+REASONING_GAP = r"/[ \t\r\n]{1,4}/"
+ANSWER_GRAMMAR = "answer_after_reasoning"
+
+
+def after_reasoning(source: str, fmt: ReasoningFormat, tags: dict[str, str]) -> str:
+    """llguidance's grammar for output that opens with a reasoning part in format `fmt`, free
+    text up to its end tag, and then holds to grammar `source` (a grammar_source result: the
+    answer is its first grammar, referred to as a subgrammar). tags: each tag as a Lark grammar
+    item, `<[id]>` for a tag that is one special token of the tokenizer, else its text."""
+    # grammar_source gives llguidance's JSON form, or Lark text (what an EBNF converts to).
+    top = json.loads(source) if source.lstrip().startswith("{") else {"grammars": [{"lark_grammar": source}]}
+    answer, *rest = top["grammars"]
+    start, end = tags[fmt.start], tags[fmt.end]
+    if end.startswith("<["):
+        # Special tokens are never inside a terminal: the free text runs up to the end token.
+        thinking = f"thinking: THINKING {end}\nTHINKING: /(?s:.*)/"
+    else:
+        thinking = f"thinking[suffix={end}]: /(?s:.*)/"  # lazy: ends at the first end tag
+    opened = f"{start}? thinking" if fmt.opened_by_prompt else f"({start} thinking"
+    lark = (
+        f"start: {opened} GAP?{'' if fmt.opened_by_prompt else ')?'} @{ANSWER_GRAMMAR}\n"
+        f"{thinking}\nGAP: {REASONING_GAP}\n"
+    )
+    return json.dumps({**top, "grammars": [{"lark_grammar": lark}, {**answer, "name": ANSWER_GRAMMAR}, *rest]})
+
+
 class GrammarCompiler:
-    """Compiled grammars of one tokenizer, kept by (kind, text) (least recently used dropped
-    past cache_size). Thread-safe: the server compiles on its own threads while the loop runs."""
+    """Compiled grammars of one tokenizer, kept by (kind, text, reasoning format) (least recently
+    used dropped past cache_size). Thread-safe: the server compiles on its own threads while the
+    loop runs."""
 
     def __init__(
         self,
@@ -122,11 +157,14 @@ class GrammarCompiler:
         self.words = mask_words(vocab_size)
         eos = [int(t) for t in eos_token_ids if 0 <= int(t) < vocab_size]  # others can never be sampled
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos or None)
+        # Added tokens by text: a reasoning tag that is one of them is referred to by its id.
+        added = json.loads(tokenizer_json).get("added_tokens") or []
+        self.added_tokens = {t["content"]: int(t["id"]) for t in added if isinstance(t, dict) and "content" in t}
         # llguidance's fuel per mask and per grammar (its defaults unless given: LLParserLimits' fields).
         self.limits = llguidance.LLParserLimits(**(limits or {}))
         self.compile_timeout_s = compile_timeout_s
         self.cache_size = cache_size
-        self._cache: collections.OrderedDict[tuple[str, str], object] = collections.OrderedDict()
+        self._cache: collections.OrderedDict[tuple, object] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
@@ -136,12 +174,22 @@ class GrammarCompiler:
         with open(os.path.join(tokenizer.path, "tokenizer.json"), encoding="utf-8") as f:
             return cls(f.read(), vocab_size, eos_token_ids, **kw)
 
-    def compile(self, kind: str, text: str):
-        """The compiled matcher of a grammar (shared: copy it per request). GrammarError if
-        llguidance rejects it, or its compilation takes longer than compile_timeout_s."""
+    def lark_tag(self, tag: str) -> str:
+        """A reasoning tag as a Lark grammar item: `<[id]>` when llguidance reads it as one
+        special token (it does so for every added token), else a string literal."""
+        token = self.added_tokens.get(tag)
+        if token is not None and token < self.vocab_size and self.tokenizer.is_special_token(token):
+            return f"<[{token}]>"
+        return json.dumps(tag)
+
+    def compile(self, kind: str, text: str, reasoning: str | None = None):
+        """The compiled matcher of a grammar (shared: copy it per request); reasoning: a
+        REASONING_FORMATS name, whose reasoning part the grammar leaves free and follows.
+        GrammarError if llguidance rejects it, or its compilation takes longer than
+        compile_timeout_s."""
         import llguidance
 
-        key = (kind, text if isinstance(text, str) else json.dumps(text, sort_keys=True))
+        key = (kind, text if isinstance(text, str) else json.dumps(text, sort_keys=True), reasoning)
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
@@ -149,6 +197,9 @@ class GrammarCompiler:
                 self.hits += 1
                 return hit
         source = grammar_source(kind, text)
+        if reasoning is not None:
+            fmt = REASONING_FORMATS[reasoning]
+            source = after_reasoning(source, fmt, {tag: self.lark_tag(tag) for tag in (fmt.start, fmt.end)})
         t0 = time.perf_counter()
         # The constructor releases the GIL while it builds the lexer: the loop keeps running.
         matcher = llguidance.LLMatcher(self.tokenizer, source, log_level=0, limits=self.limits)
@@ -166,9 +217,9 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return matcher
 
-    def matcher(self, kind: str, text: str) -> GrammarMatcher:
+    def matcher(self, kind: str, text: str, reasoning: str | None = None) -> GrammarMatcher:
         """A fresh matcher of the grammar for one request."""
-        return GrammarMatcher(self.compile(kind, text).deep_copy(), self.words)
+        return GrammarMatcher(self.compile(kind, text, reasoning).deep_copy(), self.words)
 
 
 class GrammarMatcher:

@@ -133,21 +133,23 @@ def fp8_weights(config: EngineConfig, params):
 
 
 class Engine:
-    """A model served by a worker and a scheduler. Settings: an EngineConfig, or its fields as
-    keywords (`Engine(model, page_size=16, tp_size=2)`); draft: EAGLE / STANDALONE weights given
-    in memory, as (DraftConfig, params), instead of config.speculative.draft_model_path."""
+    """A model served by a worker and a scheduler. model: a loaded Model, or a checkpoint (a
+    directory or a Hub repo id) read with `load` (a LoadConfig: revision, dtype, tokenizer, ...).
+    Settings: an EngineConfig, or its fields as keywords (`Engine(model, page_size=16,
+    tp_size=2)`); draft: EAGLE / STANDALONE weights given in memory, as (DraftConfig, params),
+    instead of config.speculative.draft_model_path."""
 
-    def __init__(self, model, config: EngineConfig | None = None, *, draft=None, load_format: str = "auto", **settings):
+    def __init__(self, model, config: EngineConfig | None = None, *, draft=None, load=None, **settings):
         config = dataclasses.replace(config or EngineConfig(), **settings)
         self.config = config
         # Before anything compiles: a second process reuses this one's programs.
         enable_compilation_cache(config.compilation_cache)
-        target_path = os.fspath(model) if isinstance(model, (str, os.PathLike)) else None
-        if target_path is not None:
+        if isinstance(model, (str, os.PathLike)):
             # Loaded here, the engine holds the loader's weights alone and frees them once the
             # worker has laid them out, before the KV pool is sized.
-            model = load_logged(target_path, load_format)
+            model = load_logged(model, load)
         self.model = with_context_length(as_model(model), config.context_length)
+        target_path = self.model.path  # where NEXTN finds the target's own MTP layers
         del model
         self.spec = config.speculative
         cfg, params = self.model.cfg, self.model.params
@@ -438,7 +440,9 @@ class Engine:
         if room < params.max_new_tokens:
             params = dataclasses.replace(params, max_new_tokens=room)
         self.check_grammar(params)
-        grammar = self.grammar_compiler.matcher(*params.grammar) if params.grammar is not None else None
+        grammar = None
+        if params.grammar is not None:
+            grammar = self.grammar_compiler.matcher(*params.grammar, params.reasoning_format)
         checker = StopChecker(params.stop, params.stop_token_ids, eos, params.ignore_eos, params.max_new_tokens)
         detok = IncrementalDetokenizer(tok, ids) if tok is not None else None
         req = Request(
@@ -498,7 +502,7 @@ class Engine:
             raise ValueError(f"{kind}: structured outputs are not implemented with DP attention")
         if self.model.tokenizer is None:
             raise ValueError(f"{kind}: structured outputs need the model's tokenizer; this model has none")
-        self.grammar_compiler.compile(*grammar)
+        self.grammar_compiler.compile(*grammar, params.reasoning_format)
 
     def abort(self, rid: str) -> bool:
         """Finishes a request now and frees its KV; True if it was still running or waiting."""

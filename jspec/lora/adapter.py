@@ -12,6 +12,7 @@ import numpy as np
 
 from jspec.checkpoint.errors import CheckpointError
 from jspec.checkpoint.files import read_safetensors_file
+from jspec.checkpoint.hub import resolve_checkpoint
 from jspec.config.model import ModelConfig
 
 SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -73,14 +74,20 @@ def _config(path: str) -> dict:
         return json.load(f)
 
 
+def adapter_dir(path: str | os.PathLike) -> str:
+    """The adapter's directory: `path` itself, or a Hub repo's snapshot when it is a repo id."""
+    return resolve_checkpoint(path, "adapter")
+
+
 def read_rank(path: str | os.PathLike) -> int:
-    """An adapter's rank r, from its adapter_config.json alone."""
-    return int(_config(os.fspath(path))["r"])
+    """An adapter's rank r, from its adapter_config.json alone (path: a directory or a Hub repo id)."""
+    return int(_config(adapter_dir(path))["r"])
 
 
 def load_adapter(name: str, path: str | os.PathLike, cfg: ModelConfig, max_rank: int) -> LoraAdapter:
-    """Reads and checks a PEFT LoRA adapter against the base model's config."""
-    path = os.fspath(path)
+    """Reads and checks a PEFT LoRA adapter (a directory or a Hub repo id) against the base
+    model's config."""
+    path = adapter_dir(path)
     ac = _config(path)
     where = f"LoRA adapter {name!r} ({path})"
     if ac.get("peft_type", "LORA") != "LORA":

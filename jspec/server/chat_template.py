@@ -25,6 +25,14 @@ def _compile(source: str):
     return env.from_string(source)
 
 
+def check_chat_template(source: str) -> None:
+    """ValueError naming the fault if a chat template does not parse."""
+    try:
+        _compile(source)
+    except TemplateError as e:
+        raise ValueError(f"chat template does not parse: {e}") from None
+
+
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True, tools=None) -> str:
     if tokenizer is None or not tokenizer.chat_template:
         raise APIError(

@@ -12,22 +12,25 @@ import logging
 import os
 import time
 
-from jspec.server.args import ServerConfig, build_parser, engine_config, server_config
+from jspec.checkpoint.model import display_name
+from jspec.checkpoint.tokenizer import read_chat_template
+from jspec.server.args import ServerConfig, build_parser, engine_config, load_config, server_config
+from jspec.server.chat_template import check_chat_template
 
 log = logging.getLogger("jspec.serve")
 SERVER_GPU_MEMORY_FRACTION = "0.90"
 
 
-def make_engine(config, server: ServerConfig, path: str):
+def make_engine(config, server: ServerConfig, load, path: str):
     """The engine a server runs: a plain Engine, or a PD prefill / decode engine. A plain engine
     loads the weights itself, so it holds the loader's copy alone and frees it once laid out."""
     from jspec.engine.engine import Engine
 
     if server.disaggregation_mode not in ("prefill", "decode"):
-        return Engine(path, config, load_format=server.load_format)
+        return Engine(path, config, load=load)
     from jspec.checkpoint.model import load_logged
 
-    model = load_logged(path, server.load_format)
+    model = load_logged(path, load)
     if model.cfg.deepseek is not None:
         raise ValueError(
             f"PD disaggregation is not implemented for latent-attention (MLA) models ({model.cfg.family}) yet"
@@ -51,7 +54,7 @@ def main(argv=None) -> None:
     ap = build_parser(__doc__, prog="jspec serve")
     args = ap.parse_args(argv)
     try:
-        server, config = server_config(args), engine_config(args)
+        server, load, config = server_config(args), load_config(args), engine_config(args)
     except ValueError as e:
         ap.error(str(e))
     logging.basicConfig(level=server.log_level.upper(), format="[jspec] %(asctime)s %(levelname)s %(message)s")
@@ -80,8 +83,12 @@ def main(argv=None) -> None:
         path, what = default_model_path()
         log.info("serving %s at %s", what, path)
     try:
-        engine = make_engine(config, server, path)
-    except (ValueError, NotImplementedError) as e:  # a bad checkpoint, a --tp-size that does not divide the heads
+        if load.chat_template is not None:  # before the weights load, which may take minutes
+            check_chat_template(read_chat_template(load.chat_template))
+        engine = make_engine(config, server, load, path)
+    except (ValueError, NotImplementedError, OSError) as e:
+        # A checkpoint that is missing or bad, a Hub repo id that resolves nowhere, a --tp-size
+        # that does not divide the heads, a chat template that does not parse.
         ap.error(str(e))
     if not server.skip_warmup:
         modes = server.warmup_sampling_modes
@@ -93,7 +100,7 @@ def main(argv=None) -> None:
         log.info("warm-up: %d programs ready in %.1f s", n, time.perf_counter() - t0)
     if server.disaggregation_mode == "prefill":
         return serve_prefill(engine, server)
-    serve_http(engine, server, server.served_model_name or os.path.basename(os.path.normpath(path)), started)
+    serve_http(engine, server, server.served_model_name or display_name(path), started)
 
 
 def serve_http(engine, server: ServerConfig, name: str, started: float) -> None:
@@ -117,7 +124,9 @@ def serve_http(engine, server: ServerConfig, name: str, started: float) -> None:
         log.warning("shutting down: aborting running requests")
         async_engine.shutdown()
 
-    app = create_app(async_engine, name, lifespan=lifespan)
+    app = create_app(
+        async_engine, name, lifespan=lifespan, api_key=server.api_key, reasoning_parser=server.reasoning_parser
+    )
     uvicorn.run(app, host=server.host, port=server.port, log_level=server.log_level, timeout_graceful_shutdown=5)
 
 

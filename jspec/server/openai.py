@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from jspec.server.chat_template import render_chat
 from jspec.server.errors import APIError
 from jspec.server.protocol import ChatCompletionRequest, CompletionRequest, message_text
+from jspec.server.reasoning import ReasoningSplitter, split_reasoning
 from jspec.server.state import Served, ServerState
 from jspec.server.streaming import (
     Choice,
@@ -149,7 +150,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, st: Se
     ids = st.tokenizer.encode(text, add_special_tokens=False)
     ids = st.check_prompt(ids)
     max_new = body.max_completion_tokens or body.max_tokens or max(1, st.model.cfg.max_position_embeddings - len(ids))
-    params = body.sampling_params(max_new, body.logprobs, n_top, adapter, grammar)
+    # With a reasoning parser, a grammar (response_format, a forced tool call) holds only the
+    # text after the reasoning.
+    parser = st.reasoning_parser
+    params = body.sampling_params(max_new, body.logprobs, n_top, adapter, grammar, parser)
     asked = "max_completion_tokens" if body.max_completion_tokens else "max_tokens" if body.max_tokens else None
     if asked is not None:
         st.check_room(len(ids), max_new, asked, "messages")
@@ -161,8 +165,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, st: Se
         choices = await collect(streams, st.metrics.observer(t0), request)
         out = []
         for c in sorted(choices.values(), key=lambda c: c.index):
-            content, calls = parse_tool_calls(c.text, functions, tool_choice)
+            reasoning, text = split_reasoning(parser, c.text) if parser else (None, c.text)
+            content, calls = parse_tool_calls(text, functions, tool_choice)
             message = {"role": "assistant", "content": content}
+            if parser:  # as SGLang: None for an empty part
+                message.update(content=content or None, reasoning_content=reasoning or None)
             if calls:
                 message["tool_calls"] = calls
             finish = openai_finish(c.finish_reason)
@@ -182,6 +189,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, st: Se
     async def events():
         chunk = {**head, "object": "chat.completion.chunk"}
         completion, verify, started, held = {}, {}, set(), {}
+        splitters = {}  # each choice's ReasoningSplitter, with a reasoning parser
         async with aclosing(merged(streams, st.metrics.observer(t0))) as outputs:
             async for i, out in outputs:
                 completion[i], verify[i] = out.completion_tokens, out.spec_verify_ct
@@ -205,10 +213,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, st: Se
                     if body.logprobs and out.new_token_ids
                     else None
                 )
+                reasoning, text = "", out.new_text
+                if parser:
+                    splitter = splitters.setdefault(i, ReasoningSplitter(parser))
+                    reasoning, text = splitter.feed(out.new_text, final=out.finished)
                 if tool_choice is not None:
-                    # Calls are parsed from the whole text: a choice with tools streams as one
-                    # delta at its end (content and tool_calls, as the non-streamed message).
-                    held[i] = held.get(i, "") + out.new_text
+                    # Calls are parsed from the whole text: a choice with tools streams its
+                    # answer as one delta at its end (content and tool_calls, as the
+                    # non-streamed message); its reasoning streams as it comes.
+                    held[i] = held.get(i, "") + text
+                    if reasoning:
+                        yield sse({**chunk, "choices": [reasoning_delta(i, reasoning)]})
                     if not out.finished:
                         continue
                     content, calls = parse_tool_calls(held.pop(i), functions, tool_choice)
@@ -230,14 +245,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, st: Se
                         }
                     )
                     continue
-                if out.new_text or out.finished or lp:
+                if text or reasoning or out.finished or lp:
+                    delta = {"reasoning_content": reasoning} if reasoning else {}
+                    if text:
+                        delta["content"] = text
                     yield sse(
                         {
                             **chunk,
                             "choices": [
                                 {
                                     "index": i,
-                                    "delta": {"content": out.new_text} if out.new_text else {},
+                                    "delta": delta,
                                     "finish_reason": openai_finish(out.finish_reason) if out.finished else None,
                                     "logprobs": lp,
                                 }
@@ -250,6 +268,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, st: Se
         yield "data: [DONE]\n\n"
 
     return EventStream(events(), streams)
+
+
+def reasoning_delta(index: int, reasoning: str) -> dict:
+    return {"index": index, "delta": {"reasoning_content": reasoning}, "finish_reason": None, "logprobs": None}
 
 
 @router.get("/v1/models")

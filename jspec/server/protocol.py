@@ -106,6 +106,7 @@ class _Sampling(BaseModel):
         top_logprobs: int,
         lora_path: str | None = None,
         grammar: dict[str, str] | None = None,
+        reasoning_format: str | None = None,
     ) -> SamplingParams:
         stop = check_stop(self.stop)
         grammar = self.grammar() if grammar is None else grammar
@@ -127,6 +128,7 @@ class _Sampling(BaseModel):
                 ignore_eos=self.ignore_eos,
                 n=self.n,
                 lora_path=lora_path,
+                reasoning_format=reasoning_format,
                 **grammar,
             )
         except ValueError as e:

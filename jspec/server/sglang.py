@@ -7,9 +7,11 @@ import json
 import time
 from contextlib import aclosing
 
+import anyio
 from fastapi import APIRouter, Request
 
 from jspec.config.sampling import SamplingParams
+from jspec.lora.adapter import adapter_dir
 from jspec.server.errors import APIError
 from jspec.server.protocol import GenerateRequest, LoadLoraRequest, check_stop
 from jspec.server.state import Served, ServerState
@@ -87,9 +89,11 @@ def loaded_adapters(st: ServerState) -> dict:
 @router.post("/load_lora_adapter")
 async def load_lora_adapter(body: LoadLoraRequest, st: Served):
     if not body.lora_path:
-        raise APIError("lora_path (the adapter's directory) is required", param="lora_path")
+        raise APIError("lora_path (the adapter's directory or Hub repo id) is required", param="lora_path")
     try:
-        await st.engine.call(lambda e: e.load_lora(body.lora_name, body.lora_path))
+        # A Hub repo id is fetched here, on a worker thread: the engine's thread only reads files.
+        path = await anyio.to_thread.run_sync(adapter_dir, body.lora_path)
+        await st.engine.call(lambda e: e.load_lora(body.lora_name, path))
     except ValueError as e:
         raise APIError(str(e), param="lora_path") from None
     return {"success": True, "loaded_adapters": loaded_adapters(st)}

@@ -18,8 +18,9 @@ from jspec.server.metrics import ServerMetrics
 
 
 class ServerState:
-    def __init__(self, engine: AsyncEngine, model_name: str):
+    def __init__(self, engine: AsyncEngine, model_name: str, reasoning_parser: str | None = None):
         self.engine = engine
+        self.reasoning_parser = reasoning_parser  # a REASONING_FORMATS name, or None
         self.core = engine.engine
         self.model = self.core.model
         self.tokenizer = self.model.tokenizer

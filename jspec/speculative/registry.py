@@ -10,7 +10,8 @@ from jspec.config.spec import SpecConfig
 
 def make_method(spec: SpecConfig, cfg: ModelConfig, draft=None, dtype=None, target_path=None):
     """-> (method, draft params or None). draft: (config, params) of a draft model already in
-    memory; else spec.draft_model_path is loaded (methods that need a draft model). NEXTN reads
+    memory; else spec.draft_model_path (a directory or a Hub repo id) is loaded (methods that
+    need a draft model). NEXTN reads
     the MTP layers of spec.draft_model_path, else of target_path (the target's checkpoint)."""
     _check_tree_fits_windows(spec, cfg, "target")
     if spec.algorithm in ("EAGLE", "EAGLE3"):
@@ -19,8 +20,7 @@ def make_method(spec: SpecConfig, cfg: ModelConfig, draft=None, dtype=None, targ
         if draft is None:
             from jspec.checkpoint.eagle import load_draft_model
 
-            _need_path(spec)
-            draft = load_draft_model(spec.draft_model_path, cfg, dtype=dtype, algorithm=spec.algorithm)
+            draft = load_draft_model(_draft_dir(spec), cfg, dtype=dtype, algorithm=spec.algorithm)
         dcfg, dparams = draft
         return EagleMethod(spec, dcfg, carry_topk=max(k for _, k, _ in spec.shapes())), dparams
     if spec.algorithm == "STANDALONE":
@@ -29,8 +29,7 @@ def make_method(spec: SpecConfig, cfg: ModelConfig, draft=None, dtype=None, targ
         if draft is None:
             from jspec.checkpoint.loader import load_model
 
-            _need_path(spec)
-            draft = load_model(spec.draft_model_path, dtype=dtype)
+            draft = load_model(_draft_dir(spec), dtype=dtype)
         dcfg, dparams = draft
         if dcfg.vocab_size != cfg.vocab_size:
             raise ValueError(
@@ -55,7 +54,7 @@ def make_method(spec: SpecConfig, cfg: ModelConfig, draft=None, dtype=None, targ
         if draft is None:
             from jspec.checkpoint.mtp import load_mtp_params
 
-            path = spec.draft_model_path or target_path
+            path = _draft_dir(spec) if spec.draft_model_path else target_path
             if path is None:
                 raise ValueError(
                     "NEXTN reads the MTP layers from the target's checkpoint: load the target from its path, "
@@ -93,6 +92,10 @@ def shape_variants(method) -> tuple:
     return tuple(dataclasses.replace(method, spec=method.spec.with_shape(s)) for s in method.spec.shapes())
 
 
-def _need_path(spec: SpecConfig) -> None:
+def _draft_dir(spec: SpecConfig) -> str:
+    """The draft checkpoint's directory (a Hub repo id is fetched, at draft_model_revision)."""
+    from jspec.checkpoint.hub import resolve_checkpoint
+
     if spec.draft_model_path is None:
         raise ValueError(f"speculative algorithm {spec.algorithm} needs spec.draft_model_path or draft=(cfg, params)")
+    return resolve_checkpoint(spec.draft_model_path, "draft", spec.draft_model_revision)

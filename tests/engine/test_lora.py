@@ -355,21 +355,27 @@ def test_load_use_unload_reload_without_restart(tiny, adapters, references):
     engine.check_idle_no_leaks()
 
 
-def test_server_flags_and_routes(tiny, adapters, references):
+def test_server_flags_and_routes(tiny, adapters, references, tmp_path, monkeypatch):
     """The server's LoRA flags build the engine; the HTTP API picks adapters by lora_path or
     model "base:adapter" and loads / unloads them while it runs (in-process: the programs
-    compiled above are reused)."""
+    compiled above are reused). Adapters named by Hub repo ids load from huggingface_hub's
+    cache (offline), at start-up and by /load_lora_adapter."""
     from fastapi.testclient import TestClient
+    from support.hub import add_snapshot, use_cache
 
     from jspec.engine.async_engine import AsyncEngine
     from jspec.server.app import create_app
     from jspec.server.args import build_parser, engine_config
 
     (pa, _, _), (pb, _, _) = adapters["a"], adapters["b"]
+    add_snapshot(str(tmp_path / "hub"), "org/lora-a", pa)
+    use_cache(monkeypatch, str(tmp_path / "hub"))
     config = engine_config(
-        build_parser().parse_args(["--lora-paths", f"a={pa}", pb, "--max-loras-per-batch", "2", "--max-lora-rank", "8"])
+        build_parser().parse_args(
+            ["--lora-paths", "a=org/lora-a", pb, "--max-loras-per-batch", "2", "--max-lora-rank", "8"]
+        )
     )
-    assert config.lora_paths == {"a": pa, "b": pb}  # b named by its directory
+    assert config.lora_paths == {"a": "org/lora-a", "b": pb}  # b named by its directory
     assert (config.max_loras_per_batch, config.max_lora_rank, config.serves_lora) == (2, 8, True)
     assert not engine_config(build_parser().parse_args([])).serves_lora
     aengine = AsyncEngine(jspec.Engine(tiny, config, **ENGINE))
@@ -408,7 +414,9 @@ def test_server_flags_and_routes(tiny, adapters, references):
             assert gen(0, "a")[0] == 400
             r = c.post("/load_lora_adapter", json={"lora_name": "a2", "lora_path": "/nonexistent"})
             assert r.status_code == 400 and "no adapter_config.json" in r.json()["error"]["message"]
-            r = c.post("/load_lora_adapter", json={"lora_name": "a2", "lora_path": pa})
+            r = c.post("/load_lora_adapter", json={"lora_name": "a2", "lora_path": "org/no-such-adapter"})
+            assert r.status_code == 400 and "adapter 'org/no-such-adapter'" in r.json()["error"]["message"]
+            r = c.post("/load_lora_adapter", json={"lora_name": "a2", "lora_path": "org/lora-a"})
             assert r.status_code == 200 and set(r.json()["loaded_adapters"]) == {"a2", "b"}
             assert gen(0, "a2")[1]["output_ids"] == references["a"][0]
     finally:

@@ -139,3 +139,52 @@ def engine_settings(page_size: int, overlap: bool) -> dict:
         attention_backend="reference",
         disable_overlap_schedule=not overlap,
     )
+
+
+# A reasoning model in miniature: its chat output, from a prompt that ends in "\n", is
+# "<think>OK</think>{}" then end of turn. Where a grammar refuses the "{" after </think>, its
+# runner-up is '"'.
+REASONING_SCRIPT = {"\n": "<think>", "<think>": "O", "O": "K", "K": "</think>", "</think>": "{", "{": "}"}
+REASONING_RUNNER_UP = {"</think>": '"'}
+REASONING_TAGS = ("<think>", "</think>")
+
+
+def scripted_model(out_dir, script=REASONING_SCRIPT, runner_up=REASONING_RUNNER_UP, **checkpoint) -> str:
+    """A tiny checkpoint (make_tiny_model's, with <think> and </think> added to its tokenizer as
+    Qwen3 adds them) whose greedy next token depends on the current token alone: script maps a
+    token's text to the next one's (a token it does not map ends the turn), runner_up to the
+    second best. Attention and MLP add nothing to the residual stream (zero output projections),
+    so the last token's embedding, one axis per scripted token, picks the logits."""
+    from tokenizers import AddedToken
+
+    from jspec.checkpoint.files import read_hf_tensors, write_safetensors
+    from jspec.testing.tiny import EOS_IDS, build_byte_tokenizer
+
+    path = make_tiny_model(out_dir, **checkpoint)
+    tok = build_byte_tokenizer()
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in REASONING_TAGS])
+    tok.save(f"{path}/tokenizer.json")
+
+    def token(text: str) -> int:
+        ids = tok.encode(text, add_special_tokens=False).ids
+        assert len(ids) == 1, (text, ids)
+        return ids[0]
+
+    tensors = {name: np.array(t, np.float32) for name, t in read_hf_tensors(path).items()}
+    embed, head = tensors["model.embed_tokens.weight"], tensors["lm_head.weight"]
+    embed[:] = 0
+    head[:] = 0
+    sources = sorted(set(script) | set(script.values()) | set(runner_up))
+    assert len(sources) <= embed.shape[1]
+    for axis, text in enumerate(sources):
+        embed[token(text), axis] = 1.0
+        head[token(script[text]) if text in script else EOS_IDS[1], axis] += 4.0
+        if text in runner_up:
+            head[token(runner_up[text]), axis] += 2.0
+    for name, t in tensors.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            t[:] = 0
+        elif name.endswith("norm.weight"):
+            t[:] = 1
+    write_safetensors(path, tensors, checkpoint.get("num_shards", 1))
+    return path

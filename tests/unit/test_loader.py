@@ -425,3 +425,34 @@ def test_hf_loads_our_tiny_checkpoints(tiny_dirs, llama_bf16):
         cfg, params = load_model(path, dtype=jnp.float32)
         assert count_params(params) == refs[name]["num_params"], name
         assert_matches_hf(cfg, params, refs[name]["params"])
+
+
+def test_loading_many_shards_reports_progress_then_the_time_taken(tmp_path, caplog, monkeypatch):
+    """Log lines (every tenth of the bytes: shards read, bytes, seconds) when stderr is no
+    terminal; a bar with the shards beside the bytes when it is one. One shard: no report."""
+    import io
+    import logging
+
+    import jspec
+
+    path = make_tiny_model(str(tmp_path / "m"), seed=3, num_layers=4, num_shards=4)
+    with caplog.at_level(logging.INFO, logger="jspec.checkpoint"):
+        model = jspec.load(path)
+    lines = [r.getMessage() for r in caplog.records if r.name == "jspec.checkpoint"]
+    steps = [line for line in lines if line.startswith("loading m: ")]
+    assert 5 <= len(steps) <= 9 and all(" of 4 shards read, " in line and "MiB of 0.7 MiB" in line for line in steps)
+    assert lines[-1].startswith("read m: 4 shards, 0.7 MiB, in ") and lines[-1].endswith(" s")
+    assert model.params["embed"].shape[0] == 320
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    caplog.clear()
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    jspec.load(path)
+    bar = sys.stderr.getvalue()
+    assert "loading m: 100%" in bar and "4/4 shards" in bar
+    assert not [r for r in caplog.records if r.name == "jspec.checkpoint"]
+    jspec.load(make_tiny_model(str(tmp_path / "one"), seed=3))
+    assert sys.stderr.getvalue() == bar  # one shard: nothing to follow
