@@ -6,7 +6,7 @@ import dataclasses
 
 from jspec.config.fields import setting
 
-SPEC_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "NGRAM", "NEXTN")
+SPEC_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "NGRAM", "NEXTN", "DFLASH")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,7 +22,9 @@ class SpecConfig:
     NGRAM uses --speculative-num-draft-tokens (default 8) and SGLang's
     --speculative-ngram-{min,max}-match-window-size and --speculative-ngram-max-bfs-breadth:
     the tree is `breadth` chains of (num_draft_tokens - 1) // breadth tokens each, so
-    num_steps and eagle_topk are derived from them (chain length and breadth).
+    num_steps and eagle_topk are derived from them (chain length and breadth). DFLASH drafts
+    one chain per block of num_draft_tokens (the root and num_draft_tokens - 1 masks): its
+    num_steps is derived, and None is the drafter's trained block (speculative/dflash.py).
 
     num_steps=0 (num_draft_tokens 1) verifies the root alone: one token per iteration, the
     draft's state still kept current, so speculation can resume losslessly. With
@@ -34,13 +36,15 @@ class SpecConfig:
         "EAGLE",
         "EAGLE / EAGLE3 (draft head), STANDALONE (a small model of the same "
         "tokenizer), NGRAM (drafts copied from the request's own earlier tokens), NEXTN (the target "
-        "checkpoint's own multi-token-prediction layer, DeepSeek-V3)",
+        "checkpoint's own multi-token-prediction layer, DeepSeek-V3), DFLASH (a block drafter: one "
+        "non-causal forward drafts a chain)",
         choices=SPEC_ALGORITHMS,
         group="speculative",
     )
     draft_model_path: str | None = setting(
         None,
-        "the draft checkpoint (EAGLE head or standalone model): a directory or a Hugging Face Hub repo id",
+        "the draft checkpoint (EAGLE head, DFlash drafter or standalone model): a directory or a Hugging Face "
+        "Hub repo id",
         group="speculative",
     )
     draft_model_revision: str | None = setting(
@@ -48,7 +52,9 @@ class SpecConfig:
     )
     num_steps: int = setting(3, "draft depth per iteration", group="speculative")
     eagle_topk: int = setting(1, "branching per draft step (1 = chain)", group="speculative")
-    num_draft_tokens: int | None = setting(None, "tree nodes verified per iteration", group="speculative")
+    num_draft_tokens: int | None = setting(
+        None, "tree nodes verified per iteration (DFLASH: the block, default the drafter's own)", group="speculative"
+    )
     ngram_min_match_window_size: int = setting(
         1, "NGRAM: shortest suffix match that proposes drafts", group="speculative"
     )
@@ -79,7 +85,7 @@ class SpecConfig:
             raise ValueError(f"unknown speculative algorithm {self.algorithm!r}; choose one of {SPEC_ALGORITHMS}")
         if self.adaptive:
             self.shapes()  # fails early on a malformed list
-        if self.num_draft_tokens == 1 or (self.num_steps == 0 and self.algorithm != "NGRAM"):
+        if self.num_draft_tokens == 1 or (self.num_steps == 0 and self.algorithm not in ("NGRAM", "DFLASH")):
             if (self.num_steps, self.eagle_topk, self.num_draft_tokens) not in ((0, 1, 1), (0, 1, None)):
                 raise ValueError(
                     "a root-only shape (speculation off) is num_steps=0, eagle_topk=1, num_draft_tokens=1; "
@@ -89,6 +95,9 @@ class SpecConfig:
             return
         if self.algorithm == "NGRAM":
             self._derive_ngram_tree()
+            return
+        if self.algorithm == "DFLASH":
+            self._derive_dflash_chain()
             return
         if self.num_steps < 1:
             raise ValueError(f"speculative num_steps must be >= 0, got {self.num_steps}")
@@ -126,6 +135,15 @@ class SpecConfig:
         object.__setattr__(self, "num_steps", length)
         object.__setattr__(self, "eagle_topk", b)
         object.__setattr__(self, "num_draft_tokens", 1 + b * length)
+
+    def _derive_dflash_chain(self) -> None:
+        if self.eagle_topk != 1:
+            raise ValueError(
+                f"DFLASH drafts one chain per block: eagle_topk (and each adaptive shape's topk) must be 1, "
+                f"got {self.eagle_topk}"
+            )
+        if self.num_draft_tokens is not None:
+            object.__setattr__(self, "num_steps", self.num_draft_tokens - 1)
 
     @property
     def shape(self) -> tuple[int, int, int]:

@@ -63,6 +63,12 @@ def make_method(spec: SpecConfig, cfg: ModelConfig, draft=None, dtype=None, targ
             draft = (cfg, load_mtp_params(path, cfg, dtype=dtype))
         dcfg, dparams = draft
         return NextnMethod(spec, dcfg, carry_topk=max(k for _, k, _ in spec.shapes())), dparams
+    if spec.algorithm == "DFLASH":
+        from jspec.speculative.dflash import make_dflash_method
+
+        method, dparams = make_dflash_method(spec, cfg, draft, dtype, lambda: _draft_dir(spec))
+        _check_tree_fits_windows(method.spec, cfg, "target")  # now that the block is known
+        return method, dparams
     if spec.algorithm == "NGRAM":
         from jspec.speculative.ngram import NgramMethod
 
