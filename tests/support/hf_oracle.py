@@ -34,6 +34,13 @@ written to request["out"]. Jobs:
         prefill_hidden_{i} [L + 1, T_i, H]  (hidden_states only) embeddings and
                           each layer's output, the last one after the final norm
 
+  {"mode": "dflash_generate", "checkpoint": DIR, "drafter": DIR, "prompts": [[ids], ...],
+   "max_new_tokens": 16}
+      The reference DFlash implementation (z-lab's `dflash` package: DFlashDraftModel loaded
+      strictly from DIR, dflash_generate) drafting for the target, greedy, float32, each prompt
+      alone: output_ids_{i}, and for every drafted block of the drafter's full size
+      starts_{i} [K] (the block's first position) and draft_logits_{i} [K, block - 1, V].
+
   {"mode": "gguf_generate", "gguf": FILE, "messages": [str, ...], "max_new_tokens": 24}
       transformers' own GGUF loading, float32; each message rendered with the GGUF's chat
       template: prompt_ids_{i} and the greedy generated_{i}.
@@ -424,7 +431,48 @@ def job_gguf_generate(job: dict) -> dict[str, np.ndarray]:
     return out
 
 
-JOBS = {"make": job_make, "inspect": job_inspect, "logits": job_logits, "gguf_generate": job_gguf_generate}
+@torch.no_grad()
+def job_dflash_generate(job: dict) -> dict[str, np.ndarray]:
+    from dflash.model import DFlashDraftModel, dflash_generate
+
+    target = _load(job["checkpoint"])
+    draft, info = DFlashDraftModel.from_pretrained(job["drafter"], output_loading_info=True, **_dtype_kw(torch.float32))
+    problems = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+    if problems:
+        raise SystemExit(f"hf_oracle: the reference could not load {job['drafter']!r} cleanly: {problems}")
+    draft.eval()
+    blocks, logits = [], []
+
+    def record_block(module, args, kwargs):  # the block's first position and its size
+        size = kwargs["noise_embedding"].shape[1]
+        blocks.append((int(kwargs["position_ids"][0, -size]), size))
+
+    draft.register_forward_pre_hook(record_block, with_kwargs=True)
+    compute = draft.compute_logits
+    draft.compute_logits = lambda hidden, head: (
+        logits.append(compute(hidden, head)[0].float().numpy()) or compute(hidden, head)
+    )
+    out = {}
+    for i, prompt in enumerate(job["prompts"]):
+        blocks.clear()
+        logits.clear()
+        ids = dflash_generate(
+            draft, target, torch.tensor([list(prompt)]), int(job["max_new_tokens"]), None, temperature=0.0
+        )
+        full = [k for k, (_, size) in enumerate(blocks) if size == draft.block_size]
+        out[f"output_ids_{i}"] = ids[0].numpy().astype(np.int64)
+        out[f"starts_{i}"] = np.array([blocks[k][0] for k in full], np.int64)
+        out[f"draft_logits_{i}"] = np.stack([logits[k] for k in full])
+    return out
+
+
+JOBS = {
+    "make": job_make,
+    "inspect": job_inspect,
+    "logits": job_logits,
+    "gguf_generate": job_gguf_generate,
+    "dflash_generate": job_dflash_generate,
+}
 
 
 def run(request: dict) -> dict[str, np.ndarray]:
