@@ -24,6 +24,10 @@ hf_venv() {
     [ -x .venv-hf/bin/python ] || "$PY311" -m venv --clear .venv-hf
     .venv-hf/bin/python -m pip install -q torch==2.13.0 "transformers==5.24.0" numpy safetensors gguf==0.19.0 accelerate \
       || echo "setup: could not install the HF reference venv; parity tests will be skipped" >&2
+    # z-lab's DFlash reference implementation, the DFLASH parity test's oracle: its model code needs
+    # only torch and transformers, so its pins for the benchmarks (datasets, ...) are left out.
+    .venv-hf/bin/python -m pip install -q --no-deps dflash==0.1.0 \
+      || echo "setup: could not install the DFlash reference; its parity test will be skipped" >&2
   else
     echo "setup: no Python 3.11 for the HF reference venv; parity tests will be skipped" >&2
   fi
@@ -31,7 +35,7 @@ hf_venv() {
 
 # The two venvs share nothing and their installs mostly wait on downloads: build them side by side.
 hf_pid=
-if [ "${1:-}" = "--with-hf" ] && ! .venv-hf/bin/python -c "import torch, transformers, gguf, accelerate" 2>/dev/null; then
+if [ "${1:-}" = "--with-hf" ] && ! .venv-hf/bin/python -c "import torch, transformers, gguf, accelerate, dflash.model" 2>/dev/null; then
   hf_venv &
   hf_pid=$!
 fi

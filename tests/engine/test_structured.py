@@ -223,7 +223,7 @@ def spec_params(sampled: bool, free: bool):
 # (benchmarks/bench_structured.py --check runs every method).
 @pytest.mark.parametrize(
     "method, topk, overlap, sampled, free",
-    [("EAGLE3", 2, True, False, False), ("NGRAM", 2, False, True, True)],
+    [("EAGLE3", 2, True, False, False), ("NGRAM", 2, False, True, True), ("DFLASH", 1, True, False, False)],
     ids=str,
 )
 def test_speculation_emits_the_plain_engines_tokens(model, engines, method, topk, overlap, sampled, free):
@@ -237,6 +237,10 @@ def test_speculation_emits_the_plain_engines_tokens(model, engines, method, topk
 
     if method == "NGRAM":  # two chains: a tree
         spec, draft = SpecConfig("NGRAM", num_draft_tokens=7, ngram_max_bfs_breadth=topk), None
+    elif method == "DFLASH":  # a random drafter reading the tiny target's layer 0
+        from support.dflash_models import random_drafter
+
+        spec, draft = SpecConfig("DFLASH", num_draft_tokens=5), random_drafter(model.cfg, target_layer_ids=(0,))
     elif method == "STANDALONE":
         spec, draft = SpecConfig("STANDALONE", num_steps=3, eagle_topk=1, num_draft_tokens=4), (model.cfg, model.params)
     else:
