@@ -325,7 +325,8 @@ def dflash_config_for(
         max_position_embeddings=target.max_position_embeddings,
         qk_norm=True,
     )
-    ids = target_layer_ids or default_target_layer_ids(target.num_layers, num_layers)
+    # A shallow target's default can name a layer twice: one read of it is enough.
+    ids = tuple(dict.fromkeys(target_layer_ids or default_target_layer_ids(target.num_layers, num_layers)))
     mask = target.vocab_size - 1 if mask_token_id is None else mask_token_id
     return DFlashConfig(layers=layers, block_size=block_size, mask_token_id=mask, target_layer_ids=ids)
 

@@ -1,0 +1,55 @@
+"""Training a DFlash drafter (jspec/train/dflash.py) on a tiny target, on the CPU: the anchors
+stay inside the answers, the row weights decay down the block, the loss falls on answers
+that repeat with a short period (what a drafter can learn in a few dozen steps), and the
+drafter is written in the published layout and read back exactly."""
+
+import jax
+import numpy as np
+import pytest
+
+import jspec
+from jspec.checkpoint.dflash import load_dflash_model
+from jspec.testing.tiny import make_tiny_model
+from jspec.train import dflash, eagle3
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return jspec.load(make_tiny_model(tmp_path_factory.mktemp("train_dflash") / "t", seed=0, num_layers=3))
+
+
+def periodic_examples(count=8, prompt=8, answer=40, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(count):
+        cycle = list(map(int, rng.integers(0, 256, 2 + i % 3)))
+        out.append(eagle3.Example(list(map(int, rng.integers(0, 256, prompt))) + (cycle * answer)[:answer], prompt))
+    return out
+
+
+def test_anchors_and_weights():
+    batch = eagle3.pack_examples([eagle3.Example(list(range(20)), 5), eagle3.Example(list(range(9)), 6)], 16)
+    anchors = dflash.sample_anchors(np.random.default_rng(0), batch, 200)
+    assert anchors[0].min() == 4 and anchors[0].max() == 14  # x_{a+1} is an answer token inside the sequence
+    assert set(anchors[1]) == {5, 6, 7}
+    w = np.asarray(dflash.loss_weights(16, 7.0))
+    assert w[0] == 1.0 and np.allclose(w[7], np.exp(-1)) and np.all(np.diff(w) < 0)
+    assert dflash.DFlashTrainConfig(block_size=8).gamma == 4.0
+
+
+def test_loss_falls_and_the_drafter_round_trips(model, tmp_path):
+    data = eagle3.pack_examples(periodic_examples(), 48)
+    cfg = dflash.DFlashTrainConfig(
+        steps=60, batch_size=8, seq_len=48, lr=3e-3, warmup_steps=4, block_size=8, num_layers=1, anchors=8, log_every=10
+    )
+    result = dflash.train_dflash(model, data, cfg, log=lambda s: None)
+    first, last = result.history[0], result.history[-1]
+    print(f"DFlash training: loss {first['loss']:.3f} -> {last['loss']:.3f}, row accuracy {last['row_acc']}")
+    assert last["loss"] < first["loss"] - 1.5
+    assert result.dcfg.mask_token_id == model.cfg.vocab_size - 1  # a padding row of the tiny embedding
+    ev = dflash.evaluate_drafter(model, result, cfg, data)
+    assert ev["accept_length"] > 1.3 and ev["blocks"] == 64
+    path = dflash.save_drafter(tmp_path / "d", result, model.cfg, meta={"eval": ev})
+    dcfg, params = load_dflash_model(path, model.cfg)
+    assert dcfg == result.dcfg
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, result.params)
