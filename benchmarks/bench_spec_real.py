@@ -6,12 +6,13 @@ EAGLE-3 head trained by scripts/train_eagle.py (or any published head), or, with
 the 1.5B, `python -m jspec.testing.demo qwen2.5-coder-1.5b`). Prompts are the
 held-out half of jspec/train/prompts.py (never seen in training), rendered with the chat
 template, greedy, overlap on. Rows: no speculation and every (steps, topk, draft tokens)
-config at each batch size; mean accept length = tokens emitted per verify. The peer is
+config at each batch size (DFLASH: the draft tokens are the block, e.g. 15/1/16; NGRAM: the
+draft tokens and the topk as its breadth); mean accept length = tokens emitted per verify. The peer is
 HF transformers' greedy generate on the same prompts (bs 1, torch on the same GPU), in the
 same run (--hf-peer), and for STANDALONE its assisted generation with the same draft model.
 
     python -m benchmarks.bench_spec_real --draft-model-path HEAD [--model-path DIR]
-        [--algorithm EAGLE3|STANDALONE] [--configs 3/1/4,5/4/8] [--batches 1,16] [--num-prompts 32]
+        [--algorithm EAGLE3|STANDALONE|DFLASH|NGRAM] [--configs 3/1/4,5/4/8] [--batches 1,16] [--num-prompts 32]
         [--max-new-tokens 128] [--hf-peer]
 """
 
@@ -78,8 +79,8 @@ def run_engine(engine, prompts, new_tokens, batch, repeats=3):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path")
-    ap.add_argument("--draft-model-path", required=True)
-    ap.add_argument("--algorithm", choices=["EAGLE3", "EAGLE", "STANDALONE"], default="EAGLE3")
+    ap.add_argument("--draft-model-path", help="the head, drafter or draft model (NGRAM: none)")
+    ap.add_argument("--algorithm", choices=["EAGLE3", "EAGLE", "STANDALONE", "DFLASH", "NGRAM"], default="EAGLE3")
     ap.add_argument("--configs", default="3/1/4,5/4/8")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--num-prompts", type=int, default=32)
@@ -89,6 +90,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=3, help="timed passes per row (median), after a warm-up pass")
     ap.add_argument("--out", default=RESULTS_DIR)
     args = ap.parse_args()
+    if args.draft_model_path is None and args.algorithm != "NGRAM":
+        ap.error(f"--algorithm {args.algorithm} needs --draft-model-path")
     if args.model_path is None:
         from jspec.testing.demo import demo_model_path
 
@@ -127,6 +130,7 @@ def main():
                     eagle_topk=cfg[1],
                     num_draft_tokens=cfg[2],
                     draft_model_path=args.draft_model_path,
+                    **({"ngram_max_bfs_breadth": cfg[1]} if args.algorithm == "NGRAM" else {}),
                 )
             )
             engine = jspec.Engine(model, speculative=spec, max_running_requests=max(B, 1), disable_radix_cache=True)

@@ -45,6 +45,27 @@ for s in "$@"; do
     kernels) step kernels 120 $PY -m benchmarks.bench_kernels --quick --out "$RESULTS" ;;
     mla) step mla 70 $PY -m benchmarks.bench_mla --out "$RESULTS" ;;
     nextn) step nextn 70 $PY -m benchmarks.bench_nextn --layers 4 --out "$RESULTS" ;;
+    dflash_cost) step dflash_cost 150 $PY -m benchmarks.bench_dflash --draft-layers 5 --out "$RESULTS" ;;
+    # DFLASH on real weights, one call each on a warm machine after `carry_demo_model.sh assemble`
+    # (the demo SmolLM2 here; .demo_stash survives between calls): the retrained EAGLE-3 head and
+    # its answers, the DFlash drafter on the same answers (<empty_output>, id 16, a special token
+    # no chat answer holds, is the block's mask), then each method on the same held-out prompts.
+    eagle_smollm2)
+      step eagle_smollm2 590 $PY scripts/train_eagle.py --out .demo_stash/eagle3-smol \
+        --save-examples .demo_stash/answers.npz --sampled-answers 7 --max-new-tokens 192 --steps 6000 \
+        --batch-size 32 --max-running-requests 256 --eval-spec-prompts 16 --results "$RESULTS/train_eagle3_smollm2.json" ;;
+    dflash_smollm2)
+      step dflash_smollm2 590 $PY scripts/train_dflash.py --out .demo_stash/dflash-smol --mask-token-id 16 \
+        --examples .demo_stash/answers.npz --max-new-tokens 192 --seq-len 256 --steps ${DFLASH_STEPS:-4000} \
+        --batch-size 32 --block-size 16 --num-draft-layers 2 --anchors 16 --results "$RESULTS/train_dflash_smollm2.json" ;;
+    spec_real_dflash|spec_real_eagle3|spec_real_ngram)
+      case $s in
+        spec_real_dflash) alg=(--algorithm DFLASH --draft-model-path .demo_stash/dflash-smol --configs 15/1/16,7/1/8) ;;
+        spec_real_eagle3) alg=(--algorithm EAGLE3 --draft-model-path .demo_stash/eagle3-smol --configs 3/1/4,5/4/8) ;;
+        spec_real_ngram) alg=(--algorithm NGRAM --configs 7/1/8,7/2/15) ;;
+      esac
+      step "$s" 590 $PY -m benchmarks.bench_spec_real "${alg[@]}" --batches 1,16,64 --num-prompts 64 \
+        --max-new-tokens 128 --name "bench_spec_real_smollm2_${s#spec_real_}" --out "$RESULTS" ;;
     host_launch) step host_launch 70 $PY -m benchmarks.bench_host_launch --tokens 128 --out "$RESULTS" ;;
     overlap) step overlap 140 $PY -m benchmarks.bench_overlap --batches 1 --out "$RESULTS" --name bench_overlap_bs1 ;;
     adaptive_costs)
