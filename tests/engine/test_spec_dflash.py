@@ -6,7 +6,7 @@ draft of every block and for the whole block at a fixed point, so iterations acc
 sampled rows; each equals the plain engine token for token (logprobs too). Every block
 forward the engine runs is recorded and compared with the drafter recomputed from scratch
 over the request's committed tokens: context features injected at the right positions,
-through prefill, accepts of every length, prefix-cache hits, retraction, pages 1 and 16,
+through chunked prefill, accepts of every length, prefix-cache hits, retraction, pages 1 and 16,
 overlap on and off, and blocks shortened or switched off by adaptive speculation.
 """
 
@@ -112,12 +112,13 @@ def test_outputs_equal_plain_and_drafts_equal_the_dense_drafter(models, plain):
 
 def test_shortened_block_and_off_switching_with_retraction_equal_plain(models, plain):
     """A block of 4 of the drafter's 8 and speculation off, alternating (off twice in a row:
-    the context must stay current without drafting), at page size 1 without overlap, where the
-    pool is too small for the four requests and one is retracted and prefilled again."""
+    the context must stay current without drafting), at page size 1 without overlap, prompts
+    prefilled in chunks of 16 tokens, and a pool too small for the four requests: one is
+    retracted and prefilled again."""
     target, (dcfg, dparams) = models
     spec = SpecConfig("DFLASH", num_draft_tokens=4, adaptive=True, adaptive_shapes="0,1,1")
     with recorded_blocks() as records:
-        kw = {**settings(1, False), "max_total_tokens": 96}
+        kw = {**settings(1, False), "max_total_tokens": 96, "chunked_prefill_size": 16}
         engine = jspec.Engine((TARGET, target), speculative=spec, draft=(dcfg, dparams), **kw)
         assert [m.spec.shape for m in engine.worker.methods] == [(3, 1, 4), (0, 1, 1)]
         cycle = itertools.cycle([Choice(i) for i in (0, 1, 1, 0, 0, 1)])
