@@ -147,3 +147,41 @@ def test_refusals(models):
     wide = random_drafter(dataclasses.replace(TARGET, hidden_size=32), target_layer_ids=(0, 1))
     with pytest.raises(ValueError, match="does not fit the target"):
         jspec.Engine((TARGET, target), speculative=SpecConfig("DFLASH"), draft=wide)
+
+
+def test_iteration_lowers_for_cuda(models, monkeypatch):
+    """The whole DFLASH iteration (block forward through the Pallas extend kernel with its full
+    block mask, verify, injection) lowers for an H200 in bfloat16: interpret mode hides GPU
+    lowering errors."""
+    import functools
+
+    from support.lowering import lower_for_cuda
+
+    import jspec.kernels.backend
+    from jspec.kvcache.pool import create_kv_pool
+    from jspec.layers.penalties import init_penalty_state
+    from jspec.layers.sampling import sampling_rows
+    from jspec.speculative.dflash import DFlashMethod
+    from jspec.speculative.method import init_spec_state, spec_decode_step
+
+    monkeypatch.setattr(jspec.kernels.backend, "interpret_mode", lambda: False)  # kernels as on the GPU
+    target, (dcfg, dparams) = models
+    bf16 = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.bfloat16), tree)  # noqa: E731
+    method = DFlashMethod(SpecConfig("DFLASH", num_draft_tokens=BLOCK), dcfg)
+    B, slots, pages, page = 4, 4, 32, 16
+    state = jax.eval_shape(
+        lambda: init_spec_state(
+            method,
+            create_kv_pool(TARGET, pages, page, jnp.bfloat16),
+            slots,
+            pages,
+            page,
+            jnp.bfloat16,
+            init_penalty_state(slots, TARGET.vocab_size),
+        )
+    )
+    ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    rows = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), sampling_rows([], [], B))
+    step = functools.partial(spec_decode_step, cfg=TARGET, method=method, backend="pallas", sampling="greedy")
+    text = lower_for_cuda(step, bf16(target), bf16(dparams), state, ints(B), ints(B, 4), rows).as_text()
+    assert "bf16" in text and text.count("__gpu$xla.gpu.triton") >= 2  # the block's and the verify's kernels
