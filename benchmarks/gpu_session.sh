@@ -66,6 +66,14 @@ for s in "$@"; do
       esac
       step "$s" 590 $PY -m benchmarks.bench_spec_real "${alg[@]}" --batches 1,16,64 --num-prompts 64 \
         --max-new-tokens 128 --name "bench_spec_real_smollm2_${s#spec_real_}" --out "$RESULTS" ;;
+    curve_smollm2_spec)
+      # The same three through the server, held-out chat prompts, c 1 / 16 / 64.
+      demo=$($PY -c "from jspec.testing.demo import demo_model_path; print(demo_model_path())")
+      step curve_smollm2_spec 590 $PY -m benchmarks.serving_curve --server-args "--model-path $demo" --prompts heldout \
+        --concurrency 1,16,64 --output-len 128 --min-prompts 32 --variant default= \
+        --variant "dflash=--speculative-algorithm DFLASH --speculative-draft-model-path .demo_stash/dflash-smol" \
+        --variant "eagle3=--speculative-algorithm EAGLE3 --speculative-draft-model-path .demo_stash/eagle3-smol --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4" \
+        --variant "ngram=--speculative-algorithm NGRAM" --run-timeout 120 --out "$RESULTS" --name serving_curve_smollm2_spec ;;
     host_launch) step host_launch 70 $PY -m benchmarks.bench_host_launch --tokens 128 --out "$RESULTS" ;;
     overlap) step overlap 140 $PY -m benchmarks.bench_overlap --batches 1 --out "$RESULTS" --name bench_overlap_bs1 ;;
     adaptive_costs)

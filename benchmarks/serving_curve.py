@@ -4,6 +4,10 @@ concurrency, output tok/s and latency against concurrency, the flag sets side by
     python -m benchmarks.serving_curve --server-args "--model-path benchmarks/shapes/llama-3.1-8b --load-format dummy" \\
         --variant default= --variant eagle3="--speculative-algorithm EAGLE3 ..." --concurrency 1,16,64,128,256
 
+--prompts heldout sends jspec.train.prompts' held-out prompts instead (a real model's: rendered
+with its chat template, answers ending at EOS, up to --output-len), the workload on which the
+speculative methods' acceptance means something; their curve is labelled input length 0.
+
 Each variant's server starts once (its time to healthy is recorded, cold or warm as the
 compilation cache is), then for each prompt length and concurrency c: max(min_prompts, c x
 prompts_per_c) random prompts, all sent at once, at most c in flight, greedy, ignore_eos. The
@@ -101,10 +105,14 @@ def measure_variant(name: str, flags: str, a, port: int, out_dir: str) -> dict:
         client = types.SimpleNamespace(
             base_url=url, backend="sglang", model=None, dataset_name="random", max_concurrency=None, seed=0
         )
-        for input_len in a.input_lens:
+        client.dataset_name = a.prompts  # bench_serving ignores EOS on random prompts only
+        for input_len in a.input_lens if a.prompts == "random" else [0]:
             for c in a.concurrency:
                 n = max(a.min_prompts, c * a.prompts_per_c)
-                requests = random_requests(n, input_len, a.output_len, 1.0, vocab, seed=c)
+                if a.prompts == "random":
+                    requests = random_requests(n, input_len, a.output_len, 1.0, vocab, seed=c)
+                else:
+                    requests = [(ids, a.output_len) for ids in heldout_prompt_ids(a.server_args, n)]
                 client.max_concurrency = c
                 before = get_json(url + "/debug/state")["loop"]
                 try:
@@ -122,6 +130,20 @@ def measure_variant(name: str, flags: str, a, port: int, out_dir: str) -> dict:
     finally:
         stop_server(proc)
     return {"name": name, "flags": flags, "healthy_s": healthy_s, "server": info, "rows": rows}
+
+
+def heldout_prompt_ids(server_args: str, n: int) -> list[list[int]]:
+    """n of jspec's held-out prompts (cycled), as the served model's chat template renders them."""
+    from jspec.checkpoint.tokenizer import load_tokenizer
+    from jspec.server.chat_template import render_chat
+    from jspec.train.prompts import split_prompts
+
+    argv = shlex.split(server_args)
+    path = argv[argv.index("--model-path") + 1]
+    tok = load_tokenizer(path)
+    _, held = split_prompts(0, min(n, 64))
+    ids = [tok.encode(render_chat(tok, [{"role": "user", "content": p}]), add_special_tokens=False) for p in held]
+    return [ids[i % len(ids)] for i in range(n)]
 
 
 def summary_line(r: dict) -> str:
@@ -189,6 +211,7 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,16,64,128,256")
     ap.add_argument("--input-lens", default="128,1024", help="prompt lengths, one curve each")
     ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--prompts", choices=("random", "heldout"), default="random", help="the workload (see above)")
     ap.add_argument("--prompts-per-c", type=int, default=2, help="prompts sent per unit of concurrency")
     ap.add_argument("--min-prompts", type=int, default=16)
     ap.add_argument("--port", type=int, default=30000)
@@ -205,7 +228,9 @@ def main() -> None:
     a.input_lens = [int(n) for n in a.input_lens.split(",")]
     variants = [v.split("=", 1) for v in (a.variant or ["default="])]
     os.makedirs(a.out, exist_ok=True)
-    settings = {k: getattr(a, k) for k in ("server_args", "concurrency", "input_lens", "output_len", "prompts_per_c")}
+    settings = {
+        k: getattr(a, k) for k in ("server_args", "concurrency", "input_lens", "output_len", "prompts_per_c", "prompts")
+    }
     settings["min_prompts"], settings["variants"] = a.min_prompts, dict(variants)
     results, done = None, []
     for name, flags in variants:

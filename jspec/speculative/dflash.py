@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jspec.config.dflash import DFlashConfig
 from jspec.config.model import ModelConfig
 from jspec.config.spec import SpecConfig
-from jspec.kvcache.pool import create_kv_pool, kv_bytes_per_page
+from jspec.kvcache.pool import KVPool, create_kv_pool, kv_bytes_per_page
 from jspec.layers.batch import AttentionMode, ForwardBatch, bucket
 from jspec.models.dflash import block_embeddings, block_layers, draft_logits, inject_context
 from jspec.models.llama import paged_attend, rope_cos_sin
@@ -80,12 +80,14 @@ class DFlashMethod(SpecMethod):
             query_start=jnp.arange(B + 1, dtype=jnp.int32) * Q,
             logits_indices=jnp.arange(B * Q, dtype=jnp.int32),
         )
-        logits = self.block_logits(params, dparams, dkv, block, backend)  # [B * Q, V]
+        dkv, logits = self.block_logits(params, dparams, dkv, block, backend)  # [B * Q, V]
         drafts = jnp.argmax(logits.reshape(B, Q, -1)[:, 1:], axis=-1).astype(jnp.int32)
         return dkv, chains_tree(c.next_token, drafts[:, None, :])
 
-    def block_logits(self, params, dparams, dkv, block: ForwardBatch, backend: str) -> jax.Array:
-        """The block forward: its rows' draft logits [T, V] (the pool keeps the block's K/V)."""
+    def block_logits(self, params, dparams, dkv, block: ForwardBatch, backend: str) -> tuple[KVPool, jax.Array]:
+        """The block forward -> (the pool with the block's K/V written, its rows' draft logits
+        [T, V]). The written pool is the one kept: dropping it would make XLA copy the whole
+        pool, since the old one would then be read after the write."""
         cfg: ModelConfig = self.dcfg.layers
         B = block.seq_lens.shape[0]
         Q = block.tokens.shape[0] // B
@@ -98,8 +100,8 @@ class DFlashMethod(SpecMethod):
         def attend_for_layer(layer):
             return paged_attend(cfg, mode, block, jnp.int32(layer) if isinstance(layer, int) else layer, full)
 
-        h, _ = block_layers(dparams, self.dcfg, x, cos, sin, attend_for_layer, (dkv.k, dkv.v))
-        return draft_logits(params, self.dcfg, h)
+        h, caches = block_layers(dparams, self.dcfg, x, cos, sin, attend_for_layer, (dkv.k, dkv.v))
+        return KVPool(*caches), draft_logits(params, self.dcfg, h)
 
     def update(self, params, dparams, dkv, c: SpecCarry, v: Verified, page_tables, slot_ids, backend):
         # The accepted path's target states become context at n..n+m; the rest is not written.

@@ -122,10 +122,10 @@ def recorded_blocks():
                 records.append((positions[rows], tokens[rows], logits[rows]))
 
     def recording(self, params, dparams, dkv, block, backend):
-        logits = original(self, params, dparams, dkv, block, backend)
+        dkv, logits = original(self, params, dparams, dkv, block, backend)
         q = block.tokens.shape[0] // block.seq_lens.shape[0]
         jax.debug.callback(lambda p, t, lg: keep(p, t, lg, q), block.positions, block.tokens, logits)
-        return logits
+        return dkv, logits
 
     jax.clear_caches()
     DFlashMethod.block_logits = recording
