@@ -8,8 +8,8 @@ that picks experts inside the best groups, routed weights scaled, and shared exp
 on (V2: softmax scores, groups by their best expert). RoPE is YaRN with DeepSeek's mscale, on
 interleaved pairs.
 
-`forward` has llama.forward's contract (pool in and out, ForwardOutput), which dispatches here
-for a config with `deepseek` set. Layers are per-layer dicts (dense and sparse layers differ).
+`forward` has llama.forward's contract (pool in and out, ForwardOutput); models/forward.py runs
+it for a config with `deepseek` set. Layers are per-layer dicts (dense and sparse layers differ).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from jspec.config.model import ModelConfig, RopeScaling
 from jspec.kvcache.pool import KVPool, write_kv
 from jspec.layers.batch import AttentionMode, ForwardBatch
 from jspec.layers.matmul import dense_f32
-from jspec.models.llama import rms_norm
+from jspec.models.common import ForwardOutput, compute_logits, rms_norm, run_layers, store_capture
 from jspec.models.moe import ExpertMlp, moe_experts
 from jspec.models.rope import inv_freq
 
@@ -231,8 +231,6 @@ def forward(
     params, cfg: ModelConfig, kv: KVPool, batch: ForwardBatch, mode: AttentionMode, capture_layers=(), mask=None
 ):
     """llama.forward for DeepSeek-V3: kv.k is the latent cache [L, P, S, 1, latent_dim]."""
-    from jspec.models.llama import ForwardOutput, compute_logits, run_layers, store_capture
-
     dtype = params["embed"].dtype
     x = params["embed"][batch.tokens].astype(dtype)
     T = x.shape[0]

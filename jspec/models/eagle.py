@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from jspec.config.model import ModelConfig
-from jspec.models.llama import decoder_layer, lm_head_logits, rms_norm, run_layers
+from jspec.models.common import lm_head_logits, rms_norm, run_layers
+from jspec.models.llama import decoder_layer
 
 
 def layer_config(dcfg) -> ModelConfig:

@@ -27,7 +27,8 @@ from jspec.layers.batch import AttentionMode, ForwardBatch
 from jspec.layers.lora import LoraBatch
 from jspec.layers.penalties import PenaltyState, PrefillCounts, record_emitted
 from jspec.layers.sampling import SamplingRows
-from jspec.models.llama import ForwardOutput, forward
+from jspec.models.common import ForwardOutput
+from jspec.models.forward import forward
 from jspec.speculative.tree import DraftTree
 from jspec.speculative.verify import Verified, verify_tree
 from jspec.steps.common import (

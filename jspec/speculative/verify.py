@@ -18,7 +18,8 @@ from jspec.layers.batch import AttentionMode, ForwardBatch, bucket
 from jspec.layers.lora import LoraBatch
 from jspec.layers.penalties import PenaltyState, apply_tree_penalties
 from jspec.layers.sampling import SamplingRows, apply_vocab_mask, token_logprobs
-from jspec.models.llama import ForwardOutput, forward
+from jspec.models.common import ForwardOutput
+from jspec.models.forward import forward
 from jspec.speculative.accept import AcceptResult, sampled_accept
 from jspec.speculative.tree import DraftTree
 from jspec.steps.common import StepOutput, slots_of

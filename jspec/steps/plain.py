@@ -24,7 +24,7 @@ from jspec.layers.batch import AttentionMode, ForwardBatch
 from jspec.layers.lora import LoraBatch
 from jspec.layers.penalties import PenaltyState, PrefillCounts, apply_penalties, record_emitted
 from jspec.layers.sampling import SamplingRows, apply_vocab_mask, sample_tokens
-from jspec.models.llama import forward
+from jspec.models.forward import forward
 from jspec.steps.common import (
     gather_slots,
     one_token_output,

@@ -26,8 +26,9 @@ import optax
 from jspec.checkpoint.eagle import DraftConfig, init_random_draft_params
 from jspec.checkpoint.files import write_safetensors
 from jspec.config.model import ModelConfig
+from jspec.models.common import compute_logits, rms_norm
 from jspec.models.eagle import draft_layers, draft_logits, layer_config, target_feature
-from jspec.models.llama import attention_input, compute_logits, decoder_layer, embed_tokens, rms_norm, rope_cos_sin
+from jspec.models.llama import attention_input, decoder_layer, embed_tokens, rope_cos_sin
 from jspec.testing.eagle_tiny import draft_hf_config, tiny_capture_layers, write_draft_config
 
 # ---------------------------------------------------------------------------

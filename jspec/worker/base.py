@@ -23,6 +23,7 @@ from jspec.kvcache.pool import kv_cache_dtype as pool_dtype
 from jspec.layers.batch import bucket
 from jspec.layers.penalties import PrefillCounts
 from jspec.layers.sampling import SAMPLING_MODES, SamplingRows, sampling_mode, sampling_rows
+from jspec.models.common import unstack_layers
 from jspec.worker.batch import DecodeBatch, PrefillBatch
 from jspec.worker.inputs import SeqChunk, build_forward_batch
 from jspec.worker.programs import Job, Program, ProgramMemory, Programs
@@ -43,8 +44,6 @@ def lay_out_layers(params, layer_loop: str):
     """params with layers as the layer loop runs them: stacked for "scan" (one compiled layer
     body), per-layer arrays for "unrolled" (each layer compiled, no weight sliced out of a
     stack). A model that mixes dense and MoE layers has per-layer arrays either way."""
-    from jspec.models.llama import unstack_layers
-
     if params is None or not isinstance(params, dict) or "layers" not in params:
         return params
     return unstack_layers(params) if layer_loop == "unrolled" else params
