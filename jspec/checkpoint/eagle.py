@@ -34,7 +34,8 @@ from jspec.checkpoint.errors import (
 )
 from jspec.checkpoint.files import read_hf_tensors
 from jspec.checkpoint.random_weights import random_weights
-from jspec.config.model import ModelConfig, RopeScaling, UnsupportedArchitectureError
+from jspec.config.errors import UnsupportedArchitectureError
+from jspec.config.model import ModelConfig, RopeScaling
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,8 @@ from jspec.checkpoint.fp8 import (
 from jspec.checkpoint.mxfp4 import check_mxfp4_family, dequantize_mxfp4, is_mxfp4
 from jspec.checkpoint.random_weights import random_weights
 from jspec.config.deepseek import DeepseekConfig
-from jspec.config.model import GEMMA_FAMILIES, ModelConfig, RopeScaling, UnsupportedArchitectureError
+from jspec.config.errors import UnsupportedArchitectureError
+from jspec.config.model import GEMMA_FAMILIES, ModelConfig, RopeScaling
 from jspec.layers.quant import FP8, Fp8Weight
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,8 @@ from jspec.checkpoint.loader import (
     save_params,
 )
 from jspec.checkpoint.tokenizer import load_tokenizer
-from jspec.config.model import RopeScaling, UnsupportedArchitectureError
+from jspec.config.errors import UnsupportedArchitectureError
+from jspec.config.model import RopeScaling
 from jspec.testing.tiny import EOS_IDS, make_tiny_model
 
 REPO = REPO_ROOT
