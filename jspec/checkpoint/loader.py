@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec.checkpoint.deepseek import convert_deepseek_params, deepseek_param_shapes
 from jspec.checkpoint.errors import CheckpointError, MissingTensorError, TensorShapeError
 from jspec.checkpoint.files import read_hf_tensors
 from jspec.checkpoint.fp8 import (
@@ -487,8 +488,6 @@ def assemble_layers(cfg: ModelConfig, common: dict, dense: dict, sparse: dict, t
 def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
     """The pytree's leaf shapes for a config (same structure as the params)."""
     if cfg.deepseek is not None:
-        from jspec.checkpoint.deepseek import deepseek_param_shapes
-
         return deepseek_param_shapes(cfg)
     H, I, D, L = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_layers
     qkv = cfg.q_size + 2 * cfg.kv_size
@@ -657,8 +656,6 @@ def load_model(path: str | os.PathLike, dtype: Any = None) -> tuple[ModelConfig,
         scheme = fp8_scheme(hf_config)
     tensors = read_hf_tensors(path)
     if cfg.deepseek is not None:
-        from jspec.checkpoint.deepseek import convert_deepseek_params
-
         if scheme is not None:
             raise UnsupportedQuantizationError(
                 f"{cfg.family}: FP8 checkpoints of latent-attention (MLA) models are not supported yet [{path!r}]"

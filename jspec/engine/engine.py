@@ -28,6 +28,10 @@ import numpy as np
 from jspec.checkpoint.model import as_model, load_logged, with_context_length
 from jspec.config.engine import EngineConfig
 from jspec.config.sampling import SamplingParams
+from jspec.constrained.grammar import GrammarCompiler
+from jspec.distributed.dp_attention import make_dp_mesh, shard_params_dp
+from jspec.distributed.tensor_parallel import make_mesh, shard_params
+from jspec.engine.outputs import GenerationOutput, as_prompt_list, tokenize_prompt
 from jspec.engine.sizing import (
     PROBE_PAGES,
     PoolPlan,
@@ -39,14 +43,21 @@ from jspec.engine.sizing import (
     plan_pool,
     probe_running_requests,
 )
-from jspec.layers.sampling import sampling_mode
+from jspec.layers.quant import has_fp8_weights, quantize_params, with_fp8_gemm
+from jspec.layers.sampling import SAMPLING_MODES, sampling_mode
+from jspec.lora.adapter import load_adapter, read_rank
+from jspec.lora.pool import LoraPool
 from jspec.scheduler.detokenize import IncrementalDetokenizer, StopChecker
+from jspec.scheduler.dp_scheduler import DPScheduler
 from jspec.scheduler.request import Request
 from jspec.scheduler.scheduler import Scheduler
 from jspec.scheduler.sync import designated_read, start_host_copy
+from jspec.speculative.adaptive import AdaptivePolicy, CostTable
+from jspec.speculative.registry import make_method
 from jspec.steps.common import unpack_output
 from jspec.worker.base import PendingLaunch, check_layer_loop
 from jspec.worker.batch import DecodeBatch, DPBatch, PrefillBatch
+from jspec.worker.dp import DPWorker
 from jspec.worker.plain import PlainWorker
 from jspec.worker.programs import enable_compilation_cache
 from jspec.worker.spec import SpecWorker
@@ -120,8 +131,6 @@ class Launched:
 def fp8_weights(config: EngineConfig, params):
     """params quantized as config.quantization asks, their FP8 weights' matmul path set; the
     features FP8 weights do not reach yet are refused by name."""
-    from jspec.layers.quant import has_fp8_weights, quantize_params, with_fp8_gemm
-
     params = quantize_params(params, config.quantization)
     if not has_fp8_weights(params):
         return params
@@ -161,19 +170,13 @@ class Engine:
         if dp > 1:
             # DP attention: dp ranks of tp / dp devices, each with max_running_requests / dp request
             # slots and its own pool of the configured size (jspec/distributed/dp_attention.py).
-            from jspec.distributed.dp_attention import make_dp_mesh, shard_params_dp
-
             dp_mesh = make_dp_mesh(config.tp_size, dp)
             cfg, params = shard_params_dp(cfg, params, dp_mesh)
         elif config.tp_size > 1:
-            from jspec.distributed.tensor_parallel import make_mesh, shard_params
-
             mesh = make_mesh(config.tp_size)
             cfg, params = shard_params(cfg, params, mesh)  # cfg changes only if KV heads are repeated
         method = dparams = None
         if self.spec is not None:
-            from jspec.speculative.registry import make_method
-
             # The draft is built against the checkpoint's config; it runs replicated on every shard.
             method, dparams = make_method(
                 self.spec, self.model.cfg, draft, dtype=params["embed"].dtype, target_path=target_path
@@ -207,15 +210,11 @@ class Engine:
         )
         self.adaptive = None  # the AdaptivePolicy, when speculation picks its draft shape per iteration
         if self.spec is not None and self.spec.adaptive:
-            from jspec.speculative.adaptive import AdaptivePolicy, CostTable
-
             costs = CostTable.load(self.spec.adaptive_cost_table) if self.spec.adaptive_cost_table else None
             self.adaptive = AdaptivePolicy(tuple(m.spec.shape for m in self.worker.methods), costs)
             if costs is not None:
                 log.info("adaptive speculation: cost table %s", costs.source)
         if dp_mesh is not None:
-            from jspec.worker.dp import DPWorker
-
             self.worker = DPWorker(self.worker, dp_mesh)
         # Speculation with grammar rows reads each proposed tree before verifying it.
         self.worker.host_read = designated_read
@@ -300,8 +299,6 @@ class Engine:
     def make_scheduler(self):
         """The scheduler of this engine's worker (called once, when the worker is built)."""
         if self.config.enable_dp_attention:
-            from jspec.scheduler.dp_scheduler import DPScheduler
-
             return DPScheduler(
                 self.worker,
                 disable_radix_cache=self.config.disable_radix_cache,
@@ -327,8 +324,6 @@ class Engine:
         slots as lora_paths, at least 1, and the largest rank among them, at least 16)."""
         if not config.serves_lora:
             return None
-        from jspec.lora.adapter import read_rank
-        from jspec.lora.pool import LoraPool
 
         paths = config.lora_paths
         max_loras = config.max_loras_per_batch or max(1, len(paths))
@@ -339,8 +334,6 @@ class Engine:
     def load_lora(self, name: str, path: str) -> int:
         """Reads a PEFT adapter and makes it resident under `name` (requests pick it with
         SamplingParams(lora_path=name)); no restart, no recompilation. Returns its pool slot."""
-        from jspec.lora.adapter import load_adapter
-
         if self.lora is None:
             raise ValueError(
                 "this engine serves no LoRA adapters; create it with enable_lora, max_loras_per_batch or lora_paths"
@@ -364,8 +357,6 @@ class Engine:
         jspec.layers.sampling.SAMPLING_MODES) narrows it, leaving the rest to compile at first use, and
         prompt_logprobs adds the prefills that score prompt tokens (otherwise compiled in the
         background when a request first asks). Returns the programs compiled."""
-        from jspec.layers.sampling import SAMPLING_MODES
-
         n = self.worker.warmup(sampling_modes or SAMPLING_MODES, prompt_logprobs)
         self._log_program_memory()
         if self.adaptive is not None and self.adaptive.costs is None:
@@ -405,8 +396,6 @@ class Engine:
     # ---- requests ----------------------------------------------------------------------------
 
     def add_request(self, prompt, params: SamplingParams | None = None, rid: str | None = None) -> str:
-        from jspec.engine.outputs import tokenize_prompt
-
         params = params or SamplingParams()
         params.validate()
         ids = tokenize_prompt(prompt, self.model)
@@ -469,8 +458,6 @@ class Engine:
 
     def _make_grammar_compiler(self):
         if self._grammar_compiler is None:
-            from jspec.constrained.grammar import GrammarCompiler
-
             tok = self.model.tokenizer
             eos = set(self.model.cfg.eos_token_ids) | set(tok.eos_token_ids)
             self._grammar_compiler = GrammarCompiler.for_tokenizer(
@@ -633,8 +620,6 @@ class Engine:
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None):
         """Runs prompts to completion; returns GenerationOutputs in order (n per prompt when
         params.n > 1, prompt by prompt)."""
-        from jspec.engine.outputs import GenerationOutput, as_prompt_list, tokenize_prompt
-
         # Every prompt checked (and errors named by its index) before any is submitted.
         prompts = [tokenize_prompt(p, self.model, i) for i, p in enumerate(as_prompt_list(prompts))]
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)

@@ -20,6 +20,8 @@ import numpy as np
 
 from jspec.config.deepseek import DeepseekConfig
 from jspec.config.model import ModelConfig, RopeScaling
+from jspec.kernels import mla_decode as mla_kernels
+from jspec.kernels.mla_ref import mla_decode_ref, mla_extend_expanded_ref, mla_extend_ref
 from jspec.kvcache.pool import KVPool, write_kv
 from jspec.layers.batch import AttentionMode, ForwardBatch
 from jspec.layers.matmul import dense_f32
@@ -99,13 +101,10 @@ def mla_attention(cfg, lp, q_nope, q_rope, cache, layer, batch: ForwardBatch, mo
         raise ValueError(f"unknown attention backend {mode.backend!r}")
     # Decode and verify have Pallas kernels (absorbed); prefill runs the expanded reference on
     # every backend.
-    from jspec.kernels.mla_ref import mla_decode_ref, mla_extend_expanded_ref, mla_extend_ref
-
     if mode.backend == "pallas":
-        from jspec.kernels.mla_decode import mla_decode, mla_extend
+        mla_decode, mla_extend = mla_kernels.mla_decode, mla_kernels.mla_extend
     else:
         mla_decode, mla_extend = mla_decode_ref, mla_extend_ref
-
     if not mode.decode_only and mask is None:
         out = mla_extend_expanded_ref(
             q_nope,

@@ -19,8 +19,10 @@ import json
 import os
 from typing import Any
 
+import jax
 import ml_dtypes
 import numpy as np
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from jspec.checkpoint.files import write_safetensors
 from jspec.checkpoint.random_weights import random_weights
@@ -67,8 +69,6 @@ def bytes_to_unicode() -> dict[int, str]:
 
 def build_byte_tokenizer():
     """A `tokenizers.Tokenizer`: id b (0..255) is byte b, then SPECIAL_TOKENS; prepends BOS."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-
     vocab = {ch: b for b, ch in bytes_to_unicode().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -168,8 +168,6 @@ def draw_hf_tensors(
     shapes: dict[str, tuple[int, ...]], seed: int, init_std: float | None = None
 ) -> dict[str, np.ndarray]:
     """Float32 numpy tensors for HF-named shapes, through the one weight initialiser."""
-    import jax
-
     return {
         k: np.asarray(v) for k, v in random_weights(shapes, jax.random.key(seed), np.float32, hf_std(init_std)).items()
     }

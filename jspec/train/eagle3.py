@@ -23,12 +23,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import jspec
 from jspec.checkpoint.eagle import DraftConfig, init_random_draft_params
 from jspec.checkpoint.files import write_safetensors
+from jspec.checkpoint.loader import save_params
 from jspec.config.model import ModelConfig
 from jspec.models.common import compute_logits, rms_norm
 from jspec.models.eagle import draft_layers, draft_logits, layer_config, target_feature
 from jspec.models.llama import attention_input, decoder_layer, embed_tokens, rope_cos_sin
+from jspec.server.chat_template import render_chat
 from jspec.testing.eagle_tiny import draft_hf_config, tiny_capture_layers, write_draft_config
 
 # ---------------------------------------------------------------------------
@@ -44,8 +47,6 @@ class Example(NamedTuple):
 def chat_prompt_ids(model, prompt: str) -> list[int]:
     """The prompt as the server sends it: the chat template's text, tokenised without
     extra special tokens (the template writes BOS itself where the model wants one)."""
-    from jspec.server.chat_template import render_chat
-
     text = render_chat(model.tokenizer, [{"role": "user", "content": prompt}])
     return model.tokenizer.encode(text, add_special_tokens=False)
 
@@ -67,8 +68,6 @@ def generate_examples(
     too few tokens for a head, and the loss's labels are the target's own distributions at
     every position, so a sampled answer teaches as much as the greedy one. The greedy
     examples come first, in prompt order. Pass `engine` to reuse one (and its programs)."""
-    import jspec
-
     ids = [chat_prompt_ids(model, p) for p in prompts]
     params = [jspec.SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)] * len(ids)
     params += [
@@ -569,8 +568,6 @@ def save_head(
     """Writes the head so that load_draft_model and --speculative-draft-model-path read it
     (config.json + model.safetensors), the exact pytree with orbax (out_dir/params, read back
     by jspec.checkpoint.loader.restore_params), and train_meta.json (settings, curve, eval)."""
-    from jspec.checkpoint.loader import save_params
-
     out_dir = os.path.abspath(os.fspath(out_dir))
     os.makedirs(out_dir, exist_ok=True)
     dcfg = result.dcfg

@@ -15,12 +15,16 @@ from typing import Protocol
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 from jspec.config.engine import LAYER_LOOPS
 from jspec.config.model import ModelConfig
 from jspec.config.sampling import SamplingParams
+from jspec.constrained.grammar import allow_all
+from jspec.distributed.tensor_parallel import kv_pool_spec, replicate
 from jspec.kvcache.pool import kv_cache_dtype as pool_dtype
 from jspec.layers.batch import bucket
+from jspec.layers.lora import LoraBatch
 from jspec.layers.penalties import PrefillCounts
 from jspec.layers.sampling import SAMPLING_MODES, SamplingRows, sampling_mode, sampling_rows
 from jspec.models.common import unstack_layers
@@ -207,9 +211,6 @@ class WorkerBase:
         (carry, penalties, the draft's state) replicated."""
         if self.mesh is None:
             return state
-        from jax.sharding import NamedSharding
-
-        from jspec.distributed.tensor_parallel import kv_pool_spec, replicate
 
         kv = NamedSharding(self.mesh, kv_pool_spec())
         rest = replicate(state._replace(target_kv=None), self.mesh)
@@ -266,7 +267,6 @@ class WorkerBase:
             return None
         if not self.supports_grammar:
             raise ValueError(f"{type(self).__name__} does not run structured outputs (token bitmasks)")
-        from jspec.constrained.grammar import allow_all
 
         full = allow_all(rows, self.vocab_size)
         full[: len(masks)] = masks
@@ -511,8 +511,6 @@ class WorkerBase:
     def grammar_jobs(self) -> list[Job]:
         """The masked programs of every decode bucket and sampling program, and of every prefill
         token bucket (recorded, not run)."""
-        from jspec.constrained.grammar import allow_all
-
         collecting, self.programs.collecting = self.programs.collecting, []
         try:
             scratch = {"greedy": (SamplingParams(), 0), "sampled": (SamplingParams(temperature=1.0), 0)}
@@ -650,7 +648,6 @@ class WorkerBase:
         """The step's LoRA argument: None without a pool, so those programs stay as they were."""
         if self.lora is None:
             return None
-        from jspec.layers.lora import LoraBatch
 
         return LoraBatch(self.lora.weights, per_token)
 

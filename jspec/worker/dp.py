@@ -18,6 +18,7 @@ from jspec.distributed.dp_attention import RankStep, data_part, dp_param_specs, 
 from jspec.distributed.mesh import DATA
 from jspec.distributed.tensor_parallel import replicate
 from jspec.layers.batch import AttentionMode, ForwardBatch, bucket
+from jspec.layers.lora import LoraBatch
 from jspec.layers.penalties import PrefillCounts
 from jspec.layers.sampling import SAMPLING_MODES, sampling_mode, sampling_rows
 from jspec.worker.base import WorkerBase, decode_lora_slots, prefill_lora_slots
@@ -240,7 +241,6 @@ class DPWorker:
 def _with_lora(step, n_shared: int):
     """A step taking (*shared, pool weights, state, ..., token slots) -> the one-rank step's
     (*shared, state, ..., LoraBatch) (LoRA is every step's last positional argument)."""
-    from jspec.layers.lora import LoraBatch
 
     def run(*args, **static):
         return step(*args[:n_shared], *args[n_shared + 1 : -1], LoraBatch(args[n_shared], args[-1]), **static)

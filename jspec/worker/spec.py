@@ -11,6 +11,7 @@ import numpy as np
 from jspec.config.model import ModelConfig
 from jspec.config.sampling import SamplingParams
 from jspec.constrained.grammar import tree_masks
+from jspec.distributed.tensor_parallel import replicate
 from jspec.kvcache.pool import create_kv_pool
 from jspec.layers.batch import bucket
 from jspec.layers.penalties import init_penalty_state
@@ -53,8 +54,6 @@ class SpecWorker(WorkerBase):
         self.num_shapes = len(self.methods)
         self.dparams = lay_out_layers(dparams, self.layer_loop)
         if mesh is not None and self.dparams is not None:
-            from jspec.distributed.tensor_parallel import replicate
-
             self.dparams = replicate(self.dparams, mesh)
         self.kv_margin = max(m.kv_margin for m in self.methods)
         self.max_emit = max(m.spec.num_steps for m in self.methods) + 1
