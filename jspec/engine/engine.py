@@ -59,7 +59,7 @@ from jspec.worker.base import PendingLaunch, check_layer_loop
 from jspec.worker.batch import DecodeBatch, DPBatch, PrefillBatch
 from jspec.worker.dp import DPWorker
 from jspec.worker.plain import PlainWorker
-from jspec.worker.programs import enable_compilation_cache
+from jspec.worker.programs import decode_jobs, decode_ready, enable_compilation_cache, first_step, measure_programs
 from jspec.worker.spec import SpecWorker
 
 log = logging.getLogger("jspec.engine")
@@ -271,7 +271,7 @@ class Engine:
         if worker.num_pages != PROBE_PAGES or sizing["device_bytes"] is None or sizing["max_total_tokens"]:
             return plan_pool(**sizing)
         t0 = time.perf_counter()
-        measured = worker.measure_programs()
+        measured = measure_programs(worker)
         peak = max(m.needs_bytes for m in measured.values())
         log.info(
             "programs measured in %.1f s: the largest needs %.2f GiB (%s)",
@@ -284,7 +284,7 @@ class Engine:
         in_use = device_bytes_in_use() - PROBE_PAGES * sizing["bytes_per_page"]
         plan = plan_pool(**{**sizing, "weight_bytes": max(in_use, sizing["weight_bytes"])}, program_bytes=peak)
         worker.resize(plan.pages, max(1, plan.max_running_requests // dp))
-        worker.first_step()
+        first_step(worker)
         stats = device_memory_stats()
         log.info(
             "first step over the pool: %.2f GiB in use on the device, peak %.2f GiB of %.2f GiB",
@@ -389,7 +389,7 @@ class Engine:
         for it here; their sampled ones and the ragged verifies compile when first wanted."""
         self.drain()
         w = self.worker
-        w.programs.compile_all(w.decode_jobs(["greedy"], shapes=range(1, w.num_shapes)))
+        w.programs.compile_all(decode_jobs(w, ["greedy"], shapes=range(1, w.num_shapes)))
         self.adaptive.costs = w.measure_costs()
         log.info("adaptive speculation: cost table %s", self.adaptive.costs.source)
 
@@ -554,9 +554,9 @@ class Engine:
 
         def ready(i: int, drafting_rows: int | None) -> bool:
             # The configured shape for every row is always compiled; the rest once ready.
-            return (i == 0 and drafting_rows is None) or self.worker.decode_ready(rows, mode, i, drafting_rows)
+            return (i == 0 and drafting_rows is None) or decode_ready(self.worker, rows, mode, i, drafting_rows)
 
-        return self.adaptive.choose(self.adaptive.alphas(batch.reqs), self.worker.decode_bucket(rows), ready)
+        return self.adaptive.choose(self.adaptive.alphas(batch.reqs), self.worker.buckets.decode_bucket(rows), ready)
 
     def _process(self, launched: Launched) -> list[RequestOutput]:
         t_start = time.perf_counter()

@@ -296,5 +296,5 @@ def test_a_warmed_engine_compiles_masked_programs_in_the_background(model):
     assert first_done == f  # admitted first though it arrived second
     text = "".join(o.new_text for o in outs if o.rid == g)
     assert re.fullmatch(REGEX, text)
-    assert e.worker._grammar_keys and all(e.worker.programs.ready(k) for k in e.worker._grammar_keys)
+    assert e.worker.grammar_keys and all(e.worker.programs.ready(k) for k in e.worker.grammar_keys)
     e.check_idle_no_leaks()
