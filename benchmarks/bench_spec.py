@@ -40,7 +40,8 @@ from jspec.layers.sampling import sampling_mode, sampling_rows
 from jspec.models.common import unstack_layers
 from jspec.models.eagle import layer_config
 from jspec.speculative.eagle import EagleExtra, EagleMethod
-from jspec.speculative.method import SpecCarry, SpecState, spec_decode_step
+from jspec.speculative.method import SpecCarry, SpecState
+from jspec.speculative.steps import spec_decode_step
 from jspec.steps.plain import PlainCarry, PlainState, plain_decode_step
 
 

@@ -16,14 +16,9 @@ from jspec.kvcache.pool import create_kv_pool
 from jspec.layers.batch import bucket
 from jspec.layers.penalties import init_penalty_state
 from jspec.speculative.adaptive import CostTable
-from jspec.speculative.method import (
-    init_spec_state,
-    spec_decode_step,
-    spec_prefill_step,
-    spec_propose_step,
-    spec_verify_step,
-)
+from jspec.speculative.method import init_spec_state
 from jspec.speculative.registry import shape_variants
+from jspec.speculative.steps import spec_decode_step, spec_prefill_step, spec_propose_step, spec_verify_step
 from jspec.worker.base import PendingLaunch, WorkerBase, lay_out_layers, place_state
 
 

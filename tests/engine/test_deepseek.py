@@ -165,7 +165,7 @@ def test_nextn_tree_decode_step_lowers_for_cuda(deepseek, monkeypatch):
     from support.lowering import lower_for_cuda
 
     import jspec.kernels.backend
-    from jspec.speculative.method import spec_decode_step
+    from jspec.speculative.steps import spec_decode_step
 
     path, cfg, params, _ = deepseek
     to_bf16 = functools.partial(jax.tree.map, lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a)
