@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.checkpoint.eagle import DraftConfig
 from jspec.checkpoint.loader import param_shapes
+from jspec.config.draft import DraftConfig
 from jspec.config.model import ModelConfig
 from jspec.config.sampling import SamplingParams
 from jspec.train.eagle3 import draft_config_for

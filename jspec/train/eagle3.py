@@ -24,9 +24,10 @@ import numpy as np
 import optax
 
 import jspec
-from jspec.checkpoint.eagle import DraftConfig, init_random_draft_params
+from jspec.checkpoint.eagle import init_random_draft_params
 from jspec.checkpoint.files import write_safetensors
 from jspec.checkpoint.loader import save_params
+from jspec.config.draft import DraftConfig
 from jspec.config.model import ModelConfig
 from jspec.models.common import compute_logits, rms_norm
 from jspec.models.eagle import draft_layers, draft_logits, layer_config, target_feature

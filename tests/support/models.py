@@ -8,8 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jspec
-from jspec.checkpoint.eagle import DraftConfig, init_random_draft_params
+from jspec.checkpoint.eagle import init_random_draft_params
 from jspec.checkpoint.model import with_context_length
+from jspec.config.draft import DraftConfig
 from jspec.config.model import ModelConfig
 from jspec.testing.tiny import make_tiny_model
 
