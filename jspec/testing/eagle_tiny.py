@@ -22,8 +22,8 @@ import ml_dtypes
 import numpy as np
 
 from jspec.checkpoint.files import write_safetensors
+from jspec.checkpoint.tiny import draw_hf_tensors
 from jspec.config.model import ModelConfig
-from jspec.testing.tiny import draw_hf_tensors
 
 
 def tiny_capture_layers(num_target_layers: int) -> tuple[int, ...]:

@@ -12,11 +12,11 @@ from support.models import PROMPTS, SPEC, eagle_draft, tiny_model
 
 import jspec
 from jspec.checkpoint.loader import load_model
+from jspec.checkpoint.tiny import make_tiny_model
 from jspec.disaggregation import kv_io
 from jspec.disaggregation.prefill import PrefillEngine
 from jspec.layers.quant import Fp8Weight, quantize_params
 from jspec.testing.fp8 import write_fp8_checkpoint
-from jspec.testing.tiny import make_tiny_model
 from jspec.worker.inputs import decode_inputs
 
 # Every decode pads to 4 rows: one decode program however the rows finish.

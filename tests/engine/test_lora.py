@@ -18,8 +18,8 @@ from safetensors.numpy import save_file
 from support.models import tiny_model
 
 import jspec
+from jspec.checkpoint.tiny import make_tiny_model
 from jspec.lora.adapter import LoraError
-from jspec.testing.tiny import make_tiny_model
 from jspec.worker.inputs import decode_inputs, decode_lora_slots, lora_batch
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

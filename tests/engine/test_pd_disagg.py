@@ -21,12 +21,12 @@ from support.lowering import on_h200
 from support.sync_guard import count_device_reads
 
 import jspec
+from jspec.checkpoint.tiny import make_tiny_model
 from jspec.disaggregation import kv_io
 from jspec.disaggregation.decode import DecodeEngine
 from jspec.disaggregation.prefill import PrefillEngine
 from jspec.disaggregation.transfer import Link, LinkClosed, ShmLink
 from jspec.testing.eagle_tiny import make_tiny_draft
-from jspec.testing.tiny import make_tiny_model
 
 ROOT = REPO_ROOT
 SPEC_FLAGS = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "5"]

@@ -92,7 +92,7 @@ def test_prompt_logprob_prefills_compile_in_the_background_while_others_run(tiny
 CACHE_PROBE = textwrap.dedent("""
     import sys, jax, jspec
     from jspec.checkpoint.model import with_context_length
-    from jspec.testing.tiny import make_tiny_model
+    from jspec.checkpoint.tiny import make_tiny_model
     events = []
     jax.monitoring.register_event_listener(lambda name, **kw: events.append(name))
     model = with_context_length(jspec.load(make_tiny_model(sys.argv[2], seed=5)), 256)

@@ -257,8 +257,8 @@ def test_a_grammar_out_of_fuel_fails_its_request_alone(engines, overlap):
     """llguidance's per-mask fuel (here 5 Earley items) bounds a grammar's work per step: the
     request whose mask runs out fails with the reason, the free request beside it finishes,
     and nothing leaks."""
+    from jspec.checkpoint.tiny import EOS_IDS, build_byte_tokenizer
     from jspec.constrained.grammar import GrammarCompiler
-    from jspec.testing.tiny import EOS_IDS, build_byte_tokenizer
 
     e = engines[overlap]
     kept = e._grammar_compiler

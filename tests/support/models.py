@@ -10,9 +10,9 @@ import numpy as np
 import jspec
 from jspec.checkpoint.eagle import init_random_draft_params
 from jspec.checkpoint.model import with_context_length
+from jspec.checkpoint.tiny import make_tiny_model
 from jspec.config.draft import DraftConfig
 from jspec.config.model import ModelConfig
-from jspec.testing.tiny import make_tiny_model
 
 
 def tiny_model(tmp_path_factory, name: str = "m", *, context: int | None = None, **checkpoint):

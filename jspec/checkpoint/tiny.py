@@ -328,7 +328,7 @@ DEFAULT_MODEL_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jspec", "ti
 
 def tiny_model_path() -> str:
     """The tiny random-weight model, written once into ~/.cache/jspec/tiny-llama (the fallback
-    default model where the real one cannot be fetched: jspec.testing.demo)."""
+    default model where the real one cannot be fetched: jspec.checkpoint.demo)."""
     if not os.path.isfile(os.path.join(DEFAULT_MODEL_DIR, "config.json")):
         make_tiny_model(DEFAULT_MODEL_DIR)
     return DEFAULT_MODEL_DIR
