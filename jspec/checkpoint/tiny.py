@@ -102,7 +102,7 @@ def _hf_config(
 ) -> dict:
     """config.json in the pre-transformers-5 style (rope_theta + rope_scaling), as
     most published checkpoints are; checkpoints made by transformers 5 itself
-    (rope_parameters) are covered by tests/hf_oracle.py."""
+    (rope_parameters) are covered by tests/support/hf_oracle.py."""
     architecture, model_type = ARCHITECTURES[arch]
     cfg: dict[str, Any] = {
         "architectures": [architecture],

@@ -1,6 +1,6 @@
 """Engine: a worker (params, device state, compiled steps), the scheduler, and the loop.
 
-The overlap loop (DESIGN.md): launch step N+1, then read step N's outputs,
+The overlap loop (docs/architecture.md, "Host side"): launch step N+1, then read step N's outputs,
 which were already copying to the host (copy_to_host_async started at
 launch). The synchronous mode (disable_overlap_schedule=True) runs the very
 same code but reads each step's outputs right after launching it; it is the
@@ -459,7 +459,7 @@ class Engine:
             self._process(done)
 
     def check_idle_no_leaks(self) -> None:
-        """At idle every page and request slot is back: the leak check of DESIGN.md."""
+        """At idle every page and request slot is back: the leak check of docs/architecture.md."""
         if self.has_work():
             raise AssertionError("engine is not idle")
         self.scheduler.check_no_leaks()

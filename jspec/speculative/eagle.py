@@ -172,7 +172,7 @@ def _draft_paged_forward(params, dparams, dcfg, dkv: KVPool, batch: ForwardBatch
 
 
 def _draft_tree(params, dparams, dcfg, spec: SpecConfig, draft_kv: KVPool, c: SpecCarry, page_tables, backend):
-    """num_steps - 1 head forwards over topk beams (spec/beams.py), from the carry's top-k."""
+    """num_steps - 1 head forwards over topk beams (speculative/beams.py), from the carry's top-k."""
     e = c.extra
     lcfg = layer_config(dcfg)
     embed = draft_embed(dparams, params)

@@ -6,7 +6,7 @@ before the next launch) and the KV length `seq_len`. A decode step reads both
 from its slots, so the host can launch step N+1 before it has seen step N's
 tokens. The last slot is scratch for padded batch rows.
 
-Carry convention (shared with spec/eagle.py): the KV holds positions
+Carry convention (shared with speculative/method.py's SpecCarry): the KV holds positions
 0..seq_len-1; next_token is x_{seq_len}, not yet in the KV.
 """
 

@@ -244,7 +244,7 @@ def ttt_attend(step: int, group: int, scale: float):
 def target_pass(params, cfg: ModelConfig, tokens: jax.Array, capture_layers: tuple[int, ...]):
     """tokens [S] -> (logits [S, V] float32, features [S, C*H]): a dense causal forward whose
     features are the residual streams entering the capture layers (index L = the last layer's
-    output before the final norm), concatenated low to high as spec/eagle.py reads them."""
+    output before the final norm), concatenated low to high as speculative/eagle.py reads them."""
     if cfg.sliding_windows or cfg.attn_logit_softcap is not None or cfg.rope_layers or cfg.attention_sinks:
         raise NotImplementedError(
             "EAGLE-3 training over a target with sliding-window attention, attention logit "

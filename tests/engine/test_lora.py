@@ -417,7 +417,7 @@ def test_server_flags_and_routes(tiny, adapters, references):
 
 
 def test_lora_decode_step_lowers_for_cuda(tmp_path):
-    """The step with the adapter pool lowers for an H200 in bfloat16 (DESIGN.md's jit-compile
+    """The step with the adapter pool lowers for an H200 in bfloat16 (docs/architecture.md's jit-compile
     check: interpret-mode CPU runs hide GPU lowering errors)."""
     import functools
 

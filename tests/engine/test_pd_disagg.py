@@ -332,7 +332,7 @@ def test_serve_flags_make_a_decode_engine(dirs):
 @pytest.mark.parametrize("n", [1024, 8192])
 def test_transfer_steps_lower_for_cuda(n):
     """The read-out and the donated write at the Llama-3.1-8B shape with an EAGLE-3 head (bf16,
-    page 16, 32 slots), lowered for an abstract H200 (DESIGN.md: every step gets this test)."""
+    page 16, 32 slots), lowered for an abstract H200 (docs/architecture.md, "Kernels": every step gets this test)."""
     from jspec.kvcache.pool import KVPool
     from jspec.layers.penalties import PenaltyState
 
