@@ -225,8 +225,8 @@ def main():
         model, prompts = (TINY, random_params(TINY, jnp.float32)), TINY_PROMPTS
         args.max_new_tokens, args.batches = min(args.max_new_tokens, 24), [2]
     else:
+        from jspec.checkpoint.demo import default_model_path
         from jspec.server.chat_template import render_chat
-        from jspec.testing.demo import default_model_path
 
         model = jspec.load(default_model_path()[0])
         tok = model.tokenizer

@@ -47,7 +47,7 @@ from jspec.config.model import ModelConfig
 from jspec.kvcache.pool import KVPool
 from jspec.layers.penalties import init_penalty_state
 from jspec.layers.sampling import sampling_rows
-from jspec.models.llama import unstack_layers
+from jspec.models.common import unstack_layers
 from jspec.steps.plain import PlainCarry, PlainState, plain_decode_step
 
 # Pallas skinny_matmul configs per weight shape: (block_n, block_k, num_stages, splits x the plan's).
@@ -227,7 +227,7 @@ def forward_ms(weights, cfg: ModelConfig, kv: KVPool, page_tables, ctx: int, q: 
     branches), which costs what any mask of that size does."""
     from jspec.layers.attention import AttentionMode
     from jspec.layers.batch import ForwardBatch, bucket
-    from jspec.models.llama import forward
+    from jspec.models.forward import forward
 
     B, S = page_tables.shape[0], kv.page_size
     pos = ctx + np.arange(q)[None] + np.zeros((B, 1), np.int64)

@@ -31,7 +31,7 @@ from jspec.kvcache.pool import KVPool
 from jspec.layers.penalties import init_penalty_state
 from jspec.layers.quant import QUANTIZED_LEAVES, quantize_params, with_fp8_gemm
 from jspec.layers.sampling import sampling_rows
-from jspec.models.llama import unstack_layers
+from jspec.models.common import unstack_layers
 from jspec.steps.plain import PlainCarry, PlainState, plain_decode_step
 
 VARIANTS = {  # name: (quantization, FP8 matmul path, KV dtype)

@@ -37,6 +37,7 @@ from benchmarks.common import (
 )
 from jspec.checkpoint.eagle import init_random_draft_params
 from jspec.engine.engine import LoopTimes
+from jspec.worker.inputs import decode_inputs
 
 
 def idle_launch(engine) -> dict:
@@ -50,8 +51,8 @@ def idle_launch(engine) -> dict:
         jax.block_until_ready(w.state)
 
     full = median_ms(lambda: w.decode([slot], pages, greedy), 50, wait)
-    inputs = median_ms(lambda: w._decode_inputs([slot], pages, greedy), 200)
-    built = w._decode_inputs([slot], pages, greedy)
+    inputs = median_ms(lambda: decode_inputs(w, [slot], pages, greedy), 200)
+    built = decode_inputs(w, [slot], pages, greedy)
     dispatch = median_ms(lambda: w.decode_arrays(*built, "greedy"), 50, wait)
     # The call mechanism alone: a program that only passes the donated state through.
     passthrough = jax.jit(lambda params, state, *rest: state, donate_argnums=1)

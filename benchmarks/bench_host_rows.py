@@ -19,8 +19,8 @@ import numpy as np
 
 import jspec
 from benchmarks.common import RESULTS_DIR, Results
+from jspec.checkpoint.tiny import make_tiny_model
 from jspec.engine.engine import LoopTimes
-from jspec.testing.tiny import make_tiny_model
 
 
 def decode_iterations(engine, rows: int, iterations: int, profile: bool = False):

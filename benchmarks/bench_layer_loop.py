@@ -36,7 +36,7 @@ from benchmarks.device_profile import profile_calls
 from jspec.kvcache.pool import KVPool
 from jspec.layers.penalties import init_penalty_state
 from jspec.layers.sampling import sampling_rows
-from jspec.models.llama import unstack_layers
+from jspec.models.common import unstack_layers
 from jspec.steps.plain import PlainCarry, PlainState, plain_decode_step
 
 DSF = "--xla_gpu_enable_dynamic_slice_fusion=true"

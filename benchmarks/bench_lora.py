@@ -95,7 +95,7 @@ def kernel_count(hlo_text: str) -> int:
 
 def step_kernels(engine, held: HeldDecode) -> int:
     """kernel_count of the speculative decode step the engine launches (its cached compile)."""
-    from jspec.speculative.method import spec_decode_step
+    from jspec.speculative.steps import spec_decode_step
 
     w = engine.worker
     lowered = spec_decode_step.lower(

@@ -34,7 +34,7 @@ def jspec_rows(shapes: list[str], batches: list[int], context: int, tiny_run: bo
     from jspec.kvcache.pool import KVPool
     from jspec.layers.penalties import init_penalty_state
     from jspec.layers.sampling import sampling_rows
-    from jspec.models.llama import unstack_layers
+    from jspec.models.common import unstack_layers
     from jspec.steps.plain import PlainCarry, PlainState, plain_decode_step
 
     on_gpu = jax.default_backend() == "gpu"

@@ -37,10 +37,11 @@ from jspec.config.spec import SpecConfig
 from jspec.kvcache.pool import KVPool
 from jspec.layers.penalties import init_penalty_state
 from jspec.layers.sampling import sampling_mode, sampling_rows
+from jspec.models.common import unstack_layers
 from jspec.models.eagle import layer_config
-from jspec.models.llama import unstack_layers
 from jspec.speculative.eagle import EagleExtra, EagleMethod
-from jspec.speculative.method import SpecCarry, SpecState, spec_decode_step
+from jspec.speculative.method import SpecCarry, SpecState
+from jspec.speculative.steps import spec_decode_step
 from jspec.steps.plain import PlainCarry, PlainState, plain_decode_step
 
 

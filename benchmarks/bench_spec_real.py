@@ -3,7 +3,7 @@
 The target is a real checkpoint (default: the embedded SmolLM2-135M-Instruct), the draft an
 EAGLE-3 head trained by scripts/train_eagle.py (or any published head), or, with
 --algorithm STANDALONE, a smaller model of the same tokenizer (e.g. Qwen2.5-Coder 0.5B for
-the 1.5B, `python -m jspec.testing.demo qwen2.5-coder-1.5b`). Prompts are the
+the 1.5B, `python -m jspec.checkpoint.demo qwen2.5-coder-1.5b`). Prompts are the
 held-out half of jspec/train/prompts.py (never seen in training), rendered with the chat
 template, greedy, overlap on. Rows: no speculation and every (steps, topk, draft tokens)
 config at each batch size (DFLASH: the draft tokens are the block, e.g. 15/1/16; NGRAM: the
@@ -93,7 +93,7 @@ def main():
     if args.draft_model_path is None and args.algorithm != "NGRAM":
         ap.error(f"--algorithm {args.algorithm} needs --draft-model-path")
     if args.model_path is None:
-        from jspec.testing.demo import demo_model_path
+        from jspec.checkpoint.demo import demo_model_path
 
         args.model_path = demo_model_path()
     model = jspec.load(args.model_path)

@@ -45,8 +45,8 @@ from benchmarks.common import (
 )
 from jspec.checkpoint.eagle import init_random_draft_params
 from jspec.checkpoint.model import Model
+from jspec.checkpoint.tiny import bytes_to_unicode
 from jspec.engine.engine import LoopTimes
-from jspec.testing.tiny import bytes_to_unicode
 
 
 def synthetic_tokenizer(out_dir: str, vocab_size: int, seed: int = 0) -> str:
@@ -147,9 +147,9 @@ def check() -> int:
     """Every method, chain and tree, greedy and seeded sampled, overlap on and off: the
     constrained (and free) rows' tokens equal the plain engine's. Returns the mismatches."""
     from jspec.checkpoint.model import with_context_length
+    from jspec.checkpoint.tiny import make_tiny_model
     from jspec.config.sampling import SamplingParams
     from jspec.config.spec import SpecConfig
-    from jspec.testing.tiny import make_tiny_model
 
     model = with_context_length(jspec.load(make_tiny_model(tempfile.mkdtemp() + "/m")), 256)
     head = eagle3_head(model.cfg, model.cfg.vocab_size)
@@ -246,9 +246,9 @@ def validate(completions: int) -> int:
     from fastapi.testclient import TestClient
 
     from jspec.checkpoint.model import with_context_length
+    from jspec.checkpoint.tiny import make_tiny_model
     from jspec.engine.async_engine import AsyncEngine
     from jspec.server.app import create_app
-    from jspec.testing.tiny import make_tiny_model
 
     model = with_context_length(jspec.load(make_tiny_model(tempfile.mkdtemp() + "/m")), 512)
     head = eagle3_head(model.cfg, model.cfg.vocab_size)

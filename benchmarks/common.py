@@ -16,11 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.checkpoint.eagle import DraftConfig
 from jspec.checkpoint.loader import param_shapes
+from jspec.config.draft import DraftConfig
 from jspec.config.model import ModelConfig
 from jspec.config.sampling import SamplingParams
 from jspec.train.eagle3 import draft_config_for
+from jspec.worker.inputs import decode_inputs, decode_lora_slots, lora_batch
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES_DIR = os.path.join(REPO_ROOT, "benchmarks", "shapes")
@@ -179,8 +180,10 @@ class HeldDecode:
         self.slots = [self.kv.alloc_slot() for _ in range(batch)]
         self.pages = [self.kv.allocator.alloc(pages_per_request) for _ in range(batch)]
         greedy = [(SamplingParams(), 0)] * batch
-        self.inputs = jax.device_put(w._decode_inputs(self.slots, self.pages, greedy))
-        self.lora = w._decode_loras(self.inputs[0].shape[0], lora_ids) if w.lora is not None else None
+        self.inputs = jax.device_put(decode_inputs(w, self.slots, self.pages, greedy))
+        self.lora = (
+            lora_batch(w.lora, decode_lora_slots(self.inputs[0].shape[0], lora_ids)) if w.lora is not None else None
+        )
 
     def decode(self):
         return self.worker.decode_arrays(*self.inputs, "greedy", self.lora).ints

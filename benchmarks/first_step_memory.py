@@ -43,7 +43,7 @@ def main() -> None:
     w.programs.collecting = []
     w.decode([w.scratch_slot], [[0]], [scratch])
     (job,) = w.programs.collecting
-    w.programs.collecting, w._last_decode = None, None
+    w.programs.collecting, w.last_decode = None, None
     compiled = job.program.step.lower(*job.args, **job.program.static).compile()
     state_formats = jax.tree.leaves(compiled.input_formats[0][len(w.step_weights())].target_kv)
     formats = [

@@ -65,7 +65,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     path = args.model_path
     if path is None:
-        from jspec.testing.demo import default_model_path
+        from jspec.checkpoint.demo import default_model_path
 
         path, _ = default_model_path()
     model = jspec.load(path, dtype=jnp.bfloat16)

@@ -68,7 +68,7 @@ for s in "$@"; do
         --max-new-tokens 128 --name "bench_spec_real_smollm2_${s#spec_real_}" --out "$RESULTS" ;;
     curve_smollm2_spec)
       # The same three through the server, held-out chat prompts, c 1 / 16 / 64.
-      demo=$($PY -c "from jspec.testing.demo import demo_model_path; print(demo_model_path())")
+      demo=$($PY -c "from jspec.checkpoint.demo import demo_model_path; print(demo_model_path())")
       step curve_smollm2_spec 590 $PY -m benchmarks.serving_curve --server-args "--model-path $demo" --prompts heldout \
         --concurrency 1,16,64 --output-len 128 --min-prompts 32 --variant default= \
         --variant "dflash=--speculative-algorithm DFLASH --speculative-draft-model-path .demo_stash/dflash-smol" \

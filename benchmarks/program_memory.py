@@ -18,6 +18,7 @@ import jax
 
 import jspec
 from benchmarks.common import Results
+from jspec.worker.programs import measure_programs
 
 
 def pool_shape_lines(hlo: str, shapes: list[str], limit: int = 12) -> list[str]:
@@ -40,7 +41,7 @@ def time_pools(model, pools: list[int], repeats: int = 10) -> None:
     for tokens in pools:
         engine = jspec.Engine(model, max_total_tokens=tokens, max_running_requests=8)
         w = engine.worker
-        T = w.prefill_token_buckets()[-1]
+        T = w.buckets.prefill_token_buckets()[-1]
         greedy = (SamplingParams(), 0)
         chunk = SeqChunk([0] * T, 0, [0] * (-(-T // w.page_size)))
         runs = {
@@ -102,12 +103,12 @@ def main() -> None:
     engine = jspec.Engine(
         model, max_total_tokens=a.max_total_tokens, max_running_requests=a.max_running_requests, speculative=spec
     )
-    n = len(engine.worker.measure_programs()) if a.largest_only else engine.warmup()
+    n = len(measure_programs(engine.worker)) if a.largest_only else engine.warmup()
     if a.largest_only:  # and run one: a donation refused at run time shows only there
         from jspec.config.sampling import SamplingParams
 
         w = engine.worker
-        B = w.decode_buckets()[-1]
+        B = w.buckets.decode_buckets()[-1]
         try:
             jax.block_until_ready(w.decode([w.scratch_slot] * B, [[0]] * B, [(SamplingParams(), 0)] * B))
             print("run: ok")

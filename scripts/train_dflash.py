@@ -72,7 +72,7 @@ def parse_args(argv=None):
 def model_path(args) -> str:
     if args.model_path:
         return args.model_path
-    from jspec.testing.demo import default_model_path
+    from jspec.checkpoint.demo import default_model_path
 
     path, what = default_model_path()
     print(f"[train_dflash] using {what} at {path}")

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.checkpoint.errors import CheckpointError, MissingTensorError, TensorShapeError
+from jspec.checkpoint.files import read_hf_tensors
 from jspec.checkpoint.progress import peek
 from jspec.config.model import ModelConfig
 
@@ -209,8 +210,6 @@ def load_mtp_params(path: str | os.PathLike, cfg: ModelConfig, dtype: Any = None
     """The NEXTN draft's params from a checkpoint directory: {"mtp": the first MTP layer}, plus
     that layer's embed_tokens / shared_head.head as "embed" / "lm_head" where they differ from
     the target's (published checkpoints repeat the target's)."""
-    from jspec.checkpoint.files import read_hf_tensors
-
     tensors = read_hf_tensors(path)
     dtype = jnp.float32 if dtype is None else dtype
     mtp = convert_mtp_params(cfg, tensors, dtype, source=path)

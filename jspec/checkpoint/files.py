@@ -13,6 +13,7 @@ import os
 
 import ml_dtypes
 import numpy as np
+from safetensors.numpy import save_file
 
 from jspec.checkpoint.errors import CorruptCheckpointError, NoSafetensorsError
 
@@ -130,8 +131,6 @@ def merge_shards(shards: list[dict[str, np.ndarray]], path: str | os.PathLike) -
 
 def write_safetensors(out_dir: str, tensors: dict[str, np.ndarray], num_shards: int = 1) -> list[str]:
     """HF file naming: model.safetensors, or model-0000k-of-0000n.safetensors + index."""
-    from safetensors.numpy import save_file
-
     meta = {"format": "pt"}  # what transformers writes; some readers insist on it
     if num_shards <= 1:
         save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata=meta)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import ml_dtypes
 import numpy as np
@@ -78,7 +79,7 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def read_gguf(path: str | os.PathLike):
     """-> (HF config dict, {HF name: float32 array}, gguf reader) for a llama or qwen2 GGUF."""
-    try:
+    try:  # imported here: gguf is an optional extra (`demo`), needed only to read GGUF files
         from gguf import GGUFReader
         from gguf.quants import dequantize
     except ImportError:
@@ -234,8 +235,6 @@ def convert_gguf(path: str | os.PathLike, out_dir: str | os.PathLike, dtype: str
         with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
             json.dump(data, f, ensure_ascii=False, indent=1 if name != "tokenizer.json" else None)
     if os.path.isdir(out_dir):
-        import shutil
-
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)  # a reader never sees a half-written directory
     return out_dir

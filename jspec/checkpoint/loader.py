@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec.checkpoint.deepseek import convert_deepseek_params, deepseek_param_shapes
 from jspec.checkpoint.errors import CheckpointError, MissingTensorError, TensorShapeError
 from jspec.checkpoint.files import merge_shards, read_hf_shards
 from jspec.checkpoint.fp8 import (
@@ -36,7 +37,8 @@ from jspec.checkpoint.mxfp4 import check_mxfp4_family, dequantize_mxfp4, is_mxfp
 from jspec.checkpoint.progress import ReadProgress, TrackedTensors, peek
 from jspec.checkpoint.random_weights import random_weights
 from jspec.config.deepseek import DeepseekConfig
-from jspec.config.model import GEMMA_FAMILIES, ModelConfig, RopeScaling, UnsupportedArchitectureError
+from jspec.config.errors import UnsupportedArchitectureError
+from jspec.config.model import GEMMA_FAMILIES, ModelConfig, RopeScaling
 from jspec.layers.quant import FP8, Fp8Weight
 
 log = logging.getLogger(__name__)
@@ -281,147 +283,19 @@ def convert_hf_params(
     where = repr(os.fspath(source)) if source is not None else "(in memory)"
     moe_layout = _moe_layout(cfg, tensors)
     _check_tensors(cfg, tensors, where, moe_layout)
-    dtype = np.dtype(jnp.dtype(dtype))
-    L = cfg.num_layers
-
-    def vectors(parts: list[str], offset: float = 0.0) -> jax.Array:
-        """[L, sum(n)] (plus offset): tiny, so stacked on the host and sent at once."""
-        rows = [np.concatenate([tensors[f"model.layers.{i}.{p}"] for p in parts]) for i in range(L)]
-        stacked = np.stack(rows)
-        if offset:
-            stacked = stacked.astype(np.float32) + offset
-        return _cast(jax.device_put(stacked, device), dtype)
-
-    def matrices(parts: list[str], layer_ids=tuple(range(L))) -> jax.Array | Fp8Weight:
-        """[len(layer_ids), in, sum(out)]: each layer's parts concatenated on the out axis."""
-        first = [tensors[f"model.layers.{layer_ids[0]}.{p}"] for p in parts]
-        names = [f"model.layers.{i}.{p}" for i in layer_ids for p in parts]
-        quantized = [is_fp8_tensor(tensors[n]) for n in names]
-        if any(quantized) and not all(quantized):
-            raise UnsupportedQuantizationError(
-                f"checkpoint {where}: {parts} are FP8 in some layers only; jspec stacks a projection's "
-                f"layers, so they must all be FP8 or all unquantized"
-            )
-        if all(quantized) and fp8 is None:
-            raise UnsupportedQuantizationError(f"checkpoint {where}: FP8 tensors but no quantization_config")
-        leaf_dtype = FP8 if all(quantized) else dtype
-        out = jnp.zeros((len(layer_ids), first[0].shape[1], sum(t.shape[0] for t in first)), leaf_dtype, device=device)
-        for j, i in enumerate(layer_ids):
-            col = 0
-            for p in parts:
-                t = tensors[f"model.layers.{i}.{p}"]
-                out = _place_transposed(out, jax.device_put(t, device), (j, 0, col))
-                col += t.shape[0]
-        if not all(quantized):
-            return out
-        # Host side: a scale is [in_blocks, out] f32, 1/128 of the weight's bytes or less.
-        scales = np.stack(
-            [
-                np.concatenate(
-                    [scale_columns(fp8, tensors, f"model.layers.{i}.{p.removesuffix('.weight')}") for p in parts],
-                    axis=1,
-                )
-                for i in layer_ids
-            ]
-        )
-        return Fp8Weight(out, jax.device_put(scales, device))
-
-    def experts(layer_ids, fused: str, per_expert: list[int]) -> jax.Array:
-        """[n, E, in, sum(out)] from the fused [E, out, in] tensor or per-expert [out, in] ones."""
-        E, lay = cfg.num_experts, moe_layout
-        pieces = (
-            [tensors[f"model.layers.{layer_ids[0]}.{lay.expert(0, w)}"] for w in per_expert]
-            if not lay.fused
-            else [tensors[f"model.layers.{layer_ids[0]}.{fused}"][0]]
-        )
-        out = jnp.zeros((len(layer_ids), E, pieces[0].shape[1], sum(t.shape[0] for t in pieces)), dtype, device=device)
-        for j, i in enumerate(layer_ids):
-            if lay.fused:
-                out = _place_transposed(out, jax.device_put(tensors[f"model.layers.{i}.{fused}"], device), (j, 0, 0, 0))
-                continue
-            for e in range(E):
-                col = 0
-                for w in per_expert:
-                    t = tensors[f"model.layers.{i}.{lay.expert(e, w)}"]
-                    out = _place_transposed(out, jax.device_put(t, device), (j, e, 0, col))
-                    col += t.shape[0]
-        return out
-
-    def gpt_oss_experts(layer_ids, name: str, interleaved: bool) -> jax.Array:
-        """[n, E, in, out] of gpt-oss's [E, in, out] experts, one expert at a time (dequantised
-        from MXFP4 on the host: a layer's experts in f32 would be gigabytes); interleaved gate /
-        up columns become gate columns, then up columns."""
-
-        def expert(i, e):
-            key = f"model.layers.{i}.{name}"
-            if moe_layout.mxfp4:
-                w = dequantize_mxfp4(tensors[key + "_blocks"][e], tensors[key + "_scales"][e])
-            else:
-                w = np.asarray(tensors[key][e])
-            return np.concatenate([w[..., 0::2], w[..., 1::2]], axis=-1) if interleaved else w
-
-        first = expert(layer_ids[0], 0)
-        out = jnp.zeros((len(layer_ids), cfg.num_experts, *first.shape), dtype, device=device)
-        for j, i in enumerate(layer_ids):
-            for e in range(cfg.num_experts):
-                out = _place(out, jax.device_put(first if j == e == 0 else expert(i, e), device), (j, e, 0, 0))
-        return out
-
-    def expert_vectors(layer_ids, name: str, interleaved: bool = False) -> jax.Array:
-        """[n, *shape] of a small per-layer tensor (biases), gate / up columns as gpt_oss_experts'."""
-        rows = [np.asarray(tensors[f"model.layers.{i}.{name}"]) for i in layer_ids]
-        if interleaved:
-            rows = [np.concatenate([r[..., 0::2], r[..., 1::2]], axis=-1) for r in rows]
-        return _cast(jax.device_put(np.stack(rows), device), dtype)
-
-    def lm_head(t: np.ndarray) -> jax.Array:
-        """[V, H] -> [H, V], in row blocks of at most 256 MiB."""
-        out = jnp.zeros(t.shape[::-1], dtype, device=device)
-        block = max(1, (256 << 20) // max(1, t.shape[1] * t.dtype.itemsize))
-        for r in range(0, t.shape[0], block):
-            out = _place_transposed(out, jax.device_put(t[r : r + block], device), (0, r))
-        return out
-
+    leaves = _DeviceLeaves(cfg, tensors, np.dtype(jnp.dtype(dtype)), device, fp8, moe_layout, where)
     fused = _fused_projections(tensors)
     # Gemma's RMSNorms scale by (1 + w): the offset is added here, once.
     norm_offset = 1.0 if cfg.family in GEMMA_FAMILIES else 0.0
-    norms = {k: vectors([n], norm_offset) for k, n in _NORM_NAMES[cfg.norm_layout].items()}
+    norms = {k: leaves.vectors([n], norm_offset) for k, n in _NORM_NAMES[cfg.norm_layout].items()}
     layers = {k: norms[k] for k in ("attn_norm",) if k in norms}
-    layers["wqkv"] = matrices(list(_FUSED_QKV if fused else _QKV))
-    if cfg.qkv_bias:
-        layers["bqkv"] = vectors(["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"])
-    if cfg.qk_norm or cfg.qk_norm_whole:
-        layers["q_norm"] = vectors(["self_attn.q_norm.weight"], norm_offset)
-        layers["k_norm"] = vectors(["self_attn.k_norm.weight"], norm_offset)
-    layers["wo"] = matrices(["self_attn.o_proj.weight"])
-    if cfg.o_bias:
-        layers["bo"] = vectors(["self_attn.o_proj.bias"])
-    if cfg.attention_sinks:
-        layers["sinks"] = vectors(["self_attn.sinks"])
+    layers.update(_attention_leaves(cfg, leaves, fused, norm_offset))
     layers.update({k: v for k, v in norms.items() if k != "attn_norm"})
     dense = {}
     if cfg.dense_layers:
-        dense["w_gate_up"] = matrices(list(_FUSED_GATE_UP if fused else _GATE_UP), cfg.dense_layers)
-        dense["w_down"] = matrices(["mlp.down_proj.weight"], cfg.dense_layers)
-    sparse = {}
-    if cfg.moe_layers:
-        ids = cfg.moe_layers
-        sparse["router"] = matrices([moe_layout.router], ids)
-        if moe_layout.gpt_oss:
-            sparse["router_bias"] = expert_vectors(ids, "mlp.router.bias")
-            sparse["experts_gate_up"] = gpt_oss_experts(ids, moe_layout.fused_gate_up, interleaved=True)
-            sparse["experts_down"] = gpt_oss_experts(ids, moe_layout.fused_down, interleaved=False)
-            sparse["experts_b_gate_up"] = expert_vectors(ids, "mlp.experts.gate_up_proj_bias", interleaved=True)
-            sparse["experts_b_down"] = expert_vectors(ids, "mlp.experts.down_proj_bias")
-        else:
-            sparse["experts_gate_up"] = experts(ids, moe_layout.fused_gate_up, [0, 1])
-            sparse["experts_down"] = experts(ids, moe_layout.fused_down, [2])
-        if cfg.shared_expert_intermediate_size:
-            sparse["shared_gate_up"] = matrices(
-                ["mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"], ids
-            )
-            sparse["shared_down"] = matrices(["mlp.shared_expert.down_proj.weight"], ids)
-            sparse["shared_gate"] = matrices(["mlp.shared_expert_gate.weight"], ids)
+        dense["w_gate_up"] = leaves.matrices(list(_FUSED_GATE_UP if fused else _GATE_UP), cfg.dense_layers)
+        dense["w_down"] = leaves.matrices(["mlp.down_proj.weight"], cfg.dense_layers)
+    sparse = _moe_leaves(cfg, leaves) if cfg.moe_layers else {}
     layers = assemble_layers(cfg, layers, dense, sparse, lambda a, j: a[j])
     for n in ("model.embed_tokens.weight", "lm_head.weight"):
         if n in tensors and is_fp8_tensor(tensors[n]):
@@ -435,16 +309,174 @@ def convert_hf_params(
     if norm_offset:
         final_norm = np.asarray(final_norm, np.float32) + norm_offset
     params = {
-        "embed": _cast(jax.device_put(tensors["model.embed_tokens.weight"], device), dtype),
+        "embed": _cast(jax.device_put(tensors["model.embed_tokens.weight"], device), leaves.dtype),
         "layers": layers,
-        "final_norm": _cast(jax.device_put(final_norm, device), dtype),
+        "final_norm": _cast(jax.device_put(final_norm, device), leaves.dtype),
     }
     if not cfg.tie_word_embeddings:
-        params["lm_head"] = lm_head(tensors["lm_head.weight"])
-    kv = kv_scales(tensors, L)
+        params["lm_head"] = leaves.lm_head(tensors["lm_head.weight"])
+    kv = kv_scales(tensors, cfg.num_layers)
     if kv is not None:
         params["kv_scale"] = jax.device_put(kv, device)  # [L, 2]: what an FP8 KV cache divides K, V by
     return params
+
+
+def _attention_leaves(cfg: ModelConfig, leaves: _DeviceLeaves, fused: bool, norm_offset: float) -> dict:
+    """The attention's leaves of every layer: fused q/k/v, their biases and norms, o, sinks."""
+    out = {"wqkv": leaves.matrices(list(_FUSED_QKV if fused else _QKV))}
+    if cfg.qkv_bias:
+        out["bqkv"] = leaves.vectors(["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"])
+    if cfg.qk_norm or cfg.qk_norm_whole:
+        out["q_norm"] = leaves.vectors(["self_attn.q_norm.weight"], norm_offset)
+        out["k_norm"] = leaves.vectors(["self_attn.k_norm.weight"], norm_offset)
+    out["wo"] = leaves.matrices(["self_attn.o_proj.weight"])
+    if cfg.o_bias:
+        out["bo"] = leaves.vectors(["self_attn.o_proj.bias"])
+    if cfg.attention_sinks:
+        out["sinks"] = leaves.vectors(["self_attn.sinks"])
+    return out
+
+
+def _moe_leaves(cfg: ModelConfig, leaves: _DeviceLeaves) -> dict:
+    """The sparse layers' leaves: router, experts (gpt-oss's with biases), shared experts."""
+    ids, lay = cfg.moe_layers, leaves.moe_layout
+    sparse = {"router": leaves.matrices([lay.router], ids)}
+    if lay.gpt_oss:
+        sparse["router_bias"] = leaves.expert_vectors(ids, "mlp.router.bias")
+        sparse["experts_gate_up"] = leaves.gpt_oss_experts(ids, lay.fused_gate_up, interleaved=True)
+        sparse["experts_down"] = leaves.gpt_oss_experts(ids, lay.fused_down, interleaved=False)
+        sparse["experts_b_gate_up"] = leaves.expert_vectors(ids, "mlp.experts.gate_up_proj_bias", interleaved=True)
+        sparse["experts_b_down"] = leaves.expert_vectors(ids, "mlp.experts.down_proj_bias")
+    else:
+        sparse["experts_gate_up"] = leaves.experts(ids, lay.fused_gate_up, [0, 1])
+        sparse["experts_down"] = leaves.experts(ids, lay.fused_down, [2])
+    if cfg.shared_expert_intermediate_size:
+        sparse["shared_gate_up"] = leaves.matrices(
+            ["mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"], ids
+        )
+        sparse["shared_down"] = leaves.matrices(["mlp.shared_expert.down_proj.weight"], ids)
+        sparse["shared_gate"] = leaves.matrices(["mlp.shared_expert_gate.weight"], ids)
+    return sparse
+
+
+@dataclasses.dataclass
+class _DeviceLeaves:
+    """Builds the pytree's stacked leaves on the device from HF-named tensors, one tensor at a
+    time (convert_hf_params says why)."""
+
+    cfg: ModelConfig
+    tensors: Mapping[str, np.ndarray]
+    dtype: np.dtype
+    device: jax.Device | None
+    fp8: Fp8Scheme | None
+    moe_layout: _MoeLayout
+    where: str  # the checkpoint, as errors name it
+
+    def vectors(self, parts: list[str], offset: float = 0.0) -> jax.Array:
+        """[L, sum(n)] (plus offset): tiny, so stacked on the host and sent at once."""
+        rows = [
+            np.concatenate([self.tensors[f"model.layers.{i}.{p}"] for p in parts]) for i in range(self.cfg.num_layers)
+        ]
+        stacked = np.stack(rows)
+        if offset:
+            stacked = stacked.astype(np.float32) + offset
+        return _cast(jax.device_put(stacked, self.device), self.dtype)
+
+    def matrices(self, parts: list[str], layer_ids=None) -> jax.Array | Fp8Weight:
+        """[len(layer_ids), in, sum(out)]: each layer's parts concatenated on the out axis
+        (layer_ids: every layer when None)."""
+        tensors, device = self.tensors, self.device
+        layer_ids = tuple(range(self.cfg.num_layers)) if layer_ids is None else layer_ids
+        first = [tensors[f"model.layers.{layer_ids[0]}.{p}"] for p in parts]
+        names = [f"model.layers.{i}.{p}" for i in layer_ids for p in parts]
+        quantized = [is_fp8_tensor(tensors[n]) for n in names]
+        if any(quantized) and not all(quantized):
+            raise UnsupportedQuantizationError(
+                f"checkpoint {self.where}: {parts} are FP8 in some layers only; jspec stacks a projection's "
+                f"layers, so they must all be FP8 or all unquantized"
+            )
+        if all(quantized) and self.fp8 is None:
+            raise UnsupportedQuantizationError(f"checkpoint {self.where}: FP8 tensors but no quantization_config")
+        leaf_dtype = FP8 if all(quantized) else self.dtype
+        out = jnp.zeros((len(layer_ids), first[0].shape[1], sum(t.shape[0] for t in first)), leaf_dtype, device=device)
+        for j, i in enumerate(layer_ids):
+            col = 0
+            for p in parts:
+                t = tensors[f"model.layers.{i}.{p}"]
+                out = _place_transposed(out, jax.device_put(t, device), (j, 0, col))
+                col += t.shape[0]
+        if not all(quantized):
+            return out
+        # Host side: a scale is [in_blocks, out] f32, 1/128 of the weight's bytes or less.
+        scales = np.stack(
+            [
+                np.concatenate(
+                    [scale_columns(self.fp8, tensors, f"model.layers.{i}.{p.removesuffix('.weight')}") for p in parts],
+                    axis=1,
+                )
+                for i in layer_ids
+            ]
+        )
+        return Fp8Weight(out, jax.device_put(scales, device))
+
+    def experts(self, layer_ids, fused: str, per_expert: list[int]) -> jax.Array:
+        """[n, E, in, sum(out)] from the fused [E, out, in] tensor or per-expert [out, in] ones."""
+        tensors, device = self.tensors, self.device
+        E, lay = self.cfg.num_experts, self.moe_layout
+        pieces = (
+            [tensors[f"model.layers.{layer_ids[0]}.{lay.expert(0, w)}"] for w in per_expert]
+            if not lay.fused
+            else [tensors[f"model.layers.{layer_ids[0]}.{fused}"][0]]
+        )
+        shape = (len(layer_ids), E, pieces[0].shape[1], sum(t.shape[0] for t in pieces))
+        out = jnp.zeros(shape, self.dtype, device=device)
+        for j, i in enumerate(layer_ids):
+            if lay.fused:
+                out = _place_transposed(out, jax.device_put(tensors[f"model.layers.{i}.{fused}"], device), (j, 0, 0, 0))
+                continue
+            for e in range(E):
+                col = 0
+                for w in per_expert:
+                    t = tensors[f"model.layers.{i}.{lay.expert(e, w)}"]
+                    out = _place_transposed(out, jax.device_put(t, device), (j, e, 0, col))
+                    col += t.shape[0]
+        return out
+
+    def gpt_oss_experts(self, layer_ids, name: str, interleaved: bool) -> jax.Array:
+        """[n, E, in, out] of gpt-oss's [E, in, out] experts, one expert at a time (dequantised
+        from MXFP4 on the host: a layer's experts in f32 would be gigabytes); interleaved gate /
+        up columns become gate columns, then up columns."""
+
+        def expert(i, e):
+            key = f"model.layers.{i}.{name}"
+            if self.moe_layout.mxfp4:
+                w = dequantize_mxfp4(self.tensors[key + "_blocks"][e], self.tensors[key + "_scales"][e])
+            else:
+                w = np.asarray(self.tensors[key][e])
+            return np.concatenate([w[..., 0::2], w[..., 1::2]], axis=-1) if interleaved else w
+
+        E = self.cfg.num_experts
+        first = expert(layer_ids[0], 0)
+        out = jnp.zeros((len(layer_ids), E, *first.shape), self.dtype, device=self.device)
+        for j, i in enumerate(layer_ids):
+            for e in range(E):
+                out = _place(out, jax.device_put(first if j == e == 0 else expert(i, e), self.device), (j, e, 0, 0))
+        return out
+
+    def expert_vectors(self, layer_ids, name: str, interleaved: bool = False) -> jax.Array:
+        """[n, *shape] of a small per-layer tensor (biases), gate / up columns as gpt_oss_experts'."""
+        rows = [np.asarray(self.tensors[f"model.layers.{i}.{name}"]) for i in layer_ids]
+        if interleaved:
+            rows = [np.concatenate([r[..., 0::2], r[..., 1::2]], axis=-1) for r in rows]
+        return _cast(jax.device_put(np.stack(rows), self.device), self.dtype)
+
+    def lm_head(self, t: np.ndarray) -> jax.Array:
+        """[V, H] -> [H, V], in row blocks of at most 256 MiB."""
+        out = jnp.zeros(t.shape[::-1], self.dtype, device=self.device)
+        block = max(1, (256 << 20) // max(1, t.shape[1] * t.dtype.itemsize))
+        for r in range(0, t.shape[0], block):
+            out = _place_transposed(out, jax.device_put(t[r : r + block], self.device), (0, r))
+        return out
 
 
 def _cast(x: jax.Array, dtype: np.dtype) -> jax.Array:
@@ -488,8 +520,6 @@ def assemble_layers(cfg: ModelConfig, common: dict, dense: dict, sparse: dict, t
 def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
     """The pytree's leaf shapes for a config (same structure as the params)."""
     if cfg.deepseek is not None:
-        from jspec.checkpoint.deepseek import deepseek_param_shapes
-
         return deepseek_param_shapes(cfg)
     H, I, D, L = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_layers
     qkv = cfg.q_size + 2 * cfg.kv_size
@@ -671,8 +701,6 @@ def load_model(
         tensors = TrackedTensors(tensors, progress)
     try:
         if cfg.deepseek is not None:
-            from jspec.checkpoint.deepseek import convert_deepseek_params
-
             params = convert_deepseek_params(cfg, tensors, dtype, source=path)
         else:
             params = convert_hf_params(cfg, tensors, dtype, source=path, fp8=scheme)

@@ -15,7 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec.checkpoint.deepseek import load_mtp_params as load_deepseek
 from jspec.checkpoint.errors import CheckpointError, MissingTensorError, TensorShapeError
+from jspec.checkpoint.files import read_hf_tensors
 from jspec.config.model import ModelConfig
 
 
@@ -23,11 +25,7 @@ def load_mtp_params(path: str | os.PathLike, cfg: ModelConfig, dtype: Any = None
     """{"mtp": the first MTP layer's weights} (DeepSeek: plus its own embed / head where they
     differ from the target's)."""
     if cfg.deepseek is not None:
-        from jspec.checkpoint.deepseek import load_mtp_params as load_deepseek
-
         return load_deepseek(path, cfg, dtype)
-    from jspec.checkpoint.files import read_hf_tensors
-
     return {"mtp": mimo_mtp_layer(cfg, read_hf_tensors(path), jnp.float32 if dtype is None else dtype, path)}
 
 

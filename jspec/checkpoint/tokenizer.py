@@ -14,6 +14,8 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from tokenizers import Tokenizer as _HFTokenizer
+
 
 def _read_json(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
@@ -40,8 +42,6 @@ def _token_content(value: Any) -> str | None:
 
 class Tokenizer:
     def __init__(self, path: str | os.PathLike):
-        from tokenizers import Tokenizer as _HFTokenizer
-
         self.path = os.fspath(path)
         self._tok = _HFTokenizer.from_file(os.path.join(self.path, "tokenizer.json"))
         tok_cfg = _read_json(os.path.join(self.path, "tokenizer_config.json"))

@@ -7,6 +7,8 @@ import dataclasses
 import math
 from typing import Any
 
+from jspec.config.errors import UnsupportedArchitectureError
+
 DEEPSEEK_ARCHITECTURES = {"DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV2ForCausalLM": "deepseek_v2"}
 # Refused by name: V3.2's sparse attention (its indexer) is not built.
 REFUSED_DEEPSEEK_ARCHITECTURES = ("DeepseekV32ForCausalLM",)
@@ -66,8 +68,6 @@ class DeepseekConfig:
 
 def deepseek_fields(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
     """ModelConfig's keyword arguments for a DeepSeek-V3 config.json (HF's DeepseekV3Config)."""
-    from jspec.config.model import UnsupportedArchitectureError
-
     if hf.get("attention_bias"):
         raise UnsupportedArchitectureError("DeepSeek with attention_bias=true is not supported")
     if hf.get("hidden_act", "silu") != "silu":
@@ -86,32 +86,7 @@ def deepseek_fields(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
         raise UnsupportedArchitectureError("DeepSeek-V2 with norm_topk_prob=true is not supported")
     rs = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     rope_theta = hf.get("rope_theta") or rs.get("rope_theta") or 10000.0
-    rope_type = rs.get("rope_type", rs.get("type", "default"))
-    yarn: dict[str, Any] = {}
-    if rope_type == "yarn":
-        original = int(rs["original_max_position_embeddings"])
-        factor = rs.get("factor")
-        factor = float(factor) if factor is not None else hf["max_position_embeddings"] / original
-        mscale, mscale_all = float(rs.get("mscale") or 0.0), float(rs.get("mscale_all_dim") or 0.0)
-        attention_factor = rs.get("attention_factor")
-        if attention_factor is None:  # transformers' rule
-            attention_factor = (
-                yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
-                if mscale and mscale_all
-                else yarn_mscale(factor)
-            )
-        yarn = dict(
-            yarn_factor=factor,
-            yarn_original_max_position_embeddings=original,
-            yarn_beta_fast=float(rs.get("beta_fast") or 32),
-            yarn_beta_slow=float(rs.get("beta_slow") or 1),
-            yarn_mscale=mscale,
-            yarn_mscale_all_dim=mscale_all,
-            yarn_truncate=bool(rs.get("truncate", True)),
-            yarn_attention_factor=float(attention_factor),
-        )
-    elif rope_type != "default":
-        raise UnsupportedArchitectureError(f"DeepSeek rope type {rope_type!r} is not supported; only 'yarn' and none")
+    yarn = yarn_fields(hf, rs)
     n_experts = int(hf.get("n_routed_experts") or hf.get("num_local_experts") or 0)
     if not n_experts:
         raise UnsupportedArchitectureError("DeepSeek config without n_routed_experts")
@@ -166,6 +141,36 @@ def deepseek_fields(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
         num_mtp_layers=int(hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0)) or 0),
         deepseek=ds,
     )
+
+
+def yarn_fields(hf: dict[str, Any], rs: dict[str, Any]) -> dict[str, Any]:
+    """DeepseekConfig's yarn_* fields from config.json's rope scaling rs (none without YaRN)."""
+    rope_type = rs.get("rope_type", rs.get("type", "default"))
+    if rope_type == "yarn":
+        original = int(rs["original_max_position_embeddings"])
+        factor = rs.get("factor")
+        factor = float(factor) if factor is not None else hf["max_position_embeddings"] / original
+        mscale, mscale_all = float(rs.get("mscale") or 0.0), float(rs.get("mscale_all_dim") or 0.0)
+        attention_factor = rs.get("attention_factor")
+        if attention_factor is None:  # transformers' rule
+            attention_factor = (
+                yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
+                if mscale and mscale_all
+                else yarn_mscale(factor)
+            )
+        return dict(
+            yarn_factor=factor,
+            yarn_original_max_position_embeddings=original,
+            yarn_beta_fast=float(rs.get("beta_fast") or 32),
+            yarn_beta_slow=float(rs.get("beta_slow") or 1),
+            yarn_mscale=mscale,
+            yarn_mscale_all_dim=mscale_all,
+            yarn_truncate=bool(rs.get("truncate", True)),
+            yarn_attention_factor=float(attention_factor),
+        )
+    if rope_type != "default":
+        raise UnsupportedArchitectureError(f"DeepSeek rope type {rope_type!r} is not supported; only 'yarn' and none")
+    return {}
 
 
 def _eos(eos) -> tuple[int, ...]:

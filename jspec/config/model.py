@@ -20,6 +20,7 @@ from jspec.config.deepseek import (
     DeepseekConfig,
     deepseek_fields,
 )
+from jspec.config.errors import UnsupportedArchitectureError
 
 # HF `architectures[0]` -> jspec family name.
 SUPPORTED_ARCHITECTURES = {
@@ -44,10 +45,6 @@ GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3")
 # Families whose every layer uses config.json's sliding_window (HF ignores layer_types there).
 _WINDOW_EVERY_LAYER = ("mistral", "mixtral", "phi3")
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
-
-
-class UnsupportedArchitectureError(ValueError):
-    pass
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,6 +23,7 @@ import os
 import threading
 import time
 
+import llguidance
 import numpy as np
 
 from jspec.config.reasoning import REASONING_FORMATS, ReasoningFormat
@@ -89,8 +90,6 @@ def allow_all(rows: int, vocab_size: int) -> np.ndarray:
 
 def grammar_source(kind: str, text: str) -> str:
     """llguidance's grammar for a request's grammar; GrammarError for a malformed one."""
-    import llguidance
-
     if kind not in GRAMMAR_KINDS:
         raise GrammarError(f"unknown grammar kind {kind!r}; choose one of {GRAMMAR_KINDS}")
     try:
@@ -151,8 +150,6 @@ class GrammarCompiler:
         compile_timeout_s: float = 10.0,
         limits: dict | None = None,
     ):
-        import llguidance
-
         self.vocab_size = vocab_size
         self.words = mask_words(vocab_size)
         eos = [int(t) for t in eos_token_ids if 0 <= int(t) < vocab_size]  # others can never be sampled
@@ -187,8 +184,6 @@ class GrammarCompiler:
         REASONING_FORMATS name, whose reasoning part the grammar leaves free and follows.
         GrammarError if llguidance rejects it, or its compilation takes longer than
         compile_timeout_s."""
-        import llguidance
-
         key = (kind, text if isinstance(text, str) else json.dumps(text, sort_keys=True), reasoning)
         with self._lock:
             hit = self._cache.get(key)

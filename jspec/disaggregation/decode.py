@@ -19,7 +19,7 @@ import time
 
 from jspec.config.engine import EngineConfig
 from jspec.disaggregation import kv_io
-from jspec.disaggregation.prefill import PROTOCOL, check_disaggregation_args
+from jspec.disaggregation.prefill import PROTOCOL, check_disaggregation_args, warmup_transfers
 from jspec.disaggregation.transfer import BACKENDS, Link, LinkClosed, connect, host_id, parse_addr
 from jspec.engine.engine import Engine
 from jspec.scheduler.request import Request, Status
@@ -387,8 +387,6 @@ class DecodeEngine(Engine):
     def warmup(self, sampling_modes=None, prompt_logprobs: bool = False) -> int:
         """Engine.warmup (decode programs; the prefill ones serve retracted requests) plus the
         KV write of every token bucket."""
-        from jspec.disaggregation.prefill import warmup_transfers
-
         return super().warmup(sampling_modes, prompt_logprobs) + warmup_transfers(self.worker, kv_io.write_request)
 
     def check_idle_no_leaks(self) -> None:

@@ -36,6 +36,7 @@ from jspec.engine.engine import Engine
 from jspec.scheduler.scheduler import Scheduler
 from jspec.scheduler.sync import start_host_copy
 from jspec.worker.batch import PrefillBatch
+from jspec.worker.programs import prefill_jobs
 
 log = logging.getLogger("jspec.pd")
 PROTOCOL = 1
@@ -96,7 +97,7 @@ class PrefillEngine(Engine):
         decodes, so Engine.warmup's decode programs would be wasted; a prefill samples its first
         token with the same program whatever the sampling). Returns the programs compiled."""
         w = self.worker
-        jobs = w.prefill_jobs(False) + (w.prefill_jobs(True) if prompt_logprobs else [])
+        jobs = prefill_jobs(w, False) + (prefill_jobs(w, True) if prompt_logprobs else [])
         return w.programs.compile_all(jobs) + warmup_transfers(w, kv_io.extract_request)
 
     def add_prefill(self, rid: str, ids: list[int], params: SamplingParams, seed: int) -> str:

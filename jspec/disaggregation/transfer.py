@@ -18,6 +18,7 @@ import socket
 import struct
 import threading
 
+import ml_dtypes
 import numpy as np
 
 MAGIC = b"JSPD"
@@ -55,8 +56,6 @@ def dtype(name: str) -> np.dtype:
     try:
         return np.dtype(name)
     except TypeError:
-        import ml_dtypes  # bfloat16 and friends are not numpy's own dtypes
-
         return np.dtype(getattr(ml_dtypes, name))
 
 

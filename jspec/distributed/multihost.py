@@ -8,6 +8,8 @@ JAX backend (loading a model does), which is why serve.py calls it first.
 
 from __future__ import annotations
 
+import jax
+
 
 def parse_dist_init_addr(addr: str) -> tuple[str, int]:
     host, sep, port = addr.rpartition(":")
@@ -35,7 +37,6 @@ def init_distributed(nnodes: int = 1, node_rank: int = 0, dist_init_addr: str | 
     check_multihost_args(nnodes, node_rank, dist_init_addr)
     if nnodes == 1:
         return False
-    import jax
 
     jax.distributed.initialize(coordinator_address=dist_init_addr, num_processes=nnodes, process_id=node_rank)
     return True

@@ -1,6 +1,6 @@
 """Engine: a worker (params, device state, compiled steps), the scheduler, and the loop.
 
-The overlap loop (DESIGN.md): launch step N+1, then read step N's outputs,
+The overlap loop (docs/architecture.md, "Host side"): launch step N+1, then read step N's outputs,
 which were already copying to the host (copy_to_host_async started at
 launch). The synchronous mode (disable_overlap_schedule=True) runs the very
 same code but reads each step's outputs right after launching it; it is the
@@ -22,34 +22,26 @@ import os
 import threading
 import time
 
-import jax
 import numpy as np
 
 from jspec.checkpoint.model import as_model, load_logged, with_context_length
 from jspec.config.engine import EngineConfig
 from jspec.config.sampling import SamplingParams
-from jspec.engine.sizing import (
-    PROBE_PAGES,
-    PoolPlan,
-    check_parallel,
-    device_bytes_in_use,
-    device_memory_bytes,
-    device_memory_stats,
-    page_bytes,
-    plan_pool,
-    probe_running_requests,
-)
-from jspec.layers.sampling import sampling_mode
+from jspec.constrained.grammar import GrammarCompiler
+from jspec.engine.build import build_worker
+from jspec.engine.outputs import GenerationOutput, as_prompt_list, tokenize_prompt
+from jspec.layers.sampling import SAMPLING_MODES, sampling_mode
+from jspec.lora.adapter import load_adapter
 from jspec.scheduler.detokenize import IncrementalDetokenizer, StopChecker
+from jspec.scheduler.dp_scheduler import DPScheduler
 from jspec.scheduler.request import Request
 from jspec.scheduler.scheduler import Scheduler
 from jspec.scheduler.sync import designated_read, start_host_copy
+from jspec.speculative.adaptive import AdaptivePolicy, CostTable
 from jspec.steps.common import unpack_output
-from jspec.worker.base import PendingLaunch, check_layer_loop
+from jspec.worker.base import PendingLaunch
 from jspec.worker.batch import DecodeBatch, DPBatch, PrefillBatch
-from jspec.worker.plain import PlainWorker
-from jspec.worker.programs import enable_compilation_cache
-from jspec.worker.spec import SpecWorker
+from jspec.worker.programs import decode_jobs, decode_ready, enable_compilation_cache
 
 log = logging.getLogger("jspec.engine")
 
@@ -117,21 +109,6 @@ class Launched:
     outputs: object
 
 
-def fp8_weights(config: EngineConfig, params):
-    """params quantized as config.quantization asks, their FP8 weights' matmul path set; the
-    features FP8 weights do not reach yet are refused by name."""
-    from jspec.layers.quant import has_fp8_weights, quantize_params, with_fp8_gemm
-
-    params = quantize_params(params, config.quantization)
-    if not has_fp8_weights(params):
-        return params
-    if config.serves_lora:
-        raise NotImplementedError("LoRA adapters over FP8 weights are not implemented")
-    if config.enable_dp_attention:
-        raise NotImplementedError("DP attention with FP8 weights is not implemented")
-    return with_fp8_gemm(params, config.fp8_gemm_backend)
-
-
 class Engine:
     """A model served by a worker and a scheduler. model: a loaded Model, or a checkpoint (a
     directory or a Hub repo id) read with `load` (a LoadConfig: revision, dtype, tokenizer, ...).
@@ -152,73 +129,16 @@ class Engine:
         target_path = self.model.path  # where NEXTN finds the target's own MTP layers
         del model
         self.spec = config.speculative
-        cfg, params = self.model.cfg, self.model.params
-        check_parallel(config, cfg)
-        params = fp8_weights(config, params)
-        self.model = dataclasses.replace(self.model, params=params)  # the unquantized weights are not kept
-        dp = config.dp_size if config.enable_dp_attention else 1
-        if self.spec is not None and self.spec.adaptive and dp > 1:
-            raise ValueError("adaptive speculation (--speculative-adaptive) is not implemented with DP attention")
-        dp_mesh = mesh = None
-        if dp > 1:
-            # DP attention: dp ranks of tp / dp devices, each with max_running_requests / dp request
-            # slots and its own pool of the configured size (jspec/distributed/dp_attention.py).
-            from jspec.distributed.dp_attention import make_dp_mesh, shard_params_dp
-
-            dp_mesh = make_dp_mesh(config.tp_size, dp)
-            cfg, params = shard_params_dp(cfg, params, dp_mesh)
-        elif config.tp_size > 1:
-            from jspec.distributed.tensor_parallel import make_mesh, shard_params
-
-            mesh = make_mesh(config.tp_size)
-            cfg, params = shard_params(cfg, params, mesh)  # cfg changes only if KV heads are repeated
-        method = dparams = None
-        if self.spec is not None:
-            from jspec.speculative.registry import make_method
-
-            # The draft is built against the checkpoint's config; it runs replicated on every shard.
-            method, dparams = make_method(
-                self.spec, self.model.cfg, draft, dtype=params["embed"].dtype, target_path=target_path
-            )
-        dtype = params["embed"].dtype
-        kw = dict(
-            page_size=config.page_size,
-            decode_paddings=config.precompile_bs_paddings,
-            chunked_prefill_size=max(8, config.chunked_prefill_size // dp),
-            top_n=config.max_top_logprobs,
-            attention_backend=config.attention_backend,
-            mesh=mesh,
-            layer_loop=config.layer_loop,
-            lora=self._lora_pool(config, dtype, mesh or dp_mesh, params),
-            kv_cache_dtype=config.kv_cache_dtype,
-        )
-        sizing = self._sizing(config, cfg, params, method, dp)
-        self.worker = self._build_worker(config, cfg, params, method, dparams, dp, kw, sizing)
-        # The worker holds the weights, laid out as its steps take them (per layer on the GPU): the
-        # engine keeps none, so what the loader made is freed unless the caller holds it.
-        self.model = dataclasses.replace(self.model, params=None)
-        del params
-        self.plan = self._size_pool(sizing, dp)
-        log.info(
-            "KV pool: %d tokens, %.2f GiB (%s); at most %d running requests (%s)",
-            self.plan.tokens,
-            self.plan.pool_bytes / 2**30,
-            self.plan.pool_source,
-            self.plan.max_running_requests,
-            self.plan.running_source,
-        )
+        # The worker takes the weights (a copy of the Model hands them over): the engine keeps
+        # none, so what the loader made is freed unless the caller holds it.
+        weights, self.model = dataclasses.replace(self.model), dataclasses.replace(self.model, params=None)
+        self.worker, self.plan = build_worker(weights, config, draft, target_path)
         self.adaptive = None  # the AdaptivePolicy, when speculation picks its draft shape per iteration
         if self.spec is not None and self.spec.adaptive:
-            from jspec.speculative.adaptive import AdaptivePolicy, CostTable
-
             costs = CostTable.load(self.spec.adaptive_cost_table) if self.spec.adaptive_cost_table else None
             self.adaptive = AdaptivePolicy(tuple(m.spec.shape for m in self.worker.methods), costs)
             if costs is not None:
                 log.info("adaptive speculation: cost table %s", costs.source)
-        if dp_mesh is not None:
-            from jspec.worker.dp import DPWorker
-
-            self.worker = DPWorker(self.worker, dp_mesh)
         # Speculation with grammar rows reads each proposed tree before verifying it.
         self.worker.host_read = designated_read
         self.scheduler = self.make_scheduler()
@@ -237,73 +157,11 @@ class Engine:
         for name, path in config.lora_paths.items():
             self.load_lora(name, path)
 
-    @staticmethod
-    def _sizing(config: EngineConfig, cfg, params, method, dp: int) -> dict:
-        """plan_pool's arguments but the measured ones (engine/sizing.py)."""
-        page = page_bytes(config, cfg, method, params["embed"].dtype)
-        return dict(
-            page_size=config.page_size,
-            # Per device: 1/tp of the weights, and each page's KV heads split over a rank's tp / dp devices.
-            bytes_per_page=page // max(1, config.tp_size // dp),
-            max_total_tokens=config.max_total_tokens,
-            mem_fraction_static=config.mem_fraction_static,
-            max_running_requests=config.max_running_requests,
-            device_bytes=device_memory_bytes(),
-            weight_bytes=sum(x.nbytes for x in jax.tree.leaves(params)) // config.tp_size,
-            speculative=method is not None,
-        )
-
-    @staticmethod
-    def _build_worker(config: EngineConfig, cfg, params, method, dparams, dp: int, kw: dict, sizing: dict):
-        """The worker over its final pool when the settings fix it; on an accelerator with no pool
-        size given, over a two-page pool (_size_pool measures its programs, then resizes it)."""
-        if sizing["device_bytes"] is None or config.max_total_tokens:
-            plan = plan_pool(**sizing)
-            pages, running = plan.pages, plan.max_running_requests
-        else:
-            pages, running = PROBE_PAGES, probe_running_requests(config, accelerator=True)
-        slots = max(1, running // dp)
-        if method is None:
-            return PlainWorker(cfg, params, num_pages=pages, max_slots=slots, **kw)
-        return SpecWorker(cfg, params, method, dparams, num_pages=pages, max_slots=slots, **kw)
-
-    def _size_pool(self, sizing: dict, dp: int) -> PoolPlan:
-        """The pool plan; over a probe pool, the worker's largest programs are measured and the
-        pool sized from the memory they and everything already on the device leave."""
-        worker = self.worker
-        if worker.num_pages != PROBE_PAGES or sizing["device_bytes"] is None or sizing["max_total_tokens"]:
-            return plan_pool(**sizing)
-        t0 = time.perf_counter()
-        measured = worker.measure_programs()
-        peak = max(m.needs_bytes for m in measured.values())
-        log.info(
-            "programs measured in %.1f s: the largest needs %.2f GiB (%s)",
-            time.perf_counter() - t0,
-            peak / 2**30,
-            ", ".join(f"{k}: {m.needs_bytes / 2**30:.2f}" for k, m in measured.items()),
-        )
-        # What is on the device besides the probe's pool: the weights as the worker laid them out,
-        # and anything the caller still holds.
-        in_use = device_bytes_in_use() - PROBE_PAGES * sizing["bytes_per_page"]
-        plan = plan_pool(**{**sizing, "weight_bytes": max(in_use, sizing["weight_bytes"])}, program_bytes=peak)
-        worker.resize(plan.pages, max(1, plan.max_running_requests // dp))
-        worker.first_step()
-        stats = device_memory_stats()
-        log.info(
-            "first step over the pool: %.2f GiB in use on the device, peak %.2f GiB of %.2f GiB",
-            stats.get("bytes_in_use", 0) / 2**30,
-            stats.get("peak_bytes_in_use", 0) / 2**30,
-            sizing["device_bytes"] / 2**30,
-        )
-        return plan
-
     # ---- hooks: what an engine built on this one (PD disaggregation) changes --------------------
 
     def make_scheduler(self):
         """The scheduler of this engine's worker (called once, when the worker is built)."""
         if self.config.enable_dp_attention:
-            from jspec.scheduler.dp_scheduler import DPScheduler
-
             return DPScheduler(
                 self.worker,
                 disable_radix_cache=self.config.disable_radix_cache,
@@ -324,25 +182,9 @@ class Engine:
 
     # ---- LoRA adapters -----------------------------------------------------------------------
 
-    def _lora_pool(self, config: EngineConfig, dtype, mesh, params):
-        """The adapter pool (max_loras_per_batch slots of rank max_lora_rank; by default as many
-        slots as lora_paths, at least 1, and the largest rank among them, at least 16)."""
-        if not config.serves_lora:
-            return None
-        from jspec.lora.adapter import read_rank
-        from jspec.lora.pool import LoraPool
-
-        paths = config.lora_paths
-        max_loras = config.max_loras_per_batch or max(1, len(paths))
-        max_rank = config.max_lora_rank or max([16] + [read_rank(p) for p in paths.values()])
-        stacked = check_layer_loop(config.layer_loop) == "scan" and isinstance(params["layers"], dict)
-        return LoraPool(self.model.cfg, max_loras, max_rank, dtype, mesh, stacked=stacked)
-
     def load_lora(self, name: str, path: str) -> int:
         """Reads a PEFT adapter and makes it resident under `name` (requests pick it with
         SamplingParams(lora_path=name)); no restart, no recompilation. Returns its pool slot."""
-        from jspec.lora.adapter import load_adapter
-
         if self.lora is None:
             raise ValueError(
                 "this engine serves no LoRA adapters; create it with enable_lora, max_loras_per_batch or lora_paths"
@@ -366,8 +208,6 @@ class Engine:
         jspec.layers.sampling.SAMPLING_MODES) narrows it, leaving the rest to compile at first use, and
         prompt_logprobs adds the prefills that score prompt tokens (otherwise compiled in the
         background when a request first asks). Returns the programs compiled."""
-        from jspec.layers.sampling import SAMPLING_MODES
-
         n = self.worker.warmup(sampling_modes or SAMPLING_MODES, prompt_logprobs)
         self._log_program_memory()
         if self.adaptive is not None and self.adaptive.costs is None:
@@ -400,15 +240,13 @@ class Engine:
         for it here; their sampled ones and the ragged verifies compile when first wanted."""
         self.drain()
         w = self.worker
-        w.programs.compile_all(w.decode_jobs(["greedy"], shapes=range(1, w.num_shapes)))
+        w.programs.compile_all(decode_jobs(w, ["greedy"], shapes=range(1, w.num_shapes)))
         self.adaptive.costs = w.measure_costs()
         log.info("adaptive speculation: cost table %s", self.adaptive.costs.source)
 
     # ---- requests ----------------------------------------------------------------------------
 
     def add_request(self, prompt, params: SamplingParams | None = None, rid: str | None = None) -> str:
-        from jspec.engine.outputs import tokenize_prompt
-
         params = params or SamplingParams()
         params.validate()
         ids = tokenize_prompt(prompt, self.model)
@@ -473,8 +311,6 @@ class Engine:
 
     def _make_grammar_compiler(self):
         if self._grammar_compiler is None:
-            from jspec.constrained.grammar import GrammarCompiler
-
             tok = self.model.tokenizer
             eos = set(self.model.cfg.eos_token_ids) | set(tok.eos_token_ids)
             self._grammar_compiler = GrammarCompiler.for_tokenizer(
@@ -571,9 +407,9 @@ class Engine:
 
         def ready(i: int, drafting_rows: int | None) -> bool:
             # The configured shape for every row is always compiled; the rest once ready.
-            return (i == 0 and drafting_rows is None) or self.worker.decode_ready(rows, mode, i, drafting_rows)
+            return (i == 0 and drafting_rows is None) or decode_ready(self.worker, rows, mode, i, drafting_rows)
 
-        return self.adaptive.choose(self.adaptive.alphas(batch.reqs), self.worker.decode_bucket(rows), ready)
+        return self.adaptive.choose(self.adaptive.alphas(batch.reqs), self.worker.buckets.decode_bucket(rows), ready)
 
     def _process(self, launched: Launched) -> list[RequestOutput]:
         t_start = time.perf_counter()
@@ -627,7 +463,7 @@ class Engine:
             self._process(done)
 
     def check_idle_no_leaks(self) -> None:
-        """At idle every page and request slot is back: the leak check of DESIGN.md."""
+        """At idle every page and request slot is back: the leak check of docs/architecture.md."""
         if self.has_work():
             raise AssertionError("engine is not idle")
         self.scheduler.check_no_leaks()
@@ -637,8 +473,6 @@ class Engine:
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None):
         """Runs prompts to completion; returns GenerationOutputs in order (n per prompt when
         params.n > 1, prompt by prompt)."""
-        from jspec.engine.outputs import GenerationOutput, as_prompt_list, tokenize_prompt
-
         # Every prompt checked (and errors named by its index) before any is submitted.
         prompts = [tokenize_prompt(p, self.model, i) for i, p in enumerate(as_prompt_list(prompts))]
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)

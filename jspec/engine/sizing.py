@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+
 from jspec.config.engine import EngineConfig
 from jspec.config.model import ModelConfig
 from jspec.kvcache.pool import kv_bytes_per_page, kv_cache_dtype
@@ -178,8 +180,6 @@ def probe_running_requests(config: EngineConfig, accelerator: bool) -> int:
 
 def device_memory_bytes() -> int | None:
     """What the first local device's allocator may hold; None without an accelerator that says."""
-    import jax
-
     dev = jax.local_devices()[0]
     if dev.platform == "cpu":
         return None
@@ -188,8 +188,6 @@ def device_memory_bytes() -> int | None:
 
 def device_memory_stats() -> dict:
     """The first local device's allocator statistics ({} where it has none)."""
-    import jax
-
     return jax.local_devices()[0].memory_stats() or {}
 
 

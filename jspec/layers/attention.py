@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from jspec.distributed.mesh import TENSOR
+from jspec.distributed.tensor_parallel import kv_pool_spec
+from jspec.kernels.mla_decode import mla_decode
+from jspec.kernels.paged_decode import paged_decode
+from jspec.kernels.paged_extend import paged_extend
+from jspec.kernels.ref import paged_decode_ref, paged_extend_ref
 from jspec.layers.batch import AttentionMode, ForwardBatch
 
 BACKENDS = ("pallas", "reference")
@@ -30,11 +37,9 @@ def paged_attention(
     if mode.backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {mode.backend!r}; choose one of {BACKENDS}")
     if mode.backend == "pallas":
-        from jspec.kernels.paged_decode import paged_decode as decode
-        from jspec.kernels.paged_extend import paged_extend as extend
+        decode, extend = paged_decode, paged_extend
     else:
-        from jspec.kernels.ref import paged_decode_ref as decode
-        from jspec.kernels.ref import paged_extend_ref as extend
+        decode, extend = paged_decode_ref, paged_extend_ref
     windowed = window is not None
     sinked = sinks is not None
     if mode.decode_only and mask is None:
@@ -84,10 +89,7 @@ def paged_decode_with_lse(q, k_cache, v_cache, layer, seq_lens, page_tables, *, 
     """Decode attention that also returns the log-sum-exp of each row's logits: (out [B, Hq, D] f32,
     lse [B, Hq] f32, -inf where nothing is visible), so that attention over the paged prefix can
     be merged with attention over keys that live outside the pool (the draft tree's ancestors)."""
-    if backend == "pallas":
-        from jspec.kernels.paged_decode import paged_decode as decode
-    else:
-        from jspec.kernels.ref import paged_decode_ref as decode
+    decode = paged_decode if backend == "pallas" else paged_decode_ref
     run = lambda q, k, v, layer, lens, tables: decode(
         q,
         k,
@@ -105,13 +107,9 @@ def mla_decode_with_lse(q, latent_cache, layer, seq_lens, page_tables, *, kv_lor
     """paged_decode_with_lse for absorbed latent attention (MLA): q [B, Hq, R + P] over a latent
     cache [L, P, S, 1, R + P] whose values are its first R columns -> (out [B, Hq, R] f32, lse)."""
     if backend == "pallas":
-        from jspec.kernels.mla_decode import mla_decode
-
         return mla_decode(
             q, latent_cache, layer, seq_lens, page_tables, kv_lora_rank=kv_lora_rank, sm_scale=sm_scale, return_lse=True
         )
-    from jspec.kernels.ref import paged_decode_ref
-
     out, lse = paged_decode_ref(
         q, latent_cache, latent_cache, layer, seq_lens, page_tables, sm_scale=sm_scale, return_lse=True
     )
@@ -124,11 +122,6 @@ def over_head_shards(fn, q, k_cache, v_cache, *replicated, with_lse: bool = Fals
     current mesh (jax.set_mesh) has a "tensor" axis that divides both head counts; heads
     are independent, so no communication. Otherwise fn runs as is (one device, or a
     replicated draft whose heads do not divide)."""
-    from jax.sharding import PartitionSpec as P
-
-    from jspec.distributed.mesh import TENSOR
-    from jspec.distributed.tensor_parallel import kv_pool_spec
-
     mesh = jax.sharding.get_abstract_mesh()
     tp = 1 if mesh.empty or TENSOR not in mesh.axis_names else mesh.shape[TENSOR]
     if tp == 1 or q.shape[1] % tp or k_cache.shape[3] % tp:

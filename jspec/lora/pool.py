@@ -15,8 +15,12 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jspec.config.model import ModelConfig
+from jspec.distributed.mesh import DATA, TENSOR
+from jspec.distributed.tensor_parallel import block_columns, kv_head_repeat, repeat_kv_columns
 from jspec.layers.lora import LoraWeights
 from jspec.lora.adapter import FUSED_PROJECTIONS, LoraAdapter, LoraError, module_shapes
 
@@ -81,8 +85,6 @@ class ProjectionLayout:
 
     def lay_b(self, B: np.ndarray) -> np.ndarray:
         """B [rows, sum(held)] -> b_shape(rows)."""
-        from jspec.distributed.tensor_parallel import block_columns
-
         if self.kind not in ("blocked", "ranked_blocked"):
             return B
         return np.asarray(block_columns(B, self.held, self.dp * self.k)).reshape(self.b_shape(B.shape[0]))
@@ -91,9 +93,6 @@ class ProjectionLayout:
 def projection_layouts(cfg: ModelConfig, mesh) -> tuple[dict[str, ProjectionLayout], int]:
     """Each fused projection's layout on mesh (None, TP's ("tensor",) or DP attention's
     ("data", "tensor")), and the factor the model repeats KV heads by (replicate_kv_heads)."""
-    from jspec.distributed.mesh import DATA, TENSOR
-    from jspec.distributed.tensor_parallel import kv_head_repeat
-
     shapes = projection_shapes(cfg)
     if mesh is None:
         return {p: ProjectionLayout("plain", fan_in, tuple(outs)) for p, (fan_in, outs) in shapes.items()}, 1
@@ -188,8 +187,6 @@ class LoraPool:
     def _place(self, x, spec: tuple | None):
         if self.mesh is None:
             return x
-        from jax.sharding import NamedSharding
-        from jax.sharding import PartitionSpec as P
 
         return jax.device_put(x, NamedSharding(self.mesh, P(*spec)))
 
@@ -227,8 +224,6 @@ class LoraPool:
         (extend_params' result, donated). Returns (slot, the new params). Every check runs
         before the first write; the writes donate (the weights are not held twice), so a
         device failure part way (out of memory) leaves the engine to be restarted."""
-        from jspec.distributed.tensor_parallel import repeat_kv_columns
-
         if adapter.name in self.slots:
             raise ValueError(f"a LoRA adapter named {adapter.name!r} is already loaded (unload it first)")
         if adapter.rank > self.max_rank:

@@ -8,8 +8,8 @@ that picks experts inside the best groups, routed weights scaled, and shared exp
 on (V2: softmax scores, groups by their best expert). RoPE is YaRN with DeepSeek's mscale, on
 interleaved pairs.
 
-`forward` has llama.forward's contract (pool in and out, ForwardOutput), which dispatches here
-for a config with `deepseek` set. Layers are per-layer dicts (dense and sparse layers differ).
+`forward` has llama.forward's contract (pool in and out, ForwardOutput); models/forward.py runs
+it for a config with `deepseek` set. Layers are per-layer dicts (dense and sparse layers differ).
 """
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ import numpy as np
 
 from jspec.config.deepseek import DeepseekConfig
 from jspec.config.model import ModelConfig, RopeScaling
+from jspec.kernels import mla_decode as mla_kernels
+from jspec.kernels.mla_ref import mla_decode_ref, mla_extend_expanded_ref, mla_extend_ref
 from jspec.kvcache.pool import KVPool, write_kv
 from jspec.layers.batch import AttentionMode, ForwardBatch
 from jspec.layers.matmul import dense_f32
-from jspec.models.llama import rms_norm
+from jspec.models.common import ForwardOutput, compute_logits, rms_norm, run_layers, store_capture
 from jspec.models.moe import ExpertMlp, moe_experts
 from jspec.models.rope import inv_freq
 
@@ -99,13 +101,10 @@ def mla_attention(cfg, lp, q_nope, q_rope, cache, layer, batch: ForwardBatch, mo
         raise ValueError(f"unknown attention backend {mode.backend!r}")
     # Decode and verify have Pallas kernels (absorbed); prefill runs the expanded reference on
     # every backend.
-    from jspec.kernels.mla_ref import mla_decode_ref, mla_extend_expanded_ref, mla_extend_ref
-
     if mode.backend == "pallas":
-        from jspec.kernels.mla_decode import mla_decode, mla_extend
+        mla_decode, mla_extend = mla_kernels.mla_decode, mla_kernels.mla_extend
     else:
         mla_decode, mla_extend = mla_decode_ref, mla_extend_ref
-
     if not mode.decode_only and mask is None:
         out = mla_extend_expanded_ref(
             q_nope,
@@ -231,8 +230,6 @@ def forward(
     params, cfg: ModelConfig, kv: KVPool, batch: ForwardBatch, mode: AttentionMode, capture_layers=(), mask=None
 ):
     """llama.forward for DeepSeek-V3: kv.k is the latent cache [L, P, S, 1, latent_dim]."""
-    from jspec.models.llama import ForwardOutput, compute_logits, run_layers, store_capture
-
     dtype = params["embed"].dtype
     x = params["embed"][batch.tokens].astype(dtype)
     T = x.shape[0]

@@ -14,11 +14,13 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from jspec.config.draft import DraftConfig
 from jspec.config.model import ModelConfig
-from jspec.models.llama import decoder_layer, lm_head_logits, rms_norm, run_layers
+from jspec.models.common import lm_head_logits, rms_norm, run_layers
+from jspec.models.llama import decoder_layer
 
 
-def layer_config(dcfg) -> ModelConfig:
+def layer_config(dcfg: DraftConfig) -> ModelConfig:
     """A ModelConfig describing the draft's decoder layers, so the target's layer code runs them."""
     return ModelConfig(
         family="llama",
@@ -36,11 +38,11 @@ def layer_config(dcfg) -> ModelConfig:
     )
 
 
-def is_eagle3(dcfg) -> bool:
+def is_eagle3(dcfg: DraftConfig) -> bool:
     return dcfg.algorithm == "EAGLE3"
 
 
-def target_feature(dparams, dcfg, feats: jax.Array) -> jax.Array:
+def target_feature(dparams, dcfg: DraftConfig, feats: jax.Array) -> jax.Array:
     """Turns target features into the draft's H-dim hidden input (EAGLE-3 fuses 3H -> H)."""
     if is_eagle3(dcfg):
         x = jnp.dot(feats, dparams["fc"], preferred_element_type=jnp.float32)
@@ -52,7 +54,7 @@ def target_feature(dparams, dcfg, feats: jax.Array) -> jax.Array:
 
 def draft_layers(
     dparams,
-    dcfg,
+    dcfg: DraftConfig,
     embed: jax.Array,
     tokens: jax.Array,  # [T] target-vocabulary ids
     hidden: jax.Array,  # [T, H] draft hidden input (already through target_feature)
@@ -94,7 +96,7 @@ def draft_layers(
     return x, caches
 
 
-def draft_logits(dparams, dcfg, target_params, out: jax.Array) -> jax.Array:
+def draft_logits(dparams, dcfg: DraftConfig, target_params, out: jax.Array) -> jax.Array:
     """Logits over the draft vocabulary [T, Vd] (float32)."""
     if is_eagle3(dcfg):
         h = rms_norm(out, dparams["final_norm"], dcfg.rms_norm_eps)

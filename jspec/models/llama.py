@@ -1,16 +1,15 @@
 """Pure-functional Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, and their MoE
 kin Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss: see moe.py) over paged KV.
 
-`forward` runs one ragged token batch (see models/batch.py) through all layers,
+`forward` runs one ragged token batch (layers/batch.py) through all layers,
 writes the new tokens' K/V into the pool, and returns logits only for the rows
 asked for, plus the residual stream entering chosen layers (EAGLE-3 drafts
 read three of them). Layers are stacked on a leading axis and run under
-lax.scan, so compile time does not grow with depth.
+lax.scan, so compile time does not grow with depth (models/common.py: run_layers).
+Callers run models/forward.py's forward, which picks this family or DeepSeek's.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,20 +25,9 @@ from jspec.layers.lora import LoraBatch, add_lora_delta, lora_dense, slot_mask
 from jspec.layers.matmul import dense_f32
 from jspec.layers.quant import is_fp8
 from jspec.models import rope
+from jspec.models.common import ForwardOutput, compute_logits, rms_norm, run_layers, store_capture
 from jspec.models.moe import moe_mlp_on_mesh
 from jspec.models.rope import apply_rope
-
-
-class ForwardOutput(NamedTuple):
-    logits: jax.Array  # [N, V] float32, for batch.logits_indices
-    hidden: jax.Array  # [T, H] final-normed hidden state of every row (the EAGLE-1 draft input)
-    captured: jax.Array | None  # [C, T, H] residual stream entering each capture layer
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * x32.astype(x.dtype)
 
 
 def _linear(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -262,62 +250,6 @@ def rope_cos_sin(cfg: ModelConfig, positions: jax.Array, sliding: bool = False):
     return rope.cos_sin(cfg, positions, sliding and cfg.sliding_rope_theta is not None)
 
 
-def compute_logits(params, cfg: ModelConfig, hidden_normed: jax.Array) -> jax.Array:
-    """f32 logits of final-normed hidden states: the LM head, divided by Granite's
-    logits_scaling, soft-capped for Gemma 2."""
-    logits = lm_head_logits(params, hidden_normed)
-    if cfg.logits_divisor != 1.0:
-        logits = logits / cfg.logits_divisor
-    if cfg.final_logit_softcap is not None:
-        logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
-    return logits
-
-
-def lm_head_logits(params, h: jax.Array) -> jax.Array:
-    """h [T, H] -> f32 logits [T, V] from params' lm_head [H, V], or the tied embedding [V, H].
-
-    The tied case contracts the embedding's own axis: written as h @ embed.T, XLA:CPU
-    materialises the transposed table on every call."""
-    if "lm_head" in params:
-        return dense_f32(h, params["lm_head"])
-    return jax.lax.dot_general(h, params["embed"], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def run_layers(layers, body, carry):
-    """carry = body(carry, lp, layer) for every layer, in order.
-
-    layers is a dict of arrays stacked on a leading layer axis, run as one lax.scan (the
-    layer body compiles once, whatever the depth), or a list of per-layer dicts, run as an
-    unrolled loop (each layer compiled on its own, no weight ever sliced out of a stack).
-    layer is the traced layer index under the scan, a Python int when unrolled.
-    """
-    if isinstance(layers, (list, tuple)):
-        for i, lp in enumerate(layers):
-            carry = body(carry, lp, i)
-        return carry
-    num_layers = len(next(iter(jax.tree.leaves(layers))))
-    if num_layers == 1:  # a static slice of a one-layer stack is free
-        return body(carry, jax.tree.map(lambda a: a[0], layers), 0)
-
-    def step(carry, xs):
-        lp, layer = xs
-        return body(carry, lp, layer), None
-
-    return jax.lax.scan(step, carry, (layers, jnp.arange(num_layers, dtype=jnp.int32)))[0]
-
-
-def store_capture(captured: jax.Array | None, capture_layers: tuple[int, ...], layer, x: jax.Array):
-    """captured[j] = x when layer is capture_layers[j]. A select, not a branch: a conditional
-    inside the layer loop would cost the GPU a host round trip per layer."""
-    if captured is None:
-        return None
-    if isinstance(layer, int):
-        return captured.at[capture_layers.index(layer)].set(x) if layer in capture_layers else captured
-    hit = jnp.asarray(capture_layers, jnp.int32) == layer
-    j = jnp.argmax(hit)
-    return captured.at[j].set(jnp.where(jnp.any(hit), x, captured[j]))
-
-
 def forward(
     params,
     cfg: ModelConfig,
@@ -334,14 +266,7 @@ def forward(
     mask [B, max_q_len, max_q_len] replaces causal masking among each sequence's new tokens
     (tree verification). lora: the adapter pool and each token's slot (None: no LoRA, the
     programs are those without it); its layers are laid out as the model's.
-    A DeepSeek config runs models/deepseek.py's forward (latent attention), which has no LoRA.
     """
-    if cfg.deepseek is not None:
-        from jspec.models.deepseek import forward as deepseek_forward
-
-        if lora is not None:
-            raise ValueError("LoRA adapters are not supported for DeepSeek (MLA) models")
-        return deepseek_forward(params, cfg, kv, batch, mode, capture_layers, mask)
     dtype = params["embed"].dtype
     x = embed_tokens(params, cfg, batch.tokens).astype(dtype)
     T = x.shape[0]
@@ -381,20 +306,6 @@ def attach_lora(layers, lora_layers):
     if isinstance(layers, (list, tuple)):
         return [{**lp, "lora": lw} for lp, lw in zip(layers, lora_layers)]
     return {**layers, "lora": lora_layers}
-
-
-def unstack_layers(params):
-    """Stacked layer weights -> a list of per-layer dicts (leaf by leaf, freeing as it goes)."""
-    layers = params["layers"]
-    if isinstance(layers, (list, tuple)):
-        return params
-    n = len(jax.tree.leaves(layers)[0])
-    per_layer = [dict() for _ in range(n)]
-    for name in list(layers):
-        stacked = layers[name]
-        for i in range(n):
-            per_layer[i][name] = stacked[i]  # an Fp8Weight indexes its weight and scale alike
-    return {**params, "layers": per_layer}
 
 
 def dense_forward(params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:

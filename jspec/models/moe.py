@@ -17,7 +17,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jspec.config.model import ModelConfig
-from jspec.distributed.mesh import EXPERT
+from jspec.distributed.dp_attention import in_rank_region
+from jspec.distributed.mesh import DATA, EXPERT, TENSOR
 
 
 def route(
@@ -218,9 +219,6 @@ def moe_mlp_on_mesh(cfg: ModelConfig, lp, h: jax.Array) -> jax.Array:
     """The model's sparse MLP: expert-parallel over the current mesh's "tensor" axis when there
     is one (jspec.distributed shards a MoE model's experts over the TP devices, i.e. EP = TP, as
     SGLang's --ep-size equal to --tp-size), else every expert local."""
-    from jspec.distributed.dp_attention import in_rank_region
-    from jspec.distributed.mesh import DATA, TENSOR
-
     if in_rank_region():  # DP attention: this rank's tokens, experts over every rank's devices
         return moe_mlp_expert_parallel(cfg, None, lp, h, axis_name=TENSOR, outer_axes=(DATA,))
     mesh = jax.sharding.get_abstract_mesh()

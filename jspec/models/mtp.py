@@ -10,16 +10,12 @@ embedding at position 0.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from jspec.config.model import ModelConfig
 from jspec.layers.matmul import dense_f32
-from jspec.models import deepseek, llama
-
-
-def rope_cos_sin(cfg: ModelConfig, positions: jax.Array):
-    return (deepseek if cfg.deepseek is not None else llama).rope_cos_sin(cfg, positions)
+from jspec.models.common import rms_norm
+from jspec.models.forward import decoder_layer
 
 
 def mtp_layer(cfg: ModelConfig, mp, embed, tokens, positions, hidden, cos, sin, attend, caches):
@@ -29,9 +25,8 @@ def mtp_layer(cfg: ModelConfig, mp, embed, tokens, positions, hidden, cos, sin, 
     e = embed[tokens].astype(hidden.dtype)
     if cfg.deepseek is None:
         e = jnp.where((positions == 0)[:, None], 0, e)
-    fused = jnp.concatenate([llama.rms_norm(e, mp["enorm"], eps), llama.rms_norm(hidden, mp["hnorm"], eps)], axis=-1)
+    fused = jnp.concatenate([rms_norm(e, mp["enorm"], eps), rms_norm(hidden, mp["hnorm"], eps)], axis=-1)
     x = dense_f32(fused, mp["eh_proj"]).astype(hidden.dtype)
-    h = llama.rms_norm(x, mp["attn_norm"], eps)
-    layer = deepseek.decoder_layer if cfg.deepseek is not None else llama.decoder_layer
-    x, caches = layer(cfg, mp, x, h, cos, sin, attend, caches)
-    return llama.rms_norm(x, mp["head_norm"], eps), caches
+    h = rms_norm(x, mp["attn_norm"], eps)
+    x, caches = decoder_layer(cfg)(cfg, mp, x, h, cos, sin, attend, caches)
+    return rms_norm(x, mp["head_norm"], eps), caches

@@ -1,10 +1,10 @@
 """The one place where the scheduler reads device values.
 
-The overlap loop (DESIGN.md, "Host side") launches step N+1, then reads step
+The overlap loop (docs/architecture.md, "Host side") launches step N+1, then reads step
 N's small outputs, whose device->host copy was started right after N's launch.
 That read is the loop's only host<->device sync, and it goes through
 `designated_read` so that tests can tell it from an accidental one
-(tests/sync_guard.py allows reads made inside this function and fails on any
+(tests/support/sync_guard.py allows reads made inside this function and fails on any
 other). Nothing else in the scheduler may call np.asarray, int(), .item(),
 jax.device_get or block_until_ready on a device array.
 """

@@ -78,7 +78,7 @@ def main(argv=None) -> None:
 
     path = server.model_path
     if path is None:
-        from jspec.testing.demo import default_model_path
+        from jspec.checkpoint.demo import default_model_path
 
         path, what = default_model_path()
         log.info("serving %s at %s", what, path)

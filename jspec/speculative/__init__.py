@@ -1,5 +1,6 @@
-"""Speculative decoding: the method interface (method.py), methods (eagle.py, standalone.py, ngram.py),
-shared verification (verify.py, accept.py) and draft trees (tree.py, beams.py)."""
+"""Speculative decoding: the method interface (method.py) and the steps every method runs
+through (steps.py), methods (eagle.py, standalone.py, ngram.py, nextn.py), shared
+verification (verify.py, accept.py) and draft trees (tree.py, beams.py)."""
 
 from jspec.speculative.accept import AcceptResult, greedy_accept
 from jspec.speculative.tree import (

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jspec.layers.sampling import sample_tokens
 from jspec.speculative.tree import DraftTree
 
 
@@ -84,8 +85,6 @@ def sampled_accept(
     its candidates, so min(1, p/q) acceptance and the residual p - q reduce to this), chain or
     tree, and the same tokens as non-speculative sampling with the same seed.
     """
-    from jspec.layers.sampling import sample_tokens
-
     B, N, V = node_logits.shape
     node_rows = jax.tree.map(lambda a: jnp.repeat(a, N, axis=0), rows)
     draw_pos = (first_pos[:, None] + tree.depths).reshape(-1)

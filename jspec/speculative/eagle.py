@@ -15,6 +15,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jspec.config.draft import DraftConfig
+from jspec.config.model import ModelConfig
 from jspec.config.spec import SpecConfig
 from jspec.kvcache.pool import KVPool, create_kv_pool, kv_bytes_per_page
 from jspec.layers.batch import AttentionMode, ForwardBatch, bucket
@@ -48,7 +50,7 @@ class EagleMethod(SpecMethod):
     """EAGLE / EAGLE-3 (dcfg.algorithm): the draft head, its own paged KV, EAGLE-2 beam trees."""
 
     spec: SpecConfig
-    dcfg: object  # DraftConfig
+    dcfg: DraftConfig | ModelConfig  # the head's; NextnMethod's is the target's ModelConfig
     # Top-k candidates the carry keeps after the root: the widest topk among the shapes an
     # adaptive engine switches between (sorted, so a narrower shape reads the first k).
     carry_topk: int = 0
@@ -170,7 +172,7 @@ def _draft_paged_forward(params, dparams, dcfg, dkv: KVPool, batch: ForwardBatch
 
 
 def _draft_tree(params, dparams, dcfg, spec: SpecConfig, draft_kv: KVPool, c: SpecCarry, page_tables, backend):
-    """num_steps - 1 head forwards over topk beams (spec/beams.py), from the carry's top-k."""
+    """num_steps - 1 head forwards over topk beams (speculative/beams.py), from the carry's top-k."""
     e = c.extra
     lcfg = layer_config(dcfg)
     embed = draft_embed(dparams, params)

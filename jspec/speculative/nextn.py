@@ -18,9 +18,11 @@ import jax
 import jax.numpy as jnp
 
 from jspec.kvcache.pool import KVPool, create_kv_pool, kv_bytes_per_page
+from jspec.models.common import lm_head_logits
 from jspec.models.deepseek import absorbed_attend, paged_mla_attend
-from jspec.models.llama import lm_head_logits, paged_attend
-from jspec.models.mtp import mtp_layer, rope_cos_sin
+from jspec.models.forward import rope_cos_sin
+from jspec.models.llama import paged_attend
+from jspec.models.mtp import mtp_layer
 from jspec.speculative.beams import grow_beam_tree
 from jspec.speculative.eagle import EagleMethod
 from jspec.speculative.method import SpecCarry

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 
+from jspec.checkpoint.eagle import load_draft_model
+from jspec.checkpoint.loader import load_model
+from jspec.checkpoint.mtp import load_mtp_params
 from jspec.config.model import ModelConfig
 from jspec.config.spec import SpecConfig
+from jspec.speculative.eagle import EagleMethod
+from jspec.speculative.nextn import NextnMethod
+from jspec.speculative.ngram import NgramMethod
+from jspec.speculative.standalone import StandaloneMethod
 
 
 def make_method(spec: SpecConfig, cfg: ModelConfig, draft=None, dtype=None, target_path=None):
@@ -15,20 +22,12 @@ def make_method(spec: SpecConfig, cfg: ModelConfig, draft=None, dtype=None, targ
     the MTP layers of spec.draft_model_path, else of target_path (the target's checkpoint)."""
     _check_tree_fits_windows(spec, cfg, "target")
     if spec.algorithm in ("EAGLE", "EAGLE3"):
-        from jspec.speculative.eagle import EagleMethod
-
         if draft is None:
-            from jspec.checkpoint.eagle import load_draft_model
-
             draft = load_draft_model(_draft_dir(spec), cfg, dtype=dtype, algorithm=spec.algorithm)
         dcfg, dparams = draft
         return EagleMethod(spec, dcfg, carry_topk=max(k for _, k, _ in spec.shapes())), dparams
     if spec.algorithm == "STANDALONE":
-        from jspec.speculative.standalone import StandaloneMethod
-
         if draft is None:
-            from jspec.checkpoint.loader import load_model
-
             draft = load_model(_draft_dir(spec), dtype=dtype)
         dcfg, dparams = draft
         if dcfg.vocab_size != cfg.vocab_size:
@@ -44,16 +43,12 @@ def make_method(spec: SpecConfig, cfg: ModelConfig, draft=None, dtype=None, targ
             )
         return StandaloneMethod(spec, dcfg), dparams
     if spec.algorithm == "NEXTN":
-        from jspec.speculative.nextn import NextnMethod
-
         if cfg.deepseek is None and not cfg.num_mtp_layers:
             raise ValueError(
                 f"NEXTN drafts with the checkpoint's own multi-token-prediction layers (DeepSeek-V3, MiMo); "
                 f"this {cfg.family!r} target has none"
             )
         if draft is None:
-            from jspec.checkpoint.mtp import load_mtp_params
-
             path = _draft_dir(spec) if spec.draft_model_path else target_path
             if path is None:
                 raise ValueError(
@@ -70,8 +65,6 @@ def make_method(spec: SpecConfig, cfg: ModelConfig, draft=None, dtype=None, targ
         _check_tree_fits_windows(method.spec, cfg, "target")  # now that the block is known
         return method, dparams
     if spec.algorithm == "NGRAM":
-        from jspec.speculative.ngram import NgramMethod
-
         if draft is not None:
             raise ValueError("NGRAM speculation has no draft model; do not pass draft=")
         # The history holds every position a request can reach, plus one iteration's overshoot.

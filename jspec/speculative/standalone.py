@@ -18,17 +18,9 @@ from jspec.config.model import ModelConfig
 from jspec.config.spec import SpecConfig
 from jspec.kvcache.pool import create_kv_pool, kv_bytes_per_page
 from jspec.layers.batch import AttentionMode, ForwardBatch, bucket
-from jspec.models.llama import (
-    attention_input,
-    compute_logits,
-    decoder_layer,
-    embed_tokens,
-    forward,
-    layer_rope,
-    rms_norm,
-    rope_cos_sin,
-    run_layers,
-)
+from jspec.models.common import compute_logits, rms_norm, run_layers
+from jspec.models.forward import forward
+from jspec.models.llama import attention_input, decoder_layer, embed_tokens, layer_rope, rope_cos_sin
 from jspec.speculative.beams import grow_beam_tree
 from jspec.speculative.method import PrefillContext, SpecCarry, SpecMethod
 from jspec.speculative.tree import chains_tree

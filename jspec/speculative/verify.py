@@ -18,7 +18,8 @@ from jspec.layers.batch import AttentionMode, ForwardBatch, bucket
 from jspec.layers.lora import LoraBatch
 from jspec.layers.penalties import PenaltyState, apply_tree_penalties
 from jspec.layers.sampling import SamplingRows, apply_vocab_mask, token_logprobs
-from jspec.models.llama import ForwardOutput, forward
+from jspec.models.common import ForwardOutput
+from jspec.models.forward import forward
 from jspec.speculative.accept import AcceptResult, sampled_accept
 from jspec.speculative.tree import DraftTree
 from jspec.steps.common import StepOutput, slots_of
@@ -71,39 +72,10 @@ def verify_tree(
     """
     B, N = tree.tokens.shape
     page_size, num_pages = target_kv.page_size, target_kv.num_pages
-    node_pos = n[:, None] + jnp.arange(N, dtype=jnp.int32)[None]
     Q = bucket(N)
     mask = jnp.zeros((B, Q, Q), bool).at[:, :N, :N].set(tree.mask)
-    node_slots = slots_of(page_tables, node_pos, page_size)
-    positions = n[:, None] + tree.depths
-    if drafting is None:
-        counts = jnp.full(B, N, jnp.int32)
-        node_valid, T = None, B * N
-        batch = ForwardBatch(
-            tokens=tree.tokens.reshape(-1),
-            positions=positions.reshape(-1),
-            slots=node_slots.reshape(-1),
-            seq_lens=n + N,
-            page_tables=page_tables,
-            query_start=jnp.arange(B + 1, dtype=jnp.int32) * N,
-            logits_indices=jnp.arange(B * N, dtype=jnp.int32),
-        )
-    else:
-        T = verify_tokens
-        counts = jnp.where(drafting, N, 1).astype(jnp.int32)
-        query_start = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts, dtype=jnp.int32)])
-        node_valid = jnp.arange(N, dtype=jnp.int32)[None] < counts[:, None]
-        flat = jnp.where(node_valid, query_start[:-1, None] + jnp.arange(N, dtype=jnp.int32)[None], T)
-        scatter = lambda fill, x: jnp.full(T, fill, jnp.int32).at[flat.reshape(-1)].set(x.reshape(-1), mode="drop")  # noqa: E731
-        batch = ForwardBatch(
-            tokens=scatter(0, tree.tokens),
-            positions=scatter(0, positions),
-            slots=scatter(num_pages * page_size, node_slots),  # the tail writes no KV
-            seq_lens=n + counts,
-            page_tables=page_tables,
-            query_start=query_start,
-            logits_indices=jnp.arange(T, dtype=jnp.int32),
-        )
+    batch, counts, node_valid, flat = tree_batch(tree, n, page_tables, target_kv, drafting, verify_tokens)
+    T = batch.tokens.shape[0]
     if lora is not None:
         lora = lora._replace(token_slots=jnp.repeat(lora.token_slots, counts, total_repeat_length=T))
     tkv, out = forward(
@@ -152,6 +124,45 @@ def verify_tree(
         acc.tokens, acc.accept_len, lp.reshape(B, E), top_ids.reshape(B, E, top_n), top_lp.reshape(B, E, top_n)
     )
     return Verified(tkv, acc, path, valid, out, output)
+
+
+def tree_batch(tree: DraftTree, n, page_tables, target_kv: KVPool, drafting, verify_tokens: int | None):
+    """The target's forward batch over the tree nodes -> (batch, nodes per row [B], node_valid
+    [B, N] or None, each node's row in the batch [B, N] or None). Every row holds its N nodes
+    back to back; with drafting, a row that does not draft holds its root alone, in a batch of
+    verify_tokens tokens whose tail is padding."""
+    B, N = tree.tokens.shape
+    page_size, num_pages = target_kv.page_size, target_kv.num_pages
+    node_pos = n[:, None] + jnp.arange(N, dtype=jnp.int32)[None]
+    node_slots = slots_of(page_tables, node_pos, page_size)
+    positions = n[:, None] + tree.depths
+    if drafting is None:
+        batch = ForwardBatch(
+            tokens=tree.tokens.reshape(-1),
+            positions=positions.reshape(-1),
+            slots=node_slots.reshape(-1),
+            seq_lens=n + N,
+            page_tables=page_tables,
+            query_start=jnp.arange(B + 1, dtype=jnp.int32) * N,
+            logits_indices=jnp.arange(B * N, dtype=jnp.int32),
+        )
+        return batch, jnp.full(B, N, jnp.int32), None, None
+    T = verify_tokens
+    counts = jnp.where(drafting, N, 1).astype(jnp.int32)
+    query_start = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts, dtype=jnp.int32)])
+    node_valid = jnp.arange(N, dtype=jnp.int32)[None] < counts[:, None]
+    flat = jnp.where(node_valid, query_start[:-1, None] + jnp.arange(N, dtype=jnp.int32)[None], T)
+    scatter = lambda fill, x: jnp.full(T, fill, jnp.int32).at[flat.reshape(-1)].set(x.reshape(-1), mode="drop")  # noqa: E731
+    batch = ForwardBatch(
+        tokens=scatter(0, tree.tokens),
+        positions=scatter(0, positions),
+        slots=scatter(num_pages * page_size, node_slots),  # the tail writes no KV
+        seq_lens=n + counts,
+        page_tables=page_tables,
+        query_start=query_start,
+        logits_indices=jnp.arange(T, dtype=jnp.int32),
+    )
+    return batch, counts, node_valid, flat
 
 
 def _move_kv(cache: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:

@@ -12,6 +12,7 @@ from jspec.config.model import ModelConfig
 from jspec.layers.batch import ForwardBatch
 from jspec.layers.penalties import PenaltyState, PrefillCounts, apply_penalties, record_emitted, record_prefill
 from jspec.layers.sampling import NUM_PARAMS, SamplingRows, apply_vocab_mask, sample_tokens, token_logprobs
+from jspec.models.common import compute_logits
 
 
 class PromptLogprobs(NamedTuple):
@@ -72,8 +73,6 @@ def one_token_output(logits, rows: SamplingRows, tok, top_n: int) -> StepOutput:
 def prompt_logprobs(params, cfg: ModelConfig, hidden_normed, next_tokens, top_n: int) -> PromptLogprobs:
     """Logits at every prefill token (a [T, V] lm_head: only compiled into prefills that need it)
     and the logprob of the token after each; temperature 1, no penalties: the model's own score."""
-    from jspec.models.llama import compute_logits
-
     logits = compute_logits(params, cfg, hidden_normed)
     T = next_tokens.shape[0]
     lp, ids, tlp = token_logprobs(

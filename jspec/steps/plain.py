@@ -6,7 +6,7 @@ before the next launch) and the KV length `seq_len`. A decode step reads both
 from its slots, so the host can launch step N+1 before it has seen step N's
 tokens. The last slot is scratch for padded batch rows.
 
-Carry convention (shared with spec/eagle.py): the KV holds positions
+Carry convention (shared with speculative/method.py's SpecCarry): the KV holds positions
 0..seq_len-1; next_token is x_{seq_len}, not yet in the KV.
 """
 
@@ -24,7 +24,7 @@ from jspec.layers.batch import AttentionMode, ForwardBatch
 from jspec.layers.lora import LoraBatch
 from jspec.layers.penalties import PenaltyState, PrefillCounts, apply_penalties, record_emitted
 from jspec.layers.sampling import SamplingRows, apply_vocab_mask, sample_tokens
-from jspec.models.llama import forward
+from jspec.models.forward import forward
 from jspec.steps.common import (
     gather_slots,
     one_token_output,

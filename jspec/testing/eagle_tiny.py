@@ -1,11 +1,11 @@
 """Tiny random EAGLE / EAGLE-3 draft heads in the published on-disk layouts.
 
 For a given target ModelConfig, `make_tiny_draft(out_dir, target, "EAGLE")`
-writes what SafeAILab / SGLang heads look like (see models/eagle_loader.py for
+writes what SafeAILab / SGLang heads look like (see checkpoint/eagle.py for
 the layouts): config.json with the head's LlamaConfig fields and
 model.safetensors with un-prefixed names (fc.*, layers.0.* or midlayer.*,
 norm, lm_head, d2t/t2d). Weights are N(0, 1/fan_in) and norm scales
-1 + N(0, 0.1), as in models/tiny.py, so a misplaced norm or transpose shows.
+1 + N(0, 0.1), as in checkpoint/tiny.py, so a misplaced norm or transpose shows.
 
 A pytorch_model.bin variant needs torch, which jspec does not depend on:
 tests write one from `tiny_draft_tensors(...)` through the HF venv.
@@ -22,8 +22,8 @@ import ml_dtypes
 import numpy as np
 
 from jspec.checkpoint.files import write_safetensors
+from jspec.checkpoint.tiny import draw_hf_tensors
 from jspec.config.model import ModelConfig
-from jspec.testing.tiny import draw_hf_tensors
 
 
 def tiny_capture_layers(num_target_layers: int) -> tuple[int, ...]:

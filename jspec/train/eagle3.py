@@ -23,11 +23,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jspec.checkpoint.eagle import DraftConfig, init_random_draft_params
+import jspec
+from jspec.checkpoint.eagle import init_random_draft_params
 from jspec.checkpoint.files import write_safetensors
+from jspec.checkpoint.loader import save_params
+from jspec.config.draft import DraftConfig
 from jspec.config.model import ModelConfig
+from jspec.models.common import compute_logits, rms_norm
 from jspec.models.eagle import draft_layers, draft_logits, layer_config, target_feature
-from jspec.models.llama import attention_input, compute_logits, decoder_layer, embed_tokens, rms_norm, rope_cos_sin
+from jspec.models.llama import attention_input, decoder_layer, embed_tokens, rope_cos_sin
+from jspec.server.chat_template import render_chat
 from jspec.testing.eagle_tiny import draft_hf_config, tiny_capture_layers, write_draft_config
 
 # ---------------------------------------------------------------------------
@@ -43,8 +48,6 @@ class Example(NamedTuple):
 def chat_prompt_ids(model, prompt: str) -> list[int]:
     """The prompt as the server sends it: the chat template's text, tokenised without
     extra special tokens (the template writes BOS itself where the model wants one)."""
-    from jspec.server.chat_template import render_chat
-
     text = render_chat(model.tokenizer, [{"role": "user", "content": prompt}])
     return model.tokenizer.encode(text, add_special_tokens=False)
 
@@ -66,8 +69,6 @@ def generate_examples(
     too few tokens for a head, and the loss's labels are the target's own distributions at
     every position, so a sampled answer teaches as much as the greedy one. The greedy
     examples come first, in prompt order. Pass `engine` to reuse one (and its programs)."""
-    import jspec
-
     ids = [chat_prompt_ids(model, p) for p in prompts]
     params = [jspec.SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)] * len(ids)
     params += [
@@ -243,7 +244,7 @@ def ttt_attend(step: int, group: int, scale: float):
 def target_pass(params, cfg: ModelConfig, tokens: jax.Array, capture_layers: tuple[int, ...]):
     """tokens [S] -> (logits [S, V] float32, features [S, C*H]): a dense causal forward whose
     features are the residual streams entering the capture layers (index L = the last layer's
-    output before the final norm), concatenated low to high as spec/eagle.py reads them."""
+    output before the final norm), concatenated low to high as speculative/eagle.py reads them."""
     if cfg.sliding_windows or cfg.attn_logit_softcap is not None or cfg.rope_layers or cfg.attention_sinks:
         raise NotImplementedError(
             "EAGLE-3 training over a target with sliding-window attention, attention logit "
@@ -568,8 +569,6 @@ def save_head(
     """Writes the head so that load_draft_model and --speculative-draft-model-path read it
     (config.json + model.safetensors), the exact pytree with orbax (out_dir/params, read back
     by jspec.checkpoint.loader.restore_params), and train_meta.json (settings, curve, eval)."""
-    from jspec.checkpoint.loader import save_params
-
     out_dir = os.path.abspath(os.fspath(out_dir))
     os.makedirs(out_dir, exist_ok=True)
     dcfg = result.dcfg

@@ -18,10 +18,12 @@ from jspec.distributed.dp_attention import RankStep, data_part, dp_param_specs, 
 from jspec.distributed.mesh import DATA
 from jspec.distributed.tensor_parallel import replicate
 from jspec.layers.batch import AttentionMode, ForwardBatch, bucket
+from jspec.layers.lora import LoraBatch
 from jspec.layers.penalties import PrefillCounts
 from jspec.layers.sampling import SAMPLING_MODES, sampling_mode, sampling_rows
-from jspec.worker.base import WorkerBase, decode_lora_slots, prefill_lora_slots
+from jspec.worker.base import WorkerBase
 from jspec.worker.batch import DPBatch, PrefillBatch
+from jspec.worker.inputs import decode_inputs, decode_lora_slots, prefill_inputs, prefill_lora_slots
 from jspec.worker.spec import SpecWorker
 
 
@@ -108,21 +110,21 @@ class DPWorker:
         subs = batch.per_rank
         if batch.is_prefill:
             T = max(
-                self.inner.prefill_tokens(sum(len(c.tokens) for c in b.chunks))
+                self.inner.buckets.prefill_tokens(sum(len(c.tokens) for c in b.chunks))
                 for b in subs
                 if isinstance(b, PrefillBatch)
             )
             ranks = [self._prefill_inputs(b, T) if b is not None else self._idle_prefill_inputs(T) for b in subs]
             return self._launch_prefill(ranks, T, any(b is not None and b.with_prompt_logprobs for b in subs))
-        B = max(self.inner.decode_bucket(len(b.slots)) for b in subs if b is not None)
+        B = max(self.inner.buckets.decode_bucket(len(b.slots)) for b in subs if b is not None)
         ranks = [self._decode_inputs(b, B) for b in subs]
         mode = sampling_mode(p for b in subs if b is not None for p, _ in b.sampling)
         return self._launch_decode(ranks, mode)
 
     def _prefill_inputs(self, b, T: int):
         inner = self.inner
-        batch, mode, draft_tokens, finish_rows, slot_ids, counts = inner._prefill_inputs(
-            b.chunks, b.following, b.slots, b.output_starts, b.first_chunks, min_tokens=T
+        batch, mode, draft_tokens, finish_rows, slot_ids, counts = prefill_inputs(
+            inner, b.chunks, b.following, b.slots, b.output_starts, b.first_chunks, min_tokens=T
         )
         assert mode.max_q_len == T, (mode, T)
         rows = sampling_rows([p for p, _ in b.sampling], [s for _, s in b.sampling], slot_ids.shape[0])
@@ -161,7 +163,7 @@ class DPWorker:
         tables = list(b.page_tables) if b is not None else []
         sampling = b.sampling if b is not None else []
         pad = B - len(slots)
-        slot_ids, pt, rows = inner._decode_inputs(slots + [inner.scratch_slot] * pad, tables + [[]] * pad, sampling)
+        slot_ids, pt, rows = decode_inputs(inner, slots + [inner.scratch_slot] * pad, tables + [[]] * pad, sampling)
         return slot_ids, pt, rows, decode_lora_slots(slot_ids.shape[0], b.loras if b is not None else [])
 
     def _launch_prefill(self, ranks, T: int, with_prompt_logprobs: bool):
@@ -221,13 +223,13 @@ class DPWorker:
         if unknown:
             raise ValueError(f"unknown sampling modes {sorted(unknown)}; choose from {SAMPLING_MODES}")
         inner, n = self.inner, 0
-        for T in inner.prefill_token_buckets():
+        for T in inner.buckets.prefill_token_buckets():
             for with_prompt in (False, True) if prompt_logprobs else (False,):
                 self._launch_prefill([self._idle_prefill_inputs(T)] * self.dp, T, with_prompt)
                 n += 1
-        for B in inner.decode_buckets():
+        for B in inner.buckets.decode_buckets():
             idle = (
-                *inner._decode_inputs([inner.scratch_slot] * B, [[0]] * B, [(SamplingParams(), 0)]),
+                *decode_inputs(inner, [inner.scratch_slot] * B, [[0]] * B, [(SamplingParams(), 0)]),
                 np.zeros(B, np.int32),
             )
             for mode in sampling_modes:
@@ -240,7 +242,6 @@ class DPWorker:
 def _with_lora(step, n_shared: int):
     """A step taking (*shared, pool weights, state, ..., token slots) -> the one-rank step's
     (*shared, state, ..., LoraBatch) (LoRA is every step's last positional argument)."""
-    from jspec.layers.lora import LoraBatch
 
     def run(*args, **static):
         return step(*args[:n_shared], *args[n_shared + 1 : -1], LoraBatch(args[n_shared], args[-1]), **static)

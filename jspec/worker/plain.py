@@ -16,7 +16,7 @@ from jspec.steps.plain import (
     plain_decode_step,
     plain_prefill_step,
 )
-from jspec.worker.base import PendingLaunch, WorkerBase
+from jspec.worker.base import PendingLaunch, WorkerBase, place_state
 
 
 class PlainWorker(WorkerBase):
@@ -31,7 +31,7 @@ class PlainWorker(WorkerBase):
 
     def __init__(self, cfg: ModelConfig, params, *, page_size: int, num_pages: int, max_slots: int, **kw):
         super().__init__(cfg, params, page_size=page_size, num_pages=num_pages, max_slots=max_slots, **kw)
-        self.state = self._place(self.init_state(int(num_pages), max_slots))
+        self.state = place_state(self.init_state(int(num_pages), max_slots), self.mesh)
 
     def init_state(self, num_pages: int, max_slots: int) -> PlainState:
         return PlainState(
@@ -59,7 +59,7 @@ class PlainWorker(WorkerBase):
             return self._launch(*sample, (self.state, logits, slot_ids, rows, words))
 
         def finish():
-            masks = self._device_masks(row_masks(grammars, self.vocab_size))
+            masks = self._on_device(row_masks(grammars, self.vocab_size))
             return self._launch(*sample, (self.state, logits, slot_ids, rows, masks))
 
         return PendingLaunch(finish)

@@ -1,10 +1,15 @@
-"""The compiled step programs of a worker, and JAX's persistent compilation cache.
+"""The compiled step programs of a worker: which there are, compiling them, and JAX's
+persistent compilation cache.
 
-A worker launches a handful of programs, one per (step, bucketed shape, sampling program).
-`Programs` compiles each ahead of its first use (`jit(...).lower(...).compile()`), so warm-up
-costs compilation only, several programs compile at once on threads (XLA releases the GIL),
-and a rare program can compile in the background while the loop keeps launching the others.
-Launches call the compiled executable directly.
+A worker launches a handful of programs, one per (step, bucketed shape, sampling program):
+`Buckets` says which shapes. `Programs` compiles each ahead of its first use
+(`jit(...).lower(...).compile()`), so warm-up costs compilation only, several programs compile
+at once on threads (XLA releases the GIL), and a rare program can compile in the background
+while the loop keeps launching the others. Launches call the compiled executable directly.
+
+The planning functions below take a worker (worker/base.py) and find its programs by
+launching it on scratch inputs while `Programs` records the launches instead of running them
+(padding rows write only the scratch page and slot).
 """
 
 from __future__ import annotations
@@ -22,7 +27,15 @@ from typing import Any
 
 import jax
 
+from jspec.config.sampling import SamplingParams
+from jspec.constrained.grammar import allow_all
+from jspec.layers.batch import bucket
+from jspec.layers.sampling import SAMPLING_MODES
+from jspec.worker.inputs import SeqChunk
+
 log = logging.getLogger("jspec.worker.programs")
+# The smallest token bucket of a prefill.
+MIN_PREFILL_TOKENS = 16
 
 
 def enable_compilation_cache(path: str | None) -> None:
@@ -196,3 +209,206 @@ class Progress:
         if self.tty:
             sys.stderr.write("\n")
         log.info("compiled %d programs in %.1f s", self.total, time.perf_counter() - self.t0)
+
+
+def prefill_token_buckets(chunked_prefill_size: int, smallest: int = MIN_PREFILL_TOKENS) -> list[int]:
+    """Powers of four from `smallest` below the chunk size, then the chunk size (a multiple of 8)."""
+    out, t = [], smallest
+    while t < chunked_prefill_size:
+        out.append(t)
+        t *= 4
+    return out + [max(bucket(chunked_prefill_size, 8), smallest)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """The shapes a worker's batches pad to, so that warm-up can compile every program the loop
+    will run: prefill batches always have max_slots rows and vary in tokens T; decode batches
+    vary in rows B."""
+
+    chunked_prefill_size: int
+    max_slots: int
+    decode_paddings: tuple[int, ...] | None = None  # precompile_bs_paddings (None: every power of two)
+
+    def prefill_token_buckets(self) -> list[int]:
+        """Token counts a prefill pads to: powers of four up to the chunk size (coarse, so
+        there are few programs; a prefill is one read of the weights whatever its T)."""
+        return prefill_token_buckets(self.chunked_prefill_size)
+
+    def prefill_tokens(self, total: int) -> int:
+        """The bucket a prefill of `total` tokens pads to."""
+        for t in self.prefill_token_buckets():
+            if total <= t:
+                return t
+        return bucket(total)
+
+    def decode_buckets(self) -> list[int]:
+        """Row counts a decode pads to: the powers of two up to max_slots', or with paddings
+        given those (clipped to it) and every power of two past the largest."""
+        top = bucket(self.max_slots)
+        every = [1 << i for i in range(top.bit_length())]
+        if not self.decode_paddings:
+            return every
+        chosen = {min(b, top) for b in self.decode_paddings}
+        return [b for b in every if b in chosen or b > max(chosen)]
+
+    def decode_bucket(self, rows: int) -> int:
+        """The bucket a decode of this many rows pads to."""
+        return next((b for b in self.decode_buckets() if b >= rows), bucket(rows))
+
+
+def prefill_key(T: int, with_prompt_logprobs: bool, top_n: int) -> tuple:
+    return ("prefill", T, with_prompt_logprobs, top_n)
+
+
+def decode_key(B: int, mode: str, top_n: int, shape: int, verify_tokens: int | None = None) -> tuple:
+    return ("decode", B, mode, top_n, shape, verify_tokens)
+
+
+@contextlib.contextmanager
+def recording(worker):
+    """Within: the worker's launches are recorded into the yielded list of Jobs, not run."""
+    collecting, worker.programs.collecting = worker.programs.collecting, []
+    try:
+        yield worker.programs.collecting
+    finally:
+        worker.programs.collecting = collecting
+        worker.last_decode = None  # the scratch batch is not the loop's
+
+
+def scratch_sampling(mode: str) -> tuple[SamplingParams, int]:
+    """A scratch request's (sampling params, seed) of a sampling program ("greedy", "sampled")."""
+    return (SamplingParams(temperature=1.0) if mode == "sampled" else SamplingParams(), 0)
+
+
+def scratch_decode(worker, B: int, mode: str = "greedy", **kw):
+    """Launches a decode of B scratch rows (they write only the scratch page and slot)."""
+    return worker.decode([worker.scratch_slot] * B, [[0]] * B, [scratch_sampling(mode)] * B, **kw)
+
+
+def scratch_prefill(worker, T: int, mode: str = "greedy", **kw):
+    """Launches a prefill of one sequence of T tokens on the scratch page; `following` set, so no
+    slot is touched."""
+    pages = [0] * (-(-T // worker.page_size))
+    return worker.prefill([SeqChunk([0] * T, 0, pages)], [0], [None], [scratch_sampling(mode)], **kw)
+
+
+def prefill_jobs(worker, with_prompt_logprobs: bool) -> list[Job]:
+    """The prefill programs of every token bucket (recorded, not run)."""
+    with recording(worker) as jobs:
+        for T in worker.buckets.prefill_token_buckets():
+            scratch_prefill(worker, T, with_prompt_logprobs=with_prompt_logprobs)
+    return jobs
+
+
+def decode_jobs(worker, sampling_modes, shapes) -> list[Job]:
+    """The decode programs of every row bucket for these sampling programs and draft shapes
+    (recorded, not run). Warm-up takes the configured shape's; an adaptive engine the others'."""
+    with recording(worker) as jobs:
+        for shape in shapes:
+            for B in worker.buckets.decode_buckets():
+                for mode in sampling_modes:
+                    scratch_decode(worker, B, mode, shape=shape)
+    return jobs
+
+
+def grammar_jobs(worker) -> list[Job]:
+    """The masked programs of every decode bucket and sampling program, and of every prefill
+    token bucket (recorded, not run)."""
+    with recording(worker) as jobs:
+        for B in worker.buckets.decode_buckets():
+            for mode in SAMPLING_MODES:
+                scratch_decode(worker, B, mode, grammars=[None] * B)
+        for T in worker.buckets.prefill_token_buckets():
+            scratch_prefill(worker, T, vocab_masks=allow_all(1, worker.vocab_size))
+    return jobs
+
+
+def warmup_jobs(worker, sampling_modes=SAMPLING_MODES, prompt_logprobs: bool = False) -> list[Job]:
+    """The programs warm-up compiles: every launch shape, recorded on scratch inputs."""
+    unknown = set(sampling_modes) - set(SAMPLING_MODES)
+    if unknown:
+        raise ValueError(f"unknown sampling modes {sorted(unknown)}; choose from {SAMPLING_MODES}")
+    jobs = []
+    for with_prompt in (False, True) if prompt_logprobs else (False,):
+        jobs += prefill_jobs(worker, with_prompt)
+    return jobs + decode_jobs(worker, sampling_modes, shapes=(0,))
+
+
+def warm_up(worker, sampling_modes=SAMPLING_MODES, prompt_logprobs: bool = False) -> int:
+    """Compiles every bucketed program the loop runs (without running them), so the serving
+    loop never compiles. Returns the number of programs. Prompt-logprob prefills are left
+    out unless asked for: they compile in the background when a request first needs them;
+    so do the masked programs of structured outputs (grammar_programs_ready)."""
+    worker.warmed_up = True
+    return worker.programs.compile_all(warmup_jobs(worker, sampling_modes, prompt_logprobs))
+
+
+def compile_when_missing(worker, keys, jobs) -> bool:
+    """Whether the programs of keys are compiled; if not, and nothing compiles in the
+    background, starts compiling jobs() there (the loop goes on with other programs)."""
+    if all(worker.programs.ready(k) for k in keys):
+        return True
+    if not worker.programs.compiling():
+        for job in jobs():
+            worker.programs.compile_in_background(job)
+    return False
+
+
+def prompt_logprob_programs_ready(worker) -> bool:
+    """Whether the prefills that score prompt tokens are compiled; if not, starts compiling
+    them in the background (the loop goes on with requests that do not need them)."""
+    keys = [prefill_key(T, True, worker.top_n) for T in worker.buckets.prefill_token_buckets()]
+    return compile_when_missing(worker, keys, lambda: prefill_jobs(worker, True))
+
+
+def grammar_programs_ready(worker) -> bool:
+    """Whether the programs that take token bitmasks are compiled; if not, starts compiling
+    them in the background (requests without a grammar go on meanwhile). A worker that did
+    not warm up compiles each at its first use instead, as all its programs."""
+    if not worker.warmed_up:
+        return True
+    jobs = None
+    if worker.grammar_keys is None:
+        jobs = grammar_jobs(worker)
+        worker.grammar_keys = [j.program.key for j in jobs]
+    return compile_when_missing(worker, worker.grammar_keys, lambda: jobs if jobs is not None else grammar_jobs(worker))
+
+
+def decode_ready(worker, rows: int, mode: str, shape: int, drafting_rows: int | None = None) -> bool:
+    """Whether the decode program for this many rows, sampling program, shape and (with rows
+    opted out of drafting) drafting rows is compiled; if not, starts compiling it in the
+    background (the loop runs another program meanwhile)."""
+    B = worker.buckets.decode_bucket(rows)
+    tokens = None if drafting_rows is None else worker.verify_tokens(B, shape, drafting_rows)
+    key = decode_key(B, mode, worker.top_n, shape, tokens)
+    if worker.programs.ready(key):
+        return True
+    if worker.programs.pending(key):
+        return False
+    drafting = None if drafting_rows is None else [i < drafting_rows for i in range(B)]
+    with recording(worker) as jobs:
+        scratch_decode(worker, B, mode, shape=shape, drafting=drafting)
+    for job in jobs:
+        worker.programs.compile_in_background(job)
+    return False
+
+
+def measure_programs(worker) -> dict[str, ProgramMemory]:
+    """Compiles the largest prefill and the largest decode (both sampling programs) for the
+    worker's current state and returns their device memory by label: what sizing reserves
+    for the programs beside the weights and the pool."""
+    B, T = worker.buckets.decode_buckets()[-1], worker.buckets.prefill_token_buckets()[-1]
+    with recording(worker) as jobs:
+        scratch_prefill(worker, T)
+        for mode in SAMPLING_MODES:
+            scratch_decode(worker, B, mode)
+    worker.programs.compile_all(jobs)
+    return {j.program.label: worker.programs.memory(j.program.key) for j in jobs}
+
+
+def first_step(worker) -> None:
+    """Runs the largest greedy decode once over scratch rows (they write only the scratch page
+    and slot): what the first step over a new pool costs is paid at start-up."""
+    jax.block_until_ready(scratch_decode(worker, worker.buckets.decode_buckets()[-1]))
+    worker.last_decode = None

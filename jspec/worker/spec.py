@@ -11,19 +11,15 @@ import numpy as np
 from jspec.config.model import ModelConfig
 from jspec.config.sampling import SamplingParams
 from jspec.constrained.grammar import tree_masks
+from jspec.distributed.tensor_parallel import replicate
 from jspec.kvcache.pool import create_kv_pool
 from jspec.layers.batch import bucket
 from jspec.layers.penalties import init_penalty_state
 from jspec.speculative.adaptive import CostTable
-from jspec.speculative.method import (
-    init_spec_state,
-    spec_decode_step,
-    spec_prefill_step,
-    spec_propose_step,
-    spec_verify_step,
-)
+from jspec.speculative.method import init_spec_state
 from jspec.speculative.registry import shape_variants
-from jspec.worker.base import PendingLaunch, WorkerBase, lay_out_layers
+from jspec.speculative.steps import spec_decode_step, spec_prefill_step, spec_propose_step, spec_verify_step
+from jspec.worker.base import PendingLaunch, WorkerBase, lay_out_layers, place_state
 
 
 class SpecWorker(WorkerBase):
@@ -53,12 +49,10 @@ class SpecWorker(WorkerBase):
         self.num_shapes = len(self.methods)
         self.dparams = lay_out_layers(dparams, self.layer_loop)
         if mesh is not None and self.dparams is not None:
-            from jspec.distributed.tensor_parallel import replicate
-
             self.dparams = replicate(self.dparams, mesh)
         self.kv_margin = max(m.kv_margin for m in self.methods)
         self.max_emit = max(m.spec.num_steps for m in self.methods) + 1
-        self.state = self._place(self.init_state(int(num_pages), max_slots))
+        self.state = place_state(self.init_state(int(num_pages), max_slots), self.mesh)
 
     def init_state(self, num_pages: int, max_slots: int):
         return init_spec_state(
@@ -89,7 +83,7 @@ class SpecWorker(WorkerBase):
         greedy = (SamplingParams(), 0)
         seconds = {m.spec.shape: {} for m in self.methods}
         partial = {}
-        for B in self.decode_buckets():
+        for B in self.buckets.decode_buckets():
             variants = [(shape, None) for shape in range(self.num_shapes)]
             if ragged:
                 drafting_shapes = [i for i, m in enumerate(self.methods) if m.spec.num_steps > 0]
@@ -110,8 +104,8 @@ class SpecWorker(WorkerBase):
                     seconds[self.methods[shape].spec.shape][B] = min(t)
                 else:
                     partial[(self.methods[shape].spec.shape, B, d)] = min(t)
-        self._last_decode = None
-        buckets = len(self.decode_buckets())
+        self.last_decode = None
+        buckets = len(self.buckets.decode_buckets())
         return CostTable(seconds, f"measured at warm-up ({self.num_shapes} shapes x {buckets} buckets)", partial)
 
     def prefill_step_tokens(self, next_tokens, finish_rows) -> tuple:

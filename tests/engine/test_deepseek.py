@@ -23,6 +23,7 @@ from jspec.checkpoint.deepseek import load_mtp_params
 from jspec.checkpoint.loader import load_model
 from jspec.config.sampling import SamplingParams
 from jspec.config.spec import SpecConfig
+from jspec.worker.inputs import decode_inputs
 
 PROMPTS = [[5, 9, 13, 200, 7], list(range(11, 31)), [5, 9, 13, 200, 7, 31]]
 NEW = 8
@@ -164,7 +165,7 @@ def test_nextn_tree_decode_step_lowers_for_cuda(deepseek, monkeypatch):
     from support.lowering import lower_for_cuda
 
     import jspec.kernels.backend
-    from jspec.speculative.method import spec_decode_step
+    from jspec.speculative.steps import spec_decode_step
 
     path, cfg, params, _ = deepseek
     to_bf16 = functools.partial(jax.tree.map, lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a)
@@ -178,7 +179,7 @@ def test_nextn_tree_decode_step_lowers_for_cuda(deepseek, monkeypatch):
         attention_backend="pallas",
     )
     w = engine.worker
-    slot_ids, pt, rows = w._decode_inputs([0, 1], [[1, 2], [3]], [(SamplingParams(), 0)] * 2)
+    slot_ids, pt, rows = decode_inputs(w, [0, 1], [[1, 2], [3]], [(SamplingParams(), 0)] * 2)
     args = (w.params, w.dparams, w.state, slot_ids, pt, rows)
     specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), args)
     monkeypatch.setattr(jspec.kernels.backend, "interpret_mode", lambda: False)

@@ -5,7 +5,7 @@ import pytest
 from support.models import tiny_model
 
 import jspec
-import jspec.engine.engine as engine_module
+import jspec.engine.build as build_module
 from jspec.engine.sizing import MAX_RUNNING_REQUESTS, PROBE_PAGES
 
 GiB = 2**30
@@ -17,7 +17,7 @@ def tiny(tmp_path_factory):
 
 
 def test_pool_is_sized_from_the_device_after_measuring_the_programs(tiny, monkeypatch):
-    monkeypatch.setattr(engine_module, "device_memory_bytes", lambda: 2 * GiB)
+    monkeypatch.setattr(build_module, "device_memory_bytes", lambda: 2 * GiB)
     kw = dict(page_size=16, attention_backend="reference", chunked_prefill_size=64, precompile_bs_paddings=[1, 256])
     engine = jspec.Engine(tiny, **kw)
     plan, w = engine.plan, engine.worker

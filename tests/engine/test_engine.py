@@ -173,7 +173,7 @@ def test_warmup_compiles_every_program_the_loop_runs(tiny):
     # The workload is greedy without prompt logprobs, so the greedy programs must cover it.
     n = engine.warmup(sampling_modes=("greedy",))
     w = engine.worker
-    assert n == len(w.prefill_token_buckets()) + len(w.decode_buckets()) == len(w.programs.compiled)
+    assert n == len(w.buckets.prefill_token_buckets()) + len(w.buckets.decode_buckets()) == len(w.programs.compiled)
     compiled = dict(w.programs.compiled)
     run_workload(engine, workload(n=10, seed=2))
     assert w.programs.compiled == compiled, "the loop compiled"

@@ -12,11 +12,12 @@ from support.models import PROMPTS, SPEC, eagle_draft, tiny_model
 
 import jspec
 from jspec.checkpoint.loader import load_model
+from jspec.checkpoint.tiny import make_tiny_model
 from jspec.disaggregation import kv_io
 from jspec.disaggregation.prefill import PrefillEngine
 from jspec.layers.quant import Fp8Weight, quantize_params
 from jspec.testing.fp8 import write_fp8_checkpoint
-from jspec.testing.tiny import make_tiny_model
+from jspec.worker.inputs import decode_inputs
 
 # Every decode pads to 4 rows: one decode program however the rows finish.
 ENGINE = dict(
@@ -186,7 +187,7 @@ def test_fp8_decode_step_lowers_for_cuda(tmp_path, monkeypatch, scan, gemm):
     monkeypatch.setattr(jspec.kernels.backend, "interpret_mode", lambda: False)
     monkeypatch.setattr(jspec.layers.quant, "one_gpu", lambda: True)  # as on one H200
     w = engine.worker
-    slot_ids, pt, rows = w._decode_inputs([0, 1, 2], [[1, 2], [3], [4]], [(jspec.SamplingParams(), 0)] * 3)
+    slot_ids, pt, rows = decode_inputs(w, [0, 1, 2], [[1, 2], [3], [4]], [(jspec.SamplingParams(), 0)] * 3)
     args = (w.params, w.state, slot_ids, pt, rows)
     specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), args)
     fn = functools.partial(plain_decode_step, cfg=w.cfg, backend="pallas", sampling="greedy")

@@ -18,8 +18,9 @@ from safetensors.numpy import save_file
 from support.models import tiny_model
 
 import jspec
+from jspec.checkpoint.tiny import make_tiny_model
 from jspec.lora.adapter import LoraError
-from jspec.testing.tiny import make_tiny_model
+from jspec.worker.inputs import decode_inputs, decode_lora_slots, lora_batch
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -424,7 +425,7 @@ def test_server_flags_and_routes(tiny, adapters, references, tmp_path, monkeypat
 
 
 def test_lora_decode_step_lowers_for_cuda(tmp_path):
-    """The step with the adapter pool lowers for an H200 in bfloat16 (DESIGN.md's jit-compile
+    """The step with the adapter pool lowers for an H200 in bfloat16 (docs/architecture.md's jit-compile
     check: interpret-mode CPU runs hide GPU lowering errors)."""
     import functools
 
@@ -435,8 +436,8 @@ def test_lora_decode_step_lowers_for_cuda(tmp_path):
     path = make_tiny_model(str(tmp_path / "bf16"), seed=7, max_position_embeddings=512, dtype="bfloat16")
     engine = jspec.Engine(jspec.load(path, dtype=jax.numpy.bfloat16), page_size=16, max_total_tokens=1008, **LORA)
     w = engine.worker
-    slot_ids, pt, rows = w._decode_inputs([0, 1, 2], [[1, 2], [3], [4]], [(jspec.SamplingParams(), 0)] * 3)
-    args = (w.params, w.state, slot_ids, pt, rows, w._decode_loras(slot_ids.shape[0], [1, 0, 2]))
+    slot_ids, pt, rows = decode_inputs(w, [0, 1, 2], [[1, 2], [3], [4]], [(jspec.SamplingParams(), 0)] * 3)
+    args = (w.params, w.state, slot_ids, pt, rows, lora_batch(w.lora, decode_lora_slots(slot_ids.shape[0], [1, 0, 2])))
     specs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), args)
     lowered = lower_for_cuda(
         functools.partial(plain_decode_step, cfg=w.cfg, backend="pallas", sampling="greedy"), *specs

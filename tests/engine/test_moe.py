@@ -26,8 +26,9 @@ from support.lowering import lower_for_cuda
 from support.parity import forward_logits, rel_err
 
 import jspec
-from jspec.checkpoint.eagle import DraftConfig, init_random_draft_params
+from jspec.checkpoint.eagle import init_random_draft_params
 from jspec.checkpoint.loader import init_random_params, load_model, param_shapes
+from jspec.config.draft import DraftConfig
 from jspec.config.model import ModelConfig
 from jspec.config.spec import SpecConfig
 from jspec.models.moe import moe_mlp, moe_mlp_expert_parallel

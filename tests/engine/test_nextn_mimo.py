@@ -11,8 +11,8 @@ import pytest
 
 import jspec
 from jspec.checkpoint.files import read_hf_tensors, write_safetensors
+from jspec.checkpoint.tiny import make_tiny_model
 from jspec.config.spec import SpecConfig
-from jspec.testing.tiny import make_tiny_model
 
 PROMPTS = [[5, 9, 13, 200, 7], list(range(11, 31)), [5, 9, 13, 200, 7, 31]]
 

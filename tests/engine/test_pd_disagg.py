@@ -21,12 +21,12 @@ from support.lowering import on_h200
 from support.sync_guard import count_device_reads
 
 import jspec
+from jspec.checkpoint.tiny import make_tiny_model
 from jspec.disaggregation import kv_io
 from jspec.disaggregation.decode import DecodeEngine
 from jspec.disaggregation.prefill import PrefillEngine
 from jspec.disaggregation.transfer import Link, LinkClosed, ShmLink
 from jspec.testing.eagle_tiny import make_tiny_draft
-from jspec.testing.tiny import make_tiny_model
 
 ROOT = REPO_ROOT
 SPEC_FLAGS = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "5"]
@@ -303,7 +303,7 @@ def test_request_state_round_trip_is_exact(dirs, spec):
 
 def test_serve_flags_make_a_decode_engine(dirs):
     """The server's decode-mode flags (the prefill mode runs in the fixture above)."""
-    from jspec.server.args import build_parser, engine_config, server_config
+    from jspec.server.args import build_parser, engine_config, load_config, server_config
     from jspec.server.launch import make_engine
 
     ap = build_parser()
@@ -319,20 +319,19 @@ def test_serve_flags_make_a_decode_engine(dirs):
         "--disaggregation-transfer-backend",
         "shm",
     ]
-    model = jspec.load(dirs[0])
     args = ap.parse_args(base + ["--disaggregation-prefill-addrs", "127.0.0.1:1", "localhost:2"])
-    engine = make_engine(engine_config(args), server_config(args), model)
+    engine = make_engine(engine_config(args), server_config(args), load_config(args), dirs[0])
     assert isinstance(engine, DecodeEngine) and engine.router.addrs == ["127.0.0.1:1", "localhost:2"]
     assert engine.router.backend == "shm"
     with pytest.raises(ValueError, match="must be HOST:PORT"):
         args = ap.parse_args(base + ["--disaggregation-prefill-addrs", "nohost"])
-        make_engine(engine_config(args), server_config(args), model)
+        make_engine(engine_config(args), server_config(args), load_config(args), dirs[0])
 
 
 @pytest.mark.parametrize("n", [1024, 8192])
 def test_transfer_steps_lower_for_cuda(n):
     """The read-out and the donated write at the Llama-3.1-8B shape with an EAGLE-3 head (bf16,
-    page 16, 32 slots), lowered for an abstract H200 (DESIGN.md: every step gets this test)."""
+    page 16, 32 slots), lowered for an abstract H200 (docs/architecture.md, "Kernels": every step gets this test)."""
     from jspec.kvcache.pool import KVPool
     from jspec.layers.penalties import PenaltyState
 

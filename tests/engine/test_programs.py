@@ -12,6 +12,7 @@ from support import REPO_ROOT
 from support.models import tiny_model
 
 import jspec
+from jspec.worker.programs import warmup_jobs
 
 ROOT = REPO_ROOT
 
@@ -58,7 +59,7 @@ def test_the_default_server_compiles_at_most_16_programs(tiny, spec):
     if spec:
         kw.update(speculative=jspec.SpecConfig(spec, num_steps=3, eagle_topk=1), draft=eagle_draft(tiny))
     engine = jspec.Engine(tiny, **kw)
-    jobs = engine.worker.warmup_jobs()
+    jobs = warmup_jobs(engine.worker)
     keys = [j.program.key for j in jobs]
     assert len(set(keys)) == len(keys) <= 16
     assert {k[1] for k in keys if k[0] == "prefill"} == {16, 64, 256, 512}
@@ -91,7 +92,7 @@ def test_prompt_logprob_prefills_compile_in_the_background_while_others_run(tiny
 CACHE_PROBE = textwrap.dedent("""
     import sys, jax, jspec
     from jspec.checkpoint.model import with_context_length
-    from jspec.testing.tiny import make_tiny_model
+    from jspec.checkpoint.tiny import make_tiny_model
     events = []
     jax.monitoring.register_event_listener(lambda name, **kw: events.append(name))
     model = with_context_length(jspec.load(make_tiny_model(sys.argv[2], seed=5)), 256)
@@ -124,12 +125,12 @@ def test_precompile_bs_paddings_bound_the_decode_programs(tiny):
     tokens are the default buckets' tokens."""
     engine = jspec.Engine(tiny, precompile_bs_paddings=[2], **KW)
     w = engine.worker
-    assert w.decode_buckets() == [2, 4] and [w.decode_bucket(r) for r in (1, 2, 3, 4)] == [2, 2, 4, 4]
-    assert engine.warmup(sampling_modes=("greedy",)) == len(w.prefill_token_buckets()) + 2
+    assert w.buckets.decode_buckets() == [2, 4] and [w.buckets.decode_bucket(r) for r in (1, 2, 3, 4)] == [2, 2, 4, 4]
+    assert engine.warmup(sampling_modes=("greedy",)) == len(w.buckets.prefill_token_buckets()) + 2
     compiled = dict(w.programs.compiled)
     assert greedy(engine) == greedy(jspec.Engine(tiny, **KW))
     assert w.programs.compiled == compiled, "the loop compiled"
     engine.check_idle_no_leaks()
-    assert jspec.Engine(tiny, precompile_bs_paddings=[64], **KW).worker.decode_buckets() == [4]
+    assert jspec.Engine(tiny, precompile_bs_paddings=[64], **KW).worker.buckets.decode_buckets() == [4]
     with pytest.raises(ValueError, match="powers of two"):
         jspec.Engine(tiny, precompile_bs_paddings=[3], **KW)

@@ -77,7 +77,7 @@ def test_verify_outcomes_follow_the_target_distribution(shape, params):
 def test_seeded_speculative_sampling_equals_plain_sampling(tmp_path, topk, ndt):
     from support.models import eagle_draft
 
-    from jspec.testing.tiny import make_tiny_model
+    from jspec.checkpoint.tiny import make_tiny_model
 
     model = jspec.load(make_tiny_model(str(tmp_path / "m"), seed=2, max_position_embeddings=512))
     spec = jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=topk, num_draft_tokens=ndt)

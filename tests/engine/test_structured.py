@@ -261,8 +261,8 @@ def test_a_grammar_out_of_fuel_fails_its_request_alone(engines, overlap):
     """llguidance's per-mask fuel (here 5 Earley items) bounds a grammar's work per step: the
     request whose mask runs out fails with the reason, the free request beside it finishes,
     and nothing leaks."""
+    from jspec.checkpoint.tiny import EOS_IDS, build_byte_tokenizer
     from jspec.constrained.grammar import GrammarCompiler
-    from jspec.testing.tiny import EOS_IDS, build_byte_tokenizer
 
     e = engines[overlap]
     kept = e._grammar_compiler
@@ -300,5 +300,5 @@ def test_a_warmed_engine_compiles_masked_programs_in_the_background(model):
     assert first_done == f  # admitted first though it arrived second
     text = "".join(o.new_text for o in outs if o.rid == g)
     assert re.fullmatch(REGEX, text)
-    assert e.worker._grammar_keys and all(e.worker.programs.ready(k) for k in e.worker._grammar_keys)
+    assert e.worker.grammar_keys and all(e.worker.programs.ready(k) for k in e.worker.grammar_keys)
     e.check_idle_no_leaks()

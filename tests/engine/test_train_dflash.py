@@ -9,7 +9,7 @@ import pytest
 
 import jspec
 from jspec.checkpoint.dflash import load_dflash_model
-from jspec.testing.tiny import make_tiny_model
+from jspec.checkpoint.tiny import make_tiny_model
 from jspec.train import dflash, eagle3
 
 

@@ -15,7 +15,7 @@ import pytest
 import jspec
 from jspec.checkpoint.eagle import load_draft_model
 from jspec.checkpoint.loader import restore_params
-from jspec.testing.tiny import make_tiny_model
+from jspec.checkpoint.tiny import make_tiny_model
 from jspec.train import eagle3
 from jspec.train.prompts import all_prompts, split_prompts
 

@@ -254,7 +254,7 @@ def test_windowed_model_forward_lowers_for_cuda(decode_only, tree, monkeypatch):
     from jspec.config.model import ModelConfig
     from jspec.kvcache.pool import KVPool
     from jspec.layers.batch import AttentionMode, ForwardBatch
-    from jspec.models.llama import forward
+    from jspec.models.forward import forward
 
     cfg = ModelConfig(
         family="mistral",

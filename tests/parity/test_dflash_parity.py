@@ -18,8 +18,8 @@ from support.hf_reference import hf_python, requires_hf, run_oracle
 
 import jspec
 from jspec.checkpoint.dflash import dflash_config_for, init_random_dflash_params, load_dflash_model, save_dflash
+from jspec.checkpoint.tiny import make_tiny_model
 from jspec.models.llama import dense_forward
-from jspec.testing.tiny import make_tiny_model
 
 BLOCK = 8
 NEW = 16

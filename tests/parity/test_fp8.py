@@ -13,11 +13,11 @@ from support.parity import forward_logits, rel_err
 
 import jspec
 from jspec.checkpoint.loader import load_model
+from jspec.checkpoint.tiny import make_tiny_model
 from jspec.kvcache.allocator import PageAllocator
 from jspec.kvcache.pool import create_kv_pool
 from jspec.layers.quant import Fp8Weight
 from jspec.testing.fp8 import LAYOUTS, write_fp8_checkpoint
-from jspec.testing.tiny import make_tiny_model
 from jspec.worker.inputs import SeqChunk, build_forward_batch
 
 PAGE_SIZE = 4

@@ -5,8 +5,8 @@ import pytest
 from support.hf_reference import requires_hf, run_oracle
 
 import jspec
+from jspec.checkpoint.demo import DEMO_GGUF_PATH, demo_model_path
 from jspec.server.chat_template import render_chat
-from jspec.testing.demo import DEMO_GGUF_PATH, demo_model_path
 
 MESSAGES = [
     "What is the capital of France?",

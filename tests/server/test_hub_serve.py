@@ -16,8 +16,8 @@ from support.models import scripted_model
 from support.server import Server
 
 import jspec
+from jspec.checkpoint.tiny import make_tiny_model
 from jspec.testing.eagle_tiny import make_tiny_draft
-from jspec.testing.tiny import make_tiny_model
 
 openai = pytest.importorskip("openai")
 KEY = "sk-hub-serve"

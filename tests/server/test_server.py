@@ -21,8 +21,8 @@ from support import REPO_ROOT
 from support.server import Server, free_port
 
 import jspec
+from jspec.checkpoint.tiny import make_tiny_model
 from jspec.testing.eagle_tiny import make_tiny_draft
-from jspec.testing.tiny import make_tiny_model
 
 openai = pytest.importorskip("openai")
 ROOT = REPO_ROOT
@@ -322,7 +322,7 @@ def test_logprobs_and_native_generate(server, model_dir):
 def test_the_readme_server_comes_up_with_no_flags_and_answers_a_chat(tmp_path):
     """scripts/serve.py as the README starts it: the embedded model, warm-up and all. Healthy
     within the start-up budget, in bounded memory, and the openai client gets an answer."""
-    from jspec.testing.demo import default_model_path
+    from jspec.checkpoint.demo import default_model_path
 
     port = free_port()
     log = open(tmp_path / "serve.log", "w+")  # noqa: SIM115 - closed in the finally below, after the server

@@ -1,7 +1,7 @@
 """HF transformers reference oracle. Runs under the .venv-hf python (torch +
 transformers), never the jspec venv: jax and jspec are not importable here.
 
-    python tests/hf_oracle.py request.json
+    python tests/support/hf_oracle.py request.json
 
 The request is one job, or {"jobs": [job, ...], "out": ...} whose jobs each
 have a "name" that prefixes their keys ("name/key") in the single .npz

@@ -1,7 +1,7 @@
 """Helpers for tests that compare jspec with HF transformers.
 
 transformers lives in its own venv (.venv-hf, Python 3.11 + torch CPU) since
-jax 0.11.2 needs Python >= 3.12; tests/hf_oracle.py runs there as a
+jax 0.11.2 needs Python >= 3.12; tests/support/hf_oracle.py runs there as a
 subprocess and hands back .npz arrays. Tests that need it use the `hf_python`
 fixture or the `requires_hf` mark, which skip with a reason when no such
 python exists.
@@ -96,7 +96,7 @@ HF_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral_window": ("mistral", {"sliding_window": 4}),
     "qwen2_window": ("qwen2", {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 1}),
 }
-# Mixture-of-experts checkpoints (tests/test_moe.py): every layer sparse with HF's default
+# Mixture-of-experts checkpoints (tests/engine/test_moe.py): every layer sparse with HF's default
 # norm_topk_prob=False; a dense layer among sparse ones with renormalised weights; Mixtral;
 # Qwen2-MoE's shared expert.
 HF_MOE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -134,7 +134,7 @@ def hf_py() -> str:
 
 
 def run_oracle(request: dict[str, Any], timeout: float = 600) -> dict[str, np.ndarray]:
-    """Runs tests/hf_oracle.py on one request (see its docstring) and returns the .npz contents."""
+    """Runs tests/support/hf_oracle.py on one request (see its docstring) and returns the .npz contents."""
     py = hf_python()
     if py is None:
         raise RuntimeError(NO_HF_REASON)

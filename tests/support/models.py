@@ -8,10 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import jspec
-from jspec.checkpoint.eagle import DraftConfig, init_random_draft_params
+from jspec.checkpoint.eagle import init_random_draft_params
 from jspec.checkpoint.model import with_context_length
+from jspec.checkpoint.tiny import make_tiny_model
+from jspec.config.draft import DraftConfig
 from jspec.config.model import ModelConfig
-from jspec.testing.tiny import make_tiny_model
 
 
 def tiny_model(tmp_path_factory, name: str = "m", *, context: int | None = None, **checkpoint):
@@ -158,7 +159,7 @@ def scripted_model(out_dir, script=REASONING_SCRIPT, runner_up=REASONING_RUNNER_
     from tokenizers import AddedToken
 
     from jspec.checkpoint.files import read_hf_tensors, write_safetensors
-    from jspec.testing.tiny import EOS_IDS, build_byte_tokenizer
+    from jspec.checkpoint.tiny import EOS_IDS, build_byte_tokenizer
 
     path = make_tiny_model(out_dir, **checkpoint)
     tok = build_byte_tokenizer()

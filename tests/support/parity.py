@@ -5,7 +5,7 @@ import functools
 import jax
 import numpy as np
 
-from jspec.models.llama import forward
+from jspec.models.forward import forward
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "mode"))

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
+from jspec.checkpoint.tiny import BOS_ID, EOS_IDS, build_byte_tokenizer
 from jspec.checkpoint.tokenizer import Tokenizer
 from jspec.scheduler.detokenize import FinishReason, IncrementalDetokenizer, StopChecker
-from jspec.testing.tiny import BOS_ID, EOS_IDS, build_byte_tokenizer
 
 EOT = EOS_IDS[1]
 

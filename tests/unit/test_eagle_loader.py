@@ -19,17 +19,16 @@ from support.hf_reference import NO_HF_REASON, hf_python
 
 from jspec.checkpoint.eagle import (
     DraftAlgorithmMismatchError,
-    DraftConfig,
     MissingTensorError,
     TensorShapeError,
     UnknownDraftLayoutError,
-    UnsafePickleError,
     draft_param_shapes,
     init_random_draft_params,
     load_draft_model,
-    read_torch_bin_file,
 )
 from jspec.checkpoint.files import write_safetensors
+from jspec.checkpoint.torch_pickle import UnsafePickleError, read_torch_bin_file
+from jspec.config.draft import DraftConfig
 from jspec.config.model import ModelConfig
 from jspec.testing import eagle_tiny
 

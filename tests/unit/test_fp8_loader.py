@@ -12,8 +12,8 @@ import pytest
 from jspec.checkpoint.files import read_hf_tensors, write_safetensors
 from jspec.checkpoint.fp8 import Fp8Scheme, UnsupportedQuantizationError, fp8_scheme, scale_columns
 from jspec.checkpoint.loader import load_model
+from jspec.checkpoint.tiny import make_tiny_model
 from jspec.testing.fp8 import write_fp8_checkpoint
-from jspec.testing.tiny import make_tiny_model
 
 
 @pytest.fixture(scope="module")

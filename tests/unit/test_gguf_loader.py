@@ -12,7 +12,7 @@ gguf = pytest.importorskip("gguf")
 import jspec  # noqa: E402 (after the importorskip)
 from jspec.checkpoint.files import read_hf_tensors  # noqa: E402 (after the importorskip)
 from jspec.checkpoint.gguf import GGUFError, convert_gguf, unpermute_rope_rows  # noqa: E402 (after the importorskip)
-from jspec.testing.tiny import make_tiny_model  # noqa: E402 (after the importorskip)
+from jspec.checkpoint.tiny import make_tiny_model  # noqa: E402 (after the importorskip)
 
 HF_TO_GGUF = {
     "input_layernorm.weight": "attn_norm.weight",

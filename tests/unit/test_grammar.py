@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jspec.checkpoint.tiny import EOS_IDS, build_byte_tokenizer
 from jspec.config.sampling import SamplingParams
 from jspec.constrained.grammar import GrammarCompiler, GrammarError, allow_all, mask_words
 from jspec.layers.sampling import apply_vocab_mask
@@ -16,7 +17,6 @@ from jspec.scheduler.detokenize import StopChecker
 from jspec.scheduler.request import Request
 from jspec.server.errors import APIError
 from jspec.server.tools import check_tools, parse_tool_calls, tool_call_schema
-from jspec.testing.tiny import EOS_IDS, build_byte_tokenizer
 
 V = 300  # the model's vocabulary: past the tokenizer's 261 tokens, never allowed
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 22]}}, "required": ["ok"]}

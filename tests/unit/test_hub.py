@@ -15,8 +15,8 @@ from support.hub import add_snapshot, use_cache
 
 import jspec
 from jspec.checkpoint.hub import HubCheckpointError, resolve_checkpoint
+from jspec.checkpoint.tiny import make_tiny_model
 from jspec.testing.eagle_tiny import make_tiny_draft
-from jspec.testing.tiny import make_tiny_model
 
 TEMPLATE = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
 

@@ -33,9 +33,10 @@ from jspec.checkpoint.loader import (
     restore_params,
     save_params,
 )
+from jspec.checkpoint.tiny import EOS_IDS, make_tiny_model
 from jspec.checkpoint.tokenizer import load_tokenizer
-from jspec.config.model import RopeScaling, UnsupportedArchitectureError
-from jspec.testing.tiny import EOS_IDS, make_tiny_model
+from jspec.config.errors import UnsupportedArchitectureError
+from jspec.config.model import RopeScaling
 
 REPO = REPO_ROOT
 ARCH_CASES = [

@@ -7,7 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from jspec.config.model import ModelConfig, UnsupportedArchitectureError
+from jspec.config.errors import UnsupportedArchitectureError
+from jspec.config.model import ModelConfig
 from jspec.models.rope import inv_freq
 
 

@@ -3,7 +3,8 @@ checkpoint by default; DeepSeek models refuse by name what they do not support y
 
 import pytest
 
-from jspec.config.model import ModelConfig, UnsupportedArchitectureError
+from jspec.config.errors import UnsupportedArchitectureError
+from jspec.config.model import ModelConfig
 from jspec.server.args import build_parser, engine_config
 
 

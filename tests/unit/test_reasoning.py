@@ -51,8 +51,8 @@ def compiler(tags_special: bool | None):
     (tags_special: added as special; None: not added, the tags are plain text)."""
     from tokenizers import AddedToken
 
+    from jspec.checkpoint.tiny import EOS_IDS, build_byte_tokenizer
     from jspec.constrained.grammar import GrammarCompiler
-    from jspec.testing.tiny import EOS_IDS, build_byte_tokenizer
 
     tok = build_byte_tokenizer()
     if tags_special is not None:

@@ -63,7 +63,7 @@ def test_seed_and_position_fix_the_token_whatever_the_batch():
 
 
 def test_seeded_request_reproduces_alongside_different_requests(tmp_path):
-    from jspec.testing.tiny import make_tiny_model
+    from jspec.checkpoint.tiny import make_tiny_model
 
     model = jspec.load(make_tiny_model(str(tmp_path / "m"), seed=1, max_position_embeddings=512))
     seeded = SamplingParams(max_new_tokens=10, temperature=1.0, top_p=0.9, seed=42, ignore_eos=True)

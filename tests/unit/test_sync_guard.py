@@ -1,4 +1,4 @@
-"""The hidden-sync guard (tests/sync_guard.py) and the designated read point."""
+"""The hidden-sync guard (tests/support/sync_guard.py) and the designated read point."""
 
 from __future__ import annotations
 

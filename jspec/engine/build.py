@@ -1,0 +1,182 @@
+"""An engine's worker, built from its settings: the weights' precision and parallel layout,
+the speculative method, the LoRA pool, and the KV pool's size, measured on an accelerator
+(engine/sizing.py has the rules)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import jax
+
+from jspec.checkpoint.model import Model
+from jspec.config.engine import EngineConfig
+from jspec.distributed.dp_attention import make_dp_mesh, shard_params_dp
+from jspec.distributed.tensor_parallel import make_mesh, shard_params
+from jspec.engine.sizing import (
+    PROBE_PAGES,
+    PoolPlan,
+    check_parallel,
+    device_bytes_in_use,
+    device_memory_bytes,
+    device_memory_stats,
+    page_bytes,
+    plan_pool,
+    probe_running_requests,
+)
+from jspec.layers.quant import has_fp8_weights, quantize_params, with_fp8_gemm
+from jspec.lora.adapter import read_rank
+from jspec.lora.pool import LoraPool
+from jspec.speculative.registry import make_method
+from jspec.worker.base import Worker, check_layer_loop
+from jspec.worker.dp import DPWorker
+from jspec.worker.plain import PlainWorker
+from jspec.worker.programs import first_step, measure_programs
+from jspec.worker.spec import SpecWorker
+
+log = logging.getLogger("jspec.engine")
+
+
+def build_worker(model: Model, config: EngineConfig, draft=None, target_path=None) -> tuple[Worker, PoolPlan]:
+    """The worker of `model` under `config`, over its KV pool, and the pool's plan. draft: an
+    EAGLE / STANDALONE draft given in memory as (config, params); target_path: the target's
+    checkpoint (NEXTN reads its MTP layers there).
+
+    The weights are handed over: model.params is None afterwards, and the worker holds them as
+    its steps take them (quantized, sharded, per layer on the GPU), so that nothing keeps the
+    loader's arrays alive while the pool is sized from the device memory left."""
+    cfg, params = model.cfg, model.params
+    model.params = None
+    check_parallel(config, cfg)
+    params = fp8_weights(config, params)
+    dp = config.dp_size if config.enable_dp_attention else 1
+    spec = config.speculative
+    if spec is not None and spec.adaptive and dp > 1:
+        raise ValueError("adaptive speculation (--speculative-adaptive) is not implemented with DP attention")
+    dp_mesh = mesh = None
+    if dp > 1:
+        # DP attention: dp ranks of tp / dp devices, each with max_running_requests / dp request
+        # slots and its own pool of the configured size (jspec/distributed/dp_attention.py).
+        dp_mesh = make_dp_mesh(config.tp_size, dp)
+        cfg, params = shard_params_dp(cfg, params, dp_mesh)
+    elif config.tp_size > 1:
+        mesh = make_mesh(config.tp_size)
+        cfg, params = shard_params(cfg, params, mesh)  # cfg changes only if KV heads are repeated
+    method = dparams = None
+    if spec is not None:
+        # The draft is built against the checkpoint's config; it runs replicated on every shard.
+        method, dparams = make_method(spec, model.cfg, draft, dtype=params["embed"].dtype, target_path=target_path)
+    dtype = params["embed"].dtype
+    kw = dict(
+        page_size=config.page_size,
+        decode_paddings=config.precompile_bs_paddings,
+        chunked_prefill_size=max(8, config.chunked_prefill_size // dp),
+        top_n=config.max_top_logprobs,
+        attention_backend=config.attention_backend,
+        mesh=mesh,
+        layer_loop=config.layer_loop,
+        lora=lora_pool(config, model.cfg, dtype, mesh or dp_mesh, params),
+        kv_cache_dtype=config.kv_cache_dtype,
+    )
+    sizing = sizing_arguments(config, cfg, params, method, dp)
+    pages, slots = first_pool(config, sizing, dp)
+    if method is None:
+        worker = PlainWorker(cfg, params, num_pages=pages, max_slots=slots, **kw)
+    else:
+        worker = SpecWorker(cfg, params, method, dparams, num_pages=pages, max_slots=slots, **kw)
+    del params
+    plan = size_pool(worker, sizing, dp)
+    log.info(
+        "KV pool: %d tokens, %.2f GiB (%s); at most %d running requests (%s)",
+        plan.tokens,
+        plan.pool_bytes / 2**30,
+        plan.pool_source,
+        plan.max_running_requests,
+        plan.running_source,
+    )
+    if dp_mesh is not None:
+        worker = DPWorker(worker, dp_mesh)
+    return worker, plan
+
+
+def fp8_weights(config: EngineConfig, params):
+    """params quantized as config.quantization asks, their FP8 weights' matmul path set; the
+    features FP8 weights do not reach yet are refused by name."""
+    params = quantize_params(params, config.quantization)
+    if not has_fp8_weights(params):
+        return params
+    if config.serves_lora:
+        raise NotImplementedError("LoRA adapters over FP8 weights are not implemented")
+    if config.enable_dp_attention:
+        raise NotImplementedError("DP attention with FP8 weights is not implemented")
+    return with_fp8_gemm(params, config.fp8_gemm_backend)
+
+
+def lora_pool(config: EngineConfig, cfg, dtype, mesh, params) -> LoraPool | None:
+    """The adapter pool (max_loras_per_batch slots of rank max_lora_rank; by default as many
+    slots as lora_paths, at least 1, and the largest rank among them, at least 16)."""
+    if not config.serves_lora:
+        return None
+    paths = config.lora_paths
+    max_loras = config.max_loras_per_batch or max(1, len(paths))
+    max_rank = config.max_lora_rank or max([16] + [read_rank(p) for p in paths.values()])
+    stacked = check_layer_loop(config.layer_loop) == "scan" and isinstance(params["layers"], dict)
+    return LoraPool(cfg, max_loras, max_rank, dtype, mesh, stacked=stacked)
+
+
+def sizing_arguments(config: EngineConfig, cfg, params, method, dp: int) -> dict:
+    """plan_pool's arguments but the measured ones (engine/sizing.py)."""
+    page = page_bytes(config, cfg, method, params["embed"].dtype)
+    return dict(
+        page_size=config.page_size,
+        # Per device: 1/tp of the weights, and each page's KV heads split over a rank's tp / dp devices.
+        bytes_per_page=page // max(1, config.tp_size // dp),
+        max_total_tokens=config.max_total_tokens,
+        mem_fraction_static=config.mem_fraction_static,
+        max_running_requests=config.max_running_requests,
+        device_bytes=device_memory_bytes(),
+        weight_bytes=sum(x.nbytes for x in jax.tree.leaves(params)) // config.tp_size,
+        speculative=method is not None,
+    )
+
+
+def first_pool(config: EngineConfig, sizing: dict, dp: int) -> tuple[int, int]:
+    """(pages, request slots per rank) of the pool the worker is first built over: the final
+    one when the settings fix it; on an accelerator with no pool size given, a two-page probe
+    (size_pool measures the worker's programs over it, then resizes it)."""
+    if sizing["device_bytes"] is None or config.max_total_tokens:
+        plan = plan_pool(**sizing)
+        pages, running = plan.pages, plan.max_running_requests
+    else:
+        pages, running = PROBE_PAGES, probe_running_requests(config, accelerator=True)
+    return pages, max(1, running // dp)
+
+
+def size_pool(worker, sizing: dict, dp: int) -> PoolPlan:
+    """The pool plan; over a probe pool, the worker's largest programs are measured and the
+    pool sized from the memory they and everything already on the device leave."""
+    if worker.num_pages != PROBE_PAGES or sizing["device_bytes"] is None or sizing["max_total_tokens"]:
+        return plan_pool(**sizing)
+    t0 = time.perf_counter()
+    measured = measure_programs(worker)
+    peak = max(m.needs_bytes for m in measured.values())
+    log.info(
+        "programs measured in %.1f s: the largest needs %.2f GiB (%s)",
+        time.perf_counter() - t0,
+        peak / 2**30,
+        ", ".join(f"{k}: {m.needs_bytes / 2**30:.2f}" for k, m in measured.items()),
+    )
+    # What is on the device besides the probe's pool: the weights as the worker laid them out,
+    # and anything the caller still holds.
+    in_use = device_bytes_in_use() - PROBE_PAGES * sizing["bytes_per_page"]
+    plan = plan_pool(**{**sizing, "weight_bytes": max(in_use, sizing["weight_bytes"])}, program_bytes=peak)
+    worker.resize(plan.pages, max(1, plan.max_running_requests // dp))
+    first_step(worker)
+    stats = device_memory_stats()
+    log.info(
+        "first step over the pool: %.2f GiB in use on the device, peak %.2f GiB of %.2f GiB",
+        stats.get("bytes_in_use", 0) / 2**30,
+        stats.get("peak_bytes_in_use", 0) / 2**30,
+        sizing["device_bytes"] / 2**30,
+    )
+    return plan
