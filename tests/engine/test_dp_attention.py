@@ -177,9 +177,12 @@ def test_bad_dp_flags_are_refused(models):
         shard_params_dp(dataclasses.replace(m.cfg, num_heads=6), m.params, make_dp_mesh(8, 2))
 
 
-def test_serve_flags(models, monkeypatch):
-    from jspec.server.args import build_parser, engine_config, server_config
+def test_serve_flags(tmp_path, monkeypatch):
+    from jspec.checkpoint.tiny import make_tiny_model
+    from jspec.server.args import build_parser, engine_config, load_config, server_config
     from jspec.server.launch import make_engine
+
+    path = make_tiny_model(str(tmp_path / "m"), seed=11, num_heads=8, num_kv_heads=2, max_position_embeddings=256)
 
     args = build_parser().parse_args(
         [
@@ -205,7 +208,7 @@ def test_serve_flags(models, monkeypatch):
         ]
     )
     assert (args.dp_size, args.enable_dp_attention, args.nnodes, args.node_rank) == (2, True, 2, 1)
-    engine = make_engine(engine_config(args), server_config(args), models["dense"][0])
+    engine = make_engine(engine_config(args), server_config(args), load_config(args), path)
     assert engine.worker.dp == 2 and engine.scheduler.load_balance_method == "shortest_queue"
     assert [r.kv.allocator.num_usable for r in engine.scheduler.ranks] == [100, 100]  # --max-total-tokens per rank
     for bad, match in [

@@ -1,6 +1,6 @@
 """DFLASH speculative decoding is lossless and its draft state is the dense recompute's.
 
-A permutation target with a hand-built drafter (support/dflash.py) that is right for the first
+A permutation target with a hand-built drafter (support/dflash_models.py) that is right for the first
 draft of every block and for the whole block at a fixed point, so iterations accept 1 or all
 7 drafts. In one batch: greedy with logprobs, seeded sampling, and penalised greedy and
 sampled rows; each equals the plain engine token for token (logprobs too). Every block
@@ -172,7 +172,8 @@ def test_iteration_lowers_for_cuda(models, monkeypatch):
     from jspec.layers.penalties import init_penalty_state
     from jspec.layers.sampling import sampling_rows
     from jspec.speculative.dflash import DFlashMethod
-    from jspec.speculative.method import init_spec_state, spec_decode_step
+    from jspec.speculative.method import init_spec_state
+    from jspec.speculative.steps import spec_decode_step
 
     monkeypatch.setattr(jspec.kernels.backend, "interpret_mode", lambda: False)  # kernels as on the GPU
     target, (dcfg, dparams) = models
@@ -207,7 +208,8 @@ def test_iteration_copies_no_pool(models):
     from jspec.layers.penalties import init_penalty_state
     from jspec.layers.sampling import sampling_rows
     from jspec.speculative.dflash import DFlashMethod
-    from jspec.speculative.method import init_spec_state, spec_decode_step
+    from jspec.speculative.method import init_spec_state
+    from jspec.speculative.steps import spec_decode_step
 
     target, (dcfg, dparams) = models
     method = DFlashMethod(SpecConfig("DFLASH", num_draft_tokens=BLOCK), dcfg)
