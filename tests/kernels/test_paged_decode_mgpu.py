@@ -28,6 +28,7 @@ from kernels.test_kernels import LAYER, SM_SCALE, paged_problem, rel_err
 from support.lowering import lower_for_cuda
 from support.precision import tolerance
 
+from jspec.kernels.backend import interpret_mode
 from jspec.kernels.paged_decode import decode_plan
 from jspec.kernels.paged_decode_mgpu import (
     MosaicUnsupported,
@@ -40,13 +41,16 @@ from jspec.kernels.ref import paged_decode_ref
 BF16, I32 = jnp.bfloat16, jnp.int32
 RACE_CHECKED = plgpu.InterpretGPUParams(detect_races=True)
 
+# The extend steps of the mosaic backend stay on the Triton-backend kernels.
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+
 # (page_size, group, head_dim, tuning): a tile of four pages written out directly (one split);
 # tiles of eight pages, three in flight, over three splits (the merge path); tiles inside a
-# 128-token page, with the log-sum-exp. GQA groups 4, 8 and 1.
+# 128-token page, over two splits, with the log-sum-exp. GQA groups 4, 8 and 1.
 CASES = [
     pytest.param(16, 4, 64, dict(num_splits=1), id="s16-g4-one_split"),
     pytest.param(8, 8, 128, dict(num_splits=3, num_stages=3), id="s8-g8-d128-three_splits"),
-    pytest.param(128, 1, 64, dict(return_lse=True), id="s128-g1-tile_in_page-lse"),
+    pytest.param(128, 1, 64, dict(num_splits=2, return_lse=True), id="s128-g1-tile_in_page-lse"),
 ]
 
 
@@ -62,11 +66,17 @@ def test_interpreted_kernel_matches_reference(page_size, group, head_dim, tuning
     args = (q, k, v, jnp.array([LAYER], I32), jnp.asarray(seq_lens), jnp.asarray(tables))
     tuning = dict(tuning)
     return_lse = tuning.pop("return_lse", False)
+    interpreted = interpret_mode()  # compiled on the GPU (benchmarks/gpu_tests.py runs this file there)
     got = paged_decode_mgpu(
-        *args, sm_scale=SM_SCALE, min_split_tokens=16, return_lse=return_lse, interpret=RACE_CHECKED, **tuning
+        *args,
+        sm_scale=SM_SCALE,
+        min_split_tokens=16,
+        return_lse=return_lse,
+        interpret=RACE_CHECKED if interpreted else None,
+        **tuning,
     )
     want = paged_decode_ref(*args, sm_scale=SM_SCALE, return_lse=return_lse)
-    assert not get_races().races_found
+    assert not (interpreted and get_races().races_found)
     tol = tolerance(BF16)
     if return_lse:
         (got, lse), (want, want_lse) = got, want
@@ -149,3 +159,80 @@ def test_plan_splits_as_the_triton_kernel(batch, table_ctx):
     )
     with pytest.raises(ValueError, match="shared memory"):
         mosaic_decode_plan(batch, 32, (32, 1000, 16, 8, 256), table_ctx // 16, sm_scale=0.1, block_n=256, num_stages=2)
+
+
+def model(**fields):
+    from jspec.config.model import ModelConfig
+
+    base = dict(
+        family="llama",
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=128,
+    )
+    return ModelConfig(**{**base, **fields})
+
+
+@pytest.mark.parametrize(
+    "fields,settings,feature",
+    [
+        (dict(family="mistral", sliding_windows=(128, 0)), {}, "sliding window"),
+        (dict(family="gemma2", attn_logit_softcap=50.0), {}, "soft-cap"),
+        (dict(attention_sinks=True), {}, "sinks"),
+        ({}, dict(kv_cache_dtype="fp8_e4m3"), "FP8"),
+        ({}, dict(page_size=4), "page size 4"),
+        (dict(head_dim=80), {}, "head_dim 80"),
+    ],
+)
+def test_engine_build_refuses_what_the_mosaic_backend_lacks(fields, settings, feature):
+    from jspec.config.engine import EngineConfig
+    from jspec.engine.build import check_attention_backend
+
+    with pytest.raises(MosaicUnsupported, match=feature):
+        check_attention_backend(EngineConfig(attention_backend="mosaic", **settings), model(**fields), BF16)
+    check_attention_backend(EngineConfig(attention_backend="pallas", **settings), model(**fields), BF16)
+
+
+def test_engine_build_takes_a_plain_bf16_model_and_refuses_a_float32_one():
+    from jspec.config.engine import EngineConfig
+    from jspec.engine.build import check_attention_backend
+
+    config = EngineConfig(attention_backend="mosaic")
+    check_attention_backend(config, model(), BF16)
+    with pytest.raises(MosaicUnsupported, match="float32 KV"):
+        check_attention_backend(config, model(), jnp.float32)
+
+
+@pytest.mark.parametrize("decode_only", [True, False])
+def test_model_forward_with_the_mosaic_backend_lowers_for_cuda(decode_only, monkeypatch):
+    """--attention-backend mosaic: decode steps call the Mosaic GPU kernel, extend steps the
+    Triton-backend one."""
+    import jspec.kernels.backend
+    from jspec.checkpoint.loader import param_shapes
+    from jspec.kvcache.pool import KVPool
+    from jspec.layers.batch import AttentionMode, ForwardBatch
+    from jspec.models.forward import forward
+
+    monkeypatch.setattr(jspec.kernels.backend, "interpret_mode", lambda: False)  # kernels as on the GPU
+    cfg = model()
+    params = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s, BF16), param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple)
+    )
+    B, Q, S, pages = 8, 1 if decode_only else 4, 16, 16
+    T = B * Q
+    cache = jax.ShapeDtypeStruct((cfg.num_layers, B * pages + 1, S, cfg.num_kv_heads, cfg.head_dim), BF16)
+    batch = ForwardBatch(
+        *(jax.ShapeDtypeStruct((n,), I32) for n in (T, T, T, B)),
+        jax.ShapeDtypeStruct((B, pages), I32),
+        jax.ShapeDtypeStruct((B + 1,), I32),
+        jax.ShapeDtypeStruct((B,), I32),
+    )
+    mode = AttentionMode(decode_only, Q, "mosaic")
+    fn = lambda p, kv, b: forward(p, cfg, kv, b, mode)[1].logits  # noqa: E731
+    text = lower_for_cuda(fn, params, KVPool(cache, cache), batch).as_text()
+    assert ("mosaic_gpu_v2" in text) == decode_only
+    assert ("xla.gpu.triton" in text) != decode_only
