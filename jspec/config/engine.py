@@ -14,7 +14,7 @@ from jspec.config.fields import setting
 from jspec.config.spec import SpecConfig
 
 DEFAULT_COMPILATION_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jspec", "xla")
-ATTENTION_BACKENDS = ("pallas", "reference")
+ATTENTION_BACKENDS = ("pallas", "mosaic", "reference")
 LAYER_LOOPS = ("auto", "scan", "unrolled")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 QUANTIZATIONS = ("fp8",)
@@ -106,7 +106,9 @@ class EngineConfig:
     # Programs.
     attention_backend: str | None = setting(
         None,
-        "default: pallas on the GPU, the jnp reference elsewhere (Pallas would run interpreted)",
+        "default: pallas on the GPU, the jnp reference elsewhere (Pallas would run interpreted); "
+        "mosaic: pallas with decode on the Mosaic GPU kernel (16-bit KV, pages >= 8, no window, "
+        "soft-cap, sinks or latent attention: refused by name at build)",
         choices=ATTENTION_BACKENDS,
         group="kernels",
     )

@@ -11,6 +11,7 @@ import jax
 
 from jspec.checkpoint.model import Model
 from jspec.config.engine import EngineConfig
+from jspec.config.model import ModelConfig
 from jspec.distributed.dp_attention import make_dp_mesh, shard_params_dp
 from jspec.distributed.tensor_parallel import make_mesh, shard_params
 from jspec.engine.sizing import (
@@ -24,6 +25,8 @@ from jspec.engine.sizing import (
     plan_pool,
     probe_running_requests,
 )
+from jspec.kernels.paged_decode_mgpu import MosaicUnsupported, mosaic_decode_unsupported
+from jspec.kvcache.pool import kv_cache_dtype
 from jspec.layers.quant import has_fp8_weights, quantize_params, with_fp8_gemm
 from jspec.lora.adapter import read_rank
 from jspec.lora.pool import LoraPool
@@ -49,6 +52,7 @@ def build_worker(model: Model, config: EngineConfig, draft=None, target_path=Non
     model.params = None
     check_parallel(config, cfg)
     params = fp8_weights(config, params)
+    check_attention_backend(config, cfg, params["embed"].dtype)
     dp = config.dp_size if config.enable_dp_attention else 1
     spec = config.speculative
     if spec is not None and spec.adaptive and dp > 1:
@@ -97,6 +101,26 @@ def build_worker(model: Model, config: EngineConfig, draft=None, target_path=Non
     if dp_mesh is not None:
         worker = DPWorker(worker, dp_mesh)
     return worker, plan
+
+
+def check_attention_backend(config: EngineConfig, cfg: ModelConfig, dtype) -> None:
+    """--attention-backend mosaic puts decode on the Mosaic GPU kernel, which covers the common
+    case only: what it lacks is refused here by name, before any program is built."""
+    if config.attention_backend != "mosaic":
+        return
+    if cfg.deepseek is not None:
+        raise MosaicUnsupported(f"latent attention (MLA, {cfg.family}); use --attention-backend pallas")
+    feature = mosaic_decode_unsupported(
+        (cfg.num_layers, 1, config.page_size, cfg.num_kv_heads, cfg.head_dim),
+        kv_cache_dtype(config.kv_cache_dtype, dtype),
+        cfg.num_heads,
+        window=cfg.smallest_window,
+        logit_softcap=cfg.attn_logit_softcap,
+        sinks=True if cfg.attention_sinks else None,
+    )
+    if feature is not None:
+        raise MosaicUnsupported(f"{feature} ({cfg.family}); use --attention-backend pallas")
+    log.info("attention: decode on the Mosaic GPU kernel, extend and verify on the Triton-backend kernels")
 
 
 def fp8_weights(config: EngineConfig, params):

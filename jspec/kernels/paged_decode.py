@@ -22,7 +22,6 @@ split: running max the sink logit, normaliser 1, so the merge counts them once.
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple
 
 import jax
@@ -41,6 +40,7 @@ from jspec.kernels.paged_tiles import (
     gather_kv_tiles,
     initial_state,
     kv_compute_dtype,
+    lse_of_splits,
     merge_splits,
     min_split_len,
     next_pow2,
@@ -294,8 +294,5 @@ def paged_decode(
         return outs[0]
     acc, m, l = outs
     if return_lse:
-        m_max = jnp.max(m, axis=1)
-        total = jnp.sum(jnp.exp2(m - m_max[:, None]) * l, axis=1)
-        lse = jnp.where(total > 0, (m_max + jnp.log2(jnp.where(total > 0, total, 1.0))) * math.log(2.0), -jnp.inf)
-        return merge_splits(acc, m, l, axis=1), lse
+        return merge_splits(acc, m, l, axis=1), lse_of_splits(m, l, axis=1)
     return merge_splits(acc, m, l, axis=1).astype(q.dtype)

@@ -210,6 +210,14 @@ def runtime_split_len(kv_lens: jax.Array, num_splits: int, block_n: int, floor: 
     return jnp.reshape(-(-per_split // block_n) * block_n, (1,)).astype(jnp.int32)
 
 
+def lse_of_splits(m, l, axis: int):
+    """The natural-log log-sum-exp of the scaled logits from split-K partials m (log2 units) and
+    l, over axis; -inf where every split is empty."""
+    m_max = jnp.max(m, axis=axis)
+    total = jnp.sum(jnp.exp2(m - jnp.expand_dims(m_max, axis)) * l, axis=axis)
+    return jnp.where(total > 0, (m_max + jnp.log2(jnp.where(total > 0, total, 1.0))) * math.log(2.0), -jnp.inf)
+
+
 def merge_splits(acc, m, l, axis: int):
     """Merges split-K partials: acc [..., NS, ..., D], m and l [..., NS, ...] -> normalised f32.
 

@@ -10,11 +10,15 @@ from jspec.distributed.mesh import TENSOR
 from jspec.distributed.tensor_parallel import kv_pool_spec
 from jspec.kernels.mla_decode import mla_decode
 from jspec.kernels.paged_decode import paged_decode
+from jspec.kernels.paged_decode_mgpu import paged_decode_mgpu
 from jspec.kernels.paged_extend import paged_extend
 from jspec.kernels.ref import paged_decode_ref, paged_extend_ref
 from jspec.layers.batch import AttentionMode, ForwardBatch
 
-BACKENDS = ("pallas", "reference")
+BACKENDS = ("pallas", "mosaic", "reference")
+# mosaic: the Triton-backend kernels with decode on the Mosaic GPU one (kernels/paged_decode_mgpu.py).
+DECODE_KERNELS = {"pallas": paged_decode, "mosaic": paged_decode_mgpu, "reference": paged_decode_ref}
+EXTEND_KERNELS = {"pallas": paged_extend, "mosaic": paged_extend, "reference": paged_extend_ref}
 
 
 def paged_attention(
@@ -36,10 +40,7 @@ def paged_attention(
     device only: tensor parallelism refuses them, see check_tp_config)."""
     if mode.backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {mode.backend!r}; choose one of {BACKENDS}")
-    if mode.backend == "pallas":
-        decode, extend = paged_decode, paged_extend
-    else:
-        decode, extend = paged_decode_ref, paged_extend_ref
+    decode, extend = DECODE_KERNELS[mode.backend], EXTEND_KERNELS[mode.backend]
     windowed = window is not None
     sinked = sinks is not None
     if mode.decode_only and mask is None:
@@ -89,7 +90,7 @@ def paged_decode_with_lse(q, k_cache, v_cache, layer, seq_lens, page_tables, *, 
     """Decode attention that also returns the log-sum-exp of each row's logits: (out [B, Hq, D] f32,
     lse [B, Hq] f32, -inf where nothing is visible), so that attention over the paged prefix can
     be merged with attention over keys that live outside the pool (the draft tree's ancestors)."""
-    decode = paged_decode if backend == "pallas" else paged_decode_ref
+    decode = DECODE_KERNELS[backend]
     run = lambda q, k, v, layer, lens, tables: decode(
         q,
         k,
@@ -106,6 +107,8 @@ def paged_decode_with_lse(q, k_cache, v_cache, layer, seq_lens, page_tables, *, 
 def mla_decode_with_lse(q, latent_cache, layer, seq_lens, page_tables, *, kv_lora_rank, sm_scale, backend: str):
     """paged_decode_with_lse for absorbed latent attention (MLA): q [B, Hq, R + P] over a latent
     cache [L, P, S, 1, R + P] whose values are its first R columns -> (out [B, Hq, R] f32, lse)."""
+    if backend not in ("pallas", "reference"):
+        raise ValueError(f"attention backend {backend!r} has no latent-attention (MLA) kernels")
     if backend == "pallas":
         return mla_decode(
             q, latent_cache, layer, seq_lens, page_tables, kv_lora_rank=kv_lora_rank, sm_scale=sm_scale, return_lse=True

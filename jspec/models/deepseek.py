@@ -98,7 +98,7 @@ def mla_attention(cfg, lp, q_nope, q_rope, cache, layer, batch: ForwardBatch, mo
     """Attention of the new tokens over the latent cache (already holding them): [T, Hq, v]."""
     ds = cfg.deepseek
     if mode.backend not in ("pallas", "reference"):
-        raise ValueError(f"unknown attention backend {mode.backend!r}")
+        raise ValueError(f"attention backend {mode.backend!r} has no latent-attention (MLA) kernels")
     # Decode and verify have Pallas kernels (absorbed); prefill runs the expanded reference on
     # every backend.
     if mode.backend == "pallas":

@@ -1,0 +1,139 @@
+"""Paged decode on Mosaic GPU against the Triton-backend kernel and the copy-bandwidth roofline.
+
+Decode at B = 1 and B = 32, ctx 4096, page 16, Llama-3.1-8B's attention (32 query heads over 8
+KV heads, head_dim 128), bf16. Each variant of either kernel is checked against the jnp
+reference and timed on the same Problem with bench_kernels' loop (each call's output the next
+query, page-table sets cycling past L2), so both kernels read the same pages in the same order
+in one process. The roofline: the KV bytes a call must read over the copy bandwidth measured in
+this run; the table gives each variant's fraction of it.
+
+    python -m benchmarks.bench_kernels_mgpu [--quick] [--out benchmarks/results]
+    python -m benchmarks.bench_kernels_mgpu --smoke   # tiny shapes, interpreted: checks this script on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import bench_kernels
+from benchmarks.bench_kernels import LAYER, Problem, print_table, run_variant, summarize
+from benchmarks.common import RESULTS_DIR, Results, copy_bandwidth
+from jspec.kernels.paged_decode import decode_plan, paged_decode
+from jspec.kernels.paged_decode_mgpu import mosaic_decode_plan, paged_decode_mgpu
+from jspec.kernels.ref import paged_decode_ref
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
+
+
+def variants(quick: bool):
+    """(kernel, name, tuning): the Triton-backend kernel at its defaults, the Mosaic one at its
+    defaults and, unless quick, at deeper pipelines and longer tiles."""
+    out = [("triton", "triton", {}), ("mosaic", "mosaic", {})]
+    if not quick:
+        out += [
+            ("mosaic", "mosaic_stages3", dict(num_stages=3)),
+            ("mosaic", "mosaic_stages4", dict(num_stages=4)),
+            ("mosaic", "mosaic_n128", dict(block_n=128)),
+        ]
+    return out
+
+
+def decode_case(name, batch, ctx, page_size, kernel_variants, *, iters, reps):
+    p = Problem(
+        batch=batch,
+        ctx=ctx,
+        page_size=page_size,
+        num_q_heads=NUM_Q_HEADS,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        q_rows=batch,
+    )
+    layer = jnp.int32(LAYER)
+    ref = paged_decode_ref(p.q, p.k, p.v, layer, p.seq_lens, p.page_tables[0], sm_scale=p.sm_scale)
+    case = dict(
+        name=name,
+        kind="decode",
+        batch=batch,
+        ctx=ctx,
+        page_size=page_size,
+        num_q_heads=NUM_Q_HEADS,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        kv_bytes=p.kv_bytes,
+        cache_bytes=2 * p.k.nbytes,
+        page_table_sets=p.sets,
+        results=[],
+    )
+    max_pages = ctx // page_size
+    for kernel, vname, tuning in kernel_variants:
+        fn, plan_of = {
+            "triton": (paged_decode, decode_plan),
+            "mosaic": (paged_decode_mgpu, lambda *a, **kw: mosaic_decode_plan(*a, sm_scale=p.sm_scale, **kw)),
+        }[kernel]
+        call = lambda q, pt, k, v, fn=fn, tuning=tuning: fn(
+            q, k, v, layer, p.seq_lens, pt, sm_scale=p.sm_scale, **tuning
+        )
+        try:
+            plan = plan_of(batch, NUM_Q_HEADS, p.k.shape, max_pages, **tuning)._asdict()
+        except Exception as e:  # noqa: BLE001 - recorded with the variant
+            plan = {"error": f"{type(e).__name__}: {e}"}
+        extra = {"tuning": tuning, "plan": plan, "kernel": kernel}
+        case["results"].append(run_variant(vname, call, ref, p, iters, reps, extra))
+        print(f"  {name} {vname}: {case['results'][-1].get('median_us', 'FAILED')}", flush=True)
+    return case
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=RESULTS_DIR)
+    parser.add_argument("--quick", action="store_true", help="default tuning only, fewer repeats")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check this script on a CPU")
+    args = parser.parse_args()
+    iters, reps = (3, 3) if args.quick else (5, 4)
+    shrink = 64 if args.smoke else 1
+    if args.smoke:
+        iters, reps = 1, 1
+        bench_kernels.CALLS_PER_ITER = 1  # an interpreted kernel compiles once per unrolled call
+
+    device = jax.devices()[0]
+    print(f"device: {device.device_kind}, jax {jax.__version__}", flush=True)
+    copy_bw = copy_bandwidth((1 << 31) // shrink**2)
+    print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s (read+write)", flush=True)
+    ctx = max(64, 4096 // shrink)
+    kernel_variants = variants(args.quick or args.smoke)
+    plans = [
+        ("decode_b1_ctx4096_s16", 1),
+        ("decode_b32_ctx4096_s16", 2 if args.smoke else 32),
+    ]
+    results = Results(
+        args.out,
+        "bench_kernels_mgpu",
+        {"iters_per_loop": iters, "repeats": reps, "quick": args.quick, "smoke": args.smoke, "dtype": "bfloat16"},
+    )
+    cases = []
+
+    def save():
+        return results.write(copy_bandwidth_tbps=copy_bw / 1e12, cases=cases)
+
+    for name, batch in plans:
+        try:
+            case = decode_case(name, batch, ctx, 16, kernel_variants, iters=iters, reps=reps)
+        except Exception as e:  # noqa: BLE001 - one case that fails to set up must not stop the other
+            print(f"case failed to set up: {type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}", flush=True)
+            continue
+        case["roofline_us"] = case["kv_bytes"] / copy_bw * 1e6
+        for r in case["results"]:
+            summarize(r, case, copy_bw, 0.0)
+        cases.append(case)
+        save()
+    path = save()
+    print(f"wrote {path}")
+    print_table(cases)
+
+
+if __name__ == "__main__":
+    main()

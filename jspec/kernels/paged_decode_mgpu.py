@@ -1,0 +1,429 @@
+"""Paged attention for decode: one query token per sequence, Pallas over Mosaic GPU (Hopper).
+
+The same contract as paged_decode.paged_decode (same arguments, same outputs, the same split-K
+plan and merge), for the common case only: a 16-bit KV pool, pages of 8 or more tokens, no
+window, soft-cap or sinks. Anything else raises MosaicUnsupported, naming the feature, so that
+a caller can fall back to the Triton-backend kernel; mosaic_decode_unsupported() asks first.
+
+Grid (sequence, kv head, context split), one warpgroup per program. The program's GQA group is
+the M side of two wgmmas (logits = q k^T, then p v), padded with zero rows to wgmma's 64: the
+padding is copied once per call in jnp, since a TMA box into a tiled buffer must start on a
+tile, which a group's first head does not. KV moves by TMA, one copy per page (per tile, for
+pages longer than a tile) into swizzled shared memory, num_stages tiles in flight: the copies
+of tile t + num_stages - 1 are issued before tile t is computed.
+
+What the Mosaic GPU interpreter (the CPU test path) can run shapes three choices, each of
+which a faster kernel would make differently (docs/kernels-mosaic.md):
+- every tile issues all its page copies, a page past the sequence's end reading the layer's
+  page 0: a predicated copy would skip it, but the interpreter cannot run one. Keys past the
+  end are masked, values there zeroed in shared memory (a NaN would survive a zero weight);
+- p goes through shared memory into the second wgmma: a register operand is not interpreted;
+- each tile's p v lands in a fresh accumulator, added to the running one in registers:
+  accumulating into it (pl.run_state over plgpu.ACC.init) is not interpreted.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jspec.kernels.backend import resolve_interpret
+from jspec.kernels.paged_tiles import (
+    FP8_KV_BYTES,
+    LOG2E,
+    MASK_VALUE,
+    choose_splits,
+    lse_of_splits,
+    merge_splits,
+    min_split_len,
+    runtime_split_len,
+)
+
+# wgmma multiplies 64-row blocks: a GQA group is padded to this.
+GROUP_ROWS = 64
+# A TMA copy into a tiled, swizzled buffer fills whole 8-row tiles.
+MIN_PAGE_SIZE = 8
+# Hopper's shared memory per block (opt-in); Mosaic GPU assumes it too when no GPU is attached.
+SMEM_BYTES = 227 * 1024
+KV_DTYPES = (jnp.bfloat16, jnp.float16)
+GRID_AXES = ("seq", "kv_head", "split")
+
+
+class MosaicUnsupported(NotImplementedError):
+    """A call the Mosaic GPU decode kernel does not cover; feature names what (for a fallback's log)."""
+
+    def __init__(self, feature: str):
+        super().__init__(f"the Mosaic GPU decode kernel does not support {feature}")
+        self.feature = feature
+
+
+def mosaic_decode_unsupported(
+    cache_shape, cache_dtype, num_q_heads, *, window=None, logit_softcap=None, sinks=None, num_warps=4
+) -> str | None:
+    """The first feature of this call that the Mosaic kernel lacks, or None if it can run it."""
+    _, _, page_size, num_kv_heads, head_dim = cache_shape
+    dtype = jnp.dtype(cache_dtype)
+    if window is not None:
+        return "a sliding window"
+    if logit_softcap is not None:
+        return "a logit soft-cap"
+    if sinks is not None:
+        return "attention sinks"
+    if dtype == FP8_KV_BYTES:
+        return "an FP8 KV pool"
+    if dtype not in map(jnp.dtype, KV_DTYPES):
+        # wgmma reads 32-bit operands K-major only, and a V tile is N-major.
+        return f"a {dtype.name} KV pool (16-bit pools only)"
+    if page_size < MIN_PAGE_SIZE or page_size & (page_size - 1):
+        return f"page size {page_size} (powers of two from {MIN_PAGE_SIZE})"
+    if head_dim % 64 or head_dim > 256:
+        # A row of a 128-byte swizzle holds 64 16-bit values; the values wgmma's N is at most 256.
+        return f"head_dim {head_dim} (64, 128, 192 or 256)"
+    if num_q_heads % num_kv_heads or num_q_heads // num_kv_heads > GROUP_ROWS:
+        return f"{num_q_heads} query heads over {num_kv_heads} kv heads (groups of at most {GROUP_ROWS})"
+    if num_warps != 4:
+        return f"num_warps {num_warps} (a program is one warpgroup: 4)"
+    return None
+
+
+def _interpret_params(interpret) -> plgpu.InterpretGPUParams | None:
+    # The interpreter's own settings (race detection, say) pass through; None and bools follow
+    # backend.py, as every kernel's interpret argument does.
+    if isinstance(interpret, plgpu.InterpretGPUParams):
+        return interpret
+    return plgpu.InterpretGPUParams() if resolve_interpret(interpret) else None
+
+
+def _swizzled(cols: int, dtype) -> tuple:
+    """Shared-memory transforms of a wgmma operand whose rows hold cols elements of dtype."""
+    swizzle = min(128, cols * jnp.dtype(dtype).itemsize)
+    return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def _attend_split(
+    scalars_ref,
+    seq_lens_ref,
+    page_tables_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    q_smem,
+    k_smem,
+    v_smem,
+    p_smem,
+    q_barrier,
+    k_barriers,
+    v_barriers,
+    *,
+    page_size,
+    num_pages,
+    num_kv_heads,
+    group,
+    block_n,
+    rows_per_copy,
+    num_stages,
+    scale_log2,
+):
+    """This program's split of the context: its online-softmax state (m, l, acc) over GROUP_ROWS rows."""
+    seq, kv_head, split = (lax.axis_index(axis) for axis in GRID_AXES)
+    max_pages = page_tables_ref.shape[1]
+    head_dim = q_smem.shape[1]
+    layer, split_len = scalars_ref[0], scalars_ref[1]
+    kv_len = jnp.minimum(seq_lens_ref[seq], max_pages * page_size)
+    lo = split * split_len
+    hi = jnp.minimum(lo + split_len, kv_len)
+    num_tiles = lax.div(jnp.maximum(hi - lo, 0) + block_n - 1, block_n)
+
+    def issue_tile(t):
+        slot = lax.rem(t, num_stages)
+        for j in range(block_n // rows_per_copy):
+            first = lo + t * block_n + j * rows_per_copy
+            page = page_tables_ref[seq, jnp.minimum(lax.div(first, page_size), max_pages - 1)]
+            # Past the end the table holds anything: read the layer's page 0 instead, and ignore it.
+            row = layer * num_pages + jnp.where(first < hi, page, 0)
+            offset = pl.multiple_of(lax.rem(first, page_size), rows_per_copy) if page_size > rows_per_copy else 0
+            src = (row, pl.ds(offset, rows_per_copy), kv_head)
+            dst = (slot, pl.ds(j * rows_per_copy, rows_per_copy))
+            plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[dst], k_barriers.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[dst], v_barriers.at[slot])
+
+    plgpu.copy_gmem_to_smem(q_ref.at[seq * num_kv_heads + kv_head], q_smem, q_barrier)
+    for t in range(num_stages - 1):
+        pl.when(t < num_tiles)(functools.partial(issue_tile, t))
+    plgpu.barrier_wait(q_barrier)
+
+    def attend_tile(t, carry):
+        m, l, acc = carry
+        slot = lax.rem(t, num_stages)
+        start = lo + t * block_n
+        pl.when(t + num_stages - 1 < num_tiles)(lambda: issue_tile(t + num_stages - 1))
+        plgpu.barrier_wait(k_barriers.at[slot])
+
+        def logits(s_ref):
+            plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].T)
+            return s_ref[...]
+
+        s = pl.run_scoped(logits, plgpu.ACC((GROUP_ROWS, block_n), jnp.float32)) * scale_log2
+        cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+        s = jnp.where(start + cols < hi, s, MASK_VALUE)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        l = l * alpha + p.sum(axis=1)
+        plgpu.barrier_wait(v_barriers.at[slot])
+
+        @pl.when(start + block_n > hi)
+        def _zero_values_past_the_end():
+            tile = v_smem.at[slot]
+            rows = plgpu.broadcasted_iota(jnp.int32, (block_n, head_dim), 0, layout=plgpu.Layout.WGMMA)
+            tile[...] = jnp.where(start + rows < hi, tile[...], 0).astype(tile.dtype)
+
+        p_smem[...] = p.astype(p_smem.dtype)
+        plgpu.commit_smem()
+
+        def values(o_ref):
+            plgpu.wgmma(o_ref, p_smem, v_smem.at[slot])
+            return o_ref[...]
+
+        pv = pl.run_scoped(values, plgpu.ACC((GROUP_ROWS, head_dim), jnp.float32))
+        return m_new, l, acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
+
+    rows = plgpu.Layout.WGMMA.reduce(1)
+    carry = (
+        plgpu.layout_cast(jnp.full((GROUP_ROWS,), MASK_VALUE, jnp.float32), rows),
+        plgpu.layout_cast(jnp.zeros((GROUP_ROWS,), jnp.float32), rows),
+        plgpu.layout_cast(jnp.zeros((GROUP_ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA),
+    )
+    return lax.fori_loop(0, num_tiles, attend_tile, carry)
+
+
+def _write_out(out_ref, out_smem, m, l, acc, *, group):
+    seq, kv_head = lax.axis_index("seq"), lax.axis_index("kv_head")
+    out_smem[...] = (acc / lax.broadcast_in_dim(jnp.where(l > 0, l, 1.0), acc.shape, [0])).astype(out_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, group)], out_ref.at[seq, pl.ds(kv_head * group, group)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _write_partials(acc_ref, m_ref, l_ref, acc_smem, m_smem, l_smem, m, l, acc, *, group):
+    seq, kv_head, split = (lax.axis_index(axis) for axis in GRID_AXES)
+    acc_smem[...] = acc
+    m_smem[...] = m
+    l_smem[...] = l
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(acc_smem.at[pl.ds(0, group)], acc_ref.at[seq, split, pl.ds(kv_head * group, group)])
+    # m and l go out whole (GROUP_ROWS floats, padding rows too): a TMA row must be 16-byte multiple.
+    plgpu.copy_smem_to_gmem(m_smem, m_ref.at[seq, split, kv_head])
+    plgpu.copy_smem_to_gmem(l_smem, l_ref.at[seq, split, kv_head])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _decode_kernel(
+    scalars_ref, seq_lens_ref, page_tables_ref, q_ref, k_ref, v_ref, *out_refs, plan, cache_shape, group
+):
+    _, num_pages, page_size, num_kv_heads, head_dim = cache_shape
+    dtype = k_ref.dtype
+    stages, block_n = plan.num_stages, plan.block_n
+    attend = functools.partial(
+        _attend_split,
+        scalars_ref,
+        seq_lens_ref,
+        page_tables_ref,
+        q_ref,
+        k_ref,
+        v_ref,
+        page_size=page_size,
+        num_pages=num_pages,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        block_n=block_n,
+        rows_per_copy=plan.rows_per_copy,
+        num_stages=stages,
+        scale_log2=plan.scale_log2,
+    )
+    copies = block_n // plan.rows_per_copy
+    # Two scopes, one after the other: the epilogue's buffers reuse the tiles' shared memory.
+    m, l, acc = pl.run_scoped(
+        attend,
+        plgpu.SMEM((GROUP_ROWS, head_dim), dtype, transforms=_swizzled(head_dim, dtype)),
+        plgpu.SMEM((stages, block_n, head_dim), dtype, transforms=_swizzled(head_dim, dtype)),
+        plgpu.SMEM((stages, block_n, head_dim), dtype, transforms=_swizzled(head_dim, dtype)),
+        plgpu.SMEM((GROUP_ROWS, block_n), dtype, transforms=_swizzled(block_n, dtype)),
+        plgpu.Barrier(),
+        plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
+    )
+    if len(out_refs) == 1:
+        (out_ref,) = out_refs
+        write = functools.partial(_write_out, out_ref, group=group)
+        pl.run_scoped(lambda out_smem: write(out_smem, m, l, acc), plgpu.SMEM((GROUP_ROWS, head_dim), out_ref.dtype))
+    else:
+        write = functools.partial(_write_partials, *out_refs, group=group)
+        pl.run_scoped(
+            lambda *smem: write(*smem, m, l, acc),
+            plgpu.SMEM((GROUP_ROWS, head_dim), jnp.float32),
+            plgpu.SMEM((GROUP_ROWS,), jnp.float32),
+            plgpu.SMEM((GROUP_ROWS,), jnp.float32),
+        )
+
+
+class MosaicDecodePlan(NamedTuple):
+    """Static launch settings, resolved from shapes and the tuning arguments."""
+
+    block_n: int  # KV tokens per tile: the N of the logits wgmma, the K of the values one
+    rows_per_copy: int  # tokens per TMA copy: a page, or a tile of a longer page
+    num_splits: int
+    min_split_len: int  # floor of the runtime KV tokens per split, a multiple of block_n
+    num_stages: int  # KV tiles in shared memory at once
+    scale_log2: float
+
+
+def mosaic_decode_plan(
+    batch,
+    num_q_heads,
+    cache_shape,
+    max_pages,
+    *,
+    sm_scale,
+    block_n=None,
+    num_splits=None,
+    min_split_tokens=256,
+    num_stages=2,
+) -> MosaicDecodePlan:
+    _, _, page_size, _, head_dim = cache_shape
+    block_n = block_n or 64
+    # At most wgmma's N; smaller tiles than 64 rows fail Mosaic GPU's layout inference (jax 0.11.2).
+    if block_n not in (64, 128, 256):
+        raise ValueError(f"block_n must be 64, 128 or 256, got {block_n}")
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be at least 1, got {num_stages}")
+    tiles = 2 * (GROUP_ROWS * head_dim + 2 * num_stages * block_n * head_dim + GROUP_ROWS * block_n)
+    if tiles > SMEM_BYTES:
+        raise ValueError(
+            f"block_n {block_n} x num_stages {num_stages} at head_dim {head_dim} needs {tiles} bytes of shared memory"
+        )
+    splits, _ = choose_splits(max_pages * page_size, batch * cache_shape[3], block_n, min_split_tokens, num_splits)
+    return MosaicDecodePlan(
+        block_n,
+        min(page_size, block_n),
+        splits,
+        min_split_len(block_n, min_split_tokens, num_splits),
+        num_stages,
+        float(sm_scale) * LOG2E,
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale",
+        "logit_softcap",
+        "interpret",
+        "block_n",
+        "num_splits",
+        "min_split_tokens",
+        "num_warps",
+        "num_stages",
+        "return_lse",
+    ),
+)
+def paged_decode_mgpu(
+    q,
+    k_cache,
+    v_cache,
+    layer,
+    seq_lens,
+    page_tables,
+    *,
+    sm_scale,
+    interpret=None,
+    block_n=None,
+    num_splits=None,
+    min_split_tokens=256,
+    num_warps=4,
+    num_stages=2,
+    return_lse=False,
+    window=None,
+    logit_softcap=None,
+    sinks=None,
+):
+    """paged_decode.paged_decode on Mosaic GPU: the same arguments and results (see there).
+
+    Raises MosaicUnsupported for what mosaic_decode_unsupported() names. Tuning: block_n KV
+    tokens per tile (64, 128 or 256); num_splits and min_split_tokens as the Triton
+    kernel's; num_stages KV tiles in flight; num_warps must be 4 (one warpgroup). interpret:
+    None runs the Mosaic GPU interpreter off the GPU, as the other kernels run theirs; an
+    InterpretGPUParams runs it with those settings (its race detector, say).
+    """
+    batch, num_q_heads, head_dim = q.shape
+    num_layers, num_pages, page_size, num_kv_heads, _ = k_cache.shape
+    if k_cache.shape[4] != head_dim or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"q {q.shape} does not fit the caches {k_cache.shape}, {v_cache.shape}")
+    feature = mosaic_decode_unsupported(
+        k_cache.shape,
+        k_cache.dtype,
+        num_q_heads,
+        window=window,
+        logit_softcap=logit_softcap,
+        sinks=sinks,
+        num_warps=num_warps,
+    )
+    if feature is not None:
+        raise MosaicUnsupported(feature)
+    plan = mosaic_decode_plan(
+        batch,
+        num_q_heads,
+        k_cache.shape,
+        page_tables.shape[1],
+        sm_scale=sm_scale,
+        block_n=block_n,
+        num_splits=num_splits,
+        min_split_tokens=min_split_tokens,
+        num_stages=num_stages,
+    )
+    group = num_q_heads // num_kv_heads
+    write_final = plan.num_splits == 1 and not return_lse
+    kv_lens = jnp.minimum(seq_lens.astype(jnp.int32), page_tables.shape[1] * page_size)
+    split_len = runtime_split_len(kv_lens, plan.num_splits, plan.block_n, plan.min_split_len)
+    # wgmma's 64 rows: the group's heads, then zeros.
+    q_groups = q.astype(k_cache.dtype).reshape(batch * num_kv_heads, group, head_dim)
+    q_groups = jnp.pad(q_groups, ((0, 0), (0, GROUP_ROWS - group), (0, 0)))
+    if write_final:
+        out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    else:
+        partial = (batch, plan.num_splits)
+        out_type = (
+            jax.ShapeDtypeStruct((*partial, num_q_heads, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((*partial, num_kv_heads, GROUP_ROWS), jnp.float32),
+            jax.ShapeDtypeStruct((*partial, num_kv_heads, GROUP_ROWS), jnp.float32),
+        )
+    kernel = plgpu.kernel(
+        functools.partial(_decode_kernel, plan=plan, cache_shape=k_cache.shape, group=group),
+        out_type=out_type,
+        grid=(batch, num_kv_heads, plan.num_splits),
+        grid_names=GRID_AXES,
+        interpret=_interpret_params(interpret),
+        kernel_name=f"paged_decode_mgpu_s{page_size}_g{group}_n{plan.block_n}",
+    )
+    pages = (num_layers * num_pages, page_size, num_kv_heads, head_dim)  # a free reshape: layer and page in one index
+    outs = kernel(
+        jnp.stack([jnp.reshape(layer, ()).astype(jnp.int32), split_len[0]]),
+        seq_lens.astype(jnp.int32),
+        page_tables.astype(jnp.int32),
+        q_groups,
+        k_cache.reshape(pages),
+        v_cache.reshape(pages),
+    )
+    if write_final:
+        return outs
+    acc, m, l = outs
+    m, l = (x[..., :group].reshape(batch, plan.num_splits, num_q_heads) for x in (m, l))
+    if return_lse:
+        return merge_splits(acc, m, l, axis=1), lse_of_splits(m, l, axis=1)
+    return merge_splits(acc, m, l, axis=1).astype(q.dtype)

@@ -1,0 +1,238 @@
+"""The Mosaic GPU paged decode kernel: run by Mosaic GPU's interpreter on the CPU against the
+reference, lowered for CUDA on the CPU, and refusing by name what it does not cover.
+
+The interpreter simulates the GPU's memories, TMA copies, barriers and wgmmas, reads out of
+bounds raise, fresh shared memory is NaN, and its race detector flags a read of shared memory
+that no barrier orders after the copy filling it: so "no NaN, no race, equal to the reference"
+on the poisoned problems of test_kernels.py checks the pipeline's synchronisation as well as
+its arithmetic. Each interpreted case costs seconds (mostly tracing the interpreter), so the
+shapes are small and the cases few. Lowering reaches further than the Triton kernels' (see
+test_kernels_lowering.py): Mosaic GPU infers its register layouts and lowers its dialect in
+Python, so layout, tiling, wgmma-shape and shared-memory-size errors fail here; PTX and the
+cubin are built only by XLA's compiler on a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+# The race detector's verdict has no public name in jax 0.11.2.
+from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from kernels.test_kernels import LAYER, SM_SCALE, paged_problem, rel_err
+from support.lowering import lower_for_cuda
+from support.precision import tolerance
+
+from jspec.kernels.backend import interpret_mode
+from jspec.kernels.paged_decode import decode_plan
+from jspec.kernels.paged_decode_mgpu import (
+    MosaicUnsupported,
+    mosaic_decode_plan,
+    mosaic_decode_unsupported,
+    paged_decode_mgpu,
+)
+from jspec.kernels.ref import paged_decode_ref
+
+BF16, I32 = jnp.bfloat16, jnp.int32
+RACE_CHECKED = plgpu.InterpretGPUParams(detect_races=True)
+
+# The extend steps of the mosaic backend stay on the Triton-backend kernels.
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+
+# (page_size, group, head_dim, tuning): a tile of four pages written out directly (one split);
+# tiles of eight pages, three in flight, over three splits (the merge path); tiles inside a
+# 128-token page, over two splits, with the log-sum-exp. GQA groups 4, 8 and 1.
+CASES = [
+    pytest.param(16, 4, 64, dict(num_splits=1), id="s16-g4-one_split"),
+    pytest.param(8, 8, 128, dict(num_splits=3, num_stages=3), id="s8-g8-d128-three_splits"),
+    pytest.param(128, 1, 64, dict(num_splits=2, return_lse=True), id="s128-g1-tile_in_page-lse"),
+]
+
+
+@pytest.mark.parametrize("page_size,group,head_dim,tuning", CASES)
+def test_interpreted_kernel_matches_reference(page_size, group, head_dim, tuning):
+    rng = np.random.default_rng(page_size + group)
+    num_kv_heads = 2
+    # Empty, one token, exactly two pages, just past them, and several tiles.
+    seq_lens = np.array([0, 1, 2 * page_size, 2 * page_size + 3, 200], np.int32)
+    k, v, tables = paged_problem(rng, seq_lens, page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    q = rng.standard_normal((len(seq_lens), num_kv_heads * group, head_dim))
+    q, k, v = (jnp.asarray(x, BF16) for x in (q, k, v))
+    args = (q, k, v, jnp.array([LAYER], I32), jnp.asarray(seq_lens), jnp.asarray(tables))
+    tuning = dict(tuning)
+    return_lse = tuning.pop("return_lse", False)
+    interpreted = interpret_mode()  # compiled on the GPU (benchmarks/gpu_tests.py runs this file there)
+    got = paged_decode_mgpu(
+        *args,
+        sm_scale=SM_SCALE,
+        min_split_tokens=16,
+        return_lse=return_lse,
+        interpret=RACE_CHECKED if interpreted else None,
+        **tuning,
+    )
+    want = paged_decode_ref(*args, sm_scale=SM_SCALE, return_lse=return_lse)
+    assert not (interpreted and get_races().races_found)
+    tol = tolerance(BF16)
+    if return_lse:
+        (got, lse), (want, want_lse) = got, want
+        np.testing.assert_allclose(lse, want_lse, rtol=tol.rtol, atol=tol.lse_atol)
+        assert np.all(np.isneginf(lse[0]))
+    else:
+        assert got.shape == q.shape and got.dtype == q.dtype
+    got = np.asarray(got, np.float32)
+    assert not np.isnan(got).any()
+    assert rel_err(got, np.asarray(want, np.float32)) < tol.rel
+    assert not np.any(got[0])  # seq_len 0 -> zeros
+
+
+def cache_specs(batch, ctx, page_size, num_kv_heads, head_dim):
+    cache = jax.ShapeDtypeStruct((4, batch * ctx // page_size + 1, page_size, num_kv_heads, head_dim), BF16)
+    lens, tables = jax.ShapeDtypeStruct((batch,), I32), jax.ShapeDtypeStruct((batch, ctx // page_size), I32)
+    return cache, cache, jax.ShapeDtypeStruct((), I32), lens, tables
+
+
+@pytest.mark.parametrize(
+    "batch,ctx,page_size,num_q_heads,num_kv_heads,head_dim,tuning",
+    [
+        (32, 4096, 16, 32, 8, 128, {}),  # Llama-3.1-8B, one split: the output written directly
+        (1, 4096, 16, 32, 8, 128, dict(return_lse=True)),  # split-K
+        (8, 4096, 256, 16, 2, 256, dict(num_stages=1)),  # head_dim 256, tiles inside a page
+    ],
+)
+def test_kernel_lowers_for_cuda(batch, ctx, page_size, num_q_heads, num_kv_heads, head_dim, tuning):
+    q = jax.ShapeDtypeStruct((batch, num_q_heads, head_dim), BF16)
+    fn = functools.partial(paged_decode_mgpu, sm_scale=head_dim**-0.5, interpret=False, **tuning)
+    text = lower_for_cuda(fn, q, *cache_specs(batch, ctx, page_size, num_kv_heads, head_dim)).as_text()
+    assert "custom_call @mosaic_gpu_v2" in text and "xla.gpu.triton" not in text
+
+
+@pytest.mark.parametrize(
+    "change,feature",
+    [
+        (dict(window=True), "sliding window"),
+        (dict(logit_softcap=30.0), "soft-cap"),
+        (dict(sinks=True), "sinks"),
+        (dict(dtype=jnp.uint8), "FP8"),
+        (dict(dtype=jnp.float32), "float32 KV"),
+        (dict(page_size=4), "page size 4"),
+        (dict(head_dim=96), "head_dim 96"),
+        (dict(num_warps=8), "num_warps 8"),
+    ],
+)
+def test_refuses_by_name(change, feature):
+    """What the kernel lacks raises MosaicUnsupported naming it, before any tracing of the kernel;
+    mosaic_decode_unsupported() says the same without a call."""
+    change = dict(change)
+    page_size, head_dim, dtype = change.pop("page_size", 16), change.pop("head_dim", 64), change.pop("dtype", BF16)
+    q = jax.ShapeDtypeStruct((2, 8, head_dim), BF16)
+    cache = jax.ShapeDtypeStruct((1, 9, page_size, 2, head_dim), dtype)
+    extra = {}
+    if change.pop("window", False):
+        extra["window"] = jax.ShapeDtypeStruct((), I32)
+    if change.pop("sinks", False):
+        extra["sinks"] = jax.ShapeDtypeStruct((8,), jnp.float32)
+    call = functools.partial(paged_decode_mgpu, sm_scale=0.1, **change)
+    specs = (q, cache, cache, jax.ShapeDtypeStruct((), I32), jax.ShapeDtypeStruct((2,), I32))
+    with pytest.raises(MosaicUnsupported, match=feature):
+        jax.eval_shape(lambda *a, **kw: call(*a, **kw), *specs, jax.ShapeDtypeStruct((2, 4), I32), **extra)
+    unsupported = mosaic_decode_unsupported(cache.shape, dtype, 8, **{k: True for k in extra}, **change)
+    assert feature in unsupported
+    assert mosaic_decode_unsupported(cache.shape[:2] + (16, 2, 64), BF16, 8) is None
+
+
+@pytest.mark.parametrize("batch,table_ctx", [(1, 4096), (32, 4096), (4, 8192)])
+def test_plan_splits_as_the_triton_kernel(batch, table_ctx):
+    """The same split-K partition as the Triton-backend kernel at its default tile, so either
+    one's partials merge alike and a swap changes no launch count."""
+    cache_shape = (32, 1000, 16, 8, 128)
+    mosaic = mosaic_decode_plan(batch, 32, cache_shape, table_ctx // 16, sm_scale=0.1)
+    triton = decode_plan(batch, 32, cache_shape, table_ctx // 16)
+    assert (mosaic.num_splits, mosaic.min_split_len, mosaic.block_n) == (
+        triton.num_splits,
+        triton.min_split_len,
+        triton.block_n,
+    )
+    with pytest.raises(ValueError, match="shared memory"):
+        mosaic_decode_plan(batch, 32, (32, 1000, 16, 8, 256), table_ctx // 16, sm_scale=0.1, block_n=256, num_stages=2)
+
+
+def model(**fields):
+    from jspec.config.model import ModelConfig
+
+    base = dict(
+        family="llama",
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=128,
+    )
+    return ModelConfig(**{**base, **fields})
+
+
+@pytest.mark.parametrize(
+    "fields,settings,feature",
+    [
+        (dict(family="mistral", sliding_windows=(128, 0)), {}, "sliding window"),
+        (dict(family="gemma2", attn_logit_softcap=50.0), {}, "soft-cap"),
+        (dict(attention_sinks=True), {}, "sinks"),
+        ({}, dict(kv_cache_dtype="fp8_e4m3"), "FP8"),
+        ({}, dict(page_size=4), "page size 4"),
+        (dict(head_dim=80), {}, "head_dim 80"),
+    ],
+)
+def test_engine_build_refuses_what_the_mosaic_backend_lacks(fields, settings, feature):
+    from jspec.config.engine import EngineConfig
+    from jspec.engine.build import check_attention_backend
+
+    with pytest.raises(MosaicUnsupported, match=feature):
+        check_attention_backend(EngineConfig(attention_backend="mosaic", **settings), model(**fields), BF16)
+    check_attention_backend(EngineConfig(attention_backend="pallas", **settings), model(**fields), BF16)
+
+
+def test_engine_build_takes_a_plain_bf16_model_and_refuses_a_float32_one():
+    from jspec.config.engine import EngineConfig
+    from jspec.engine.build import check_attention_backend
+
+    config = EngineConfig(attention_backend="mosaic")
+    check_attention_backend(config, model(), BF16)
+    with pytest.raises(MosaicUnsupported, match="float32 KV"):
+        check_attention_backend(config, model(), jnp.float32)
+
+
+@pytest.mark.parametrize("decode_only", [True, False])
+def test_model_forward_with_the_mosaic_backend_lowers_for_cuda(decode_only, monkeypatch):
+    """--attention-backend mosaic: decode steps call the Mosaic GPU kernel, extend steps the
+    Triton-backend one."""
+    import jspec.kernels.backend
+    from jspec.checkpoint.loader import param_shapes
+    from jspec.kvcache.pool import KVPool
+    from jspec.layers.batch import AttentionMode, ForwardBatch
+    from jspec.models.forward import forward
+
+    monkeypatch.setattr(jspec.kernels.backend, "interpret_mode", lambda: False)  # kernels as on the GPU
+    cfg = model()
+    params = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s, BF16), param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple)
+    )
+    B, Q, S, pages = 8, 1 if decode_only else 4, 16, 16
+    T = B * Q
+    cache = jax.ShapeDtypeStruct((cfg.num_layers, B * pages + 1, S, cfg.num_kv_heads, cfg.head_dim), BF16)
+    batch = ForwardBatch(
+        *(jax.ShapeDtypeStruct((n,), I32) for n in (T, T, T, B)),
+        jax.ShapeDtypeStruct((B, pages), I32),
+        jax.ShapeDtypeStruct((B + 1,), I32),
+        jax.ShapeDtypeStruct((B,), I32),
+    )
+    mode = AttentionMode(decode_only, Q, "mosaic")
+    fn = lambda p, kv, b: forward(p, cfg, kv, b, mode)[1].logits  # noqa: E731
+    text = lower_for_cuda(fn, params, KVPool(cache, cache), batch).as_text()
+    assert ("mosaic_gpu_v2" in text) == decode_only
+    assert ("xla.gpu.triton" in text) != decode_only
