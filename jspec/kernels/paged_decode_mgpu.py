@@ -33,11 +33,21 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jspec.kernels.backend import resolve_interpret
+from jspec.kernels.mgpu_tiles import (
+    GROUP_ROWS,
+    SMEM_BYTES,
+    MosaicUnsupported,
+    attend_kv_tile,
+    check_block_n,
+    initial_rows,
+    interpret_params,
+    issue_kv_tile,
+    paged_unsupported,
+    swizzled,
+    tile_smem_bytes,
+)
 from jspec.kernels.paged_tiles import (
-    FP8_KV_BYTES,
     LOG2E,
-    MASK_VALUE,
     choose_splits,
     lse_of_splits,
     merge_splits,
@@ -45,65 +55,22 @@ from jspec.kernels.paged_tiles import (
     runtime_split_len,
 )
 
-# wgmma multiplies 64-row blocks: a GQA group is padded to this.
-GROUP_ROWS = 64
-# A TMA copy into a tiled, swizzled buffer fills whole 8-row tiles.
-MIN_PAGE_SIZE = 8
-# Hopper's shared memory per block (opt-in); Mosaic GPU assumes it too when no GPU is attached.
-SMEM_BYTES = 227 * 1024
-KV_DTYPES = (jnp.bfloat16, jnp.float16)
 GRID_AXES = ("seq", "kv_head", "split")
-
-
-class MosaicUnsupported(NotImplementedError):
-    """A call the Mosaic GPU decode kernel does not cover; feature names what (for a fallback's log)."""
-
-    def __init__(self, feature: str):
-        super().__init__(f"the Mosaic GPU decode kernel does not support {feature}")
-        self.feature = feature
 
 
 def mosaic_decode_unsupported(
     cache_shape, cache_dtype, num_q_heads, *, window=None, logit_softcap=None, sinks=None, num_warps=4
 ) -> str | None:
     """The first feature of this call that the Mosaic kernel lacks, or None if it can run it."""
-    _, _, page_size, num_kv_heads, head_dim = cache_shape
-    dtype = jnp.dtype(cache_dtype)
-    if window is not None:
-        return "a sliding window"
-    if logit_softcap is not None:
-        return "a logit soft-cap"
-    if sinks is not None:
-        return "attention sinks"
-    if dtype == FP8_KV_BYTES:
-        return "an FP8 KV pool"
-    if dtype not in map(jnp.dtype, KV_DTYPES):
-        # wgmma reads 32-bit operands K-major only, and a V tile is N-major.
-        return f"a {dtype.name} KV pool (16-bit pools only)"
-    if page_size < MIN_PAGE_SIZE or page_size & (page_size - 1):
-        return f"page size {page_size} (powers of two from {MIN_PAGE_SIZE})"
-    if head_dim % 64 or head_dim > 256:
-        # A row of a 128-byte swizzle holds 64 16-bit values; the values wgmma's N is at most 256.
-        return f"head_dim {head_dim} (64, 128, 192 or 256)"
-    if num_q_heads % num_kv_heads or num_q_heads // num_kv_heads > GROUP_ROWS:
-        return f"{num_q_heads} query heads over {num_kv_heads} kv heads (groups of at most {GROUP_ROWS})"
-    if num_warps != 4:
-        return f"num_warps {num_warps} (a program is one warpgroup: 4)"
-    return None
-
-
-def _interpret_params(interpret) -> plgpu.InterpretGPUParams | None:
-    # The interpreter's own settings (race detection, say) pass through; None and bools follow
-    # backend.py, as every kernel's interpret argument does.
-    if isinstance(interpret, plgpu.InterpretGPUParams):
-        return interpret
-    return plgpu.InterpretGPUParams() if resolve_interpret(interpret) else None
-
-
-def _swizzled(cols: int, dtype) -> tuple:
-    """Shared-memory transforms of a wgmma operand whose rows hold cols elements of dtype."""
-    swizzle = min(128, cols * jnp.dtype(dtype).itemsize)
-    return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
+    return paged_unsupported(
+        cache_shape,
+        cache_dtype,
+        num_q_heads,
+        window=window,
+        logit_softcap=logit_softcap,
+        sinks=sinks,
+        num_warps=num_warps,
+    )
 
 
 def _attend_split(
@@ -141,17 +108,25 @@ def _attend_split(
     num_tiles = lax.div(jnp.maximum(hi - lo, 0) + block_n - 1, block_n)
 
     def issue_tile(t):
-        slot = lax.rem(t, num_stages)
-        for j in range(block_n // rows_per_copy):
-            first = lo + t * block_n + j * rows_per_copy
-            page = page_tables_ref[seq, jnp.minimum(lax.div(first, page_size), max_pages - 1)]
-            # Past the end the table holds anything: read the layer's page 0 instead, and ignore it.
-            row = layer * num_pages + jnp.where(first < hi, page, 0)
-            offset = pl.multiple_of(lax.rem(first, page_size), rows_per_copy) if page_size > rows_per_copy else 0
-            src = (row, pl.ds(offset, rows_per_copy), kv_head)
-            dst = (slot, pl.ds(j * rows_per_copy, rows_per_copy))
-            plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[dst], k_barriers.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[dst], v_barriers.at[slot])
+        issue_kv_tile(
+            k_ref,
+            v_ref,
+            page_tables_ref,
+            k_smem,
+            v_smem,
+            k_barriers,
+            v_barriers,
+            seq=seq,
+            kv_head=kv_head,
+            layer=layer,
+            start=lo + t * block_n,
+            hi=hi,
+            slot=lax.rem(t, num_stages),
+            page_size=page_size,
+            num_pages=num_pages,
+            block_n=block_n,
+            rows_per_copy=rows_per_copy,
+        )
 
     plgpu.copy_gmem_to_smem(q_ref.at[seq * num_kv_heads + kv_head], q_smem, q_barrier)
     for t in range(num_stages - 1):
@@ -159,48 +134,22 @@ def _attend_split(
     plgpu.barrier_wait(q_barrier)
 
     def attend_tile(t, carry):
-        m, l, acc = carry
         slot = lax.rem(t, num_stages)
-        start = lo + t * block_n
         pl.when(t + num_stages - 1 < num_tiles)(lambda: issue_tile(t + num_stages - 1))
         plgpu.barrier_wait(k_barriers.at[slot])
+        return attend_kv_tile(
+            q_smem,
+            k_smem.at[slot],
+            v_smem.at[slot],
+            v_barriers.at[slot],
+            p_smem,
+            carry,
+            start=lo + t * block_n,
+            hi=hi,
+            scale_log2=scale_log2,
+        )
 
-        def logits(s_ref):
-            plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].T)
-            return s_ref[...]
-
-        s = pl.run_scoped(logits, plgpu.ACC((GROUP_ROWS, block_n), jnp.float32)) * scale_log2
-        cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-        s = jnp.where(start + cols < hi, s, MASK_VALUE)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-        l = l * alpha + p.sum(axis=1)
-        plgpu.barrier_wait(v_barriers.at[slot])
-
-        @pl.when(start + block_n > hi)
-        def _zero_values_past_the_end():
-            tile = v_smem.at[slot]
-            rows = plgpu.broadcasted_iota(jnp.int32, (block_n, head_dim), 0, layout=plgpu.Layout.WGMMA)
-            tile[...] = jnp.where(start + rows < hi, tile[...], 0).astype(tile.dtype)
-
-        p_smem[...] = p.astype(p_smem.dtype)
-        plgpu.commit_smem()
-
-        def values(o_ref):
-            plgpu.wgmma(o_ref, p_smem, v_smem.at[slot])
-            return o_ref[...]
-
-        pv = pl.run_scoped(values, plgpu.ACC((GROUP_ROWS, head_dim), jnp.float32))
-        return m_new, l, acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
-
-    rows = plgpu.Layout.WGMMA.reduce(1)
-    carry = (
-        plgpu.layout_cast(jnp.full((GROUP_ROWS,), MASK_VALUE, jnp.float32), rows),
-        plgpu.layout_cast(jnp.zeros((GROUP_ROWS,), jnp.float32), rows),
-        plgpu.layout_cast(jnp.zeros((GROUP_ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA),
-    )
-    return lax.fori_loop(0, num_tiles, attend_tile, carry)
+    return lax.fori_loop(0, num_tiles, attend_tile, initial_rows(head_dim))
 
 
 def _write_out(out_ref, out_smem, m, l, acc, *, group):
@@ -251,10 +200,10 @@ def _decode_kernel(
     # Two scopes, one after the other: the epilogue's buffers reuse the tiles' shared memory.
     m, l, acc = pl.run_scoped(
         attend,
-        plgpu.SMEM((GROUP_ROWS, head_dim), dtype, transforms=_swizzled(head_dim, dtype)),
-        plgpu.SMEM((stages, block_n, head_dim), dtype, transforms=_swizzled(head_dim, dtype)),
-        plgpu.SMEM((stages, block_n, head_dim), dtype, transforms=_swizzled(head_dim, dtype)),
-        plgpu.SMEM((GROUP_ROWS, block_n), dtype, transforms=_swizzled(block_n, dtype)),
+        plgpu.SMEM((GROUP_ROWS, head_dim), dtype, transforms=swizzled(head_dim, dtype)),
+        plgpu.SMEM((stages, block_n, head_dim), dtype, transforms=swizzled(head_dim, dtype)),
+        plgpu.SMEM((stages, block_n, head_dim), dtype, transforms=swizzled(head_dim, dtype)),
+        plgpu.SMEM((GROUP_ROWS, block_n), dtype, transforms=swizzled(block_n, dtype)),
         plgpu.Barrier(),
         plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
         plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
@@ -298,12 +247,10 @@ def mosaic_decode_plan(
 ) -> MosaicDecodePlan:
     _, _, page_size, _, head_dim = cache_shape
     block_n = block_n or 64
-    # At most wgmma's N; smaller tiles than 64 rows fail Mosaic GPU's layout inference (jax 0.11.2).
-    if block_n not in (64, 128, 256):
-        raise ValueError(f"block_n must be 64, 128 or 256, got {block_n}")
+    check_block_n(block_n)
     if num_stages < 1:
         raise ValueError(f"num_stages must be at least 1, got {num_stages}")
-    tiles = 2 * (GROUP_ROWS * head_dim + 2 * num_stages * block_n * head_dim + GROUP_ROWS * block_n)
+    tiles = tile_smem_bytes(head_dim, block_n, num_stages)
     if tiles > SMEM_BYTES:
         raise ValueError(
             f"block_n {block_n} x num_stages {num_stages} at head_dim {head_dim} needs {tiles} bytes of shared memory"
@@ -408,7 +355,7 @@ def paged_decode_mgpu(
         out_type=out_type,
         grid=(batch, num_kv_heads, plan.num_splits),
         grid_names=GRID_AXES,
-        interpret=_interpret_params(interpret),
+        interpret=interpret_params(interpret),
         kernel_name=f"paged_decode_mgpu_s{page_size}_g{group}_n{plan.block_n}",
     )
     pages = (num_layers * num_pages, page_size, num_kv_heads, head_dim)  # a free reshape: layer and page in one index
