@@ -150,23 +150,24 @@ def attend_kv_tile(
 
     start: the tile's first KV position; hi: positions from hi on are outside this program's range.
     With check_hi (a tile that may reach hi) they are hidden and their values zeroed in shared
-    memory: a NaN there would survive a zero weight. visible: None, or a function of the logits' (row, position) iotas giving the
-    positions each row sees below hi; those it hides get weight exactly zero.
+    memory: a NaN there would survive a zero weight. visible: None, or a function of the logits'
+    positions (an iota along the tile) giving what each row sees below hi, which implies check_hi;
+    what it hides gets weight exactly zero.
     """
     m, l, acc = carry
     block_n, head_dim = k_tile.shape
+    check_hi = check_hi or visible is not None
 
     def logits(s_ref):
         plgpu.wgmma(s_ref, q_smem, k_tile.T)
         return s_ref[...]
 
     s = pl.run_scoped(logits, plgpu.ACC((GROUP_ROWS, block_n), jnp.float32)) * scale_log2
-    if visible is not None or check_hi:
+    if check_hi:
         positions = start + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
         seen = positions < hi
         if visible is not None:
-            rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
-            seen &= visible(rows, positions)
+            seen &= visible(positions)
         s = jnp.where(seen, s, MASK_VALUE)
     m_new = jnp.maximum(m, s.max(axis=1))
     alpha = jnp.exp2(m - m_new)

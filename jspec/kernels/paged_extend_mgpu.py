@@ -1,0 +1,535 @@
+"""Paged attention for a ragged batch of new tokens (prefill chunks, tree verification), Pallas
+over Mosaic GPU (Hopper).
+
+The same contract as paged_extend.paged_extend (same arguments, same outputs; causal, or a tree
+mask: the prefix fully visible, new token i seeing new token k iff mask[b, i, k]), for the common
+case only: a 16-bit KV pool, pages of 8 or more tokens, no window, soft-cap or sinks, trees of at
+most MAX_TREE_TOKENS tokens. Anything else raises MosaicUnsupported, naming the feature;
+mosaic_extend_unsupported() asks first.
+
+Grid (sequence, query block x context split, kv head), one warpgroup per program, highest query
+blocks first (under a causal mask they read the most KV). A query block is GROUP_ROWS rows, the M
+side of both wgmmas: tokens_per_block consecutive new tokens of one sequence times the GQA group
+sharing the kv head (token-major), then zero rows. The blocks are gathered from the ragged q once
+per call in jnp, with two per-row facts the masks need: the last KV position the row sees
+causally (the prefix's last, under a tree; -1 for a padding row), and under a tree the row's mask
+as bits (a word per 32 new tokens). The kernel writes whole blocks, which jnp gathers back into
+the ragged [T, Hq, D] layout (and merges first, over several context splits): a TMA box cannot
+stop at a sequence's last token, and rows past it belong to the next sequence.
+
+Per program, the KV tiles below every row's causal reach (the prefix, under a tree) run
+unmasked; the rest, up to the block's last token, are masked. KV moves by TMA as in the decode
+kernel (mgpu_tiles.issue_kv_tile), num_stages tiles in flight, one pipeline across both loops.
+The interpreter shapes the tile step as it does the decode kernel's (paged_decode_mgpu).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jspec.kernels.mgpu_tiles import (
+    GROUP_ROWS,
+    SMEM_BYTES,
+    MosaicUnsupported,
+    attend_kv_tile,
+    check_block_n,
+    initial_rows,
+    interpret_params,
+    issue_kv_tile,
+    paged_unsupported,
+    swizzled,
+    tile_smem_bytes,
+)
+from jspec.kernels.paged_tiles import LOG2E, choose_splits, merge_splits, min_split_len, runtime_split_len
+
+GRID_AXES = ("seq", "block_split", "kv_head")
+# A tree's mask rows travel as 32-bit words; each masked tile tests every word, so trees stay small.
+MASK_WORD_BITS = 32
+MAX_TREE_TOKENS = 256
+
+
+def mosaic_extend_unsupported(
+    cache_shape,
+    cache_dtype,
+    num_q_heads,
+    *,
+    max_q_len=None,
+    tree=False,
+    window=None,
+    logit_softcap=None,
+    sinks=None,
+    num_warps=None,
+) -> str | None:
+    """The first feature of this call that the Mosaic extend kernel lacks, or None if it can run
+    it. max_q_len: the bound on new tokens per sequence (a tree mask's side)."""
+    feature = paged_unsupported(
+        cache_shape,
+        cache_dtype,
+        num_q_heads,
+        window=window,
+        logit_softcap=logit_softcap,
+        sinks=sinks,
+        num_warps=4 if num_warps is None else num_warps,
+    )
+    if feature is None and tree and max_q_len is not None and max_q_len > MAX_TREE_TOKENS:
+        return f"a tree mask over {max_q_len} tokens (at most {MAX_TREE_TOKENS})"
+    return feature
+
+
+class MosaicExtendPlan(NamedTuple):
+    """Static launch settings, resolved from shapes and the tuning arguments."""
+
+    tokens_per_block: int  # new tokens of one sequence in a query block (times the group: its rows)
+    num_q_blocks: int  # query blocks per sequence
+    block_n: int  # KV tokens per tile
+    rows_per_copy: int  # tokens per TMA copy: a page, or a tile of a longer page
+    num_splits: int
+    min_split_len: int  # floor of the runtime KV tokens per split, a multiple of block_n
+    num_stages: int  # KV tiles in shared memory at once
+    mask_words: int  # 32-bit words of a tree mask row (0: causal)
+    scale_log2: float
+
+
+def mosaic_extend_plan(
+    batch,
+    num_q_heads,
+    cache_shape,
+    max_pages,
+    max_q_len,
+    *,
+    sm_scale,
+    tree=False,
+    block_n=None,
+    num_splits=None,
+    min_split_tokens=256,
+    num_stages=2,
+) -> MosaicExtendPlan:
+    _, _, page_size, num_kv_heads, head_dim = cache_shape
+    group = num_q_heads // num_kv_heads
+    block_n = block_n or 64
+    check_block_n(block_n)
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be at least 1, got {num_stages}")
+    words = -(-max_q_len // MASK_WORD_BITS) if tree else 0
+    smem = tile_smem_bytes(head_dim, block_n, num_stages) + 4 * GROUP_ROWS * (1 + words)
+    if smem > SMEM_BYTES:
+        raise ValueError(
+            f"block_n {block_n} x num_stages {num_stages} at head_dim {head_dim} needs {smem} bytes of shared memory"
+        )
+    tokens_per_block = GROUP_ROWS // group
+    num_q_blocks = -(-max_q_len // tokens_per_block)
+    splits, _ = choose_splits(
+        max_pages * page_size, batch * num_q_blocks * num_kv_heads, block_n, min_split_tokens, num_splits
+    )
+    return MosaicExtendPlan(
+        tokens_per_block,
+        num_q_blocks,
+        block_n,
+        min(page_size, block_n),
+        splits,
+        min_split_len(block_n, min_split_tokens, num_splits),
+        num_stages,
+        words,
+        float(sm_scale) * LOG2E,
+    )
+
+
+def _attend_block(
+    scalars_ref,
+    seq_lens_ref,
+    page_tables_ref,
+    query_start_ref,
+    q_ref,
+    row_limit_ref,
+    mask_bits_ref,
+    k_ref,
+    v_ref,
+    q_smem,
+    k_smem,
+    v_smem,
+    p_smem,
+    row_limit_smem,
+    mask_bits_smem,
+    q_barrier,
+    k_barriers,
+    v_barriers,
+    *,
+    plan,
+    cache_shape,
+    block,
+    first,
+    q_len,
+):
+    """This program's query block over its split of the context: its online-softmax state (m, l, acc)."""
+    seq, _, kv_head = (lax.axis_index(axis) for axis in GRID_AXES)
+    split = lax.rem(lax.axis_index("block_split"), plan.num_splits)
+    _, num_pages, page_size, num_kv_heads, head_dim = cache_shape
+    block_n, stages, tree = plan.block_n, plan.num_stages, plan.mask_words > 0
+    layer, split_len = scalars_ref[0], scalars_ref[1]
+    kv_len = jnp.minimum(seq_lens_ref[seq], page_tables_ref.shape[1] * page_size)
+    prefix = kv_len - q_len  # KV entries before the new tokens
+    last = jnp.minimum(first + plan.tokens_per_block, q_len) - 1
+    # Causal: nothing past the block's last token; tree: any new token may be visible.
+    reach = kv_len if tree else prefix + last + 1
+    lo = split * split_len
+    hi = jnp.minimum(lo + split_len, reach)
+    # Positions every row sees: the prefix (tree), up to the block's first token (causal).
+    unmasked_end = prefix if tree else prefix + first + 1
+    num_full = lax.div(jnp.maximum(jnp.minimum(unmasked_end, hi) - lo, 0), block_n)
+    num_tiles = lax.div(jnp.maximum(hi - lo, 0) + block_n - 1, block_n)
+
+    def issue_tile(t):
+        issue_kv_tile(
+            k_ref,
+            v_ref,
+            page_tables_ref,
+            k_smem,
+            v_smem,
+            k_barriers,
+            v_barriers,
+            seq=seq,
+            kv_head=kv_head,
+            layer=layer,
+            start=lo + t * block_n,
+            hi=hi,
+            slot=lax.rem(t, stages),
+            page_size=page_size,
+            num_pages=num_pages,
+            block_n=block_n,
+            rows_per_copy=plan.rows_per_copy,
+        )
+
+    rows_block = lax.div(block, num_kv_heads)  # the row facts are the same for every kv head
+    plgpu.copy_gmem_to_smem(q_ref.at[block], q_smem, q_barrier)
+    plgpu.copy_gmem_to_smem(row_limit_ref.at[rows_block], row_limit_smem, q_barrier)
+    if tree:
+        plgpu.copy_gmem_to_smem(mask_bits_ref.at[rows_block], mask_bits_smem, q_barrier)
+    for t in range(stages - 1):
+        pl.when(t < num_tiles)(functools.partial(issue_tile, t))
+    plgpu.barrier_wait(q_barrier)
+    row_facts = plgpu.Layout.WGMMA.reduce(1)
+    row_limit = plgpu.load(row_limit_smem, layout=row_facts)
+
+    def visible(positions):
+        seen = positions <= lax.broadcast_in_dim(row_limit, positions.shape, [0])
+        if tree:
+            new_token = positions - prefix
+            for word in range(plan.mask_words):
+                bits = plgpu.load(mask_bits_smem.at[word], layout=row_facts)
+                bit = jnp.clip(new_token - word * MASK_WORD_BITS, 0, MASK_WORD_BITS - 1)
+                in_word = (new_token >= word * MASK_WORD_BITS) & (new_token < (word + 1) * MASK_WORD_BITS)
+                shifted = lax.shift_right_logical(lax.broadcast_in_dim(bits, positions.shape, [0]), bit)
+                seen |= in_word & ((shifted & 1) != 0)
+        return seen
+
+    def attend_tile(t, carry, *, masked):
+        slot = lax.rem(t, stages)
+        pl.when(t + stages - 1 < num_tiles)(lambda: issue_tile(t + stages - 1))
+        plgpu.barrier_wait(k_barriers.at[slot])
+        return attend_kv_tile(
+            q_smem,
+            k_smem.at[slot],
+            v_smem.at[slot],
+            v_barriers.at[slot],
+            p_smem,
+            carry,
+            start=lo + t * block_n,
+            hi=hi,
+            scale_log2=plan.scale_log2,
+            visible=visible if masked else None,
+            check_hi=masked,
+        )
+
+    carry = lax.fori_loop(0, num_full, functools.partial(attend_tile, masked=False), initial_rows(head_dim))
+    return lax.fori_loop(num_full, num_tiles, functools.partial(attend_tile, masked=True), carry)
+
+
+def _write_out(out_ref, out_smem, m, l, acc, *, block):
+    out_smem[...] = (acc / lax.broadcast_in_dim(jnp.where(l > 0, l, 1.0), acc.shape, [0])).astype(out_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, out_ref.at[block])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _write_partials(acc_ref, m_ref, l_ref, acc_smem, m_smem, l_smem, m, l, acc, *, block, split):
+    acc_smem[...] = acc
+    m_smem[...] = m
+    l_smem[...] = l
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(acc_smem, acc_ref.at[block, split])
+    plgpu.copy_smem_to_gmem(m_smem, m_ref.at[block, split])
+    plgpu.copy_smem_to_gmem(l_smem, l_ref.at[block, split])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _extend_kernel(
+    scalars_ref,
+    seq_lens_ref,
+    page_tables_ref,
+    query_start_ref,
+    q_ref,
+    row_limit_ref,
+    *refs,
+    plan,
+    cache_shape,
+):
+    tree = plan.mask_words > 0
+    if tree:
+        mask_bits_ref, k_ref, v_ref, *out_refs = refs
+    else:
+        mask_bits_ref = None
+        k_ref, v_ref, *out_refs = refs
+    _, _, _, num_kv_heads, head_dim = cache_shape
+    dtype, stages, block_n = k_ref.dtype, plan.num_stages, plan.block_n
+    seq, block_split, kv_head = (lax.axis_index(axis) for axis in GRID_AXES)
+    q_block = plan.num_q_blocks - 1 - lax.div(block_split, plan.num_splits)
+    split = lax.rem(block_split, plan.num_splits)
+    row0 = query_start_ref[seq]
+    q_len = query_start_ref[seq + 1] - row0
+    first = q_block * plan.tokens_per_block  # first new token of this block, within its sequence
+    block = (seq * plan.num_q_blocks + q_block) * num_kv_heads + kv_head
+    copies = block_n // plan.rows_per_copy
+    scratch = [
+        plgpu.SMEM((GROUP_ROWS, head_dim), dtype, transforms=swizzled(head_dim, dtype)),
+        plgpu.SMEM((stages, block_n, head_dim), dtype, transforms=swizzled(head_dim, dtype)),
+        plgpu.SMEM((stages, block_n, head_dim), dtype, transforms=swizzled(head_dim, dtype)),
+        plgpu.SMEM((GROUP_ROWS, block_n), dtype, transforms=swizzled(block_n, dtype)),
+        plgpu.SMEM((GROUP_ROWS,), jnp.int32),
+        plgpu.SMEM((max(plan.mask_words, 1), GROUP_ROWS), jnp.int32),
+        plgpu.Barrier(num_arrivals=3 if tree else 2),
+        plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
+    ]
+    attend = functools.partial(
+        _attend_block,
+        scalars_ref,
+        seq_lens_ref,
+        page_tables_ref,
+        query_start_ref,
+        q_ref,
+        row_limit_ref,
+        mask_bits_ref,
+        k_ref,
+        v_ref,
+        plan=plan,
+        cache_shape=cache_shape,
+        block=block,
+        first=first,
+        q_len=q_len,
+    )
+
+    # A block past its sequence's new tokens does nothing: no row of it is ever read back.
+    @pl.when(first < q_len)
+    def _():
+        # Two scopes, one after the other: the epilogue's buffers reuse the tiles' shared memory.
+        m, l, acc = pl.run_scoped(attend, *scratch)
+        if len(out_refs) == 1:
+            (out_ref,) = out_refs
+            write = functools.partial(_write_out, out_ref, block=block)
+            pl.run_scoped(lambda smem: write(smem, m, l, acc), plgpu.SMEM((GROUP_ROWS, head_dim), out_ref.dtype))
+        else:
+            write = functools.partial(_write_partials, *out_refs, block=block, split=split)
+            pl.run_scoped(
+                lambda *smem: write(*smem, m, l, acc),
+                plgpu.SMEM((GROUP_ROWS, head_dim), jnp.float32),
+                plgpu.SMEM((GROUP_ROWS,), jnp.float32),
+                plgpu.SMEM((GROUP_ROWS,), jnp.float32),
+            )
+
+
+def _row_layout(group: int, tokens_per_block: int):
+    """Static (token within the block, head within the group, real row) of each of GROUP_ROWS rows."""
+    rows = np.arange(GROUP_ROWS)
+    return rows // group, rows % group, rows < tokens_per_block * group
+
+
+def query_blocks(q, query_start, kv_lens, mask, plan, *, num_kv_heads, dtype):
+    """The per-call gathers: q blocks [B * NQB * Hkv, GROUP_ROWS, D] in the pool's dtype, each row's
+    causal limit [B * NQB, GROUP_ROWS] and, under a tree, its mask bits [B * NQB, words, GROUP_ROWS]."""
+    num_rows, num_q_heads, head_dim = q.shape
+    batch = kv_lens.shape[0]
+    group = num_q_heads // num_kv_heads
+    token_in_block, head_in_group, real_row = _row_layout(group, plan.tokens_per_block)
+    q_lens = query_start[1:] - query_start[:-1]
+    token = np.arange(plan.num_q_blocks)[:, None] * plan.tokens_per_block + token_in_block[None, :]  # [NQB, R]
+    valid = real_row & (token[None] < q_lens[:, None, None])  # [B, NQB, R]
+    flat_row = jnp.clip(query_start[:-1, None, None] + token[None], 0, num_rows - 1)
+    heads = np.arange(num_kv_heads)[:, None] * group + head_in_group[None, :]  # [Hkv, R]
+    blocks = q[flat_row[:, :, None, :], heads[None, None]]  # [B, NQB, Hkv, R, D]
+    # Select, not multiply: padding rows of q may hold anything, NaN included.
+    blocks = jnp.where(valid[:, :, None, :, None], blocks, 0).astype(dtype)
+    blocks = blocks.reshape(-1, GROUP_ROWS, head_dim)
+    prefix = (kv_lens - q_lens)[:, None, None]
+    limit = prefix - 1 if mask is not None else prefix + token[None]
+    row_limit = jnp.where(valid, limit, -1).reshape(-1, GROUP_ROWS).astype(jnp.int32)
+    if mask is None:
+        return blocks, row_limit, None
+    max_q_len = mask.shape[-1]
+    width = plan.mask_words * MASK_WORD_BITS
+    rows_mask = mask.astype(bool)[np.arange(batch)[:, None, None], np.minimum(token, max_q_len - 1)[None]]
+    rows_mask &= valid[..., None]  # [B, NQB, R, Q]
+    rows_mask = jnp.pad(rows_mask, ((0, 0), (0, 0), (0, 0), (0, width - max_q_len)))
+    rows_mask = rows_mask.reshape(*rows_mask.shape[:3], plan.mask_words, MASK_WORD_BITS)
+    weights = jnp.left_shift(jnp.uint32(1), jnp.arange(MASK_WORD_BITS, dtype=jnp.uint32))
+    words = jnp.sum(jnp.where(rows_mask, weights, jnp.uint32(0)), axis=-1, dtype=jnp.uint32)  # [B, NQB, R, W]
+    bits = lax.bitcast_convert_type(words, jnp.int32).transpose(0, 1, 3, 2)
+    return blocks, row_limit, bits.reshape(-1, plan.mask_words, GROUP_ROWS)
+
+
+def ragged_rows(blocks, query_start, plan, *, num_rows, num_q_heads, num_kv_heads):
+    """Blocks [B * NQB * Hkv, GROUP_ROWS, D] in query_blocks' layout back to q's ragged
+    [num_rows, Hq, D]; rows from query_start[B] on are zeros."""
+    batch = query_start.shape[0] - 1
+    group = num_q_heads // num_kv_heads
+    # Row t is token t - query_start[b] of the sequence b holding it.
+    t = jnp.arange(num_rows, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(query_start, t, side="right") - 1, 0, batch - 1)
+    token = t - query_start[seq]
+    q_block = jnp.minimum(lax.div(token, plan.tokens_per_block), plan.num_q_blocks - 1)
+    heads = jnp.arange(num_q_heads, dtype=jnp.int32)
+    block = (seq * plan.num_q_blocks + q_block)[:, None] * num_kv_heads + (heads // group)[None, :]
+    row = lax.rem(token, plan.tokens_per_block)[:, None] * group + (heads % group)[None, :]
+    out = blocks[block, row]  # [T, Hq, D]
+    # Rows no program owns were never written: select, not multiply (they may hold NaN).
+    return jnp.where((t < query_start[batch])[:, None, None], out, 0)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale",
+        "logit_softcap",
+        "max_q_len",
+        "interpret",
+        "block_m",
+        "block_n",
+        "num_splits",
+        "min_split_tokens",
+        "num_warps",
+        "num_stages",
+    ),
+)
+def paged_extend_mgpu(
+    q,
+    k_cache,
+    v_cache,
+    layer,
+    seq_lens,
+    page_tables,
+    query_start,
+    *,
+    sm_scale,
+    max_q_len,
+    mask=None,
+    interpret=None,
+    block_m=None,
+    block_n=None,
+    num_splits=None,
+    min_split_tokens=256,
+    num_warps=None,
+    num_stages=2,
+    window=None,
+    logit_softcap=None,
+    sinks=None,
+):
+    """paged_extend.paged_extend on Mosaic GPU: the same arguments and results (see there).
+
+    Raises MosaicUnsupported for what mosaic_extend_unsupported() names. Tuning: block_m must be
+    None or GROUP_ROWS (a query block is one wgmma's rows); block_n KV tokens per tile (64, 128 or
+    256); num_splits and min_split_tokens as the Triton kernel's; num_stages KV tiles in flight;
+    num_warps None or 4 (one warpgroup). interpret as paged_decode_mgpu's.
+    """
+    num_rows, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[3]
+    batch = seq_lens.shape[0]
+    if k_cache.shape[4] != head_dim or num_q_heads % num_kv_heads or v_cache.shape != k_cache.shape:
+        raise ValueError(f"q {q.shape} does not fit the caches {k_cache.shape}, {v_cache.shape}")
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"the caches differ in dtype: {k_cache.dtype}, {v_cache.dtype}")
+    if query_start.shape != (batch + 1,):
+        raise ValueError(f"query_start must be [B+1] = [{batch + 1}], got {query_start.shape}")
+    if mask is not None and mask.shape != (batch, max_q_len, max_q_len):
+        raise ValueError(f"mask must be [B, max_q_len, max_q_len], got {mask.shape}")
+    feature = mosaic_extend_unsupported(
+        k_cache.shape,
+        k_cache.dtype,
+        num_q_heads,
+        max_q_len=max_q_len,
+        tree=mask is not None,
+        window=window,
+        logit_softcap=logit_softcap,
+        sinks=sinks,
+        num_warps=num_warps,
+    )
+    if feature is not None:
+        raise MosaicUnsupported(feature, kernel="extend")
+    if block_m not in (None, GROUP_ROWS):
+        raise ValueError(f"block_m must be None or {GROUP_ROWS} (one wgmma's rows), got {block_m}")
+    num_layers, num_pages, page_size, _, _ = k_cache.shape
+    plan = mosaic_extend_plan(
+        batch,
+        num_q_heads,
+        k_cache.shape,
+        page_tables.shape[1],
+        max_q_len,
+        sm_scale=sm_scale,
+        tree=mask is not None,
+        block_n=block_n,
+        num_splits=num_splits,
+        min_split_tokens=min_split_tokens,
+        num_stages=num_stages,
+    )
+    group = num_q_heads // num_kv_heads
+    write_final = plan.num_splits == 1
+    query_start = query_start.astype(jnp.int32)
+    q_lens = query_start[1:] - query_start[:-1]
+    kv_lens = jnp.minimum(seq_lens.astype(jnp.int32), page_tables.shape[1] * page_size)
+    # Sequences with no new tokens run no program: their KV does not set the split length.
+    split_len = runtime_split_len(jnp.where(q_lens > 0, kv_lens, 0), plan.num_splits, plan.block_n, plan.min_split_len)
+    blocks, row_limit, mask_bits = query_blocks(
+        q, query_start, kv_lens, mask, plan, num_kv_heads=num_kv_heads, dtype=k_cache.dtype
+    )
+    num_blocks = blocks.shape[0]
+    if write_final:
+        out_type = jax.ShapeDtypeStruct(blocks.shape, q.dtype)
+    else:
+        partial = (num_blocks, plan.num_splits, GROUP_ROWS)
+        out_type = (
+            jax.ShapeDtypeStruct((*partial, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct(partial, jnp.float32),
+            jax.ShapeDtypeStruct(partial, jnp.float32),
+        )
+    tree = "_tree" if mask is not None else ""
+    kernel = plgpu.kernel(
+        functools.partial(_extend_kernel, plan=plan, cache_shape=k_cache.shape),
+        out_type=out_type,
+        grid=(batch, plan.num_q_blocks * plan.num_splits, num_kv_heads),
+        grid_names=GRID_AXES,
+        interpret=interpret_params(interpret),
+        kernel_name=f"paged_extend_mgpu_s{page_size}_g{group}_n{plan.block_n}{tree}",
+    )
+    pages = (num_layers * num_pages, page_size, num_kv_heads, head_dim)  # a free reshape: layer and page in one index
+    inputs = [
+        jnp.stack([jnp.reshape(layer, ()).astype(jnp.int32), split_len[0]]),
+        seq_lens.astype(jnp.int32),
+        page_tables.astype(jnp.int32),
+        query_start,
+        blocks,
+        row_limit,
+    ]
+    if mask_bits is not None:
+        inputs.append(mask_bits)
+    outs = kernel(*inputs, k_cache.reshape(pages), v_cache.reshape(pages))
+    out_blocks = outs if write_final else merge_splits(*outs, axis=1)
+    out = ragged_rows(
+        out_blocks, query_start, plan, num_rows=num_rows, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads
+    )
+    return out.astype(q.dtype)
