@@ -107,8 +107,8 @@ class EngineConfig:
     attention_backend: str | None = setting(
         None,
         "default: pallas on the GPU, the jnp reference elsewhere (Pallas would run interpreted); "
-        "mosaic: pallas with decode on the Mosaic GPU kernel (16-bit KV, pages >= 8, no window, "
-        "soft-cap, sinks or latent attention: refused by name at build)",
+        "mosaic: decode, extend and tree verify on the Mosaic GPU kernels (16-bit KV, pages >= 8, no "
+        "window, soft-cap, sinks or latent attention, trees of at most 256 tokens: refused by name at build)",
         choices=ATTENTION_BACKENDS,
         group="kernels",
     )

@@ -26,7 +26,9 @@ from jspec.engine.sizing import (
     probe_running_requests,
 )
 from jspec.kernels.paged_decode_mgpu import MosaicUnsupported, mosaic_decode_unsupported
+from jspec.kernels.paged_extend_mgpu import mosaic_extend_unsupported
 from jspec.kvcache.pool import kv_cache_dtype
+from jspec.layers.batch import bucket
 from jspec.layers.quant import has_fp8_weights, quantize_params, with_fp8_gemm
 from jspec.lora.adapter import read_rank
 from jspec.lora.pool import LoraPool
@@ -104,23 +106,35 @@ def build_worker(model: Model, config: EngineConfig, draft=None, target_path=Non
 
 
 def check_attention_backend(config: EngineConfig, cfg: ModelConfig, dtype) -> None:
-    """--attention-backend mosaic puts decode on the Mosaic GPU kernel, which covers the common
-    case only: what it lacks is refused here by name, before any program is built."""
+    """--attention-backend mosaic runs decode, extend and tree verify on the Mosaic GPU kernels,
+    which cover the common case only: what they lack is refused here by name, before any program
+    is built."""
     if config.attention_backend != "mosaic":
         return
     if cfg.deepseek is not None:
         raise MosaicUnsupported(f"latent attention (MLA, {cfg.family}); use --attention-backend pallas")
-    feature = mosaic_decode_unsupported(
-        (cfg.num_layers, 1, config.page_size, cfg.num_kv_heads, cfg.head_dim),
-        kv_cache_dtype(config.kv_cache_dtype, dtype),
-        cfg.num_heads,
+    cache_shape = (cfg.num_layers, 1, config.page_size, cfg.num_kv_heads, cfg.head_dim)
+    features = dict(
         window=cfg.smallest_window,
         logit_softcap=cfg.attn_logit_softcap,
         sinks=True if cfg.attention_sinks else None,
     )
-    if feature is not None:
-        raise MosaicUnsupported(f"{feature} ({cfg.family}); use --attention-backend pallas")
-    log.info("attention: decode on the Mosaic GPU kernel, extend and verify on the Triton-backend kernels")
+    cache_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)
+    # Verify runs each draft tree padded to its bucket. A drafter's own block (DFLASH's default)
+    # is known only once it is loaded: the kernel refuses it then, if it must.
+    spec = config.speculative
+    trees = [tokens for _, _, tokens in spec.shapes() if tokens] if spec is not None else []
+    largest_tree = bucket(max(trees, default=1))
+    checks = {
+        "decode": mosaic_decode_unsupported(cache_shape, cache_dtype, cfg.num_heads, **features),
+        "extend": mosaic_extend_unsupported(
+            cache_shape, cache_dtype, cfg.num_heads, max_q_len=largest_tree, tree=True, **features
+        ),
+    }
+    for kernel, feature in checks.items():
+        if feature is not None:
+            raise MosaicUnsupported(f"{feature} ({cfg.family}); use --attention-backend pallas", kernel)
+    log.info("attention: decode, extend and tree verify on the Mosaic GPU kernels")
 
 
 def fp8_weights(config: EngineConfig, params):

@@ -12,13 +12,15 @@ from jspec.kernels.mla_decode import mla_decode
 from jspec.kernels.paged_decode import paged_decode
 from jspec.kernels.paged_decode_mgpu import paged_decode_mgpu
 from jspec.kernels.paged_extend import paged_extend
+from jspec.kernels.paged_extend_mgpu import paged_extend_mgpu
 from jspec.kernels.ref import paged_decode_ref, paged_extend_ref
 from jspec.layers.batch import AttentionMode, ForwardBatch
 
 BACKENDS = ("pallas", "mosaic", "reference")
-# mosaic: the Triton-backend kernels with decode on the Mosaic GPU one (kernels/paged_decode_mgpu.py).
+# mosaic: the Mosaic GPU kernels (kernels/paged_decode_mgpu.py, paged_extend_mgpu.py); what they lack
+# is refused by name at the engine's build, and raises MosaicUnsupported at trace time.
 DECODE_KERNELS = {"pallas": paged_decode, "mosaic": paged_decode_mgpu, "reference": paged_decode_ref}
-EXTEND_KERNELS = {"pallas": paged_extend, "mosaic": paged_extend, "reference": paged_extend_ref}
+EXTEND_KERNELS = {"pallas": paged_extend, "mosaic": paged_extend_mgpu, "reference": paged_extend_ref}
 
 
 def paged_attention(

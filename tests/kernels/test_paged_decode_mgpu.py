@@ -1,5 +1,7 @@
 """The Mosaic GPU paged decode kernel: run by Mosaic GPU's interpreter on the CPU against the
-reference, lowered for CUDA on the CPU, and refusing by name what it does not cover.
+reference, lowered for CUDA on the CPU, and refusing by name what it does not cover; and the
+engine's --attention-backend mosaic, which puts decode, extend and verify steps on the Mosaic GPU
+kernels (this one and paged_extend_mgpu): its build's refusals, the model forward's lowering.
 
 The interpreter simulates the GPU's memories, TMA copies, barriers and wgmmas, reads out of
 bounds raise, fresh shared memory is NaN, and its race detector flags a read of shared memory
@@ -40,9 +42,6 @@ from jspec.kernels.ref import paged_decode_ref
 
 BF16, I32 = jnp.bfloat16, jnp.int32
 RACE_CHECKED = plgpu.InterpretGPUParams(detect_races=True)
-
-# The extend steps of the mosaic backend stay on the Triton-backend kernels.
-pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
 # (page_size, group, head_dim, tuning): a tile of four pages written out directly (one split);
 # tiles of eight pages, three in flight, over three splits (the merge path); tiles inside a
@@ -177,6 +176,12 @@ def model(**fields):
     return ModelConfig(**{**base, **fields})
 
 
+def speculative(**fields):
+    from jspec.config.spec import SpecConfig
+
+    return SpecConfig(**fields)
+
+
 @pytest.mark.parametrize(
     "fields,settings,feature",
     [
@@ -186,12 +191,17 @@ def model(**fields):
         ({}, dict(kv_cache_dtype="fp8_e4m3"), "FP8"),
         ({}, dict(page_size=4), "page size 4"),
         (dict(head_dim=80), {}, "head_dim 80"),
+        # 260 draft tokens verify as a tree of 512: past the extend kernel's mask words.
+        ({}, dict(speculative=dict(num_steps=5, eagle_topk=8, num_draft_tokens=260)), "tree mask over 512 tokens"),
     ],
 )
 def test_engine_build_refuses_what_the_mosaic_backend_lacks(fields, settings, feature):
     from jspec.config.engine import EngineConfig
     from jspec.engine.build import check_attention_backend
 
+    settings = dict(settings)
+    if "speculative" in settings:
+        settings["speculative"] = speculative(**settings["speculative"])
     with pytest.raises(MosaicUnsupported, match=feature):
         check_attention_backend(EngineConfig(attention_backend="mosaic", **settings), model(**fields), BF16)
     check_attention_backend(EngineConfig(attention_backend="pallas", **settings), model(**fields), BF16)
@@ -203,14 +213,18 @@ def test_engine_build_takes_a_plain_bf16_model_and_refuses_a_float32_one():
 
     config = EngineConfig(attention_backend="mosaic")
     check_attention_backend(config, model(), BF16)
+    tree_of_64 = EngineConfig(
+        attention_backend="mosaic", speculative=speculative(num_steps=5, eagle_topk=4, num_draft_tokens=64)
+    )
+    check_attention_backend(tree_of_64, model(), BF16)
     with pytest.raises(MosaicUnsupported, match="float32 KV"):
         check_attention_backend(config, model(), jnp.float32)
 
 
-@pytest.mark.parametrize("decode_only", [True, False])
-def test_model_forward_with_the_mosaic_backend_lowers_for_cuda(decode_only, monkeypatch):
-    """--attention-backend mosaic: decode steps call the Mosaic GPU kernel, extend steps the
-    Triton-backend one."""
+@pytest.mark.parametrize("step", ["decode", "extend", "verify"])
+def test_model_forward_with_the_mosaic_backend_lowers_for_cuda(step, monkeypatch):
+    """--attention-backend mosaic: decode, extend (causal) and verify (a tree mask) steps all
+    call the Mosaic GPU kernels, none the Triton-backend ones."""
     import jspec.kernels.backend
     from jspec.checkpoint.loader import param_shapes
     from jspec.kvcache.pool import KVPool
@@ -222,6 +236,7 @@ def test_model_forward_with_the_mosaic_backend_lowers_for_cuda(decode_only, monk
     params = jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s, BF16), param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple)
     )
+    decode_only = step == "decode"
     B, Q, S, pages = 8, 1 if decode_only else 4, 16, 16
     T = B * Q
     cache = jax.ShapeDtypeStruct((cfg.num_layers, B * pages + 1, S, cfg.num_kv_heads, cfg.head_dim), BF16)
@@ -232,7 +247,8 @@ def test_model_forward_with_the_mosaic_backend_lowers_for_cuda(decode_only, monk
         jax.ShapeDtypeStruct((B,), I32),
     )
     mode = AttentionMode(decode_only, Q, "mosaic")
-    fn = lambda p, kv, b: forward(p, cfg, kv, b, mode)[1].logits  # noqa: E731
-    text = lower_for_cuda(fn, params, KVPool(cache, cache), batch).as_text()
-    assert ("mosaic_gpu_v2" in text) == decode_only
-    assert ("xla.gpu.triton" in text) != decode_only
+    mask = jax.ShapeDtypeStruct((B, Q, Q), jnp.bool_) if step == "verify" else None
+    fn = lambda p, kv, b, m: forward(p, cfg, kv, b, mode, mask=m)[1].logits  # noqa: E731
+    text = lower_for_cuda(fn, params, KVPool(cache, cache), batch, mask).as_text()
+    assert "mosaic_gpu_v2" in text
+    assert "xla.gpu.triton" not in text
