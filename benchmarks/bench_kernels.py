@@ -198,6 +198,25 @@ def bundled_decode(p: Problem, ref, iters, reps):
     return run_variant("bundled", call, ref, p, iters, reps, extra, caches=(k_pages, v_pages))
 
 
+def random_tree_mask(batch: int, q_len: int) -> jax.Array:
+    """A draft-tree-like mask: each token sees itself and a random 40% of the earlier ones."""
+    rng = np.random.default_rng(1)
+    return jnp.asarray(np.tril(rng.random((batch, q_len, q_len)) < 0.4) | np.eye(q_len, dtype=bool)[None])
+
+
+def extend_flops(batch, q_len, ctx, mask, *, window=None, num_q_heads=32, head_dim=128) -> float:
+    """The two matmuls' FLOPs over the (query, key) pairs an extend call's masks leave visible:
+    a prefix of ctx - q_len keys, then the tree mask's pairs or the causal triangle."""
+    if mask is not None:
+        visible = float(np.asarray(mask).sum()) / batch + (ctx - q_len) * q_len
+    else:
+        visible = (ctx - q_len) * q_len + q_len * (q_len + 1) / 2
+    if window is not None:  # each query sees at most its last window positions
+        positions = np.arange(ctx - q_len, ctx)
+        visible = float(np.minimum(positions + 1, window).sum())
+    return 4 * batch * visible * num_q_heads * head_dim
+
+
 def extend_case(name, batch, q_len, ctx, page_size, variants, *, tree, iters, reps, window=None):
     """window: a sliding window narrower than ctx (each query reads its last window keys)."""
     p = Problem(
@@ -205,11 +224,7 @@ def extend_case(name, batch, q_len, ctx, page_size, variants, *, tree, iters, re
     )
     layer = jnp.int32(LAYER)
     query_start = jnp.arange(batch + 1, dtype=jnp.int32) * q_len
-    mask = None
-    if tree:
-        rng = np.random.default_rng(1)
-        m = np.tril(rng.random((batch, q_len, q_len)) < 0.4) | np.eye(q_len, dtype=bool)[None]
-        mask = jnp.asarray(m)
+    mask = random_tree_mask(batch, q_len) if tree else None
     win = None if window is None else jnp.int32(window)
     ref = paged_extend_ref(
         p.q,
@@ -224,14 +239,7 @@ def extend_case(name, batch, q_len, ctx, page_size, variants, *, tree, iters, re
         mask=mask,
         window=win,
     )
-    if tree:
-        visible = float(np.asarray(mask).sum()) / batch + (ctx - q_len) * q_len
-    else:
-        visible = (ctx - q_len) * q_len + q_len * (q_len + 1) / 2
-    if window is not None:  # each query sees at most its last window positions
-        positions = np.arange(ctx - q_len, ctx)
-        visible = float(np.minimum(positions + 1, window).sum())
-    flops = 4 * batch * visible * 32 * 128
+    flops = extend_flops(batch, q_len, ctx, mask, window=window)
     case = dict(
         name=name,
         kind="extend_tree" if tree else "extend_causal",

@@ -1,11 +1,13 @@
-"""Paged decode on Mosaic GPU against the Triton-backend kernel and the copy-bandwidth roofline.
+"""Paged attention on Mosaic GPU against the Triton-backend kernels and their rooflines.
 
-Decode at B = 1 and B = 32, ctx 4096, page 16, Llama-3.1-8B's attention (32 query heads over 8
-KV heads, head_dim 128), bf16. Each variant of either kernel is checked against the jnp
-reference and timed on the same Problem with bench_kernels' loop (each call's output the next
-query, page-table sets cycling past L2), so both kernels read the same pages in the same order
-in one process. The roofline: the KV bytes a call must read over the copy bandwidth measured in
-this run; the table gives each variant's fraction of it.
+Llama-3.1-8B's attention (32 query heads over 8 KV heads, head_dim 128), bf16, page 16: decode at
+B = 1 and B = 32, ctx 4096, and tree verify of B = 32 x 8 tokens at ctx 4096, each against the
+copy-bandwidth roofline (the KV bytes a call must read over the copy bandwidth measured in this
+run); a causal prefill of 2,048 tokens in TFLOP/s (the FLOPs its mask leaves, as bench_kernels
+counts them), against the bf16 matmul rate measured in this run. Each variant of either kernel
+is checked against the jnp reference and timed on the same Problem with bench_kernels' loop (each
+call's output the next query, page-table sets cycling past L2), so both kernels read the same
+pages in the same order in one process.
 
     python -m benchmarks.bench_kernels_mgpu [--quick] [--out benchmarks/results]
     python -m benchmarks.bench_kernels_mgpu --smoke   # tiny shapes, interpreted: checks this script on a CPU
@@ -20,24 +22,59 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import bench_kernels
-from benchmarks.bench_kernels import LAYER, Problem, print_table, run_variant, summarize
-from benchmarks.common import RESULTS_DIR, Results, copy_bandwidth
+from benchmarks.bench_kernels import (
+    LAYER,
+    Problem,
+    extend_flops,
+    print_table,
+    random_tree_mask,
+    run_variant,
+    summarize,
+)
+from benchmarks.common import RESULTS_DIR, Results, copy_bandwidth, matmul_flops
 from jspec.kernels.paged_decode import decode_plan, paged_decode
 from jspec.kernels.paged_decode_mgpu import mosaic_decode_plan, paged_decode_mgpu
-from jspec.kernels.ref import paged_decode_ref
+from jspec.kernels.paged_extend import extend_plan, paged_extend
+from jspec.kernels.paged_extend_mgpu import mosaic_extend_plan, paged_extend_mgpu
+from jspec.kernels.ref import paged_decode_ref, paged_extend_ref
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 
 
 def variants(quick: bool):
-    """(kernel, name, tuning): the Triton-backend kernel at its defaults, the Mosaic one at its
-    defaults and, unless quick, at deeper pipelines and longer tiles."""
+    """(kernel, name, tuning) for decode: the Triton-backend kernel at its defaults, the Mosaic one
+    at its defaults and, unless quick, at deeper pipelines and longer tiles."""
     out = [("triton", "triton", {}), ("mosaic", "mosaic", {})]
     if not quick:
         out += [
             ("mosaic", "mosaic_stages3", dict(num_stages=3)),
             ("mosaic", "mosaic_stages4", dict(num_stages=4)),
             ("mosaic", "mosaic_n128", dict(block_n=128)),
+        ]
+    return out
+
+
+def tree_variants(quick: bool):
+    """Tree verify: as decode's, and the split count (each query block reads the whole context)."""
+    out = [("triton", "triton", {}), ("mosaic", "mosaic", {})]
+    if not quick:
+        out += [
+            ("mosaic", "mosaic_stages3", dict(num_stages=3)),
+            ("mosaic", "mosaic_n128", dict(block_n=128)),
+            ("mosaic", "mosaic_splits1", dict(num_splits=1)),
+            ("mosaic", "mosaic_splits8", dict(num_splits=8)),
+        ]
+    return out
+
+
+def prefill_variants(quick: bool):
+    """Causal prefill: longer KV tiles give each query block more work per softmax step."""
+    out = [("triton", "triton", {}), ("mosaic", "mosaic", {})]
+    if not quick:
+        out += [
+            ("mosaic", "mosaic_n128", dict(block_n=128)),
+            ("mosaic", "mosaic_n128_stages3", dict(block_n=128, num_stages=3)),
+            ("mosaic", "mosaic_stages3", dict(num_stages=3)),
         ]
     return out
 
@@ -87,6 +124,58 @@ def decode_case(name, batch, ctx, page_size, kernel_variants, *, iters, reps):
     return case
 
 
+def extend_case(name, batch, q_len, ctx, page_size, kernel_variants, *, tree, iters, reps):
+    p = Problem(
+        batch=batch,
+        ctx=ctx,
+        page_size=page_size,
+        num_q_heads=NUM_Q_HEADS,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        q_rows=batch * q_len,
+    )
+    layer = jnp.int32(LAYER)
+    query_start = jnp.arange(batch + 1, dtype=jnp.int32) * q_len
+    mask = random_tree_mask(batch, q_len) if tree else None
+    common = dict(sm_scale=p.sm_scale, max_q_len=q_len, mask=mask)
+    ref = paged_extend_ref(p.q, p.k, p.v, layer, p.seq_lens, p.page_tables[0], query_start, **common)
+    case = dict(
+        name=name,
+        kind="extend_tree" if tree else "extend_causal",
+        batch=batch,
+        q_len=q_len,
+        ctx=ctx,
+        page_size=page_size,
+        num_q_heads=NUM_Q_HEADS,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        kv_bytes=p.kv_bytes,
+        flops=extend_flops(batch, q_len, ctx, mask, num_q_heads=NUM_Q_HEADS, head_dim=HEAD_DIM),
+        page_table_sets=p.sets,
+        results=[],
+    )
+    max_pages = ctx // page_size
+    for kernel, vname, tuning in kernel_variants:
+        fn, plan_of = {
+            "triton": (paged_extend, extend_plan),
+            "mosaic": (
+                paged_extend_mgpu,
+                lambda *a, **kw: mosaic_extend_plan(*a, sm_scale=p.sm_scale, tree=tree, **kw),
+            ),
+        }[kernel]
+        call = lambda q, pt, k, v, fn=fn, tuning=tuning: fn(
+            q, k, v, layer, p.seq_lens, pt, query_start, **common, **tuning
+        )
+        try:
+            plan = plan_of(batch, NUM_Q_HEADS, p.k.shape, max_pages, q_len, **tuning)._asdict()
+        except Exception as e:  # noqa: BLE001 - recorded with the variant
+            plan = {"error": f"{type(e).__name__}: {e}"}
+        extra = {"tuning": tuning, "plan": plan, "kernel": kernel}
+        case["results"].append(run_variant(vname, call, ref, p, iters, reps, extra))
+        print(f"  {name} {vname}: {case['results'][-1].get('median_us', 'FAILED')}", flush=True)
+    return case
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=RESULTS_DIR)
@@ -102,12 +191,30 @@ def main():
     device = jax.devices()[0]
     print(f"device: {device.device_kind}, jax {jax.__version__}", flush=True)
     copy_bw = copy_bandwidth((1 << 31) // shrink**2)
-    print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s (read+write)", flush=True)
-    ctx = max(64, 4096 // shrink)
-    kernel_variants = variants(args.quick or args.smoke)
+    mm_flops = matmul_flops(8192 // shrink)
+    print(
+        f"copy bandwidth {copy_bw / 1e12:.2f} TB/s (read+write), bf16 matmul {mm_flops / 1e12:.0f} TFLOP/s", flush=True
+    )
+    quick = args.quick or args.smoke
+    ctx, prefill = max(64, 4096 // shrink), max(64, 2048 // shrink)
+    batch = 2 if args.smoke else 32
     plans = [
-        ("decode_b1_ctx4096_s16", 1),
-        ("decode_b32_ctx4096_s16", 2 if args.smoke else 32),
+        lambda: decode_case("decode_b1_ctx4096_s16", 1, ctx, 16, variants(quick), iters=iters, reps=reps),
+        lambda: decode_case(f"decode_b{batch}_ctx4096_s16", batch, ctx, 16, variants(quick), iters=iters, reps=reps),
+        lambda: extend_case(
+            f"tree_b{batch}_q8_ctx4096_s16", batch, 8, ctx, 16, tree_variants(quick), tree=True, iters=iters, reps=reps
+        ),
+        lambda: extend_case(
+            "prefill_b1_q2048_ctx2048_s16",
+            1,
+            prefill,
+            prefill,
+            16,
+            prefill_variants(quick),
+            tree=False,
+            iters=iters,
+            reps=reps,
+        ),
     ]
     results = Results(
         args.out,
@@ -117,17 +224,19 @@ def main():
     cases = []
 
     def save():
-        return results.write(copy_bandwidth_tbps=copy_bw / 1e12, cases=cases)
+        return results.write(copy_bandwidth_tbps=copy_bw / 1e12, matmul_tflops=mm_flops / 1e12, cases=cases)
 
-    for name, batch in plans:
+    for plan in plans:
         try:
-            case = decode_case(name, batch, ctx, 16, kernel_variants, iters=iters, reps=reps)
-        except Exception as e:  # noqa: BLE001 - one case that fails to set up must not stop the other
+            case = plan()
+        except Exception as e:  # noqa: BLE001 - one case that fails to set up must not stop the others
             print(f"case failed to set up: {type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}", flush=True)
             continue
         case["roofline_us"] = case["kv_bytes"] / copy_bw * 1e6
+        if "flops" in case:
+            case["compute_floor_us"] = case["flops"] / mm_flops * 1e6
         for r in case["results"]:
-            summarize(r, case, copy_bw, 0.0)
+            summarize(r, case, copy_bw, mm_flops)
         cases.append(case)
         save()
     path = save()

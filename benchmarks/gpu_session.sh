@@ -43,7 +43,7 @@ for s in "$@"; do
     gpu_tests) step gpu_tests 300 $PY -m benchmarks.gpu_tests --limit-s 255 --out "$RESULTS" ;;
     fp8) step fp8 150 $PY -m benchmarks.bench_fp8 --out "$RESULTS" ;;
     kernels) step kernels 120 $PY -m benchmarks.bench_kernels --quick --out "$RESULTS" ;;
-    kernels_mgpu) step kernels_mgpu 150 $PY -m benchmarks.bench_kernels_mgpu --out "$RESULTS" ;;
+    kernels_mgpu) step kernels_mgpu 300 $PY -m benchmarks.bench_kernels_mgpu --out "$RESULTS" ;;
     mla) step mla 70 $PY -m benchmarks.bench_mla --out "$RESULTS" ;;
     nextn) step nextn 70 $PY -m benchmarks.bench_nextn --layers 4 --out "$RESULTS" ;;
     dflash_cost) step dflash_cost 150 $PY -m benchmarks.bench_dflash --draft-layers 5 --out "$RESULTS" ;;
