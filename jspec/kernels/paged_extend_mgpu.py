@@ -88,6 +88,7 @@ class MosaicExtendPlan(NamedTuple):
     """Static launch settings, resolved from shapes and the tuning arguments."""
 
     tokens_per_block: int  # new tokens of one sequence in a query block (times the group: its rows)
+    block_rows: int  # rows of a block that may hold a token (a multiple of 8): gathered and written back
     num_q_blocks: int  # query blocks per sequence
     block_n: int  # KV tokens per tile
     rows_per_copy: int  # tokens per TMA copy: a page, or a tile of a longer page
@@ -126,11 +127,14 @@ def mosaic_extend_plan(
         )
     tokens_per_block = GROUP_ROWS // group
     num_q_blocks = -(-max_q_len // tokens_per_block)
+    # Short queries (tree verify) fill part of a block: the rest is neither gathered nor written.
+    block_rows = min(GROUP_ROWS, -(-min(tokens_per_block, max_q_len) * group // 8) * 8)
     splits, _ = choose_splits(
         max_pages * page_size, batch * num_q_blocks * num_kv_heads, block_n, min_split_tokens, num_splits
     )
     return MosaicExtendPlan(
         tokens_per_block,
+        block_rows,
         num_q_blocks,
         block_n,
         min(page_size, block_n),
@@ -208,7 +212,9 @@ def _attend_block(
         )
 
     rows_block = lax.div(block, num_kv_heads)  # the row facts are the same for every kv head
-    plgpu.copy_gmem_to_smem(q_ref.at[block], q_smem, q_barrier)
+    # Rows past block_rows stay as they are: no token is there, and rows do not mix in either
+    # wgmma, so whatever they hold stays in rows that are never written back.
+    plgpu.copy_gmem_to_smem(q_ref.at[block], q_smem.at[pl.ds(0, plan.block_rows)], q_barrier)
     plgpu.copy_gmem_to_smem(row_limit_ref.at[rows_block], row_limit_smem, q_barrier)
     if tree:
         plgpu.copy_gmem_to_smem(mask_bits_ref.at[rows_block], mask_bits_smem, q_barrier)
@@ -255,7 +261,8 @@ def _attend_block(
 def _write_out(out_ref, out_smem, m, l, acc, *, block):
     out_smem[...] = (acc / lax.broadcast_in_dim(jnp.where(l > 0, l, 1.0), acc.shape, [0])).astype(out_smem.dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem, out_ref.at[block])
+    rows = pl.ds(0, out_ref.shape[1])
+    plgpu.copy_smem_to_gmem(out_smem.at[rows], out_ref.at[block])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -264,9 +271,10 @@ def _write_partials(acc_ref, m_ref, l_ref, acc_smem, m_smem, l_smem, m, l, acc, 
     m_smem[...] = m
     l_smem[...] = l
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(acc_smem, acc_ref.at[block, split])
-    plgpu.copy_smem_to_gmem(m_smem, m_ref.at[block, split])
-    plgpu.copy_smem_to_gmem(l_smem, l_ref.at[block, split])
+    rows = pl.ds(0, acc_ref.shape[2])
+    plgpu.copy_smem_to_gmem(acc_smem.at[rows], acc_ref.at[block, split])
+    plgpu.copy_smem_to_gmem(m_smem.at[rows], m_ref.at[block, split])
+    plgpu.copy_smem_to_gmem(l_smem.at[rows], l_ref.at[block, split])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -352,7 +360,7 @@ def _row_layout(group: int, tokens_per_block: int):
 
 
 def query_blocks(q, query_start, kv_lens, mask, plan, *, num_kv_heads, dtype):
-    """The per-call gathers: q blocks [B * NQB * Hkv, GROUP_ROWS, D] in the pool's dtype, each row's
+    """The per-call gathers: q blocks [B * NQB * Hkv, block_rows, D] in the pool's dtype, each row's
     causal limit [B * NQB, GROUP_ROWS] and, under a tree, its mask bits [B * NQB, words, GROUP_ROWS]."""
     num_rows, num_q_heads, head_dim = q.shape
     batch = kv_lens.shape[0]
@@ -361,12 +369,13 @@ def query_blocks(q, query_start, kv_lens, mask, plan, *, num_kv_heads, dtype):
     q_lens = query_start[1:] - query_start[:-1]
     token = np.arange(plan.num_q_blocks)[:, None] * plan.tokens_per_block + token_in_block[None, :]  # [NQB, R]
     valid = real_row & (token[None] < q_lens[:, None, None])  # [B, NQB, R]
-    flat_row = jnp.clip(query_start[:-1, None, None] + token[None], 0, num_rows - 1)
-    heads = np.arange(num_kv_heads)[:, None] * group + head_in_group[None, :]  # [Hkv, R]
-    blocks = q[flat_row[:, :, None, :], heads[None, None]]  # [B, NQB, Hkv, R, D]
+    gathered = slice(0, plan.block_rows)
+    flat_row = jnp.clip(query_start[:-1, None, None] + token[None, :, gathered], 0, num_rows - 1)
+    heads = np.arange(num_kv_heads)[:, None] * group + head_in_group[None, gathered]  # [Hkv, block_rows]
+    blocks = q[flat_row[:, :, None, :], heads[None, None]]  # [B, NQB, Hkv, block_rows, D]
     # Select, not multiply: padding rows of q may hold anything, NaN included.
-    blocks = jnp.where(valid[:, :, None, :, None], blocks, 0).astype(dtype)
-    blocks = blocks.reshape(-1, GROUP_ROWS, head_dim)
+    blocks = jnp.where(valid[:, :, None, gathered, None], blocks, 0).astype(dtype)
+    blocks = blocks.reshape(-1, plan.block_rows, head_dim)
     prefix = (kv_lens - q_lens)[:, None, None]
     limit = prefix - 1 if mask is not None else prefix + token[None]
     row_limit = jnp.where(valid, limit, -1).reshape(-1, GROUP_ROWS).astype(jnp.int32)
@@ -385,7 +394,7 @@ def query_blocks(q, query_start, kv_lens, mask, plan, *, num_kv_heads, dtype):
 
 
 def ragged_rows(blocks, query_start, plan, *, num_rows, num_q_heads, num_kv_heads):
-    """Blocks [B * NQB * Hkv, GROUP_ROWS, D] in query_blocks' layout back to q's ragged
+    """Blocks [B * NQB * Hkv, block_rows, D] in query_blocks' layout back to q's ragged
     [num_rows, Hq, D]; rows from query_start[B] on are zeros."""
     batch = query_start.shape[0] - 1
     group = num_q_heads // num_kv_heads
@@ -501,7 +510,7 @@ def paged_extend_mgpu(
     if write_final:
         out_type = jax.ShapeDtypeStruct(blocks.shape, q.dtype)
     else:
-        partial = (num_blocks, plan.num_splits, GROUP_ROWS)
+        partial = (num_blocks, plan.num_splits, plan.block_rows)
         out_type = (
             jax.ShapeDtypeStruct((*partial, head_dim), jnp.float32),
             jax.ShapeDtypeStruct(partial, jnp.float32),
