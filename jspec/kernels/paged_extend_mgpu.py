@@ -10,12 +10,13 @@ mosaic_extend_unsupported() asks first.
 Grid (sequence, query block x context split, kv head), one warpgroup per program, highest query
 blocks first (under a causal mask they read the most KV). A query block is GROUP_ROWS rows, the M
 side of both wgmmas: tokens_per_block consecutive new tokens of one sequence times the GQA group
-sharing the kv head (token-major), then zero rows. The blocks are gathered from the ragged q once
-per call in jnp, with two per-row facts the masks need: the last KV position the row sees
-causally (the prefix's last, under a tree; -1 for a padding row), and under a tree the row's mask
-as bits (a word per 32 new tokens). The kernel writes whole blocks, which jnp gathers back into
-the ragged [T, Hq, D] layout (and merges first, over several context splits): a TMA box cannot
-stop at a sequence's last token, and rows past it belong to the next sequence.
+sharing the kv head (token-major), then padding rows; a query shorter than a block (a tree of 8
+at group 4) moves only the rows that may hold a token (block_rows). The blocks are gathered from
+the ragged q once per call in jnp, with two per-row facts the masks need: the last KV position
+the row sees causally (the prefix's last, under a tree; -1 for a padding row), and under a tree
+the row's mask as bits (a word per 32 new tokens). The kernel writes blocks, which jnp gathers
+back into the ragged [T, Hq, D] layout (and merges first, over several context splits): a TMA
+box cannot stop at a sequence's last token, and rows past it belong to the next sequence.
 
 Per program, the KV tiles below every row's causal reach (the prefix, under a tree) run
 unmasked; the rest, up to the block's last token, are masked. KV moves by TMA as in the decode
@@ -168,14 +169,17 @@ def _attend_block(
     *,
     plan,
     cache_shape,
+    seq_block,
     block,
+    split,
     first,
     q_len,
 ):
-    """This program's query block over its split of the context: its online-softmax state (m, l, acc)."""
-    seq, _, kv_head = (lax.axis_index(axis) for axis in GRID_AXES)
-    split = lax.rem(lax.axis_index("block_split"), plan.num_splits)
-    _, num_pages, page_size, num_kv_heads, head_dim = cache_shape
+    """This program's query block over its split of the context: its online-softmax state (m, l, acc).
+    seq_block indexes the per-row facts (one set per sequence and query block), block the q block
+    (one per kv head too)."""
+    seq, kv_head = lax.axis_index("seq"), lax.axis_index("kv_head")
+    _, num_pages, page_size, _, head_dim = cache_shape
     block_n, stages, tree = plan.block_n, plan.num_stages, plan.mask_words > 0
     layer, split_len = scalars_ref[0], scalars_ref[1]
     kv_len = jnp.minimum(seq_lens_ref[seq], page_tables_ref.shape[1] * page_size)
@@ -211,13 +215,12 @@ def _attend_block(
             rows_per_copy=plan.rows_per_copy,
         )
 
-    rows_block = lax.div(block, num_kv_heads)  # the row facts are the same for every kv head
     # Rows past block_rows stay as they are: no token is there, and rows do not mix in either
     # wgmma, so whatever they hold stays in rows that are never written back.
     plgpu.copy_gmem_to_smem(q_ref.at[block], q_smem.at[pl.ds(0, plan.block_rows)], q_barrier)
-    plgpu.copy_gmem_to_smem(row_limit_ref.at[rows_block], row_limit_smem, q_barrier)
+    plgpu.copy_gmem_to_smem(row_limit_ref.at[seq_block], row_limit_smem, q_barrier)
     if tree:
-        plgpu.copy_gmem_to_smem(mask_bits_ref.at[rows_block], mask_bits_smem, q_barrier)
+        plgpu.copy_gmem_to_smem(mask_bits_ref.at[seq_block], mask_bits_smem, q_barrier)
     for t in range(stages - 1):
         pl.when(t < num_tiles)(functools.partial(issue_tile, t))
     plgpu.barrier_wait(q_barrier)
@@ -300,10 +303,10 @@ def _extend_kernel(
     seq, block_split, kv_head = (lax.axis_index(axis) for axis in GRID_AXES)
     q_block = plan.num_q_blocks - 1 - lax.div(block_split, plan.num_splits)
     split = lax.rem(block_split, plan.num_splits)
-    row0 = query_start_ref[seq]
-    q_len = query_start_ref[seq + 1] - row0
+    q_len = query_start_ref[seq + 1] - query_start_ref[seq]
     first = q_block * plan.tokens_per_block  # first new token of this block, within its sequence
-    block = (seq * plan.num_q_blocks + q_block) * num_kv_heads + kv_head
+    seq_block = seq * plan.num_q_blocks + q_block
+    block = seq_block * num_kv_heads + kv_head
     copies = block_n // plan.rows_per_copy
     scratch = [
         plgpu.SMEM((GROUP_ROWS, head_dim), dtype, transforms=swizzled(head_dim, dtype)),
@@ -329,7 +332,9 @@ def _extend_kernel(
         v_ref,
         plan=plan,
         cache_shape=cache_shape,
+        seq_block=seq_block,
         block=block,
+        split=split,
         first=first,
         q_len=q_len,
     )

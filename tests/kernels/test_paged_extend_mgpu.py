@@ -56,14 +56,14 @@ def draft_tree_mask(rng, nodes: int, max_q_len: int) -> np.ndarray:
     return mask
 
 
-# (page_size, num_kv_heads, group, head_dim, tree, q_lens, prefixes, tuning), each case's programs
-# and tiles few (the interpreter takes ~0.1 s a tile). Causal: a group of 3 (21 tokens and a
-# padding row per block), one sequence over three query blocks, prefixes on and off page and
-# tile boundaries. Tree: the pipeline's draft trees of 6 nodes padded to 8 (one request verifying
-# only its first nodes, one none, one without a prefix), pages of 8, two kv heads, two splits of
-# two tiles whose pipeline (three tiles in flight) crosses from unmasked to masked tiles, a split
-# with nothing to read. Causal in 128-token pages: tiles inside a page, a 64-token query block
-# (group 1) and a second one, two splits.
+# (page_size, num_kv_heads, group, head_dim, tree, q_lens, prefixes, tuning), with few programs
+# and tiles each (the interpreter runs the kernel op by op on the host). Causal: a group of 3 (21
+# tokens and a padding row per block), one sequence over three query blocks, prefixes on and off
+# page and tile boundaries. Tree: the pipeline's draft trees of 6 nodes padded to 8 (one request
+# verifying only its first nodes, one none, one without a prefix), pages of 8, two kv heads, two
+# splits of two tiles whose pipeline (three tiles in flight) crosses from unmasked to masked
+# tiles, a split with nothing to read. Causal in 128-token pages: tiles inside a page, a 64-token
+# query block (group 1) and a second one, two splits.
 CASES = [
     pytest.param(16, 1, 3, 64, False, [0, 5, 50, 16], [7, 0, 70, 120], {}, id="s16-g3-d64-causal"),
     pytest.param(
