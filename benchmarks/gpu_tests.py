@@ -48,32 +48,32 @@ ENGINE_TESTS = [
     "tests/engine/test_generate.py::test_paged_greedy_equals_dense_recompute[1-pallas]",
     "tests/engine/test_generate.py::test_paged_greedy_equals_dense_recompute[16-pallas]",
     # EAGLE chains, EAGLE-3 trees: lossless against plain decoding, overlap on (kernels).
-    "tests/engine/test_spec_eagle.py::test_agreeing_draft_is_lossless_and_accepts_everything[EAGLE-16-3-1-None-pallas]",
-    "tests/engine/test_spec_eagle.py::test_random_draft_is_lossless[EAGLE3-16-5-4-8-pallas]",
+    "tests/speculative/test_spec_eagle.py::test_agreeing_draft_is_lossless_and_accepts_everything[EAGLE-16-3-1-None-pallas]",
+    "tests/speculative/test_spec_eagle.py::test_random_draft_is_lossless[EAGLE3-16-5-4-8-pallas]",
     # Sliding windows under EAGLE-3 trees; soft-capping (Gemma 2) and attention sinks (gpt-oss's
     # attention) with windows, under STANDALONE (kernels).
-    "tests/engine/test_spec_methods.py::test_speculation_over_sliding_windows_is_lossless[EAGLE3-16-2-pallas]",
-    "tests/engine/test_spec_families.py::test_standalone_draft_of_the_same_family_is_lossless[gemma2-16-2]",
-    "tests/engine/test_spec_families.py::test_standalone_draft_of_the_same_family_is_lossless[gpt_oss_attention-16-1]",
+    "tests/speculative/test_spec_methods.py::test_speculation_over_sliding_windows_is_lossless[EAGLE3-16-2-pallas]",
+    "tests/speculative/test_spec_families.py::test_standalone_draft_of_the_same_family_is_lossless[gemma2-16-2]",
+    "tests/speculative/test_spec_families.py::test_standalone_draft_of_the_same_family_is_lossless[gpt_oss_attention-16-1]",
     # STANDALONE trees at page 4, NGRAM trees at page 1, overlap on (reference).
-    "tests/engine/test_spec_methods.py::test_standalone_random_draft_is_lossless[4-True-3-2-5]",
-    "tests/engine/test_spec_methods.py::test_ngram_is_lossless_and_accepts_repetitive_text[1-True-3]",
+    "tests/speculative/test_spec_methods.py::test_standalone_random_draft_is_lossless[4-True-3-2-5]",
+    "tests/speculative/test_spec_methods.py::test_ngram_is_lossless_and_accepts_repetitive_text[1-True-3]",
     # FP8 weights (the GEMV or XLA's dot) and the FP8 KV pool under EAGLE-3 (reference).
-    "tests/engine/test_fp8_engine.py::test_quantization_fp8_equals_its_dequantised_weights",
-    "tests/engine/test_fp8_engine.py::test_fp8_kv_speculative_greedy_equals_plain_with_prefix_cache",
+    "tests/models/test_fp8_engine.py::test_quantization_fp8_equals_its_dequantised_weights",
+    "tests/models/test_fp8_engine.py::test_fp8_kv_speculative_greedy_equals_plain_with_prefix_cache",
     # A grammar row under an EAGLE-3 tree, overlap on (reference).
-    "tests/engine/test_structured.py::test_speculation_emits_the_plain_engines_tokens[EAGLE3-2-True-False-False]",
+    "tests/constrained/test_structured.py::test_speculation_emits_the_plain_engines_tokens[EAGLE3-2-True-False-False]",
     # LoRA adapters in a mixed batch under EAGLE-3 (reference).
     "tests/engine/test_lora.py::test_mixed_batch_with_eagle3_is_lossless",
     # Penalties under sampled speculation (trees); logprobs against a dense recompute (reference).
     "tests/engine/test_penalties.py::test_speculative_penalties_equal_plain[0.7-3-2-5]",
     "tests/engine/test_logprobs.py::test_logprobs_match_a_dense_recompute_and_spec_matches_plain",
     # Adaptive speculation's forced switches, overlap on (reference).
-    "tests/engine/test_adaptive.py::test_forced_switches_equal_plain_decoding[EAGLE-16-True]",
+    "tests/speculative/test_adaptive.py::test_forced_switches_equal_plain_decoding[EAGLE-16-True]",
     # NEXTN: MiMo's MTP layer on standard attention (reference); DeepSeek-V3's over the MLA
     # kernels (kernels; needs transformers to write its checkpoint).
-    "tests/engine/test_nextn_mimo.py::test_mimo_nextn_greedy_equals_plain_greedy[16-True-3-1-None]",
-    "tests/engine/test_deepseek.py::test_nextn_greedy_equals_plain_greedy[4-True-2-2-4-pallas]",
+    "tests/speculative/test_nextn_mimo.py::test_mimo_nextn_greedy_equals_plain_greedy[16-True-3-1-None]",
+    "tests/models/test_deepseek.py::test_nextn_greedy_equals_plain_greedy[4-True-2-2-4-pallas]",
 ]
 
 

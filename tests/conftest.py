@@ -36,7 +36,7 @@ def _float32_dots_in_float32_for_engines(request):
     TF32's. Set globally, not by the thread-local context manager: engines compile on threads.
     Module-scoped, and autouse, so that it comes before the modules' own fixtures, some of which
     run engines."""
-    if request.path.parent.name not in SLOW_DIRS or jax.default_backend() != "gpu":
+    if request.node.get_closest_marker("slow") is None or jax.default_backend() != "gpu":
         yield
         return
     before = jax.config.jax_default_matmul_precision
@@ -59,38 +59,38 @@ def _release_compiled_programs():
 # The slowest files first: with `--dist loadfile` xdist hands out whole files in collection
 # order, so a slow file picked up last would leave the other worker idle at the end.
 SLOW_FILES_FIRST = (
-    "test_engine.py",
-    "test_spec_methods.py",
-    "test_spec_eagle.py",
-    "test_spec_families.py",
-    "test_server.py",
-    "test_tensor_parallel.py",
-    "test_dp_attention.py",
-    "test_penalties.py",
-    "test_real_model.py",
     "test_hf_parity.py",
+    "test_spec_methods.py",
+    "test_bench_scripts.py",
+    "test_server.py",
+    "test_adaptive.py",
+    "test_spec_eagle.py",
     "test_lora.py",
+    "test_deepseek.py",
+    "test_fp8_engine.py",
+    "test_tensor_parallel.py",
+    "test_engine.py",
+    "test_spec_families.py",
+    "test_dp_attention.py",
+    "test_kernels.py",
+    "test_programs.py",
     "test_moe.py",
-    "test_train_eagle.py",
-    "test_logprobs.py",
+    "test_spec_dflash.py",
+    "test_real_model.py",
     "test_structured.py",
     "test_spec_sampling.py",
-    "test_sampling.py",
-    "test_kernels.py",
     "test_generate.py",
     "test_pd_disagg.py",
-    "test_bench_scripts.py",
+    "test_logprobs.py",
+    "test_penalties.py",
+    "test_train_eagle.py",
+    "test_fp8.py",
+    "test_nextn_mimo.py",
+    "test_fp8_kernels.py",
+    "test_sampling.py",
 )
-
-
-# Layers whose tests build engines, servers or HF references: `pytest -m "not slow"` leaves
-# unit/ and kernels/, the inner loop.
-SLOW_DIRS = ("engine", "server", "parity")
 
 
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's own order stays
-    for item in items:
-        if item.path.parent.name in SLOW_DIRS:
-            item.add_marker(pytest.mark.slow)

@@ -10,7 +10,7 @@ positions before a and every row of its own block (no causal mask inside), and r
 trained to give x_{a+k}. The loss is the cross-entropy of rows k = 1..B-1 weighted
 exp(-(k-1)/gamma): an early row's miss ends the accepted chain, so the rows down the block
 matter less. dense_block_hidden is the same forward the engine's paged block runs, which
-tests/engine/test_spec_dflash.py checks block for block.
+tests/speculative/test_spec_dflash.py checks block for block.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ from support.models import tiny_model
 import jspec
 from jspec.engine.async_engine import AsyncEngine
 
+pytestmark = pytest.mark.slow  # builds engines, servers or HF references
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):

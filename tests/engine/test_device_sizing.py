@@ -8,6 +8,8 @@ import jspec
 import jspec.engine.build as build_module
 from jspec.engine.sizing import MAX_RUNNING_REQUESTS, PROBE_PAGES
 
+pytestmark = pytest.mark.slow  # builds engines, servers or HF references
+
 GiB = 2**30
 
 

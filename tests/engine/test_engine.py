@@ -10,6 +10,8 @@ from support.sync_guard import count_device_reads
 
 import jspec
 
+pytestmark = pytest.mark.slow  # builds engines, servers or HF references
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):

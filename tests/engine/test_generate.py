@@ -14,6 +14,8 @@ from jspec.config.model import ModelConfig
 from jspec.kvcache.allocator import OutOfPagesError
 from jspec.models.llama import dense_forward
 
+pytestmark = pytest.mark.slow  # builds engines, servers or HF references
+
 TINY = ModelConfig(
     family="llama",
     vocab_size=97,

@@ -10,6 +10,8 @@ import jspec
 from jspec.config.sampling import SamplingParams
 from jspec.models.llama import dense_forward
 
+pytestmark = pytest.mark.slow  # builds engines, servers or HF references
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):

@@ -22,6 +22,8 @@ from jspec.checkpoint.tiny import make_tiny_model
 from jspec.lora.adapter import LoraError
 from jspec.worker.inputs import decode_inputs, decode_lora_slots, lora_batch
 
+pytestmark = pytest.mark.slow  # builds engines, servers or HF references
+
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 

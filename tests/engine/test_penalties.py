@@ -20,6 +20,8 @@ from jspec.layers.penalties import PenaltyState, apply_tree_penalties
 from jspec.layers.sampling import sampling_rows
 from jspec.models.llama import dense_forward
 
+pytestmark = pytest.mark.slow  # builds engines, servers or HF references
+
 
 def penalise_ref(logits, counts, prompt_seen, f, p, r):
     x = logits.astype(np.float64).copy()

@@ -14,6 +14,8 @@ from support.models import tiny_model
 import jspec
 from jspec.worker.programs import warmup_jobs
 
+pytestmark = pytest.mark.slow  # builds engines, servers or HF references
+
 ROOT = REPO_ROOT
 
 

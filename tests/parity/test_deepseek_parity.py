@@ -17,6 +17,8 @@ from jspec.kvcache.allocator import PageAllocator
 from jspec.kvcache.pool import create_kv_pool
 from jspec.worker.inputs import SeqChunk, build_forward_batch
 
+pytestmark = pytest.mark.slow  # builds engines, servers or HF references
+
 DECODE_STEPS = 6
 
 

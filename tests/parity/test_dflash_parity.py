@@ -21,6 +21,8 @@ from jspec.checkpoint.dflash import dflash_config_for, init_random_dflash_params
 from jspec.checkpoint.tiny import make_tiny_model
 from jspec.models.llama import dense_forward
 
+pytestmark = pytest.mark.slow  # builds engines, servers or HF references
+
 BLOCK = 8
 NEW = 16
 VOCAB = 320  # the oracle's tiny checkpoints

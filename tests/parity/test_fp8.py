@@ -20,6 +20,8 @@ from jspec.layers.quant import Fp8Weight
 from jspec.testing.fp8 import LAYOUTS, write_fp8_checkpoint
 from jspec.worker.inputs import SeqChunk, build_forward_batch
 
+pytestmark = pytest.mark.slow  # builds engines, servers or HF references
+
 PAGE_SIZE = 4
 DECODE_STEPS = 6
 # Blocks smaller than DeepSeek's 128 so that the tiny model's projections have several.

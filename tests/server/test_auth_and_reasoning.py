@@ -14,6 +14,8 @@ from support.models import scripted_model
 
 import jspec
 
+pytestmark = pytest.mark.slow  # builds engines, servers or HF references
+
 openai = pytest.importorskip("openai")
 
 # The prompt is the messages' text: where it ends picks where in its script the model starts.

@@ -19,6 +19,8 @@ import jspec
 from jspec.checkpoint.tiny import make_tiny_model
 from jspec.testing.eagle_tiny import make_tiny_draft
 
+pytestmark = pytest.mark.slow  # builds engines, servers or HF references
+
 openai = pytest.importorskip("openai")
 KEY = "sk-hub-serve"
 # test_server.py's EAGLE-3 tree over a model of the same shapes: its programs are in the

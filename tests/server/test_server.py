@@ -24,6 +24,8 @@ import jspec
 from jspec.checkpoint.tiny import make_tiny_model
 from jspec.testing.eagle_tiny import make_tiny_draft
 
+pytestmark = pytest.mark.slow  # builds engines, servers or HF references
+
 openai = pytest.importorskip("openai")
 ROOT = REPO_ROOT
 

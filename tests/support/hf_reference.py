@@ -96,7 +96,7 @@ HF_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral_window": ("mistral", {"sliding_window": 4}),
     "qwen2_window": ("qwen2", {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 1}),
 }
-# Mixture-of-experts checkpoints (tests/engine/test_moe.py): every layer sparse with HF's default
+# Mixture-of-experts checkpoints (tests/models/test_moe.py): every layer sparse with HF's default
 # norm_topk_prob=False; a dense layer among sparse ones with renormalised weights; Mixtral;
 # Qwen2-MoE's shared expert.
 HF_MOE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {

@@ -17,6 +17,8 @@ from jspec.checkpoint.loader import init_random_params
 from jspec.config.spec import SpecConfig
 from jspec.speculative.ngram import match_candidates, match_candidates_ref
 
+pytestmark = pytest.mark.slow  # builds engines, servers or HF references
+
 
 @pytest.mark.parametrize("seed", range(4))
 def test_ngram_matcher_equals_brute_force(seed):

@@ -19,6 +19,8 @@ from jspec.layers.quant import Fp8Weight, quantize_params
 from jspec.testing.fp8 import write_fp8_checkpoint
 from jspec.worker.inputs import decode_inputs
 
+pytestmark = pytest.mark.slow  # builds engines, servers or HF references
+
 # Every decode pads to 4 rows: one decode program however the rows finish.
 ENGINE = dict(
     page_size=4,

@@ -28,6 +28,8 @@ from jspec.disaggregation.prefill import PrefillEngine
 from jspec.disaggregation.transfer import Link, LinkClosed, ShmLink
 from jspec.testing.eagle_tiny import make_tiny_draft
 
+pytestmark = pytest.mark.slow  # builds engines, servers or HF references
+
 ROOT = REPO_ROOT
 SPEC_FLAGS = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "5"]
 

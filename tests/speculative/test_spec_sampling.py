@@ -17,6 +17,8 @@ from jspec.config.sampling import SamplingParams
 from jspec.layers.sampling import sampling_rows
 from jspec.speculative.accept import sampled_accept
 
+pytestmark = pytest.mark.slow  # builds engines, servers or HF references
+
 M = 200_000  # verify outcomes; TV of the empirical law stays ~sqrt(V/M) ~ 0.006 when right
 
 

@@ -11,6 +11,8 @@ from support.models import PROMPTS, SPEC, eagle_draft, tiny_model
 import jspec
 from jspec.distributed.tensor_parallel import block_columns, make_mesh, shard_params
 
+pytestmark = pytest.mark.slow  # builds engines, servers or HF references
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):

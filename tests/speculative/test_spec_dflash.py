@@ -33,6 +33,8 @@ from jspec.config.sampling import SamplingParams
 from jspec.config.spec import SpecConfig
 from jspec.speculative.adaptive import Choice, CostTable
 
+pytestmark = pytest.mark.slow  # builds engines, servers or HF references
+
 BLOCK = 8
 NEW = 20
 PROMPTS = prompts([5, 17, 30, 9], [FIXED[0], 3, 12, 20])

@@ -14,6 +14,8 @@ from jspec.checkpoint.files import read_hf_tensors, write_safetensors
 from jspec.checkpoint.tiny import make_tiny_model
 from jspec.config.spec import SpecConfig
 
+pytestmark = pytest.mark.slow  # builds engines, servers or HF references
+
 PROMPTS = [[5, 9, 13, 200, 7], list(range(11, 31)), [5, 9, 13, 200, 7, 31]]
 
 

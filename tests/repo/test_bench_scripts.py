@@ -6,7 +6,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 from support import REPO_ROOT
+
+pytestmark = pytest.mark.slow  # runs the benchmark scripts, which build engines
 
 ROOT = REPO_ROOT
 

@@ -28,7 +28,7 @@ from jspec.worker.inputs import decode_inputs
 PROMPTS = [[5, 9, 13, 200, 7], list(range(11, 31)), [5, 9, 13, 200, 7, 31]]
 NEW = 8
 
-pytestmark = requires_hf
+pytestmark = [pytest.mark.slow, requires_hf]
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """The size rules of jspec's code, counted from the sources with `ast`: no class over 25
 methods, no function over 100 lines outside kernels/ (a Pallas kernel is one long program).
-`PYTHONPATH=tests python tests/unit/test_code_shape.py` prints the figures, and the imports
+`PYTHONPATH=tests python tests/repo/test_code_shape.py` prints the figures, and the imports
 made inside functions."""
 
 import ast

@@ -19,6 +19,8 @@ from jspec.checkpoint.tiny import make_tiny_model
 from jspec.train import eagle3
 from jspec.train.prompts import all_prompts, split_prompts
 
+pytestmark = pytest.mark.slow  # builds engines, servers or HF references
+
 NEW_TOKENS = 24
 SEQ_LEN = 128
 # Every decode pads to 4 rows: one decode program for the six requests however they finish.

@@ -16,6 +16,8 @@ from jspec.config.sampling import SamplingParams
 from jspec.config.spec import SpecConfig
 from jspec.speculative.adaptive import Choice, CostTable
 
+pytestmark = pytest.mark.slow  # builds engines, servers or HF references
+
 # The engine's own shape first (a chain), then a tree, the no-draft-forward (1,1,2) and off.
 SHAPES = "2,2,4 1,1,2 0,1,1"
 # Every iteration a different shape, off twice in a row (the carry must survive it); in the

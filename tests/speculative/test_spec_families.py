@@ -18,6 +18,8 @@ from jspec.config.model import RopeScaling
 from jspec.config.spec import SpecConfig
 from jspec.models.llama import dense_forward
 
+pytestmark = pytest.mark.slow  # builds engines, servers or HF references
+
 LONGROPE = RopeScaling(
     4.0,
     rope_type="longrope",

@@ -23,6 +23,8 @@ import jspec
 from jspec.distributed.dp_attention import make_dp_mesh, shard_params_dp
 from jspec.distributed.multihost import check_multihost_args, init_distributed
 
+pytestmark = pytest.mark.slow  # builds engines, servers or HF references
+
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):

@@ -13,6 +13,8 @@ from support.models import tiny_model
 import jspec
 from jspec.config.sampling import SamplingParams
 
+pytestmark = pytest.mark.slow  # builds engines, servers or HF references
+
 jsonschema = pytest.importorskip("jsonschema")
 
 # Every decode pads to 8 rows: one decode program however the rows finish.

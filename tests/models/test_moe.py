@@ -33,6 +33,8 @@ from jspec.config.model import ModelConfig
 from jspec.config.spec import SpecConfig
 from jspec.models.moe import moe_mlp, moe_mlp_expert_parallel
 
+pytestmark = pytest.mark.slow  # builds engines, servers or HF references
+
 H = 64
 
 

@@ -12,6 +12,8 @@ from jspec.checkpoint.dflash import load_dflash_model
 from jspec.checkpoint.tiny import make_tiny_model
 from jspec.train import dflash, eagle3
 
+pytestmark = pytest.mark.slow  # builds engines, servers or HF references
+
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):

@@ -18,6 +18,8 @@ from jspec.checkpoint.eagle import init_random_draft_params
 from jspec.checkpoint.loader import init_random_params
 from jspec.config.spec import SpecConfig
 
+pytestmark = pytest.mark.slow  # builds engines, servers or HF references
+
 
 def run_both(target, dcfg, draft, spec, page_size, ps, max_new=12, backend="reference"):
     # The other speculative tests' settings: the plain engine's programs are theirs too.
