@@ -6,6 +6,14 @@ from __future__ import annotations
 import sys
 import time
 
+from jspec.checkpoint.demo import default_model_path
+from jspec.checkpoint.model import load_logged
+from jspec.config.sampling import SamplingParams
+from jspec.engine.engine import Engine
+from jspec.server.args import build_parser, engine_config, load_config
+from jspec.server.chat_template import render_chat
+from jspec.server.launch import main as serve
+
 USAGE = "usage: jspec {serve,generate} [flags]   (jspec serve --help, jspec generate --help)"
 
 
@@ -13,8 +21,6 @@ def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv.pop(0) if argv else None
     if command == "serve":
-        from jspec.server.launch import main as serve
-
         return serve(argv)
     if command == "generate":
         return generate(argv)
@@ -23,8 +29,6 @@ def main(argv=None) -> None:
 
 def generate(argv=None) -> None:
     """Generates text from the command line, with the chat template for the built-in prompts."""
-    from jspec.server.args import build_parser, engine_config, load_config
-
     ap = build_parser(generate.__doc__, server=False, prog="jspec generate")
     g = ap.add_argument_group("generation")
     g.add_argument(
@@ -42,14 +46,8 @@ def generate(argv=None) -> None:
         load, config = load_config(args), engine_config(args)
     except ValueError as e:
         ap.error(str(e))
-    from jspec.checkpoint.model import load_logged
-    from jspec.config.sampling import SamplingParams
-    from jspec.engine.engine import Engine
-
     path = args.model_path
     if path is None:
-        from jspec.checkpoint.demo import default_model_path
-
         path, what = default_model_path()
         print(f"[jspec] using {what} at {path}")
     prompts = args.prompt or ["What is the capital of France?", "Write a short poem about speculation."]
@@ -59,8 +57,6 @@ def generate(argv=None) -> None:
         ap.error(str(e))
     shown = prompts
     if (args.chat or not args.prompt) and model.tokenizer is not None and model.tokenizer.chat_template:
-        from jspec.server.chat_template import render_chat
-
         prompts = [render_chat(model.tokenizer, [{"role": "user", "content": p}]) for p in prompts]
     engine = Engine(model, config)
     params = SamplingParams(

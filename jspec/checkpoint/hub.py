@@ -73,7 +73,7 @@ def resolve_checkpoint(
         if revision is not None and os.path.exists(path):
             log.warning("%s is a local path: revision %r is ignored (it applies to Hub repo ids)", path, revision)
         return path
-    from huggingface_hub import constants, errors
+    from huggingface_hub import constants, errors  # here: a slow import that only Hub ids need
 
     where = (
         f"{kind} {path!r} is not a local directory, and as a Hugging Face Hub repo id (revision {revision or 'main'})"
@@ -118,7 +118,7 @@ def _download(repo_id: str, kind: str, revision: str | None, local_files_only: b
     weights its index names (else the usual single-file names) at the commit the first call
     resolved, so a branch that moves meanwhile cannot mix two commits. Files a commit already
     has in the cache are its files for good: weights found there are not asked for again."""
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download  # here: a slow import that only Hub ids need
 
     def fetch(patterns, rev) -> str:
         return snapshot_download(

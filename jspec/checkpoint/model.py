@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import time
 
+import jax
+import jax.numpy as jnp
+
+from jspec.checkpoint.hub import is_repo_id, resolve_checkpoint
+from jspec.checkpoint.loader import count_params, init_random_params, load_model
+from jspec.checkpoint.tokenizer import load_tokenizer, read_chat_template
+from jspec.config.load import LoadConfig
 from jspec.config.model import ModelConfig
 
 
@@ -42,12 +51,6 @@ def load(
 
 def load_logged(path: str | os.PathLike, load_config=None) -> Model:
     """load() with a LoadConfig's settings, logging what was loaded and in how long."""
-    import logging
-    import time
-
-    from jspec.checkpoint.loader import count_params
-    from jspec.config.load import LoadConfig
-
     load_config = load_config or LoadConfig()
     t0 = time.perf_counter()
     model = load(path, **dataclasses.asdict(load_config))
@@ -66,8 +69,6 @@ def load_logged(path: str | os.PathLike, load_config=None) -> Model:
 def display_name(path: str | os.PathLike, revision: str | None = None) -> str:
     """How a checkpoint is named in logs and by default to clients: a Hub repo id as it is
     (with its revision), a directory by its last component."""
-    from jspec.checkpoint.hub import is_repo_id
-
     path = os.fspath(path)
     if not os.path.exists(path) and is_repo_id(path):
         return f"{path}@{revision}" if revision else path
@@ -87,10 +88,6 @@ def with_context_length(model: Model, context_length: int | None) -> Model:
 
 
 def _load(path, dtype, load_format, revision, tokenizer_path, chat_template, local_files_only) -> Model:
-    from jspec.checkpoint.hub import resolve_checkpoint
-    from jspec.checkpoint.loader import load_model
-    from jspec.checkpoint.tokenizer import load_tokenizer, read_chat_template
-
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"unknown load_format {load_format!r}; choose auto or dummy")
     dtype = _dtype(dtype)
@@ -98,11 +95,6 @@ def _load(path, dtype, load_format, revision, tokenizer_path, chat_template, loc
     name = display_name(path, revision)
     directory = resolve_checkpoint(path, "model", revision, local_files_only)
     if load_format == "dummy":
-        import jax
-        import jax.numpy as jnp
-
-        from jspec.checkpoint.loader import init_random_params
-
         cfg = ModelConfig.from_pretrained(directory)
         dtype = dtype or (jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32)
         params = init_random_params(cfg, jax.random.key(0), dtype)
@@ -130,8 +122,6 @@ def _dtype(dtype):
     """None for the default ("auto" or None), else the jnp dtype a name or dtype stands for."""
     if dtype is None or (isinstance(dtype, str) and dtype == "auto"):
         return None
-    import jax.numpy as jnp
-
     if isinstance(dtype, str) and dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose auto or one of {DTYPES}")
     return jnp.dtype(dtype)

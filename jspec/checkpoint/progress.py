@@ -32,7 +32,7 @@ class ReadProgress:
         stream = sys.stderr if stream is None else stream
         self.bar = None
         if stream.isatty():
-            from tqdm import tqdm
+            from tqdm import tqdm  # here: only a terminal shows a bar
 
             self.bar = tqdm(
                 total=self.total,

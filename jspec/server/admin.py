@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
@@ -30,8 +31,6 @@ async def prometheus(st: Served):
 async def server_info(st: Served):
     """What serves: device, jax version and engine settings, so a benchmark client can record
     what it measured."""
-    import jax
-
     core = st.core
     spec = core.spec
     return {

@@ -10,10 +10,21 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
+import threading
 import time
 
-from jspec.checkpoint.model import display_name
+import uvicorn
+
+from jspec.checkpoint.demo import default_model_path
+from jspec.checkpoint.model import display_name, load_logged
 from jspec.checkpoint.tokenizer import read_chat_template
+from jspec.disaggregation.decode import DecodeEngine
+from jspec.disaggregation.prefill import PrefillEngine, PrefillServer
+from jspec.distributed.multihost import init_distributed
+from jspec.engine.async_engine import AsyncEngine
+from jspec.engine.engine import Engine
+from jspec.server.app import create_app
 from jspec.server.args import ServerConfig, build_parser, engine_config, load_config, server_config
 from jspec.server.chat_template import check_chat_template
 
@@ -24,23 +35,15 @@ SERVER_GPU_MEMORY_FRACTION = "0.90"
 def make_engine(config, server: ServerConfig, load, path: str):
     """The engine a server runs: a plain Engine, or a PD prefill / decode engine. A plain engine
     loads the weights itself, so it holds the loader's copy alone and frees it once laid out."""
-    from jspec.engine.engine import Engine
-
     if server.disaggregation_mode not in ("prefill", "decode"):
         return Engine(path, config, load=load)
-    from jspec.checkpoint.model import load_logged
-
     model = load_logged(path, load)
     if model.cfg.deepseek is not None:
         raise ValueError(
             f"PD disaggregation is not implemented for latent-attention (MLA) models ({model.cfg.family}) yet"
         )
     if server.disaggregation_mode == "prefill":
-        from jspec.disaggregation.prefill import PrefillEngine
-
         return PrefillEngine(model, config)
-    from jspec.disaggregation.decode import DecodeEngine
-
     return DecodeEngine(
         model,
         config,
@@ -62,8 +65,6 @@ def main(argv=None) -> None:
     # JAX's GPU allocator takes 75% of the memory by default; a server holds the device alone,
     # so it takes SGLang's share for weights, KV and programs (the KV pool is sized from it).
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", SERVER_GPU_MEMORY_FRACTION)
-    from jspec.distributed.multihost import init_distributed
-
     try:  # before anything starts a JAX backend
         if init_distributed(server.nnodes, server.node_rank, server.dist_init_addr):
             log.warning(
@@ -78,8 +79,6 @@ def main(argv=None) -> None:
 
     path = server.model_path
     if path is None:
-        from jspec.checkpoint.demo import default_model_path
-
         path, what = default_model_path()
         log.info("serving %s at %s", what, path)
     try:
@@ -104,11 +103,6 @@ def main(argv=None) -> None:
 
 
 def serve_http(engine, server: ServerConfig, name: str, started: float) -> None:
-    import uvicorn
-
-    from jspec.engine.async_engine import AsyncEngine
-    from jspec.server.app import create_app
-
     async_engine = AsyncEngine(engine)
 
     @contextlib.asynccontextmanager
@@ -132,11 +126,6 @@ def serve_http(engine, server: ServerConfig, name: str, started: float) -> None:
 
 def serve_prefill(engine, server: ServerConfig) -> None:
     """A prefill engine: no HTTP, only the bootstrap port; SIGTERM / SIGINT stop it."""
-    import signal
-    import threading
-
-    from jspec.disaggregation.prefill import PrefillServer
-
     prefill_server = PrefillServer(engine, server.host, server.disaggregation_bootstrap_port)
 
     def stop(signum, frame):

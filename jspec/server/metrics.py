@@ -16,6 +16,9 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from jspec.speculative.adaptive import shape_label
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48)
 
@@ -27,10 +30,6 @@ class AdaptiveCollector:
         self.policy = policy
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        from jspec.speculative.adaptive import shape_label
-
         stats = self.policy.stats
         chosen = CounterMetricFamily(
             "jspec_spec_adaptive_iterations",

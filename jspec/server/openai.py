@@ -163,115 +163,87 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, st: Se
     prompt_tokens = len(ids) * body.n
     if not body.stream:
         choices = await collect(streams, st.metrics.observer(t0), request)
-        out = []
-        for c in sorted(choices.values(), key=lambda c: c.index):
-            reasoning, text = split_reasoning(parser, c.text) if parser else (None, c.text)
-            content, calls = parse_tool_calls(text, functions, tool_choice)
-            message = {"role": "assistant", "content": content}
-            if parser:  # as SGLang: None for an empty part
-                message.update(content=content or None, reasoning_content=reasoning or None)
-            if calls:
-                message["tool_calls"] = calls
-            finish = openai_finish(c.finish_reason)
-            out.append(
-                {
-                    "index": c.index,
-                    "message": message,
-                    "finish_reason": "tool_calls" if calls and finish == "stop" else finish,
-                    "matched_stop": c.matched_stop,
-                    "logprobs": chat_logprobs(st, c.token_ids, c.logprobs, c.top_logprobs) if body.logprobs else None,
-                }
-            )
+        ordered = sorted(choices.values(), key=lambda c: c.index)
+        out = [chat_choice(st, body, c, parser, functions, tool_choice) for c in ordered]
         completion = sum(c.completion_tokens for c in choices.values())
         spec = [(c.completion_tokens, c.verify_ct) for c in choices.values()]
         return {**head, "object": "chat.completion", "choices": out, "usage": usage(prompt_tokens, completion, spec)}
+    chunk = {**head, "object": "chat.completion.chunk"}
+    events = chat_events(st, body, streams, chunk, t0, prompt_tokens, parser, functions, tool_choice)
+    return EventStream(events, streams)
 
-    async def events():
-        chunk = {**head, "object": "chat.completion.chunk"}
-        completion, verify, started, held = {}, {}, set(), {}
-        splitters = {}  # each choice's ReasoningSplitter, with a reasoning parser
-        async with aclosing(merged(streams, st.metrics.observer(t0))) as outputs:
-            async for i, out in outputs:
-                completion[i], verify[i] = out.completion_tokens, out.spec_verify_ct
-                if i not in started:
-                    started.add(i)
-                    yield sse(
-                        {
-                            **chunk,
-                            "choices": [
-                                {
-                                    "index": i,
-                                    "delta": {"role": "assistant", "content": ""},
-                                    "finish_reason": None,
-                                    "logprobs": None,
-                                }
-                            ],
-                        }
-                    )
-                lp = (
-                    chat_logprobs(st, out.new_token_ids, out.new_logprobs or [], out.new_top_logprobs or [])
-                    if body.logprobs and out.new_token_ids
-                    else None
-                )
-                reasoning, text = "", out.new_text
-                if parser:
-                    splitter = splitters.setdefault(i, ReasoningSplitter(parser))
-                    reasoning, text = splitter.feed(out.new_text, final=out.finished)
-                if tool_choice is not None:
-                    # Calls are parsed from the whole text: a choice with tools streams its
-                    # answer as one delta at its end (content and tool_calls, as the
-                    # non-streamed message); its reasoning streams as it comes.
-                    held[i] = held.get(i, "") + text
-                    if reasoning:
-                        yield sse({**chunk, "choices": [reasoning_delta(i, reasoning)]})
-                    if not out.finished:
-                        continue
-                    content, calls = parse_tool_calls(held.pop(i), functions, tool_choice)
-                    delta = {"content": content} if content else {}
-                    if calls:
-                        delta["tool_calls"] = [{"index": j, **c} for j, c in enumerate(calls)]
-                    finish = openai_finish(out.finish_reason)
-                    yield sse(
-                        {
-                            **chunk,
-                            "choices": [
-                                {
-                                    "index": i,
-                                    "delta": delta,
-                                    "finish_reason": "tool_calls" if calls and finish == "stop" else finish,
-                                    "logprobs": None,
-                                }
-                            ],
-                        }
-                    )
+
+def chat_choice(st: Served, body: ChatCompletionRequest, c, parser, functions, tool_choice) -> dict:
+    """One finished choice of a non-streamed chat completion: its reasoning split off, its tool
+    calls parsed out of the answer."""
+    reasoning, text = split_reasoning(parser, c.text) if parser else (None, c.text)
+    content, calls = parse_tool_calls(text, functions, tool_choice)
+    message = {"role": "assistant", "content": content}
+    if parser:  # as SGLang: None for an empty part
+        message.update(content=content or None, reasoning_content=reasoning or None)
+    if calls:
+        message["tool_calls"] = calls
+    finish = openai_finish(c.finish_reason)
+    return {
+        "index": c.index,
+        "message": message,
+        "finish_reason": "tool_calls" if calls and finish == "stop" else finish,
+        "matched_stop": c.matched_stop,
+        "logprobs": chat_logprobs(st, c.token_ids, c.logprobs, c.top_logprobs) if body.logprobs else None,
+    }
+
+
+def chat_chunk(chunk: dict, index: int, delta: dict, finish_reason=None, logprobs=None) -> str:
+    choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
+    return sse({**chunk, "choices": [choice]})
+
+
+async def chat_events(st: Served, body, streams, chunk, t0, prompt_tokens, parser, functions, tool_choice):
+    """A streamed chat completion's server-sent events: a role delta first for each choice, then
+    its text (the reasoning apart, with a parser; with tools, the answer as one delta at its end),
+    and the usage last."""
+    completion, verify, started, held = {}, {}, set(), {}
+    splitters = {}  # each choice's ReasoningSplitter, with a reasoning parser
+    async with aclosing(merged(streams, st.metrics.observer(t0))) as outputs:
+        async for i, out in outputs:
+            completion[i], verify[i] = out.completion_tokens, out.spec_verify_ct
+            if i not in started:
+                started.add(i)
+                yield chat_chunk(chunk, i, {"role": "assistant", "content": ""})
+            lp = (
+                chat_logprobs(st, out.new_token_ids, out.new_logprobs or [], out.new_top_logprobs or [])
+                if body.logprobs and out.new_token_ids
+                else None
+            )
+            reasoning, text = "", out.new_text
+            if parser:
+                splitter = splitters.setdefault(i, ReasoningSplitter(parser))
+                reasoning, text = splitter.feed(out.new_text, final=out.finished)
+            if tool_choice is not None:
+                # Calls are parsed from the whole text: a choice with tools streams its answer as
+                # one delta at its end (content and tool_calls, as the non-streamed message); its
+                # reasoning streams as it comes.
+                held[i] = held.get(i, "") + text
+                if reasoning:
+                    yield chat_chunk(chunk, i, {"reasoning_content": reasoning})
+                if not out.finished:
                     continue
-                if text or reasoning or out.finished or lp:
-                    delta = {"reasoning_content": reasoning} if reasoning else {}
-                    if text:
-                        delta["content"] = text
-                    yield sse(
-                        {
-                            **chunk,
-                            "choices": [
-                                {
-                                    "index": i,
-                                    "delta": delta,
-                                    "finish_reason": openai_finish(out.finish_reason) if out.finished else None,
-                                    "logprobs": lp,
-                                }
-                            ],
-                        }
-                    )
-        total = sum(completion.values())
-        spec = [(completion[i], verify[i]) for i in completion]
-        yield sse({**chunk, "choices": [], "usage": usage(prompt_tokens, total, spec)})
-        yield "data: [DONE]\n\n"
-
-    return EventStream(events(), streams)
-
-
-def reasoning_delta(index: int, reasoning: str) -> dict:
-    return {"index": index, "delta": {"reasoning_content": reasoning}, "finish_reason": None, "logprobs": None}
+                content, calls = parse_tool_calls(held.pop(i), functions, tool_choice)
+                delta = {"content": content} if content else {}
+                if calls:
+                    delta["tool_calls"] = [{"index": j, **c} for j, c in enumerate(calls)]
+                finish = openai_finish(out.finish_reason)
+                yield chat_chunk(chunk, i, delta, "tool_calls" if calls and finish == "stop" else finish)
+                continue
+            if text or reasoning or out.finished or lp:
+                delta = {"reasoning_content": reasoning} if reasoning else {}
+                if text:
+                    delta["content"] = text
+                yield chat_chunk(chunk, i, delta, openai_finish(out.finish_reason) if out.finished else None, lp)
+    total = sum(completion.values())
+    spec = [(completion[i], verify[i]) for i in completion]
+    yield sse({**chunk, "choices": [], "usage": usage(prompt_tokens, total, spec)})
+    yield "data: [DONE]\n\n"
 
 
 @router.get("/v1/models")

@@ -25,6 +25,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jspec.checkpoint.dflash import load_dflash_model
 from jspec.config.dflash import DFlashConfig
 from jspec.config.model import ModelConfig
 from jspec.config.spec import SpecConfig
@@ -120,8 +121,6 @@ def make_dflash_method(spec: SpecConfig, cfg: ModelConfig, draft, dtype, draft_d
     draft_dir() names the checkpoint. An unset --speculative-num-draft-tokens drafts the
     checkpoint's whole block; every shape must fit in it."""
     if draft is None:
-        from jspec.checkpoint.dflash import load_dflash_model
-
         draft = load_dflash_model(draft_dir(), cfg, dtype=dtype)
     dcfg, dparams = draft
     if not isinstance(dcfg, DFlashConfig):

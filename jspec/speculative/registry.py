@@ -5,10 +5,12 @@ from __future__ import annotations
 import dataclasses
 
 from jspec.checkpoint.eagle import load_draft_model
+from jspec.checkpoint.hub import resolve_checkpoint
 from jspec.checkpoint.loader import load_model
 from jspec.checkpoint.mtp import load_mtp_params
 from jspec.config.model import ModelConfig
 from jspec.config.spec import SpecConfig
+from jspec.speculative.dflash import make_dflash_method
 from jspec.speculative.eagle import EagleMethod
 from jspec.speculative.nextn import NextnMethod
 from jspec.speculative.ngram import NgramMethod
@@ -59,8 +61,6 @@ def make_method(spec: SpecConfig, cfg: ModelConfig, draft=None, dtype=None, targ
         dcfg, dparams = draft
         return NextnMethod(spec, dcfg, carry_topk=max(k for _, k, _ in spec.shapes())), dparams
     if spec.algorithm == "DFLASH":
-        from jspec.speculative.dflash import make_dflash_method
-
         method, dparams = make_dflash_method(spec, cfg, draft, dtype, lambda: _draft_dir(spec))
         _check_tree_fits_windows(method.spec, cfg, "target")  # now that the block is known
         return method, dparams
@@ -93,8 +93,6 @@ def shape_variants(method) -> tuple:
 
 def _draft_dir(spec: SpecConfig) -> str:
     """The draft checkpoint's directory (a Hub repo id is fetched, at draft_model_revision)."""
-    from jspec.checkpoint.hub import resolve_checkpoint
-
     if spec.draft_model_path is None:
         raise ValueError(f"speculative algorithm {spec.algorithm} needs spec.draft_model_path or draft=(cfg, params)")
     return resolve_checkpoint(spec.draft_model_path, "draft", spec.draft_model_revision)

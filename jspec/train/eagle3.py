@@ -25,6 +25,7 @@ import optax
 
 import jspec
 from jspec.checkpoint.eagle import init_random_draft_params
+from jspec.checkpoint.eagle_config import draft_hf_config, tiny_capture_layers, write_draft_config
 from jspec.checkpoint.files import write_safetensors
 from jspec.checkpoint.loader import save_params
 from jspec.config.draft import DraftConfig
@@ -33,7 +34,6 @@ from jspec.models.common import compute_logits, rms_norm
 from jspec.models.eagle import draft_layers, draft_logits, layer_config, target_feature
 from jspec.models.llama import attention_input, decoder_layer, embed_tokens, rope_cos_sin
 from jspec.server.chat_template import render_chat
-from jspec.testing.eagle_tiny import draft_hf_config, tiny_capture_layers, write_draft_config
 
 # ---------------------------------------------------------------------------
 # Data: the target answers the prompts

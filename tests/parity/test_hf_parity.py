@@ -17,13 +17,13 @@ from support.parity import forward_logits, rel_err
 
 import jspec
 from jspec.checkpoint.eagle import init_random_draft_params
+from jspec.checkpoint.eagle_config import tiny_capture_layers
 from jspec.checkpoint.loader import load_model
 from jspec.checkpoint.mxfp4 import FP4_E2M1
 from jspec.config.spec import SpecConfig
 from jspec.kvcache.allocator import PageAllocator
 from jspec.kvcache.pool import create_kv_pool
 from jspec.models.llama import dense_forward
-from jspec.testing.eagle_tiny import tiny_capture_layers
 from jspec.worker.inputs import SeqChunk, build_forward_batch
 
 pytestmark = pytest.mark.slow  # builds engines, servers or HF references
