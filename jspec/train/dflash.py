@@ -115,7 +115,9 @@ def block_outputs(
         [roots[..., None], jnp.full((*anchors.shape, Bs - 1), dcfg.mask_token_id, jnp.int32)], axis=-1
     )
     h = jax.vmap(lambda f, b, a: dense_block_hidden(dparams, dcfg, target_params, f, b, a))(feats, block, anchors)
-    logits = draft_logits(target_params, dcfg, h[:, :, 1:])  # [N, A, B-1, V]
+    # draft_logits takes rows [T, H], as the engine passes them (a tied LM head contracts axis 1).
+    drafted = h[:, :, 1:]
+    logits = draft_logits(target_params, dcfg, drafted.reshape(-1, h.shape[-1])).reshape(*drafted.shape[:-1], -1)
     label_pos = anchors[..., None] + jnp.arange(1, Bs, dtype=jnp.int32)  # [N, A, B-1]
     labels = jnp.take_along_axis(tokens, jnp.clip(label_pos, 0, S - 1).reshape(N, -1), axis=1).reshape(label_pos.shape)
     valid = label_pos < jnp.asarray(batch.lengths)[:, None, None]

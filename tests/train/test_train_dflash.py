@@ -39,6 +39,15 @@ def test_anchors_and_weights():
     assert dflash.DFlashTrainConfig(block_size=8).gamma == 4.0
 
 
+def test_a_tied_embedding_target_trains(tmp_path):
+    """The LM head of a target that ties it to the embedding (SmolLM2 does) takes the drafted rows."""
+    tied = jspec.load(make_tiny_model(tmp_path / "tied", seed=0, num_layers=3, tie_word_embeddings=True))
+    assert "lm_head" not in tied.params
+    cfg = dflash.DFlashTrainConfig(steps=2, batch_size=2, seq_len=48, block_size=4, num_layers=1, anchors=2)
+    result = dflash.train_dflash(tied, eagle3.pack_examples(periodic_examples(count=2), 48), cfg, log=lambda s: None)
+    assert len(result.history) == 2 and np.isfinite(result.history[-1]["loss"])
+
+
 def test_loss_falls_and_the_drafter_round_trips(model, tmp_path):
     data = eagle3.pack_examples(periodic_examples(), 48)
     cfg = dflash.DFlashTrainConfig(
