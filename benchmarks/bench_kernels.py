@@ -352,6 +352,27 @@ def print_table(cases):
             )
 
 
+def run_plans(plans, cases: list, save, copy_bw: float, mm_flops: float) -> None:
+    """Sets up and times each case (a plan), graded against its floors, saving after each so a
+    later failure keeps the earlier rows; prints the table last."""
+    for plan in plans:
+        try:
+            case = plan()
+        except Exception as e:  # noqa: BLE001 - one case that fails to set up must not stop the others
+            print(f"case failed to set up: {type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}", flush=True)
+            continue
+        case["roofline_us"] = case["kv_bytes"] / copy_bw * 1e6
+        if "flops" in case:
+            case["compute_floor_us"] = case["flops"] / mm_flops * 1e6
+        for r in case["results"]:
+            summarize(r, case, copy_bw, mm_flops)
+        cases.append(case)
+        save()
+    path = save()
+    print(f"wrote {path}")
+    print_table(cases)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=RESULTS_DIR)
@@ -491,22 +512,7 @@ def main():
             copy_bandwidth_tbps=copy_bw / 1e12, matmul_tflops=mm_flops / 1e12, loop_floor_us=loop_floor_us, cases=cases
         )
 
-    for plan in plans:
-        try:
-            case = plan()
-        except Exception as e:  # noqa: BLE001 - one case that fails to set up must not stop the others
-            print(f"case failed to set up: {type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}", flush=True)
-            continue
-        case["roofline_us"] = case["kv_bytes"] / copy_bw * 1e6
-        if "flops" in case:
-            case["compute_floor_us"] = case["flops"] / mm_flops * 1e6
-        for r in case["results"]:
-            summarize(r, case, copy_bw, mm_flops)
-        cases.append(case)
-        save()
-    path = save()
-    print(f"wrote {path}")
-    print_table(cases)
+    run_plans(plans, cases, save, copy_bw, mm_flops)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ pages in the same order in one process.
 from __future__ import annotations
 
 import argparse
-import traceback
 
 import jax
 import jax.numpy as jnp
@@ -26,10 +25,9 @@ from benchmarks.bench_kernels import (
     LAYER,
     Problem,
     extend_flops,
-    print_table,
     random_tree_mask,
+    run_plans,
     run_variant,
-    summarize,
 )
 from benchmarks.common import RESULTS_DIR, Results, copy_bandwidth, matmul_flops
 from jspec.kernels.paged_decode import decode_plan, paged_decode
@@ -41,41 +39,31 @@ from jspec.kernels.ref import paged_decode_ref, paged_extend_ref
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 
 
-def variants(quick: bool):
-    """(kernel, name, tuning) for decode: the Triton-backend kernel at its defaults, the Mosaic one
-    at its defaults and, unless quick, at deeper pipelines and longer tiles."""
+# Beyond each kernel at its defaults, the Mosaic tunings worth timing per case kind: decode's
+# deeper pipelines and longer tiles; tree verify's split count (each query block reads the whole
+# context); causal prefill's longer KV tiles (more work per softmax step).
+MOSAIC_TUNINGS = {
+    "decode": {"stages3": dict(num_stages=3), "stages4": dict(num_stages=4), "n128": dict(block_n=128)},
+    "tree": {
+        "stages3": dict(num_stages=3),
+        "n128": dict(block_n=128),
+        "splits1": dict(num_splits=1),
+        "splits8": dict(num_splits=8),
+    },
+    "prefill": {
+        "n128": dict(block_n=128),
+        "n128_stages3": dict(block_n=128, num_stages=3),
+        "stages3": dict(num_stages=3),
+    },
+}
+
+
+def variants(kind: str, quick: bool):
+    """(kernel, name, tuning): the Triton-backend and Mosaic kernels at their defaults and, unless
+    quick, the Mosaic one at kind's tunings."""
     out = [("triton", "triton", {}), ("mosaic", "mosaic", {})]
     if not quick:
-        out += [
-            ("mosaic", "mosaic_stages3", dict(num_stages=3)),
-            ("mosaic", "mosaic_stages4", dict(num_stages=4)),
-            ("mosaic", "mosaic_n128", dict(block_n=128)),
-        ]
-    return out
-
-
-def tree_variants(quick: bool):
-    """Tree verify: as decode's, and the split count (each query block reads the whole context)."""
-    out = [("triton", "triton", {}), ("mosaic", "mosaic", {})]
-    if not quick:
-        out += [
-            ("mosaic", "mosaic_stages3", dict(num_stages=3)),
-            ("mosaic", "mosaic_n128", dict(block_n=128)),
-            ("mosaic", "mosaic_splits1", dict(num_splits=1)),
-            ("mosaic", "mosaic_splits8", dict(num_splits=8)),
-        ]
-    return out
-
-
-def prefill_variants(quick: bool):
-    """Causal prefill: longer KV tiles give each query block more work per softmax step."""
-    out = [("triton", "triton", {}), ("mosaic", "mosaic", {})]
-    if not quick:
-        out += [
-            ("mosaic", "mosaic_n128", dict(block_n=128)),
-            ("mosaic", "mosaic_n128_stages3", dict(block_n=128, num_stages=3)),
-            ("mosaic", "mosaic_stages3", dict(num_stages=3)),
-        ]
+        out += [("mosaic", f"mosaic_{name}", tuning) for name, tuning in MOSAIC_TUNINGS[kind].items()]
     return out
 
 
@@ -199,10 +187,20 @@ def main():
     ctx, prefill = max(64, 4096 // shrink), max(64, 2048 // shrink)
     batch = 2 if args.smoke else 32
     plans = [
-        lambda: decode_case("decode_b1_ctx4096_s16", 1, ctx, 16, variants(quick), iters=iters, reps=reps),
-        lambda: decode_case(f"decode_b{batch}_ctx4096_s16", batch, ctx, 16, variants(quick), iters=iters, reps=reps),
+        lambda: decode_case("decode_b1_ctx4096_s16", 1, ctx, 16, variants("decode", quick), iters=iters, reps=reps),
+        lambda: decode_case(
+            f"decode_b{batch}_ctx4096_s16", batch, ctx, 16, variants("decode", quick), iters=iters, reps=reps
+        ),
         lambda: extend_case(
-            f"tree_b{batch}_q8_ctx4096_s16", batch, 8, ctx, 16, tree_variants(quick), tree=True, iters=iters, reps=reps
+            f"tree_b{batch}_q8_ctx4096_s16",
+            batch,
+            8,
+            ctx,
+            16,
+            variants("tree", quick),
+            tree=True,
+            iters=iters,
+            reps=reps,
         ),
         lambda: extend_case(
             "prefill_b1_q2048_ctx2048_s16",
@@ -210,7 +208,7 @@ def main():
             prefill,
             prefill,
             16,
-            prefill_variants(quick),
+            variants("prefill", quick),
             tree=False,
             iters=iters,
             reps=reps,
@@ -226,22 +224,7 @@ def main():
     def save():
         return results.write(copy_bandwidth_tbps=copy_bw / 1e12, matmul_tflops=mm_flops / 1e12, cases=cases)
 
-    for plan in plans:
-        try:
-            case = plan()
-        except Exception as e:  # noqa: BLE001 - one case that fails to set up must not stop the others
-            print(f"case failed to set up: {type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}", flush=True)
-            continue
-        case["roofline_us"] = case["kv_bytes"] / copy_bw * 1e6
-        if "flops" in case:
-            case["compute_floor_us"] = case["flops"] / mm_flops * 1e6
-        for r in case["results"]:
-            summarize(r, case, copy_bw, mm_flops)
-        cases.append(case)
-        save()
-    path = save()
-    print(f"wrote {path}")
-    print_table(cases)
+    run_plans(plans, cases, save, copy_bw, mm_flops)
 
 
 if __name__ == "__main__":
