@@ -28,7 +28,6 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import jax
-import numpy as np
 
 import jspec
 from jspec.train import dflash, eagle3
@@ -77,24 +76,6 @@ def model_path(args) -> str:
     path, what = default_model_path()
     print(f"[train_dflash] using {what} at {path}")
     return path
-
-
-def engine_check(model, drafter_dir: str, examples, max_new_tokens: int, engine_kw: dict) -> dict:
-    """The held-out prompts with DFLASH: the drafter must not change a token of the greedy answers."""
-    spec = jspec.SpecConfig("DFLASH", draft_model_path=drafter_dir)
-    outs = jspec.generate(
-        model,
-        [e.tokens[: e.prompt_len] for e in examples],
-        max_new_tokens=max_new_tokens,
-        speculative=spec,
-        max_running_requests=len(examples),
-        **engine_kw,
-    )
-    same = sum(o.token_ids == e.tokens[e.prompt_len :] for o, e in zip(outs, examples))
-    return {
-        "mean_accept_length": float(np.mean([o.mean_accept_length for o in outs])),
-        "identical_outputs": f"{same}/{len(examples)}",
-    }
 
 
 def main(argv=None):
@@ -162,7 +143,13 @@ def main(argv=None):
     log(f"saved {out}")
     if heldout_ex and args.eval_spec_prompts > 0:
         t = time.perf_counter()
-        spec = engine_check(model, out, heldout_ex[: args.eval_spec_prompts], args.max_new_tokens, engine_kw)
+        spec = eagle3.speculation_check(
+            model,
+            jspec.SpecConfig("DFLASH", draft_model_path=out),
+            heldout_ex[: args.eval_spec_prompts],
+            args.max_new_tokens,
+            **engine_kw,
+        )
         report["heldout_engine"] = spec
         log(
             f"engine on {args.eval_spec_prompts} held-out prompts (DFLASH, block {tc.block_size}): mean accept "

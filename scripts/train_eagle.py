@@ -29,7 +29,6 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import jax
-import numpy as np
 
 import jspec
 from jspec.train import eagle3
@@ -100,25 +99,6 @@ def model_path(args) -> str:
     path, what = default_model_path()
     print(f"[train_eagle] using {what} at {path}")
     return path
-
-
-def engine_accept_length(model, head_dir: str, examples, num_steps: int, max_new_tokens: int) -> dict:
-    """Runs the held-out prompts with speculation (chain, topk 1) and compares with the plain
-    greedy answers already generated: the head must not change a token."""
-    spec = jspec.SpecConfig("EAGLE3", draft_model_path=head_dir, num_steps=num_steps, eagle_topk=1)
-    outs = jspec.generate(
-        model,
-        [e.tokens[: e.prompt_len] for e in examples],
-        max_new_tokens=max_new_tokens,
-        speculative=spec,
-        max_running_requests=len(examples),
-    )
-    same = sum(o.token_ids == e.tokens[e.prompt_len :] for o, e in zip(outs, examples))
-    return {
-        "mean_accept_length": float(np.mean([o.mean_accept_length for o in outs])),
-        "identical_outputs": f"{same}/{len(examples)}",
-        "num_steps": num_steps,
-    }
 
 
 def main(argv=None):
@@ -218,7 +198,8 @@ def main(argv=None):
     if heldout_ex and args.eval_spec_prompts > 0:
         picked = heldout_ex[: args.eval_spec_prompts]
         t = time.perf_counter()
-        spec = engine_accept_length(model, out, picked, args.ttt_steps, args.max_new_tokens)
+        head = jspec.SpecConfig("EAGLE3", draft_model_path=out, num_steps=args.ttt_steps, eagle_topk=1)
+        spec = {**eagle3.speculation_check(model, head, picked, args.max_new_tokens), "num_steps": args.ttt_steps}
         report["heldout_engine"] = spec
         print(
             f"[train_eagle] engine on {len(picked)} held-out prompts (EAGLE3, {spec['num_steps']} steps, topk 1): "

@@ -84,6 +84,24 @@ def generate_examples(
     return [Example(list(p) + list(o.token_ids), len(p)) for p, o in zip(prompt_ids, outs)]
 
 
+def speculation_check(model, spec, examples: Sequence[Example], max_new_tokens: int, **engine_kw) -> dict[str, Any]:
+    """The held-out examples' prompts through the engine with a trained drafter (spec): its mean
+    accept length, and how many greedy answers it left unchanged (it must leave all of them)."""
+    outs = jspec.generate(
+        model,
+        [e.tokens[: e.prompt_len] for e in examples],
+        max_new_tokens=max_new_tokens,
+        speculative=spec,
+        max_running_requests=len(examples),
+        **engine_kw,
+    )
+    same = sum(o.token_ids == e.tokens[e.prompt_len :] for o, e in zip(outs, examples))
+    return {
+        "mean_accept_length": float(np.mean([o.mean_accept_length for o in outs])),
+        "identical_outputs": f"{same}/{len(examples)}",
+    }
+
+
 def save_examples(
     path: str | os.PathLike, examples: Sequence[Example], vocab_size: int, meta: dict[str, Any] | None = None
 ) -> None:
