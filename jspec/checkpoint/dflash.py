@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.checkpoint.eagle import read_draft_tensors
+from jspec.checkpoint.eagle import default_draft_dtype, read_draft_config, read_draft_tensors
 from jspec.checkpoint.errors import CheckpointError, MissingTensorError, TensorShapeError
 from jspec.checkpoint.files import write_safetensors
 from jspec.checkpoint.random_weights import random_weights
@@ -391,16 +391,8 @@ def load_dflash_model(
 ) -> tuple[DFlashConfig, dict[str, Any]]:
     """Loads a DFlash drafter for `target`. dtype None: bfloat16 on a GPU backend, float32 otherwise."""
     path = os.fspath(path)
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise FileNotFoundError(f"no config.json in DFlash drafter directory {path!r}")
-    with open(cfg_path) as f:
-        try:
-            hf = json.load(f)
-        except ValueError as e:
-            raise CheckpointError(f"unreadable config.json in {path!r}: {e}") from None
-    if dtype is None:
-        dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    hf = read_draft_config(path, "DFlash drafter")
+    dtype = default_draft_dtype() if dtype is None else dtype
     where = repr(path)
     dcfg = dflash_config_from_hf(hf, target, where)
     return dcfg, convert_dflash_params(dcfg, read_draft_tensors(path), dtype, where)

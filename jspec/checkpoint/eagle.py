@@ -464,6 +464,23 @@ def init_random_draft_params(
 # ---------------------------------------------------------------------------
 
 
+def read_draft_config(path: str, what: str) -> dict[str, Any]:
+    """A draft checkpoint's config.json; `what` names the kind of directory in the errors."""
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"no config.json in {what} directory {path!r}")
+    with open(cfg_path) as f:
+        try:
+            return json.load(f)
+        except ValueError as e:
+            raise CheckpointError(f"unreadable config.json in {path!r}: {e}") from None
+
+
+def default_draft_dtype():
+    """A draft's weights: bfloat16 on a GPU backend, float32 otherwise."""
+    return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+
+
 def load_draft_model(
     path: str | os.PathLike, target_cfg: ModelConfig, dtype: Any = None, algorithm: str | None = None
 ) -> tuple[DraftConfig, dict[str, Any]]:
@@ -477,16 +494,8 @@ def load_draft_model(
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"draft model directory {path!r} does not exist or is not a directory")
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise FileNotFoundError(f"no config.json in draft model directory {path!r}")
-    with open(cfg_path) as f:
-        try:
-            hf = json.load(f)
-        except ValueError as e:
-            raise CheckpointError(f"unreadable config.json in {path!r}: {e}") from None
-    if dtype is None:
-        dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    hf = read_draft_config(path, "draft model")
+    dtype = default_draft_dtype() if dtype is None else dtype
     tensors = read_draft_tensors(path)
     where = repr(path)
     cfg = draft_config_from_hf(hf, target_cfg, tensors, algorithm, where)
