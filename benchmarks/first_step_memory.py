@@ -8,6 +8,7 @@ use and at its peak after each of the first steps (benchmarks/NOTES.md, "The KV 
 from __future__ import annotations
 
 import argparse
+import os
 
 import jax
 
@@ -23,6 +24,7 @@ def main() -> None:
     ap.add_argument("--max-total-tokens", type=int, default=100_000)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--name", default="first_step_memory")
     a = ap.parse_args()
     engine = jspec.Engine(
         a.model_path,
@@ -50,16 +52,29 @@ def main() -> None:
         {"leaf": name, "array": str(getattr(x, "format", None)), "program": str(f)}
         for name, x, f in zip(("k", "v"), pool, state_formats)
     ]
+    alias = [line.strip() for line in compiled.as_text().splitlines() if "input_output_alias" in line][:1]
     steps = []
     for i in range(a.steps):
+        old = w.state.target_kv
         jax.block_until_ready(w.decode([w.scratch_slot], [[0]], [scratch]))
-        steps.append({"step": i, **stats()})
+        # A leaf the step did not take by donation is still alive: the program copied it.
+        donated = {"k_donated": old.k.is_deleted(), "v_donated": old.v.is_deleted()}
+        del old
+        steps.append({"step": i, **donated, **stats()})
     pool_gib = sum(x.nbytes for x in pool) / GiB
-    Results(a.out, "first_step_memory", vars(a)).write(pool_gib=pool_gib, before=before, formats=formats, steps=steps)
+    Results(a.out, a.name, vars(a)).write(
+        pool_gib=pool_gib,
+        before=before,
+        formats=formats,
+        alias=alias,
+        xla_flags=os.environ.get("XLA_FLAGS", ""),
+        steps=steps,
+    )
     print(f"pool {pool_gib:.2f} GiB; before the first step {before}")
     for f in formats:
         same = "same" if f["array"] == f["program"] else "DIFFERENT"
         print(f"{f['leaf']}: {same}\n  array   {f['array']}\n  program {f['program']}")
+    print("alias:", alias[0][:400] if alias else "none found")
     for s in steps:
         print(s)
 

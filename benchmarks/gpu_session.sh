@@ -113,8 +113,13 @@ for s in "$@"; do
       XLA_FLAGS="$(cat "$RESULTS/xla_flags" 2>/dev/null)" step curve_8b ${CURVE_LIMIT:-330} $PY -m benchmarks.serving_curve \
         --server-args "$SHAPE_8B" --input-lens 128 ${CURVE_ARGS:-} --out "$RESULTS" --name serving_curve_8b ;;
     first_step_memory)
+      # The step as served, then with XLA's command buffers (CUDA graphs) off: a leaf the first
+      # step does not take by donation shows as not donated and as a leaf-sized jump in the peak.
       step first_step_memory 120 $PY -m benchmarks.first_step_memory --max-total-tokens ${FIRST_STEP_POOL:-100000} \
-        --out "$RESULTS" ;;
+        --out "$RESULTS"
+      XLA_FLAGS="--xla_gpu_enable_command_buffer=" step first_step_memory_no_command_buffer 120 $PY -m \
+        benchmarks.first_step_memory --max-total-tokens ${FIRST_STEP_POOL:-100000} \
+        --name first_step_memory_no_command_buffer --out "$RESULTS" ;;
     curve_8b_spec)
       # Speculation while serving: a random EAGLE-3 head (nothing accepted: the method's cost),
       # NGRAM and adaptive EAGLE-3, beside the plain server.
