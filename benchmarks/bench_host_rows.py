@@ -12,7 +12,10 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import json
+import os
 import pstats
+import shutil
 import tempfile
 
 import numpy as np
@@ -21,6 +24,8 @@ import jspec
 from benchmarks.common import RESULTS_DIR, Results
 from jspec.checkpoint.tiny import make_tiny_model
 from jspec.engine.engine import LoopTimes
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
 def decode_iterations(engine, rows: int, iterations: int, profile: bool = False):
@@ -48,18 +53,37 @@ def decode_iterations(engine, rows: int, iterations: int, profile: bool = False)
     return times, prof
 
 
+def tiny_model(tokenizer_from: str | None) -> str:
+    path = tempfile.mkdtemp() + "/m"
+    if tokenizer_from is None:
+        return make_tiny_model(path)
+    vocab = json.load(open(os.path.join(tokenizer_from, "config.json")))["vocab_size"]
+    make_tiny_model(path, vocab_size=vocab, tokenizer=False)
+    for name in TOKENIZER_FILES:
+        if os.path.exists(os.path.join(tokenizer_from, name)):
+            shutil.copy(os.path.join(tokenizer_from, name), path)
+    return path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,16,64,256")
     ap.add_argument("--iterations", type=int, default=40)
     ap.add_argument("--out", default=RESULTS_DIR)
+    ap.add_argument("--name", default="bench_host_rows")
+    ap.add_argument(
+        "--tokenizer-from",
+        metavar="DIR",
+        help="a checkpoint whose tokenizer the tiny model takes (its vocabulary too): a real BPE's "
+        "detokenizing cost instead of the byte tokenizer's",
+    )
     a = ap.parse_args()
     rows = [int(r) for r in a.rows.split(",")]
-    model = jspec.load(make_tiny_model(tempfile.mkdtemp() + "/m"))
+    model = jspec.load(tiny_model(a.tokenizer_from))
     engine = jspec.Engine(
         model, max_running_requests=max(rows), max_total_tokens=max(rows) * 256, precompile_bs_paddings=rows
     )
-    results = Results(a.out, "bench_host_rows", vars(a))
+    results = Results(a.out, a.name, vars(a))
     table = []
     for n in rows:
         times, _ = decode_iterations(engine, n, a.iterations)

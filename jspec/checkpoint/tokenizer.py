@@ -9,12 +9,14 @@ The chat template is exposed as a string; rendering it is the server's job.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -96,6 +98,15 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(
+        self, context_ids: Sequence[int], skip_special_tokens: bool = True
+    ) -> Callable[[int], str | None]:
+        """A streaming decoder after context_ids: step(id) returns the text that id completes,
+        or None while it completes none (part of a character, a skipped special token). One call
+        into `tokenizers` per token, where a window decode makes two."""
+        stream = DecodeStream(ids=[int(i) for i in context_ids], skip_special_tokens=skip_special_tokens)
+        return functools.partial(stream.step, self._tok)
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
