@@ -65,6 +65,21 @@ class RequestOutput:
     matched_stop: int | str | None = None
     error: str | None = None  # why the request failed on the server's side (e.g. its prefill engine died)
 
+    def then(self, later: RequestOutput) -> RequestOutput:
+        """This output and a later one of the same request as one (a reader that fell behind
+        takes the steps it missed in one go)."""
+
+        def joined(a, b):
+            return None if a is None and b is None else (a or []) + (b or [])
+
+        return dataclasses.replace(
+            later,
+            new_token_ids=self.new_token_ids + later.new_token_ids,
+            new_text=self.new_text + later.new_text,
+            new_logprobs=joined(self.new_logprobs, later.new_logprobs),
+            new_top_logprobs=joined(self.new_top_logprobs, later.new_top_logprobs),
+        )
+
 
 @dataclasses.dataclass
 class LoopTimes:

@@ -59,4 +59,5 @@ async def debug_state(st: Served):
         **sched.usage(),
         # The loop's host time against its wait on the device, summed since start (seconds).
         "loop": dataclasses.asdict(st.core.loop_times),
+        "engine_thread_id": st.engine.thread_id,
     }

@@ -15,7 +15,7 @@ from jspec.lora.adapter import adapter_dir
 from jspec.server.errors import APIError
 from jspec.server.protocol import GenerateRequest, LoadLoraRequest, check_stop
 from jspec.server.state import Served, ServerState
-from jspec.server.streaming import Choice, EventStream, collect, merged, sse, start
+from jspec.server.streaming import Choice, EventStream, collect, merged, start
 
 router = APIRouter()
 
@@ -71,11 +71,17 @@ async def generate(body: GenerateRequest, request: Request, st: Served):
         return {"text": c.text, "output_ids": c.token_ids, "meta_info": meta(c)}
 
     async def events():
-        c = Choice(0)
+        # SGLang's stream repeats the whole text and ids in every chunk: both are kept here
+        # already encoded, so a chunk costs its new tokens' encoding, not the whole output's.
+        c, text, ids = Choice(0), "", ""
         async with aclosing(merged(streams, st.metrics.observer(t0))) as outputs:
             async for _, out in outputs:
                 c.add(out)
-                yield sse({"text": c.text, "output_ids": c.token_ids, "meta_info": meta(c)})
+                text += json.dumps(out.new_text, ensure_ascii=False)[1:-1]
+                if out.new_token_ids:
+                    ids += ("," if ids else "") + ",".join(map(str, out.new_token_ids))
+                meta_json = json.dumps(meta(c), ensure_ascii=False)
+                yield f'data: {{"text": "{text}", "output_ids": [{ids}], "meta_info": {meta_json}}}\n\n'
         yield "data: [DONE]\n\n"
 
     return EventStream(events(), streams)

@@ -120,10 +120,21 @@ async def merged(
     """(index, output) from every stream as they come, each passed to observe first; closing it
     early aborts the unfinished requests.
 
-    Each stream is read by a pump task of its own, and only that task closes it. Leaving early
-    (the client disconnected, which cancels the task reading this) cancels the pumps: each one
-    unwinds its stream, whose request is aborted then.
+    One stream is read and closed by the task reading this. Several are each read by a pump
+    task of their own, and only that task closes it. Leaving early (the client disconnected,
+    which cancels the task reading this) cancels the pumps: each one unwinds its stream, whose
+    request is aborted then.
     """
+    if len(streams) == 1:  # one stream needs no pump: this task reads it, and closes it
+        s = streams[0]
+        async with contextlib.aclosing(s.outputs):
+            observe(s.index, s.first)
+            yield s.index, s.first
+            if not s.first.finished:
+                async for out in s.outputs:
+                    observe(s.index, out)
+                    yield s.index, out
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(s: Stream):
