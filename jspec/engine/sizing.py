@@ -35,10 +35,11 @@ HEADROOM_MIN_BYTES = 1 * GiB
 PROGRAM_BYTES_FACTOR = 1.25
 # Pages of the pool the programs are measured against (the scratch page and one more).
 PROBE_PAGES = 2
-# On the GPU the first step over a freshly made pool allocates one more buffer the size of its
-# largest leaf (K or V) although every program's memory analysis shows the pool donated in
-# place (benchmarks/NOTES.md, "The KV pool on the GPU"); until that is explained the device
-# plan leaves room for it, as a fraction of the pool: K and V are its two equal leaves.
+# On the GPU some program over a freshly made pool has allocated one more buffer the size of its
+# largest leaf (K or V) although the memory analysis of the programs measured shows the pool
+# donated in place: once the first plain decode, lately an adaptive EAGLE-3 server's cost
+# measurement (benchmarks/NOTES.md, "The KV pool on the GPU"). Until that is explained the
+# device plan leaves room for it, as a fraction of the pool: K and V are its two equal leaves.
 FIRST_STEP_LEAF_FRACTION = 0.5
 
 

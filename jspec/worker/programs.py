@@ -395,14 +395,17 @@ def decode_ready(worker, rows: int, mode: str, shape: int, drafting_rows: int | 
 
 
 def measure_programs(worker) -> dict[str, ProgramMemory]:
-    """Compiles the largest prefill and the largest decode (both sampling programs) for the
-    worker's current state and returns their device memory by label: what sizing reserves
-    for the programs beside the weights and the pool."""
+    """Compiles the largest prefill and the largest decode (both sampling programs; every draft
+    shape's, for adaptive speculation) for the worker's current state and returns their device
+    memory by label: what sizing reserves for the programs beside the weights and the pool."""
     B, T = worker.buckets.decode_buckets()[-1], worker.buckets.prefill_token_buckets()[-1]
     with recording(worker) as jobs:
         scratch_prefill(worker, T)
         for mode in SAMPLING_MODES:
             scratch_decode(worker, B, mode)
+        # A larger draft shape than the configured one makes a larger program (a wider tree).
+        for shape in range(1, worker.num_shapes):
+            scratch_decode(worker, B, shape=shape)
     worker.programs.compile_all(jobs)
     return {j.program.label: worker.programs.memory(j.program.key) for j in jobs}
 
