@@ -92,6 +92,15 @@ for s in "$@"; do
       step pool_scaling_small 90 $PY -m benchmarks.program_memory --model-path benchmarks/shapes/smollm2-135m \
         --time-pools ${SMALL_POOLS:-100000,4000000}
       step pool_scaling_8b 120 $PY -m benchmarks.program_memory --time-pools ${POOLS_8B:-100000,700000} ;;
+    adaptive_memory)
+      # Every draft shape's largest decode of an adaptive EAGLE-3 8B server, compiled and run over
+      # a full-size pool: which program takes a pool leaf more (benchmarks/NOTES.md).
+      head=/tmp/jspec-heads/8b-eagle3
+      $PY -c "import jspec; from jspec.testing.eagle_tiny import make_tiny_draft
+make_tiny_draft('$head', jspec.ModelConfig.from_pretrained('benchmarks/shapes/llama-3.1-8b'), 'EAGLE3', dtype='bfloat16')"
+      step adaptive_memory 240 $PY -m benchmarks.program_memory --largest-only --max-total-tokens ${ADAPTIVE_POOL:-250000} \
+        --max-running-requests 64 --speculative-args "EAGLE3 $head 3 1 4 adaptive" --name program_memory_adaptive \
+        --out "$RESULTS" ;;
     memory_flags)
       # Which XLA flags keep a large pool's programs free of a pool-sized temporary: each variant
       # compiles the largest programs over a pool of $FLAG_POOL tokens; the first clean one is kept

@@ -77,7 +77,11 @@ def main() -> None:
     ap.add_argument("--model-path", default="benchmarks/shapes/llama-3.1-8b")
     ap.add_argument("--max-total-tokens", type=int, default=200_000)
     ap.add_argument("--max-running-requests", type=int, default=256)
-    ap.add_argument("--speculative-args", default="", help="e.g. 'EAGLE3 /path/head 3 1 4'")
+    ap.add_argument(
+        "--speculative-args",
+        default="",
+        help="e.g. 'EAGLE3 /path/head 3 1 4', with ' adaptive' last for adaptive speculation",
+    )
     ap.add_argument(
         "--time-pools",
         help="comma list of pool sizes in tokens: time the largest prefill and decode B=1 over each (a step "
@@ -97,8 +101,15 @@ def main() -> None:
         return time_pools(model, [int(t) for t in a.time_pools.split(",")])
     spec = None
     if a.speculative_args:
-        algo, path, steps, topk, tokens = a.speculative_args.split()
-        spec = jspec.SpecConfig(algo, path, num_steps=int(steps), eagle_topk=int(topk), num_draft_tokens=int(tokens))
+        algo, path, steps, topk, tokens, *adaptive = a.speculative_args.split()
+        spec = jspec.SpecConfig(
+            algo,
+            path,
+            num_steps=int(steps),
+            eagle_topk=int(topk),
+            num_draft_tokens=int(tokens),
+            adaptive=adaptive == ["adaptive"],
+        )
     t0 = time.perf_counter()
     engine = jspec.Engine(
         model, max_total_tokens=a.max_total_tokens, max_running_requests=a.max_running_requests, speculative=spec
@@ -109,11 +120,13 @@ def main() -> None:
 
         w = engine.worker
         B = w.buckets.decode_buckets()[-1]
-        try:
-            jax.block_until_ready(w.decode([w.scratch_slot] * B, [[0]] * B, [(SamplingParams(), 0)] * B))
-            print("run: ok")
-        except Exception as e:  # noqa: BLE001 - reported, the table follows
-            print(f"run: FAILED {str(e)[:200]}")
+        for shape in range(w.num_shapes):  # every draft shape's, with adaptive speculation
+            kw = {"shape": shape} if shape else {}
+            try:
+                jax.block_until_ready(w.decode([w.scratch_slot] * B, [[0]] * B, [(SamplingParams(), 0)] * B, **kw))
+                print(f"run: ok (shape {shape})")
+            except Exception as e:  # noqa: BLE001 - reported, the table follows
+                print(f"run: FAILED (shape {shape}) {str(e)[:200]}")
     compile_s = time.perf_counter() - t0
     pool = engine.worker.state.target_kv
     dtype = str(pool.k.dtype).replace("bfloat16", "bf16").replace("float32", "f32")
