@@ -62,3 +62,29 @@ def test_concurrent_streams_equal_generate_and_disconnects_free_kv(tiny):
     finally:
         engine.shutdown()
     engine.engine.check_idle_no_leaks()
+
+
+def test_a_reader_that_falls_behind_gets_the_missed_steps_as_one_output(tiny):
+    """Outputs queued while the reader was busy come out merged: the same tokens, text and
+    logprobs in fewer outputs."""
+    prompt = [5, 9, 33, 70]
+    params = jspec.SamplingParams(max_new_tokens=16, ignore_eos=True, return_logprob=True)
+    (expect,) = make_engine(tiny).generate([prompt], params)
+    engine = AsyncEngine(make_engine(tiny))
+
+    async def slow_reader():
+        outs = []
+        async for out in engine.stream(prompt, params):
+            outs.append(out)
+            while engine.engine.has_work():  # the engine runs ahead: several steps queue up
+                await asyncio.sleep(0.01)
+        return outs
+
+    try:
+        outs = asyncio.run(slow_reader())
+    finally:
+        engine.shutdown()
+    assert sum((o.new_token_ids for o in outs), []) == expect.token_ids
+    assert "".join(o.new_text for o in outs) == tiny.tokenizer.decode(expect.token_ids)
+    assert sum((o.new_logprobs for o in outs), []) == pytest.approx(expect.logprobs)
+    assert len(outs) < len(expect.token_ids) and outs[-1].finished
