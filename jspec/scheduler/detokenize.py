@@ -2,9 +2,8 @@
 
 `IncrementalDetokenizer` emits only final text: `tokenizers`' streaming decoder (vLLM's fast
 path) streams what each token completes, holding back text that ends in U+FFFD until more
-tokens complete it. `StopChecker` ends a request (stop token, EOS,
-stop string, length) and holds back text that could still grow into a stop string, so none
-reaches the client.
+tokens complete it. `StopChecker` ends a request (stop token, EOS, stop string, length) and
+holds back text that could still grow into a stop string, so none reaches the client.
 """
 
 from __future__ import annotations
