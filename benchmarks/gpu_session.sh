@@ -140,6 +140,12 @@ make_tiny_draft('$head', jspec.ModelConfig.from_pretrained('benchmarks/shapes/ll
         --variant default= --variant "eagle3=$eagle" --variant "ngram=--speculative-algorithm NGRAM" \
         --variant "eagle3_adaptive=$eagle --speculative-adaptive" ${CURVE_ARGS:-} --out "$RESULTS" \
         --name serving_curve_8b_spec ;;
+    curve_8b_mosaic)
+      # The engine on the Mosaic GPU kernels beside the Triton ones: the default 8B server's curve
+      # with and without --attention-backend mosaic (issue: the default is whichever is faster).
+      step curve_8b_mosaic ${MOSAIC_LIMIT:-590} $PY -m benchmarks.serving_curve --server-args "$SHAPE_8B" --input-lens 128 \
+        --concurrency ${MOSAIC_C:-1,16,64} --variant default= --variant "mosaic=--attention-backend mosaic" \
+        --out "$RESULTS" --name serving_curve_8b_mosaic ;;
     curve_8b_long)
       step curve_8b_long 300 $PY -m benchmarks.serving_curve --server-args "$SHAPE_8B" --input-lens 1024 \
         --out "$RESULTS" --name serving_curve_8b_1024 ;;
