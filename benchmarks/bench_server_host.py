@@ -10,12 +10,12 @@ concurrency. Read from /proc (Linux), on a tiny model whose device step is cheap
 from __future__ import annotations
 
 import argparse
-import json
+import asyncio
 import os
-import subprocess
-import sys
 import tempfile
+import types
 
+from benchmarks.bench_serving import random_requests, run
 from benchmarks.common import RESULTS_DIR, Results
 from benchmarks.serving_curve import get_json, start_server, stop_server
 from jspec.checkpoint.tiny import make_tiny_model
@@ -31,13 +31,14 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def drive(port: int, backend: str, concurrency: int, prompts: int, input_len: int, output_len: int) -> dict:
-    out = tempfile.mktemp(suffix=".json")
-    cmd = [sys.executable, "-m", "benchmarks.bench_serving", "--port", str(port), "--backend", backend]
-    cmd += ["--num-prompts", str(prompts), "--random-input-len", str(input_len)]
-    cmd += ["--random-output-len", str(output_len), "--max-concurrency", str(concurrency), "--output-file", out]
-    subprocess.run(cmd, check=True, capture_output=True)
-    return json.load(open(out))["rows"][-1]
+def drive(url: str, backend: str, served: dict, concurrency: int, prompts: int, a) -> dict:
+    """bench_serving's run (as serving_curve drives it): `prompts` random prompts, `concurrency` in flight."""
+    client = types.SimpleNamespace(
+        base_url=url, backend=backend, model=served["id"], dataset_name="random", max_concurrency=concurrency, seed=0
+    )
+    vocab = served.get("vocab_size", 256)
+    requests = random_requests(prompts, a.input_len, a.output_len, 1.0, vocab, seed=concurrency)
+    return asyncio.run(run(client, requests, float("inf")))
 
 
 def main() -> None:
@@ -53,21 +54,22 @@ def main() -> None:
     a = ap.parse_args()
     model = make_tiny_model(tempfile.mkdtemp() + "/tiny", max_position_embeddings=4096)
     concurrency = [int(c) for c in a.concurrency.split(",")]
-    log = tempfile.mktemp(suffix=".log")
+    log = os.path.join(tempfile.mkdtemp(), "server.log")
     proc, healthy_s = start_server(
         f"--model-path {model} --max-running-requests {max(concurrency)}", a.port, log, timeout=300
     )
     results = Results(a.out, a.name, vars(a))
     rows = []
     try:
-        pid = proc.pid
-        engine_tid = get_json(f"http://127.0.0.1:{a.port}/debug/state")["engine_thread_id"]
+        pid, url = proc.pid, f"http://127.0.0.1:{a.port}"
+        engine_tid = get_json(url + "/debug/state")["engine_thread_id"]
+        served = get_json(url + "/v1/models")["data"][0]
         for backend in a.backends.split(","):
             for c in concurrency:
                 n = c * a.prompts_per_c
-                drive(a.port, backend, c, c, a.input_len, a.output_len)  # compiles what this c needs
+                drive(url, backend, served, c, c, a)  # compiles what this c needs
                 before = thread_cpu_s(pid, pid), thread_cpu_s(pid, engine_tid), process_cpu_s(pid)
-                r = drive(a.port, backend, c, n, a.input_len, a.output_len)
+                r = drive(url, backend, served, c, n, a)
                 after = thread_cpu_s(pid, pid), thread_cpu_s(pid, engine_tid), process_cpu_s(pid)
                 tokens = r["output_token_throughput"] * r["duration_s"]
                 http, engine, total = (1e6 * (y - x) / tokens for x, y in zip(before, after))
