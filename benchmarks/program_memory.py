@@ -18,7 +18,7 @@ import jax
 
 import jspec
 from benchmarks.common import Results
-from jspec.worker.programs import measure_programs
+from jspec.worker.programs import measure_programs, scratch_decode
 
 
 def pool_shape_lines(hlo: str, shapes: list[str], limit: int = 12) -> list[str]:
@@ -116,14 +116,11 @@ def main() -> None:
     )
     n = len(measure_programs(engine.worker)) if a.largest_only else engine.warmup()
     if a.largest_only:  # and run one: a donation refused at run time shows only there
-        from jspec.config.sampling import SamplingParams
-
         w = engine.worker
         B = w.buckets.decode_buckets()[-1]
         for shape in range(w.num_shapes):  # every draft shape's, with adaptive speculation
-            kw = {"shape": shape} if shape else {}
             try:
-                jax.block_until_ready(w.decode([w.scratch_slot] * B, [[0]] * B, [(SamplingParams(), 0)] * B, **kw))
+                jax.block_until_ready(scratch_decode(w, B, shape=shape))
                 print(f"run: ok (shape {shape})")
             except Exception as e:  # noqa: BLE001 - reported, the table follows
                 print(f"run: FAILED (shape {shape}) {str(e)[:200]}")

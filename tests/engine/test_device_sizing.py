@@ -44,11 +44,10 @@ def test_pool_is_sized_from_the_device_after_measuring_the_programs(tiny, monkey
 def test_adaptive_speculation_measures_every_draft_shape(tiny, monkeypatch, caplog):
     """A wider draft shape than the configured one is a larger program: sizing measures each."""
     monkeypatch.setattr(build_module, "device_memory_bytes", lambda: 2 * GiB)
-    model = tiny
-    dcfg, draft = eagle_draft(model)
+    dcfg, draft = eagle_draft(tiny)
     spec = jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=1, num_draft_tokens=4, adaptive=True)
     with caplog.at_level("INFO", logger="jspec"):
-        engine = jspec.Engine(model, speculative=spec, draft=(dcfg, draft), attention_backend="reference")
+        engine = jspec.Engine(tiny, speculative=spec, draft=(dcfg, draft), attention_backend="reference")
     measured = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("programs measured"))
     B = engine.plan.max_running_requests
     assert all(f"decode B={B} greedy shape {s}:" in measured for s in range(1, engine.worker.num_shapes))
