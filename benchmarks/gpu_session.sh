@@ -25,6 +25,13 @@ summary=()
 SHAPE_8B="--model-path benchmarks/shapes/llama-3.1-8b --load-format dummy"
 SHAPE_SMALL="--model-path benchmarks/shapes/smollm2-135m --load-format dummy"
 
+# A random EAGLE-3 head for the 8B shape (nothing accepted: speculation's cost) in $head.
+head=/tmp/jspec-heads/8b-eagle3
+make_8b_head() {
+  $PY -c "import jspec; from jspec.testing.eagle_tiny import make_tiny_draft
+make_tiny_draft('$head', jspec.ModelConfig.from_pretrained('benchmarks/shapes/llama-3.1-8b'), 'EAGLE3', dtype='bfloat16')"
+}
+
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2
   shift 2
@@ -95,9 +102,7 @@ for s in "$@"; do
     adaptive_memory)
       # Every draft shape's largest decode of an adaptive EAGLE-3 8B server, compiled and run over
       # a full-size pool: which program takes a pool leaf more (benchmarks/NOTES.md).
-      head=/tmp/jspec-heads/8b-eagle3
-      $PY -c "import jspec; from jspec.testing.eagle_tiny import make_tiny_draft
-make_tiny_draft('$head', jspec.ModelConfig.from_pretrained('benchmarks/shapes/llama-3.1-8b'), 'EAGLE3', dtype='bfloat16')"
+      make_8b_head
       step adaptive_memory 240 $PY -m benchmarks.program_memory --largest-only --max-total-tokens ${ADAPTIVE_POOL:-250000} \
         --max-running-requests 64 --speculative-args "EAGLE3 $head 3 1 4 adaptive" --name program_memory_adaptive \
         --out "$RESULTS" ;;
@@ -132,9 +137,7 @@ make_tiny_draft('$head', jspec.ModelConfig.from_pretrained('benchmarks/shapes/ll
     curve_8b_spec)
       # Speculation while serving: a random EAGLE-3 head (nothing accepted: the method's cost),
       # NGRAM and adaptive EAGLE-3, beside the plain server.
-      head=/tmp/jspec-heads/8b-eagle3
-      $PY -c "import jspec; from jspec.testing.eagle_tiny import make_tiny_draft
-make_tiny_draft('$head', jspec.ModelConfig.from_pretrained('benchmarks/shapes/llama-3.1-8b'), 'EAGLE3', dtype='bfloat16')"
+      make_8b_head
       eagle="--speculative-algorithm EAGLE3 --speculative-draft-model-path $head --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4"
       step curve_8b_spec ${SPEC_LIMIT:-590} $PY -m benchmarks.serving_curve --server-args "$SHAPE_8B" --input-lens 128 \
         --variant default= --variant "eagle3=$eagle" --variant "ngram=--speculative-algorithm NGRAM" \
