@@ -37,6 +37,7 @@ from benchmarks.common import (
 )
 from jspec.checkpoint.eagle import init_random_draft_params
 from jspec.engine.engine import LoopTimes
+from jspec.worker.base import check_layer_loop
 from jspec.worker.inputs import decode_inputs
 
 
@@ -64,6 +65,14 @@ def idle_launch(engine) -> dict:
         state["s"] = passthrough(w.params, state["s"], *built)
 
     floor = median_ms(call, 200, lambda: jax.block_until_ready(state["s"]))
+    # The same with the weights as one small array: what the weights' leaves alone cost a call.
+    one_leaf = jnp.zeros(8, w.dtype)
+
+    def call_without_weights():
+        state["s"] = passthrough(one_leaf, state["s"], *built)
+
+    call_without_weights()
+    floor_one = median_ms(call_without_weights, 200, lambda: jax.block_until_ready(state["s"]))
     w.state = state["s"]
     jax.block_until_ready(w.decode([slot], pages, greedy))
     kv.free_slot(slot)
@@ -73,7 +82,10 @@ def idle_launch(engine) -> dict:
         inputs_ms=inputs,
         dispatch_ms=dispatch,
         passthrough_dispatch_ms=floor,
+        passthrough_weights_as_one_leaf_ms=floor_one,
         argument_leaves=len(jax.tree.leaves(args)),
+        weight_leaves=len(jax.tree.leaves(w.params)),
+        us_per_weight_leaf=1e3 * (floor - floor_one) / max(len(jax.tree.leaves(w.params)) - 1, 1),
     )
 
 
@@ -157,19 +169,21 @@ def main():
         "batch": 1,
         "speculative": "EAGLE3 (3,1,4), random head",
         "tokens": args.tokens,
-        "layer_loop": "scan",
+        "layer_loop": check_layer_loop("auto"),
     }
     path = Results(args.out, "bench_host_launch", settings).write(rows=rows)
     print(f"wrote {path}\n")
     print(
-        f"{'method':>7} {'idle launch':>11} {'inputs':>7} {'dispatch':>8} {'floor':>6} | loop: {'sched':>6} "
+        f"{'method':>7} {'idle launch':>11} {'inputs':>7} {'dispatch':>8} {'floor':>6} {'1 leaf':>6} "
+        f"{'leaves':>6} {'us/leaf':>7} | loop: {'sched':>6} "
         f"{'launch':>6} {'median':>6} {'p90':>6} {'process':>7} {'wait':>7}  (ms per iteration)"
     )
     for r in rows:
         i, lp, m = r["idle"], r["overlap_loop_ms"], r["overlap_launch_median_ms"]
         print(
             f"{r['method']:>7} {i['launch_ms']:>11.3f} {i['inputs_ms']:>7.3f} {i['dispatch_ms']:>8.3f} "
-            f"{i['passthrough_dispatch_ms']:>6.3f} | {lp['schedule']:>11.3f} {lp['launch']:>6.3f} "
+            f"{i['passthrough_dispatch_ms']:>6.3f} {i['passthrough_weights_as_one_leaf_ms']:>6.3f} "
+            f"{i['weight_leaves']:>6} {i['us_per_weight_leaf']:>7.2f} | {lp['schedule']:>11.3f} {lp['launch']:>6.3f} "
             f"{m['launch']:>6.3f} {m['launch_p90']:>6.3f} {lp['process']:>7.3f} {lp['wait']:>7.3f}"
         )
 
