@@ -36,7 +36,7 @@ from benchmarks.device_profile import profile_calls
 from jspec.kvcache.pool import KVPool
 from jspec.layers.penalties import init_penalty_state
 from jspec.layers.sampling import sampling_rows
-from jspec.models.common import unstack_layers
+from jspec.models.common import UnrolledStack, unstack_layers
 from jspec.steps.plain import PlainCarry, PlainState, plain_decode_step
 
 DSF = "--xla_gpu_enable_dynamic_slice_fusion=true"
@@ -47,6 +47,8 @@ WHILE_GRAPHS = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CA
 CUBLAS = "--xla_gpu_enable_triton_gemm=false"
 VARIANTS = {  # name: (layer layout, XLA flags, extra environment)
     "per_layer": ("per_layer", "", {}),
+    # Stacked weights, the loop unrolled over static slices: few arguments, no scan.
+    "stacked_unrolled": ("stacked_unrolled", "", {}),
     "scan": ("scan", "", {}),
     "scan_dsf": ("scan", DSF, {}),
     "scan_dsf_graphs": ("scan", f"{DSF} {WHILE_GRAPHS}", {}),
@@ -102,6 +104,8 @@ def shape_rows(variant: str, name: str, cfg, ctx: int, batches, dtype) -> list[d
         f"{hlo_dtype}[{','.join(map(str, v.shape[1:]))}]" for v in params["layers"].values() if v.ndim >= 3
     }
     weights = unstack_layers(params) if layout == "per_layer" else params
+    if layout == "stacked_unrolled":
+        weights = {**params, "layers": UnrolledStack(params["layers"])}
     if layout == "per_layer":
         del params
     S = 16
@@ -161,6 +165,7 @@ def shape_rows(variant: str, name: str, cfg, ctx: int, batches, dtype) -> list[d
             compile_s=compile_s,
             wall_ms=wall * 1e3,
             launch_ms=launch * 1e3,
+            weight_arguments=len(jax.tree.leaves(weights)),
             device_busy_ms=busy,
             gpu_idle=1 - busy / (wall * 1e3) if not np.isnan(busy) else None,
             kernels=prof.get("kernels"),

@@ -90,7 +90,8 @@ for s in "$@"; do
       step startup_8b 240 $PY -m benchmarks.bench_startup --runs 1 --name bench_startup_8b --out "$RESULTS" \
         --server-args "--model-path benchmarks/shapes/llama-3.1-8b --load-format dummy" ;;
     layer_loop)
-      step layer_loop 170 env BENCH_BATCHES=1,16,64 $PY -m benchmarks.bench_layer_loop --variants per_layer,scan \
+      step layer_loop ${LAYER_LOOP_LIMIT:-240} env BENCH_BATCHES=${LAYER_LOOP_BATCHES:-1,16,64} $PY -m benchmarks.bench_layer_loop \
+        --variants ${LAYER_LOOP_VARIANTS:-per_layer,stacked_unrolled,scan} \
         --name bench_layer_loop_bs64 --out "$RESULTS" ;;
     structured) step structured 240 $PY -m benchmarks.bench_structured --batches 1,16,64 --out "$RESULTS" ;;
     program_memory)

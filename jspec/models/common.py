@@ -49,17 +49,38 @@ def lm_head_logits(params, h: jax.Array) -> jax.Array:
     return jax.lax.dot_general(h, params["embed"], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
+@jax.tree_util.register_pytree_node_class
+class UnrolledStack(dict):
+    """Stacked layer weights (a dict of arrays with a leading layer axis) that run_layers
+    unrolls, each layer's weights a static slice of the stack: a program takes one argument
+    per weight kind instead of one per layer and weight (what a launch pays per argument),
+    and compiles every layer as the per-layer lists do."""
+
+    def tree_flatten(self):
+        keys = tuple(sorted(self))
+        return tuple(self[k] for k in keys), keys
+
+    @classmethod
+    def tree_unflatten(cls, keys, values):
+        return cls(zip(keys, values))
+
+
 def run_layers(layers, body, carry):
     """carry = body(carry, lp, layer) for every layer, in order.
 
     layers is a dict of arrays stacked on a leading layer axis, run as one lax.scan (the
     layer body compiles once, whatever the depth), or a list of per-layer dicts, run as an
-    unrolled loop (each layer compiled on its own, no weight ever sliced out of a stack).
+    unrolled loop (each layer compiled on its own, no weight ever sliced out of a stack), or
+    an UnrolledStack, unrolled over static slices of the stack.
     layer is the traced layer index under the scan, a Python int when unrolled.
     """
     if isinstance(layers, (list, tuple)):
         for i, lp in enumerate(layers):
             carry = body(carry, lp, i)
+        return carry
+    if isinstance(layers, UnrolledStack):
+        for i in range(len(next(iter(jax.tree.leaves(layers))))):
+            carry = body(carry, {name: w[i] for name, w in layers.items()}, i)
         return carry
     num_layers = len(next(iter(jax.tree.leaves(layers))))
     if num_layers == 1:  # a static slice of a one-layer stack is free
