@@ -150,6 +150,13 @@ for s in "$@"; do
       step curve_8b_mosaic ${MOSAIC_LIMIT:-590} $PY -m benchmarks.serving_curve --server-args "$SHAPE_8B" --input-lens 128 \
         --concurrency ${MOSAIC_C:-1,16,64} --variant default= --variant "mosaic=--attention-backend mosaic" \
         --out "$RESULTS" --name serving_curve_8b_mosaic ;;
+    curve_small_stack|curve_8b_stack)
+      # The server with the layers unrolled over their stacked weights (one launch argument per
+      # weight kind) beside the per-layer arrays of the GPU's default.
+      shape=$SHAPE_SMALL; [ $s = curve_8b_stack ] && shape=$SHAPE_8B
+      step $s ${STACK_LIMIT:-300} $PY -m benchmarks.serving_curve --server-args "$shape" --input-lens 128 \
+        --concurrency ${STACK_C:-1,64} --variant default= --variant "unrolled_stack=--layer-loop unrolled_stack" \
+        --out "$RESULTS" --name serving_curve_${s#curve_} ;;
     curve_8b_long)
       step curve_8b_long 300 $PY -m benchmarks.serving_curve --server-args "$SHAPE_8B" --input-lens 1024 \
         --out "$RESULTS" --name serving_curve_8b_1024 ;;

@@ -15,7 +15,7 @@ from jspec.config.spec import SpecConfig
 
 DEFAULT_COMPILATION_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jspec", "xla")
 ATTENTION_BACKENDS = ("pallas", "mosaic", "reference")
-LAYER_LOOPS = ("auto", "scan", "unrolled")
+LAYER_LOOPS = ("auto", "scan", "unrolled", "unrolled_stack")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 QUANTIZATIONS = ("fp8",)
 FP8_GEMM_BACKENDS = ("auto", "xla", "pallas", "w8a8")
@@ -115,7 +115,9 @@ class EngineConfig:
     layer_loop: str = setting(
         "auto",
         "scan: one compiled layer body (compile time independent of depth); unrolled: per-layer "
-        "weight arrays (no weight sliced out of a stack); auto: unrolled on the GPU, else scan",
+        "weight arrays (no weight sliced out of a stack); unrolled_stack: the stacked weights, each "
+        "layer compiled over static slices of them (a launch takes one array per weight kind, not "
+        "one per layer); auto: unrolled on the GPU, else scan",
         choices=LAYER_LOOPS,
         group="kernels",
     )

@@ -158,7 +158,7 @@ def lora_pool(config: EngineConfig, cfg, dtype, mesh, params) -> LoraPool | None
     paths = config.lora_paths
     max_loras = config.max_loras_per_batch or max(1, len(paths))
     max_rank = config.max_lora_rank or max([16] + [read_rank(p) for p in paths.values()])
-    stacked = check_layer_loop(config.layer_loop) == "scan" and isinstance(params["layers"], dict)
+    stacked = check_layer_loop(config.layer_loop) in ("scan", "unrolled_stack") and isinstance(params["layers"], dict)
     return LoraPool(cfg, max_loras, max_rank, dtype, mesh, stacked=stacked)
 
 

@@ -80,7 +80,7 @@ def run_layers(layers, body, carry):
         return carry
     if isinstance(layers, UnrolledStack):
         for i in range(len(next(iter(jax.tree.leaves(layers))))):
-            carry = body(carry, {name: w[i] for name, w in layers.items()}, i)
+            carry = body(carry, jax.tree.map(lambda w: w[i], dict(layers)), i)
         return carry
     num_layers = len(next(iter(jax.tree.leaves(layers))))
     if num_layers == 1:  # a static slice of a one-layer stack is free

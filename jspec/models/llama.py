@@ -305,7 +305,7 @@ def attach_lora(layers, lora_layers):
     as the layers are: stacked, or one dict per layer)."""
     if isinstance(layers, (list, tuple)):
         return [{**lp, "lora": lw} for lp, lw in zip(layers, lora_layers)]
-    return {**layers, "lora": lora_layers}
+    return type(layers)({**layers, "lora": lora_layers})  # an UnrolledStack stays one
 
 
 def dense_forward(params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:

@@ -24,7 +24,7 @@ from jspec.distributed.tensor_parallel import kv_pool_spec, replicate
 from jspec.kvcache.pool import kv_cache_dtype as pool_dtype
 from jspec.layers.batch import bucket
 from jspec.layers.sampling import SAMPLING_MODES, sampling_mode
-from jspec.models.common import unstack_layers
+from jspec.models.common import UnrolledStack, unstack_layers
 from jspec.worker import programs as plan
 from jspec.worker.batch import DecodeBatch, PrefillBatch
 from jspec.worker.inputs import (
@@ -55,10 +55,14 @@ def check_layer_loop(layer_loop: str) -> str:
 def lay_out_layers(params, layer_loop: str):
     """params with layers as the layer loop runs them: stacked for "scan" (one compiled layer
     body), per-layer arrays for "unrolled" (each layer compiled, no weight sliced out of a
-    stack). A model that mixes dense and MoE layers has per-layer arrays either way."""
+    stack), an UnrolledStack for "unrolled_stack". A model that mixes dense and MoE layers has per-layer arrays either way."""
     if params is None or not isinstance(params, dict) or "layers" not in params:
         return params
-    return unstack_layers(params) if layer_loop == "unrolled" else params
+    if layer_loop == "unrolled":
+        return unstack_layers(params)
+    if layer_loop == "unrolled_stack" and isinstance(params["layers"], dict):
+        return {**params, "layers": UnrolledStack(params["layers"])}
+    return params
 
 
 def default_attention_backend() -> str:

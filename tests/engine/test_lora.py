@@ -165,6 +165,11 @@ def test_mixed_batch_equals_merged_models(tiny, adapters, references):
     engine = jspec.Engine(tiny, lora_paths={n: a[0] for n, a in adapters.items()}, **LORA, **ENGINE)
     got, _ = greedy(engine, PROMPTS, USE)
     assert got == expected(references, USE, range(len(PROMPTS)))
+    # The loop unrolled over the stacked weights, with the stacked adapter pool.
+    unrolled = jspec.Engine(
+        tiny, lora_paths={n: a[0] for n, a in adapters.items()}, layer_loop="unrolled_stack", **LORA, **ENGINE
+    )
+    assert greedy(unrolled, PROMPTS, USE)[0] == got
     # Again on the same engine with the adapters swapped around: the first round left every
     # prompt's KV in the prefix cache, each under its own adapter (or none), which a request of
     # another adapter must not read.

@@ -6,12 +6,14 @@ import subprocess
 import sys
 import textwrap
 
+import jax
 import numpy as np
 import pytest
 from support import REPO_ROOT
 from support.models import tiny_model
 
 import jspec
+from jspec.models.common import UnrolledStack
 from jspec.worker.programs import warmup_jobs
 
 pytestmark = pytest.mark.slow  # builds engines, servers or HF references
@@ -42,9 +44,14 @@ def test_scanned_and_unrolled_layers_give_the_same_tokens(tiny, spec):
         kw.update(speculative=jspec.SpecConfig(spec, num_steps=3, eagle_topk=1), draft=eagle_draft(tiny))
     scanned = jspec.Engine(tiny, **kw)
     unrolled = jspec.Engine(tiny, layer_loop="unrolled", **kw)
+    unrolled_stack = jspec.Engine(tiny, layer_loop="unrolled_stack", **kw)
     assert isinstance(scanned.worker.params["layers"], dict)
     assert isinstance(unrolled.worker.params["layers"], list)
-    assert greedy(scanned) == greedy(unrolled)
+    assert isinstance(unrolled_stack.worker.params["layers"], UnrolledStack)
+    # One program argument per weight kind, as the scan's, not one per layer and kind.
+    leaves = lambda e: len(jax.tree.leaves(e.worker.params))  # noqa: E731
+    assert leaves(unrolled_stack) == leaves(scanned) < leaves(unrolled)
+    assert greedy(scanned) == greedy(unrolled) == greedy(unrolled_stack)
 
 
 def test_an_unknown_layer_loop_is_refused(tiny):
