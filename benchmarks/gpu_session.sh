@@ -150,12 +150,14 @@ for s in "$@"; do
       step curve_8b_mosaic ${MOSAIC_LIMIT:-590} $PY -m benchmarks.serving_curve --server-args "$SHAPE_8B" --input-lens 128 \
         --concurrency ${MOSAIC_C:-1,16,64} --variant default= --variant "mosaic=--attention-backend mosaic" \
         --out "$RESULTS" --name serving_curve_8b_mosaic ;;
-    curve_small_stack|curve_8b_stack)
-      # The server with the layers unrolled over their stacked weights (one launch argument per
-      # weight kind) beside the per-layer arrays of the GPU's default.
-      shape=$SHAPE_SMALL; [ $s = curve_8b_stack ] && shape=$SHAPE_8B
-      step $s ${STACK_LIMIT:-300} $PY -m benchmarks.serving_curve --server-args "$shape" --input-lens 128 \
-        --concurrency ${STACK_C:-1,64} --variant default= --variant "unrolled_stack=--layer-loop unrolled_stack" \
+    curve_small_variants|curve_8b_variants)
+      # Host-side variants of the default server, side by side: Python's own thread switch
+      # interval (5 ms) against the server's, and the layers unrolled over their stacked weights
+      # (one launch argument per weight kind) against per-layer arrays.
+      shape=$SHAPE_SMALL; [ $s = curve_8b_variants ] && shape=$SHAPE_8B
+      step $s ${VARIANTS_LIMIT:-420} $PY -m benchmarks.serving_curve --server-args "$shape" --input-lens 128 \
+        --concurrency ${VARIANTS_C:-1,64,256} --min-prompts 4 --variant default= \
+        --variant "switch_5ms=--switch-interval-ms 5" --variant "unrolled_stack=--layer-loop unrolled_stack" \
         --out "$RESULTS" --name serving_curve_${s#curve_} ;;
     curve_8b_long)
       step curve_8b_long 300 $PY -m benchmarks.serving_curve --server-args "$SHAPE_8B" --input-lens 1024 \

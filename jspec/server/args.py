@@ -55,6 +55,13 @@ class ServerConfig:
         group="serving",
     )
     log_level: str = setting("info", "logging level", group="serving")
+    switch_interval_ms: float = setting(
+        0.2,
+        "the interpreter's thread switch interval (sys.setswitchinterval; Python's default is 5): the "
+        "longest the engine loop's thread waits for the GIL, after a call into the device, while the HTTP "
+        "routes run Python; the device idles through that wait",
+        group="serving",
+    )
     nnodes: int = setting(1, "hosts in a multi-host run (jax.distributed)", group="parallel")
     node_rank: int = setting(0, "this host's rank in [0, nnodes)", group="parallel")
     dist_init_addr: str | None = setting(
@@ -89,6 +96,8 @@ class ServerConfig:
     def __post_init__(self):
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key must not be empty")
+        if not self.switch_interval_ms > 0:
+            raise ValueError(f"--switch-interval-ms must be > 0, got {self.switch_interval_ms}")
 
 
 def _flags(cls, prefix: str = "", defaults: dict | None = None) -> list[tuple[str, str, dict]]:

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -103,6 +104,10 @@ def main(argv=None) -> None:
 
 
 def serve_http(engine, server: ServerConfig, name: str, started: float) -> None:
+    # The engine loop and the HTTP routes share one interpreter: a thread that returns from a
+    # call that released the GIL (a launch, the wait on the device) waits for the other to
+    # yield it, up to the switch interval, while the device has nothing queued.
+    sys.setswitchinterval(server.switch_interval_ms / 1e3)
     async_engine = AsyncEngine(engine)
 
     @contextlib.asynccontextmanager
