@@ -153,11 +153,13 @@ for s in "$@"; do
     curve_small_variants|curve_8b_variants)
       # Host-side variants of the default server, side by side: Python's own thread switch
       # interval (5 ms) against the server's, and the layers unrolled over their stacked weights
-      # (one launch argument per weight kind) against per-layer arrays.
+      # (one launch argument per weight kind) against per-layer arrays; and smaller prefill chunks
+      # (a step that also decodes costs less above a decode step: ITL p99).
       shape=$SHAPE_SMALL; [ $s = curve_8b_variants ] && shape=$SHAPE_8B
       step $s ${VARIANTS_LIMIT:-420} $PY -m benchmarks.serving_curve --server-args "$shape" --input-lens 128 \
         --concurrency ${VARIANTS_C:-1,64,256} --min-prompts 4 --variant default= \
         --variant "switch_5ms=--switch-interval-ms 5" --variant "unrolled_stack=--layer-loop unrolled_stack" \
+        --variant "chunk256=--chunked-prefill-size 256" \
         --out "$RESULTS" --name serving_curve_${s#curve_} ;;
     curve_8b_long)
       step curve_8b_long 300 $PY -m benchmarks.serving_curve --server-args "$SHAPE_8B" --input-lens 1024 \
