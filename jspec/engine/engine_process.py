@@ -267,7 +267,7 @@ class EngineProcess:
             if target is None:
                 continue
             if out.finished:
-                del self._streams[out.rid]
+                self._streams.pop(out.rid, None)
             by_loop.setdefault(target[0], []).append((target[1], out))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_deliver, items)
