@@ -78,7 +78,7 @@ def test_the_engine_runs_in_a_child_and_the_routes_read_it(server):
     metrics = server.get("/metrics")
     assert f"jspec_kv_pages_total {float(state['kv_pages_total'])}" in metrics
     assert "jspec_num_requests_running 0.0" in metrics
-    assert [m["id"] for m in server.client.models.list().data] == ["tiny"]
+    assert [m.id for m in server.client.models.list().data] == ["tiny"]
 
 
 def test_concurrent_greedy_streams_match_generate_and_leavers_free_their_kv(server, model_dir):
