@@ -1,8 +1,10 @@
 """The server's own host cost per streamed token: CPU seconds of the HTTP thread (the event loop:
 routes, streams, server-sent events) and of the engine loop's thread, per output token, while
-bench_serving drives `jspec serve` at fixed concurrency. Both threads share one interpreter and
-its GIL, so what the HTTP side spends per token is time the engine loop can lose at high
-concurrency. Read from /proc (Linux), on a tiny model whose device step is cheap.
+bench_serving drives `jspec serve` at fixed concurrency. `jspec serve` runs the engine in a
+process of its own (/debug/state names its pid and the loop's thread); with --engine-in-thread
+(--server-flags) both threads share one interpreter and its GIL, and what the HTTP side spends
+per token is time the engine loop can lose at high concurrency. "process" sums the server's
+and the engine's processes. Read from /proc (Linux), on a tiny model whose device step is cheap.
 
     python -m benchmarks.bench_server_host [--concurrency 16,64] [--backends sglang,openai]
 """
@@ -31,6 +33,10 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def processes_cpu_s(pids) -> float:
+    return sum(process_cpu_s(p) for p in pids)
+
+
 def drive(url: str, backend: str, served: dict, concurrency: int, prompts: int, a) -> dict:
     """bench_serving's run (as serving_curve drives it): `prompts` random prompts, `concurrency` in flight."""
     client = types.SimpleNamespace(
@@ -49,6 +55,9 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--port", type=int, default=31000)
+    ap.add_argument(
+        "--server-flags", default="", help="more `jspec serve` flags, e.g. --server-flags=--engine-in-thread"
+    )
     ap.add_argument("--name", default="bench_server_host")
     ap.add_argument("--out", default=RESULTS_DIR)
     a = ap.parse_args()
@@ -56,21 +65,23 @@ def main() -> None:
     concurrency = [int(c) for c in a.concurrency.split(",")]
     log = os.path.join(tempfile.mkdtemp(), "server.log")
     proc, healthy_s = start_server(
-        f"--model-path {model} --max-running-requests {max(concurrency)}", a.port, log, timeout=300
+        f"--model-path {model} --max-running-requests {max(concurrency)} {a.server_flags}", a.port, log, timeout=300
     )
     results = Results(a.out, a.name, vars(a))
     rows = []
     try:
         pid, url = proc.pid, f"http://127.0.0.1:{a.port}"
-        engine_tid = get_json(url + "/debug/state")["engine_thread_id"]
+        state = get_json(url + "/debug/state")
+        engine_pid, engine_tid = state["engine_pid"], state["engine_thread_id"]
+        processes = {pid, engine_pid}
         served = get_json(url + "/v1/models")["data"][0]
         for backend in a.backends.split(","):
             for c in concurrency:
                 n = c * a.prompts_per_c
                 drive(url, backend, served, c, c, a)  # compiles what this c needs
-                before = thread_cpu_s(pid, pid), thread_cpu_s(pid, engine_tid), process_cpu_s(pid)
+                before = thread_cpu_s(pid, pid), thread_cpu_s(engine_pid, engine_tid), processes_cpu_s(processes)
                 r = drive(url, backend, served, c, n, a)
-                after = thread_cpu_s(pid, pid), thread_cpu_s(pid, engine_tid), process_cpu_s(pid)
+                after = thread_cpu_s(pid, pid), thread_cpu_s(engine_pid, engine_tid), processes_cpu_s(processes)
                 tokens = r["output_token_throughput"] * r["duration_s"]
                 http, engine, total = (1e6 * (y - x) / tokens for x, y in zip(before, after))
                 row = {

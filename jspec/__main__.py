@@ -2,4 +2,5 @@
 
 from jspec.cli import main
 
-main()
+if __name__ == "__main__":  # the engine process, started by "spawn", imports this module too
+    main()

@@ -15,6 +15,8 @@ client never blocks the overlap loop, and the loop never waits on a client.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import queue
 import threading
@@ -22,6 +24,7 @@ from collections.abc import AsyncIterator
 
 from jspec.config.sampling import SamplingParams
 from jspec.engine.engine import Engine, RequestOutput
+from jspec.engine.facts import EngineFacts, EngineStats, engine_stats, serving_facts
 
 log = logging.getLogger("jspec.engine")
 
@@ -56,24 +59,12 @@ class AsyncEngine:
         self._check_alive()
         self._inbox.put(("add", prompt, params, rid, loop, outputs, added))
         rid = await added  # raises the engine's validation error, if any
-        finished, pending = False, None
+        finished = False
         try:
-            while not finished:
-                out, pending = (pending if pending is not None else await outputs.get()), None
-                # Outputs that queued while the reader was busy go out as one: under load the
-                # server sends fewer, larger chunks instead of falling further behind.
-                while isinstance(out, RequestOutput) and not out.finished and out.error is None and not outputs.empty():
-                    later = outputs.get_nowait()
-                    if isinstance(later, BaseException):
-                        pending = later
-                        break
-                    out = out.then(later)
-                if isinstance(out, BaseException):
-                    raise out
-                finished = out.finished
-                if out.error is not None:
-                    raise RequestFailed(out.error)
-                yield out
+            async with contextlib.aclosing(request_outputs(outputs)) as outs:
+                async for out in outs:
+                    finished = out.finished
+                    yield out
         finally:
             if not finished:
                 self.abort(rid)
@@ -95,8 +86,20 @@ class AsyncEngine:
         e.g. loading a LoRA adapter rewrites device arrays the next step takes); its result or error."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
+        self._check_alive()
         self._inbox.put(("call", fn, args, loop, done))
         return await done
+
+    @functools.cached_property
+    def facts(self) -> EngineFacts:
+        return serving_facts(self.engine)
+
+    async def stats(self) -> EngineStats:
+        return await self.call(engine_stats)
+
+    async def check_grammar(self, params: SamplingParams) -> None:
+        """Engine.check_grammar on a worker thread: compiling a grammar never stalls the loop."""
+        await asyncio.to_thread(self.engine.check_grammar, params)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stops the loop: requests still running are aborted, the step in flight is drained."""
@@ -197,6 +200,29 @@ class AsyncEngine:
     def _publish_error(self, rid: str, error: BaseException) -> None:
         loop, outputs = self._streams.pop(rid)
         loop.call_soon_threadsafe(outputs.put_nowait, error)
+
+
+async def request_outputs(outputs: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    """One request's outputs from its queue until the last; an error queued raises.
+
+    Outputs that queued while the reader was busy go out as one: under load the server sends
+    fewer, larger chunks instead of falling further behind."""
+    pending = None
+    while True:
+        out, pending = (pending if pending is not None else await outputs.get()), None
+        while isinstance(out, RequestOutput) and not out.finished and out.error is None and not outputs.empty():
+            later = outputs.get_nowait()
+            if isinstance(later, BaseException):
+                pending = later
+                break
+            out = out.then(later)
+        if isinstance(out, BaseException):
+            raise out
+        if out.error is not None:
+            raise RequestFailed(out.error)
+        yield out
+        if out.finished:
+            return
 
 
 def _deliver(items: list) -> None:

@@ -3,14 +3,13 @@ serves, for benchmark records) and /debug/state (KV bookkeeping, for leak checks
 
 from __future__ import annotations
 
-import dataclasses
-
-import jax
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
+from jspec.engine.async_engine import RequestFailed
+from jspec.engine.facts import EngineStats
 from jspec.server.errors import APIError
-from jspec.server.state import Served
+from jspec.server.state import Served, ServerState
 
 router = APIRouter()
 
@@ -22,42 +21,52 @@ async def health(st: Served):
     return Response(status_code=200)
 
 
+async def engine_stats(st: ServerState) -> EngineStats:
+    try:
+        return await st.engine.stats()
+    except RequestFailed as e:
+        raise APIError(str(e), 503, "server_error") from None
+
+
 @router.get("/metrics")
 async def prometheus(st: Served):
-    return Response(st.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    stats = await engine_stats(st)
+    return Response(st.metrics.exposition(stats), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 @router.get("/get_server_info")
 async def server_info(st: Served):
     """What serves: device, jax version and engine settings, so a benchmark client can record
     what it measured."""
-    core = st.core
-    spec = core.spec
+    facts, stats = st.facts, await engine_stats(st)
     return {
         "model": st.model_name,
-        "device_kind": jax.devices()[0].device_kind,
-        "num_devices": jax.device_count(),
-        "jax_version": jax.__version__,
-        "dtype": str(core.worker.dtype),
-        "context_length": st.model.cfg.max_position_embeddings,
-        "page_size": core.worker.page_size,
-        **core.plan.describe(),
-        "overlap_schedule": core.overlap,
-        "speculative": dataclasses.asdict(spec) if spec is not None else None,
-        "speculative_adaptive": core.adaptive.describe() if core.adaptive is not None else None,
+        "device_kind": facts.device_kind,
+        "num_devices": facts.num_devices,
+        "jax_version": facts.jax_version,
+        "dtype": facts.dtype,
+        "context_length": facts.model_cfg.max_position_embeddings,
+        "page_size": facts.page_size,
+        **facts.plan,
+        "overlap_schedule": facts.overlap,
+        "speculative": facts.speculative,
+        "speculative_adaptive": stats.adaptive,
     }
 
 
 @router.get("/debug/state")
 async def debug_state(st: Served):
     """KV and request bookkeeping: at idle every page is free or cached."""
-    sched = st.core.scheduler
+    stats = await engine_stats(st)
     return {
-        "requests": len(sched.requests),
-        "running": len(sched.running) + len(sched.prefilling),
-        "waiting": len(sched.waiting),
-        **sched.usage(),
+        "requests": stats.requests,
+        "running": stats.running,
+        "waiting": stats.waiting,
+        **stats.usage,
         # The loop's host time against its wait on the device, summed since start (seconds).
-        "loop": dataclasses.asdict(st.core.loop_times),
-        "engine_thread_id": st.engine.thread_id,
+        "loop": stats.loop,
+        # Where the engine loop runs (its process is the server's own under AsyncEngine): a
+        # benchmark reads the loop thread's CPU time from /proc/PID/task/TID.
+        "engine_pid": stats.pid,
+        "engine_thread_id": stats.thread_id,
     }

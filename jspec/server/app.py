@@ -2,8 +2,9 @@
 admin.py), the state they share (state.py), the API key check (auth.py) and OpenAI's error
 shape for every refusal.
 
-The engine runs its overlap loop on its own thread (AsyncEngine); handlers only submit
-requests and read their output streams, so a slow or vanished client never blocks the loop.
+The engine runs its overlap loop on its own thread (AsyncEngine) or in its own process
+(EngineProcess, what `jspec serve` runs); handlers only submit requests and read their output
+streams, so a slow or vanished client never blocks the loop.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from jspec.engine.async_engine import AsyncEngine
+from jspec.engine.engine_process import EngineProcess
 from jspec.server import admin, openai, sglang
 from jspec.server.auth import APIKeyMiddleware
 from jspec.server.errors import APIError
@@ -35,7 +37,7 @@ async def _validation_error(request: Request, e: RequestValidationError):
 
 
 def create_app(
-    engine: AsyncEngine,
+    engine: AsyncEngine | EngineProcess,
     model_name: str,
     lifespan=None,
     *,

@@ -58,8 +58,16 @@ class ServerConfig:
     switch_interval_ms: float = setting(
         0.2,
         "the interpreter's thread switch interval (sys.setswitchinterval; Python's default is 5): the "
-        "longest the engine loop's thread waits for the GIL, after a call into the device, while the HTTP "
-        "routes run Python; the device idles through that wait",
+        "longest the engine loop's thread waits for the GIL, after a call into the device, while another "
+        "thread runs Python (the HTTP routes with --engine-in-thread, a grammar compiling); the device idles "
+        "through that wait",
+        group="serving",
+    )
+    engine_in_thread: bool = setting(
+        False,
+        "run the engine's loop on a thread of the HTTP server's process instead of a process of its own "
+        "(one interpreter and GIL for both: the routes' Python slows the loop under load; for debugging). "
+        "The PD modes and multi-host runs always do",
         group="serving",
     )
     nnodes: int = setting(1, "hosts in a multi-host run (jax.distributed)", group="parallel")

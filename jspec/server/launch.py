@@ -1,5 +1,9 @@
 """Starts a server from its flags: the OpenAI-compatible HTTP server, or a PD prefill engine.
 
+The HTTP server runs its engine in a process of its own (engine/engine_process.py says why);
+the PD prefill and decode engines, a multi-host run and --engine-in-thread keep the engine's
+loop on a thread of the server's process.
+
 Start-up logs what it does as it goes: the weights loaded, the programs compiled (n / N with
 the elapsed time), then one ready line with the URL. SIGINT / SIGTERM stop it cleanly:
 running requests are aborted and the step in flight is drained.
@@ -25,6 +29,7 @@ from jspec.disaggregation.prefill import PrefillEngine, PrefillServer
 from jspec.distributed.multihost import init_distributed
 from jspec.engine.async_engine import AsyncEngine
 from jspec.engine.engine import Engine
+from jspec.engine.engine_process import LOG_FORMAT, EngineLaunch, EngineProcess, EngineStartError, warm_up
 from jspec.server.app import create_app
 from jspec.server.args import ServerConfig, build_parser, engine_config, load_config, server_config
 from jspec.server.chat_template import check_chat_template
@@ -61,11 +66,21 @@ def main(argv=None) -> None:
         server, load, config = server_config(args), load_config(args), engine_config(args)
     except ValueError as e:
         ap.error(str(e))
-    logging.basicConfig(level=server.log_level.upper(), format="[jspec] %(asctime)s %(levelname)s %(message)s")
+    logging.basicConfig(level=server.log_level.upper(), format=LOG_FORMAT)
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU / no GPU" probes are noise
     # JAX's GPU allocator takes 75% of the memory by default; a server holds the device alone,
     # so it takes SGLang's share for weights, KV and programs (the KV pool is sized from it).
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", SERVER_GPU_MEMORY_FRACTION)
+    # The interpreter's switch interval: the longest a thread that returns from a call which
+    # released the GIL (the engine loop after a launch or its wait on the device) waits for it.
+    sys.setswitchinterval(server.switch_interval_ms / 1e3)
+    if load.chat_template is not None:  # before the weights load, which may take minutes
+        try:
+            check_chat_template(read_chat_template(load.chat_template))
+        except (ValueError, OSError) as e:
+            ap.error(str(e))
+    if server.disaggregation_mode == "null" and server.nnodes == 1 and not server.engine_in_thread:
+        return serve_engine_process(ap, server, load, config, started)
     try:  # before anything starts a JAX backend
         if init_distributed(server.nnodes, server.node_rank, server.dist_init_addr):
             log.warning(
@@ -83,33 +98,50 @@ def main(argv=None) -> None:
         path, what = default_model_path()
         log.info("serving %s at %s", what, path)
     try:
-        if load.chat_template is not None:  # before the weights load, which may take minutes
-            check_chat_template(read_chat_template(load.chat_template))
         engine = make_engine(config, server, load, path)
     except (ValueError, NotImplementedError, OSError) as e:
         # A checkpoint that is missing or bad, a Hub repo id that resolves nowhere, a --tp-size
-        # that does not divide the heads, a chat template that does not parse.
+        # that does not divide the heads.
         ap.error(str(e))
     if not server.skip_warmup:
-        modes = server.warmup_sampling_modes
-        t0 = time.perf_counter()
         try:
-            n = engine.warmup() if modes == "all" else engine.warmup(modes.split(","))
+            warm_up(engine, server.warmup_sampling_modes)
         except ValueError as e:
-            ap.error(f"--warmup-sampling-modes: {e}")
-        log.info("warm-up: %d programs ready in %.1f s", n, time.perf_counter() - t0)
+            ap.error(str(e))
     if server.disaggregation_mode == "prefill":
         return serve_prefill(engine, server)
-    serve_http(engine, server, server.served_model_name or display_name(path), started)
+    serve_http(AsyncEngine(engine), server, server.served_model_name or display_name(path), started)
 
 
-def serve_http(engine, server: ServerConfig, name: str, started: float) -> None:
-    # The engine loop and the HTTP routes share one interpreter: a thread that returns from a
-    # call that released the GIL (a launch, the wait on the device) waits for the other to
-    # yield it, up to the switch interval, while the device has nothing queued.
-    sys.setswitchinterval(server.switch_interval_ms / 1e3)
-    async_engine = AsyncEngine(engine)
+def serve_engine_process(ap, server: ServerConfig, load, config, started: float) -> None:
+    """The HTTP server over an engine in a process of its own, which loads the weights and
+    compiles the programs; this process starts no JAX backend."""
+    launch = EngineLaunch(
+        server.model_path,
+        config,
+        load,
+        warmup_sampling_modes=None if server.skip_warmup else server.warmup_sampling_modes,
+        log_level=server.log_level,
+        switch_interval_s=server.switch_interval_ms / 1e3,
+    )
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    if on_main_thread:  # stopped while the engine builds: exit through Python, which stops the child too
+        previous = signal.signal(signal.SIGTERM, _exit_on_signal)
+    try:
+        engine = EngineProcess.start(launch)
+    except EngineStartError as e:
+        ap.error(str(e))
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+    serve_http(engine, server, server.served_model_name or display_name(engine.model_path), started)
 
+
+def _exit_on_signal(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def serve_http(engine: AsyncEngine | EngineProcess, server: ServerConfig, name: str, started: float) -> None:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         log.info(
@@ -121,11 +153,9 @@ def serve_http(engine, server: ServerConfig, name: str, started: float) -> None:
         )
         yield
         log.warning("shutting down: aborting running requests")
-        async_engine.shutdown()
+        engine.shutdown()
 
-    app = create_app(
-        async_engine, name, lifespan=lifespan, api_key=server.api_key, reasoning_parser=server.reasoning_parser
-    )
+    app = create_app(engine, name, lifespan=lifespan, api_key=server.api_key, reasoning_parser=server.reasoning_parser)
     uvicorn.run(app, host=server.host, port=server.port, log_level=server.log_level, timeout_graceful_shutdown=5)
 
 

@@ -2,7 +2,8 @@
 exposition format, so every scraper parses it).
 
 Counters and histograms are fed by the HTTP side as outputs stream out; engine state
-(requests running and waiting, KV pages used) is read when scraped.
+(requests running and waiting, KV pages used, adaptive speculation's choices) comes from the
+engine's stats (EngineStats), asked for when scraped.
 """
 
 from __future__ import annotations
@@ -18,41 +19,44 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from jspec.engine.facts import EngineStats
 from jspec.speculative.adaptive import shape_label
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48)
 
 
 class AdaptiveCollector:
-    """Adaptive speculation's choices, read from the policy when scraped."""
+    """Adaptive speculation's choices, from the stats of the last scrape."""
 
-    def __init__(self, policy):
-        self.policy = policy
+    def __init__(self):
+        self.counts: tuple[dict, dict, dict] = ({}, {}, {})  # EngineStats.adaptive_counts
 
     def collect(self):
-        stats = self.policy.stats
+        chosen_counts, seconds_per_shape, accept_ema = self.counts
         chosen = CounterMetricFamily(
             "jspec_spec_adaptive_iterations",
             "Decode iterations per draft shape and batch bucket",
             labels=["shape", "bucket"],
         )
-        for (b, shape), n in dict(stats.chosen).items():
+        for (b, shape), n in chosen_counts.items():
             chosen.add_metric([shape_label(shape), str(b)], n)
         seconds = CounterMetricFamily(
             "jspec_spec_adaptive_seconds", "Loop time spent in iterations of each draft shape", labels=["shape"]
         )
-        for shape, t in dict(stats.seconds).items():
+        for shape, t in seconds_per_shape.items():
             seconds.add_metric([shape_label(shape)], t)
         accept = GaugeMetricFamily(
             "jspec_spec_adaptive_accept_length", "Accepted drafts per iteration (EMA) per draft shape", labels=["shape"]
         )
-        for shape, a in dict(stats.accept_ema).items():
+        for shape, a in accept_ema.items():
             accept.add_metric([shape_label(shape)], a)
         return [chosen, seconds, accept]
 
 
 class ServerMetrics:
-    def __init__(self, engine):
+    """adaptive: whether the engine picks its draft shapes per iteration (their metrics then)."""
+
+    def __init__(self, adaptive: bool = False):
         self.registry = r = CollectorRegistry()
         self.prompt_tokens = Counter("jspec_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("jspec_generation_tokens", "Generated tokens", registry=r)
@@ -75,22 +79,14 @@ class ServerMetrics:
             buckets=tuple(range(1, 17)),
             registry=r,
         )
-        sched = engine.scheduler
-        Gauge("jspec_num_requests_running", "Requests decoding or prefilling", registry=r).set_function(
-            lambda: len(sched.running) + len(sched.prefilling)
-        )
-        Gauge("jspec_num_requests_waiting", "Requests queued", registry=r).set_function(lambda: len(sched.waiting))
-
-        def pages_used() -> int:
-            u = sched.usage()
-            return u["kv_pages_total"] - u["kv_pages_free"]
-
-        Gauge("jspec_kv_pages_used", "KV pages held (requests and prefix cache)", registry=r).set_function(pages_used)
-        Gauge("jspec_kv_pages_total", "KV pages in the pool", registry=r).set_function(
-            lambda: sched.usage()["kv_pages_total"]
-        )
-        if engine.adaptive is not None:
-            r.register(AdaptiveCollector(engine.adaptive))
+        self.running = Gauge("jspec_num_requests_running", "Requests decoding or prefilling", registry=r)
+        self.waiting = Gauge("jspec_num_requests_waiting", "Requests queued", registry=r)
+        self.pages_used = Gauge("jspec_kv_pages_used", "KV pages held (requests and prefix cache)", registry=r)
+        self.pages_total = Gauge("jspec_kv_pages_total", "KV pages in the pool", registry=r)
+        self.adaptive = None
+        if adaptive:
+            self.adaptive = AdaptiveCollector()
+            r.register(self.adaptive)
 
     def finished(
         self, prompt_tokens: int, completion_tokens: int, reason: str | None, e2e_s: float, verify_ct: int
@@ -121,5 +117,13 @@ class ServerMetrics:
 
         return observe
 
-    def exposition(self) -> bytes:
+    def exposition(self, stats: EngineStats) -> bytes:
+        """The metrics in Prometheus' text format, with the engine's state from stats."""
+        usage = stats.usage
+        self.running.set(stats.running)
+        self.waiting.set(stats.waiting)
+        self.pages_used.set(usage["kv_pages_total"] - usage["kv_pages_free"])
+        self.pages_total.set(usage["kv_pages_total"])
+        if self.adaptive is not None and stats.adaptive_counts is not None:
+            self.adaptive.counts = stats.adaptive_counts
         return generate_latest(self.registry)

@@ -248,8 +248,8 @@ async def chat_events(st: Served, body, streams, chunk, t0, prompt_tokens, parse
 
 @router.get("/v1/models")
 async def models(st: Served):
-    core, name, cfg = st.core, st.model_name, st.model.cfg
-    adapters = sorted(core.lora.slots) if core.lora is not None else []
+    name, cfg = st.model_name, st.model.cfg
+    adapters = sorted((await st.engine.stats()).lora_adapters)
     return {
         "object": "list",
         "data": [

@@ -1,5 +1,5 @@
 """SGLang's native API: /generate, and /load_lora_adapter and /unload_lora_adapter, which load
-and unload adapters on the engine thread, between steps, while requests run."""
+and unload adapters on the engine's loop, between steps, while requests run."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import anyio
 from fastapi import APIRouter, Request
 
 from jspec.config.sampling import SamplingParams
+from jspec.engine.facts import lora_adapters
 from jspec.lora.adapter import adapter_dir
 from jspec.server.errors import APIError
 from jspec.server.protocol import GenerateRequest, LoadLoraRequest, check_stop
-from jspec.server.state import Served, ServerState
+from jspec.server.state import Served
 from jspec.server.streaming import Choice, EventStream, collect, merged, start
 
 router = APIRouter()
@@ -87,9 +88,16 @@ async def generate(body: GenerateRequest, request: Request, st: Served):
     return EventStream(events(), streams)
 
 
-def loaded_adapters(st: ServerState) -> dict:
-    lora = st.core.lora
-    return {n: a.path for n, a in lora.adapters.items()} if lora is not None else {}
+def load_adapter(engine, name: str, path: str) -> dict[str, str]:
+    """Loads an adapter into engine; the adapters it then holds. Run on the engine's loop (a
+    module-level function: it may cross into the engine's process)."""
+    engine.load_lora(name, path)
+    return lora_adapters(engine)
+
+
+def unload_adapter(engine, name: str) -> dict[str, str]:
+    engine.unload_lora(name)
+    return lora_adapters(engine)
 
 
 @router.post("/load_lora_adapter")
@@ -97,18 +105,18 @@ async def load_lora_adapter(body: LoadLoraRequest, st: Served):
     if not body.lora_path:
         raise APIError("lora_path (the adapter's directory or Hub repo id) is required", param="lora_path")
     try:
-        # A Hub repo id is fetched here, on a worker thread: the engine's thread only reads files.
+        # A Hub repo id is fetched here, on a worker thread: the engine's loop only reads files.
         path = await anyio.to_thread.run_sync(adapter_dir, body.lora_path)
-        await st.engine.call(lambda e: e.load_lora(body.lora_name, path))
+        adapters = await st.engine.call(load_adapter, body.lora_name, path)
     except ValueError as e:
         raise APIError(str(e), param="lora_path") from None
-    return {"success": True, "loaded_adapters": loaded_adapters(st)}
+    return {"success": True, "loaded_adapters": adapters}
 
 
 @router.post("/unload_lora_adapter")
 async def unload_lora_adapter(body: LoadLoraRequest, st: Served):
     try:
-        await st.engine.call(lambda e: e.unload_lora(body.lora_name))
+        adapters = await st.engine.call(unload_adapter, body.lora_name)
     except ValueError as e:
         raise APIError(str(e), param="lora_name") from None
-    return {"success": True, "loaded_adapters": loaded_adapters(st)}
+    return {"success": True, "loaded_adapters": adapters}

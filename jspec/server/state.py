@@ -1,6 +1,10 @@
 """What the routes of one app share: the engine, the served model's name, the metrics, and the
 checks that turn a request into engine input, so that every API validates alike.
 
+The engine is an AsyncEngine (its loop on a thread of this process) or an EngineProcess (in a
+process of its own, `jspec serve`'s): the routes read only what both give, the engine's facts
+(EngineFacts, fixed while it serves) and its stats (EngineStats, asked for), never the Engine.
+
 The routers are module-level; each app keeps its ServerState in app.state and a route gets it
 through the `Served` dependency, so one process can serve several apps (the tests do).
 """
@@ -11,24 +15,24 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from jspec.checkpoint.model import Model
 from jspec.engine.async_engine import AsyncEngine
+from jspec.engine.engine_process import EngineProcess
 from jspec.engine.outputs import tokenize_prompt
 from jspec.server.errors import APIError
 from jspec.server.metrics import ServerMetrics
 
 
 class ServerState:
-    def __init__(self, engine: AsyncEngine, model_name: str, reasoning_parser: str | None = None):
+    def __init__(self, engine: AsyncEngine | EngineProcess, model_name: str, reasoning_parser: str | None = None):
         self.engine = engine
         self.reasoning_parser = reasoning_parser  # a REASONING_FORMATS name, or None
-        self.core = engine.engine
-        self.model = self.core.model
-        self.tokenizer = self.model.tokenizer
+        self.facts = facts = engine.facts
+        self.tokenizer = facts.tokenizer
+        self.model = Model(facts.model_cfg, None, facts.tokenizer)  # no weights: what prompts are checked against
         self.model_name = model_name
-        self.metrics = ServerMetrics(self.core)
-        self.max_top = self.core.worker.top_n
-        if self.tokenizer is not None and self.core.config.grammar_backend != "none":
-            self.core.grammar_compiler  # noqa: B018 - reads the vocabulary now, not in a request
+        self.metrics = ServerMetrics(facts.adaptive)
+        self.max_top = facts.max_top_logprobs
 
     def check_model(self, name: str | None, lora_path: str | None = None) -> str | None:
         """The LoRA adapter a request asks for (None: the base model), named by OpenAI's `model`

@@ -21,6 +21,7 @@ from fastapi.responses import StreamingResponse
 from jspec.config.sampling import SamplingParams
 from jspec.engine.async_engine import AsyncEngine
 from jspec.engine.engine import RequestOutput
+from jspec.engine.engine_process import EngineProcess
 from jspec.server.errors import APIError
 
 
@@ -72,22 +73,24 @@ def sse(obj) -> str:
 
 
 class Stream(NamedTuple):
-    """One completion's engine stream (AsyncEngine.stream), already past its first output."""
+    """One completion's engine stream (AsyncEngine.stream or EngineProcess.stream), already past its first output."""
 
     index: int
     outputs: AsyncGenerator[RequestOutput, None]
     first: RequestOutput
 
 
-async def start(engine: AsyncEngine, ids: list[int], params: SamplingParams, base_index: int) -> list[Stream]:
+async def start(
+    engine: AsyncEngine | EngineProcess, ids: list[int], params: SamplingParams, base_index: int
+) -> list[Stream]:
     """Submits params.n copies (consecutive seeds) and returns their streams, each already past its
     first output, so that a request the engine refuses fails before any response is sent."""
     streams = []
     if params.grammar is not None:
-        # Compiled here, on a worker thread, into the engine's cache: the loop's thread only
-        # copies it, and a grammar llguidance rejects is the client's 400.
+        # Compiled now, on a thread beside the engine's loop, into the engine's cache: the
+        # loop only copies it, and a grammar llguidance rejects is the client's 400.
         try:
-            await anyio.to_thread.run_sync(engine.engine.check_grammar, params)
+            await engine.check_grammar(params)
         except ValueError as e:
             raise APIError(str(e), param=params.grammar[0]) from None
     try:
