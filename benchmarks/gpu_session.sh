@@ -151,15 +151,21 @@ for s in "$@"; do
         --concurrency ${MOSAIC_C:-1,16,64} --variant default= --variant "mosaic=--attention-backend mosaic" \
         --out "$RESULTS" --name serving_curve_8b_mosaic ;;
     curve_small_variants|curve_8b_variants)
-      # Host-side variants of the default server, side by side: Python's own thread switch
-      # interval (5 ms) against the server's, and the layers unrolled over their stacked weights
-      # (one launch argument per weight kind) against per-layer arrays; and smaller prefill chunks
-      # (a step that also decodes costs less above a decode step: ITL p99).
+      # Host-side variants of the default server, side by side (names in $HOST_VARIANTS): the
+      # engine loop on a thread of the HTTP process (the old layout), there with Python's own
+      # 5 ms switch interval too; the layers unrolled over their stacked weights (one launch
+      # argument per weight kind); smaller prefill chunks (a step that also decodes costs less
+      # above a decode step: ITL p99).
       shape=$SHAPE_SMALL; [ $s = curve_8b_variants ] && shape=$SHAPE_8B
+      declare -A flags=([default]="" [in_thread]="--engine-in-thread" \
+        [in_thread_switch_5ms]="--engine-in-thread --switch-interval-ms 5" \
+        [unrolled_stack]="--layer-loop unrolled_stack" [chunk256]="--chunked-prefill-size 256")
+      variant_args=()
+      for v in ${HOST_VARIANTS:-default in_thread in_thread_switch_5ms unrolled_stack chunk256}; do
+        variant_args+=(--variant "$v=${flags[$v]}")
+      done
       step $s ${VARIANTS_LIMIT:-420} $PY -m benchmarks.serving_curve --server-args "$shape" --input-lens 128 \
-        --concurrency ${VARIANTS_C:-1,64,256} --min-prompts 4 --variant default= \
-        --variant "switch_5ms=--switch-interval-ms 5" --variant "unrolled_stack=--layer-loop unrolled_stack" \
-        --variant "chunk256=--chunked-prefill-size 256" \
+        --concurrency ${VARIANTS_C:-1,64,256} --min-prompts 4 "${variant_args[@]}" \
         --out "$RESULTS" --name serving_curve_${s#curve_} ;;
     curve_8b_long)
       step curve_8b_long 300 $PY -m benchmarks.serving_curve --server-args "$SHAPE_8B" --input-lens 1024 \
