@@ -152,16 +152,14 @@ for s in "$@"; do
         --out "$RESULTS" --name serving_curve_8b_mosaic ;;
     curve_small_variants|curve_8b_variants)
       # Host-side variants of the default server, side by side (names in $HOST_VARIANTS): the
-      # engine loop on a thread of the HTTP process (the old layout), there with Python's own
-      # 5 ms switch interval too; the layers unrolled over their stacked weights (one launch
-      # argument per weight kind); smaller prefill chunks (a step that also decodes costs less
-      # above a decode step: ITL p99).
+      # engine loop on a thread of the HTTP process (the old layout); the layers unrolled over
+      # their stacked weights (one launch argument per weight kind); smaller prefill chunks (a
+      # step that also decodes costs less above a decode step: ITL p99).
       shape=$SHAPE_SMALL; [ $s = curve_8b_variants ] && shape=$SHAPE_8B
       declare -A flags=([default]="" [in_thread]="--engine-in-thread" \
-        [in_thread_switch_5ms]="--engine-in-thread --switch-interval-ms 5" \
         [unrolled_stack]="--layer-loop unrolled_stack" [chunk256]="--chunked-prefill-size 256")
       variant_args=()
-      for v in ${HOST_VARIANTS:-default in_thread in_thread_switch_5ms unrolled_stack chunk256}; do
+      for v in ${HOST_VARIANTS:-default in_thread chunk256}; do
         variant_args+=(--variant "$v=${flags[$v]}")
       done
       step $s ${VARIANTS_LIMIT:-420} $PY -m benchmarks.serving_curve --server-args "$shape" --input-lens 128 \

@@ -55,6 +55,7 @@ def start_server(args_line: str, port: int, log_path: str, timeout: float) -> tu
     print("$", shlex.join(cmd), flush=True)
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    _stop_on_sigterm(proc)
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < timeout:
         if proc.poll() is not None:
@@ -66,6 +67,18 @@ def start_server(args_line: str, port: int, log_path: str, timeout: float) -> tu
             time.sleep(0.5)
     stop_server(proc)
     raise RuntimeError(f"the server was not healthy after {timeout:.0f} s (log: {log_path})")
+
+
+def _stop_on_sigterm(proc: subprocess.Popen) -> None:
+    """A run stopped from outside (a step's time limit) takes its server down with it: the server
+    runs in a session of its own, and one left running holds the GPU the next run needs."""
+
+    def stop(signum, frame):
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def stop_server(proc: subprocess.Popen) -> None:

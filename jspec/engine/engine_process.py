@@ -32,7 +32,6 @@ import logging
 import multiprocessing
 import queue
 import signal
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -64,7 +63,6 @@ class EngineLaunch:
     load: LoadConfig
     warmup_sampling_modes: str | None = "all"  # "all", or a comma list of greedy,sampled
     log_level: str = "info"
-    switch_interval_s: float = 0.005
 
 
 def warm_up(engine: Engine, modes: str) -> None:
@@ -332,7 +330,6 @@ def run_engine_process(conn, launch: EngineLaunch) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=launch.log_level.upper(), format=LOG_FORMAT)
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU / no GPU" probes are noise
-    sys.setswitchinterval(launch.switch_interval_s)  # the loop against the grammar compiles' thread
     try:
         path = launch.model_path
         if path is None:

@@ -55,14 +55,6 @@ class ServerConfig:
         group="serving",
     )
     log_level: str = setting("info", "logging level", group="serving")
-    switch_interval_ms: float = setting(
-        0.2,
-        "the interpreter's thread switch interval (sys.setswitchinterval; Python's default is 5): the "
-        "longest the engine loop's thread waits for the GIL, after a call into the device, while another "
-        "thread runs Python (the HTTP routes with --engine-in-thread, a grammar compiling); the device idles "
-        "through that wait",
-        group="serving",
-    )
     engine_in_thread: bool = setting(
         False,
         "run the engine's loop on a thread of the HTTP server's process instead of a process of its own "
@@ -104,8 +96,6 @@ class ServerConfig:
     def __post_init__(self):
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key must not be empty")
-        if not self.switch_interval_ms > 0:
-            raise ValueError(f"--switch-interval-ms must be > 0, got {self.switch_interval_ms}")
 
 
 def _flags(cls, prefix: str = "", defaults: dict | None = None) -> list[tuple[str, str, dict]]:

@@ -15,7 +15,6 @@ import contextlib
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 
@@ -71,9 +70,6 @@ def main(argv=None) -> None:
     # JAX's GPU allocator takes 75% of the memory by default; a server holds the device alone,
     # so it takes SGLang's share for weights, KV and programs (the KV pool is sized from it).
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", SERVER_GPU_MEMORY_FRACTION)
-    # The interpreter's switch interval: the longest a thread that returns from a call which
-    # released the GIL (the engine loop after a launch or its wait on the device) waits for it.
-    sys.setswitchinterval(server.switch_interval_ms / 1e3)
     if load.chat_template is not None:  # before the weights load, which may take minutes
         try:
             check_chat_template(read_chat_template(load.chat_template))
@@ -122,7 +118,6 @@ def serve_engine_process(ap, server: ServerConfig, load, config, started: float)
         load,
         warmup_sampling_modes=None if server.skip_warmup else server.warmup_sampling_modes,
         log_level=server.log_level,
-        switch_interval_s=server.switch_interval_ms / 1e3,
     )
     on_main_thread = threading.current_thread() is threading.main_thread()
     if on_main_thread:  # stopped while the engine builds: exit through Python, which stops the child too

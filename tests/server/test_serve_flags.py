@@ -86,8 +86,5 @@ def test_bad_values_are_refused_by_name(capsys):
         assert words in capsys.readouterr().err
     with pytest.raises(ValueError, match="--api-key must not be empty"):
         server_config(build_parser().parse_args(["--api-key", ""]))
-    assert server_config(build_parser().parse_args(["--switch-interval-ms", "5"])).switch_interval_ms == 5.0
-    with pytest.raises(ValueError, match="--switch-interval-ms must be > 0"):
-        server_config(build_parser().parse_args(["--switch-interval-ms", "0"]))
     with pytest.raises(ValueError, match="unknown dtype 'half'"):
         LoadConfig(dtype="half")
