@@ -146,7 +146,7 @@ class AsyncEngine:
                 return
             if msg[0] in ("add", "call"):
                 loop, future = (msg[4], msg[6]) if msg[0] == "add" else (msg[3], msg[4])
-                loop.call_soon_threadsafe(_settle, future, None, error)
+                loop.call_soon_threadsafe(settle, future, None, error)
 
     def _handle(self, msg) -> None:
         if msg is None or msg[0] == "wake":
@@ -160,18 +160,18 @@ class AsyncEngine:
             try:
                 result = fn(self.engine, *args)
             except Exception as e:
-                loop.call_soon_threadsafe(_settle, done, None, e)
+                loop.call_soon_threadsafe(settle, done, None, e)
             else:
-                loop.call_soon_threadsafe(_settle, done, result, None)
+                loop.call_soon_threadsafe(settle, done, result, None)
             return
         _, prompt, params, rid, loop, outputs, added = msg
         try:
             rid = self.engine.add_request(prompt, params, rid)
         except Exception as e:
-            loop.call_soon_threadsafe(_settle, added, None, e)
+            loop.call_soon_threadsafe(settle, added, None, e)
             return
         self._streams[rid] = (loop, outputs)
-        loop.call_soon_threadsafe(_settle, added, rid, None)
+        loop.call_soon_threadsafe(settle, added, rid, None)
 
     def _publish_step(self, outs: list[RequestOutput]) -> None:
         """A step's outputs, handed to each event loop in one callback: one wake-up of the
@@ -186,7 +186,7 @@ class AsyncEngine:
                 del self._streams[out.rid]
             by_loop.setdefault(target[0], []).append((target[1], out))
         for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_deliver, items)
+            loop.call_soon_threadsafe(deliver_outputs, items)
 
     def _publish(self, out: RequestOutput) -> None:
         target = self._streams.get(out.rid)
@@ -225,12 +225,14 @@ async def request_outputs(outputs: asyncio.Queue) -> AsyncIterator[RequestOutput
             return
 
 
-def _deliver(items: list) -> None:
+def deliver_outputs(items: list) -> None:
+    """(queue, output) pairs of one step, put on their queues in one event-loop callback."""
     for outputs, out in items:
         outputs.put_nowait(out)
 
 
-def _settle(future: asyncio.Future, value, error) -> None:
+def settle(future: asyncio.Future, value, error) -> None:
+    """A caller's future resolved from the engine's side, unless the caller gave up on it."""
     if future.done():
         return
     if error is not None:

@@ -40,7 +40,7 @@ from jspec.checkpoint.demo import default_model_path
 from jspec.config.engine import EngineConfig
 from jspec.config.load import LoadConfig
 from jspec.config.sampling import SamplingParams
-from jspec.engine.async_engine import RequestFailed, request_outputs
+from jspec.engine.async_engine import RequestFailed, deliver_outputs, request_outputs, settle
 from jspec.engine.engine import Engine, RequestOutput
 from jspec.engine.facts import EngineFacts, EngineStats, engine_stats, serving_facts
 
@@ -230,7 +230,7 @@ class EngineProcess:
         except Exception as e:
             target = self._calls.get(msg[1]) if msg[0] != "abort" else None
             if target is not None:
-                target[0].call_soon_threadsafe(_settle, target[1], None, ValueError(f"cannot send {msg[0]}: {e}"))
+                target[0].call_soon_threadsafe(settle, target[1], None, ValueError(f"cannot send {msg[0]}: {e}"))
 
     def _read(self) -> None:
         """Hands each message of the child to the asyncio loops waiting for it."""
@@ -244,7 +244,7 @@ class EngineProcess:
                     _, call_id, value, failure = msg
                     target = self._calls.get(call_id)
                     if target is not None:
-                        target[0].call_soon_threadsafe(_settle, target[1], value, _rebuild(failure))
+                        target[0].call_soon_threadsafe(settle, target[1], value, _rebuild(failure))
                 elif msg[0] == "stopped":
                     _, reason, aborted = msg
                     self._publish(aborted)
@@ -268,7 +268,7 @@ class EngineProcess:
                 self._streams.pop(out.rid, None)
             by_loop.setdefault(target[0], []).append((target[1], out))
         for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_deliver, items)
+            loop.call_soon_threadsafe(deliver_outputs, items)
 
     def _fail_all(self, reason: str) -> None:
         """Fails every stream and call still waiting: nothing will answer them."""
@@ -281,21 +281,7 @@ class EngineProcess:
         for call_id in list(self._calls):
             target = self._calls.get(call_id)
             if target is not None:
-                target[0].call_soon_threadsafe(_settle, target[1], None, error)
-
-
-def _deliver(items: list) -> None:
-    for outputs, out in items:
-        outputs.put_nowait(out)
-
-
-def _settle(future: asyncio.Future, value, error) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(value)
+                target[0].call_soon_threadsafe(settle, target[1], None, error)
 
 
 # Errors cross the pipe as (kind, text): an exception of the engine's may not pickle back.

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 from support import REPO_ROOT
-from support.server import Server, free_port
+from support.server import Server, assert_idle_without_leaks, free_port, hang_up, streamed_text
 
 import jspec
 from jspec.checkpoint.tiny import make_tiny_model
@@ -96,41 +96,14 @@ def test_concurrent_greedy_streams_match_generate_and_leavers_free_their_kv(serv
     )
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
 
-    async def full(p):
-        text = ""
-        async for ch in await client.completions.create(
-            model="tiny", prompt=p, max_tokens=16, temperature=0, stream=True
-        ):
-            text += ch.choices[0].text if ch.choices else ""
-        return text
-
-    async def hang_up(i):
-        stream = await client.completions.create(
-            model="tiny",
-            prompt=f"leaver {i}",
-            max_tokens=400,
-            temperature=0,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
-        n = 0
-        async for _ in stream:
-            n += 1
-            if n == 3:
-                break
-        await stream.close()
-
     async def main():
-        return await asyncio.gather(*[full(p) for p in prompts], *[hang_up(i) for i in range(4)])
+        return await asyncio.gather(
+            *[streamed_text(client, p, 16) for p in prompts], *[hang_up(client, f"leaver {i}") for i in range(4)]
+        )
 
     texts = asyncio.run(main())[: len(prompts)]
     assert texts == [r.text for r in ref]
-    deadline = time.time() + 30
-    while (state := debug_state(server))["requests"] and time.time() < deadline:
-        time.sleep(0.2)
-    assert state["requests"] == 0 and state["running"] == 0, state
-    assert state["kv_pages_free"] + state["kv_pages_cached"] == state["kv_pages_total"], state
-    assert state["request_slots_free"] == state["request_slots_total"], state
+    assert_idle_without_leaks(server)
 
 
 def write_adapter(path, cfg, rank=4, seed=1) -> str:

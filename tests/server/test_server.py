@@ -18,7 +18,7 @@ import urllib.request
 
 import pytest
 from support import REPO_ROOT
-from support.server import Server, free_port
+from support.server import Server, assert_idle_without_leaks, free_port, hang_up, streamed_text
 
 import jspec
 from jspec.checkpoint.tiny import make_tiny_model
@@ -153,44 +153,15 @@ def test_concurrent_streams_and_disconnects_leak_nothing(server, model_dir):
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
 
     async def full(p):
-        text = ""
-        async for ch in await client.completions.create(
-            model="tiny", prompt=p, max_tokens=24, temperature=0, stream=True
-        ):
-            text += ch.choices[0].text if ch.choices else ""
-        return p, text
-
-    async def hang_up(i):
-        stream = await client.completions.create(
-            model="tiny",
-            prompt=f"leaver {i}",
-            max_tokens=400,
-            temperature=0,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
-        n = 0
-        async for _ in stream:
-            n += 1
-            if n == 3:
-                break
-        await stream.close()
+        return p, await streamed_text(client, p, 24)
 
     async def main():
-        return await asyncio.gather(*[full(p) for p in prompts], *[hang_up(i) for i in range(8)])
+        return await asyncio.gather(*[full(p) for p in prompts], *[hang_up(client, f"leaver {i}") for i in range(8)])
 
     results = asyncio.run(main())
     for p, text in results[:32]:
         assert text == ref[p], p
-    deadline = time.time() + 30
-    while True:
-        state = json.loads(server.get("/debug/state"))
-        if state["requests"] == 0 or time.time() > deadline:
-            break
-        time.sleep(0.2)
-    assert state["requests"] == 0, state
-    assert state["kv_pages_free"] + state["kv_pages_cached"] == state["kv_pages_total"], state
-    assert state["request_slots_free"] == state["request_slots_total"], state
+    assert_idle_without_leaks(server)
 
 
 def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(server, model_dir):

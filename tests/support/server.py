@@ -102,3 +102,40 @@ class Server:
             if self.proc.poll() is None:
                 self.proc.kill()
             self.log.close()
+
+
+async def streamed_text(client, prompt: str, max_tokens: int) -> str:
+    """A greedy streamed completion's text, read to its end (client: openai.AsyncOpenAI)."""
+    text = ""
+    async for ch in await client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True
+    ):
+        text += ch.choices[0].text if ch.choices else ""
+    return text
+
+
+async def hang_up(client, prompt: str, after_chunks: int = 3) -> None:
+    """A long streamed completion that the client leaves after a few chunks."""
+    stream = await client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    n = 0
+    async for _ in stream:
+        n += 1
+        if n == after_chunks:
+            break
+    await stream.close()
+
+
+def assert_idle_without_leaks(server: "Server", timeout: float = 30) -> None:
+    """Waits for the server's engine to hold no request, then checks every KV page and request
+    slot is back (free, or cached in the prefix tree)."""
+    deadline = time.time() + timeout
+    while True:
+        state = json.loads(server.get("/debug/state"))
+        if state["requests"] == 0 or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    assert state["requests"] == 0 and state["running"] == 0, state
+    assert state["kv_pages_free"] + state["kv_pages_cached"] == state["kv_pages_total"], state
+    assert state["request_slots_free"] == state["request_slots_total"], state
