@@ -47,10 +47,13 @@ def add_snapshot(cache: str, repo_id: str, source_dir: str, refs=("main",), skip
 
 
 def use_cache(monkeypatch, cache: str, offline: bool = True) -> None:
-    """Points huggingface_hub at `cache` (HF_HUB_CACHE) in this process, offline unless told
-    otherwise (HF_HUB_OFFLINE); both are read from the environment when the library is imported,
-    so a process started afterwards gets them as environment variables instead."""
+    """Points huggingface_hub at `cache` (HF_HUB_CACHE), offline unless told otherwise
+    (HF_HUB_OFFLINE): in this process, whose library read the environment when it was imported,
+    and in the environment, for the processes it starts."""
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", cache)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
+    # And for the processes this one starts (`jspec serve` builds its engine in a child).
+    monkeypatch.setenv("HF_HUB_CACHE", cache)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1" if offline else "0")
