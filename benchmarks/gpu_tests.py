@@ -4,7 +4,7 @@ per feature on tiny models. Writes DIR/gpu_tests.json (pass / fail / skip / erro
 failing node ids, each test's seconds, device, jax version, commit) and prints a table last.
 
     python -m benchmarks.gpu_tests [--out benchmarks/results] [--kernels-only] [--limit-s 270]
-        [--tests NODEID ...]
+        [--engine-only] [--name gpu_tests] [--tests NODEID ...]
 
 Each test picks its own precision (docs/design-details.md, "Precision"): the kernel tests run
 at JAX's default matmul precision (TF32 float32 dots on the GPU) and owe TF32-sized
@@ -190,10 +190,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=RESULTS_DIR)
     ap.add_argument("--kernels-only", action="store_true", help="tests/kernels alone")
+    ap.add_argument("--engine-only", action="store_true", help="ENGINE_TESTS alone")
+    ap.add_argument("--name", default="gpu_tests", help="the results file's name")
     ap.add_argument("--limit-s", type=float, default=255.0, help="interrupt pytest after this many seconds")
     ap.add_argument("--tests", nargs="+", help="these node ids instead of the pass's")
     a = ap.parse_args()
-    nodes = a.tests or (KERNEL_TESTS if a.kernels_only else KERNEL_TESTS + ENGINE_TESTS)
+    nodes = a.tests or (
+        KERNEL_TESTS if a.kernels_only else ENGINE_TESTS if a.engine_only else KERNEL_TESTS + ENGINE_TESTS
+    )
 
     with tempfile.TemporaryDirectory(prefix="jspec-gpu-tests-") as tmp:
         log = os.path.join(tmp, "reports.jsonl")
@@ -209,7 +213,7 @@ def main() -> None:
 
     # The backend starts here only now that the child is gone (on a GPU it would take memory).
     settings = dict(tests=nodes, limit_s=a.limit_s, JSPEC_HF_PYTHON=env.get("JSPEC_HF_PYTHON"))
-    path = Results(a.out, "gpu_tests", settings).write(
+    path = Results(a.out, a.name, settings).write(
         exit_code=exit_code,
         cut_short=cut_short,
         not_collected=not_collected,
