@@ -74,6 +74,8 @@ ENGINE_TESTS = [
     # kernels (kernels; needs transformers to write its checkpoint).
     "tests/speculative/test_nextn_mimo.py::test_mimo_nextn_greedy_equals_plain_greedy[16-True-3-1-None]",
     "tests/models/test_deepseek.py::test_nextn_greedy_equals_plain_greedy[4-True-2-2-4-pallas]",
+    # DFLASH's block drafts, with sampling, penalties and logprobs, against plain (reference).
+    "tests/speculative/test_spec_dflash.py::test_outputs_equal_plain_and_drafts_equal_the_dense_drafter",
 ]
 
 

@@ -315,7 +315,8 @@ def test_moe_model_attention_adapter_equals_merged_model(tmp_path, tp):
             num_experts=8,
             num_experts_per_tok=2,
             max_position_embeddings=512,
-        )
+        ),
+        dtype="float32",
     )
     path, raw, scale = write_adapter(tmp_path / "attn", moe.cfg, 4, ["q_proj", "k_proj", "v_proj", "o_proj"], seed=4)
     ref = greedy(jspec.Engine(merged(moe, raw, scale), **ENGINE), PROMPTS[:3], [None] * 3)[0]

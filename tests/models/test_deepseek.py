@@ -21,6 +21,7 @@ from support.hf_reference import requires_hf, run_oracle
 import jspec
 from jspec.checkpoint.deepseek import load_mtp_params
 from jspec.checkpoint.loader import load_model
+from jspec.config.load import LoadConfig
 from jspec.config.sampling import SamplingParams
 from jspec.config.spec import SpecConfig
 from jspec.worker.inputs import decode_inputs
@@ -29,6 +30,9 @@ PROMPTS = [[5, 9, 13, 200, 7], list(range(11, 31)), [5, 9, 13, 200, 7, 31]]
 NEW = 8
 
 pytestmark = [pytest.mark.slow, requires_hf]
+
+# Loaded from its path, float32 on every backend (the loader's default is bfloat16 on a GPU).
+FLOAT32 = LoadConfig(dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +79,7 @@ def test_nextn_greedy_equals_plain_greedy(deepseek, page_size, overlap, steps, t
     path, cfg, params, hf_tokens = deepseek
     spec = SpecConfig("NEXTN", num_steps=steps, eagle_topk=topk, num_draft_tokens=ndt)
     # From the path, so that NEXTN reads the MTP layer from the target's own checkpoint.
-    engine = jspec.Engine(path, speculative=spec, **engine_kw(page_size, overlap, backend))
+    engine = jspec.Engine(path, load=FLOAT32, speculative=spec, **engine_kw(page_size, overlap, backend))
     out = jspec.generate(engine.model, PROMPTS, max_new_tokens=NEW, ignore_eos=True, engine=engine)
     engine.check_idle_no_leaks()
     assert [o.token_ids for o in out] == hf_tokens

@@ -12,9 +12,13 @@ import pytest
 import jspec
 from jspec.checkpoint.files import read_hf_tensors, write_safetensors
 from jspec.checkpoint.tiny import make_tiny_model
+from jspec.config.load import LoadConfig
 from jspec.config.spec import SpecConfig
 
 pytestmark = pytest.mark.slow  # builds engines, servers or HF references
+
+# Loaded from its path, float32 on every backend (the loader's default is bfloat16 on a GPU).
+FLOAT32 = LoadConfig(dtype="float32")
 
 PROMPTS = [[5, 9, 13, 200, 7], list(range(11, 31)), [5, 9, 13, 200, 7, 31]]
 
@@ -88,7 +92,7 @@ def plain_greedy(mimo):
 def test_mimo_nextn_greedy_equals_plain_greedy(mimo, plain_greedy, page_size, overlap, steps, topk, ndt):
     path, _ = mimo
     spec = SpecConfig("NEXTN", num_steps=steps, eagle_topk=topk, num_draft_tokens=ndt)
-    engine = jspec.Engine(path, speculative=spec, **engine_kw(page_size, overlap))
+    engine = jspec.Engine(path, load=FLOAT32, speculative=spec, **engine_kw(page_size, overlap))
     out = jspec.generate(engine.model, PROMPTS, max_new_tokens=8, ignore_eos=True, engine=engine)
     engine.check_idle_no_leaks()
     assert [o.token_ids for o in out] == plain_greedy
@@ -118,7 +122,7 @@ def test_mimo_nextn_accepts_a_perfect_mtp_layer(mimo, tmp_path):
     with open(os.path.join(src, "config.json")) as f, open(os.path.join(path, "config.json"), "w") as g:
         g.write(f.read())
     steps = 3
-    engine = jspec.Engine(path, speculative=SpecConfig("NEXTN", num_steps=steps), **engine_kw(16, True))
+    engine = jspec.Engine(path, load=FLOAT32, speculative=SpecConfig("NEXTN", num_steps=steps), **engine_kw(16, True))
     out = jspec.generate(engine.model, PROMPTS, max_new_tokens=4 * (steps + 1), ignore_eos=True, engine=engine)
     for prompt, o in zip(PROMPTS, out):
         want, t = [], prompt[-1]

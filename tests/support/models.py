@@ -18,8 +18,10 @@ from jspec.config.model import ModelConfig
 def tiny_model(tmp_path_factory, name: str = "m", *, context: int | None = None, **checkpoint):
     """A tiny checkpoint written by make_tiny_model (its keywords: seed, arch, head counts, ...)
     and loaded, cut to `context` tokens when given: a shorter context means narrower page
-    tables, hence fewer and cheaper programs on the CPU."""
-    model = jspec.load(make_tiny_model(str(tmp_path_factory.mktemp(name) / "m"), **checkpoint))
+    tables, hence fewer and cheaper programs on the CPU. float32 on every backend (the loader's
+    default is bfloat16 on a GPU): the tests claim token-for-token equalities that hold in exact
+    float32 arithmetic (docs/design-details.md, "Precision")."""
+    model = jspec.load(make_tiny_model(str(tmp_path_factory.mktemp(name) / "m"), **checkpoint), dtype="float32")
     return model if context is None else with_context_length(model, context)
 
 
