@@ -20,7 +20,7 @@ import functools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from jspec.config.sampling import SamplingParams
 from jspec.engine.engine import Engine, RequestOutput
@@ -59,15 +59,9 @@ class AsyncEngine:
         self._check_alive()
         self._inbox.put(("add", prompt, params, rid, loop, outputs, added))
         rid = await added  # raises the engine's validation error, if any
-        finished = False
-        try:
-            async with contextlib.aclosing(request_outputs(outputs)) as outs:
-                async for out in outs:
-                    finished = out.finished
-                    yield out
-        finally:
-            if not finished:
-                self.abort(rid)
+        async with contextlib.aclosing(request_outputs(outputs, lambda: self.abort(rid))) as outs:
+            async for out in outs:
+                yield out
 
     def _check_alive(self) -> None:
         if not self.alive:
@@ -202,27 +196,33 @@ class AsyncEngine:
         loop.call_soon_threadsafe(outputs.put_nowait, error)
 
 
-async def request_outputs(outputs: asyncio.Queue) -> AsyncIterator[RequestOutput]:
-    """One request's outputs from its queue until the last; an error queued raises.
+async def request_outputs(outputs: asyncio.Queue, unfinished: Callable[[], None]) -> AsyncIterator[RequestOutput]:
+    """One request's outputs from its queue until the last; an error queued raises. Left before
+    the last (a client that went away, an error), it calls `unfinished`, which aborts the
+    request so that its KV is freed.
 
     Outputs that queued while the reader was busy go out as one: under load the server sends
     fewer, larger chunks instead of falling further behind."""
-    pending = None
-    while True:
-        out, pending = (pending if pending is not None else await outputs.get()), None
-        while isinstance(out, RequestOutput) and not out.finished and out.error is None and not outputs.empty():
-            later = outputs.get_nowait()
-            if isinstance(later, BaseException):
-                pending = later
-                break
-            out = out.then(later)
-        if isinstance(out, BaseException):
-            raise out
-        if out.error is not None:
-            raise RequestFailed(out.error)
-        yield out
-        if out.finished:
-            return
+    finished = False
+    try:
+        pending = None
+        while not finished:
+            out, pending = (pending if pending is not None else await outputs.get()), None
+            while isinstance(out, RequestOutput) and not out.finished and out.error is None and not outputs.empty():
+                later = outputs.get_nowait()
+                if isinstance(later, BaseException):
+                    pending = later
+                    break
+                out = out.then(later)
+            if isinstance(out, BaseException):
+                raise out
+            if out.error is not None:
+                raise RequestFailed(out.error)
+            finished = out.finished
+            yield out
+    finally:
+        if not finished:
+            unfinished()
 
 
 def deliver_outputs(items: list) -> None:

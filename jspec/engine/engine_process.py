@@ -135,17 +135,19 @@ class EngineProcess:
         outputs: asyncio.Queue = asyncio.Queue()
         # Registered before the request is sent: its first outputs may come right after the reply.
         self._streams[rid] = (loop, outputs)
-        finished = False
+
+        def unfinished() -> None:
+            self._streams.pop(rid, None)
+            self.abort(rid)
+
         try:
             await self._ask("add", rid, prompt, params)  # raises the engine's validation error, if any
-            async with contextlib.aclosing(request_outputs(outputs)) as outs:
-                async for out in outs:
-                    finished = out.finished
-                    yield out
-        finally:
-            if not finished:
-                self._streams.pop(rid, None)
-                self.abort(rid)
+        except BaseException:
+            unfinished()
+            raise
+        async with contextlib.aclosing(request_outputs(outputs, unfinished)) as outs:
+            async for out in outs:
+                yield out
 
     def abort(self, rid: str) -> None:
         self._outbox.put(("abort", rid))
