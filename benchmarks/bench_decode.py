@@ -12,11 +12,11 @@ for big batches the matmul FLOPs over the measured bf16 matmul rate.
 --parts adds rows that split a bs=1 step's time: each GEMV shape alone, and the step's
 matmuls only (every layer's QKV, O, gate-up and down, then the LM head, nothing else), so
 the gap to the floor divides into GEMV efficiency and everything else (norms, RoPE,
-attention, KV writes, launches). Each GEMV shape is timed three ways: XLA with W [K, N] (the
-models' layout), XLA with W stored transposed [N, K], and the Pallas skinny_matmul over a small
-sweep of tile configs (each checked against the jnp reference), ending in a per-shape TB/s
-table of the three. --tag names the JSON (bench_decode_TAG.json), for runs
-under different XLA_FLAGS (recorded in the JSON).
+attention, KV writes, launches). Each GEMV shape is timed four ways: XLA with W [K, N] (the
+models' layout), XLA with W stored transposed [N, K], the Pallas skinny_matmul (Triton
+backend) over a small sweep of tile configs, and the Mosaic GPU one (skinny_matmul_mgpu) at a
+few, each checked against the jnp reference, ending in a per-shape TB/s table. --tag names
+the JSON (bench_decode_TAG.json), for runs under different XLA_FLAGS (recorded in the JSON).
 """
 
 from __future__ import annotations
@@ -49,6 +49,10 @@ from jspec.layers.penalties import init_penalty_state
 from jspec.layers.sampling import sampling_rows
 from jspec.models.common import unstack_layers
 from jspec.steps.plain import PlainCarry, PlainState, plain_decode_step
+
+# The Mosaic GPU skinny matmul's configs (each shape's plan picks its splits): its default, a
+# deeper pipeline, and wider strips.
+MOSAIC_CONFIGS = [{}, dict(num_stages=6), dict(block_n=256, num_stages=3)]
 
 # Pallas skinny_matmul configs per weight shape: (block_n, block_k, num_stages, splits x the plan's).
 # Shared memory is about block_k * block_n * 2 bytes * num_stages (of 227 KiB per SM): 32 KiB tiles x 3
@@ -94,6 +98,7 @@ def gemv_rows(cfg: ModelConfig, dtype, bw: float, batches=(1,), copies=4) -> lis
     run is recorded with ok=False and the sweep goes on)."""
     from jspec.kernels.ref import skinny_matmul_ref
     from jspec.kernels.skinny_matmul import MAX_ROWS, skinny_matmul
+    from jspec.kernels.skinny_matmul_mgpu import mosaic_skinny_unsupported, skinny_matmul_mgpu
 
     q = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     shapes = {
@@ -121,6 +126,25 @@ def gemv_rows(cfg: ModelConfig, dtype, bw: float, batches=(1,), copies=4) -> lis
         print(json.dumps(row), flush=True)
         return row
 
+    def checked_rows(part, kernel, configs, x, ws, B, k, n):
+        """The kernel at each config, checked against the reference; a config that fails
+        to compile or run is recorded with ok=False and the sweep goes on."""
+        ref = skinny_matmul_ref(x, ws[0])
+        for conf in configs:
+            # f32 out, uncast: the check reads the timed program's own output (one compile per
+            # config); writing M * N * 4 bytes instead of 2 is noise against K * N * 2 read.
+            f = jax.jit(lambda x, ws, conf=conf: [kernel(x, w, **conf) for w in ws])
+            try:
+                out = f(x, ws)[0]
+                err = float(jnp.max(jnp.abs(out - ref)))
+                ok = bool(jnp.allclose(out, ref, rtol=2e-3, atol=2e-3))
+                rows.append(time_row(part, f, x, ws, B, k, n, config=conf, max_abs_err=err, ok=ok))
+            except Exception as e:  # noqa: BLE001 - one config that does not compile must not hide the others
+                row = dict(part=part, batch=B, shape=[k, n], config=conf, ok=False)
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+
     for B in batches:
         for name, (k, n) in shapes.items():
             ws = [jax.random.normal(next(key), (k, n), dtype) * 0.02 for _ in range(copies)]
@@ -129,27 +153,13 @@ def gemv_rows(cfg: ModelConfig, dtype, bw: float, batches=(1,), copies=4) -> lis
             rows.append(time_row(f"gemv_{name}", f, x, ws, B, k, n))
 
             if B <= MAX_ROWS:
-                ref = skinny_matmul_ref(x, ws[0])
-                for conf in pallas_configs(B, k, n):
-                    # f32 out, uncast: the check reads the timed program's own output (one compile per
-                    # config); writing M * N * 4 bytes instead of 2 is noise against K * N * 2 read.
-                    f = jax.jit(lambda x, ws, conf=conf: [skinny_matmul(x, w, **conf) for w in ws])
-                    try:
-                        out = f(x, ws)[0]
-                        err = float(jnp.max(jnp.abs(out - ref)))
-                        ok = bool(jnp.allclose(out, ref, rtol=2e-3, atol=2e-3))
-                        rows.append(time_row(f"pallas_{name}", f, x, ws, B, k, n, config=conf, max_abs_err=err, ok=ok))
-                    except Exception as e:  # noqa: BLE001 - one config that does not compile must not hide the others
-                        row = dict(
-                            part=f"pallas_{name}",
-                            batch=B,
-                            shape=[k, n],
-                            config=conf,
-                            ok=False,
-                            error=f"{type(e).__name__}: {str(e)[:300]}",
-                        )
-                        print(json.dumps(row), flush=True)
-                        rows.append(row)
+                checked_rows(f"pallas_{name}", skinny_matmul, pallas_configs(B, k, n), x, ws, B, k, n)
+            runnable = [
+                c
+                for c in MOSAIC_CONFIGS
+                if not mosaic_skinny_unsupported(B, k, n, dtype, block_n=c.get("block_n", 128))
+            ]
+            checked_rows(f"mosaic_{name}", skinny_matmul_mgpu, runnable, x, ws, B, k, n)
             del ws
 
             # The same product with W stored transposed, [N, K]: contract x's dim 1 with W's dim 1.
@@ -202,21 +212,25 @@ def matmul_chain_row(cfg: ModelConfig, dtype, shapes: dict, B: int, bw: float, h
 
 
 def print_gemv_summary(parts: list[dict]) -> None:
-    """One line per (batch, shape): XLA [K, N], XLA [N, K], and the best Pallas config that matched
-    the reference, in TB/s."""
-    print(f"{'shape':>8} {'B':>3} {'xla kn':>7} {'xla nk':>7} {'pallas':>7}  best pallas config (ok/tried)")
+    """One line per (batch, shape): XLA [K, N], XLA [N, K], and the best Pallas (Triton backend)
+    and Mosaic GPU configs that matched the reference, in TB/s."""
+    print(f"{'shape':>8} {'B':>3} {'xla kn':>7} {'xla nk':>7} {'pallas':>7} {'mosaic':>7}  best configs (ok/tried)")
     for r in parts:
         if not r["part"].startswith("gemv_") or r["part"].endswith("_nk"):
             continue
         name, B = r["part"][len("gemv_") :], r["batch"]
         nk = [p["TBps"] for p in parts if p["part"] == f"gemv_{name}_nk" and p["batch"] == B]
-        tried = [p for p in parts if p["part"] == f"pallas_{name}" and p["batch"] == B]
-        good = [p for p in tried if p.get("ok")]
-        best = max(good, key=lambda p: p["TBps"]) if good else None
+        best, notes = {}, []
+        for kernel in ("pallas", "mosaic"):
+            tried = [p for p in parts if p["part"] == f"{kernel}_{name}" and p["batch"] == B]
+            good = [p for p in tried if p.get("ok")]
+            best[kernel] = max(good, key=lambda p: p["TBps"]) if good else None
+            conf = json.dumps(best[kernel]["config"]) if good else "-"
+            notes.append(f"{kernel} {conf} ({len(good)}/{len(tried)})")
+        tbps = {k: (b["TBps"] if b else float("nan")) for k, b in best.items()}
         print(
             f"{name:>8} {B:>3} {r['TBps']:>7.2f} {nk[0] if nk else float('nan'):>7.2f} "
-            f"{best['TBps'] if best else float('nan'):>7.2f}  "
-            f"{json.dumps(best['config']) if best else '-'} ({len(good)}/{len(tried)})"
+            f"{tbps['pallas']:>7.2f} {tbps['mosaic']:>7.2f}  {'; '.join(notes)}"
         )
 
 

@@ -53,6 +53,12 @@ for s in "$@"; do
     fp8) step fp8 150 $PY -m benchmarks.bench_fp8 --out "$RESULTS" ;;
     kernels) step kernels 120 $PY -m benchmarks.bench_kernels --quick --out "$RESULTS" ;;
     kernels_mgpu) step kernels_mgpu 300 $PY -m benchmarks.bench_kernels_mgpu --out "$RESULTS" ;;
+    gemv)
+      # Each 8B projection's GEMV four ways (XLA [K, N] and [N, K], the Triton-backend and Mosaic GPU
+      # skinny matmuls), then the whole decode step with every projection on the Mosaic one.
+      step gemv 240 $PY -m benchmarks.bench_decode --parts --quick --no-stacked --batches 1,16 --tag gemv --out "$RESULTS"
+      JSPEC_SKINNY_MATMUL=mosaic step decode_mosaic_gemv 150 $PY -m benchmarks.bench_decode --quick --no-stacked \
+        --batches 1,16 --tag mosaic_gemv --out "$RESULTS" ;;
     mla) step mla 70 $PY -m benchmarks.bench_mla --out "$RESULTS" ;;
     nextn) step nextn 70 $PY -m benchmarks.bench_nextn --layers 4 --out "$RESULTS" ;;
     dflash_cost) step dflash_cost 150 $PY -m benchmarks.bench_dflash --draft-layers 5 --out "$RESULTS" ;;

@@ -496,10 +496,11 @@ def test_dense_matmul_switch(monkeypatch):
     x = jax.random.normal(jax.random.key(0), (3, 64), jnp.bfloat16)
     w = jax.random.normal(jax.random.key(1), (64, 48), jnp.bfloat16)
     monkeypatch.setenv(matmul.SKINNY_MATMUL_ENV, "cublas")
-    with pytest.raises(ValueError, match="expected 'xla' or 'pallas'"):
+    with pytest.raises(ValueError, match="expected 'xla', 'pallas' or 'mosaic'"):
         matmul.dense_f32(x, w)
-    monkeypatch.setenv(matmul.SKINNY_MATMUL_ENV, "pallas")
-    np.testing.assert_array_equal(matmul.dense_f32(x, w), jnp.dot(x, w, preferred_element_type=jnp.float32))
+    for backend in ("pallas", "mosaic"):
+        monkeypatch.setenv(matmul.SKINNY_MATMUL_ENV, backend)
+        np.testing.assert_array_equal(matmul.dense_f32(x, w), jnp.dot(x, w, preferred_element_type=jnp.float32))
 
 
 # Sliding windows: (window, page_size, tree, tuning). A window shorter than a block's tokens

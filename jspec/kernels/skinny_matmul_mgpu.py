@@ -1,0 +1,168 @@
+"""Skinny matmul x[M, K] @ W[K, N] for decode rows (M <= 64), Pallas over Mosaic GPU (Hopper).
+
+The same contract as skinny_matmul.skinny_matmul for 16-bit weights whose K and N are whole
+tiles; anything else raises MosaicUnsupported, naming it, so that a caller can fall back to the
+Triton-backend kernel; mosaic_skinny_unsupported() asks first.
+
+Grid (column strip, K split), one warpgroup per program. Every weight byte is read once: the
+program walks its strip's block_n columns down its split of K in block_k-row tiles, each tile of
+W and the matching tile of x moved by TMA into swizzled shared memory, num_stages tiles in
+flight (the copies of tile t + num_stages - 1 are issued before tile t is multiplied). x is
+padded to wgmma's 64 rows once per call in jnp; only the M real rows of each split's f32
+partial are written, and the splits are summed in jnp, where XLA fuses the sum into what follows.
+
+As in the paged kernels (paged_decode_mgpu.py), each tile's product lands in a fresh
+accumulator that is added to the running one in registers: accumulating in place is not run by
+Mosaic GPU's interpreter, the CPU test path.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jspec.kernels.mgpu_tiles import GROUP_ROWS, SMEM_BYTES, MosaicUnsupported, interpret_params, swizzled
+from jspec.kernels.paged_tiles import TARGET_PROGRAMS
+
+MAX_ROWS = GROUP_ROWS  # wgmma's M: the padded x tile
+WEIGHT_DTYPES = (jnp.bfloat16, jnp.float16)
+# A K tile is one 128-byte swizzle row of 16-bit x; block_n is wgmma's N.
+BLOCK_K = 64
+BLOCK_N_CHOICES = (64, 128, 256)
+GRID_AXES = ("strip", "split")
+# As skinny_matmul's: a split shorter than this many tiles spends its time filling the pipeline.
+MIN_TILES_PER_SPLIT = 4
+
+
+def mosaic_skinny_unsupported(M: int, K: int, N: int, w_dtype, *, block_n: int = 128) -> str | None:
+    """The first feature of this call that the Mosaic kernel lacks, or None if it can run it."""
+    dtype = jnp.dtype(w_dtype)
+    if dtype.itemsize == 1:
+        return "FP8 weights"
+    if dtype not in map(jnp.dtype, WEIGHT_DTYPES):
+        return f"{dtype.name} weights (16-bit weights only)"
+    if not 1 <= M <= MAX_ROWS:
+        return f"{M} rows (1 to {MAX_ROWS})"
+    if K % BLOCK_K:
+        return f"K {K} (a multiple of {BLOCK_K})"
+    if N % block_n:
+        return f"N {N} (a multiple of block_n {block_n})"
+    return None
+
+
+class MosaicSkinnyPlan(NamedTuple):
+    """Static launch settings, resolved from the shape and the tuning arguments."""
+
+    block_n: int  # weight columns per program: wgmma's N
+    num_splits: int  # K partitions, each of tiles_per_split tiles
+    tiles_per_split: int
+    num_stages: int  # tiles of x and W in shared memory at once
+
+
+def mosaic_skinny_plan(K: int, N: int, *, block_n=None, num_splits=None, num_stages=4) -> MosaicSkinnyPlan:
+    """Default tiles and split-K: block_n 128, and enough K splits (a divisor of K's tiles, no
+    split under MIN_TILES_PER_SPLIT tiles) that the grid reaches TARGET_PROGRAMS programs when the
+    strips alone do not."""
+    block_n = block_n or 128
+    if block_n not in BLOCK_N_CHOICES:
+        raise ValueError(f"block_n must be one of {BLOCK_N_CHOICES}, got {block_n}")
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be at least 1, got {num_stages}")
+    smem = num_stages * 2 * (MAX_ROWS * BLOCK_K + BLOCK_K * block_n) + 4 * MAX_ROWS * block_n
+    if smem > SMEM_BYTES:
+        raise ValueError(f"block_n {block_n} x num_stages {num_stages} needs {smem} bytes of shared memory")
+    strips, k_tiles = N // block_n, K // BLOCK_K
+    if num_splits is None:
+        wanted = max(1, -(-TARGET_PROGRAMS // strips))
+        # Every split runs the same static trip count: the largest divisor of the tile count
+        # that is at most what the grid wants and keeps splits long enough.
+        num_splits = max(
+            d
+            for d in range(1, k_tiles + 1)
+            if k_tiles % d == 0 and d <= wanted and (d == 1 or k_tiles // d >= MIN_TILES_PER_SPLIT)
+        )
+    if k_tiles % num_splits:
+        raise ValueError(f"num_splits {num_splits} must divide K's {k_tiles} tiles of {BLOCK_K}")
+    return MosaicSkinnyPlan(block_n, num_splits, k_tiles // num_splits, num_stages)
+
+
+def _skinny_kernel(x_ref, w_ref, out_ref, *, plan, rows, dtype):
+    block_n, stages, tiles = plan.block_n, plan.num_stages, plan.tiles_per_split
+    strip, split = (lax.axis_index(axis) for axis in GRID_AXES)
+    cols = pl.ds(pl.multiple_of(strip * block_n, block_n), block_n)
+    first_tile = split * tiles
+
+    def product(x_smem, w_smem, barriers):
+        def issue(t):
+            slot = lax.rem(t, stages)
+            k = pl.ds(pl.multiple_of((first_tile + t) * BLOCK_K, BLOCK_K), BLOCK_K)
+            plgpu.copy_gmem_to_smem(x_ref.at[:, k], x_smem.at[slot], barriers.at[slot])
+            plgpu.copy_gmem_to_smem(w_ref.at[k, cols], w_smem.at[slot], barriers.at[slot])
+
+        for t in range(min(stages - 1, tiles)):
+            issue(t)
+
+        def tile(t, acc):
+            slot = lax.rem(t, stages)
+            # The slot refilled here held tile t - 1, whose wgmma has been read out already.
+            pl.when(t + stages - 1 < tiles)(lambda: issue(t + stages - 1))
+            plgpu.barrier_wait(barriers.at[slot])
+
+            def multiply(acc_ref):
+                plgpu.wgmma(acc_ref, x_smem.at[slot], w_smem.at[slot])
+                return acc_ref[...]
+
+            return acc + pl.run_scoped(multiply, plgpu.ACC((MAX_ROWS, block_n), jnp.float32))
+
+        zeros = plgpu.layout_cast(jnp.zeros((MAX_ROWS, block_n), jnp.float32), plgpu.Layout.WGMMA)
+        return lax.fori_loop(0, tiles, tile, zeros)
+
+    acc = pl.run_scoped(
+        product,
+        plgpu.SMEM((stages, MAX_ROWS, BLOCK_K), dtype, transforms=swizzled(BLOCK_K, dtype)),
+        plgpu.SMEM((stages, BLOCK_K, block_n), dtype, transforms=swizzled(block_n, dtype)),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+    )
+
+    def write(out_smem):
+        out_smem[...] = acc
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, rows)], out_ref.at[split, :, cols])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(write, plgpu.SMEM((MAX_ROWS, block_n), jnp.float32))
+
+
+@functools.partial(jax.jit, static_argnames=("block_n", "num_splits", "num_stages", "interpret"))
+def skinny_matmul_mgpu(x, w, *, block_n=None, num_splits=None, num_stages=4, interpret=None):
+    """skinny_matmul.skinny_matmul on Mosaic GPU: x [M, K] (M <= 64, any float dtype) @ w [K, N]
+    (16-bit) -> f32 [M, N], x cast to w's dtype, f32 accumulation.
+
+    Raises MosaicUnsupported for what mosaic_skinny_unsupported() names. Tuning (see
+    mosaic_skinny_plan): block_n (64, 128 or 256), num_splits (a divisor of K / 64), num_stages.
+    interpret: as the other kernels' (an InterpretGPUParams runs the interpreter with its settings).
+    """
+    (M, K), (K_w, N) = x.shape, w.shape
+    if K != K_w:
+        raise ValueError(f"x {x.shape} does not fit w {w.shape}")
+    feature = mosaic_skinny_unsupported(M, K, N, w.dtype, block_n=block_n or 128)
+    if feature is not None:
+        raise MosaicUnsupported(feature, kernel="skinny matmul")
+    plan = mosaic_skinny_plan(K, N, block_n=block_n, num_splits=num_splits, num_stages=num_stages)
+    x_rows = jnp.pad(x.astype(w.dtype), ((0, MAX_ROWS - M), (0, 0)))  # wgmma's 64 rows
+    kernel = plgpu.kernel(
+        functools.partial(_skinny_kernel, plan=plan, rows=M, dtype=w.dtype),
+        out_type=jax.ShapeDtypeStruct((plan.num_splits, M, N), jnp.float32),
+        grid=(N // plan.block_n, plan.num_splits),
+        grid_names=GRID_AXES,
+        interpret=interpret_params(interpret),
+        kernel_name=f"skinny_matmul_mgpu_n{plan.block_n}_s{plan.num_splits}",
+    )
+    partials = kernel(x_rows, w)
+    return partials[0] if plan.num_splits == 1 else jnp.sum(partials, axis=0)
