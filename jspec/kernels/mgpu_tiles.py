@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jspec.kernels.backend import resolve_interpret
-from jspec.kernels.paged_tiles import FP8_KV_BYTES, MASK_VALUE
+from jspec.kernels.paged_tiles import FP8_KV_BYTES, LOG2E, MASK_VALUE
 
 # wgmma multiplies 64-row blocks: a program's query rows are padded to this.
 GROUP_ROWS = 64
@@ -143,46 +143,68 @@ def initial_rows(head_dim: int):
 
 
 def attend_kv_tile(
-    q_smem, k_tile, v_tile, v_barrier, p_smem, carry, *, start, hi, scale_log2, visible=None, check_hi=True
+    q_smem,
+    k_tile,
+    v_tile,
+    v_barrier,
+    p_smem,
+    carry,
+    *,
+    start,
+    hi,
+    scale_log2,
+    visible=None,
+    check_hi=True,
+    lo=None,
+    softcap=None,
 ):
     """One online-softmax step of the query block q_smem [GROUP_ROWS, D] over a K / V tile in
     shared memory (K already waited for; V waited for here, after the logits). Returns (m, l, acc).
 
     start: the tile's first KV position; hi: positions from hi on are outside this program's range.
     With check_hi (a tile that may reach hi) they are hidden and their values zeroed in shared
-    memory: a NaN there would survive a zero weight. visible: None, or a function of the logits'
-    positions (an iota along the tile) giving what each row sees below hi, which implies check_hi;
-    what it hides gets weight exactly zero.
+    memory: a NaN there would survive a zero weight. lo: None, or positions below it are hidden
+    and zeroed likewise (a sliding window's start), which implies check_hi. visible: None, or a
+    function of the logits' positions (an iota along the tile) giving what each row sees below
+    hi, which implies check_hi; what it hides gets weight exactly zero. softcap: the scaled
+    logits (natural units) become softcap * tanh(logits / softcap), as Gemma 2's.
     """
     m, l, acc = carry
     block_n, head_dim = k_tile.shape
-    check_hi = check_hi or visible is not None
+    check_hi = check_hi or visible is not None or lo is not None
 
     def logits(s_ref):
         plgpu.wgmma(s_ref, q_smem, k_tile.T)
         return s_ref[...]
 
-    s = pl.run_scoped(logits, plgpu.ACC((GROUP_ROWS, block_n), jnp.float32)) * scale_log2
+    s = pl.run_scoped(logits, plgpu.ACC((GROUP_ROWS, block_n), jnp.float32))
+    if softcap is None:
+        s = s * scale_log2
+    else:
+        s = jnp.tanh(s * (scale_log2 / (LOG2E * softcap))) * (softcap * LOG2E)
     if check_hi:
         positions = start + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
         seen = positions < hi
+        if lo is not None:
+            seen &= positions >= lo
         if visible is not None:
             seen &= visible(positions)
         s = jnp.where(seen, s, MASK_VALUE)
     m_new = jnp.maximum(m, s.max(axis=1))
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-    if visible is not None:
+    if visible is not None or lo is not None:
         # A row that has seen nothing yet has m_new == MASK_VALUE and p == 1 where hidden.
         p = jnp.where(seen, p, 0.0)
     l = l * alpha + p.sum(axis=1)
     plgpu.barrier_wait(v_barrier)
     if check_hi:
+        below = jnp.int32(0) if lo is None else lo
 
-        @pl.when(start + block_n > hi)
-        def _zero_values_past_the_end():
-            rows = plgpu.broadcasted_iota(jnp.int32, (block_n, head_dim), 0, layout=plgpu.Layout.WGMMA)
-            v_tile[...] = jnp.where(start + rows < hi, v_tile[...], 0).astype(v_tile.dtype)
+        @pl.when((start + block_n > hi) | (start < below))
+        def _zero_values_out_of_range():
+            rows = start + plgpu.broadcasted_iota(jnp.int32, (block_n, head_dim), 0, layout=plgpu.Layout.WGMMA)
+            v_tile[...] = jnp.where((rows < hi) & (rows >= below), v_tile[...], 0).astype(v_tile.dtype)
 
     p_smem[...] = p.astype(p_smem.dtype)
     plgpu.commit_smem()

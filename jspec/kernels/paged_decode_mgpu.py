@@ -1,9 +1,9 @@
 """Paged attention for decode: one query token per sequence, Pallas over Mosaic GPU (Hopper).
 
 The same contract as paged_decode.paged_decode (same arguments, same outputs, the same split-K
-plan and merge), for the common case only: a 16-bit KV pool, pages of 8 or more tokens, no
-window, soft-cap or sinks. Anything else raises MosaicUnsupported, naming the feature, so that
-a caller can fall back to the Triton-backend kernel; mosaic_decode_unsupported() asks first.
+plan and merge; sliding windows, soft-caps and sinks included), for 16-bit KV pools and pages of
+8 or more tokens. Anything else raises MosaicUnsupported, naming the feature, so that a caller
+can fall back to the Triton-backend kernel; mosaic_decode_unsupported() asks first.
 
 Grid (sequence, kv head, context split), one warpgroup per program. The program's GQA group is
 the M side of two wgmmas (logits = q k^T, then p v), padded with zero rows to wgmma's 64: the
@@ -11,6 +11,10 @@ padding is copied once per call in jnp, since a TMA box into a tiled buffer must
 tile, which a group's first head does not. KV moves by TMA, one copy per page (per tile, for
 pages longer than a tile) into swizzled shared memory, num_stages tiles in flight: the copies
 of tile t + num_stages - 1 are issued before tile t is computed.
+
+A sliding window moves the splits to cover the last window tokens only, from the tile holding
+the window's first key (a TMA copy starts on a tile), whose earlier keys are masked. Sinks enter
+as the first split's initial state (as paged_tiles.with_sink), so the merge counts them once.
 
 What the Mosaic GPU interpreter (the CPU test path) can run shapes three choices, each of
 which a faster kernel would make differently (docs/kernels-mosaic.md):
@@ -48,11 +52,13 @@ from jspec.kernels.mgpu_tiles import (
 )
 from jspec.kernels.paged_tiles import (
     LOG2E,
+    MASK_VALUE,
     choose_splits,
     lse_of_splits,
     merge_splits,
     min_split_len,
     runtime_split_len,
+    window_scalar,
 )
 
 GRID_AXES = ("seq", "kv_head", "split")
@@ -61,15 +67,11 @@ GRID_AXES = ("seq", "kv_head", "split")
 def mosaic_decode_unsupported(
     cache_shape, cache_dtype, num_q_heads, *, window=None, logit_softcap=None, sinks=None, num_warps=4
 ) -> str | None:
-    """The first feature of this call that the Mosaic kernel lacks, or None if it can run it."""
+    """The first feature of this call that the Mosaic kernel lacks, or None if it can run it.
+    Windows, soft-caps and sinks it runs (the extend kernel does not yet)."""
+    del window, logit_softcap, sinks
     return paged_unsupported(
-        cache_shape,
-        cache_dtype,
-        num_q_heads,
-        window=window,
-        logit_softcap=logit_softcap,
-        sinks=sinks,
-        num_warps=num_warps,
+        cache_shape, cache_dtype, num_q_heads, window=None, logit_softcap=None, sinks=None, num_warps=num_warps
     )
 
 
@@ -80,10 +82,12 @@ def _attend_split(
     q_ref,
     k_ref,
     v_ref,
+    sinks_ref,
     q_smem,
     k_smem,
     v_smem,
     p_smem,
+    sink_smem,
     q_barrier,
     k_barriers,
     v_barriers,
@@ -96,14 +100,18 @@ def _attend_split(
     rows_per_copy,
     num_stages,
     scale_log2,
+    softcap,
 ):
     """This program's split of the context: its online-softmax state (m, l, acc) over GROUP_ROWS rows."""
     seq, kv_head, split = (lax.axis_index(axis) for axis in GRID_AXES)
     max_pages = page_tables_ref.shape[1]
     head_dim = q_smem.shape[1]
-    layer, split_len = scalars_ref[0], scalars_ref[1]
+    layer, split_len, window = scalars_ref[0], scalars_ref[1], scalars_ref[2]
     kv_len = jnp.minimum(seq_lens_ref[seq], max_pages * page_size)
-    lo = split * split_len
+    # The query sits at kv_len - 1: keys before kv_len - window are out of its window. The
+    # splits start on the tile holding the first key in it.
+    window_lo = jnp.maximum(kv_len - window, 0)
+    lo = lax.div(window_lo, block_n) * block_n + split * split_len
     hi = jnp.minimum(lo + split_len, kv_len)
     num_tiles = lax.div(jnp.maximum(hi - lo, 0) + block_n - 1, block_n)
 
@@ -129,9 +137,18 @@ def _attend_split(
         )
 
     plgpu.copy_gmem_to_smem(q_ref.at[seq * num_kv_heads + kv_head], q_smem, q_barrier)
+    if sinks_ref is not None:
+        plgpu.copy_gmem_to_smem(sinks_ref.at[split, kv_head], sink_smem, q_barrier)
     for t in range(num_stages - 1):
         pl.when(t < num_tiles)(functools.partial(issue_tile, t))
     plgpu.barrier_wait(q_barrier)
+    carry = initial_rows(head_dim)
+    if sinks_ref is not None:
+        # As if each row had seen a key of its sink's logit and value zero (the first split), or
+        # one of weight zero (the others: exactly nothing once a real key or the merge comes).
+        rows = plgpu.Layout.WGMMA.reduce(1)
+        ones = plgpu.layout_cast(jnp.ones((GROUP_ROWS,), jnp.float32), rows)
+        carry = (plgpu.load(sink_smem, layout=rows), ones, carry[2])
 
     def attend_tile(t, carry):
         slot = lax.rem(t, num_stages)
@@ -147,9 +164,11 @@ def _attend_split(
             start=lo + t * block_n,
             hi=hi,
             scale_log2=scale_log2,
+            lo=window_lo,
+            softcap=softcap,
         )
 
-    return lax.fori_loop(0, num_tiles, attend_tile, initial_rows(head_dim))
+    return lax.fori_loop(0, num_tiles, attend_tile, carry)
 
 
 def _write_out(out_ref, out_smem, m, l, acc, *, group):
@@ -174,8 +193,9 @@ def _write_partials(acc_ref, m_ref, l_ref, acc_smem, m_smem, l_smem, m, l, acc, 
 
 
 def _decode_kernel(
-    scalars_ref, seq_lens_ref, page_tables_ref, q_ref, k_ref, v_ref, *out_refs, plan, cache_shape, group
+    scalars_ref, seq_lens_ref, page_tables_ref, q_ref, k_ref, v_ref, *refs, plan, cache_shape, group, softcap, sinks
 ):
+    sinks_ref, *out_refs = refs if sinks else (None, *refs)
     _, num_pages, page_size, num_kv_heads, head_dim = cache_shape
     dtype = k_ref.dtype
     stages, block_n = plan.num_stages, plan.block_n
@@ -187,6 +207,7 @@ def _decode_kernel(
         q_ref,
         k_ref,
         v_ref,
+        sinks_ref,
         page_size=page_size,
         num_pages=num_pages,
         num_kv_heads=num_kv_heads,
@@ -195,6 +216,7 @@ def _decode_kernel(
         rows_per_copy=plan.rows_per_copy,
         num_stages=stages,
         scale_log2=plan.scale_log2,
+        softcap=softcap,
     )
     copies = block_n // plan.rows_per_copy
     # Two scopes, one after the other: the epilogue's buffers reuse the tiles' shared memory.
@@ -204,7 +226,8 @@ def _decode_kernel(
         plgpu.SMEM((stages, block_n, head_dim), dtype, transforms=swizzled(head_dim, dtype)),
         plgpu.SMEM((stages, block_n, head_dim), dtype, transforms=swizzled(head_dim, dtype)),
         plgpu.SMEM((GROUP_ROWS, block_n), dtype, transforms=swizzled(block_n, dtype)),
-        plgpu.Barrier(),
+        plgpu.SMEM((GROUP_ROWS,), jnp.float32),  # the rows' sinks (unused without)
+        plgpu.Barrier(num_arrivals=2 if sinks else 1),  # q, and the sinks
         plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
         plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
     )
@@ -337,7 +360,10 @@ def paged_decode_mgpu(
     group = num_q_heads // num_kv_heads
     write_final = plan.num_splits == 1 and not return_lse
     kv_lens = jnp.minimum(seq_lens.astype(jnp.int32), page_tables.shape[1] * page_size)
-    split_len = runtime_split_len(kv_lens, plan.num_splits, plan.block_n, plan.min_split_len)
+    window = window_scalar(window)
+    # The splits cover a window from the tile holding its first key: up to block_n - 1 more.
+    span = jnp.minimum(kv_lens, window + (plan.block_n - 1))
+    split_len = runtime_split_len(span, plan.num_splits, plan.block_n, plan.min_split_len)
     # wgmma's 64 rows: the group's heads, then zeros.
     q_groups = q.astype(k_cache.dtype).reshape(batch * num_kv_heads, group, head_dim)
     q_groups = jnp.pad(q_groups, ((0, 0), (0, GROUP_ROWS - group), (0, 0)))
@@ -350,22 +376,37 @@ def paged_decode_mgpu(
             jax.ShapeDtypeStruct((*partial, num_kv_heads, GROUP_ROWS), jnp.float32),
             jax.ShapeDtypeStruct((*partial, num_kv_heads, GROUP_ROWS), jnp.float32),
         )
+    softcap = None if logit_softcap is None else float(logit_softcap)
     kernel = plgpu.kernel(
-        functools.partial(_decode_kernel, plan=plan, cache_shape=k_cache.shape, group=group),
+        functools.partial(
+            _decode_kernel, plan=plan, cache_shape=k_cache.shape, group=group, softcap=softcap, sinks=sinks is not None
+        ),
         out_type=out_type,
         grid=(batch, num_kv_heads, plan.num_splits),
         grid_names=GRID_AXES,
         interpret=interpret_params(interpret),
         kernel_name=f"paged_decode_mgpu_s{page_size}_g{group}_n{plan.block_n}",
     )
+    extra = ()
+    if sinks is not None:
+        # Each split's initial running max per kv head's rows (log2 units): the sinks for the
+        # first split, so that the merge counts them once, nothing for the others; padded to the
+        # block's rows (a TMA box starts on a row). A select on the split index in the kernel
+        # would be a scalar broadcast, which Mosaic GPU does not lower.
+        sink_rows = jnp.pad(
+            sinks.astype(jnp.float32).reshape(num_kv_heads, group) * LOG2E, ((0, 0), (0, GROUP_ROWS - group))
+        )
+        first = (jnp.arange(plan.num_splits) == 0)[:, None, None]
+        extra = (jnp.where(first, sink_rows[None], MASK_VALUE),)
     pages = (num_layers * num_pages, page_size, num_kv_heads, head_dim)  # a free reshape: layer and page in one index
     outs = kernel(
-        jnp.stack([jnp.reshape(layer, ()).astype(jnp.int32), split_len[0]]),
+        jnp.stack([jnp.reshape(layer, ()).astype(jnp.int32), split_len[0], window]),
         seq_lens.astype(jnp.int32),
         page_tables.astype(jnp.int32),
         q_groups,
         k_cache.reshape(pages),
         v_cache.reshape(pages),
+        *extra,
     )
     if write_final:
         return outs

@@ -89,6 +89,54 @@ def test_interpreted_kernel_matches_reference(page_size, group, head_dim, tuning
     assert not np.any(got[0])  # seq_len 0 -> zeros
 
 
+# (page_size, window, softcap, sinks, tuning): a window starting inside a tile, over splits (each
+# sequence's splits cover its window only); the same with a soft-cap and sinks, one split; sinks
+# over three splits with the log-sum-exp (the merge must count them once).
+FEATURE_CASES = [
+    pytest.param(16, 37, None, False, dict(num_splits=2), id="s16-window37-two_splits"),
+    pytest.param(8, 70, 5.0, True, dict(num_splits=1), id="s8-window70-softcap-sinks"),
+    pytest.param(16, None, None, True, dict(num_splits=3, return_lse=True), id="s16-sinks-three_splits-lse"),
+]
+
+
+@pytest.mark.parametrize("page_size,window,softcap,sinks,tuning", FEATURE_CASES)
+def test_interpreted_windows_softcaps_and_sinks_match_reference(page_size, window, softcap, sinks, tuning):
+    rng = np.random.default_rng(page_size + (window or 0))
+    num_kv_heads, group, head_dim = 2, 4, 64
+    # Empty, shorter than the window, just past it, and far past it.
+    seq_lens = np.array([0, 5, (window or 64) + 3, 200], np.int32)
+    k, v, tables = paged_problem(rng, seq_lens, page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    q = rng.standard_normal((len(seq_lens), num_kv_heads * group, head_dim))
+    q, k, v = (jnp.asarray(x, BF16) for x in (q, k, v))
+    args = (q, k, v, jnp.array([LAYER], I32), jnp.asarray(seq_lens), jnp.asarray(tables))
+    features = dict(
+        window=None if window is None else jnp.array([window], I32),
+        logit_softcap=softcap,
+        sinks=jnp.asarray(rng.standard_normal(num_kv_heads * group), jnp.float32) if sinks else None,
+    )
+    tuning = dict(tuning)
+    return_lse = tuning.pop("return_lse", False)
+    interpreted = interpret_mode()
+    got = paged_decode_mgpu(
+        *args,
+        sm_scale=SM_SCALE,
+        min_split_tokens=16,
+        return_lse=return_lse,
+        interpret=RACE_CHECKED if interpreted else None,
+        **features,
+        **tuning,
+    )
+    want = paged_decode_ref(*args, sm_scale=SM_SCALE, return_lse=return_lse, **features)
+    assert not (interpreted and get_races().races_found)
+    tol = tolerance(BF16)
+    if return_lse:
+        (got, lse), (want, want_lse) = got, want
+        np.testing.assert_allclose(lse, want_lse, rtol=tol.rtol, atol=tol.lse_atol)
+    got = np.asarray(got, np.float32)
+    assert not np.isnan(got).any()
+    assert rel_err(got, np.asarray(want, np.float32)) < tol.rel
+
+
 def cache_specs(batch, ctx, page_size, num_kv_heads, head_dim):
     cache = jax.ShapeDtypeStruct((4, batch * ctx // page_size + 1, page_size, num_kv_heads, head_dim), BF16)
     lens, tables = jax.ShapeDtypeStruct((batch,), I32), jax.ShapeDtypeStruct((batch, ctx // page_size), I32)
@@ -110,12 +158,33 @@ def test_kernel_lowers_for_cuda(batch, ctx, page_size, num_q_heads, num_kv_heads
     assert "custom_call @mosaic_gpu_v2" in text and "xla.gpu.triton" not in text
 
 
+def test_kernel_with_window_softcap_and_sinks_lowers_for_cuda():
+    """gpt-oss-like attention (a window, sinks) with Gemma 2's soft-cap, over split-K."""
+    q = jax.ShapeDtypeStruct((4, 32, 64), BF16)
+    window, sinks = jax.ShapeDtypeStruct((1,), I32), jax.ShapeDtypeStruct((32,), jnp.float32)
+
+    def fn(q, k, v, layer, lens, tables, window, sinks):
+        return paged_decode_mgpu(
+            q,
+            k,
+            v,
+            layer,
+            lens,
+            tables,
+            sm_scale=0.125,
+            window=window,
+            logit_softcap=30.0,
+            sinks=sinks,
+            interpret=False,
+        )
+
+    text = lower_for_cuda(fn, q, *cache_specs(4, 4096, 16, 8, 64), window, sinks).as_text()
+    assert "custom_call @mosaic_gpu_v2" in text and "xla.gpu.triton" not in text
+
+
 @pytest.mark.parametrize(
     "change,feature",
     [
-        (dict(window=True), "sliding window"),
-        (dict(logit_softcap=30.0), "soft-cap"),
-        (dict(sinks=True), "sinks"),
         (dict(dtype=jnp.uint8), "FP8"),
         (dict(dtype=jnp.float32), "float32 KV"),
         (dict(page_size=4), "page size 4"),
