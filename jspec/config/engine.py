@@ -108,7 +108,7 @@ class EngineConfig:
         None,
         "default: pallas on the GPU, the jnp reference elsewhere (Pallas would run interpreted); "
         "mosaic: decode, extend and tree verify on the Mosaic GPU kernels (16-bit KV, pages >= 8, no "
-        "window, soft-cap, sinks or latent attention, trees of at most 256 tokens: refused by name at build)",
+        "latent attention, trees of at most 256 tokens: the rest refused by name at build)",
         choices=ATTENTION_BACKENDS,
         group="kernels",
     )

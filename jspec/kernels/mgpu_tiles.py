@@ -4,7 +4,7 @@ Both kernels run one warpgroup per program over a block of GROUP_ROWS query rows
 or tokens x group) padded with zeros, read KV by TMA one page (or one tile of a longer page) per
 copy into swizzled shared memory, and run the online softmax in registers in wgmma's layout.
 What they cover is the same (16-bit pools, pages of MIN_PAGE_SIZE or more, head_dim a multiple of
-64 up to 256, no window, soft-cap or sinks); anything else raises MosaicUnsupported.
+64 up to 256; sliding windows, soft-caps and sinks); anything else raises MosaicUnsupported.
 
 The shapes of a tile step follow what Mosaic GPU's interpreter (the CPU test path) can run: see
 docs/kernels-mosaic.md and each kernel's docstring.
@@ -41,16 +41,10 @@ class MosaicUnsupported(NotImplementedError):
         self.kernel = kernel
 
 
-def paged_unsupported(cache_shape, cache_dtype, num_q_heads, *, window, logit_softcap, sinks, num_warps) -> str | None:
+def paged_unsupported(cache_shape, cache_dtype, num_q_heads, *, num_warps) -> str | None:
     """The first feature of a paged attention call that the Mosaic kernels lack, or None."""
     _, _, page_size, num_kv_heads, head_dim = cache_shape
     dtype = jnp.dtype(cache_dtype)
-    if window is not None:
-        return "a sliding window"
-    if logit_softcap is not None:
-        return "a logit soft-cap"
-    if sinks is not None:
-        return "attention sinks"
     if dtype == FP8_KV_BYTES:
         return "an FP8 KV pool"
     if dtype not in map(jnp.dtype, KV_DTYPES):

@@ -68,11 +68,9 @@ def mosaic_decode_unsupported(
     cache_shape, cache_dtype, num_q_heads, *, window=None, logit_softcap=None, sinks=None, num_warps=4
 ) -> str | None:
     """The first feature of this call that the Mosaic kernel lacks, or None if it can run it.
-    Windows, soft-caps and sinks it runs (the extend kernel does not yet)."""
+    Windows, soft-caps and sinks it runs."""
     del window, logit_softcap, sinks
-    return paged_unsupported(
-        cache_shape, cache_dtype, num_q_heads, window=None, logit_softcap=None, sinks=None, num_warps=num_warps
-    )
+    return paged_unsupported(cache_shape, cache_dtype, num_q_heads, num_warps=num_warps)
 
 
 def _attend_split(

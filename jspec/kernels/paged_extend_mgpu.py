@@ -2,9 +2,9 @@
 over Mosaic GPU (Hopper).
 
 The same contract as paged_extend.paged_extend (same arguments, same outputs; causal, or a tree
-mask: the prefix fully visible, new token i seeing new token k iff mask[b, i, k]), for the common
-case only: a 16-bit KV pool, pages of 8 or more tokens, no window, soft-cap or sinks, trees of at
-most MAX_TREE_TOKENS tokens. Anything else raises MosaicUnsupported, naming the feature;
+mask: the prefix fully visible, new token i seeing new token k iff mask[b, i, k]; sliding
+windows, soft-caps and sinks included) for 16-bit KV pools, pages of 8 or more tokens and trees of
+at most MAX_TREE_TOKENS tokens. Anything else raises MosaicUnsupported, naming the feature;
 mosaic_extend_unsupported() asks first.
 
 Grid (sequence, query block x context split, kv head), one warpgroup per program, highest query
@@ -19,7 +19,11 @@ back into the ragged [T, Hq, D] layout (and merges first, over several context s
 box cannot stop at a sequence's last token, and rows past it belong to the next sequence.
 
 Per program, the KV tiles below every row's causal reach (the prefix, under a tree) run
-unmasked; the rest, up to the block's last token, are masked. KV moves by TMA as in the decode
+unmasked; the rest, up to the block's last token, are masked. Under a sliding window each row
+also carries its window's first position (a tree node's position is the prefix plus its depth):
+the splits start on the tile holding the block's lowest one, and the tiles below the highest one
+are masked too. Sinks enter as each row's initial state in the first split, as in the decode
+kernel. KV moves by TMA as in the decode
 kernel (mgpu_tiles.issue_kv_tile), num_stages tiles in flight, one pipeline across both loops.
 The interpreter shapes the tile step as it does the decode kernel's (paged_decode_mgpu).
 """
@@ -49,7 +53,16 @@ from jspec.kernels.mgpu_tiles import (
     swizzled,
     tile_smem_bytes,
 )
-from jspec.kernels.paged_tiles import LOG2E, choose_splits, merge_splits, min_split_len, runtime_split_len
+from jspec.kernels.paged_tiles import (
+    LOG2E,
+    MASK_VALUE,
+    choose_splits,
+    merge_splits,
+    min_split_len,
+    runtime_split_len,
+    tree_depth,
+    window_scalar,
+)
 
 GRID_AXES = ("seq", "block_split", "kv_head")
 # A tree's mask rows travel as 32-bit words; each masked tile tests every word, so trees stay small.
@@ -70,16 +83,10 @@ def mosaic_extend_unsupported(
     num_warps=None,
 ) -> str | None:
     """The first feature of this call that the Mosaic extend kernel lacks, or None if it can run
-    it. max_q_len: the bound on new tokens per sequence (a tree mask's side)."""
-    feature = paged_unsupported(
-        cache_shape,
-        cache_dtype,
-        num_q_heads,
-        window=window,
-        logit_softcap=logit_softcap,
-        sinks=sinks,
-        num_warps=4 if num_warps is None else num_warps,
-    )
+    it. max_q_len: the bound on new tokens per sequence (a tree mask's side). Windows, soft-caps
+    and sinks it runs."""
+    del window, logit_softcap, sinks
+    feature = paged_unsupported(cache_shape, cache_dtype, num_q_heads, num_warps=4 if num_warps is None else num_warps)
     if feature is None and tree and max_q_len is not None and max_q_len > MAX_TREE_TOKENS:
         return f"a tree mask over {max_q_len} tokens (at most {MAX_TREE_TOKENS})"
     return feature
@@ -155,6 +162,8 @@ def _attend_block(
     q_ref,
     row_limit_ref,
     mask_bits_ref,
+    window_refs,
+    sinks_ref,
     k_ref,
     v_ref,
     q_smem,
@@ -163,6 +172,8 @@ def _attend_block(
     p_smem,
     row_limit_smem,
     mask_bits_smem,
+    row_lo_smem,
+    sink_smem,
     q_barrier,
     k_barriers,
     v_barriers,
@@ -174,6 +185,7 @@ def _attend_block(
     split,
     first,
     q_len,
+    softcap,
 ):
     """This program's query block over its split of the context: its online-softmax state (m, l, acc).
     seq_block indexes the per-row facts (one set per sequence and query block), block the q block
@@ -187,12 +199,22 @@ def _attend_block(
     last = jnp.minimum(first + plan.tokens_per_block, q_len) - 1
     # Causal: nothing past the block's last token; tree: any new token may be visible.
     reach = kv_len if tree else prefix + last + 1
-    lo = split * split_len
+    base, seen_by_all_from = 0, 0
+    if window_refs is not None:
+        # The block's rows' window starts, lowest and highest: the splits start on the tile of
+        # the lowest; below the highest, some row is out of its window.
+        row_lo_ref, bounds_ref = window_refs
+        base = lax.div(bounds_ref[seq_block, 0], block_n) * block_n
+        seen_by_all_from = bounds_ref[seq_block, 1]
+    lo = base + split * split_len
     hi = jnp.minimum(lo + split_len, reach)
     # Positions every row sees: the prefix (tree), up to the block's first token (causal).
     unmasked_end = prefix if tree else prefix + first + 1
-    num_full = lax.div(jnp.maximum(jnp.minimum(unmasked_end, hi) - lo, 0), block_n)
     num_tiles = lax.div(jnp.maximum(hi - lo, 0) + block_n - 1, block_n)
+    num_head = 0
+    if window_refs is not None:
+        num_head = jnp.clip(lax.div(seen_by_all_from - lo + block_n - 1, block_n), 0, num_tiles)
+    num_full = jnp.maximum(num_head, lax.div(jnp.maximum(jnp.minimum(unmasked_end, hi) - lo, 0), block_n))
 
     def issue_tile(t):
         issue_kv_tile(
@@ -221,14 +243,21 @@ def _attend_block(
     plgpu.copy_gmem_to_smem(row_limit_ref.at[seq_block], row_limit_smem, q_barrier)
     if tree:
         plgpu.copy_gmem_to_smem(mask_bits_ref.at[seq_block], mask_bits_smem, q_barrier)
+    if window_refs is not None:
+        plgpu.copy_gmem_to_smem(row_lo_ref.at[seq_block], row_lo_smem, q_barrier)
+    if sinks_ref is not None:
+        plgpu.copy_gmem_to_smem(sinks_ref.at[split, lax.axis_index("kv_head")], sink_smem, q_barrier)
     for t in range(stages - 1):
         pl.when(t < num_tiles)(functools.partial(issue_tile, t))
     plgpu.barrier_wait(q_barrier)
     row_facts = plgpu.Layout.WGMMA.reduce(1)
     row_limit = plgpu.load(row_limit_smem, layout=row_facts)
+    row_lo = plgpu.load(row_lo_smem, layout=row_facts) if window_refs is not None else None
 
     def visible(positions):
         seen = positions <= lax.broadcast_in_dim(row_limit, positions.shape, [0])
+        if row_lo is not None:
+            seen &= positions >= lax.broadcast_in_dim(row_lo, positions.shape, [0])
         if tree:
             new_token = positions - prefix
             for word in range(plan.mask_words):
@@ -255,9 +284,17 @@ def _attend_block(
             scale_log2=plan.scale_log2,
             visible=visible if masked else None,
             check_hi=masked,
+            softcap=softcap,
         )
 
-    carry = lax.fori_loop(0, num_full, functools.partial(attend_tile, masked=False), initial_rows(head_dim))
+    carry = initial_rows(head_dim)
+    if sinks_ref is not None:
+        # As in the decode kernel: the sinks' logits in the first split, nothing in the others.
+        ones = plgpu.layout_cast(jnp.ones((GROUP_ROWS,), jnp.float32), row_facts)
+        carry = (plgpu.load(sink_smem, layout=row_facts), ones, carry[2])
+    if window_refs is not None:
+        carry = lax.fori_loop(0, num_head, functools.partial(attend_tile, masked=True), carry)
+    carry = lax.fori_loop(num_head, num_full, functools.partial(attend_tile, masked=False), carry)
     return lax.fori_loop(num_full, num_tiles, functools.partial(attend_tile, masked=True), carry)
 
 
@@ -291,13 +328,16 @@ def _extend_kernel(
     *refs,
     plan,
     cache_shape,
+    windowed,
+    sinks,
+    softcap,
 ):
     tree = plan.mask_words > 0
-    if tree:
-        mask_bits_ref, k_ref, v_ref, *out_refs = refs
-    else:
-        mask_bits_ref = None
-        k_ref, v_ref, *out_refs = refs
+    refs = list(refs)
+    mask_bits_ref = refs.pop(0) if tree else None
+    window_refs = (refs.pop(0), refs.pop(0)) if windowed else None
+    sinks_ref = refs.pop(0) if sinks else None
+    k_ref, v_ref, *out_refs = refs
     _, _, _, num_kv_heads, head_dim = cache_shape
     dtype, stages, block_n = k_ref.dtype, plan.num_stages, plan.block_n
     seq, block_split, kv_head = (lax.axis_index(axis) for axis in GRID_AXES)
@@ -315,7 +355,10 @@ def _extend_kernel(
         plgpu.SMEM((GROUP_ROWS, block_n), dtype, transforms=swizzled(block_n, dtype)),
         plgpu.SMEM((GROUP_ROWS,), jnp.int32),
         plgpu.SMEM((max(plan.mask_words, 1), GROUP_ROWS), jnp.int32),
-        plgpu.Barrier(num_arrivals=3 if tree else 2),
+        plgpu.SMEM((GROUP_ROWS,), jnp.int32),  # the rows' window starts (unused without)
+        plgpu.SMEM((GROUP_ROWS,), jnp.float32),  # the rows' initial running max with sinks (unused without)
+        # q, the rows' limits, and each of the mask bits, window starts and sinks a call has.
+        plgpu.Barrier(num_arrivals=2 + tree + windowed + sinks),
         plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
         plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
     ]
@@ -328,6 +371,8 @@ def _extend_kernel(
         q_ref,
         row_limit_ref,
         mask_bits_ref,
+        window_refs,
+        sinks_ref,
         k_ref,
         v_ref,
         plan=plan,
@@ -337,6 +382,7 @@ def _extend_kernel(
         split=split,
         first=first,
         q_len=q_len,
+        softcap=softcap,
     )
 
     # A block past its sequence's new tokens does nothing: no row of it is ever read back.
@@ -367,6 +413,27 @@ def _row_layout(group: int, tokens_per_block: int):
 def query_blocks(q, query_start, kv_lens, mask, plan, *, num_kv_heads, dtype):
     """The per-call gathers: q blocks [B * NQB * Hkv, block_rows, D] in the pool's dtype, each row's
     causal limit [B * NQB, GROUP_ROWS] and, under a tree, its mask bits [B * NQB, words, GROUP_ROWS]."""
+    blocks, row_limit, bits, _ = _query_blocks(
+        q, query_start, kv_lens, mask, plan, num_kv_heads=num_kv_heads, dtype=dtype
+    )
+    return blocks, row_limit, bits
+
+
+def window_starts(row_pos, valid, window):
+    """Each row's first position in its window [B * NQB, GROUP_ROWS] (row_pos - window + 1; padding
+    rows anything), and per block the lowest and highest of its real rows', clamped at 0 [B * NQB, 2]."""
+    row_lo = (row_pos - (window - 1)).reshape(-1, GROUP_ROWS).astype(jnp.int32)
+    valid = valid.reshape(-1, GROUP_ROWS)
+    big = jnp.iinfo(jnp.int32).max
+    lowest = jnp.min(jnp.where(valid, row_lo, big), axis=1)
+    highest = jnp.max(jnp.where(valid, row_lo, 0), axis=1)
+    bounds = jnp.stack([jnp.where(lowest == big, 0, jnp.maximum(lowest, 0)), jnp.maximum(highest, 0)], axis=1)
+    return row_lo, bounds.astype(jnp.int32)
+
+
+def _query_blocks(q, query_start, kv_lens, mask, plan, *, num_kv_heads, dtype):
+    """query_blocks, with each row's position (the prefix plus its token, or under a tree its
+    depth) and validity [B, NQB, GROUP_ROWS] as a fourth result."""
     num_rows, num_q_heads, head_dim = q.shape
     batch = kv_lens.shape[0]
     group = num_q_heads // num_kv_heads
@@ -385,8 +452,10 @@ def query_blocks(q, query_start, kv_lens, mask, plan, *, num_kv_heads, dtype):
     limit = prefix - 1 if mask is not None else prefix + token[None]
     row_limit = jnp.where(valid, limit, -1).reshape(-1, GROUP_ROWS).astype(jnp.int32)
     if mask is None:
-        return blocks, row_limit, None
+        return blocks, row_limit, None, (prefix + token[None], valid)
     max_q_len = mask.shape[-1]
+    depth = tree_depth(mask)[np.arange(batch)[:, None, None], np.minimum(token, max_q_len - 1)[None]]
+    row_pos = prefix + depth
     width = plan.mask_words * MASK_WORD_BITS
     rows_mask = mask.astype(bool)[np.arange(batch)[:, None, None], np.minimum(token, max_q_len - 1)[None]]
     rows_mask &= valid[..., None]  # [B, NQB, R, Q]
@@ -395,7 +464,17 @@ def query_blocks(q, query_start, kv_lens, mask, plan, *, num_kv_heads, dtype):
     weights = jnp.left_shift(jnp.uint32(1), jnp.arange(MASK_WORD_BITS, dtype=jnp.uint32))
     words = jnp.sum(jnp.where(rows_mask, weights, jnp.uint32(0)), axis=-1, dtype=jnp.uint32)  # [B, NQB, R, W]
     bits = lax.bitcast_convert_type(words, jnp.int32).transpose(0, 1, 3, 2)
-    return blocks, row_limit, bits.reshape(-1, plan.mask_words, GROUP_ROWS)
+    return blocks, row_limit, bits.reshape(-1, plan.mask_words, GROUP_ROWS), (row_pos, valid)
+
+
+def initial_sink_rows(sinks, plan, *, num_kv_heads, group):
+    """Each split's initial running max of a block's rows per kv head [NS, Hkv, GROUP_ROWS] (log2
+    units): the row's head's sink in the first split, so that the merge counts it once, nothing
+    in the others. Made here: a select on the split index in the kernel does not lower."""
+    _, head_in_group, _ = _row_layout(group, plan.tokens_per_block)
+    heads = np.arange(num_kv_heads)[:, None] * group + head_in_group[None, :]
+    first = (jnp.arange(plan.num_splits) == 0)[:, None, None]
+    return jnp.where(first, (sinks.astype(jnp.float32)[heads] * LOG2E)[None], MASK_VALUE)
 
 
 def ragged_rows(blocks, query_start, plan, *, num_rows, num_q_heads, num_kv_heads):
@@ -506,9 +585,14 @@ def paged_extend_mgpu(
     query_start = query_start.astype(jnp.int32)
     q_lens = query_start[1:] - query_start[:-1]
     kv_lens = jnp.minimum(seq_lens.astype(jnp.int32), page_tables.shape[1] * page_size)
+    span = kv_lens
+    if window is not None:
+        # A block's splits cover its rows' windows from the tile of the lowest start.
+        window = window_scalar(window)
+        span = jnp.minimum(kv_lens, window + (max_q_len + plan.block_n - 1))
     # Sequences with no new tokens run no program: their KV does not set the split length.
-    split_len = runtime_split_len(jnp.where(q_lens > 0, kv_lens, 0), plan.num_splits, plan.block_n, plan.min_split_len)
-    blocks, row_limit, mask_bits = query_blocks(
+    split_len = runtime_split_len(jnp.where(q_lens > 0, span, 0), plan.num_splits, plan.block_n, plan.min_split_len)
+    blocks, row_limit, mask_bits, (row_pos, valid) = _query_blocks(
         q, query_start, kv_lens, mask, plan, num_kv_heads=num_kv_heads, dtype=k_cache.dtype
     )
     num_blocks = blocks.shape[0]
@@ -523,7 +607,14 @@ def paged_extend_mgpu(
         )
     tree = "_tree" if mask is not None else ""
     kernel = plgpu.kernel(
-        functools.partial(_extend_kernel, plan=plan, cache_shape=k_cache.shape),
+        functools.partial(
+            _extend_kernel,
+            plan=plan,
+            cache_shape=k_cache.shape,
+            windowed=window is not None,
+            sinks=sinks is not None,
+            softcap=None if logit_softcap is None else float(logit_softcap),
+        ),
         out_type=out_type,
         grid=(batch, plan.num_q_blocks * plan.num_splits, num_kv_heads),
         grid_names=GRID_AXES,
@@ -541,6 +632,10 @@ def paged_extend_mgpu(
     ]
     if mask_bits is not None:
         inputs.append(mask_bits)
+    if window is not None:
+        inputs.extend(window_starts(row_pos, valid, window))
+    if sinks is not None:
+        inputs.append(initial_sink_rows(sinks, plan, num_kv_heads=num_kv_heads, group=group))
     outs = kernel(*inputs, k_cache.reshape(pages), v_cache.reshape(pages))
     out_blocks = outs if write_final else merge_splits(*outs, axis=1)
     out = ragged_rows(

@@ -254,9 +254,6 @@ def speculative(**fields):
 @pytest.mark.parametrize(
     "fields,settings,feature",
     [
-        (dict(family="mistral", sliding_windows=(128, 0)), {}, "sliding window"),
-        (dict(family="gemma2", attn_logit_softcap=50.0), {}, "soft-cap"),
-        (dict(attention_sinks=True), {}, "sinks"),
         ({}, dict(kv_cache_dtype="fp8_e4m3"), "FP8"),
         ({}, dict(page_size=4), "page size 4"),
         (dict(head_dim=80), {}, "head_dim 80"),
@@ -282,6 +279,10 @@ def test_engine_build_takes_a_plain_bf16_model_and_refuses_a_float32_one():
 
     config = EngineConfig(attention_backend="mosaic")
     check_attention_backend(config, model(), BF16)
+    # Windows, soft-caps and sinks: both kernels take them.
+    check_attention_backend(config, model(family="mistral", sliding_windows=(128, 0)), BF16)
+    check_attention_backend(config, model(family="gemma2", attn_logit_softcap=50.0), BF16)
+    check_attention_backend(config, model(attention_sinks=True, sliding_windows=(128, 0)), BF16)
     tree_of_64 = EngineConfig(
         attention_backend="mosaic", speculative=speculative(num_steps=5, eagle_topk=4, num_draft_tokens=64)
     )
@@ -290,8 +291,18 @@ def test_engine_build_takes_a_plain_bf16_model_and_refuses_a_float32_one():
         check_attention_backend(config, model(), jnp.float32)
 
 
-@pytest.mark.parametrize("step", ["decode", "extend", "verify"])
-def test_model_forward_with_the_mosaic_backend_lowers_for_cuda(step, monkeypatch):
+@pytest.mark.parametrize(
+    "step,fields",
+    [
+        ("decode", {}),
+        ("extend", {}),
+        ("verify", {}),
+        # gpt-oss's attention: sinks, and windows on every other layer.
+        ("decode", dict(attention_sinks=True, sliding_windows=(128, 0))),
+        ("verify", dict(attention_sinks=True, sliding_windows=(128, 0))),
+    ],
+)
+def test_model_forward_with_the_mosaic_backend_lowers_for_cuda(step, fields, monkeypatch):
     """--attention-backend mosaic: decode, extend (causal) and verify (a tree mask) steps all
     call the Mosaic GPU kernels, none the Triton-backend ones."""
     import jspec.kernels.backend
@@ -301,7 +312,7 @@ def test_model_forward_with_the_mosaic_backend_lowers_for_cuda(step, monkeypatch
     from jspec.models.forward import forward
 
     monkeypatch.setattr(jspec.kernels.backend, "interpret_mode", lambda: False)  # kernels as on the GPU
-    cfg = model()
+    cfg = model(**fields)
     params = jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s, BF16), param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple)
     )

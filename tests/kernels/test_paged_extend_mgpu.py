@@ -113,6 +113,53 @@ def test_interpreted_kernel_matches_reference(page_size, num_kv_heads, group, he
     assert not np.any(got[query_start[-1] :])  # padding rows are zeros
 
 
+# (page_size, tree, window, softcap, sinks, tuning): causal prefill chunks whose rows' windows
+# start inside the prefix, on and off tiles (masked head tiles, then unmasked, then masked), over
+# two splits; verify trees under a window, a soft-cap and sinks; sinks alone over three splits.
+FEATURE_CASES = [
+    pytest.param(16, False, 45, None, False, dict(num_splits=2), id="s16-causal-window45-two_splits"),
+    pytest.param(8, True, 30, 5.0, True, dict(num_splits=2, num_stages=3), id="s8-tree-window30-softcap-sinks"),
+    pytest.param(16, False, None, None, True, dict(num_splits=3), id="s16-causal-sinks-three_splits"),
+]
+
+
+@pytest.mark.parametrize("page_size,tree,window,softcap,sinks,tuning", FEATURE_CASES)
+def test_interpreted_windows_softcaps_and_sinks_match_reference(page_size, tree, window, softcap, sinks, tuning):
+    rng = np.random.default_rng(page_size + (window or 0))
+    num_kv_heads, group, head_dim = 2, 4, 64
+    q_lens = np.array([6, 0, 3, 6]) if tree else np.array([20, 0, 5, 13])
+    prefixes = np.array([200, 40, 77, 0]) if tree else np.array([150, 9, 30, 0])
+    max_q_len = 8 if tree else int(q_lens.max())
+    seq_lens = (prefixes + q_lens).astype(np.int32)
+    k, v, tables = paged_problem(rng, seq_lens, page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    q, query_start = ragged_queries(rng, q_lens, num_kv_heads * group, head_dim, pad_rows=3)
+    mask = draft_tree_mask(rng, 6, max_q_len)[: len(q_lens)] if tree else None
+    q, k, v = (jnp.asarray(x, BF16) for x in (q, k, v))
+    args = (q, k, v, jnp.int32(LAYER), jnp.asarray(seq_lens), jnp.asarray(tables), jnp.asarray(query_start))
+    features = dict(
+        mask=mask,
+        window=None if window is None else jnp.array([window], I32),
+        logit_softcap=softcap,
+        sinks=jnp.asarray(rng.standard_normal(num_kv_heads * group), jnp.float32) if sinks else None,
+    )
+    interpreted = interpret_mode()
+    got = paged_extend_mgpu(
+        *args,
+        sm_scale=SM_SCALE,
+        max_q_len=max_q_len,
+        min_split_tokens=16,
+        interpret=RACE_CHECKED if interpreted else None,
+        **features,
+        **tuning,
+    )
+    want = paged_extend_ref(*args, sm_scale=SM_SCALE, max_q_len=max_q_len, **features)
+    assert not (interpreted and get_races().races_found)
+    got = np.asarray(got, np.float32)
+    assert not np.isnan(got).any()
+    assert rel_err(got, np.asarray(want, np.float32)) < tolerance(BF16).rel
+    assert not np.any(got[query_start[-1] :])  # padding rows are zeros
+
+
 # A tree of 8 tokens fills half a block's rows (only those travel); the others fill whole blocks.
 @pytest.mark.parametrize("group,tree,max_q_len", [(4, True, 8), (4, True, 40), (3, False, 40), (64, False, 40)])
 def test_block_layout_round_trips(group, tree, max_q_len):
@@ -189,12 +236,28 @@ def test_kernel_lowers_for_cuda(batch, ctx, q_len, page_size, num_q_heads, num_k
     assert "custom_call @mosaic_gpu_v2" in text and "xla.gpu.triton" not in text
 
 
+@pytest.mark.parametrize("tree", [False, True])
+def test_kernel_with_window_softcap_and_sinks_lowers_for_cuda(tree):
+    """gpt-oss-like attention (a window, sinks) with Gemma 2's soft-cap: a prefill chunk, a verify tree."""
+    batch, q_len, num_q_heads, head_dim = 4, 8 if tree else 256, 32, 64
+    q = jax.ShapeDtypeStruct((batch * q_len, num_q_heads, head_dim), BF16)
+    window, sinks = jax.ShapeDtypeStruct((1,), I32), jax.ShapeDtypeStruct((num_q_heads,), jnp.float32)
+    mask = jax.ShapeDtypeStruct((batch, q_len, q_len), jnp.bool_) if tree else None
+
+    def fn(q, k, v, layer, lens, tables, starts, window, sinks, mask=None):
+        return paged_extend_mgpu(
+            q, k, v, layer, lens, tables, starts, sm_scale=0.125, max_q_len=q_len, mask=mask, window=window,
+            logit_softcap=30.0, sinks=sinks, interpret=False,
+        )  # fmt: skip
+
+    specs = (q, *cache_specs(batch, 4096, 16, 8, head_dim), window, sinks) + ((mask,) if tree else ())
+    text = lower_for_cuda(fn, *specs).as_text()
+    assert "custom_call @mosaic_gpu_v2" in text and "xla.gpu.triton" not in text
+
+
 @pytest.mark.parametrize(
     "change,feature",
     [
-        (dict(window=True), "sliding window"),
-        (dict(logit_softcap=30.0), "soft-cap"),
-        (dict(sinks=True), "sinks"),
         (dict(dtype=jnp.uint8), "FP8"),
         (dict(dtype=jnp.float32), "float32 KV"),
         (dict(page_size=4), "page size 4"),
@@ -212,10 +275,6 @@ def test_refuses_by_name(change, feature):
     q = jax.ShapeDtypeStruct((8, 8, head_dim), BF16)
     cache = jax.ShapeDtypeStruct((1, 9, page_size, 2, head_dim), dtype)
     extra = {}
-    if change.pop("window", False):
-        extra["window"] = jax.ShapeDtypeStruct((), I32)
-    if change.pop("sinks", False):
-        extra["sinks"] = jax.ShapeDtypeStruct((8,), jnp.float32)
     if tree:
         extra["mask"] = jax.ShapeDtypeStruct((2, max_q_len, max_q_len), jnp.bool_)
     call = functools.partial(paged_extend_mgpu, sm_scale=0.1, max_q_len=max_q_len, **change)
@@ -224,8 +283,7 @@ def test_refuses_by_name(change, feature):
     with pytest.raises(MosaicUnsupported, match=feature) as refusal:
         jax.eval_shape(lambda *a, **kw: call(*a, **kw), *specs, tables, starts, **extra)
     assert "extend" in str(refusal.value)
-    flags = {k: True for k in extra if k != "mask"}
-    unsupported = mosaic_extend_unsupported(cache.shape, dtype, 8, max_q_len=max_q_len, tree=tree, **flags, **change)
+    unsupported = mosaic_extend_unsupported(cache.shape, dtype, 8, max_q_len=max_q_len, tree=tree, **change)
     assert feature in unsupported
     assert (
         mosaic_extend_unsupported(cache.shape[:2] + (16, 2, 64), BF16, 8, max_q_len=MAX_TREE_TOKENS, tree=True) is None
