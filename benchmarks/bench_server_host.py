@@ -3,8 +3,9 @@ routes, streams, server-sent events) and of the engine loop's thread, per output
 bench_serving drives `jspec serve` at fixed concurrency. `jspec serve` runs the engine in a
 process of its own (/debug/state names its pid and the loop's thread); with --engine-in-thread
 (--server-flags) both threads share one interpreter and its GIL, and what the HTTP side spends
-per token is time the engine loop can lose at high concurrency. "process" sums the server's
-and the engine's processes. Read from /proc (Linux), on a tiny model whose device step is cheap.
+per token is time the engine loop can lose at high concurrency. "http process" is all of the
+server's process (the event loop and the threads that carry the engine's pipe); "process" sums
+the server's and the engine's processes. Read from /proc (Linux), on a tiny model whose device step is cheap.
 
     python -m benchmarks.bench_server_host [--concurrency 16,64] [--backends sglang,openai]
 """
@@ -79,11 +80,21 @@ def main() -> None:
             for c in concurrency:
                 n = c * a.prompts_per_c
                 drive(url, backend, served, c, c, a)  # compiles what this c needs
-                before = thread_cpu_s(pid, pid), thread_cpu_s(engine_pid, engine_tid), processes_cpu_s(processes)
+                before = (
+                    thread_cpu_s(pid, pid),
+                    thread_cpu_s(engine_pid, engine_tid),
+                    process_cpu_s(pid),
+                    processes_cpu_s(processes),
+                )
                 r = drive(url, backend, served, c, n, a)
-                after = thread_cpu_s(pid, pid), thread_cpu_s(engine_pid, engine_tid), processes_cpu_s(processes)
+                after = (
+                    thread_cpu_s(pid, pid),
+                    thread_cpu_s(engine_pid, engine_tid),
+                    process_cpu_s(pid),
+                    processes_cpu_s(processes),
+                )
                 tokens = r["output_token_throughput"] * r["duration_s"]
-                http, engine, total = (1e6 * (y - x) / tokens for x, y in zip(before, after))
+                http, engine, http_process, total = (1e6 * (y - x) / tokens for x, y in zip(before, after))
                 row = {
                     "backend": backend,
                     "concurrency": c,
@@ -91,6 +102,7 @@ def main() -> None:
                     "tok_s": r["output_token_throughput"],
                     "http_thread_us_per_token": http,
                     "engine_thread_us_per_token": engine,
+                    "http_process_us_per_token": http_process,
                     "process_us_per_token": total,
                     "itl_p50_ms": r["itl"]["median_ms"],
                     "failed": r["failed"],
@@ -98,7 +110,7 @@ def main() -> None:
                 rows.append(row)
                 print(
                     f"{backend:>7} c{c:<4} {row['tok_s']:8.0f} tok/s  http {http:6.1f} us/token  "
-                    f"engine {engine:6.1f}  process {total:6.1f}",
+                    f"http process {http_process:6.1f}  engine {engine:6.1f}  process {total:6.1f}",
                     flush=True,
                 )
                 results.write(healthy_s=healthy_s, rows=rows)

@@ -16,6 +16,7 @@ from jspec.server.reasoning import ReasoningSplitter, split_reasoning
 from jspec.server.state import Served, ServerState
 from jspec.server.streaming import (
     Choice,
+    ChunkEvents,
     EventStream,
     close,
     collect,
@@ -102,9 +103,15 @@ async def completions(body: CompletionRequest, request: Request, st: Served):
 
     async def events():
         completion, verify = {}, {}
+        chunks = ChunkEvents(head)
+        with_logprobs = body.logprobs is not None
         async with aclosing(merged(streams, st.metrics.observer(t0))) as outputs:
             async for i, out in outputs:
                 completion[i], verify[i] = out.completion_tokens, out.spec_verify_ct
+                if not out.finished and not with_logprobs:
+                    if out.new_text:
+                        yield chunks.text(i, out.new_text)
+                    continue
                 choice = {
                     "index": i,
                     "text": out.new_text,
@@ -116,7 +123,7 @@ async def completions(body: CompletionRequest, request: Request, st: Served):
                     c.add(out)
                     choice["logprobs"] = completion_logprobs(st, c, n_top)
                 if out.new_text or out.finished or choice["logprobs"]:
-                    yield sse({**head, "choices": [choice]})
+                    yield chunks.choice(choice)
         total = sum(completion.values())
         spec = [(completion[i], verify[i]) for i in completion]
         yield sse({**head, "choices": [], "usage": usage(prompt_tokens, total, spec)})
@@ -193,9 +200,8 @@ def chat_choice(st: Served, body: ChatCompletionRequest, c, parser, functions, t
     }
 
 
-def chat_chunk(chunk: dict, index: int, delta: dict, finish_reason=None, logprobs=None) -> str:
-    choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
-    return sse({**chunk, "choices": [choice]})
+def chat_chunk(chunks: ChunkEvents, index: int, delta: dict, finish_reason=None, logprobs=None) -> str:
+    return chunks.choice({"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs})
 
 
 async def chat_events(st: Served, body, streams, chunk, t0, prompt_tokens, parser, functions, tool_choice):
@@ -204,12 +210,13 @@ async def chat_events(st: Served, body, streams, chunk, t0, prompt_tokens, parse
     and the usage last."""
     completion, verify, started, held = {}, {}, set(), {}
     splitters = {}  # each choice's ReasoningSplitter, with a reasoning parser
+    chunks = ChunkEvents(chunk)
     async with aclosing(merged(streams, st.metrics.observer(t0))) as outputs:
         async for i, out in outputs:
             completion[i], verify[i] = out.completion_tokens, out.spec_verify_ct
             if i not in started:
                 started.add(i)
-                yield chat_chunk(chunk, i, {"role": "assistant", "content": ""})
+                yield chat_chunk(chunks, i, {"role": "assistant", "content": ""})
             lp = (
                 chat_logprobs(st, out.new_token_ids, out.new_logprobs or [], out.new_top_logprobs or [])
                 if body.logprobs and out.new_token_ids
@@ -225,7 +232,7 @@ async def chat_events(st: Served, body, streams, chunk, t0, prompt_tokens, parse
                 # reasoning streams as it comes.
                 held[i] = held.get(i, "") + text
                 if reasoning:
-                    yield chat_chunk(chunk, i, {"reasoning_content": reasoning})
+                    yield chat_chunk(chunks, i, {"reasoning_content": reasoning})
                 if not out.finished:
                     continue
                 content, calls = parse_tool_calls(held.pop(i), functions, tool_choice)
@@ -233,13 +240,15 @@ async def chat_events(st: Served, body, streams, chunk, t0, prompt_tokens, parse
                 if calls:
                     delta["tool_calls"] = [{"index": j, **c} for j, c in enumerate(calls)]
                 finish = openai_finish(out.finish_reason)
-                yield chat_chunk(chunk, i, delta, "tool_calls" if calls and finish == "stop" else finish)
+                yield chat_chunk(chunks, i, delta, "tool_calls" if calls and finish == "stop" else finish)
                 continue
-            if text or reasoning or out.finished or lp:
+            if text and not (reasoning or out.finished or lp):
+                yield chunks.content(i, text)
+            elif text or reasoning or out.finished or lp:
                 delta = {"reasoning_content": reasoning} if reasoning else {}
                 if text:
                     delta["content"] = text
-                yield chat_chunk(chunk, i, delta, openai_finish(out.finish_reason) if out.finished else None, lp)
+                yield chat_chunk(chunks, i, delta, openai_finish(out.finish_reason) if out.finished else None, lp)
     total = sum(completion.values())
     spec = [(completion[i], verify[i]) for i in completion]
     yield sse({**chunk, "choices": [], "usage": usage(prompt_tokens, total, spec)})

@@ -80,7 +80,9 @@ class ServerState:
         return tok.decode([t], skip_special_tokens=False) if tok is not None else str(t)
 
 
-def _state(request: Request) -> ServerState:
+# Async, though it awaits nothing: FastAPI runs a plain function dependency on a worker thread,
+# a thread hop for every request.
+async def _state(request: Request) -> ServerState:
     return request.app.state.served
 
 
