@@ -49,7 +49,8 @@ for s in "$@"; do
     kernel_tests) step kernel_tests ${KERNEL_TESTS_LIMIT:-120} $PY -m pytest -q -p no:cacheprovider tests/kernels -rf --maxfail=300 ;;
     gpu_tests) step gpu_tests 300 $PY -m benchmarks.gpu_tests --limit-s 255 --out "$RESULTS" ;;
     gpu_tests_engine) step gpu_tests_engine ${ENGINE_TESTS_LIMIT:-540} $PY -m benchmarks.gpu_tests --engine-only \
-      --limit-s $(( ${ENGINE_TESTS_LIMIT:-540} - 20 )) --name gpu_tests_engine --out "$RESULTS" ;;
+      ${ENGINE_SHARD:+--shard $ENGINE_SHARD} --limit-s $(( ${ENGINE_TESTS_LIMIT:-540} - 20 )) \
+      --name gpu_tests_engine${ENGINE_SHARD:+_$(echo $ENGINE_SHARD | tr / of)} --out "$RESULTS" ;;
     fp8) step fp8 150 $PY -m benchmarks.bench_fp8 --out "$RESULTS" ;;
     kernels) step kernels 120 $PY -m benchmarks.bench_kernels --quick --out "$RESULTS" ;;
     kernels_mgpu) step kernels_mgpu 300 $PY -m benchmarks.bench_kernels_mgpu --out "$RESULTS" ;;

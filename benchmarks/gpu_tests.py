@@ -4,7 +4,7 @@ per feature on tiny models. Writes DIR/gpu_tests.json (pass / fail / skip / erro
 failing node ids, each test's seconds, device, jax version, commit) and prints a table last.
 
     python -m benchmarks.gpu_tests [--out benchmarks/results] [--kernels-only] [--limit-s 270]
-        [--engine-only] [--name gpu_tests] [--tests NODEID ...]
+        [--engine-only] [--shard I/N] [--name gpu_tests] [--tests NODEID ...]
 
 Each test picks its own precision (docs/design-details.md, "Precision"): the kernel tests run
 at JAX's default matmul precision (TF32 float32 dots on the GPU) and owe TF32-sized
@@ -194,11 +194,20 @@ def main() -> None:
     ap.add_argument("--kernels-only", action="store_true", help="tests/kernels alone")
     ap.add_argument("--engine-only", action="store_true", help="ENGINE_TESTS alone")
     ap.add_argument("--name", default="gpu_tests", help="the results file's name")
+    ap.add_argument(
+        "--shard", help="I/N: the I-th of N interleaved parts of the engine list (each part fits a device call)"
+    )
     ap.add_argument("--limit-s", type=float, default=255.0, help="interrupt pytest after this many seconds")
     ap.add_argument("--tests", nargs="+", help="these node ids instead of the pass's")
     a = ap.parse_args()
+    engine_tests = ENGINE_TESTS
+    if a.shard:
+        i, n = map(int, a.shard.split("/"))
+        if not 1 <= i <= n:
+            ap.error(f"--shard {a.shard}: I must be 1..N")
+        engine_tests = ENGINE_TESTS[i - 1 :: n]
     nodes = a.tests or (
-        KERNEL_TESTS if a.kernels_only else ENGINE_TESTS if a.engine_only else KERNEL_TESTS + ENGINE_TESTS
+        KERNEL_TESTS if a.kernels_only else engine_tests if a.engine_only else KERNEL_TESTS + engine_tests
     )
 
     with tempfile.TemporaryDirectory(prefix="jspec-gpu-tests-") as tmp:
