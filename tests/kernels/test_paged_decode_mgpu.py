@@ -16,6 +16,7 @@ cubin are built only by XLA's compiler on a GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -289,6 +290,41 @@ def test_engine_build_takes_a_plain_bf16_model_and_refuses_a_float32_one():
     check_attention_backend(tree_of_64, model(), BF16)
     with pytest.raises(MosaicUnsupported, match="float32 KV"):
         check_attention_backend(config, model(), jnp.float32)
+
+
+@pytest.mark.slow
+def test_engine_on_the_mosaic_backend_gives_the_reference_backends_tokens():
+    """--attention-backend mosaic through the whole engine (the kernels interpreted on the CPU):
+    gpt-oss's attention (sinks, a window on every other layer, narrower than the first prompt)
+    on a bf16 model gives the jnp reference backend's greedy tokens."""
+    from functools import partial
+
+    from speculative.test_spec_families import FAMILIES, weight_std
+    from support.models import TARGET
+
+    import jspec
+    from jspec.checkpoint.loader import init_random_params
+
+    family = {k: v[:2] if k == "sliding_windows" else v for k, v in FAMILIES["gpt_oss_attention"].items()}
+    cfg = dataclasses.replace(
+        TARGET, hidden_size=128, intermediate_size=128, head_dim=64, num_layers=2, **family
+    )  # fmt: skip
+    params = init_random_params(cfg, jax.random.key(3), BF16, std=partial(weight_std, cfg))
+    prompts = [list(range(3, 23)), list(range(30, 37))]
+    tokens = {}
+    for backend in ("reference", "mosaic"):
+        engine = jspec.Engine(
+            (cfg, params),
+            page_size=16,
+            max_total_tokens=16 * 20,
+            max_running_requests=2,
+            precompile_bs_paddings=[2],
+            attention_backend=backend,
+            disable_overlap_schedule=True,
+        )
+        out = jspec.generate((cfg, params), prompts, max_new_tokens=5, ignore_eos=True, engine=engine)
+        tokens[backend] = [o.token_ids for o in out]
+    assert tokens["mosaic"] == tokens["reference"]
 
 
 @pytest.mark.parametrize(
