@@ -20,6 +20,7 @@ hidden; the median over repeats is reported, per call.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import statistics
 import time
@@ -147,7 +148,10 @@ def decode_case(name, batch, ctx, page_size, variants, *, iters, reps, bundled=T
     )
     layer = jnp.int32(LAYER)
     win = None if window is None else jnp.int32(window)
-    ref = paged_decode_ref(p.q, p.k, p.v, layer, p.seq_lens, p.page_tables[0], sm_scale=p.sm_scale, window=win)
+    # Compiled as one program: op by op (eager) it compiles each small op for each case's shapes.
+    ref = jax.jit(functools.partial(paged_decode_ref, sm_scale=p.sm_scale))(
+        p.q, p.k, p.v, layer, p.seq_lens, p.page_tables[0], window=win
+    )
     case = dict(
         name=name,
         kind="decode",
@@ -235,18 +239,8 @@ def extend_case(name, batch, q_len, ctx, page_size, variants, *, tree, iters, re
     query_start = jnp.arange(batch + 1, dtype=jnp.int32) * q_len
     mask = random_tree_mask(batch, q_len) if tree else None
     win = None if window is None else jnp.int32(window)
-    ref = paged_extend_ref(
-        p.q,
-        p.k,
-        p.v,
-        layer,
-        p.seq_lens,
-        p.page_tables[0],
-        query_start,
-        sm_scale=p.sm_scale,
-        max_q_len=q_len,
-        mask=mask,
-        window=win,
+    ref = jax.jit(functools.partial(paged_extend_ref, sm_scale=p.sm_scale, max_q_len=q_len))(
+        p.q, p.k, p.v, layer, p.seq_lens, p.page_tables[0], query_start, mask=mask, window=win
     )
     flops = extend_flops(batch, q_len, ctx, mask, window=window)
     case = dict(
