@@ -409,9 +409,21 @@ def job_logits(job: dict) -> dict[str, np.ndarray]:
 def job_gguf_generate(job: dict) -> dict[str, np.ndarray]:
     """transformers' own GGUF loading (its dequantiser and q/k un-permutation, its tokenizer
     converter), float32, greedy: prompt_ids_{i} and generated_{i} for each chat message."""
+    import functools
+
+    import gguf
+
     folder, name = os.path.split(job["gguf"])
-    tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # transformers parses the whole file (its ~100k tokenizer strings, field by field) for the
+    # tokenizer, again for the config and again for the weights: a minute of this oracle's time.
+    # One parse serves all three (the reader is read-only: a memory map and the fields read from it).
+    parse = gguf.GGUFReader
+    gguf.GGUFReader = functools.lru_cache(maxsize=1)(parse)
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    finally:
+        gguf.GGUFReader = parse
     model.eval()
     out = {}
     for i, text in enumerate(job["messages"]):
