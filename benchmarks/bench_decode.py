@@ -155,9 +155,7 @@ def gemv_rows(cfg: ModelConfig, dtype, bw: float, batches=(1,), copies=4) -> lis
             if B <= MAX_ROWS:
                 checked_rows(f"pallas_{name}", skinny_matmul, pallas_configs(B, k, n), x, ws, B, k, n)
             runnable = [
-                c
-                for c in MOSAIC_CONFIGS
-                if not mosaic_skinny_unsupported(B, k, n, dtype, block_n=c.get("block_n", 128))
+                c for c in MOSAIC_CONFIGS if not mosaic_skinny_unsupported(B, k, n, dtype, block_n=c.get("block_n"))
             ]
             checked_rows(f"mosaic_{name}", skinny_matmul_mgpu, runnable, x, ws, B, k, n)
             del ws

@@ -40,8 +40,9 @@ GRID_AXES = ("strip", "split")
 MIN_TILES_PER_SPLIT = 4
 
 
-def mosaic_skinny_unsupported(M: int, K: int, N: int, w_dtype, *, block_n: int = 128) -> str | None:
-    """The first feature of this call that the Mosaic kernel lacks, or None if it can run it."""
+def mosaic_skinny_unsupported(M: int, K: int, N: int, w_dtype, *, block_n: int | None = None) -> str | None:
+    """The first feature of this call that the Mosaic kernel lacks, or None if it can run it
+    (block_n None: the plan's, which takes any N that 64 divides)."""
     dtype = jnp.dtype(w_dtype)
     if dtype.itemsize == 1:
         return "FP8 weights"
@@ -51,8 +52,8 @@ def mosaic_skinny_unsupported(M: int, K: int, N: int, w_dtype, *, block_n: int =
         return f"{M} rows (1 to {MAX_ROWS})"
     if K % BLOCK_K:
         return f"K {K} (a multiple of {BLOCK_K})"
-    if N % block_n:
-        return f"N {N} (a multiple of block_n {block_n})"
+    if N % (block_n or BLOCK_N_CHOICES[0]):
+        return f"N {N} (a multiple of block_n {block_n or BLOCK_N_CHOICES[0]})"
     return None
 
 
@@ -66,10 +67,11 @@ class MosaicSkinnyPlan(NamedTuple):
 
 
 def mosaic_skinny_plan(K: int, N: int, *, block_n=None, num_splits=None, num_stages=4) -> MosaicSkinnyPlan:
-    """Default tiles and split-K: block_n 128, and enough K splits (a divisor of K's tiles, no
+    """Default tiles and split-K: block_n 128 (64 for an N that 128 does not divide, as SmolLM2's
+    fused QKV), and enough K splits (a divisor of K's tiles, no
     split under MIN_TILES_PER_SPLIT tiles) that the grid reaches TARGET_PROGRAMS programs when the
     strips alone do not."""
-    block_n = block_n or 128
+    block_n = block_n or (128 if N % 128 == 0 else 64)
     if block_n not in BLOCK_N_CHOICES:
         raise ValueError(f"block_n must be one of {BLOCK_N_CHOICES}, got {block_n}")
     if num_stages < 1:
@@ -151,7 +153,7 @@ def skinny_matmul_mgpu(x, w, *, block_n=None, num_splits=None, num_stages=4, int
     (M, K), (K_w, N) = x.shape, w.shape
     if K != K_w:
         raise ValueError(f"x {x.shape} does not fit w {w.shape}")
-    feature = mosaic_skinny_unsupported(M, K, N, w.dtype, block_n=block_n or 128)
+    feature = mosaic_skinny_unsupported(M, K, N, w.dtype, block_n=block_n)
     if feature is not None:
         raise MosaicUnsupported(feature, kernel="skinny matmul")
     plan = mosaic_skinny_plan(K, N, block_n=block_n, num_splits=num_splits, num_stages=num_stages)
