@@ -114,11 +114,6 @@ def check_attention_backend(config: EngineConfig, cfg: ModelConfig, dtype) -> No
     if cfg.deepseek is not None:
         raise MosaicUnsupported(f"latent attention (MLA, {cfg.family}); use --attention-backend pallas")
     cache_shape = (cfg.num_layers, 1, config.page_size, cfg.num_kv_heads, cfg.head_dim)
-    features = dict(
-        window=cfg.smallest_window,
-        logit_softcap=cfg.attn_logit_softcap,
-        sinks=True if cfg.attention_sinks else None,
-    )
     cache_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)
     # Verify runs each draft tree padded to its bucket. A drafter's own block (DFLASH's default)
     # is known only once it is loaded: the kernel refuses it then, if it must.
@@ -126,10 +121,8 @@ def check_attention_backend(config: EngineConfig, cfg: ModelConfig, dtype) -> No
     trees = [tokens for _, _, tokens in spec.shapes() if tokens] if spec is not None else []
     largest_tree = bucket(max(trees, default=1))
     checks = {
-        "decode": mosaic_decode_unsupported(cache_shape, cache_dtype, cfg.num_heads, **features),
-        "extend": mosaic_extend_unsupported(
-            cache_shape, cache_dtype, cfg.num_heads, max_q_len=largest_tree, tree=True, **features
-        ),
+        "decode": mosaic_decode_unsupported(cache_shape, cache_dtype, cfg.num_heads),
+        "extend": mosaic_extend_unsupported(cache_shape, cache_dtype, cfg.num_heads, max_q_len=largest_tree, tree=True),
     }
     for kernel, feature in checks.items():
         if feature is not None:

@@ -136,6 +136,25 @@ def initial_rows(head_dim: int):
     )
 
 
+def split_sink_rows(sink_rows, num_splits: int):
+    """Each context split's initial running max (log2 units) of rows whose sink logits (natural
+    units) are sink_rows: [num_splits, *sink_rows.shape], the sinks in the first split, so that
+    the merge counts them once, nothing in the others. Made in jnp: a select on the split index
+    inside a kernel is a scalar broadcast, which Mosaic GPU does not lower."""
+    first = (jnp.arange(num_splits) == 0).reshape(-1, *(1,) * sink_rows.ndim)
+    return jnp.where(first, sink_rows.astype(jnp.float32)[None] * LOG2E, MASK_VALUE)
+
+
+def rows_after_sinks(sink_smem, head_dim: int):
+    """The online-softmax carry (m, l, acc) of GROUP_ROWS rows that have seen only their sink: a
+    key of that logit and value zero (split_sink_rows' running max, loaded from sink_smem, with
+    normaliser 1). In the splits after the first the max is MASK_VALUE, a key of weight zero that
+    the first real key or the merge wipes out."""
+    rows = plgpu.Layout.WGMMA.reduce(1)
+    ones = plgpu.layout_cast(jnp.ones((GROUP_ROWS,), jnp.float32), rows)
+    return plgpu.load(sink_smem, layout=rows), ones, initial_rows(head_dim)[2]
+
+
 def attend_kv_tile(
     q_smem,
     k_tile,

@@ -47,12 +47,13 @@ from jspec.kernels.mgpu_tiles import (
     interpret_params,
     issue_kv_tile,
     paged_unsupported,
+    rows_after_sinks,
+    split_sink_rows,
     swizzled,
     tile_smem_bytes,
 )
 from jspec.kernels.paged_tiles import (
     LOG2E,
-    MASK_VALUE,
     choose_splits,
     lse_of_splits,
     merge_splits,
@@ -64,12 +65,8 @@ from jspec.kernels.paged_tiles import (
 GRID_AXES = ("seq", "kv_head", "split")
 
 
-def mosaic_decode_unsupported(
-    cache_shape, cache_dtype, num_q_heads, *, window=None, logit_softcap=None, sinks=None, num_warps=4
-) -> str | None:
-    """The first feature of this call that the Mosaic kernel lacks, or None if it can run it.
-    Windows, soft-caps and sinks it runs."""
-    del window, logit_softcap, sinks
+def mosaic_decode_unsupported(cache_shape, cache_dtype, num_q_heads, *, num_warps=4) -> str | None:
+    """The first feature of this call that the Mosaic kernel lacks, or None if it can run it."""
     return paged_unsupported(cache_shape, cache_dtype, num_q_heads, num_warps=num_warps)
 
 
@@ -140,13 +137,7 @@ def _attend_split(
     for t in range(num_stages - 1):
         pl.when(t < num_tiles)(functools.partial(issue_tile, t))
     plgpu.barrier_wait(q_barrier)
-    carry = initial_rows(head_dim)
-    if sinks_ref is not None:
-        # As if each row had seen a key of its sink's logit and value zero (the first split), or
-        # one of weight zero (the others: exactly nothing once a real key or the merge comes).
-        rows = plgpu.Layout.WGMMA.reduce(1)
-        ones = plgpu.layout_cast(jnp.ones((GROUP_ROWS,), jnp.float32), rows)
-        carry = (plgpu.load(sink_smem, layout=rows), ones, carry[2])
+    carry = initial_rows(head_dim) if sinks_ref is None else rows_after_sinks(sink_smem, head_dim)
 
     def attend_tile(t, carry):
         slot = lax.rem(t, num_stages)
@@ -333,15 +324,7 @@ def paged_decode_mgpu(
     num_layers, num_pages, page_size, num_kv_heads, _ = k_cache.shape
     if k_cache.shape[4] != head_dim or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"q {q.shape} does not fit the caches {k_cache.shape}, {v_cache.shape}")
-    feature = mosaic_decode_unsupported(
-        k_cache.shape,
-        k_cache.dtype,
-        num_q_heads,
-        window=window,
-        logit_softcap=logit_softcap,
-        sinks=sinks,
-        num_warps=num_warps,
-    )
+    feature = mosaic_decode_unsupported(k_cache.shape, k_cache.dtype, num_q_heads, num_warps=num_warps)
     if feature is not None:
         raise MosaicUnsupported(feature)
     plan = mosaic_decode_plan(
@@ -387,15 +370,9 @@ def paged_decode_mgpu(
     )
     extra = ()
     if sinks is not None:
-        # Each split's initial running max per kv head's rows (log2 units): the sinks for the
-        # first split, so that the merge counts them once, nothing for the others; padded to the
-        # block's rows (a TMA box starts on a row). A select on the split index in the kernel
-        # would be a scalar broadcast, which Mosaic GPU does not lower.
-        sink_rows = jnp.pad(
-            sinks.astype(jnp.float32).reshape(num_kv_heads, group) * LOG2E, ((0, 0), (0, GROUP_ROWS - group))
-        )
-        first = (jnp.arange(plan.num_splits) == 0)[:, None, None]
-        extra = (jnp.where(first, sink_rows[None], MASK_VALUE),)
+        # Each kv head's group of sinks, padded to the block's rows (a TMA box starts on a row).
+        sink_rows = jnp.pad(sinks.reshape(num_kv_heads, group), ((0, 0), (0, GROUP_ROWS - group)))
+        extra = (split_sink_rows(sink_rows, plan.num_splits),)
     pages = (num_layers * num_pages, page_size, num_kv_heads, head_dim)  # a free reshape: layer and page in one index
     outs = kernel(
         jnp.stack([jnp.reshape(layer, ()).astype(jnp.int32), split_len[0], window]),

@@ -50,12 +50,13 @@ from jspec.kernels.mgpu_tiles import (
     interpret_params,
     issue_kv_tile,
     paged_unsupported,
+    rows_after_sinks,
+    split_sink_rows,
     swizzled,
     tile_smem_bytes,
 )
 from jspec.kernels.paged_tiles import (
     LOG2E,
-    MASK_VALUE,
     choose_splits,
     merge_splits,
     min_split_len,
@@ -77,15 +78,10 @@ def mosaic_extend_unsupported(
     *,
     max_q_len=None,
     tree=False,
-    window=None,
-    logit_softcap=None,
-    sinks=None,
     num_warps=None,
 ) -> str | None:
     """The first feature of this call that the Mosaic extend kernel lacks, or None if it can run
-    it. max_q_len: the bound on new tokens per sequence (a tree mask's side). Windows, soft-caps
-    and sinks it runs."""
-    del window, logit_softcap, sinks
+    it. max_q_len: the bound on new tokens per sequence (a tree mask's side)."""
     feature = paged_unsupported(cache_shape, cache_dtype, num_q_heads, num_warps=4 if num_warps is None else num_warps)
     if feature is None and tree and max_q_len is not None and max_q_len > MAX_TREE_TOKENS:
         return f"a tree mask over {max_q_len} tokens (at most {MAX_TREE_TOKENS})"
@@ -287,11 +283,7 @@ def _attend_block(
             softcap=softcap,
         )
 
-    carry = initial_rows(head_dim)
-    if sinks_ref is not None:
-        # As in the decode kernel: the sinks' logits in the first split, nothing in the others.
-        ones = plgpu.layout_cast(jnp.ones((GROUP_ROWS,), jnp.float32), row_facts)
-        carry = (plgpu.load(sink_smem, layout=row_facts), ones, carry[2])
+    carry = initial_rows(head_dim) if sinks_ref is None else rows_after_sinks(sink_smem, head_dim)
     if window_refs is not None:
         carry = lax.fori_loop(0, num_head, functools.partial(attend_tile, masked=True), carry)
     carry = lax.fori_loop(num_head, num_full, functools.partial(attend_tile, masked=False), carry)
@@ -410,15 +402,6 @@ def _row_layout(group: int, tokens_per_block: int):
     return rows // group, rows % group, rows < tokens_per_block * group
 
 
-def query_blocks(q, query_start, kv_lens, mask, plan, *, num_kv_heads, dtype):
-    """The per-call gathers: q blocks [B * NQB * Hkv, block_rows, D] in the pool's dtype, each row's
-    causal limit [B * NQB, GROUP_ROWS] and, under a tree, its mask bits [B * NQB, words, GROUP_ROWS]."""
-    blocks, row_limit, bits, _ = _query_blocks(
-        q, query_start, kv_lens, mask, plan, num_kv_heads=num_kv_heads, dtype=dtype
-    )
-    return blocks, row_limit, bits
-
-
 def window_starts(row_pos, valid, window):
     """Each row's first position in its window [B * NQB, GROUP_ROWS] (row_pos - window + 1; padding
     rows anything), and per block the lowest and highest of its real rows', clamped at 0 [B * NQB, 2]."""
@@ -431,9 +414,11 @@ def window_starts(row_pos, valid, window):
     return row_lo, bounds.astype(jnp.int32)
 
 
-def _query_blocks(q, query_start, kv_lens, mask, plan, *, num_kv_heads, dtype):
-    """query_blocks, with each row's position (the prefix plus its token, or under a tree its
-    depth) and validity [B, NQB, GROUP_ROWS] as a fourth result."""
+def query_blocks(q, query_start, kv_lens, mask, plan, *, num_kv_heads, dtype):
+    """The per-call gathers: q blocks [B * NQB * Hkv, block_rows, D] in the pool's dtype, each row's
+    causal limit [B * NQB, GROUP_ROWS], under a tree its mask bits [B * NQB, words, GROUP_ROWS] (else
+    None), and (position, real row) [B, NQB, GROUP_ROWS] per row, for window_starts: the prefix
+    plus the row's token, or under a tree its depth."""
     num_rows, num_q_heads, head_dim = q.shape
     batch = kv_lens.shape[0]
     group = num_q_heads // num_kv_heads
@@ -468,13 +453,11 @@ def _query_blocks(q, query_start, kv_lens, mask, plan, *, num_kv_heads, dtype):
 
 
 def initial_sink_rows(sinks, plan, *, num_kv_heads, group):
-    """Each split's initial running max of a block's rows per kv head [NS, Hkv, GROUP_ROWS] (log2
-    units): the row's head's sink in the first split, so that the merge counts it once, nothing
-    in the others. Made here: a select on the split index in the kernel does not lower."""
+    """Each split's initial running max of a block's rows per kv head [NS, Hkv, GROUP_ROWS]
+    (mgpu_tiles.split_sink_rows), each row taking its head's sink."""
     _, head_in_group, _ = _row_layout(group, plan.tokens_per_block)
     heads = np.arange(num_kv_heads)[:, None] * group + head_in_group[None, :]
-    first = (jnp.arange(plan.num_splits) == 0)[:, None, None]
-    return jnp.where(first, (sinks.astype(jnp.float32)[heads] * LOG2E)[None], MASK_VALUE)
+    return split_sink_rows(sinks[heads], plan.num_splits)
 
 
 def ragged_rows(blocks, query_start, plan, *, num_rows, num_q_heads, num_kv_heads):
@@ -557,9 +540,6 @@ def paged_extend_mgpu(
         num_q_heads,
         max_q_len=max_q_len,
         tree=mask is not None,
-        window=window,
-        logit_softcap=logit_softcap,
-        sinks=sinks,
         num_warps=num_warps,
     )
     if feature is not None:
@@ -592,7 +572,7 @@ def paged_extend_mgpu(
         span = jnp.minimum(kv_lens, window + (max_q_len + plan.block_n - 1))
     # Sequences with no new tokens run no program: their KV does not set the split length.
     split_len = runtime_split_len(jnp.where(q_lens > 0, span, 0), plan.num_splits, plan.block_n, plan.min_split_len)
-    blocks, row_limit, mask_bits, (row_pos, valid) = _query_blocks(
+    blocks, row_limit, mask_bits, (row_pos, valid) = query_blocks(
         q, query_start, kv_lens, mask, plan, num_kv_heads=num_kv_heads, dtype=k_cache.dtype
     )
     num_blocks = blocks.shape[0]

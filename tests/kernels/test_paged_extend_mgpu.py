@@ -176,7 +176,7 @@ def test_block_layout_round_trips(group, tree, max_q_len):
     plan = mosaic_extend_plan(
         len(q_lens), num_kv_heads * group, (1, 9, 16, num_kv_heads, 64), 20, max_q_len, sm_scale=1.0, tree=tree
     )
-    blocks, row_limit, bits = jax.jit(query_blocks, static_argnames=("plan", "num_kv_heads", "dtype"))(
+    blocks, row_limit, bits, _ = jax.jit(query_blocks, static_argnames=("plan", "num_kv_heads", "dtype"))(
         jnp.asarray(q),
         jnp.asarray(query_start),
         kv_lens,
