@@ -20,7 +20,7 @@ import functools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 
 from jspec.config.sampling import SamplingParams
 from jspec.engine.engine import Engine, RequestOutput
@@ -115,7 +115,7 @@ class AsyncEngine:
                     except queue.Empty:
                         break
                 if self.engine.has_work():
-                    self._publish_step(self.engine.step())
+                    publish_step(self._streams, self.engine.step())
         except BaseException as e:  # surface a crash to every waiting client instead of hanging them
             log.exception("the engine loop stopped")
             self._error = e
@@ -167,21 +167,6 @@ class AsyncEngine:
         self._streams[rid] = (loop, outputs)
         loop.call_soon_threadsafe(settle, added, rid, None)
 
-    def _publish_step(self, outs: list[RequestOutput]) -> None:
-        """A step's outputs, handed to each event loop in one callback: one wake-up of the
-        server's loop per step, not one per request (at hundreds of running requests those
-        wake-ups cost the engine thread more than the step's own host work)."""
-        by_loop: dict = {}
-        for out in outs:
-            target = self._streams.get(out.rid)
-            if target is None:
-                continue
-            if out.finished:
-                del self._streams[out.rid]
-            by_loop.setdefault(target[0], []).append((target[1], out))
-        for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(deliver_outputs, items)
-
     def _publish(self, out: RequestOutput) -> None:
         target = self._streams.get(out.rid)
         if target is None:
@@ -225,7 +210,24 @@ async def request_outputs(outputs: asyncio.Queue, unfinished: Callable[[], None]
             unfinished()
 
 
-def deliver_outputs(items: list) -> None:
+def publish_step(streams: dict, outs: Iterable[RequestOutput]) -> None:
+    """A step's outputs, handed to each event loop in one callback: one wake-up of the server's
+    loop per step, not one per request (at hundreds of running requests those wake-ups cost the
+    engine's side more than the step's own host work). streams maps a request id to its (event
+    loop, queue); a finished request's entry is dropped."""
+    by_loop: dict = {}
+    for out in outs:
+        target = streams.get(out.rid)
+        if target is None:
+            continue
+        if out.finished:
+            streams.pop(out.rid, None)
+        by_loop.setdefault(target[0], []).append((target[1], out))
+    for loop, items in by_loop.items():
+        loop.call_soon_threadsafe(_deliver_outputs, items)
+
+
+def _deliver_outputs(items: list) -> None:
     """(queue, output) pairs of one step, put on their queues in one event-loop callback."""
     for outputs, out in items:
         outputs.put_nowait(out)

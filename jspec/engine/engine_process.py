@@ -40,7 +40,7 @@ from jspec.checkpoint.demo import default_model_path
 from jspec.config.engine import EngineConfig
 from jspec.config.load import LoadConfig
 from jspec.config.sampling import SamplingParams
-from jspec.engine.async_engine import RequestFailed, deliver_outputs, request_outputs, settle
+from jspec.engine.async_engine import RequestFailed, publish_step, request_outputs, settle
 from jspec.engine.engine import Engine, RequestOutput
 from jspec.engine.facts import EngineFacts, EngineStats, engine_stats, serving_facts
 
@@ -258,19 +258,8 @@ class EngineProcess:
             self._fail_all(error)
 
     def _publish(self, packed: list[tuple]) -> None:
-        """One step's outputs, handed to each event loop in one callback (one wake-up of the
-        server's loop per step, not one per request)."""
-        by_loop: dict = {}
-        for fields in packed:
-            out = RequestOutput(*fields)
-            target = self._streams.get(out.rid)
-            if target is None:
-                continue
-            if out.finished:
-                self._streams.pop(out.rid, None)
-            by_loop.setdefault(target[0], []).append((target[1], out))
-        for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(deliver_outputs, items)
+        """One step's outputs, as they crossed the pipe (each a RequestOutput's fields)."""
+        publish_step(self._streams, (RequestOutput(*fields) for fields in packed))
 
     def _fail_all(self, reason: str) -> None:
         """Fails every stream and call still waiting: nothing will answer them."""

@@ -118,7 +118,7 @@ async def completions(body: CompletionRequest, request: Request, st: Served):
                     "finish_reason": openai_finish(out.finish_reason) if out.finished else None,
                     "logprobs": None,
                 }
-                if body.logprobs is not None and out.new_token_ids:
+                if with_logprobs and out.new_token_ids:
                     c = Choice(i)
                     c.add(out)
                     choice["logprobs"] = completion_logprobs(st, c, n_top)
