@@ -279,7 +279,9 @@ def write_costs(path: str, spec: jspec.SpecConfig, max_rows: int):
     """The cost table of `spec`'s shapes at every bucket up to max_rows, measured here."""
     dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
     model = (SMALL, random_params(SMALL, dtype))
-    engine = jspec.Engine(model, speculative=spec, max_running_requests=max_rows, page_size=16)
+    # A step's time does not depend on the pool's size (benchmarks/NOTES.md, pool_scaling), and a
+    # pool sized from the device would make every program's compile slower.
+    engine = jspec.Engine(model, speculative=spec, max_running_requests=max_rows, page_size=16, max_total_tokens=65536)
     costs = engine.worker.measure_costs()
     device = jax.devices()[0].device_kind
     with open(path, "w") as f:

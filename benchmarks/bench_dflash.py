@@ -31,7 +31,7 @@ BLOCKS = (16, 8)
 
 def plain_costs(engine: Engine, repeats: int) -> dict[int, float]:
     w, greedy, out = engine.worker, (SamplingParams(), 0), {}
-    for B in w.decode_buckets():
+    for B in w.buckets.decode_buckets():
         times = []
         for _ in range(repeats + 1):
             t0 = time.perf_counter()

@@ -60,8 +60,9 @@ for s in "$@"; do
       step gemv 240 $PY -m benchmarks.bench_decode --parts --quick --no-stacked --batches 1,16 --tag gemv --out "$RESULTS"
       JSPEC_SKINNY_MATMUL=mosaic step decode_mosaic_gemv 150 $PY -m benchmarks.bench_decode --quick --no-stacked \
         --batches 1,16 --tag mosaic_gemv --out "$RESULTS" ;;
+    mixed_step) step mixed_step 240 $PY -m benchmarks.bench_mixed_step --profile --out "$RESULTS" ;;
     mla) step mla 70 $PY -m benchmarks.bench_mla --out "$RESULTS" ;;
-    nextn) step nextn 70 $PY -m benchmarks.bench_nextn --layers 4 --out "$RESULTS" ;;
+    nextn) step nextn 200 $PY -m benchmarks.bench_nextn --layers 4 --out "$RESULTS" ;;
     dflash_cost) step dflash_cost 150 $PY -m benchmarks.bench_dflash --draft-layers 5 --out "$RESULTS" ;;
     # DFLASH on real weights, one call each on a warm machine after `carry_demo_model.sh assemble`
     # (the demo SmolLM2 here; .demo_stash survives between calls): the retrained EAGLE-3 head and
@@ -91,10 +92,10 @@ for s in "$@"; do
         --variant "dflash=--speculative-algorithm DFLASH --speculative-draft-model-path .demo_stash/dflash-smol" \
         --variant "eagle3=--speculative-algorithm EAGLE3 --speculative-draft-model-path .demo_stash/eagle3-smol --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4" \
         --variant "ngram=--speculative-algorithm NGRAM" --run-timeout 120 --out "$RESULTS" --name serving_curve_smollm2_spec ;;
-    host_launch) step host_launch 70 $PY -m benchmarks.bench_host_launch --tokens 128 --out "$RESULTS" ;;
+    host_launch) step host_launch 180 $PY -m benchmarks.bench_host_launch --tokens 128 --out "$RESULTS" ;;
     overlap) step overlap 140 $PY -m benchmarks.bench_overlap --batches 1 --out "$RESULTS" --name bench_overlap_bs1 ;;
     adaptive_costs)
-      step adaptive_costs 120 $PY -m benchmarks.bench_adaptive --costs-only "$RESULTS/adaptive_costs_h200.json" ;;
+      step adaptive_costs 240 $PY -m benchmarks.bench_adaptive --costs-only "$RESULTS/adaptive_costs_h200.json" ;;
     startup_8b)
       step startup_8b 240 $PY -m benchmarks.bench_startup --runs 1 --name bench_startup_8b --out "$RESULTS" \
         --server-args "--model-path benchmarks/shapes/llama-3.1-8b --load-format dummy" ;;
@@ -163,10 +164,12 @@ for s in "$@"; do
       # Host-side variants of the default server, side by side (names in $HOST_VARIANTS): the
       # engine loop on a thread of the HTTP process (the old layout); the layers unrolled over
       # their stacked weights (one launch argument per weight kind); smaller prefill chunks (a
-      # step that also decodes costs less above a decode step: ITL p99).
+      # step that also decodes costs less above a decode step: ITL p99); mixed steps without the
+      # default bound on their cost, or with a looser one.
       shape=$SHAPE_SMALL; [ $s = curve_8b_variants ] && shape=$SHAPE_8B
       declare -A flags=([default]="" [in_thread]="--engine-in-thread" \
-        [unrolled_stack]="--layer-loop unrolled_stack" [chunk256]="--chunked-prefill-size 256")
+        [unrolled_stack]="--layer-loop unrolled_stack" [chunk256]="--chunked-prefill-size 256" \
+        [unbounded]="--mixed-chunk-slowdown 0" [slowdown3]="--mixed-chunk-slowdown 3")
       variant_args=()
       for v in ${HOST_VARIANTS:-default in_thread chunk256}; do
         variant_args+=(--variant "$v=${flags[$v]}")

@@ -65,6 +65,13 @@ class EngineConfig:
         "--enable-mixed-chunk), so new prompts do not stall them (plain decoding; speculation alternates)",
         group="memory",
     )
+    mixed_chunk_slowdown: float | None = setting(
+        None,
+        "a step that prefills while running requests decode may cost at most this many times their decode "
+        "step (its prompt tokens are cut to fit, from step costs timed at warm-up): their inter-token latency "
+        "bound; 0: only --chunked-prefill-size bounds it; default: 2 on an accelerator, 0 without one",
+        group="memory",
+    )
     disable_radix_cache: bool = setting(False, "no prefix cache", group="memory")
     random_seed: int = setting(0, "seeds requests that bring none", group="serving")
     max_top_logprobs: int = setting(5, "largest top-n logprobs a request may ask for", group="serving")
@@ -178,6 +185,8 @@ class EngineConfig:
             raise ValueError(f"max_top_logprobs={self.max_top_logprobs} must be >= 0")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise ValueError(f"max_total_tokens={self.max_total_tokens} must be >= 1")
+        if self.mixed_chunk_slowdown is not None and self.mixed_chunk_slowdown != 0 and self.mixed_chunk_slowdown < 1:
+            raise ValueError(f"mixed_chunk_slowdown={self.mixed_chunk_slowdown} must be 0 (no bound) or >= 1")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
             raise ValueError(f"mem_fraction_static={self.mem_fraction_static} must be in (0, 1]")
         for name in (

@@ -28,7 +28,7 @@ from jspec.checkpoint.model import as_model, load_logged, with_context_length
 from jspec.config.engine import EngineConfig
 from jspec.config.sampling import SamplingParams
 from jspec.constrained.grammar import GrammarCompiler
-from jspec.engine.build import build_worker
+from jspec.engine.build import build_worker, mixed_step_slowdown
 from jspec.engine.outputs import GenerationOutput, as_prompt_list, tokenize_prompt
 from jspec.layers.sampling import SAMPLING_MODES, sampling_mode
 from jspec.lora.adapter import load_adapter
@@ -41,7 +41,7 @@ from jspec.speculative.adaptive import AdaptivePolicy, CostTable
 from jspec.steps.common import unpack_output
 from jspec.worker.base import PendingLaunch
 from jspec.worker.batch import DecodeBatch, DPBatch, PrefillBatch
-from jspec.worker.programs import decode_jobs, decode_ready, enable_compilation_cache
+from jspec.worker.programs import decode_jobs, decode_ready, enable_compilation_cache, measure_step_costs
 
 log = logging.getLogger("jspec.engine")
 
@@ -231,7 +231,25 @@ class Engine:
         self._log_program_memory()
         if self.adaptive is not None and self.adaptive.costs is None:
             self._measure_costs()
+        slowdown = mixed_step_slowdown(self.config)
+        if slowdown and self.scheduler.mixed_chunk:
+            self._bound_mixed_steps(slowdown)
         return n
+
+    def _bound_mixed_steps(self, slowdown: float) -> None:
+        """Times the prefill and decode buckets and lets the scheduler cut its mixed steps to
+        `slowdown` times their decode rows' step."""
+        self.drain()
+        costs = measure_step_costs(self.worker)
+        self.scheduler.step_costs, self.scheduler.mixed_slowdown = costs, slowdown
+        log.info(
+            "mixed steps cost at most %gx their decode rows' step: tokens per step by decode rows %s "
+            "(prefill ms by tokens %s; decode ms by rows %s)",
+            slowdown,
+            ", ".join(f"{b}: {costs.mixed_step_tokens(b, slowdown)}" for b in costs.decode),
+            ", ".join(f"{t}: {s * 1e3:.2f}" for t, s in costs.prefill.items()),
+            ", ".join(f"{b}: {s * 1e3:.2f}" for b, s in costs.decode.items()),
+        )
 
     def _log_program_memory(self) -> None:
         """Each compiled program's device memory beside its arguments, once; a program whose

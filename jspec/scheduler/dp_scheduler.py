@@ -42,6 +42,8 @@ class RankCaches:
 
 
 class DPScheduler:
+    mixed_chunk = False  # a DP batch's prefills run alone on every rank
+
     def __init__(self, worker, *, disable_radix_cache: bool = False, load_balance_method: str = "round_robin"):
         if load_balance_method not in LOAD_BALANCE_METHODS:
             raise ValueError(

@@ -20,6 +20,7 @@ from jspec.scheduler.kv_manager import KVManager
 from jspec.scheduler.request import Request, Status
 from jspec.worker.batch import DecodeBatch, PrefillBatch
 from jspec.worker.inputs import SeqChunk
+from jspec.worker.programs import StepCosts
 
 
 def cache_key(req: Request, tokens: list[int]) -> list[int]:
@@ -37,6 +38,10 @@ class Scheduler:
         # Prefills carry the running requests' decode rows (the worker reads their tokens from the
         # device carry), so new prompts never stall the running ones for a step.
         self.mixed_chunk = mixed_chunk
+        # With step costs (timed at warm-up), a mixed step's tokens are cut so that it costs at
+        # most mixed_slowdown times its decode rows' own step: their inter-token latency.
+        self.step_costs: StepCosts | None = None
+        self.mixed_slowdown = 0.0
         self.page_size = worker.page_size
         self.chunked_prefill_size = worker.chunked_prefill_size
         self.kv = KVManager(worker.num_pages, worker.max_slots, worker.page_size)
@@ -146,6 +151,10 @@ class Scheduler:
         # The decode rows take their share of the step's tokens first: a step's cost follows its
         # token count, and the running requests' latency is what mixing protects.
         budget = self.chunked_prefill_size - len(decode_rows)
+        if decode_rows and self.step_costs is not None:
+            budget = min(
+                budget, self.step_costs.mixed_step_tokens(len(decode_rows), self.mixed_slowdown) - len(decode_rows)
+            )
         batch = PrefillBatch()
         # Requests mid-prefill first, then new (or retracted) ones in arrival order.
         candidates = list(self.prefilling)

@@ -128,6 +128,7 @@ class WorkerBase:
         lora=None,
         kv_cache_dtype: str = "auto",
         decode_paddings: tuple[int, ...] | None = None,
+        prefill_ratio: int = 4,
     ):
         # Tensor parallel (jspec.distributed): params arrive sharded over mesh; steps run under it.
         self.mesh = mesh
@@ -146,7 +147,7 @@ class WorkerBase:
         self.num_pages = int(num_pages)
         self.max_slots = max_slots
         self.chunked_prefill_size = chunked_prefill_size
-        self.buckets = Buckets(chunked_prefill_size, max_slots, decode_paddings)
+        self.buckets = Buckets(chunked_prefill_size, max_slots, decode_paddings, prefill_ratio)
         self.backend = attention_backend or default_attention_backend()
         self.programs = Programs(mesh)
         self._program_specs: dict = {}

@@ -211,12 +211,12 @@ class Progress:
         log.info("compiled %d programs in %.1f s", self.total, time.perf_counter() - self.t0)
 
 
-def prefill_token_buckets(chunked_prefill_size: int, smallest: int = MIN_PREFILL_TOKENS) -> list[int]:
-    """Powers of four from `smallest` below the chunk size, then the chunk size (a multiple of 8)."""
+def prefill_token_buckets(chunked_prefill_size: int, smallest: int = MIN_PREFILL_TOKENS, ratio: int = 4) -> list[int]:
+    """Powers of `ratio` from `smallest` below the chunk size, then the chunk size (a multiple of 8)."""
     out, t = [], smallest
     while t < chunked_prefill_size:
         out.append(t)
-        t *= 4
+        t *= ratio
     return out + [max(bucket(chunked_prefill_size, 8), smallest)]
 
 
@@ -229,11 +229,13 @@ class Buckets:
     chunked_prefill_size: int
     max_slots: int
     decode_paddings: tuple[int, ...] | None = None  # precompile_bs_paddings (None: every power of two)
+    # Powers of four keep the programs few (a prefill is one read of the weights whatever its T);
+    # a scheduler that bounds its mixed steps' cost wants powers of two to choose among.
+    prefill_ratio: int = 4
 
     def prefill_token_buckets(self) -> list[int]:
-        """Token counts a prefill pads to: powers of four up to the chunk size (coarse, so
-        there are few programs; a prefill is one read of the weights whatever its T)."""
-        return prefill_token_buckets(self.chunked_prefill_size)
+        """Token counts a prefill pads to: powers of prefill_ratio up to the chunk size."""
+        return prefill_token_buckets(self.chunked_prefill_size, ratio=self.prefill_ratio)
 
     def prefill_tokens(self, total: int) -> int:
         """The bucket a prefill of `total` tokens pads to."""
@@ -408,6 +410,46 @@ def measure_programs(worker) -> dict[str, ProgramMemory]:
             scratch_decode(worker, B, shape=shape)
     worker.programs.compile_all(jobs)
     return {j.program.label: worker.programs.memory(j.program.key) for j in jobs}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCosts:
+    """Seconds of one prefill step per token bucket (decode rows ride in it as one-token rows)
+    and of one greedy decode per row bucket, timed on this device: what a scheduler needs to
+    bound the cost of a step that prefills while it decodes."""
+
+    prefill: dict[int, float]
+    decode: dict[int, float]
+
+    def mixed_step_tokens(self, decode_rows: int, slowdown: float) -> int:
+        """The most tokens, decode rows included, that a step carrying decode_rows may pad to
+        and still cost at most `slowdown` times the decode step of those rows; never less than
+        the smallest bucket past the rows, so that waiting prompts always progress (0 when no
+        bucket is past them)."""
+        rows = next((b for b in sorted(self.decode) if b >= decode_rows), max(self.decode))
+        past = sorted(t for t in self.prefill if t > decode_rows)
+        if not past:
+            return 0
+        fits = [t for t in past if self.prefill[t] <= slowdown * self.decode[rows]]
+        return max(fits, default=past[0])
+
+
+def measure_step_costs(worker, repeats: int = 3) -> StepCosts:
+    """Times every prefill token bucket and greedy decode row bucket on scratch rows (they write
+    only the scratch page and slot); the least of `repeats` runs after one that may compile."""
+
+    def least(launch) -> float:
+        times = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            jax.block_until_ready(launch())
+            times.append(time.perf_counter() - t0)
+        return min(times[1:])
+
+    prefill = {T: least(lambda T=T: scratch_prefill(worker, T)) for T in worker.buckets.prefill_token_buckets()}
+    decode = {B: least(lambda B=B: scratch_decode(worker, B)) for B in worker.buckets.decode_buckets()}
+    worker.last_decode = None  # the scratch batch is not the loop's
+    return StepCosts(prefill, decode)
 
 
 def first_step(worker) -> None:

@@ -9,6 +9,7 @@ import pytest
 from support.models import tiny_model
 
 import jspec
+from jspec.worker.programs import Buckets, StepCosts
 
 pytestmark = pytest.mark.slow  # builds engines, servers or HF references
 
@@ -74,12 +75,54 @@ def test_mixed_steps_give_the_tokens_of_prefills_alone(tiny, overlap):
     ref, got = run(alone, reqs), run(mixed, reqs)
     assert alone.loop_times.mixed_steps == 0
     assert mixed.loop_times.mixed_steps >= 5, mixed.loop_times
-    assert got.keys() == ref.keys() and len(got) == len(reqs)
+    same_tokens(got, ref, len(reqs))
+    # The decode rows ride along: fewer launches than prefills and decodes taken one at a time.
+    assert mixed.num_steps < alone.num_steps
+    if overlap:
+        # Mixed steps cut to a cost bound: the step costs timed at warm-up (this machine's: the
+        # bound itself is checked below on fixed costs), then the same tokens.
+        bounded = jspec.Engine(tiny, mixed_chunk_slowdown=1.5, **kw)
+        bounded.warmup(sampling_modes=("greedy", "sampled"))
+        costs = bounded.scheduler.step_costs
+        assert costs is not None and sorted(costs.prefill) == [16, 32] and sorted(costs.decode) == [8]
+        assert all(t > 0 for t in [*costs.prefill.values(), *costs.decode.values()])
+        same_tokens(run(bounded, reqs), ref, len(reqs))
+
+
+def same_tokens(got, ref, n):
+    assert got.keys() == ref.keys() and len(got) == n
     for rid in ref:
         assert got[rid][0] == ref[rid][0], rid
         np.testing.assert_allclose(got[rid][1], ref[rid][1], rtol=1e-4, atol=1e-5)
-    # The decode rows ride along: fewer launches than prefills and decodes taken one at a time.
-    assert mixed.num_steps < alone.num_steps
+
+
+def test_a_mixed_step_is_cut_to_its_cost_bound(tiny):
+    """With a prefill of 16 tokens costing 1.4x a decode of the rows and one of 32 costing 3x,
+    a bound of 2 lets a step carrying one decode row take 15 prompt tokens, not 31; a bound of 3
+    the whole chunk."""
+    for slowdown, prompt_tokens in ((2.0, 15), (3.0, SETTINGS["chunked_prefill_size"] - 1)):
+        engine = jspec.Engine(tiny, mixed_chunk_slowdown=slowdown, **SETTINGS)
+        engine.scheduler.step_costs = StepCosts({16: 1.4, 32: 3.0}, {1: 1.0, 2: 1.0, 4: 1.1, 8: 1.2})
+        engine.scheduler.mixed_slowdown = slowdown
+        engine.add_request(list(range(5)), jspec.SamplingParams(max_new_tokens=30, ignore_eos=True))
+        engine.step()  # its prefill: no decode rows, the whole chunk
+        engine.add_request(list(range(100)), jspec.SamplingParams(max_new_tokens=2, ignore_eos=True))
+        batch = engine.scheduler.schedule()
+        assert [len(c.tokens) for c in batch.chunks] == [prompt_tokens, 1]
+
+
+def test_step_costs_bound_the_mixed_step_tokens():
+    # A bounded scheduler's worker pads prefills to powers of two, not four: finer choices.
+    assert Buckets(512, 8, prefill_ratio=2).prefill_token_buckets() == [16, 32, 64, 128, 256, 512]
+    assert Buckets(512, 8).prefill_token_buckets() == [16, 64, 256, 512]
+    costs = StepCosts({16: 1.0, 32: 1.1, 64: 1.3, 128: 1.8, 256: 3.0, 512: 6.0}, {1: 1.0, 8: 1.1, 64: 1.6, 256: 3.5})
+    assert costs.mixed_step_tokens(1, 2.0) == 128  # 1.8 <= 2 x 1.0; 256 would cost 3x
+    assert costs.mixed_step_tokens(5, 2.0) == 128  # the rows pad to 8: 2 x 1.1
+    assert costs.mixed_step_tokens(64, 2.0) == 256  # 3.0 <= 3.2
+    assert costs.mixed_step_tokens(64, 1.5) == 128  # only 128 fits
+    assert costs.mixed_step_tokens(200, 1.5) == 256  # the rows pad to 256: 3.0 <= 5.25 < 6.0
+    assert costs.mixed_step_tokens(64, 1.0) == 128  # none fits: the smallest bucket past the rows
+    assert costs.mixed_step_tokens(512, 2.0) == 0  # no bucket past the rows
 
 
 def test_decode_rows_take_their_share_of_the_step_first(tiny):
