@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jspec
-from benchmarks.common import RESULTS_DIR, SMALL, TINY, Results, git_commit, int_list, random_params
+from benchmarks.common import RESULTS_DIR, SMALL, TINY, Results, git_commit, int_list, random_params, spec_costs
 from jspec.layers.batch import bucket
 from jspec.speculative.adaptive import AdaptivePolicy, CostTable, shape_label
 from jspec.speculative.ngram import PAD, match_candidates_ref
@@ -282,7 +282,7 @@ def write_costs(path: str, spec: jspec.SpecConfig, max_rows: int):
     # A step's time does not depend on the pool's size (benchmarks/NOTES.md, pool_scaling), and a
     # pool sized from the device would make every program's compile slower.
     engine = jspec.Engine(model, speculative=spec, max_running_requests=max_rows, page_size=16, max_total_tokens=65536)
-    costs = engine.worker.measure_costs()
+    costs = spec_costs(engine)
     device = jax.devices()[0].device_kind
     with open(path, "w") as f:
         json.dump(dict(costs.to_json(), device=device, commit=git_commit(), shape="smollm2-135m"), f, indent=1)

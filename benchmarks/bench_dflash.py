@@ -20,7 +20,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import LLAMA_8B_CTX, RESULTS_DIR, Results, random_params, tiny
+from benchmarks.common import LLAMA_8B_CTX, RESULTS_DIR, Results, random_params, spec_costs, tiny
 from jspec.checkpoint.dflash import dflash_config_for, init_random_dflash_params
 from jspec.config.sampling import SamplingParams
 from jspec.config.spec import SpecConfig
@@ -67,7 +67,7 @@ def main(argv=None):
     others = " ".join(f"{b - 1},1,{b}" for b in BLOCKS[1:]) + " 0,1,1"
     spec = SpecConfig("DFLASH", num_draft_tokens=max(BLOCKS), adaptive=True, adaptive_shapes=others)
     engine = Engine((cfg, params), speculative=spec, draft=(dcfg, dparams), **kw)
-    costs = engine.worker.measure_costs(repeats=args.repeats)
+    costs = spec_costs(engine, args.repeats)
     dflash = {" ".join(map(str, s)): row for s, row in costs.seconds.items()}
     path = results.write(plain_s=plain, dflash_s=dflash)
     for B in plain:

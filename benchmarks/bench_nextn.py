@@ -18,7 +18,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import RESULTS_DIR, Results, shape
+from benchmarks.common import RESULTS_DIR, Results, shape, spec_costs
 from jspec.checkpoint.deepseek import mtp_param_shapes
 from jspec.checkpoint.loader import init_random_params
 from jspec.checkpoint.random_weights import random_weights
@@ -82,7 +82,7 @@ def main(argv=None):
     results.write(plain_s=plain)
     spec = SpecConfig("NEXTN", num_steps=3, adaptive=True, adaptive_shapes=SHAPES.split(" ", 1)[1])
     engine = Engine((cfg, params), speculative=spec, draft=(cfg, mtp), **kw)
-    costs = engine.worker.measure_costs(repeats=args.repeats)
+    costs = spec_costs(engine, args.repeats)
     nextn = {" ".join(map(str, s)): row for s, row in costs.seconds.items()}
     path = results.write(plain_s=plain, nextn_s=nextn)
     for B in plain:

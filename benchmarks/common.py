@@ -22,6 +22,7 @@ from jspec.config.model import ModelConfig
 from jspec.config.sampling import SamplingParams
 from jspec.train.eagle3 import draft_config_for
 from jspec.worker.inputs import decode_inputs, decode_lora_slots, lora_batch
+from jspec.worker.programs import decode_jobs
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES_DIR = os.path.join(REPO_ROOT, "benchmarks", "shapes")
@@ -163,6 +164,15 @@ def matmul_flops(n: int = 8192) -> float:
     f = jax.jit(lambda a, b: a @ b)
     jax.block_until_ready(f(a, b))
     return 2 * n**3 / timed(lambda: f(a, b), 10, 5)
+
+
+def spec_costs(engine, repeats: int = 5):
+    """An adaptive speculative engine's cost table (SpecWorker.measure_costs), its greedy
+    decode programs of every shape and bucket compiled first, on threads, as warm-up does: one
+    at a time at first use they take minutes on a GPU."""
+    w = engine.worker
+    w.programs.compile_all(decode_jobs(w, ["greedy"], shapes=range(w.num_shapes)))
+    return w.measure_costs(repeats=repeats)
 
 
 # ---- an engine's compiled decode step, without its loop -------------------------------------------

@@ -157,11 +157,13 @@ def quantize_params(params, method: str | None):
 
 
 def with_fp8_gemm(params, backend: str):
-    """params with every FP8 weight's matmul path set: "xla", "pallas", or "auto" (the Pallas
-    GEMV, which upcasts in registers and reads each byte once, for decode rows on one GPU)."""
+    """params with every FP8 weight's matmul path set: "xla", "pallas" (the Pallas GEMV, which
+    upcasts in registers and reads each byte once, for decode rows on one GPU), "w8a8", or
+    "auto": XLA's dot, the fastest on the GPU at 16 rows and on small projections, and within a
+    few percent of the GEMV at one row on large ones (benchmarks/NOTES.md, bench_fp8)."""
     if backend not in FP8_GEMM_BACKENDS:
         raise ValueError(f"unknown fp8_gemm_backend {backend!r}; choose one of {FP8_GEMM_BACKENDS}")
-    gemm = "pallas" if backend == "auto" else backend
+    gemm = "xla" if backend == "auto" else backend
     if gemm == "w8a8" and any(a.in_blocks > 1 for a in jax.tree.leaves(params, is_leaf=is_fp8) if is_fp8(a)):
         raise NotImplementedError("fp8_gemm_backend w8a8 takes per-tensor or per-channel FP8 weights, not block scales")
     return jax.tree.map(
