@@ -153,6 +153,11 @@ class WorkerBase:
         self._program_specs: dict = {}
         self.last_decode: DecodeInputs | None = None  # reused by a decode of the same batch
         self.warmed_up = False  # warm-up ran: programs a request needs first compile in the background
+        # The prefill programs by sampling program. On the GPU the sampled program runs the top-k /
+        # top-p search over every row (a branch on the data would cost a host round trip there), so
+        # all-greedy prefills get a program without it, as decodes do; elsewhere the one sampled
+        # program skips the search inside when no row asks for it.
+        self.prefill_sampling_modes = SAMPLING_MODES if jax.default_backend() == "gpu" else ("sampled",)
         self.grammar_keys: list | None = None  # the programs that take token bitmasks, once planned
 
     def init_state(self, num_pages: int, max_slots: int):
@@ -273,8 +278,15 @@ class WorkerBase:
         rows = rows_of(sampling, slot_ids.shape[0])
         lora = lora_batch(self.lora, prefill_lora_slots(batch, chunks, loras))
         T = batch.tokens.shape[0]
-        statics = dict(self.step_statics(), mode=mode, top_n=self.top_n, with_prompt_logprobs=with_prompt_logprobs)
-        label = f"prefill T={T}{' prompt logprobs' if with_prompt_logprobs else ''}"
+        sampled = self.prefill_program(sampling_mode(p for p, _ in sampling))
+        statics = dict(
+            self.step_statics(),
+            mode=mode,
+            top_n=self.top_n,
+            with_prompt_logprobs=with_prompt_logprobs,
+            sampling=sampled,
+        )
+        label = f"prefill T={T}{' greedy' if sampled == 'greedy' else ''}{' prompt logprobs' if with_prompt_logprobs else ''}"
         tokens = self.prefill_step_tokens(next_tokens, finish_rows)
         mask = self._vocab_mask(vocab_masks, slot_ids.shape[0])
         masked = () if mask is None else ("masked",)
@@ -284,10 +296,14 @@ class WorkerBase:
         elif mask is not None:
             args += (mask,)
         return self._launch(
-            prefill_key(T, with_prompt_logprobs, self.top_n) + masked,
+            prefill_key(T, with_prompt_logprobs, self.top_n, sampled) + masked,
             lambda: (self.prefill_step, statics, label + " masked" * bool(masked)),
             args,
         )
+
+    def prefill_program(self, mode: str) -> str:
+        """The sampling program a prefill of this sampling mode runs (prefill_sampling_modes)."""
+        return mode if mode in self.prefill_sampling_modes else "sampled"
 
     def decode(self, slots, page_tables, sampling, loras=None, shape: int = 0, drafting=None, grammars=None):
         """Builds the bucketed arrays, then launches (decode_arrays). A batch the same as the

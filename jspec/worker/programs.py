@@ -259,8 +259,8 @@ class Buckets:
         return next((b for b in self.decode_buckets() if b >= rows), bucket(rows))
 
 
-def prefill_key(T: int, with_prompt_logprobs: bool, top_n: int) -> tuple:
-    return ("prefill", T, with_prompt_logprobs, top_n)
+def prefill_key(T: int, with_prompt_logprobs: bool, top_n: int, sampling: str) -> tuple:
+    return ("prefill", T, with_prompt_logprobs, top_n, sampling)
 
 
 def decode_key(B: int, mode: str, top_n: int, shape: int, verify_tokens: int | None = None) -> tuple:
@@ -295,11 +295,17 @@ def scratch_prefill(worker, T: int, mode: str = "greedy", **kw):
     return worker.prefill([SeqChunk([0] * T, 0, pages)], [0], [None], [scratch_sampling(mode)], **kw)
 
 
-def prefill_jobs(worker, with_prompt_logprobs: bool) -> list[Job]:
-    """The prefill programs of every token bucket (recorded, not run)."""
+def prefill_programs(worker, sampling_modes) -> list[str]:
+    """The sampling programs of the prefills that serve these sampling modes."""
+    return sorted({worker.prefill_program(m) for m in sampling_modes})
+
+
+def prefill_jobs(worker, with_prompt_logprobs: bool, sampling_modes=SAMPLING_MODES) -> list[Job]:
+    """The prefill programs of every token bucket for these sampling modes (recorded, not run)."""
     with recording(worker) as jobs:
         for T in worker.buckets.prefill_token_buckets():
-            scratch_prefill(worker, T, with_prompt_logprobs=with_prompt_logprobs)
+            for mode in prefill_programs(worker, sampling_modes):
+                scratch_prefill(worker, T, mode, with_prompt_logprobs=with_prompt_logprobs)
     return jobs
 
 
@@ -322,7 +328,8 @@ def grammar_jobs(worker) -> list[Job]:
             for mode in SAMPLING_MODES:
                 scratch_decode(worker, B, mode, grammars=[None] * B)
         for T in worker.buckets.prefill_token_buckets():
-            scratch_prefill(worker, T, vocab_masks=allow_all(1, worker.vocab_size))
+            for mode in prefill_programs(worker, SAMPLING_MODES):
+                scratch_prefill(worker, T, mode, vocab_masks=allow_all(1, worker.vocab_size))
     return jobs
 
 
@@ -333,7 +340,7 @@ def warmup_jobs(worker, sampling_modes=SAMPLING_MODES, prompt_logprobs: bool = F
         raise ValueError(f"unknown sampling modes {sorted(unknown)}; choose from {SAMPLING_MODES}")
     jobs = []
     for with_prompt in (False, True) if prompt_logprobs else (False,):
-        jobs += prefill_jobs(worker, with_prompt)
+        jobs += prefill_jobs(worker, with_prompt, sampling_modes)
     return jobs + decode_jobs(worker, sampling_modes, shapes=(0,))
 
 
@@ -360,7 +367,11 @@ def compile_when_missing(worker, keys, jobs) -> bool:
 def prompt_logprob_programs_ready(worker) -> bool:
     """Whether the prefills that score prompt tokens are compiled; if not, starts compiling
     them in the background (the loop goes on with requests that do not need them)."""
-    keys = [prefill_key(T, True, worker.top_n) for T in worker.buckets.prefill_token_buckets()]
+    keys = [
+        prefill_key(T, True, worker.top_n, mode)
+        for T in worker.buckets.prefill_token_buckets()
+        for mode in prefill_programs(worker, SAMPLING_MODES)
+    ]
     return compile_when_missing(worker, keys, lambda: prefill_jobs(worker, True))
 
 
@@ -402,7 +413,7 @@ def measure_programs(worker) -> dict[str, ProgramMemory]:
     memory by label: what sizing reserves for the programs beside the weights and the pool."""
     B, T = worker.buckets.decode_buckets()[-1], worker.buckets.prefill_token_buckets()[-1]
     with recording(worker) as jobs:
-        scratch_prefill(worker, T)
+        scratch_prefill(worker, T, "sampled")  # the larger of the two sampling programs
         for mode in SAMPLING_MODES:
             scratch_decode(worker, B, mode)
         # A larger draft shape than the configured one makes a larger program (a wider tree).

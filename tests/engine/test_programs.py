@@ -13,8 +13,9 @@ from support import REPO_ROOT
 from support.models import tiny_model
 
 import jspec
+from jspec.layers.sampling import SAMPLING_MODES
 from jspec.models.common import UnrolledStack
-from jspec.worker.programs import warmup_jobs
+from jspec.worker.programs import prefill_key, warmup_jobs
 
 pytestmark = pytest.mark.slow  # builds engines, servers or HF references
 
@@ -143,3 +144,27 @@ def test_precompile_bs_paddings_bound_the_decode_programs(tiny):
     assert jspec.Engine(tiny, precompile_bs_paddings=[64], **KW).worker.buckets.decode_buckets() == [4]
     with pytest.raises(ValueError, match="powers of two"):
         jspec.Engine(tiny, precompile_bs_paddings=[3], **KW)
+
+
+def test_all_greedy_prefills_get_their_own_program_where_the_worker_keeps_one(tiny):
+    """The GPU's layout, forced on the CPU: a greedy prefill program beside the sampled one
+    (which always runs the top-k / top-p search there). Warm-up compiles both for every token
+    bucket, an all-greedy prefill runs the greedy one, a batch with a sampled row the sampled
+    one, and every request gets the tokens of the engine with one prefill program."""
+    one = jspec.Engine(tiny, **KW)
+    two = jspec.Engine(tiny, **KW)
+    two.worker.prefill_sampling_modes = SAMPLING_MODES
+    w = two.worker
+    buckets = w.buckets.prefill_token_buckets()
+    assert two.warmup() == one.warmup() + len(buckets)
+    assert all(w.programs.ready(prefill_key(T, False, w.top_n, m)) for T in buckets for m in SAMPLING_MODES)
+    compiled = dict(w.programs.compiled)
+    params = [
+        jspec.SamplingParams(max_new_tokens=10, ignore_eos=True),
+        jspec.SamplingParams(max_new_tokens=10, ignore_eos=True, temperature=0.8, top_p=0.9, seed=3),
+    ]
+    for p in (params[0], params):  # all greedy, then greedy beside sampled
+        got = [o.token_ids for o in two.generate(PROMPTS[:2], p)]
+        assert got == [o.token_ids for o in one.generate(PROMPTS[:2], p)]
+    assert w.programs.compiled == compiled, "the loop compiled"
+    two.check_idle_no_leaks()
