@@ -274,7 +274,7 @@ def extend_case(name, batch, q_len, ctx, page_size, variants, *, tree, iters, re
             window=win,
             **tuning,
         )
-        plan = extend_plan(batch, 32, p.k.shape, ctx // page_size, q_len, **tuning)._asdict()
+        plan = extend_plan(batch, 32, p.k.shape, ctx // page_size, q_len, batch * q_len, **tuning)._asdict()
         extra = {"tuning": tuning, "plan": plan, "kernel": "jspec"}
         case["results"].append(run_variant(vname, call, ref, p, iters, reps, extra))
         print(f"  {name} {vname}: {case['results'][-1].get('median_us', 'FAILED')}", flush=True)

@@ -145,7 +145,7 @@ def extend_case(name, batch, q_len, ctx, page_size, kernel_variants, *, tree, it
     max_pages = ctx // page_size
     for kernel, vname, tuning in kernel_variants:
         fn, plan_of = {
-            "triton": (paged_extend, extend_plan),
+            "triton": (paged_extend, lambda *a, **kw: extend_plan(*a, batch * q_len, **kw)),
             "mosaic": (
                 paged_extend_mgpu,
                 lambda *a, **kw: mosaic_extend_plan(*a, sm_scale=p.sm_scale, tree=tree, **kw),

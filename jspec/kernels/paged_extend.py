@@ -1,11 +1,16 @@
 """Paged attention for a ragged batch of new tokens (prefill chunks, tree verification).
 
-Grid (sequence, query block x context split, kv head). A query block's rows are
-(token, head) pairs: block_m // G consecutive new tokens of one sequence times
-the G query heads sharing the program's kv head, so a short query (a draft tree
-of 8 tokens) still fills an MMA tile and each KV row is read once per block.
-Rows are gathered from the flat ragged q by offset and mask; a block past its
-sequence's query length does nothing.
+Grid (query block, context split, kv head), over the batch's query blocks
+themselves: a table built before the launch maps each program to its sequence
+and block, so a prefill of a few long prompts among many one-token rows (a mixed
+step) launches programs for the blocks that exist, not batch x the longest
+query's blocks. The table's static length is the fewer of batch x max blocks and
+the rows' blocks plus one partial block per sequence; entries past the real
+blocks do nothing. A query block's rows are (token, head) pairs: block_m // G
+consecutive new tokens of one sequence times the G query heads sharing the
+program's kv head, so a short query (a draft tree of 8 tokens) still fills an
+MMA tile and each KV row is read once per block. Rows are gathered from the flat
+ragged q by offset and mask.
 
 Masking is causal by default; with a tree mask the KV prefix is fully visible
 and new token i sees new token k iff mask[b, i, k]. Tiles wholly below the
@@ -59,6 +64,8 @@ from jspec.kernels.paged_tiles import (
 def _extend_kernel(
     layer_window_ref,
     split_len_ref,
+    block_seq_ref,
+    block_index_ref,
     seq_lens_ref,
     page_tables_ref,
     query_start_ref,
@@ -70,7 +77,6 @@ def _extend_kernel(
     group,
     block_m,
     block_n,
-    num_q_blocks,
     splits,
     scale_log2,
     softcap,
@@ -86,17 +92,14 @@ def _extend_kernel(
         _zeros_ref, out_ref = refs  # the output aliases the zeros input
     else:
         acc_ref, m_ref, l_ref = refs
-    seq, block_and_split, kv_head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    # Highest query blocks first: under a causal mask they have the most KV to
-    # read, and starting them early keeps the last wave short.
-    q_block = num_q_blocks - 1 - block_and_split // splits
-    split = block_and_split % splits
+    item, split, kv_head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    seq, q_block = block_seq_ref[item], block_index_ref[item]  # seq -1: past the real blocks
     tokens_per_block = block_m // group
-    row0 = query_start_ref[seq]
-    q_len = query_start_ref[seq + 1] - row0
+    row0 = query_start_ref[jnp.maximum(seq, 0)]
+    q_len = query_start_ref[jnp.maximum(seq, 0) + 1] - row0
     first = q_block * tokens_per_block  # first new token of this block, within its sequence
 
-    @pl.when(first < q_len)
+    @pl.when((seq >= 0) & (first < q_len))
     def _():
         head_dim = q_ref.shape[2]
         layer, window = layer_window_ref[0], layer_window_ref[1]
@@ -187,12 +190,28 @@ def _extend_kernel(
             pltriton.store(l_ref.at[split, flat_row[:, 0], head[:, 0]], l, mask=real_row)
 
 
+def query_block_table(q_lens, tokens_per_block: int, num_items: int) -> tuple[jax.Array, jax.Array]:
+    """(sequence [num_items], query block [num_items]) of each grid entry: every sequence's
+    blocks in turn, its highest first (under a causal mask they read the most KV, and starting
+    them early keeps the last wave short); -1 and 0 past the batch's blocks."""
+    counts = -(-q_lens // tokens_per_block)
+    ends = jnp.cumsum(counts)
+    item = jnp.arange(num_items, dtype=jnp.int32)
+    seq = jnp.searchsorted(ends, item, side="right").astype(jnp.int32)
+    real = item < ends[-1]
+    seq = jnp.where(real, seq, -1)
+    within = item - (ends - counts)[jnp.maximum(seq, 0)]
+    block = jnp.where(real, counts[jnp.maximum(seq, 0)] - 1 - within, 0)
+    return seq, block.astype(jnp.int32)
+
+
 class ExtendPlan(NamedTuple):
     """Static launch settings, resolved from shapes and the tuning arguments."""
 
     block_m: int  # rows (new tokens x GQA heads) per query block
     block_n: int  # KV tokens per tile
-    num_q_blocks: int
+    num_q_blocks: int  # of the longest query
+    num_items: int  # query blocks the grid holds: enough for any ragged batch of these shapes
     num_splits: int
     min_split_len: int  # floor of the runtime KV tokens per split, a multiple of block_n
     num_warps: int
@@ -205,6 +224,7 @@ def extend_plan(
     cache_shape,
     max_pages,
     max_q_len,
+    num_rows=None,
     *,
     block_m=None,
     block_n=None,
@@ -226,15 +246,19 @@ def extend_plan(
     block_n = block_n or (64 if head_dim >= 128 else 128)
     check_pow2("block_m", block_m)
     check_pow2("block_n", block_n)
-    num_q_blocks = -(-max_q_len // (block_m // group))
-    splits, _ = choose_splits(
-        max_pages * page_size, batch * num_q_blocks * num_kv_heads, block_n, min_split_tokens, num_splits
-    )
+    tokens_per_block = block_m // group
+    num_q_blocks = -(-max_q_len // tokens_per_block)
+    num_items = batch * num_q_blocks
+    if num_rows is not None:
+        # Each sequence's blocks are its whole ones and at most one partial one.
+        num_items = min(num_items, -(-num_rows // tokens_per_block) + min(batch, num_rows))
+    splits, _ = choose_splits(max_pages * page_size, num_items * num_kv_heads, block_n, min_split_tokens, num_splits)
     num_warps = num_warps or (8 if block_m >= 128 else 4)
     return ExtendPlan(
         block_m,
         block_n,
         num_q_blocks,
+        num_items,
         splits,
         min_split_len(block_n, min_split_tokens, num_splits),
         num_warps,
@@ -318,6 +342,7 @@ def paged_extend(
         k_cache.shape,
         page_tables.shape[1],
         max_q_len,
+        num_rows,
         block_m=block_m,
         block_n=block_n,
         num_splits=num_splits,
@@ -334,7 +359,6 @@ def paged_extend(
         group=group,
         block_m=plan.block_m,
         block_n=plan.block_n,
-        num_q_blocks=plan.num_q_blocks,
         splits=plan.num_splits,
         scale_log2=float(sm_scale) * LOG2E,
         softcap=None if logit_softcap is None else float(logit_softcap),
@@ -349,9 +373,12 @@ def paged_extend(
     window = window_scalar(window)
     # A window bounds what one query reads, and a block's rows add at most max_q_len.
     split_kv = jnp.minimum(kv_lens, window + max_q_len)
+    block_seq, block_index = query_block_table(q_lens, plan.block_m // group, plan.num_items)
     inputs = [
         jnp.stack([jnp.reshape(layer, ()).astype(jnp.int32), window]),
         runtime_split_len(split_kv, plan.num_splits, plan.block_n, plan.min_split_len),
+        block_seq,
+        block_index,
         seq_lens.astype(jnp.int32),
         page_tables.astype(jnp.int32),
         query_start.astype(jnp.int32),
@@ -379,7 +406,7 @@ def paged_extend(
         aliases = {}
     outs = pl.pallas_call(
         kernel,
-        grid=(batch, plan.num_q_blocks * plan.num_splits, num_kv_heads),
+        grid=(plan.num_items, plan.num_splits, num_kv_heads),
         out_shape=out_shape,
         input_output_aliases=aliases,
         interpret=resolve_interpret(interpret),

@@ -27,7 +27,7 @@ from support.precision import EXACT, EXACT_SETTINGS, TF32, emulate_tf32_dots, to
 
 from jspec.kernels.backend import interpret_mode
 from jspec.kernels.paged_decode import paged_decode
-from jspec.kernels.paged_extend import paged_extend
+from jspec.kernels.paged_extend import extend_plan, paged_extend, query_block_table
 from jspec.kernels.paged_tiles import choose_splits, min_split_len, runtime_split_len
 from jspec.kernels.ref import paged_decode_ref, paged_extend_ref, skinny_matmul_ref
 from jspec.kernels.skinny_matmul import skinny_matmul, skinny_matmul_plan
@@ -289,6 +289,23 @@ def test_paged_extend_matches_reference(page_size, group, head_dim, tree, tuning
     assert not np.isnan(out).any()
     assert rel_err(out, ref) < tolerance().rel
     assert not np.any(out[query_start[-1] :])  # padding rows are zeros
+
+
+def test_query_block_table_holds_every_block_of_any_ragged_batch():
+    """The extend grid's table, for ragged batches up to the plan's bound (a mixed step: many
+    one-token rows beside a long prompt; a uniform tree verify; empty rows): every (sequence,
+    block) a query needs exactly once, each sequence's highest block first, the rest -1."""
+    rng = np.random.default_rng(3)
+    batches = [np.array([0] * 3 + [1] * 60 + [192]), np.full(32, 8), np.array([0, 0, 0]), rng.integers(0, 40, 50)]
+    for q_lens in batches:
+        num_rows = int(q_lens.sum()) + 7  # padded, as the worker pads T
+        plan = extend_plan(len(q_lens), 32, (1, 2, 16, 8, 128), 64, max(int(q_lens.max()), 1), num_rows)
+        tokens = plan.block_m // 4
+        seq, block = map(np.asarray, query_block_table(jnp.asarray(q_lens), tokens, plan.num_items))
+        need = [(b, j) for b, n in enumerate(q_lens) for j in reversed(range(-(-n // tokens)))]
+        assert plan.num_items <= len(q_lens) * plan.num_q_blocks and len(need) <= plan.num_items
+        assert list(zip(seq[: len(need)].tolist(), block[: len(need)].tolist())) == need
+        assert (seq[len(need) :] == -1).all()
 
 
 # Page tables 8x wider than the longest sequence needs (the columns past each
