@@ -4,7 +4,10 @@ jnp reference, time and bandwidth over the latent bytes a call must read.
 Each case is a decode batch at DeepSeek-V3's latent shape (kv_lora_rank 512 + RoPE 64, bf16)
 with 128 query heads (one GPU) or 16 (a TP-8 shard). The kernel's output is checked against
 the reference, then both are timed (median of repeated runs of back-to-back calls). Floor: the
-latent bytes read, B x ctx x 576 x 2, over the copy bandwidth measured in this run.
+latent bytes read, B x ctx x 576 x 2, over the copy bandwidth measured in this run. Each
+case also times the kernel with more heads per program (block_h 32 and 64, where the heads
+fill them): a program reads every latent tile of its sequence once, so at 128 heads and
+block_h 16 each tile is read 8 times.
 
     python -m benchmarks.bench_mla [--dry-run] [--out benchmarks/results]
 """
@@ -24,7 +27,7 @@ from jspec.kernels.mla_ref import mla_decode_ref
 
 # (batch, context, page_size, heads)
 CASES = [(1, 4096, 64, 128), (32, 4096, 64, 128), (128, 2048, 64, 16), (32, 4096, 1, 16)]
-DRY_CASES = [(2, 64, 16, 16), (3, 40, 1, 16)]
+DRY_CASES = [(2, 64, 16, 16), (3, 40, 1, 16), (1, 32, 16, 64)]
 
 
 def problem(batch, ctx, page_size, heads, rank, rope, dtype, seed=0):
@@ -59,6 +62,20 @@ def main(argv=None):
         t_kernel = timed(lambda: kernel(q, cache, layer, lens, tables), iters, repeats)
         t_ref = timed(lambda: ref(q, cache, layer, lens, tables), iters, repeats)
         read = batch * ctx * (rank + rope) * jnp.dtype(dtype).itemsize
+        by_block_h = {}
+        for block_h in (32, 64):
+            if block_h > heads:
+                continue
+            wide = jax.jit(functools.partial(mla_decode, block_h=block_h, **kw))
+            try:
+                got = wide(q, cache, layer, lens, tables)
+                wide_err = float(
+                    jnp.linalg.norm((got - want).astype(jnp.float32)) / jnp.linalg.norm(want.astype(jnp.float32))
+                )
+                t = timed(lambda wide=wide: wide(q, cache, layer, lens, tables), iters, repeats)
+                by_block_h[block_h] = dict(kernel_us=t * 1e6, kernel_gbps=read / t / 1e9, rel_err=wide_err)
+            except Exception as e:  # noqa: BLE001 - a block too large for the GPU is recorded, not fatal
+                by_block_h[block_h] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         row = dict(
             batch=batch,
             ctx=ctx,
@@ -70,6 +87,7 @@ def main(argv=None):
             latent_bytes=read,
             kernel_gbps=read / t_kernel / 1e9,
             floor_us=None if bandwidth is None else read / bandwidth * 1e6,
+            by_block_h=by_block_h,
         )
         rows.append(row)
         print(row, flush=True)
