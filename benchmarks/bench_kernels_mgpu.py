@@ -148,7 +148,7 @@ def extend_case(name, batch, q_len, ctx, page_size, kernel_variants, *, tree, it
             "triton": (paged_extend, lambda *a, **kw: extend_plan(*a, batch * q_len, **kw)),
             "mosaic": (
                 paged_extend_mgpu,
-                lambda *a, **kw: mosaic_extend_plan(*a, sm_scale=p.sm_scale, tree=tree, **kw),
+                lambda *a, **kw: mosaic_extend_plan(*a, batch * q_len, sm_scale=p.sm_scale, tree=tree, **kw),
             ),
         }[kernel]
         call = lambda q, pt, k, v, fn=fn, tuning=tuning: fn(

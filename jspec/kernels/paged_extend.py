@@ -54,6 +54,8 @@ from jspec.kernels.paged_tiles import (
     min_split_len,
     next_pow2,
     normalise,
+    query_block_count,
+    query_block_table,
     runtime_split_len,
     tree_depth,
     window_scalar,
@@ -190,21 +192,6 @@ def _extend_kernel(
             pltriton.store(l_ref.at[split, flat_row[:, 0], head[:, 0]], l, mask=real_row)
 
 
-def query_block_table(q_lens, tokens_per_block: int, num_items: int) -> tuple[jax.Array, jax.Array]:
-    """(sequence [num_items], query block [num_items]) of each grid entry: every sequence's
-    blocks in turn, its highest first (under a causal mask they read the most KV, and starting
-    them early keeps the last wave short); -1 and 0 past the batch's blocks."""
-    counts = -(-q_lens // tokens_per_block)
-    ends = jnp.cumsum(counts)
-    item = jnp.arange(num_items, dtype=jnp.int32)
-    seq = jnp.searchsorted(ends, item, side="right").astype(jnp.int32)
-    real = item < ends[-1]
-    seq = jnp.where(real, seq, -1)
-    within = item - (ends - counts)[jnp.maximum(seq, 0)]
-    block = jnp.where(real, counts[jnp.maximum(seq, 0)] - 1 - within, 0)
-    return seq, block.astype(jnp.int32)
-
-
 class ExtendPlan(NamedTuple):
     """Static launch settings, resolved from shapes and the tuning arguments."""
 
@@ -248,10 +235,7 @@ def extend_plan(
     check_pow2("block_n", block_n)
     tokens_per_block = block_m // group
     num_q_blocks = -(-max_q_len // tokens_per_block)
-    num_items = batch * num_q_blocks
-    if num_rows is not None:
-        # Each sequence's blocks are its whole ones and at most one partial one.
-        num_items = min(num_items, -(-num_rows // tokens_per_block) + min(batch, num_rows))
+    num_items = query_block_count(batch, num_q_blocks, tokens_per_block, num_rows)
     splits, _ = choose_splits(max_pages * page_size, num_items * num_kv_heads, block_n, min_split_tokens, num_splits)
     num_warps = num_warps or (8 if block_m >= 128 else 4)
     return ExtendPlan(

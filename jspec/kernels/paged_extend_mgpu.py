@@ -7,8 +7,10 @@ windows, soft-caps and sinks included) for 16-bit KV pools, pages of 8 or more t
 at most MAX_TREE_TOKENS tokens. Anything else raises MosaicUnsupported, naming the feature;
 mosaic_extend_unsupported() asks first.
 
-Grid (sequence, query block x context split, kv head), one warpgroup per program, highest query
-blocks first (under a causal mask they read the most KV). A query block is GROUP_ROWS rows, the M
+Grid (query block, context split, kv head), one warpgroup per program, over the batch's query
+blocks themselves (paged_tiles.query_block_table: each sequence's blocks, highest first, since
+under a causal mask they read the most KV), so a few prompts among many one-token rows gather,
+launch and write back the blocks that exist, not batch x the longest query's. A query block is GROUP_ROWS rows, the M
 side of both wgmmas: tokens_per_block consecutive new tokens of one sequence times the GQA group
 sharing the kv head (token-major), then padding rows; a query shorter than a block (a tree of 8
 at group 4) moves only the rows that may hold a token (block_rows). The blocks are gathered from
@@ -60,12 +62,14 @@ from jspec.kernels.paged_tiles import (
     choose_splits,
     merge_splits,
     min_split_len,
+    query_block_count,
+    query_block_table,
     runtime_split_len,
     tree_depth,
     window_scalar,
 )
 
-GRID_AXES = ("seq", "block_split", "kv_head")
+GRID_AXES = ("item", "split", "kv_head")
 # A tree's mask rows travel as 32-bit words; each masked tile tests every word, so trees stay small.
 MASK_WORD_BITS = 32
 MAX_TREE_TOKENS = 256
@@ -93,7 +97,8 @@ class MosaicExtendPlan(NamedTuple):
 
     tokens_per_block: int  # new tokens of one sequence in a query block (times the group: its rows)
     block_rows: int  # rows of a block that may hold a token (a multiple of 8): gathered and written back
-    num_q_blocks: int  # query blocks per sequence
+    num_q_blocks: int  # query blocks of the longest query
+    num_items: int  # query blocks the grid holds: enough for any ragged batch of these shapes
     block_n: int  # KV tokens per tile
     rows_per_copy: int  # tokens per TMA copy: a page, or a tile of a longer page
     num_splits: int
@@ -109,6 +114,7 @@ def mosaic_extend_plan(
     cache_shape,
     max_pages,
     max_q_len,
+    num_rows=None,
     *,
     sm_scale,
     tree=False,
@@ -133,13 +139,13 @@ def mosaic_extend_plan(
     num_q_blocks = -(-max_q_len // tokens_per_block)
     # Short queries (tree verify) fill part of a block: the rest is neither gathered nor written.
     block_rows = min(GROUP_ROWS, -(-min(tokens_per_block, max_q_len) * group // 8) * 8)
-    splits, _ = choose_splits(
-        max_pages * page_size, batch * num_q_blocks * num_kv_heads, block_n, min_split_tokens, num_splits
-    )
+    num_items = query_block_count(batch, num_q_blocks, tokens_per_block, num_rows)
+    splits, _ = choose_splits(max_pages * page_size, num_items * num_kv_heads, block_n, min_split_tokens, num_splits)
     return MosaicExtendPlan(
         tokens_per_block,
         block_rows,
         num_q_blocks,
+        num_items,
         block_n,
         min(page_size, block_n),
         splits,
@@ -176,7 +182,8 @@ def _attend_block(
     *,
     plan,
     cache_shape,
-    seq_block,
+    seq,
+    item,
     block,
     split,
     first,
@@ -184,9 +191,9 @@ def _attend_block(
     softcap,
 ):
     """This program's query block over its split of the context: its online-softmax state (m, l, acc).
-    seq_block indexes the per-row facts (one set per sequence and query block), block the q block
-    (one per kv head too)."""
-    seq, kv_head = lax.axis_index("seq"), lax.axis_index("kv_head")
+    item indexes the per-row facts (one set per query block of the batch), block the q block (one
+    per kv head too)."""
+    kv_head = lax.axis_index("kv_head")
     _, num_pages, page_size, _, head_dim = cache_shape
     block_n, stages, tree = plan.block_n, plan.num_stages, plan.mask_words > 0
     layer, split_len = scalars_ref[0], scalars_ref[1]
@@ -200,8 +207,8 @@ def _attend_block(
         # The block's rows' window starts, lowest and highest: the splits start on the tile of
         # the lowest; below the highest, some row is out of its window.
         row_lo_ref, bounds_ref = window_refs
-        base = lax.div(bounds_ref[seq_block, 0], block_n) * block_n
-        seen_by_all_from = bounds_ref[seq_block, 1]
+        base = lax.div(bounds_ref[item, 0], block_n) * block_n
+        seen_by_all_from = bounds_ref[item, 1]
     lo = base + split * split_len
     hi = jnp.minimum(lo + split_len, reach)
     # Positions every row sees: the prefix (tree), up to the block's first token (causal).
@@ -236,11 +243,11 @@ def _attend_block(
     # Rows past block_rows stay as they are: no token is there, and rows do not mix in either
     # wgmma, so whatever they hold stays in rows that are never written back.
     plgpu.copy_gmem_to_smem(q_ref.at[block], q_smem.at[pl.ds(0, plan.block_rows)], q_barrier)
-    plgpu.copy_gmem_to_smem(row_limit_ref.at[seq_block], row_limit_smem, q_barrier)
+    plgpu.copy_gmem_to_smem(row_limit_ref.at[item], row_limit_smem, q_barrier)
     if tree:
-        plgpu.copy_gmem_to_smem(mask_bits_ref.at[seq_block], mask_bits_smem, q_barrier)
+        plgpu.copy_gmem_to_smem(mask_bits_ref.at[item], mask_bits_smem, q_barrier)
     if window_refs is not None:
-        plgpu.copy_gmem_to_smem(row_lo_ref.at[seq_block], row_lo_smem, q_barrier)
+        plgpu.copy_gmem_to_smem(row_lo_ref.at[item], row_lo_smem, q_barrier)
     if sinks_ref is not None:
         plgpu.copy_gmem_to_smem(sinks_ref.at[split, lax.axis_index("kv_head")], sink_smem, q_barrier)
     for t in range(stages - 1):
@@ -312,6 +319,8 @@ def _write_partials(acc_ref, m_ref, l_ref, acc_smem, m_smem, l_smem, m, l, acc, 
 
 def _extend_kernel(
     scalars_ref,
+    item_seq_ref,
+    item_block_ref,
     seq_lens_ref,
     page_tables_ref,
     query_start_ref,
@@ -332,13 +341,13 @@ def _extend_kernel(
     k_ref, v_ref, *out_refs = refs
     _, _, _, num_kv_heads, head_dim = cache_shape
     dtype, stages, block_n = k_ref.dtype, plan.num_stages, plan.block_n
-    seq, block_split, kv_head = (lax.axis_index(axis) for axis in GRID_AXES)
-    q_block = plan.num_q_blocks - 1 - lax.div(block_split, plan.num_splits)
-    split = lax.rem(block_split, plan.num_splits)
-    q_len = query_start_ref[seq + 1] - query_start_ref[seq]
+    item, split, kv_head = (lax.axis_index(axis) for axis in GRID_AXES)
+    # The item's sequence (-1 past the batch's blocks: the program does nothing) and block.
+    real_seq, q_block = item_seq_ref[item], item_block_ref[item]
+    seq = jnp.maximum(real_seq, 0)
+    q_len = jnp.where(real_seq >= 0, query_start_ref[seq + 1] - query_start_ref[seq], 0)
     first = q_block * plan.tokens_per_block  # first new token of this block, within its sequence
-    seq_block = seq * plan.num_q_blocks + q_block
-    block = seq_block * num_kv_heads + kv_head
+    block = item * num_kv_heads + kv_head
     copies = block_n // plan.rows_per_copy
     scratch = [
         plgpu.SMEM((GROUP_ROWS, head_dim), dtype, transforms=swizzled(head_dim, dtype)),
@@ -369,7 +378,8 @@ def _extend_kernel(
         v_ref,
         plan=plan,
         cache_shape=cache_shape,
-        seq_block=seq_block,
+        seq=seq,
+        item=item,
         block=block,
         split=split,
         first=first,
@@ -403,8 +413,8 @@ def _row_layout(group: int, tokens_per_block: int):
 
 
 def window_starts(row_pos, valid, window):
-    """Each row's first position in its window [B * NQB, GROUP_ROWS] (row_pos - window + 1; padding
-    rows anything), and per block the lowest and highest of its real rows', clamped at 0 [B * NQB, 2]."""
+    """Each row's first position in its window [NI, GROUP_ROWS] (row_pos - window + 1; padding
+    rows anything), and per block the lowest and highest of its real rows', clamped at 0 [NI, 2]."""
     row_lo = (row_pos - (window - 1)).reshape(-1, GROUP_ROWS).astype(jnp.int32)
     valid = valid.reshape(-1, GROUP_ROWS)
     big = jnp.iinfo(jnp.int32).max
@@ -415,41 +425,44 @@ def window_starts(row_pos, valid, window):
 
 
 def query_blocks(q, query_start, kv_lens, mask, plan, *, num_kv_heads, dtype):
-    """The per-call gathers: q blocks [B * NQB * Hkv, block_rows, D] in the pool's dtype, each row's
-    causal limit [B * NQB, GROUP_ROWS], under a tree its mask bits [B * NQB, words, GROUP_ROWS] (else
-    None), and (position, real row) [B, NQB, GROUP_ROWS] per row, for window_starts: the prefix
-    plus the row's token, or under a tree its depth."""
+    """The per-call gathers, one per grid item (paged_tiles.query_block_table's order, NI =
+    plan.num_items): q blocks [NI * Hkv, block_rows, D] in the pool's dtype, each row's causal
+    limit [NI, GROUP_ROWS], under a tree its mask bits [NI, words, GROUP_ROWS] (else None), and
+    (position, real row) [NI, GROUP_ROWS] per row, for window_starts: the prefix plus the row's
+    token, or under a tree its depth; and the items' (sequence, block) [NI] each, the kernel's
+    table. An item past the batch's blocks has sequence -1 and no real row."""
     num_rows, num_q_heads, head_dim = q.shape
-    batch = kv_lens.shape[0]
     group = num_q_heads // num_kv_heads
     token_in_block, head_in_group, real_row = _row_layout(group, plan.tokens_per_block)
     q_lens = query_start[1:] - query_start[:-1]
-    token = np.arange(plan.num_q_blocks)[:, None] * plan.tokens_per_block + token_in_block[None, :]  # [NQB, R]
-    valid = real_row & (token[None] < q_lens[:, None, None])  # [B, NQB, R]
+    item_seq, item_block = query_block_table(q_lens, plan.tokens_per_block, plan.num_items)
+    seq = jnp.maximum(item_seq, 0)[:, None]  # [NI, 1]
+    token = item_block[:, None] * plan.tokens_per_block + token_in_block[None, :]  # [NI, R]
+    valid = real_row & (item_seq >= 0)[:, None] & (token < q_lens[seq])  # [NI, R]
     gathered = slice(0, plan.block_rows)
-    flat_row = jnp.clip(query_start[:-1, None, None] + token[None, :, gathered], 0, num_rows - 1)
+    flat_row = jnp.clip(query_start[seq] + token[:, gathered], 0, num_rows - 1)
     heads = np.arange(num_kv_heads)[:, None] * group + head_in_group[None, gathered]  # [Hkv, block_rows]
-    blocks = q[flat_row[:, :, None, :], heads[None, None]]  # [B, NQB, Hkv, block_rows, D]
+    blocks = q[flat_row[:, None, :], heads[None]]  # [NI, Hkv, block_rows, D]
     # Select, not multiply: padding rows of q may hold anything, NaN included.
-    blocks = jnp.where(valid[:, :, None, gathered, None], blocks, 0).astype(dtype)
+    blocks = jnp.where(valid[:, None, gathered, None], blocks, 0).astype(dtype)
     blocks = blocks.reshape(-1, plan.block_rows, head_dim)
-    prefix = (kv_lens - q_lens)[:, None, None]
-    limit = prefix - 1 if mask is not None else prefix + token[None]
-    row_limit = jnp.where(valid, limit, -1).reshape(-1, GROUP_ROWS).astype(jnp.int32)
+    prefix = (kv_lens - q_lens)[seq]
+    limit = prefix - 1 if mask is not None else prefix + token
+    row_limit = jnp.where(valid, limit, -1).astype(jnp.int32)
+    table = (item_seq, item_block)
     if mask is None:
-        return blocks, row_limit, None, (prefix + token[None], valid)
+        return blocks, row_limit, None, (prefix + token, valid), table
     max_q_len = mask.shape[-1]
-    depth = tree_depth(mask)[np.arange(batch)[:, None, None], np.minimum(token, max_q_len - 1)[None]]
-    row_pos = prefix + depth
+    within = jnp.minimum(token, max_q_len - 1)
+    row_pos = prefix + tree_depth(mask)[seq, within]
     width = plan.mask_words * MASK_WORD_BITS
-    rows_mask = mask.astype(bool)[np.arange(batch)[:, None, None], np.minimum(token, max_q_len - 1)[None]]
-    rows_mask &= valid[..., None]  # [B, NQB, R, Q]
-    rows_mask = jnp.pad(rows_mask, ((0, 0), (0, 0), (0, 0), (0, width - max_q_len)))
-    rows_mask = rows_mask.reshape(*rows_mask.shape[:3], plan.mask_words, MASK_WORD_BITS)
+    rows_mask = mask.astype(bool)[seq, within] & valid[..., None]  # [NI, R, Q]
+    rows_mask = jnp.pad(rows_mask, ((0, 0), (0, 0), (0, width - max_q_len)))
+    rows_mask = rows_mask.reshape(*rows_mask.shape[:2], plan.mask_words, MASK_WORD_BITS)
     weights = jnp.left_shift(jnp.uint32(1), jnp.arange(MASK_WORD_BITS, dtype=jnp.uint32))
-    words = jnp.sum(jnp.where(rows_mask, weights, jnp.uint32(0)), axis=-1, dtype=jnp.uint32)  # [B, NQB, R, W]
-    bits = lax.bitcast_convert_type(words, jnp.int32).transpose(0, 1, 3, 2)
-    return blocks, row_limit, bits.reshape(-1, plan.mask_words, GROUP_ROWS), (row_pos, valid)
+    words = jnp.sum(jnp.where(rows_mask, weights, jnp.uint32(0)), axis=-1, dtype=jnp.uint32)  # [NI, R, W]
+    bits = lax.bitcast_convert_type(words, jnp.int32).transpose(0, 2, 1)
+    return blocks, row_limit, bits, (row_pos, valid), table
 
 
 def initial_sink_rows(sinks, plan, *, num_kv_heads, group):
@@ -461,7 +474,7 @@ def initial_sink_rows(sinks, plan, *, num_kv_heads, group):
 
 
 def ragged_rows(blocks, query_start, plan, *, num_rows, num_q_heads, num_kv_heads):
-    """Blocks [B * NQB * Hkv, block_rows, D] in query_blocks' layout back to q's ragged
+    """Blocks [NI * Hkv, block_rows, D] in query_blocks' layout back to q's ragged
     [num_rows, Hq, D]; rows from query_start[B] on are zeros."""
     batch = query_start.shape[0] - 1
     group = num_q_heads // num_kv_heads
@@ -469,9 +482,12 @@ def ragged_rows(blocks, query_start, plan, *, num_rows, num_q_heads, num_kv_head
     t = jnp.arange(num_rows, dtype=jnp.int32)
     seq = jnp.clip(jnp.searchsorted(query_start, t, side="right") - 1, 0, batch - 1)
     token = t - query_start[seq]
-    q_block = jnp.minimum(lax.div(token, plan.tokens_per_block), plan.num_q_blocks - 1)
+    q_block = lax.div(token, plan.tokens_per_block)
+    # Its item: sequence b's blocks end at the running count of blocks, highest first.
+    ends = jnp.cumsum(-(-(query_start[1:] - query_start[:-1]) // plan.tokens_per_block))
+    item = jnp.clip(ends[seq] - 1 - q_block, 0, plan.num_items - 1)
     heads = jnp.arange(num_q_heads, dtype=jnp.int32)
-    block = (seq * plan.num_q_blocks + q_block)[:, None] * num_kv_heads + (heads // group)[None, :]
+    block = item[:, None] * num_kv_heads + (heads // group)[None, :]
     row = lax.rem(token, plan.tokens_per_block)[:, None] * group + (heads % group)[None, :]
     out = blocks[block, row]  # [T, Hq, D]
     # Rows no program owns were never written: select, not multiply (they may hold NaN).
@@ -553,6 +569,7 @@ def paged_extend_mgpu(
         k_cache.shape,
         page_tables.shape[1],
         max_q_len,
+        num_rows,
         sm_scale=sm_scale,
         tree=mask is not None,
         block_n=block_n,
@@ -572,7 +589,7 @@ def paged_extend_mgpu(
         span = jnp.minimum(kv_lens, window + (max_q_len + plan.block_n - 1))
     # Sequences with no new tokens run no program: their KV does not set the split length.
     split_len = runtime_split_len(jnp.where(q_lens > 0, span, 0), plan.num_splits, plan.block_n, plan.min_split_len)
-    blocks, row_limit, mask_bits, (row_pos, valid) = query_blocks(
+    blocks, row_limit, mask_bits, (row_pos, valid), (item_seq, item_block) = query_blocks(
         q, query_start, kv_lens, mask, plan, num_kv_heads=num_kv_heads, dtype=k_cache.dtype
     )
     num_blocks = blocks.shape[0]
@@ -596,7 +613,7 @@ def paged_extend_mgpu(
             softcap=None if logit_softcap is None else float(logit_softcap),
         ),
         out_type=out_type,
-        grid=(batch, plan.num_q_blocks * plan.num_splits, num_kv_heads),
+        grid=(plan.num_items, plan.num_splits, num_kv_heads),
         grid_names=GRID_AXES,
         interpret=interpret_params(interpret),
         kernel_name=f"paged_extend_mgpu_s{page_size}_g{group}_n{plan.block_n}{tree}",
@@ -604,6 +621,8 @@ def paged_extend_mgpu(
     pages = (num_layers * num_pages, page_size, num_kv_heads, head_dim)  # a free reshape: layer and page in one index
     inputs = [
         jnp.stack([jnp.reshape(layer, ()).astype(jnp.int32), split_len[0]]),
+        item_seq,
+        item_block,
         seq_lens.astype(jnp.int32),
         page_tables.astype(jnp.int32),
         query_start,

@@ -229,3 +229,26 @@ def merge_splits(acc, m, l, axis: int):
     total = jnp.sum(weight * l, axis=axis)
     out = jnp.sum(weight[..., None] * acc, axis=axis)
     return out / jnp.where(total > 0, total, 1.0)[..., None]
+
+
+def query_block_count(batch: int, num_q_blocks: int, tokens_per_block: int, num_rows: int | None) -> int:
+    """Query blocks an extend grid must hold for any ragged batch of `num_rows` rows over `batch`
+    sequences of at most num_q_blocks blocks: each sequence's whole blocks and at most one
+    partial one (None rows: batch x num_q_blocks)."""
+    most = batch * num_q_blocks
+    return most if num_rows is None else min(most, -(-num_rows // tokens_per_block) + min(batch, num_rows))
+
+
+def query_block_table(q_lens, tokens_per_block: int, num_items: int) -> tuple[jax.Array, jax.Array]:
+    """(sequence [num_items], query block [num_items]) of each grid entry: every sequence's
+    blocks in turn, its highest first (under a causal mask they read the most KV, and starting
+    them early keeps the last wave short); -1 and 0 past the batch's blocks."""
+    counts = -(-q_lens // tokens_per_block)
+    ends = jnp.cumsum(counts)
+    item = jnp.arange(num_items, dtype=jnp.int32)
+    seq = jnp.searchsorted(ends, item, side="right").astype(jnp.int32)
+    real = item < ends[-1]
+    seq = jnp.where(real, seq, -1)
+    within = item - (ends - counts)[jnp.maximum(seq, 0)]
+    block = jnp.where(real, counts[jnp.maximum(seq, 0)] - 1 - within, 0)
+    return seq, block.astype(jnp.int32)

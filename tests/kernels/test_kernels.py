@@ -27,8 +27,8 @@ from support.precision import EXACT, EXACT_SETTINGS, TF32, emulate_tf32_dots, to
 
 from jspec.kernels.backend import interpret_mode
 from jspec.kernels.paged_decode import paged_decode
-from jspec.kernels.paged_extend import extend_plan, paged_extend, query_block_table
-from jspec.kernels.paged_tiles import choose_splits, min_split_len, runtime_split_len
+from jspec.kernels.paged_extend import extend_plan, paged_extend
+from jspec.kernels.paged_tiles import choose_splits, min_split_len, query_block_table, runtime_split_len
 from jspec.kernels.ref import paged_decode_ref, paged_extend_ref, skinny_matmul_ref
 from jspec.kernels.skinny_matmul import skinny_matmul, skinny_matmul_plan
 

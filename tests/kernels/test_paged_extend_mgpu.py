@@ -163,20 +163,28 @@ def test_interpreted_windows_softcaps_and_sinks_match_reference(page_size, tree,
 # A tree of 8 tokens fills half a block's rows (only those travel); the others fill whole blocks.
 @pytest.mark.parametrize("group,tree,max_q_len", [(4, True, 8), (4, True, 40), (3, False, 40), (64, False, 40)])
 def test_block_layout_round_trips(group, tree, max_q_len):
-    """query_blocks then ragged_rows gives q back (zeros past the last sequence), and each row's
-    causal limit and mask bits say what the reference's masks say: the index arithmetic around
-    the kernel, on the CPU without it."""
+    """query_blocks then ragged_rows gives q back (zeros past the last sequence), the grid holds
+    each (sequence, block) the queries need once and fewer items than batch x blocks where the
+    rows allow, and each row's causal limit and mask bits say what the reference's masks say:
+    the index arithmetic around the kernel, on the CPU without it."""
     rng = np.random.default_rng(group)
     num_kv_heads, head_dim = 2, 8
-    q_lens = np.minimum([3, 0, 40, 17], max_q_len)
-    prefixes = np.array([5, 9, 0, 100])
+    q_lens = np.minimum([3, 0, 40, 17, 1, 1, 1, 1], max_q_len)
+    prefixes = np.array([5, 9, 0, 100, 3, 60, 0, 7])
     q, query_start = ragged_queries(rng, q_lens, num_kv_heads * group, head_dim, pad_rows=4)
     mask = np.tril(rng.random((len(q_lens), max_q_len, max_q_len)) < 0.5) | np.eye(max_q_len, dtype=bool)
     kv_lens = jnp.asarray(prefixes + q_lens, I32)
     plan = mosaic_extend_plan(
-        len(q_lens), num_kv_heads * group, (1, 9, 16, num_kv_heads, 64), 20, max_q_len, sm_scale=1.0, tree=tree
+        len(q_lens),
+        num_kv_heads * group,
+        (1, 9, 16, num_kv_heads, 64),
+        20,
+        max_q_len,
+        q.shape[0],
+        sm_scale=1.0,
+        tree=tree,
     )
-    blocks, row_limit, bits, _ = jax.jit(query_blocks, static_argnames=("plan", "num_kv_heads", "dtype"))(
+    blocks, row_limit, bits, _, (seq, block) = jax.jit(query_blocks, static_argnames=("plan", "num_kv_heads", "dtype"))(
         jnp.asarray(q),
         jnp.asarray(query_start),
         kv_lens,
@@ -185,25 +193,31 @@ def test_block_layout_round_trips(group, tree, max_q_len):
         num_kv_heads=num_kv_heads,
         dtype=jnp.float32,
     )
-    assert blocks.shape == (len(q_lens) * plan.num_q_blocks * num_kv_heads, plan.block_rows, head_dim)
+    need = [(b, j) for b, n in enumerate(q_lens) for j in reversed(range(-(-n // plan.tokens_per_block)))]
+    assert len(need) <= plan.num_items <= len(q_lens) * plan.num_q_blocks
+    seq, block = np.asarray(seq), np.asarray(block)
+    assert list(zip(seq[: len(need)].tolist(), block[: len(need)].tolist())) == need
+    assert (seq[len(need) :] == -1).all()
+    assert blocks.shape == (plan.num_items * num_kv_heads, plan.block_rows, head_dim)
     back = jax.jit(ragged_rows, static_argnames=("plan", "num_rows", "num_q_heads", "num_kv_heads"))(
         blocks, jnp.asarray(query_start), plan, num_rows=q.shape[0], num_q_heads=q.shape[1], num_kv_heads=num_kv_heads
     )
     np.testing.assert_array_equal(back[: query_start[-1]], q[: query_start[-1]])
     assert not np.any(back[query_start[-1] :])
-    # Each row's token in its sequence, and whether it is one.
+    # Each item row's token in its sequence, and whether it is one.
     rows = np.arange(GROUP_ROWS)
-    token = np.arange(plan.num_q_blocks)[:, None] * plan.tokens_per_block + rows // group  # [NQB, R]
-    real = (rows < plan.tokens_per_block * group) & (token[None] < q_lens[:, None, None])  # [B, NQB, R]
-    limit = (prefixes - 1)[:, None, None] if tree else prefixes[:, None, None] + token[None]
+    token = block[:, None] * plan.tokens_per_block + rows // group  # [NI, R]
+    owner = np.maximum(seq, 0)[:, None]
+    real = (rows < plan.tokens_per_block * group) & (seq >= 0)[:, None] & (token < q_lens[owner])  # [NI, R]
+    limit = prefixes[owner] - 1 if tree else prefixes[owner] + token
     want = np.where(real, limit, -1)
-    np.testing.assert_array_equal(np.asarray(row_limit).reshape(want.shape), want)
+    np.testing.assert_array_equal(np.asarray(row_limit), want)
     if tree:
-        words = np.asarray(bits).view(np.uint32).reshape(*want.shape[:2], -1, GROUP_ROWS)
+        words = np.asarray(bits).view(np.uint32)  # [NI, W, R]
         positions = np.arange(max_q_len)
-        seen = (words[:, :, positions // 32, :] >> (positions % 32)[None, None, :, None]) & 1  # [B, NQB, Q, R]
-        rows_mask = mask[np.arange(len(q_lens))[:, None, None], np.minimum(token, max_q_len - 1)[None]]
-        np.testing.assert_array_equal(seen.transpose(0, 1, 3, 2), rows_mask & real[..., None])
+        seen = (words[:, positions // 32, :] >> (positions % 32)[None, :, None]) & 1  # [NI, Q, R]
+        rows_mask = mask[owner, np.minimum(token, max_q_len - 1)]  # [NI, R, Q]
+        np.testing.assert_array_equal(seen.transpose(0, 2, 1), rows_mask & real[..., None])
 
 
 def cache_specs(batch, ctx, page_size, num_kv_heads, head_dim):
