@@ -17,13 +17,13 @@ from jspec.config.sampling import SamplingParams
 from jspec.distributed.dp_attention import RankStep, data_part, dp_param_specs, lift_state, place, rank_inputs
 from jspec.distributed.mesh import DATA
 from jspec.distributed.tensor_parallel import replicate
-from jspec.layers.batch import AttentionMode, ForwardBatch, bucket
+from jspec.layers.batch import AttentionMode, ForwardBatch
 from jspec.layers.lora import LoraBatch
 from jspec.layers.penalties import PrefillCounts
 from jspec.layers.sampling import SAMPLING_MODES, sampling_mode, sampling_rows
 from jspec.worker.base import WorkerBase
 from jspec.worker.batch import DPBatch, PrefillBatch
-from jspec.worker.inputs import decode_inputs, decode_lora_slots, prefill_inputs, prefill_lora_slots
+from jspec.worker.inputs import decode_inputs, decode_lora_slots, prefill_inputs, prefill_lora_slots, prefill_rows
 from jspec.worker.spec import SpecWorker
 
 
@@ -134,7 +134,7 @@ class DPWorker:
         """A rank with nothing to prefill: T padding tokens (their KV writes are dropped), no
         sequence, every row on the scratch slot; shapes as _prefill_inputs gives the others."""
         inner = self.inner
-        B, M = bucket(1, inner.max_slots), inner.table_width
+        B, M = prefill_rows(inner, T), inner.table_width
         scratch = inner.scratch_slot
         batch = ForwardBatch(
             np.zeros(T, np.int32),

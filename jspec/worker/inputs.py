@@ -94,6 +94,12 @@ def build_forward_batch(
     return batch, mode
 
 
+def prefill_rows(worker, T: int) -> int:
+    """Sequences a prefill of T tokens pads to: every chunk holds a token, so there are at most
+    T of them (and at most the worker's slots); fewer rows, fewer logits and samples."""
+    return bucket(min(worker.max_slots, T))
+
+
 def prefill_inputs(
     worker,
     chunks: list[SeqChunk],
@@ -118,7 +124,7 @@ def prefill_inputs(
         chunks,
         page_size=worker.page_size,
         num_pages=worker.num_pages,
-        min_seqs=worker.max_slots,
+        min_seqs=prefill_rows(worker, T),
         min_pages=worker.table_width,
         allow_decode_only=False,
         num_tokens=T,

@@ -223,8 +223,8 @@ def prefill_token_buckets(chunked_prefill_size: int, smallest: int = MIN_PREFILL
 @dataclasses.dataclass(frozen=True)
 class Buckets:
     """The shapes a worker's batches pad to, so that warm-up can compile every program the loop
-    will run: prefill batches always have max_slots rows and vary in tokens T; decode batches
-    vary in rows B."""
+    will run: prefill batches vary in tokens T (their rows follow from T: inputs.prefill_rows);
+    decode batches vary in rows B."""
 
     chunked_prefill_size: int
     max_slots: int
