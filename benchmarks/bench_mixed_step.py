@@ -14,6 +14,7 @@ them), and the device profile's busy time per call.
 from __future__ import annotations
 
 import argparse
+import json
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,39 @@ from jspec.engine.engine import Engine
 from jspec.worker.programs import scratch_decode, scratch_prefill
 
 SLOWDOWNS = (1.5, 2.0, 3.0)
+
+
+def plot(path_json: str) -> str | None:
+    """The PNG beside the JSON: step time against tokens (prefill) and rows (decode), each with
+    its roofline."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is missing: no plot (python -m benchmarks.bench_mixed_step --plot JSON elsewhere)")
+        return None
+    with open(path_json) as f:
+        data = json.load(f)
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for key, x, label in (("prefill", "tokens", "prefill (tokens)"), ("decode", "rows", "decode (rows)")):
+        rows = data[key]
+        xs = [r[x] for r in rows]
+        (line,) = ax.plot(xs, [r["ms"] for r in rows], "o-", label=label)
+        ax.plot(xs, [r["roofline_ms"] for r in rows], ":", color=line.get_color(), label=f"{label} roofline")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens in the step (prefill) / rows (decode)")
+    ax.set_ylabel("ms per step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(
+        f"{data['settings']['shape']} ({data.get('device', '')}, {(data.get('commit') or '')[:10]})", fontsize=9
+    )
+    fig.tight_layout()
+    png = path_json[: -len(".json")] + ".png"
+    fig.savefig(png, dpi=110)
+    return png
 
 
 def matmul_params(params) -> int:
@@ -36,7 +70,11 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true", help="per-kernel device time of the largest steps")
     ap.add_argument("--max-running-requests", type=int, default=256)
     ap.add_argument("--out", default=RESULTS_DIR)
+    ap.add_argument("--plot", metavar="JSON", help="only draw the PNG of an earlier run's JSON")
     args = ap.parse_args(argv)
+    if args.plot:
+        print(plot(args.plot))
+        return
     cfg = tiny(LLAMA_8B_CTX) if args.tiny else LLAMA_8B_CTX
     dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     params = random_params(cfg, dtype)
@@ -106,7 +144,7 @@ def main(argv=None):
     print("tokens a step carrying B decode rows may pad to, by bound:")
     for b in bound:
         print(f"  B={b['decode_rows']:>3}: " + ", ".join(f"{k:g}x {b[f'tokens_at_{k:g}x']}" for k in SLOWDOWNS))
-    print(path)
+    print(path, plot(path))
 
 
 if __name__ == "__main__":
