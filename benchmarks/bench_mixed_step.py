@@ -19,7 +19,18 @@ import json
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import LLAMA_8B_CTX, RESULTS_DIR, Results, copy_bandwidth, matmul_flops, random_params, tiny
+from benchmarks.common import (
+    LLAMA_8B_CTX,
+    RESULTS_DIR,
+    Results,
+    copy_bandwidth,
+    matmul_flops,
+    pyplot,
+    random_params,
+    run_label,
+    save_png,
+    tiny,
+)
 from jspec.engine.engine import Engine
 from jspec.worker.programs import scratch_decode, scratch_prefill
 
@@ -29,13 +40,8 @@ SLOWDOWNS = (1.5, 2.0, 3.0)
 def plot(path_json: str) -> str | None:
     """The PNG beside the JSON: step time against tokens (prefill) and rows (decode), each with
     its roofline."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is missing: no plot (python -m benchmarks.bench_mixed_step --plot JSON elsewhere)")
+    plt = pyplot("bench_mixed_step")
+    if plt is None:
         return None
     with open(path_json) as f:
         data = json.load(f)
@@ -50,13 +56,8 @@ def plot(path_json: str) -> str | None:
     ax.set_ylabel("ms per step")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title(
-        f"{data['settings']['shape']} ({data.get('device', '')}, {(data.get('commit') or '')[:10]})", fontsize=9
-    )
-    fig.tight_layout()
-    png = path_json[: -len(".json")] + ".png"
-    fig.savefig(png, dpi=110)
-    return png
+    ax.set_title(f"{data['settings']['shape']} {run_label(data)}", fontsize=9)
+    return save_png(fig, path_json)
 
 
 def matmul_params(params) -> int:

@@ -166,6 +166,33 @@ def matmul_flops(n: int = 8192) -> float:
     return 2 * n**3 / timed(lambda: f(a, b), 10, 5)
 
 
+def pyplot(script: str):
+    """matplotlib's pyplot, drawing to files; None (and a line saying so) when it is missing:
+    the JSON is the result, the PNG is drawn elsewhere with `python -m benchmarks.SCRIPT --plot`."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is missing: no plot (python -m benchmarks.{script} --plot JSON elsewhere)")
+        return None
+    return plt
+
+
+def run_label(data: dict) -> str:
+    """(device, commit) of a result JSON, for a plot's title."""
+    return f"({data.get('device', '')}, {(data.get('commit') or '')[:10]})"
+
+
+def save_png(fig, path_json: str) -> str:
+    """Saves fig as the PNG beside the JSON path_json; returns its path."""
+    fig.tight_layout()
+    png = path_json[: -len(".json")] + ".png"
+    fig.savefig(png, dpi=110)
+    return png
+
+
 def spec_costs(engine, repeats: int = 5):
     """An adaptive speculative engine's cost table (SpecWorker.measure_costs), its greedy
     decode programs of every shape and bucket compiled first, on threads, as warm-up does: one

@@ -31,7 +31,7 @@ import types
 import urllib.request
 
 from benchmarks.bench_serving import random_requests, run
-from benchmarks.common import Results
+from benchmarks.common import Results, pyplot, run_label, save_png
 
 LOOP_KEYS = (
     "iterations",
@@ -176,13 +176,8 @@ def summary_line(r: dict) -> str:
 
 def plot(path_json: str) -> str | None:
     """The PNG beside the JSON: a row of panels per prompt length (tok/s, ITL p50 and p99)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is missing: no plot (python -m benchmarks.serving_curve --plot JSON elsewhere)")
+    plt = pyplot("serving_curve")
+    if plt is None:
         return None
     with open(path_json) as f:
         data = json.load(f)
@@ -203,13 +198,8 @@ def plot(path_json: str) -> str | None:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
         tput.set_title(f"{n} prompt tokens, {data['settings']['output_len']} output tokens")
-    fig.suptitle(
-        f"{data['settings']['server_args']} ({data.get('device', '')}, {(data.get('commit') or '')[:10]})", fontsize=8
-    )
-    fig.tight_layout()
-    png = path_json[: -len(".json")] + ".png"
-    fig.savefig(png, dpi=110)
-    return png
+    fig.suptitle(f"{data['settings']['server_args']} {run_label(data)}", fontsize=8)
+    return save_png(fig, path_json)
 
 
 def main() -> None:
