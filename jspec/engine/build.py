@@ -83,8 +83,6 @@ def build_worker(model: Model, config: EngineConfig, draft=None, target_path=Non
         layer_loop=config.layer_loop,
         lora=lora_pool(config, model.cfg, dtype, mesh or dp_mesh, params),
         kv_cache_dtype=config.kv_cache_dtype,
-        # A bound on the mixed steps' cost picks among finer token buckets.
-        prefill_ratio=2 if method is None and dp == 1 and mixed_step_slowdown(config) else 4,
     )
     sizing = sizing_arguments(config, cfg, params, method, dp)
     pages, slots = first_pool(config, sizing, dp)
@@ -155,17 +153,6 @@ def lora_pool(config: EngineConfig, cfg, dtype, mesh, params) -> LoraPool | None
     max_rank = config.max_lora_rank or max([16] + [read_rank(p) for p in paths.values()])
     stacked = check_layer_loop(config.layer_loop) in ("scan", "unrolled_stack") and isinstance(params["layers"], dict)
     return LoraPool(cfg, max_loras, max_rank, dtype, mesh, stacked=stacked)
-
-
-def mixed_step_slowdown(config: EngineConfig) -> float:
-    """How many times its rows' decode step a plain step that prefills while it decodes may
-    cost (0: no bound but the chunk size). Without an accelerator a step's cost grows with its
-    tokens from the first one, so there the chunk size alone bounds it, as before."""
-    if config.disable_mixed_chunk:
-        return 0.0
-    if config.mixed_chunk_slowdown is not None:
-        return config.mixed_chunk_slowdown
-    return 2.0 if jax.default_backend() != "cpu" else 0.0
 
 
 def sizing_arguments(config: EngineConfig, cfg, params, method, dp: int) -> dict:

@@ -22,13 +22,14 @@ import os
 import threading
 import time
 
+import jax
 import numpy as np
 
 from jspec.checkpoint.model import as_model, load_logged, with_context_length
 from jspec.config.engine import EngineConfig
 from jspec.config.sampling import SamplingParams
 from jspec.constrained.grammar import GrammarCompiler
-from jspec.engine.build import build_worker, mixed_step_slowdown
+from jspec.engine.build import build_worker
 from jspec.engine.outputs import GenerationOutput, as_prompt_list, tokenize_prompt
 from jspec.layers.sampling import SAMPLING_MODES, sampling_mode
 from jspec.lora.adapter import load_adapter
@@ -128,6 +129,17 @@ class Launched:
     outputs: object
 
 
+def mixed_step_slowdown(config: EngineConfig) -> float:
+    """How many times its rows' decode step a plain step that prefills while it decodes may
+    cost (0: no bound but the chunk size). Without an accelerator a step's cost grows with its
+    tokens from the first one, so there the chunk size alone bounds it, as before."""
+    if config.disable_mixed_chunk:
+        return 0.0
+    if config.mixed_chunk_slowdown is not None:
+        return config.mixed_chunk_slowdown
+    return 2.0 if jax.default_backend() != "cpu" else 0.0
+
+
 class Engine:
     """A model served by a worker and a scheduler. model: a loaded Model, or a checkpoint (a
     directory or a Hub repo id) read with `load` (a LoadConfig: revision, dtype, tokenizer, ...).
@@ -161,6 +173,11 @@ class Engine:
         # Speculation with grammar rows reads each proposed tree before verifying it.
         self.worker.host_read = designated_read
         self.scheduler = self.make_scheduler()
+        # A scheduler that mixes decode rows into prefills may bound those steps' cost (from costs
+        # timed at warm-up); the bound picks among finer prefill token buckets.
+        self.mixed_slowdown = mixed_step_slowdown(config) if self.scheduler.mixed_chunk else 0.0
+        if self.mixed_slowdown:
+            self.worker.buckets = dataclasses.replace(self.worker.buckets, prefill_ratio=2)
         self.prefix_cache = self.scheduler.prefix_cache
         self.lora = self.worker.lora
         self.overlap = not config.disable_overlap_schedule
@@ -231,16 +248,16 @@ class Engine:
         self._log_program_memory()
         if self.adaptive is not None and self.adaptive.costs is None:
             self._measure_costs()
-        slowdown = mixed_step_slowdown(self.config)
-        if slowdown and self.scheduler.mixed_chunk:
-            self._bound_mixed_steps(slowdown)
+        if self.mixed_slowdown:
+            self._bound_mixed_steps()
         return n
 
-    def _bound_mixed_steps(self, slowdown: float) -> None:
+    def _bound_mixed_steps(self) -> None:
         """Times the prefill and decode buckets and lets the scheduler cut its mixed steps to
-        `slowdown` times their decode rows' step."""
+        mixed_slowdown times their decode rows' step."""
         self.drain()
         costs = measure_step_costs(self.worker)
+        slowdown = self.mixed_slowdown
         self.scheduler.step_costs, self.scheduler.mixed_slowdown = costs, slowdown
         log.info(
             "mixed steps cost at most %gx their decode rows' step: tokens per step by decode rows %s "

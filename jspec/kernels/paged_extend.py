@@ -95,13 +95,14 @@ def _extend_kernel(
     else:
         acc_ref, m_ref, l_ref = refs
     item, split, kv_head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    seq, q_block = block_seq_ref[item], block_index_ref[item]  # seq -1: past the real blocks
+    real_seq, q_block = block_seq_ref[item], block_index_ref[item]  # -1: past the real blocks
+    seq = jnp.maximum(real_seq, 0)
     tokens_per_block = block_m // group
-    row0 = query_start_ref[jnp.maximum(seq, 0)]
-    q_len = query_start_ref[jnp.maximum(seq, 0) + 1] - row0
+    row0 = query_start_ref[seq]
+    q_len = query_start_ref[seq + 1] - row0
     first = q_block * tokens_per_block  # first new token of this block, within its sequence
 
-    @pl.when((seq >= 0) & (first < q_len))
+    @pl.when((real_seq >= 0) & (first < q_len))
     def _():
         head_dim = q_ref.shape[2]
         layer, window = layer_window_ref[0], layer_window_ref[1]

@@ -128,7 +128,6 @@ class WorkerBase:
         lora=None,
         kv_cache_dtype: str = "auto",
         decode_paddings: tuple[int, ...] | None = None,
-        prefill_ratio: int = 4,
     ):
         # Tensor parallel (jspec.distributed): params arrive sharded over mesh; steps run under it.
         self.mesh = mesh
@@ -147,7 +146,7 @@ class WorkerBase:
         self.num_pages = int(num_pages)
         self.max_slots = max_slots
         self.chunked_prefill_size = chunked_prefill_size
-        self.buckets = Buckets(chunked_prefill_size, max_slots, decode_paddings, prefill_ratio)
+        self.buckets = Buckets(chunked_prefill_size, max_slots, decode_paddings)
         self.backend = attention_backend or default_attention_backend()
         self.programs = Programs(mesh)
         self._program_specs: dict = {}

@@ -82,6 +82,8 @@ def test_mixed_steps_give_the_tokens_of_prefills_alone(tiny, overlap):
         # Mixed steps cut to a cost bound: the step costs timed at warm-up (this machine's: the
         # bound itself is checked below on fixed costs), then the same tokens.
         bounded = jspec.Engine(tiny, mixed_chunk_slowdown=1.5, **kw)
+        # The bound picks among powers of two; without it (the CPU's default) powers of four.
+        assert (bounded.worker.buckets.prefill_ratio, mixed.worker.buckets.prefill_ratio) == (2, 4)
         bounded.warmup(sampling_modes=("greedy", "sampled"))
         costs = bounded.scheduler.step_costs
         assert costs is not None and sorted(costs.prefill) == [16, 32] and sorted(costs.decode) == [8]
