@@ -50,6 +50,28 @@ def enable_compilation_cache(path: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+class CacheHits:
+    """How many compiles JAX's persistent cache answered, counted from JAX's monitoring events
+    (process-wide), so that a slow warm-up says whether it compiled or loaded."""
+
+    hits = 0
+    _lock = threading.Lock()
+    _listening = False
+
+    @classmethod
+    def listen(cls) -> None:
+        with cls._lock:
+            if not cls._listening:
+                jax.monitoring.register_event_listener(cls._on_event)
+                cls._listening = True
+
+    @classmethod
+    def _on_event(cls, event: str, **_) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            with cls._lock:
+                cls.hits += 1
+
+
 @dataclasses.dataclass(frozen=True)
 class Program:
     """One program: step lowered with these static arguments, for arguments of one shape."""
@@ -190,6 +212,8 @@ class Progress:
     def __init__(self, total: int):
         self.total, self.n, self.t0 = total, 0, time.perf_counter()
         self.tty = sys.stderr.isatty()
+        CacheHits.listen()
+        self.hits0 = CacheHits.hits
 
     def done(self, label: str) -> None:
         self.n += 1
@@ -208,7 +232,12 @@ class Progress:
     def close(self) -> None:
         if self.tty:
             sys.stderr.write("\n")
-        log.info("compiled %d programs in %.1f s", self.total, time.perf_counter() - self.t0)
+        log.info(
+            "compiled %d programs in %.1f s (%d loaded from the compilation cache)",
+            self.total,
+            time.perf_counter() - self.t0,
+            CacheHits.hits - self.hits0,
+        )
 
 
 def prefill_token_buckets(chunked_prefill_size: int, smallest: int = MIN_PREFILL_TOKENS, ratio: int = 4) -> list[int]:

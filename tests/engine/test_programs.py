@@ -102,6 +102,7 @@ def test_prompt_logprob_prefills_compile_in_the_background_while_others_run(tiny
 CACHE_PROBE = textwrap.dedent("""
     import sys, jax, jspec
     from jspec.checkpoint.model import with_context_length
+    from jspec.worker.programs import CacheHits
     from jspec.checkpoint.tiny import make_tiny_model
     events = []
     jax.monitoring.register_event_listener(lambda name, **kw: events.append(name))
@@ -110,7 +111,7 @@ CACHE_PROBE = textwrap.dedent("""
                           compilation_cache_dir=sys.argv[1])
     n = engine.warmup(sampling_modes=("greedy",))
     print(n, events.count("/jax/compilation_cache/compile_requests_use_cache"),
-          events.count("/jax/compilation_cache/cache_hits"))
+          events.count("/jax/compilation_cache/cache_hits"), CacheHits.hits)
 """)
 
 
@@ -120,13 +121,15 @@ def test_a_restart_loads_its_programs_from_the_compilation_cache(tmp_path):
     first = subprocess.run(probe, capture_output=True, text=True, cwd=ROOT)
     written = sorted(os.listdir(cache))
     second = subprocess.run(probe, capture_output=True, text=True, cwd=ROOT)
-    (n1, _, hits1), (n2, _, hits2) = [tuple(map(int, r.stdout.split()[-3:])) for r in (first, second)]
+    (n1, _, hits1, logged1), (n2, _, hits2, logged2) = [tuple(map(int, r.stdout.split()[-4:])) for r in (first, second)]
     assert n1 == n2 > 0 and sum(name.startswith("jit_plain_") for name in written) == n1, written
     # The first process compiled everything; the second found every program there.
     assert hits1 == 0 and hits2 >= n2 and sorted(os.listdir(cache)) == written, (
         first.stderr[-2000:],
         second.stderr[-2000:],
     )
+    # The warm-up's log line says so: none of its programs loaded, then all of them.
+    assert (logged1, logged2) == (0, n2)
 
 
 def test_precompile_bs_paddings_bound_the_decode_programs(tiny):
