@@ -136,6 +136,7 @@ def main():
     ap.add_argument("--out", default=RESULTS_DIR)
     ap.add_argument("--tiny", action="store_true", help="a tiny model: a quick dry run of the script")
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--name", default="bench_host_launch", help="the JSON's name (a GPU run: bench_host_launch_gpu)")
     args = ap.parse_args()
     cfg, dcfg = (TINY, TINY_DRAFT) if args.tiny else (SMALL, SMALL_DRAFT)
     dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
@@ -171,7 +172,7 @@ def main():
         "tokens": args.tokens,
         "layer_loop": check_layer_loop("auto"),
     }
-    path = Results(args.out, "bench_host_launch", settings).write(rows=rows)
+    path = Results(args.out, args.name, settings).write(rows=rows)
     print(f"wrote {path}\n")
     print(
         f"{'method':>7} {'idle launch':>11} {'inputs':>7} {'dispatch':>8} {'floor':>6} {'1 leaf':>6} "

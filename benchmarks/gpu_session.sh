@@ -92,10 +92,10 @@ for s in "$@"; do
         --variant "dflash=--speculative-algorithm DFLASH --speculative-draft-model-path .demo_stash/dflash-smol" \
         --variant "eagle3=--speculative-algorithm EAGLE3 --speculative-draft-model-path .demo_stash/eagle3-smol --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4" \
         --variant "ngram=--speculative-algorithm NGRAM" --run-timeout 120 --out "$RESULTS" --name serving_curve_smollm2_spec ;;
-    host_launch) step host_launch 180 $PY -m benchmarks.bench_host_launch --tokens 128 --out "$RESULTS" ;;
+    host_launch) step host_launch 180 $PY -m benchmarks.bench_host_launch --tokens 128 --name bench_host_launch_gpu --out "$RESULTS" ;;
     overlap) step overlap 140 $PY -m benchmarks.bench_overlap --batches 1 --out "$RESULTS" --name bench_overlap_bs1 ;;
     adaptive_costs)
-      step adaptive_costs 240 $PY -m benchmarks.bench_adaptive --costs-only "$RESULTS/adaptive_costs_h200.json" ;;
+      step adaptive_costs 240 $PY -m benchmarks.bench_adaptive --costs-only "$RESULTS/adaptive_costs_gpu.json" ;;
     startup_8b)
       step startup_8b 240 $PY -m benchmarks.bench_startup --runs 1 --name bench_startup_8b --out "$RESULTS" \
         --server-args "--model-path benchmarks/shapes/llama-3.1-8b --load-format dummy" ;;
@@ -169,7 +169,7 @@ for s in "$@"; do
       shape=$SHAPE_SMALL; [ $s = curve_8b_variants ] && shape=$SHAPE_8B
       declare -A flags=([default]="" [in_thread]="--engine-in-thread" \
         [unrolled_stack]="--layer-loop unrolled_stack" [chunk256]="--chunked-prefill-size 256" \
-        [unbounded]="--mixed-chunk-slowdown 0" [slowdown3]="--mixed-chunk-slowdown 3")
+        [unbounded]="--mixed-chunk-slowdown 0" [slowdown1_5]="--mixed-chunk-slowdown 1.5" [slowdown3]="--mixed-chunk-slowdown 3")
       variant_args=()
       for v in ${HOST_VARIANTS:-default in_thread chunk256}; do
         variant_args+=(--variant "$v=${flags[$v]}")
