@@ -11,8 +11,10 @@ seconds until /health answers, peak resident memory until then, and one chat req
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -67,15 +69,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The start-up log's milestones, so that a slow start says which phase took the time.
+MILESTONES = re.compile(
+    r"weights loaded|compiled \d+ programs in|first step over the pool|KV pool:|mixed steps cost|warm-up:|ready:"
+)
+STAMP = re.compile(r"^\[jspec\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \w+ (.*)$")
+
+
+def milestones(log: str, started: float) -> list[str]:
+    """The milestone lines of a server's log, each prefixed by its seconds after `started` (epoch s)."""
+    out = []
+    for line in log.splitlines():
+        m = STAMP.match(line)
+        if m and MILESTONES.search(m.group(2)):
+            at = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp() - started
+            out.append(f"{at:6.1f} s  {m.group(2)[:300]}")
+    return out
+
+
 def run_server(cache: str, server_args: list[str], limit_s: float = 600) -> dict:
+    with tempfile.TemporaryFile("w+") as log:
+        row = serve_and_ask(cache, server_args, limit_s, log)
+        log.seek(0)
+        row["log"] = milestones(log.read(), row.pop("started"))
+    return row
+
+
+def serve_and_ask(cache: str, server_args: list[str], limit_s: float, log) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    t0 = time.perf_counter()
+    started, t0 = time.time(), time.perf_counter()
     proc = subprocess.Popen(
         [sys.executable, "scripts/serve.py", "--port", str(port), "--compilation-cache-dir", cache, *server_args],
         cwd=REPO_ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     try:
         while time.perf_counter() - t0 < limit_s and proc.poll() is None:
@@ -101,7 +129,8 @@ def run_server(cache: str, server_args: list[str], limit_s: float = 600) -> dict
         with urllib.request.urlopen(req, timeout=120) as r:
             reply = json.loads(r.read())
         answer = reply["choices"][0]["message"]["content"] if not server_args else reply["output_ids"]
-        return dict(healthy_s=healthy, peak_rss_mb=peak, first_chat_s=time.perf_counter() - t1, answer=answer)
+        first_chat = time.perf_counter() - t1
+        return dict(healthy_s=healthy, peak_rss_mb=peak, first_chat_s=first_chat, answer=answer, started=started)
     finally:
         proc.terminate()
         proc.wait(30)
@@ -130,7 +159,8 @@ def main():
                 for kind in ("cold", "warm"):
                     row = dict(command=what, cache=kind, run=i, **run(cache))
                     rows.append(row)
-                    print(json.dumps(row), flush=True)
+                    print(json.dumps({k: v for k, v in row.items() if k != "log"}), flush=True)
+                    print("\n".join(row.get("log", [])), flush=True)
     settings = {
         "commands": "as the README gives them, plus a cache directory of the benchmark's own",
         "server_args": args.server_args,
