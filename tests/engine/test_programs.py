@@ -15,7 +15,7 @@ from support.models import tiny_model
 import jspec
 from jspec.layers.sampling import SAMPLING_MODES
 from jspec.models.common import UnrolledStack
-from jspec.worker.programs import prefill_key, warmup_jobs
+from jspec.worker.programs import GPU_COMPILER_OPTIONS, prefill_key, warmup_jobs
 
 pytestmark = pytest.mark.slow  # builds engines, servers or HF references
 
@@ -130,6 +130,15 @@ def test_a_restart_loads_its_programs_from_the_compilation_cache(tmp_path):
     )
     # The warm-up's log line says so: none of its programs loaded, then all of them.
     assert (logged1, logged2) == (0, n2)
+
+
+def test_the_gpu_compiler_options_are_options_xla_knows():
+    """The GPU's options are XLA debug options every backend parses: a misspelt one would fail
+    every program's compile on the GPU, which the CPU suite would not otherwise see."""
+    step = jax.jit(lambda x: x * 2)
+    assert float(step.lower(1.0).compile(compiler_options=GPU_COMPILER_OPTIONS)(1.0)) == 2.0
+    with pytest.raises(Exception, match="No such compile option"):
+        step.lower(1.0).compile(compiler_options={"xla_gpu_no_such_option": 1})
 
 
 def test_precompile_bs_paddings_bound_the_decode_programs(tiny):
