@@ -1,6 +1,7 @@
 """Suite-wide fixtures."""
 
 import gc
+import json
 import os
 
 # Eight CPU devices, so the sharding tests (tensor parallel, ...) find a mesh; set before
@@ -94,3 +95,32 @@ SLOW_FILES_FIRST = (
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's own order stays
+
+
+# JSPEC_TEST_COMPILE_STATS=PREFIX: each test file's compile work (JAX's monitoring events:
+# backend compiles and their seconds, persistent-cache hits, tracing and lowering) is written to
+# PREFIX.<worker>.json at the end, to find where the suite's time goes (scripts/compile_stats.py).
+_compile_stats: dict = {}
+_current_file = ["(collection)"]
+
+
+def _record(event: str, seconds: float | None = None) -> None:
+    per = _compile_stats.setdefault(_current_file[0], {})
+    count, total = per.get(event, (0, 0.0))
+    per[event] = (count + 1, total + (seconds or 0.0))
+
+
+if os.environ.get("JSPEC_TEST_COMPILE_STATS"):
+    jax.monitoring.register_event_listener(lambda event, **_: _record(event) if "compil" in event else None)
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, seconds, **_: _record(event, seconds) if "/compile" in event else None
+    )
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(item):
+        _current_file[0] = item.path.name
+
+    def pytest_sessionfinish(session):
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        with open(f"{os.environ['JSPEC_TEST_COMPILE_STATS']}.{worker}.json", "w") as f:
+            json.dump(_compile_stats, f, indent=1)
