@@ -31,6 +31,8 @@ from jspec.config.sampling import SamplingParams
 from jspec.constrained.grammar import allow_all
 from jspec.layers.batch import bucket
 from jspec.layers.sampling import SAMPLING_MODES
+from jspec.worker import executables
+from jspec.worker.executables import ExecutableCache, program_key
 from jspec.worker.inputs import SeqChunk
 
 log = logging.getLogger("jspec.worker.programs")
@@ -51,16 +53,29 @@ def compiler_options() -> dict:
     return dict(GPU_COMPILER_OPTIONS) if jax.default_backend() == "gpu" else {}
 
 
+# Where compiled step programs are stored whole (worker/executables.py), beside JAX's cache.
+EXECUTABLES: ExecutableCache | None = None
+
+
 def enable_compilation_cache(path: str | None) -> None:
-    """Turns on JAX's persistent compilation cache in `path` (None: leaves it off). A second
-    process that compiles the same program for the same backend loads it from there."""
+    """Turns on JAX's persistent compilation cache in `path` (None: leaves it off), and the
+    store of whole executables in its `jspec-executables` folder. A second process that builds
+    the same program for the same backend loads it from there."""
+    global EXECUTABLES
     if not path:
         return
     os.makedirs(path, exist_ok=True)
+    EXECUTABLES = ExecutableCache(os.path.join(path, "jspec-executables"))
     jax.config.update("jax_compilation_cache_dir", path)
     # Every program counts: the quick ones add up over a warm-up.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def programs_loaded() -> int:
+    """Programs this process loaded rather than compiled: whole executables, and compiles that
+    JAX's persistent cache answered."""
+    return CacheHits.hits + (EXECUTABLES.loaded if EXECUTABLES is not None else 0)
 
 
 class CacheHits:
@@ -164,8 +179,15 @@ class Programs:
 
     def _compile(self, job: Job):
         p = job.program
-        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-            fn = p.step.lower(*job.args, **p.static).compile(compiler_options=compiler_options())
+        options = compiler_options()
+        device = executables.one_device(job.args) if EXECUTABLES is not None and executables.ENABLED else None
+        key = program_key(p.step, p.static, job.args, options) if device is not None and self.mesh is None else None
+        fn = EXECUTABLES.load(key, device) if key else None
+        if fn is None:
+            with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+                fn = p.step.lower(*job.args, **p.static).compile(compiler_options=options)
+            if key:
+                EXECUTABLES.save(key, fn)
         with self._lock:
             self.compiled[p.key] = fn
             self.labels[p.key] = p.label
@@ -226,7 +248,7 @@ class Progress:
         self.total, self.n, self.t0 = total, 0, time.perf_counter()
         self.tty = sys.stderr.isatty()
         CacheHits.listen()
-        self.hits0 = CacheHits.hits
+        self.loaded0 = programs_loaded()
 
     def done(self, label: str) -> None:
         self.n += 1
@@ -249,7 +271,7 @@ class Progress:
             "compiled %d programs in %.1f s (%d loaded from the compilation cache)",
             self.total,
             time.perf_counter() - self.t0,
-            CacheHits.hits - self.hits0,
+            programs_loaded() - self.loaded0,
         )
 
 

@@ -1,6 +1,8 @@
 """The compiled programs: scanned and unrolled layer loops agree, the default server compiles a
 bounded set, rare programs compile in the background, and a restart finds the persistent cache."""
 
+import dataclasses
+import functools
 import os
 import subprocess
 import sys
@@ -15,6 +17,7 @@ from support.models import tiny_model
 import jspec
 from jspec.layers.sampling import SAMPLING_MODES
 from jspec.models.common import UnrolledStack
+from jspec.worker.executables import program_key
 from jspec.worker.programs import GPU_COMPILER_OPTIONS, prefill_key, warmup_jobs
 
 pytestmark = pytest.mark.slow  # builds engines, servers or HF references
@@ -102,7 +105,7 @@ def test_prompt_logprob_prefills_compile_in_the_background_while_others_run(tiny
 CACHE_PROBE = textwrap.dedent("""
     import sys, jax, jspec
     from jspec.checkpoint.model import with_context_length
-    from jspec.worker.programs import CacheHits
+    from jspec.worker import programs
     from jspec.checkpoint.tiny import make_tiny_model
     events = []
     jax.monitoring.register_event_listener(lambda name, **kw: events.append(name))
@@ -110,26 +113,74 @@ CACHE_PROBE = textwrap.dedent("""
     engine = jspec.Engine(model, page_size=16, max_total_tokens=1008, max_running_requests=2, attention_backend="reference",
                           compilation_cache_dir=sys.argv[1])
     n = engine.warmup(sampling_modes=("greedy",))
-    print(n, events.count("/jax/compilation_cache/compile_requests_use_cache"),
-          events.count("/jax/compilation_cache/cache_hits"), CacheHits.hits)
+    tokens = engine.generate([[4, 5, 6]], jspec.SamplingParams(max_new_tokens=6))[0].token_ids
+    print(n, events.count("/jax/compilation_cache/cache_hits"), programs.EXECUTABLES.loaded,
+          programs.programs_loaded(), "-".join(map(str, tokens)))
 """)
 
 
 def test_a_restart_loads_its_programs_from_the_compilation_cache(tmp_path):
+    """A second process loads every program whole (no tracing, no lowering) and emits the same
+    tokens; without the stored executables, JAX's persistent cache still answers every compile."""
     cache = str(tmp_path / "xla")
+    stored = os.path.join(cache, "jspec-executables")
     probe = [sys.executable, "-c", CACHE_PROBE, cache, str(tmp_path / "m")]
-    first = subprocess.run(probe, capture_output=True, text=True, cwd=ROOT)
-    written = sorted(os.listdir(cache))
-    second = subprocess.run(probe, capture_output=True, text=True, cwd=ROOT)
-    (n1, _, hits1, logged1), (n2, _, hits2, logged2) = [tuple(map(int, r.stdout.split()[-4:])) for r in (first, second)]
-    assert n1 == n2 > 0 and sum(name.startswith("jit_plain_") for name in written) == n1, written
-    # The first process compiled everything; the second found every program there.
-    assert hits1 == 0 and hits2 >= n2 and sorted(os.listdir(cache)) == written, (
-        first.stderr[-2000:],
-        second.stderr[-2000:],
-    )
-    # The warm-up's log line says so: none of its programs loaded, then all of them.
-    assert (logged1, logged2) == (0, n2)
+
+    def run():
+        r = subprocess.run(probe, capture_output=True, text=True, cwd=ROOT)
+        assert r.returncode == 0, r.stderr[-3000:]
+        n, jax_hits, whole, logged, tokens = r.stdout.split()[-5:]
+        return int(n), int(jax_hits), int(whole), int(logged), tokens
+
+    n1, jax_hits1, whole1, logged1, tokens1 = run()
+    written, executables = sorted(os.listdir(cache)), sorted(os.listdir(stored))
+    assert n1 > 0 and sum(name.startswith("jit_plain_") for name in written) == n1, written
+    assert len(executables) == n1 and (jax_hits1, whole1, logged1) == (0, 0, 0)
+    # The second process loads each program whole (JAX's cache answers only the small helper
+    # programs outside the step programs).
+    n2, jax_hits2, whole2, logged2, tokens2 = run()
+    assert (n2, whole2, logged2, tokens2) == (n1, n1, n1, tokens1)
+    assert sorted(os.listdir(cache)) == written and sorted(os.listdir(stored)) == executables
+    # Without them (and with one file garbled, which is dropped), JAX's persistent cache answers.
+    for name in executables[1:]:
+        os.remove(os.path.join(stored, name))
+    with open(os.path.join(stored, executables[0]), "wb") as f:
+        f.write(b"not an executable")
+    n3, jax_hits3, whole3, logged3, tokens3 = run()
+    assert (n3, whole3, logged3, tokens3) == (n1, 0, n1, tokens1) and jax_hits3 == jax_hits2 + n1
+    assert sorted(os.listdir(stored)) == executables  # stored again, the garbled one rewritten
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    layers: int
+    names: tuple = ("q", "k")
+
+
+@functools.partial(jax.jit, static_argnames=("shape",))
+def scaled(x, shape):
+    return x * shape.layers
+
+
+def test_a_stored_programs_key_follows_everything_it_is_made_from():
+    """Same step, statics, arguments' types and settings: same key; any of them changed: a new
+    one; a static that has no determining text (an arbitrary object): no key, so the program
+    compiles through JAX."""
+    x = jax.numpy.ones(3)
+    key = program_key(scaled, {"shape": Shape(2)}, (x,), {})
+    assert key == program_key(scaled, {"shape": Shape(2)}, (jax.numpy.zeros(3),), {})
+    changed = [
+        program_key(scaled, {"shape": Shape(3)}, (x,), {}),
+        program_key(scaled, {"shape": Shape(2, ("q",))}, (x,), {}),
+        program_key(scaled, {"shape": Shape(2)}, (jax.numpy.ones(4),), {}),
+        program_key(scaled, {"shape": Shape(2)}, (jax.numpy.ones(3, jax.numpy.bfloat16),), {}),
+        program_key(scaled, {"shape": Shape(2)}, (x,), GPU_COMPILER_OPTIONS),
+        program_key(jax.jit(lambda x, shape: x), {"shape": Shape(2)}, (x,), {}),
+    ]
+    with jax.default_matmul_precision("highest"):
+        changed.append(program_key(scaled, {"shape": Shape(2)}, (x,), {}))
+    assert None not in changed and len({key, *changed}) == len(changed) + 1
+    assert program_key(scaled, {"shape": object()}, (x,), {}) is None
 
 
 def test_the_gpu_compiler_options_are_options_xla_knows():

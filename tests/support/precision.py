@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jspec.worker import executables
+
 
 @dataclasses.dataclass(frozen=True)
 class Tolerance:
@@ -120,15 +122,16 @@ def emulate_tf32_dots() -> Iterator[None]:
         (jnp, "einsum", einsum_rounding(jnp.einsum)),
     ]
     originals = [(module, name, getattr(module, name)) for module, name, _ in patched]
-    # Programs traced before must not serve calls within, nor those traced within calls after.
+    # Programs traced before must not serve calls within, nor those traced within calls after;
+    # nor may stored executables, which were traced without the patch.
     jax.clear_caches()
     for module, name, fn in patched:
         setattr(module, name, fn)
-    _emulating_tf32 = True
+    _emulating_tf32, executables.ENABLED = True, False
     try:
         yield
     finally:
-        _emulating_tf32 = False
+        _emulating_tf32, executables.ENABLED = False, True
         for module, name, fn in originals:
             setattr(module, name, fn)
         jax.clear_caches()
