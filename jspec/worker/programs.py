@@ -80,24 +80,42 @@ def programs_loaded() -> int:
 
 class CacheHits:
     """How many compiles JAX's persistent cache answered, counted from JAX's monitoring events
-    (process-wide), so that a slow warm-up says whether it compiled or loaded."""
+    (process-wide), so that a slow warm-up says whether it compiled or loaded; and whether a
+    compile on this thread was XLA's own work (JAX reports on the compiling thread)."""
 
     hits = 0
     _lock = threading.Lock()
     _listening = False
+    _thread = threading.local()
+
+    @classmethod
+    def compile_fresh(cls, compile_fn: Callable) -> tuple[Any, bool]:
+        """compile_fn()'s result, and whether XLA compiled it: not JAX's persistent cache, nor
+        JAX's in-memory cache handing back an executable from before."""
+        cls.listen()
+        cls._thread.hit = cls._thread.compiled = False
+        result = compile_fn()
+        return result, cls._thread.compiled and not cls._thread.hit
 
     @classmethod
     def listen(cls) -> None:
         with cls._lock:
             if not cls._listening:
                 jax.monitoring.register_event_listener(cls._on_event)
+                jax.monitoring.register_event_duration_secs_listener(cls._on_duration)
                 cls._listening = True
 
     @classmethod
     def _on_event(cls, event: str, **_) -> None:
         if event == "/jax/compilation_cache/cache_hits":
+            cls._thread.hit = True
             with cls._lock:
                 cls.hits += 1
+
+    @classmethod
+    def _on_duration(cls, event: str, duration: float, **_) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":  # a compile or a persistent-cache hit
+            cls._thread.compiled = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,8 +203,12 @@ class Programs:
         fn = EXECUTABLES.load(key, device) if key else None
         if fn is None:
             with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-                fn = p.step.lower(*job.args, **p.static).compile(compiler_options=options)
-            if key:
+                fn, fresh = CacheHits.compile_fresh(
+                    lambda: p.step.lower(*job.args, **p.static).compile(compiler_options=options)
+                )
+            # An executable that JAX deserialized does not serialize whole again (XLA:CPU drops
+            # its kernels' code: the copy fails when run), so only XLA's fresh compiles are stored.
+            if key and fresh:
                 EXECUTABLES.save(key, fn)
         with self._lock:
             self.compiled[p.key] = fn
