@@ -198,8 +198,9 @@ class Programs:
     def _compile(self, job: Job):
         p = job.program
         options = compiler_options()
-        device = executables.one_device(job.args) if EXECUTABLES is not None and executables.ENABLED else None
-        key = program_key(p.step, p.static, job.args, options) if device is not None and self.mesh is None else None
+        storable = EXECUTABLES is not None and executables.ENABLED and self.mesh is None
+        device = executables.one_device(job.args) if storable else None
+        key = program_key(p.step, p.static, job.args, options) if device is not None else None
         fn = EXECUTABLES.load(key, device) if key else None
         if fn is None:
             with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
