@@ -4,7 +4,7 @@
 # $RESULTS/logs; after each step all of it is packed into $OUT/gpu_results.tar.gz, so what a
 # call measured comes back even if a later step is cut off.
 #   JSPEC_COMMIT=<hash> bash benchmarks/gpu_session.sh STEP...     (steps: see `case` below)
-# Wheels the image lacks (the server's and the grammar's) travel in .whl (docs/benchmarks.md).
+# Wheels the image lacks travel in .whl (scripts/fetch_device_wheels.sh fetches them here).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # The device machine's copy of .git is not this checkout's: results name the commit given here.

@@ -50,6 +50,7 @@ ENGINE_TESTS = [
     # EAGLE chains, EAGLE-3 trees: lossless against plain decoding, overlap on (kernels).
     "tests/speculative/test_spec_eagle.py::test_agreeing_draft_is_lossless_and_accepts_everything[EAGLE-16-3-1-None-pallas]",
     "tests/speculative/test_spec_eagle.py::test_random_draft_is_lossless[EAGLE3-16-5-4-8-pallas]",
+    "tests/speculative/test_spec_eagle.py::test_iteration_updates_the_target_pool_in_place[4-8]",
     # Sliding windows under EAGLE-3 trees; soft-capping (Gemma 2) and attention sinks (gpt-oss's
     # attention) with windows, under STANDALONE (kernels).
     "tests/speculative/test_spec_methods.py::test_speculation_over_sliding_windows_is_lossless[EAGLE3-16-2-pallas]",

@@ -35,11 +35,11 @@ HEADROOM_MIN_BYTES = 1 * GiB
 PROGRAM_BYTES_FACTOR = 1.25
 # Pages of the pool the programs are measured against (the scratch page and one more).
 PROBE_PAGES = 2
-# On the GPU some program over a freshly made pool has allocated one more buffer the size of its
-# largest leaf (K or V) although the memory analysis of the programs measured shows the pool
-# donated in place: once the first plain decode, lately an adaptive EAGLE-3 server's cost
-# measurement (benchmarks/NOTES.md, "The KV pool on the GPU"). Until that is explained the
-# device plan leaves room for it, as a fraction of the pool: K and V are its two equal leaves.
+# On the GPU some programs have needed one more buffer the size of a pool leaf (K or V), which
+# the programs measured against the probe pool cannot show: once the first plain decode, lately
+# the tree shape of an adaptive EAGLE-3 server (benchmarks/NOTES.md, "The KV pool on the GPU").
+# Until a GPU run shows no program needs it, the device plan leaves room for one leaf, as a
+# fraction of the pool: K and V are its two equal leaves.
 FIRST_STEP_LEAF_FRACTION = 0.5
 
 

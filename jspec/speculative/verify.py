@@ -170,6 +170,8 @@ def _move_kv(cache: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
     All reads happen before any write, so overlapping source and destination are safe."""
     L, P, S, H, D = cache.shape
     flat = cache.reshape(L, P * S, H, D)
-    vals = flat[:, src.reshape(-1)]
+    # The barrier keeps the gather out of the scatter's fusion: a fused scatter that also reads
+    # the buffer it writes cannot write it in place, and XLA would copy the whole pool leaf.
+    vals = jax.lax.optimization_barrier(flat[:, src.reshape(-1)])
     flat = flat.at[:, dst.reshape(-1)].set(vals, mode="drop")
     return flat.reshape(L, P, S, H, D)
