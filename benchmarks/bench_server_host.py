@@ -20,18 +20,8 @@ import types
 
 from benchmarks.bench_serving import random_requests, run
 from benchmarks.common import RESULTS_DIR, Results
-from benchmarks.serving_curve import get_json, start_server, stop_server
+from benchmarks.serving_curve import get_json, process_cpu_s, start_server, stop_server, thread_cpu_s
 from jspec.checkpoint.tiny import make_tiny_model
-
-
-def thread_cpu_s(pid: int, tid: int) -> float:
-    fields = open(f"/proc/{pid}/task/{tid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-
-def process_cpu_s(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def processes_cpu_s(pids) -> float:

@@ -42,7 +42,42 @@ LOOP_KEYS = (
     "launch_s",
     "wait_s",
     "process_s",
+    "running_sum",
+    "waiting_sum",
 )
+
+
+def thread_cpu_s(pid: int, tid: int) -> float:
+    """CPU seconds (user + system) of one thread, from /proc (Linux)."""
+    fields = open(f"/proc/{pid}/task/{tid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of one process, all its threads, from /proc (Linux)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_clocks(server_pid: int, state: dict) -> dict:
+    """The CPU seconds so far of the HTTP process's event loop (its main thread) and of the whole
+    HTTP process, of the engine loop's thread, and of this process (bench_serving's client)."""
+    engine_pid, engine_tid = state["engine_pid"], state["engine_thread_id"]
+    return {
+        "http_loop": thread_cpu_s(server_pid, server_pid),
+        "http_process": process_cpu_s(server_pid),
+        "engine_loop": thread_cpu_s(engine_pid, engine_tid),
+        "client": sum(os.times()[:2]),
+        "wall": time.perf_counter(),
+    }
+
+
+def cpu_busy(before: dict, after: dict) -> dict:
+    """Each clock's CPU seconds per second of the run: 1.0 is a core kept busy. An HTTP loop
+    near 1.0 while the engine's batch runs short of the concurrency is a frontend that sets the
+    pace."""
+    wall = max(after["wall"] - before["wall"], 1e-9)
+    return {k: round((after[k] - before[k]) / wall, 3) for k in before if k != "wall"}
 
 
 def get_json(url: str, timeout: float = 10):
@@ -103,6 +138,8 @@ def loop_split(before: dict, after: dict) -> dict:
         "decode_steps": d["decode_steps"],
         **{f"{k[:-2]}_ms": 1e3 * d[k] / n for k in ("schedule_s", "launch_s", "process_s", "wait_s")},
         "host_ms": 1e3 * host / n,
+        "running_per_iteration": d["running_sum"] / n,
+        "waiting_per_iteration": d["waiting_sum"] / n,
     }
 
 
@@ -127,7 +164,8 @@ def measure_variant(name: str, flags: str, a, port: int, out_dir: str) -> dict:
                 else:
                     requests = [(ids, a.output_len) for ids in heldout_prompt_ids(a.server_args, n)]
                 client.max_concurrency = c
-                before = get_json(url + "/debug/state")["loop"]
+                state = get_json(url + "/debug/state")
+                before, clocks = state["loop"], cpu_clocks(proc.pid, state)
                 try:
                     row = asyncio.run(asyncio.wait_for(run(client, requests, float("inf")), a.run_timeout))
                 except TimeoutError as e:
@@ -135,9 +173,10 @@ def measure_variant(name: str, flags: str, a, port: int, out_dir: str) -> dict:
                     raise RuntimeError(
                         f"c={c}: not done in {a.run_timeout:.0f} s; server state {state} (log: {log})"
                     ) from e
-                after = get_json(url + "/debug/state")["loop"]
+                state = get_json(url + "/debug/state")
                 row.update(variant=name, input_len=input_len, output_len=a.output_len, concurrency=c, num_prompts=n)
-                row["loop"] = loop_split(before, after)
+                row["loop"] = loop_split(before, state["loop"])
+                row["cpu_busy"] = cpu_busy(clocks, cpu_clocks(proc.pid, state))
                 rows.append(row)
                 print(summary_line(row), flush=True)
     finally:
@@ -169,7 +208,13 @@ def summary_line(r: dict) -> str:
         f"tok/s={r['output_token_throughput']:>8.0f}  TTFT p50/p99={ms(r['ttft'], 'median_ms')}/{ms(r['ttft'], 'p99_ms')}  "
         f"ITL p50/p99={ms(r['itl'], 'median_ms')}/{ms(r['itl'], 'p99_ms')}  "
         f"loop: {lp['iterations']} it ({lp['prefill_steps']} prefill, {lp['mixed_steps']} mixed), host {lp['host_ms']:.2f} ms "
-        f"(launch {lp['launch_ms']:.2f}, process {lp['process_ms']:.2f}), wait {lp['wait_ms']:.2f} ms"
+        f"(launch {lp['launch_ms']:.2f}, process {lp['process_ms']:.2f}), wait {lp['wait_ms']:.2f} ms, "
+        f"running {lp['running_per_iteration']:.0f} / waiting {lp['waiting_per_iteration']:.0f} per iteration"
+        + (
+            f"; CPU busy: HTTP loop {cpu['http_loop']:.2f}, engine loop {cpu['engine_loop']:.2f}, client {cpu['client']:.2f}"
+            if (cpu := r.get("cpu_busy"))
+            else ""
+        )
         + (f"  accept {r['mean_accept_length']:.2f}" if r.get("mean_accept_length") else "")
     )
 

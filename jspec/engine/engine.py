@@ -102,6 +102,11 @@ class LoopTimes:
     prefill_steps: int = 0  # launches that prefill (some with decode rows beside, when mixed)
     mixed_steps: int = 0  # of those, launches that carried running requests' decode rows too
     decode_steps: int = 0  # launches that only decode
+    # Requests summed over iterations, counted as each iteration schedules: running (or mid-
+    # prefill) and waiting for admission. Per iteration, they say whether a load left the batch
+    # short because requests waited (admission) or because none had arrived (the frontend).
+    running_sum: int = 0
+    waiting_sum: int = 0
 
     @property
     def host_s(self) -> float:
@@ -406,7 +411,10 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedules and launches one batch, and processes the previous one (overlap) or this one (sync)."""
         times, t0 = self.loop_times, time.perf_counter()
-        batch = self.scheduler.schedule()
+        sched = self.scheduler
+        times.running_sum += len(sched.running) + len(sched.prefilling)
+        times.waiting_sum += len(sched.waiting)
+        batch = sched.schedule()
         if batch is None and self._inflight is None and self.scheduler.has_work():
             # Nothing could run: the waiting requests' programs are still compiling.
             self.worker.wait_for_programs()

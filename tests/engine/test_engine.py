@@ -133,6 +133,22 @@ def test_loop_reads_the_device_only_at_the_designated_point(tiny):
     assert per["host"] == pytest.approx(per["schedule"] + per["launch"] + per["process"])
 
 
+def test_loop_counts_running_and_waiting_requests_per_iteration(tiny):
+    """Twenty requests at once against sixteen slots: the loop's occupancy counters see at most
+    sixteen running in any iteration and the other four waiting until slots free up."""
+    engine = jspec.Engine(tiny, **PAGE16)
+    params = jspec.SamplingParams(max_new_tokens=6, ignore_eos=True)
+    for i in range(20):
+        engine.add_request([1 + i, 2, 3, 4, 5], params, rid=f"r{i}")
+    while engine.has_work():
+        engine.step()
+    engine.check_idle_no_leaks()
+    times = engine.loop_times
+    assert times.waiting_sum >= 4  # the four over the limit waited one iteration at least
+    assert 16 < times.running_sum <= 16 * times.iterations
+    assert times.running_sum >= 20 * 5  # each request counted in every iteration that decoded one of its tokens
+
+
 def test_retraction_finishes_everything_with_the_same_outputs(tiny):
     arrivals = [
         Arrival(0, list(range(10 + 7 * i, 40 + 7 * i)), jspec.SamplingParams(max_new_tokens=40, ignore_eos=True), None)
