@@ -75,6 +75,12 @@ class EngineConfig:
     disable_radix_cache: bool = setting(False, "no prefix cache", group="memory")
     random_seed: int = setting(0, "seeds requests that bring none", group="serving")
     max_top_logprobs: int = setting(5, "largest top-n logprobs a request may ask for", group="serving")
+    stream_interval: int = setting(
+        1,
+        "a streamed request's outputs go to the server in chunks of at least this many tokens (its first and "
+        "last at once): fewer, larger chunks cost the HTTP side less per token at high concurrency",
+        group="serving",
+    )
     # Quantization.
     quantization: str | None = setting(
         None,
@@ -181,6 +187,8 @@ class EngineConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval={self.stream_interval} must be >= 1")
         if self.max_top_logprobs < 0:
             raise ValueError(f"max_top_logprobs={self.max_top_logprobs} must be >= 0")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:

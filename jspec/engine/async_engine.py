@@ -42,6 +42,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
         self._error: BaseException | None = None
+        self._batcher = StreamBatcher(engine.config.stream_interval)
         self.thread_id: int | None = None  # the loop thread's native id (benchmarks read its CPU time)
         self._thread = threading.Thread(target=self._run, name="jspec-engine", daemon=True)
         self._thread.start()
@@ -115,7 +116,7 @@ class AsyncEngine:
                     except queue.Empty:
                         break
                 if self.engine.has_work():
-                    publish_step(self._streams, self.engine.step())
+                    publish_step(self._streams, self._batcher.outputs(self.engine.step()))
         except BaseException as e:  # surface a crash to every waiting client instead of hanging them
             log.exception("the engine loop stopped")
             self._error = e
@@ -126,7 +127,7 @@ class AsyncEngine:
                 try:
                     self.engine.abort(rid)
                 finally:
-                    self._publish(RequestOutput(rid, [], "", True, "abort"))
+                    self._publish_aborted(rid)
             self._fail_inbox()
             self.engine.drain()
 
@@ -147,7 +148,7 @@ class AsyncEngine:
             return
         if msg[0] == "abort":
             if self.engine.abort(msg[1]):
-                self._publish(RequestOutput(msg[1], [], "", True, "abort"))
+                self._publish_aborted(msg[1])
             return
         if msg[0] == "call":
             _, fn, args, loop, done = msg
@@ -175,6 +176,11 @@ class AsyncEngine:
             del self._streams[out.rid]
         loop, outputs = target
         loop.call_soon_threadsafe(outputs.put_nowait, out)
+
+    def _publish_aborted(self, rid: str) -> None:
+        """The abort output, after whatever of the request the batcher still held."""
+        for out in self._batcher.outputs([RequestOutput(rid, [], "", True, "abort")]):
+            self._publish(out)
 
     def _publish_error(self, rid: str, error: BaseException) -> None:
         loop, outputs = self._streams.pop(rid)
@@ -208,6 +214,38 @@ async def request_outputs(outputs: asyncio.Queue, unfinished: Callable[[], None]
     finally:
         if not finished:
             unfinished()
+
+
+class StreamBatcher:
+    """Holds each request's outputs until `interval` new tokens have gathered (SGLang's
+    --stream-interval), so that a stream gets one chunk per `interval` tokens instead of one per
+    step. A request's first output (its time to first token) and its last go out at once."""
+
+    def __init__(self, interval: int):
+        self.interval = interval
+        self.held: dict[str, RequestOutput] = {}
+        self.streaming: set[str] = set()  # requests whose first output has gone out
+
+    def outputs(self, outs: list[RequestOutput]) -> list[RequestOutput]:
+        """The outputs to hand over now, of this step's `outs` and those held before."""
+        if self.interval <= 1:
+            return outs
+        ready = []
+        for out in outs:
+            held = self.held.pop(out.rid, None)
+            if held is not None:
+                out = held.then(out)
+            if out.finished:
+                self.streaming.discard(out.rid)
+                ready.append(out)
+            elif out.rid not in self.streaming:
+                self.streaming.add(out.rid)
+                ready.append(out)
+            elif len(out.new_token_ids) >= self.interval:
+                ready.append(out)
+            else:
+                self.held[out.rid] = out
+        return ready
 
 
 def publish_step(streams: dict, outs: Iterable[RequestOutput]) -> None:

@@ -40,7 +40,7 @@ from jspec.checkpoint.demo import default_model_path
 from jspec.config.engine import EngineConfig
 from jspec.config.load import LoadConfig
 from jspec.config.sampling import SamplingParams
-from jspec.engine.async_engine import RequestFailed, publish_step, request_outputs, settle
+from jspec.engine.async_engine import RequestFailed, StreamBatcher, publish_step, request_outputs, settle
 from jspec.engine.engine import Engine, RequestOutput
 from jspec.engine.facts import EngineFacts, EngineStats, engine_stats, serving_facts
 
@@ -341,6 +341,7 @@ class _ChildLoop:
         self.running = True
         self.rids: set[str] = set()  # requests whose last output is not sent yet
         self.aborted: list[RequestOutput] = []  # abort outputs, sent with the next step's
+        self.batcher = StreamBatcher(engine.config.stream_interval)
 
     def send(self, msg) -> None:
         with self.send_lock:
@@ -406,7 +407,7 @@ class _ChildLoop:
         return failure is None
 
     def publish(self, outputs: list[RequestOutput]) -> None:
-        outputs, self.aborted = self.aborted + outputs, []
+        outputs, self.aborted = self.batcher.outputs(self.aborted + outputs), []
         if not outputs:
             return
         for out in outputs:
@@ -422,6 +423,7 @@ class _ChildLoop:
             with contextlib.suppress(Exception):
                 self.engine.abort(rid)
             aborted.append(RequestOutput(rid, [], "", True, "abort"))
+        aborted = self.batcher.outputs(aborted)
         with contextlib.suppress(OSError):
             self.send(("stopped", error, [_pack(out) for out in aborted]))
         self.engine.drain()

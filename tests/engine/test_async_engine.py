@@ -88,3 +88,53 @@ def test_a_reader_that_falls_behind_gets_the_missed_steps_as_one_output(tiny):
     assert "".join(o.new_text for o in outs) == tiny.tokenizer.decode(expect.token_ids)
     assert sum((o.new_logprobs for o in outs), []) == pytest.approx(expect.logprobs)
     assert len(outs) < len(expect.token_ids) and outs[-1].finished
+
+
+def test_a_stream_interval_sends_the_same_tokens_in_fewer_chunks(tiny):
+    """--stream-interval 4: the first output at once, then chunks of at least 4 tokens, the last
+    one whatever is left; tokens, text and logprobs as generate gives them."""
+    prompt = [7, 3, 50, 12]
+    params = jspec.SamplingParams(max_new_tokens=15, ignore_eos=True, return_logprob=True)
+    (expect,) = make_engine(tiny).generate([prompt], params)
+    engine = AsyncEngine(
+        jspec.Engine(
+            tiny,
+            page_size=16,
+            max_total_tokens=4080,
+            max_running_requests=8,
+            attention_backend="reference",
+            stream_interval=4,
+        )
+    )
+
+    async def read():
+        return [out async for out in engine.stream(prompt, params)]
+
+    try:
+        outs = asyncio.run(read())
+    finally:
+        engine.shutdown()
+    assert sum((o.new_token_ids for o in outs), []) == expect.token_ids
+    assert "".join(o.new_text for o in outs) == tiny.tokenizer.decode(expect.token_ids)
+    assert sum((o.new_logprobs for o in outs), []) == pytest.approx(expect.logprobs)
+    sizes = [len(o.new_token_ids) for o in outs]
+    assert sizes[0] == 1 and all(n >= 4 for n in sizes[1:-1]) and outs[-1].finished and len(outs) <= 5, sizes
+
+
+def test_the_stream_batcher_holds_outputs_until_the_interval_and_flushes_aborts():
+    from jspec.engine.async_engine import StreamBatcher
+    from jspec.engine.engine import RequestOutput
+
+    def out(rid, n, finished=False, reason=None):
+        return RequestOutput(rid, list(range(n)), "x" * n, finished, reason)
+
+    b = StreamBatcher(3)
+    assert [o.rid for o in b.outputs([out("a", 1), out("b", 1)])] == ["a", "b"]  # first outputs at once
+    assert b.outputs([out("a", 1), out("b", 2)]) == []  # a holds 1 token, b 2
+    (a,) = b.outputs([out("a", 2)])
+    assert (a.rid, a.new_token_ids, a.new_text) == ("a", [0, 0, 1], "xxx")
+    (b_abort,) = b.outputs([RequestOutput("b", [], "", True, "abort")])  # held tokens go with the abort
+    assert (b_abort.new_text, b_abort.finished, b_abort.finish_reason) == ("xx", True, "abort")
+    (a_last,) = b.outputs([out("a", 1, finished=True, reason="length")])  # the last at once
+    assert (a_last.new_text, a_last.finish_reason, b.held, b.streaming) == ("x", "length", {}, set())
+    assert StreamBatcher(1).outputs([out("c", 1), out("c", 1)]) == [out("c", 1), out("c", 1)]

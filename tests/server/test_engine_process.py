@@ -1,6 +1,7 @@
 """`jspec serve` with its engine in a process of its own (engine/engine_process.py), as a real
 server: the engine runs in a child of the server's process; concurrent greedy streams equal
-jspec.generate and clients that hang up leave no KV held; the routes that read the engine
+jspec.generate, sent in chunks of three tokens (--stream-interval 3), and clients that hang up
+leave no KV held; the routes that read the engine
 (/get_server_info, /metrics, /debug/state, LoRA loading) answer through the pipe; a checkpoint
 that is not there fails start-up with its reason; SIGTERM and SIGINT stop both processes.
 """
@@ -35,7 +36,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    s = Server(model_dir, *LORA_FLAGS)
+    s = Server(model_dir, *LORA_FLAGS, "--stream-interval", "3")
     yield s
     assert s.stop()
 
