@@ -5,7 +5,8 @@ process of its own (/debug/state names its pid and the loop's thread); with --en
 (--server-flags) both threads share one interpreter and its GIL, and what the HTTP side spends
 per token is time the engine loop can lose at high concurrency. "http process" is all of the
 server's process (the event loop and the threads that carry the engine's pipe); "process" sums
-the server's and the engine's processes. Read from /proc (Linux), on a tiny model whose device step is cheap.
+the server's and the engine's processes; "client" is bench_serving's own, in this process. Read from
+/proc (Linux), on a tiny model whose device step is cheap.
 
     python -m benchmarks.bench_server_host [--concurrency 16,64] [--backends sglang,openai]
 """
@@ -31,7 +32,13 @@ def processes_cpu_s(pids) -> float:
 def drive(url: str, backend: str, served: dict, concurrency: int, prompts: int, a) -> dict:
     """bench_serving's run (as serving_curve drives it): `prompts` random prompts, `concurrency` in flight."""
     client = types.SimpleNamespace(
-        base_url=url, backend=backend, model=served["id"], dataset_name="random", max_concurrency=concurrency, seed=0
+        base_url=url,
+        backend=backend,
+        model=served["id"],
+        dataset_name="random",
+        max_concurrency=concurrency,
+        seed=0,
+        http_client=a.http_client,
     )
     vocab = served.get("vocab_size", 256)
     requests = random_requests(prompts, a.input_len, a.output_len, 1.0, vocab, seed=concurrency)
@@ -49,6 +56,7 @@ def main() -> None:
     ap.add_argument(
         "--server-flags", default="", help="more `jspec serve` flags, e.g. --server-flags=--engine-in-thread"
     )
+    ap.add_argument("--http-client", choices=["auto", "aiohttp", "httpx"], default="auto")
     ap.add_argument("--name", default="bench_server_host")
     ap.add_argument("--out", default=RESULTS_DIR)
     a = ap.parse_args()
@@ -75,6 +83,7 @@ def main() -> None:
                     thread_cpu_s(engine_pid, engine_tid),
                     process_cpu_s(pid),
                     processes_cpu_s(processes),
+                    sum(os.times()[:2]),
                 )
                 r = drive(url, backend, served, c, n, a)
                 after = (
@@ -82,9 +91,10 @@ def main() -> None:
                     thread_cpu_s(engine_pid, engine_tid),
                     process_cpu_s(pid),
                     processes_cpu_s(processes),
+                    sum(os.times()[:2]),
                 )
                 tokens = r["output_token_throughput"] * r["duration_s"]
-                http, engine, http_process, total = (1e6 * (y - x) / tokens for x, y in zip(before, after))
+                http, engine, http_process, total, client = (1e6 * (y - x) / tokens for x, y in zip(before, after))
                 row = {
                     "backend": backend,
                     "concurrency": c,
@@ -94,13 +104,14 @@ def main() -> None:
                     "engine_thread_us_per_token": engine,
                     "http_process_us_per_token": http_process,
                     "process_us_per_token": total,
+                    "client_us_per_token": client,
                     "itl_p50_ms": r["itl"]["median_ms"],
                     "failed": r["failed"],
                 }
                 rows.append(row)
                 print(
                     f"{backend:>7} c{c:<4} {row['tok_s']:8.0f} tok/s  http {http:6.1f} us/token  "
-                    f"http process {http_process:6.1f}  engine {engine:6.1f}  process {total:6.1f}",
+                    f"http process {http_process:6.1f}  engine {engine:6.1f}  process {total:6.1f}  client {client:6.1f}",
                     flush=True,
                 )
                 results.write(healthy_s=healthy_s, rows=rows)

@@ -84,12 +84,8 @@ async def one_request(client, url, backend, model, prompt, max_tokens, ignore_eo
     t0 = time.perf_counter()
     times, tokens, error = [], 0, None
     try:
-        async with client.stream("POST", url + path, json=body, timeout=None) as r:
-            if r.status_code != 200:
-                return dict(ok=False, error=f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
+        async for line in client.lines(url + path, body):
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
                 chunk = json.loads(line[6:])
                 if backend == "sglang":
                     if len(chunk["output_ids"]) > tokens:
@@ -100,6 +96,8 @@ async def one_request(client, url, backend, model, prompt, max_tokens, ignore_eo
                     times.append(time.perf_counter())
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
+    except HTTPStatusError as e:
+        return dict(ok=False, error=str(e))
     except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
         error = f"{type(e).__name__}: {e}"
     end = time.perf_counter()
@@ -125,17 +123,73 @@ def accept_length(url):
     return (vals.get("jspec_spec_accept_length_sum", 0.0), vals.get("jspec_spec_accept_length_count", 0.0))
 
 
-async def run(args, requests, rate):
-    import httpx
+class HTTPStatusError(Exception):
+    """A response that was not 200: its status and the start of its body."""
 
+
+class AiohttpLines:
+    """POSTs JSON and yields the response's lines (bytes, without line ends) through aiohttp,
+    the client sglang.bench_serving uses: at a few hundred streams its per-chunk cost is a
+    fraction of httpx's, whose line iterator would otherwise set the pace of a fast server."""
+
+    def __init__(self):
+        import aiohttp
+
+        # A pooled connection must expire before uvicorn closes it (5 s idle): at equal timeouts
+        # a request can go out on a socket the server is closing.
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
+        self.session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
+
+    async def lines(self, url, body):
+        async with self.session.post(url, json=body) as r:
+            if r.status != 200:
+                raise HTTPStatusError(f"HTTP {r.status}: {(await r.read())[:200]!r}")
+            async for line in r.content:
+                yield line.rstrip(b"\r\n")
+
+    async def close(self):
+        await self.session.close()
+
+
+class HttpxLines:
+    """AiohttpLines through httpx, where aiohttp is not installed."""
+
+    def __init__(self):
+        import httpx
+
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=2.0)
+        self.client = httpx.AsyncClient(limits=limits, timeout=None)
+
+    async def lines(self, url, body):
+        async with self.client.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                raise HTTPStatusError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+            async for line in r.aiter_lines():
+                yield line.encode()
+
+    async def close(self):
+        await self.client.aclose()
+
+
+def http_client(name: str = "auto"):
+    """The streaming client: "aiohttp", "httpx", or "auto" (aiohttp where it is installed)."""
+    if name == "auto":
+        try:
+            import aiohttp  # noqa: F401
+        except ImportError:
+            name = "httpx"
+        else:
+            name = "aiohttp"
+    return AiohttpLines() if name == "aiohttp" else HttpxLines()
+
+
+async def run(args, requests, rate):
     url = args.base_url or f"http://{args.host}:{args.port}"
     before = accept_length(url)
     sem = asyncio.Semaphore(args.max_concurrency or len(requests))
     rng = np.random.default_rng(args.seed + 1)
-    # A pooled connection must expire before uvicorn closes it (5 s idle): at equal timeouts a
-    # request can go out on a socket the server is closing (one ReadError at rate 1 on the H200).
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=2.0)
-    async with httpx.AsyncClient(limits=limits) as client:
+    client = http_client(getattr(args, "http_client", "auto"))
+    try:
 
         async def guarded(prompt, max_tokens):
             async with sem:
@@ -151,6 +205,8 @@ async def run(args, requests, rate):
                 await asyncio.sleep(rng.exponential(1.0 / rate))
         results = await asyncio.gather(*tasks)
         wall = time.perf_counter() - t0
+    finally:
+        await client.close()
     after = accept_length(url)
     ok = [r for r in results if r["ok"]]
     acc = None
@@ -237,6 +293,9 @@ def main():
     ap.add_argument("--sharegpt-max-output", type=int, default=512)
     ap.add_argument("--request-rate", default="inf", help="requests/s, or a comma list (e.g. 1,4,16,inf)")
     ap.add_argument("--max-concurrency", type=int)
+    ap.add_argument(
+        "--http-client", choices=["auto", "aiohttp", "httpx"], default="auto", help="auto: aiohttp where installed"
+    )
     ap.add_argument("--warmup-requests", type=int, default=0, help="sent (at once) and not measured, first")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output-file", help="write the results as JSON here")

@@ -10,7 +10,9 @@ speculative methods' acceptance means something; their curve is labelled input l
 
 Each variant's server starts once (its time to healthy is recorded, cold or warm as the
 compilation cache is), then for each prompt length and concurrency c: max(min_prompts, c x
-prompts_per_c) random prompts, all sent at once, at most c in flight, greedy, ignore_eos. The
+prompts_per_c) random prompts, all sent at once, at most c in flight, greedy, ignore_eos,
+through bench_serving's client (aiohttp where installed: httpx's per-chunk cost saturated a core
+near 10,000 chunks a second). The
 server's own loop split (host schedule / launch / process against the wait on the device, per
 iteration) is read from /debug/state around each run. One JSON (benchmarks/results/NAME.json)
 and a PNG plot beside it: per prompt length, output tok/s and ITL p50 / p99 against c.

@@ -182,3 +182,30 @@ def test_a_signal_stops_both_processes(model_dir, sig):
         if srv.proc.poll() is None:
             srv.proc.kill()
         srv.log.close()
+
+
+@pytest.mark.parametrize("http_client", ["aiohttp", "httpx"])
+def test_bench_serving_counts_every_token_with_either_client(server, http_client):
+    """benchmarks.bench_serving's client against the server (the sglang /generate stream, its
+    chunks three tokens each here): every request completes with its tokens counted, one arrival
+    per chunk, and a failed request is counted, not raised."""
+    import types
+
+    from benchmarks.bench_serving import random_requests, run
+
+    args = types.SimpleNamespace(
+        base_url=server.url,
+        backend="sglang",
+        model=None,
+        dataset_name="random",
+        max_concurrency=4,
+        seed=0,
+        http_client=http_client,
+    )
+    requests = random_requests(8, 6, 10, 1.0, 250, seed=1)
+    r = asyncio.run(run(args, requests, float("inf")))
+    assert (r["completed"], r["failed"]) == (8, 0)
+    assert r["output_token_throughput"] * r["duration_s"] == pytest.approx(80)
+    assert r["ttft"]["median_ms"] > 0 and r["itl"]["median_ms"] > 0
+    bad = asyncio.run(run(args, [([10**6], 4)], float("inf")))  # a token id past the vocabulary: HTTP 400
+    assert (bad["completed"], bad["failed"]) == (0, 1) and "HTTP 400" in bad["errors"][0]
