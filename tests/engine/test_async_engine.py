@@ -18,10 +18,25 @@ def tiny(tmp_path_factory):
     return tiny_model(tmp_path_factory, "tiny", seed=4, max_position_embeddings=512)
 
 
-def make_engine(tiny):
+def make_engine(tiny, **settings):
     return jspec.Engine(
-        tiny, page_size=16, max_total_tokens=4080, max_running_requests=8, attention_backend="reference"
+        tiny, page_size=16, max_total_tokens=4080, max_running_requests=8, attention_backend="reference", **settings
     )
+
+
+def read_all(engine, reader):
+    """Runs the coroutine `reader` over engine's streams, then stops the engine."""
+    try:
+        return asyncio.run(reader)
+    finally:
+        engine.shutdown()
+
+
+def assert_same_request(outs, expect, tokenizer):
+    """A request's streamed outputs add up to what generate gave: tokens, text and logprobs."""
+    assert sum((o.new_token_ids for o in outs), []) == expect.token_ids
+    assert "".join(o.new_text for o in outs) == tokenizer.decode(expect.token_ids)
+    assert sum((o.new_logprobs for o in outs), []) == pytest.approx(expect.logprobs)
 
 
 def test_concurrent_streams_equal_generate_and_disconnects_free_kv(tiny):
@@ -80,13 +95,8 @@ def test_a_reader_that_falls_behind_gets_the_missed_steps_as_one_output(tiny):
                 await asyncio.sleep(0.01)
         return outs
 
-    try:
-        outs = asyncio.run(slow_reader())
-    finally:
-        engine.shutdown()
-    assert sum((o.new_token_ids for o in outs), []) == expect.token_ids
-    assert "".join(o.new_text for o in outs) == tiny.tokenizer.decode(expect.token_ids)
-    assert sum((o.new_logprobs for o in outs), []) == pytest.approx(expect.logprobs)
+    outs = read_all(engine, slow_reader())
+    assert_same_request(outs, expect, tiny.tokenizer)
     assert len(outs) < len(expect.token_ids) and outs[-1].finished
 
 
@@ -96,27 +106,13 @@ def test_a_stream_interval_sends_the_same_tokens_in_fewer_chunks(tiny):
     prompt = [7, 3, 50, 12]
     params = jspec.SamplingParams(max_new_tokens=15, ignore_eos=True, return_logprob=True)
     (expect,) = make_engine(tiny).generate([prompt], params)
-    engine = AsyncEngine(
-        jspec.Engine(
-            tiny,
-            page_size=16,
-            max_total_tokens=4080,
-            max_running_requests=8,
-            attention_backend="reference",
-            stream_interval=4,
-        )
-    )
+    engine = AsyncEngine(make_engine(tiny, stream_interval=4))
 
     async def read():
         return [out async for out in engine.stream(prompt, params)]
 
-    try:
-        outs = asyncio.run(read())
-    finally:
-        engine.shutdown()
-    assert sum((o.new_token_ids for o in outs), []) == expect.token_ids
-    assert "".join(o.new_text for o in outs) == tiny.tokenizer.decode(expect.token_ids)
-    assert sum((o.new_logprobs for o in outs), []) == pytest.approx(expect.logprobs)
+    outs = read_all(engine, read())
+    assert_same_request(outs, expect, tiny.tokenizer)
     sizes = [len(o.new_token_ids) for o in outs]
     assert sizes[0] == 1 and all(n >= 4 for n in sizes[1:-1]) and outs[-1].finished and len(outs) <= 5, sizes
 

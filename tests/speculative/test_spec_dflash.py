@@ -168,35 +168,20 @@ def test_iteration_lowers_for_cuda(models, monkeypatch):
     import functools
 
     from support.lowering import lower_for_cuda
+    from support.spec_steps import iteration_args
 
     import jspec.kernels.backend
-    from jspec.kvcache.pool import create_kv_pool
-    from jspec.layers.penalties import init_penalty_state
-    from jspec.layers.sampling import sampling_rows
     from jspec.speculative.dflash import DFlashMethod
-    from jspec.speculative.method import init_spec_state
     from jspec.speculative.steps import spec_decode_step
 
     monkeypatch.setattr(jspec.kernels.backend, "interpret_mode", lambda: False)  # kernels as on the GPU
     target, (dcfg, dparams) = models
-    bf16 = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.bfloat16), tree)  # noqa: E731
     method = DFlashMethod(SpecConfig("DFLASH", num_draft_tokens=BLOCK), dcfg)
-    B, slots, pages, page = 4, 4, 32, 16
-    state = jax.eval_shape(
-        lambda: init_spec_state(
-            method,
-            create_kv_pool(TARGET, pages, page, jnp.bfloat16),
-            slots,
-            pages,
-            page,
-            jnp.bfloat16,
-            init_penalty_state(slots, TARGET.vocab_size),
-        )
+    args = iteration_args(
+        method, TARGET, target, dparams, rows=4, pages=32, page_size=16, table_width=4, dtype=jnp.bfloat16
     )
-    ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-    rows = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), sampling_rows([], [], B))
     step = functools.partial(spec_decode_step, cfg=TARGET, method=method, backend="pallas", sampling="greedy")
-    text = lower_for_cuda(step, bf16(target), bf16(dparams), state, ints(B), ints(B, 4), rows).as_text()
+    text = lower_for_cuda(step, *args).as_text()
     assert "bf16" in text and text.count("__gpu$xla.gpu.triton") >= 2  # the block's and the verify's kernels
 
 
@@ -206,31 +191,18 @@ def test_iteration_copies_no_pool(models):
     every iteration, ~90 ms at 512k tokens on the CPU)."""
     import functools
 
-    from jspec.kvcache.pool import create_kv_pool
-    from jspec.layers.penalties import init_penalty_state
-    from jspec.layers.sampling import sampling_rows
+    from support.spec_steps import iteration_args
+
     from jspec.speculative.dflash import DFlashMethod
-    from jspec.speculative.method import init_spec_state
     from jspec.speculative.steps import spec_decode_step
 
     target, (dcfg, dparams) = models
     method = DFlashMethod(SpecConfig("DFLASH", num_draft_tokens=BLOCK), dcfg)
-    B, pages, page = 4, 4096, 16
-    spec_of = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)  # noqa: E731
-    state = jax.eval_shape(
-        lambda: init_spec_state(
-            method,
-            create_kv_pool(TARGET, pages, page, jnp.float32),
-            4,
-            pages,
-            page,
-            jnp.float32,
-            init_penalty_state(4, TARGET.vocab_size),
-        )
+    args = iteration_args(
+        method, TARGET, target, dparams, rows=4, pages=4096, page_size=16, table_width=4, dtype=jnp.float32
     )
-    ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    state = args[2]
     step = functools.partial(spec_decode_step, cfg=TARGET, method=method, backend="reference", sampling="greedy")
-    args = (spec_of(target), spec_of(dparams), state, ints(B), ints(B, 4), spec_of(sampling_rows([], [], B)))
     compiled = jax.jit(step, donate_argnames=("state",)).lower(*args).compile()
     pool = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(state.draft))
     assert compiled.memory_analysis().temp_size_in_bytes < pool / 8

@@ -119,34 +119,21 @@ def test_iteration_updates_the_target_pool_in_place(topk, ndt):
     adaptive EAGLE-3 8B server's tree shape once needed a leaf-sized temporary on the GPU)."""
     import functools
 
-    from jspec.kvcache.pool import create_kv_pool
-    from jspec.layers.penalties import init_penalty_state
-    from jspec.layers.sampling import sampling_rows
-    from jspec.speculative.method import init_spec_state
+    from support.spec_steps import iteration_args
+
     from jspec.speculative.registry import make_method
     from jspec.speculative.steps import spec_decode_step
 
     dcfg = draft_config("EAGLE3")
     spec = SpecConfig("EAGLE3", num_steps=3, eagle_topk=topk, num_draft_tokens=ndt)
     method, _ = make_method(spec, TARGET, draft=(dcfg, None))
-    B, slots, pages, page = 4, 4, 4096, 16
-    shapes = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)  # noqa: E731
     target = jax.eval_shape(lambda: init_random_params(TARGET, jax.random.key(0)))
     draft = jax.eval_shape(lambda: init_random_draft_params(dcfg, jax.random.key(1)))
-    state = jax.eval_shape(
-        lambda: init_spec_state(
-            method,
-            create_kv_pool(TARGET, pages, page, jnp.float32),
-            slots,
-            pages,
-            page,
-            jnp.float32,
-            init_penalty_state(slots, TARGET.vocab_size),
-        )
+    args = iteration_args(
+        method, TARGET, target, draft, rows=4, pages=4096, page_size=16, table_width=8, dtype=jnp.float32
     )
-    ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    state = args[2]
     step = functools.partial(spec_decode_step, cfg=TARGET, method=method, backend="reference", sampling="greedy")
-    args = (target, draft, state, ints(B), ints(B, 8), shapes(sampling_rows([], [], B)))
     compiled = jax.jit(step, donate_argnames=("state",)).lower(*args).compile()
     leaf = state.target_kv.k.size * state.target_kv.k.dtype.itemsize
     assert compiled.memory_analysis().temp_size_in_bytes < leaf / 8
