@@ -138,7 +138,11 @@ class AiohttpLines:
         # A pooled connection must expire before uvicorn closes it (5 s idle): at equal timeouts
         # a request can go out on a socket the server is closing.
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
-        self.session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
+        # A line may be up to twice the read buffer: /generate's chunks repeat every output id so
+        # far, past the default's 128 KiB for outputs of ~10k tokens.
+        self.session = aiohttp.ClientSession(
+            connector=connector, timeout=aiohttp.ClientTimeout(total=None), read_bufsize=2**22
+        )
 
     async def lines(self, url, body):
         async with self.session.post(url, json=body) as r:
