@@ -219,7 +219,8 @@ async def request_outputs(outputs: asyncio.Queue, unfinished: Callable[[], None]
 class StreamBatcher:
     """Holds each request's outputs until `interval` new tokens have gathered (SGLang's
     --stream-interval), so that a stream gets one chunk per `interval` tokens instead of one per
-    step. A request's first output (its time to first token) and its last go out at once."""
+    step. A request's first output (its time to first token), its last and an error go out at
+    once."""
 
     def __init__(self, interval: int):
         self.interval = interval
@@ -235,7 +236,7 @@ class StreamBatcher:
             held = self.held.pop(out.rid, None)
             if held is not None:
                 out = held.then(out)
-            if out.finished:
+            if out.finished or out.error is not None:
                 self.streaming.discard(out.rid)
                 ready.append(out)
             elif out.rid not in self.streaming:

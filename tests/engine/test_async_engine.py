@@ -133,4 +133,7 @@ def test_the_stream_batcher_holds_outputs_until_the_interval_and_flushes_aborts(
     assert (b_abort.new_text, b_abort.finished, b_abort.finish_reason) == ("xx", True, "abort")
     (a_last,) = b.outputs([out("a", 1, finished=True, reason="length")])  # the last at once
     assert (a_last.new_text, a_last.finish_reason, b.held, b.streaming) == ("x", "length", {}, set())
+    b.outputs([out("e", 1)])
+    (failed,) = b.outputs([RequestOutput("e", [], "", False, error="its prefill engine died")])
+    assert failed.error and b.held == {}
     assert StreamBatcher(1).outputs([out("c", 1), out("c", 1)]) == [out("c", 1), out("c", 1)]
