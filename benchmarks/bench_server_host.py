@@ -21,7 +21,7 @@ import types
 
 from benchmarks.bench_serving import random_requests, run
 from benchmarks.common import RESULTS_DIR, Results
-from benchmarks.serving_curve import get_json, process_cpu_s, start_server, stop_server, thread_cpu_s
+from benchmarks.serving_curve import cpu_clocks, get_json, process_cpu_s, start_server, stop_server
 from jspec.checkpoint.tiny import make_tiny_model
 
 
@@ -71,30 +71,23 @@ def main() -> None:
     try:
         pid, url = proc.pid, f"http://127.0.0.1:{a.port}"
         state = get_json(url + "/debug/state")
-        engine_pid, engine_tid = state["engine_pid"], state["engine_thread_id"]
-        processes = {pid, engine_pid}
+        processes = {pid, state["engine_pid"]}
+
+        def clocks() -> dict:
+            return {**cpu_clocks(pid, state), "processes": processes_cpu_s(processes)}
+
         served = get_json(url + "/v1/models")["data"][0]
         for backend in a.backends.split(","):
             for c in concurrency:
                 n = c * a.prompts_per_c
                 drive(url, backend, served, c, c, a)  # compiles what this c needs
-                before = (
-                    thread_cpu_s(pid, pid),
-                    thread_cpu_s(engine_pid, engine_tid),
-                    process_cpu_s(pid),
-                    processes_cpu_s(processes),
-                    sum(os.times()[:2]),
-                )
+                before = clocks()
                 r = drive(url, backend, served, c, n, a)
-                after = (
-                    thread_cpu_s(pid, pid),
-                    thread_cpu_s(engine_pid, engine_tid),
-                    process_cpu_s(pid),
-                    processes_cpu_s(processes),
-                    sum(os.times()[:2]),
-                )
+                after = clocks()
                 tokens = r["output_token_throughput"] * r["duration_s"]
-                http, engine, http_process, total, client = (1e6 * (y - x) / tokens for x, y in zip(before, after))
+                per_token = {k: 1e6 * (after[k] - before[k]) / tokens for k in before}
+                http, engine, http_process = per_token["http_loop"], per_token["engine_loop"], per_token["http_process"]
+                total, client = per_token["processes"], per_token["client"]
                 row = {
                     "backend": backend,
                     "concurrency": c,

@@ -49,16 +49,19 @@ LOOP_KEYS = (
 )
 
 
-def thread_cpu_s(pid: int, tid: int) -> float:
-    """CPU seconds (user + system) of one thread, from /proc (Linux)."""
-    fields = open(f"/proc/{pid}/task/{tid}/stat").read().rsplit(")", 1)[1].split()
+def stat_cpu_s(path: str) -> float:
+    """CPU seconds (user + system) in a /proc stat file (Linux)."""
+    fields = open(path).read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu_s(pid: int, tid: int) -> float:
+    return stat_cpu_s(f"/proc/{pid}/task/{tid}/stat")
 
 
 def process_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) of one process, all its threads, from /proc (Linux)."""
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """All of the process's threads."""
+    return stat_cpu_s(f"/proc/{pid}/stat")
 
 
 def cpu_clocks(server_pid: int, state: dict) -> dict:

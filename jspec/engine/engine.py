@@ -415,7 +415,7 @@ class Engine:
         times.running_sum += len(sched.running) + len(sched.prefilling)
         times.waiting_sum += len(sched.waiting)
         batch = sched.schedule()
-        if batch is None and self._inflight is None and self.scheduler.has_work():
+        if batch is None and self._inflight is None and sched.has_work():
             # Nothing could run: the waiting requests' programs are still compiling.
             self.worker.wait_for_programs()
         t1 = time.perf_counter()
