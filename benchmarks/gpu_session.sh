@@ -117,6 +117,11 @@ for s in "$@"; do
       step adaptive_memory 240 $PY -m benchmarks.program_memory --largest-only --max-total-tokens ${ADAPTIVE_POOL:-250000} \
         --max-running-requests 64 --speculative-args "EAGLE3 $head 3 1 4 adaptive" --name program_memory_adaptive \
         --out "$RESULTS" ;;
+    tree_move)
+      # The tree verify's KV move updates the target pool in place on the GPU too (no pool-sized copy).
+      step tree_move 180 $PY -m benchmarks.gpu_tests --engine-only --limit-s 160 --name gpu_tests_tree_move \
+        --tests 'tests/speculative/test_spec_eagle.py::test_iteration_updates_the_target_pool_in_place[4-8]' \
+        --out "$RESULTS" ;;
     memory_flags)
       # Which XLA flags keep a large pool's programs free of a pool-sized temporary: each variant
       # compiles the largest programs over a pool of $FLAG_POOL tokens; the first clean one is kept
