@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import os
 import re
 import time
 
@@ -18,6 +19,7 @@ import jax
 
 import jspec
 from benchmarks.common import Results
+from jspec.engine.sizing import device_memory_stats
 from jspec.worker.programs import measure_programs, scratch_decode
 
 
@@ -94,7 +96,13 @@ def main() -> None:
     )
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--name", default="program_memory")
+    ap.add_argument(
+        "--mem-fraction",
+        default="0.90",
+        help="XLA_PYTHON_CLIENT_MEM_FRACTION unless set: the server's, so that a run has the room a server has",
+    )
     a = ap.parse_args()
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", a.mem_fraction)
     logging.basicConfig(level="INFO", format="[%(name)s] %(message)s")
     model = jspec.load(a.model_path, load_format="dummy")
     if a.time_pools:
@@ -117,11 +125,20 @@ def main() -> None:
     n = len(measure_programs(engine.worker)) if a.largest_only else engine.warmup()
     if a.largest_only:  # and run one: a donation refused at run time shows only there
         w = engine.worker
+        before = device_memory_stats()
+        print(
+            f"before the runs: {before.get('bytes_in_use', 0) / 2**30:.2f} GiB in use, "
+            f"peak {before.get('peak_bytes_in_use', 0) / 2**30:.2f} GiB"
+        )
         B = w.buckets.decode_buckets()[-1]
         for shape in range(w.num_shapes):  # every draft shape's, with adaptive speculation
             try:
                 jax.block_until_ready(scratch_decode(w, B, shape=shape))
-                print(f"run: ok (shape {shape})")
+                stats = device_memory_stats()
+                print(
+                    f"run: ok (shape {shape}), {stats.get('bytes_in_use', 0) / 2**30:.2f} GiB in use, "
+                    f"peak so far {stats.get('peak_bytes_in_use', 0) / 2**30:.2f} GiB"
+                )
             except Exception as e:  # noqa: BLE001 - reported, the table follows
                 print(f"run: FAILED (shape {shape}) {str(e)[:200]}")
     compile_s = time.perf_counter() - t0

@@ -166,7 +166,7 @@ def mla_decode(
     kv_lora_rank,
     sm_scale,
     interpret=None,
-    block_h=16,
+    block_h=32,
     block_n=32,
     num_splits=None,
     min_split_tokens=256,
@@ -175,7 +175,9 @@ def mla_decode(
     """mla_decode_ref's contract: q [B, Hq, R + P] (absorbed nope | rope), latent_cache
     [L, pages, S, 1, R + P] -> [B, Hq, R] in q's dtype; with return_lse (out f32, lse [B, Hq]
     natural log, -inf for seq_len 0). block_h query heads per program (a power of two >= 16,
-    Triton's smallest dot), block_n latent rows per tile."""
+    Triton's smallest dot; fewer where the model has fewer heads), block_n latent rows per tile.
+    Every program reads its sequence's whole latent, so more heads per program read it fewer
+    times; 64 was slower than 32 on the GPU (bench_mla)."""
     batch, num_heads, width = q.shape
     _, _, page_size, one, cache_width = latent_cache.shape
     rank = kv_lora_rank

@@ -115,6 +115,23 @@ def test_mla_decode_kernel_matches_reference(page_size, tuning):
     assert rel_err(out_lse[1:], ref[1:]) < tol.rel and np.isneginf(np.asarray(lse[0])).all()
 
 
+def test_mla_decode_head_blocks_cover_every_head():
+    """More heads than one program holds, and not a multiple of it: the default block (32) runs
+    two head blocks, the last one part empty; 16 per block gives the same numbers."""
+    heads, page_size = 40, 4
+    seq_lens = np.array([5, 17, 30], np.int32)
+    rng = np.random.default_rng(7)
+    cache, tables = latent_problem(rng, seq_lens, page_size)
+    q = rng.standard_normal((3, heads, R + P)).astype(np.float32)
+    args = (q, cache, jnp.int32(LAYER), seq_lens, tables)
+    ref = mla_decode_ref(*args, kv_lora_rank=R, sm_scale=SCALE)
+    tol = tolerance()
+    for block_h in (32, 16):
+        out = mla_decode(*args, kv_lora_rank=R, sm_scale=SCALE, block_h=block_h, num_splits=1)
+        assert out.shape == (3, heads, R)
+        assert rel_err(out, ref) < tol.rel, block_h
+
+
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("batch,page_size,heads", [(32, 64, 128), (1, 1, 16)])
 def test_mla_decode_lowers_for_h200(batch, page_size, heads):
