@@ -343,11 +343,12 @@ class Scheduler:
         """out: the prefill's StepOutput on the host (one token per row)."""
         touched = []
         offset = 0  # chunks sit back to back in the batch's token axis
+        tokens, accept = (out.tokens.tolist(), out.accept_len.tolist()) if batch.decode_rows else ((), ())
         for i, (req, following) in enumerate(zip(batch.reqs, batch.following)):
             chunk = batch.chunks[i]
             if batch.decode_rows and batch.decode_rows[i]:
                 offset += 1
-                if self._on_decode_row(req, out, i, speculative=False):
+                if self._on_decode_row(req, out, i, tokens[i][: accept[i] + 1], speculative=False):
                     touched.append(req)
                 continue
             if out.prompt is not None and req.params.wants_prompt_logprobs and not req.finished:
@@ -382,24 +383,30 @@ class Scheduler:
 
     def on_decode_done(self, batch: DecodeBatch, out, speculative: bool) -> list[Request]:
         """out: the decode's StepOutput on the host."""
-        return [req for i, req in enumerate(batch.reqs) if self._on_decode_row(req, out, i, speculative)]
+        # Python lists once per step: per-row numpy indexing was most of a row's bookkeeping.
+        tokens, accept = out.tokens.tolist(), out.accept_len.tolist()
+        return [
+            req
+            for i, req in enumerate(batch.reqs)
+            if self._on_decode_row(req, out, i, tokens[i][: accept[i] + 1], speculative)
+        ]
 
-    def _on_decode_row(self, req: Request, out, i: int, speculative: bool) -> bool:
-        """Row i of a step's output is req's decode: its emitted tokens are appended. Returns
-        whether req has news for its caller."""
+    def _on_decode_row(self, req: Request, out, i: int, emitted: list[int], speculative: bool) -> bool:
+        """Row i of a step's output is req's decode, which emitted these tokens: they are
+        appended. Returns whether req has news for its caller."""
         req.inflight_outputs -= 1
         if req.finished:
             return False  # one-step lag: launched before its finish was seen; drop these tokens
         if self._failed(req):
             return True
-        emitted = out.tokens[i, : int(out.accept_len[i]) + 1]
         if req.status is Status.RUNNING:
             req.inflight -= 1
             req.kv_len += len(emitted)
         if speculative:
             req.verify_ct += 1
             req.spec_emitted += len(emitted)
-        req.append(emitted, out.logprobs[i], out.top_ids[i], out.top_logprobs[i])
+        logprobs = (out.logprobs[i], out.top_ids[i], out.top_logprobs[i]) if req.params.return_logprob else ()
+        req.append(emitted, *logprobs)
         if req.finished:
             self.retire(req)
         return True
