@@ -205,7 +205,7 @@ class Programs:
         if fn is None:
             with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
                 fn, fresh = CacheHits.compile_fresh(
-                    lambda: p.step.lower(*job.args, **p.static).compile(compiler_options=options)
+                    lambda: p.step.lower(*abstract_args(job.args), **p.static).compile(compiler_options=options)
                 )
             # An executable that JAX deserialized does not serialize whole again (XLA:CPU drops
             # its kernels' code: the copy fails when run), so only XLA's fresh compiles are stored.
@@ -368,6 +368,21 @@ def recording(worker):
 def scratch_sampling(mode: str) -> tuple[SamplingParams, int]:
     """A scratch request's (sampling params, seed) of a sampling program ("greedy", "sampled")."""
     return (SamplingParams(temperature=1.0) if mode == "sampled" else SamplingParams(), 0)
+
+
+def abstract_args(args):
+    """The arguments as shapes, dtypes and shardings, layouts left out: what a program is lowered
+    from. The state that a deserialized executable returned carries that program's concrete
+    layout, and newer JAX (0.12) lowers a concrete layout as a type of its own, so a scan over
+    the KV pool would find its carry's input and output types differ."""
+    return jax.tree.map(
+        lambda x: (
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type)
+            if isinstance(x, jax.Array)
+            else x
+        ),
+        args,
+    )
 
 
 def scratch_decode(worker, B: int, mode: str = "greedy", **kw):
