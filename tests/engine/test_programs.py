@@ -19,7 +19,7 @@ import jspec
 from jspec.layers.sampling import SAMPLING_MODES
 from jspec.models.common import UnrolledStack
 from jspec.worker.executables import program_key
-from jspec.worker.programs import GPU_COMPILER_OPTIONS, prefill_key, warmup_jobs
+from jspec.worker.programs import GPU_COMPILER_OPTIONS, abstract_args, prefill_key, warmup_jobs
 
 pytestmark = pytest.mark.slow  # builds engines, servers or HF references
 
@@ -237,3 +237,21 @@ def test_all_greedy_prefills_get_their_own_program_where_the_worker_keeps_one(ti
         assert got == [o.token_ids for o in one.generate(PROMPTS[:2], p)]
     assert w.programs.compiled == compiled, "the loop compiled"
     two.check_idle_no_leaks()
+
+
+def test_programs_are_lowered_from_shapes_not_arrays():
+    """Every device array of a launch becomes its shape, dtype, sharding and weak type (no
+    layout: on newer JAX an array a stored executable returned carries one, which a fresh
+    compile over it would take for another type); the host's values stay as they are."""
+    pool = jax.numpy.zeros((2, 3, 4), jax.numpy.bfloat16)
+    scalar = jax.numpy.asarray(1.5)  # weakly typed, as a Python float becomes
+    host = np.arange(3, dtype=np.int32)
+    (a, (b, c, d)) = abstract_args((pool, (scalar, host, None)))
+    assert isinstance(a, jax.ShapeDtypeStruct) and (a.shape, a.dtype, a.sharding) == (
+        pool.shape,
+        pool.dtype,
+        pool.sharding,
+    )
+    assert isinstance(b, jax.ShapeDtypeStruct) and b.weak_type and not a.weak_type
+    assert c is host and d is None
+    assert jax.jit(lambda x, s: x * s).lower(a, b).compile()(pool, scalar).dtype == pool.dtype
