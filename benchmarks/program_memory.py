@@ -23,6 +23,16 @@ from jspec.engine.sizing import device_memory_stats
 from jspec.worker.programs import measure_programs, scratch_decode
 
 
+def memory_in_use() -> str:
+    """The device allocator's bytes in use now and its peak so far (a run that took a pool leaf
+    more shows in the peak)."""
+    stats = device_memory_stats()
+    return (
+        f"{stats.get('bytes_in_use', 0) / 2**30:.2f} GiB in use, "
+        f"peak so far {stats.get('peak_bytes_in_use', 0) / 2**30:.2f} GiB"
+    )
+
+
 def pool_shape_lines(hlo: str, shapes: list[str], limit: int = 12) -> list[str]:
     """Instructions of an optimized HLO module whose result has one of these shapes."""
     out = []
@@ -125,20 +135,12 @@ def main() -> None:
     n = len(measure_programs(engine.worker)) if a.largest_only else engine.warmup()
     if a.largest_only:  # and run one: a donation refused at run time shows only there
         w = engine.worker
-        before = device_memory_stats()
-        print(
-            f"before the runs: {before.get('bytes_in_use', 0) / 2**30:.2f} GiB in use, "
-            f"peak {before.get('peak_bytes_in_use', 0) / 2**30:.2f} GiB"
-        )
+        print(f"before the runs: {memory_in_use()}")
         B = w.buckets.decode_buckets()[-1]
         for shape in range(w.num_shapes):  # every draft shape's, with adaptive speculation
             try:
                 jax.block_until_ready(scratch_decode(w, B, shape=shape))
-                stats = device_memory_stats()
-                print(
-                    f"run: ok (shape {shape}), {stats.get('bytes_in_use', 0) / 2**30:.2f} GiB in use, "
-                    f"peak so far {stats.get('peak_bytes_in_use', 0) / 2**30:.2f} GiB"
-                )
+                print(f"run: ok (shape {shape}), {memory_in_use()}")
             except Exception as e:  # noqa: BLE001 - reported, the table follows
                 print(f"run: FAILED (shape {shape}) {str(e)[:200]}")
     compile_s = time.perf_counter() - t0

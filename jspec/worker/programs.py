@@ -373,7 +373,7 @@ def scratch_sampling(mode: str) -> tuple[SamplingParams, int]:
 def abstract_args(args):
     """The arguments as shapes, dtypes and shardings, layouts left out: what a program is lowered
     from. The state that a deserialized executable returned carries that program's concrete
-    layout, and newer JAX (0.12) lowers a concrete layout as a type of its own, so a scan over
+    layout, and newer JAX lowers a concrete layout as a type of its own, so a scan over
     the KV pool would find its carry's input and output types differ."""
     return jax.tree.map(
         lambda x: (
