@@ -117,6 +117,17 @@ for s in "$@"; do
       step adaptive_memory 240 $PY -m benchmarks.program_memory --largest-only --max-total-tokens ${ADAPTIVE_POOL:-250000} \
         --max-running-requests 64 --speculative-args "EAGLE3 $head 3 1 4 adaptive" --name program_memory_adaptive \
         --out "$RESULTS" ;;
+    pool_no_reserve)
+      # The default 8B servers with the pool the device plan would give without its reserve of
+      # one pool leaf (1.5x the planned pool; sizes for an H100, NO_RESERVE_TOKENS on others):
+      # if both serve, the reserve can go (benchmarks/NOTES.md, "The KV pool on the GPU").
+      make_8b_head
+      eagle="--speculative-algorithm EAGLE3 --speculative-draft-model-path $head --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4"
+      step pool_no_reserve ${NO_RESERVE_LIMIT:-420} $PY -m benchmarks.serving_curve --server-args "$SHAPE_8B" \
+        --input-lens 128 --concurrency 64,256 --min-prompts 4 \
+        --variant "plain=--max-total-tokens ${NO_RESERVE_TOKENS:-433000}" \
+        --variant "adaptive=$eagle --speculative-adaptive --max-total-tokens ${NO_RESERVE_SPEC_TOKENS:-408000}" \
+        --out "$RESULTS" --name serving_pool_no_reserve ;;
     tree_move)
       # The tree verify's KV move updates the target pool in place on the GPU too (no pool-sized copy).
       step tree_move 180 $PY -m benchmarks.gpu_tests --engine-only --limit-s 160 --name gpu_tests_tree_move \
