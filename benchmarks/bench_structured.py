@@ -81,7 +81,7 @@ def synthetic_tokenizer(out_dir: str, vocab_size: int, seed: int = 0) -> str:
 
 def run(engine, B: int, grammar_rows: int, new_tokens: int, seed: int):
     """B greedy requests (the first grammar_rows constrained); -> (wall s, iterations, the
-    grammar row's tokens)."""
+    grammar row's tokens, the host seconds its masks took)."""
     rng = np.random.default_rng(seed)
     rids = []
     for i in range(B):
@@ -93,7 +93,8 @@ def run(engine, B: int, grammar_rows: int, new_tokens: int, seed: int):
     while engine.has_work():
         engine.step()
         steps += 1
-    return time.perf_counter() - t0, steps, len(reqs[0].output)
+    mask_s = reqs[0].grammar.mask_s if grammar_rows else 0.0
+    return time.perf_counter() - t0, steps, len(reqs[0].output), mask_s
 
 
 def timing(args) -> None:
@@ -130,12 +131,13 @@ def timing(args) -> None:
                 for g in (0, 1):
                     run(engine, B, g, new_tokens, 0)  # untimed: compiles what this workload meets
                     engine.loop_times = LoopTimes()
-                    wall, steps, grammar_tokens = run(engine, B, g, new_tokens, 1)
+                    wall, steps, grammar_tokens, mask_s = run(engine, B, g, new_tokens, 1)
                     engine.check_idle_no_leaks()
                     row[f"grammar{g}_iter_ms"] = wall / steps * 1e3
                     row[f"grammar{g}_host_ms"] = engine.loop_times.per_iteration_ms()
                     if g:
                         row["grammar_row_tokens_per_iter"] = grammar_tokens / steps
+                        row["grammar_mask_ms_per_iter"] = mask_s / steps * 1e3
                 row["extra_ms_per_iter"] = row["grammar1_iter_ms"] - row["grammar0_iter_ms"]
                 rows.append(row)
                 print(json.dumps(row), flush=True)

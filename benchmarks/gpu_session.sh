@@ -103,7 +103,7 @@ for s in "$@"; do
       step layer_loop ${LAYER_LOOP_LIMIT:-240} env BENCH_BATCHES=${LAYER_LOOP_BATCHES:-1,16,64} $PY -m benchmarks.bench_layer_loop \
         --variants ${LAYER_LOOP_VARIANTS:-per_layer,stacked_unrolled,scan} \
         --name bench_layer_loop_bs64 --out "$RESULTS" ;;
-    structured) step structured 240 $PY -m benchmarks.bench_structured --batches 1,16,64 --out "$RESULTS" ;;
+    structured) step structured ${STRUCTURED_LIMIT:-480} $PY -m benchmarks.bench_structured --batches 1,16,64 --out "$RESULTS" ;;
     program_memory)
       step program_memory 150 $PY -m benchmarks.program_memory --max-total-tokens 100000 --out "$RESULTS" ;;
     pool_scaling)
