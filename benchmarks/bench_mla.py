@@ -7,7 +7,9 @@ the reference, then both are timed (median of repeated runs of back-to-back call
 latent bytes read, B x ctx x 576 x 2, over the copy bandwidth measured in this run. Each
 case also times the kernel with the default's neighbours for heads per program (block_h 16
 and 64, where the heads fill them): a program reads every latent tile of its sequence once,
-so at 128 heads and block_h 16 each tile is read 8 times.
+so at 128 heads and block_h 16 each tile is read 8 times. And the Mosaic GPU kernel
+(kernels/mla_decode_mgpu.py: 64 heads per program, the rank in value chunks of 256, each chunk
+its own call over the same tiles), where it covers the case; what it does not is recorded by name.
 
     python -m benchmarks.bench_mla [--dry-run] [--out benchmarks/results]
 """
@@ -22,7 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import RESULTS_DIR, Results, copy_bandwidth, timed
+from jspec.kernels.mgpu_tiles import MosaicUnsupported
 from jspec.kernels.mla_decode import mla_decode
+from jspec.kernels.mla_decode_mgpu import mla_decode_mgpu
 from jspec.kernels.mla_ref import mla_decode_ref
 
 # (batch, context, page_size, heads)
@@ -76,6 +80,18 @@ def main(argv=None):
                 by_block_h[block_h] = dict(kernel_us=t * 1e6, kernel_gbps=read / t / 1e9, rel_err=wide_err)
             except Exception as e:  # noqa: BLE001 - a block too large for the GPU is recorded, not fatal
                 by_block_h[block_h] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        mosaic = jax.jit(functools.partial(mla_decode_mgpu, **kw))
+        try:
+            got = mosaic(q, cache, layer, lens, tables)
+            mosaic_err = float(
+                jnp.linalg.norm((got - want).astype(jnp.float32)) / jnp.linalg.norm(want.astype(jnp.float32))
+            )
+            t = timed(lambda: mosaic(q, cache, layer, lens, tables), iters, repeats)
+            mosaic_row = dict(kernel_us=t * 1e6, kernel_gbps=read / t / 1e9, rel_err=mosaic_err)
+        except MosaicUnsupported as e:
+            mosaic_row = {"unsupported": e.feature}
+        except Exception as e:  # noqa: BLE001 - a kernel failing on the GPU is recorded, not fatal
+            mosaic_row = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         row = dict(
             batch=batch,
             ctx=ctx,
@@ -88,6 +104,7 @@ def main(argv=None):
             kernel_gbps=read / t_kernel / 1e9,
             floor_us=None if bandwidth is None else read / bandwidth * 1e6,
             by_block_h=by_block_h,
+            mosaic=mosaic_row,
         )
         rows.append(row)
         print(row, flush=True)

@@ -172,7 +172,8 @@ def attend_kv_tile(
     softcap=None,
 ):
     """One online-softmax step of the query block q_smem [GROUP_ROWS, D] over a K / V tile in
-    shared memory (K already waited for; V waited for here, after the logits). Returns (m, l, acc).
+    shared memory (K already waited for; V waited for here, after the logits, unless v_barrier is
+    None: values that came with the keys). Returns (m, l, acc).
 
     start: the tile's first KV position; hi: positions from hi on are outside this program's range.
     With check_hi (a tile that may reach hi) they are hidden and their values zeroed in shared
@@ -183,7 +184,7 @@ def attend_kv_tile(
     logits (natural units) become softcap * tanh(logits / softcap), as Gemma 2's.
     """
     m, l, acc = carry
-    block_n, head_dim = k_tile.shape
+    block_n, head_dim = v_tile.shape
     check_hi = check_hi or visible is not None or lo is not None
 
     def logits(s_ref):
@@ -210,7 +211,8 @@ def attend_kv_tile(
         # A row that has seen nothing yet has m_new == MASK_VALUE and p == 1 where hidden.
         p = jnp.where(seen, p, 0.0)
     l = l * alpha + p.sum(axis=1)
-    plgpu.barrier_wait(v_barrier)
+    if v_barrier is not None:
+        plgpu.barrier_wait(v_barrier)
     if check_hi:
         below = jnp.int32(0) if lo is None else lo
 

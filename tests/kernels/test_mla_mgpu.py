@@ -1,0 +1,166 @@
+"""The Mosaic GPU MLA decode kernel: run by Mosaic GPU's interpreter on the CPU (race detector
+on, fresh shared memory NaN, the poisoned latent caches of test_mla.py) against the absorbed
+reference, lowered for CUDA at DeepSeek-V3's and V2-Lite's shapes, and refusing by name what it
+does not cover. Compiled on the GPU by benchmarks/gpu_tests.py, as every file here."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+# The race detector's verdict has no public name in jax 0.11.2.
+from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from kernels.test_kernels import FAR_PAGE, LAYER, LAYERS, rel_err
+from support.lowering import lower_for_cuda
+from support.precision import tolerance
+
+from jspec.kernels.backend import interpret_mode
+from jspec.kernels.mgpu_tiles import MosaicUnsupported
+from jspec.kernels.mla_decode_mgpu import mla_decode_mgpu, mla_mosaic_unsupported
+from jspec.kernels.mla_ref import mla_decode_ref
+from jspec.kernels.ref import paged_decode_ref
+
+BF16, I32 = jnp.bfloat16, jnp.int32
+RACE_CHECKED = plgpu.InterpretGPUParams(detect_races=True)
+SCALE = 0.1
+
+
+def latent_cache(rng, seq_lens, page_size, width):
+    """A NaN-poisoned bf16 latent cache [LAYERS, pages, S, 1, width] holding each sequence's rows
+    on shuffled pages of layer LAYER; odd rows' tables point past their pages at FAR_PAGE."""
+    pages_needed = [-(-int(n) // page_size) for n in seq_lens]
+    num_pages = sum(pages_needed) + 2
+    cache = np.full((LAYERS, num_pages, page_size, 1, width), np.nan, np.float32)
+    tables = np.full((len(seq_lens), max(pages_needed) + 1), num_pages - 1, np.int32)
+    owned, cursor = rng.permutation(sum(pages_needed)), 0
+    for b, (n, k) in enumerate(zip(seq_lens, pages_needed)):
+        tables[b, :k] = owned[cursor : cursor + k]
+        cursor += k
+        if b % 2:
+            tables[b, k:] = FAR_PAGE
+        for t in range(n):
+            cache[LAYER, tables[b, t // page_size], t % page_size, 0] = rng.standard_normal(width)
+    return jnp.asarray(cache, BF16), tables
+
+
+# (rank, rope, heads, page size, tuning): one value chunk and a head block padded from 16;
+# DeepSeek-V3's latent (two value chunks, 224 KiB of shared memory) over two head blocks with
+# split-K and the log-sum-exp; a 128-token page holding two tiles of 64, three splits.
+CASES = [
+    pytest.param(128, 64, 16, 16, dict(num_splits=1), id="r128-h16-s16-one_split"),
+    pytest.param(512, 64, 128, 16, dict(num_splits=2, return_lse=True), id="r512-h128-s16-two_chunks-lse"),
+    pytest.param(256, 64, 20, 128, dict(num_splits=3, num_stages=1), id="r256-h20-s128-tile_in_page"),
+]
+
+
+@pytest.mark.parametrize("rank,rope,heads,page_size,tuning", CASES)
+def test_interpreted_kernel_matches_reference(rank, rope, heads, page_size, tuning):
+    rng = np.random.default_rng(rank + heads)
+    # Empty, one token, just past two pages, and several tiles.
+    seq_lens = np.array([0, 1, 2 * page_size + 3, 200], np.int32)
+    cache, tables = latent_cache(rng, seq_lens, page_size, rank + rope)
+    q = jnp.asarray(rng.standard_normal((len(seq_lens), heads, rank + rope)), BF16)
+    args = (q, cache, jnp.array([LAYER], I32), jnp.asarray(seq_lens), jnp.asarray(tables))
+    tuning = dict(tuning)
+    return_lse = tuning.pop("return_lse", False)
+    interpreted = interpret_mode()
+    got = mla_decode_mgpu(
+        *args,
+        kv_lora_rank=rank,
+        sm_scale=SCALE,
+        min_split_tokens=16,
+        return_lse=return_lse,
+        interpret=RACE_CHECKED if interpreted else None,
+        **tuning,
+    )
+    want = mla_decode_ref(*args, kv_lora_rank=rank, sm_scale=SCALE)
+    assert not (interpreted and get_races().races_found)
+    tol = tolerance(BF16)
+    if return_lse:
+        got, lse = got
+        # The log-sum-exp of the scores over the whole latent, as paged attention's.
+        _, want_lse = paged_decode_ref(q, cache, cache, *args[2:], sm_scale=SCALE, return_lse=True)
+        np.testing.assert_allclose(lse, want_lse, rtol=tol.rtol, atol=tol.lse_atol)
+        assert np.isneginf(np.asarray(lse[0])).all()
+    else:
+        assert got.shape == (len(seq_lens), heads, rank) and got.dtype == q.dtype
+    got = np.asarray(got, np.float32)
+    assert not np.isnan(got).any()
+    assert rel_err(got, np.asarray(want, np.float32)) < tol.rel
+    assert not np.any(got[0])  # an empty sequence attends to nothing
+
+
+@pytest.mark.parametrize(
+    "batch,ctx,page_size,heads,rank,tuning",
+    [
+        (32, 4096, 64, 128, 512, {}),  # DeepSeek-V3: two head blocks, two value chunks, split-K
+        (128, 2048, 64, 16, 512, dict(num_splits=1)),  # V2-Lite's 16 heads, one split
+        (8, 4096, 16, 128, 512, dict(return_lse=True)),
+    ],
+)
+def test_kernel_lowers_for_cuda(batch, ctx, page_size, heads, rank, tuning):
+    width = rank + 64
+    q = jax.ShapeDtypeStruct((batch, heads, width), BF16)
+    cache = jax.ShapeDtypeStruct((2, batch * ctx // page_size + 1, page_size, 1, width), BF16)
+    specs = (
+        q,
+        cache,
+        jax.ShapeDtypeStruct((), I32),
+        jax.ShapeDtypeStruct((batch,), I32),
+        jax.ShapeDtypeStruct((batch, ctx // page_size), I32),
+    )
+    fn = functools.partial(mla_decode_mgpu, kv_lora_rank=rank, sm_scale=width**-0.5, interpret=False, **tuning)
+    text = lower_for_cuda(fn, *specs).as_text()
+    assert "custom_call @mosaic_gpu_v2" in text and "xla.gpu.triton" not in text
+
+
+@pytest.mark.parametrize(
+    "change,feature",
+    [
+        (dict(dtype=jnp.uint8), "uint8 latent cache"),
+        (dict(dtype=jnp.float32), "float32 latent cache"),
+        (dict(page_size=4), "page size 4"),
+        (dict(rank=96), "rank 96"),
+        (dict(rank=320, rope=64), "rank 320"),
+    ],
+)
+def test_refuses_by_name(change, feature):
+    """What the kernel lacks raises MosaicUnsupported naming it before the kernel is traced, and
+    mla_mosaic_unsupported() says the same without a call."""
+    page_size, rank, rope = change.get("page_size", 16), change.get("rank", 128), change.get("rope", 64)
+    dtype = change.get("dtype", BF16)
+    cache = jax.ShapeDtypeStruct((1, 9, page_size, 1, rank + rope), dtype)
+    specs = (
+        jax.ShapeDtypeStruct((2, 8, rank + rope), BF16),
+        cache,
+        jax.ShapeDtypeStruct((), I32),
+        jax.ShapeDtypeStruct((2,), I32),
+        jax.ShapeDtypeStruct((2, 4), I32),
+    )
+    call = functools.partial(mla_decode_mgpu, kv_lora_rank=rank, sm_scale=0.1)
+    with pytest.raises(MosaicUnsupported, match=feature):
+        jax.eval_shape(call, *specs)
+    assert feature in mla_mosaic_unsupported(cache.shape, dtype, rank)
+    assert mla_mosaic_unsupported((1, 9, 64, 1, 576), BF16, 512) is None
+
+
+def test_shared_memory_bounds_the_tile():
+    """At DeepSeek-V3's width two stages of 64 rows fit Hopper's shared memory; a third, or
+    tiles of 128, do not, and the plan says so by name."""
+    width = 576
+    specs = (
+        jax.ShapeDtypeStruct((1, 128, width), BF16),
+        jax.ShapeDtypeStruct((1, 9, 64, 1, width), BF16),
+        jax.ShapeDtypeStruct((), I32),
+        jax.ShapeDtypeStruct((1,), I32),
+        jax.ShapeDtypeStruct((1, 8), I32),
+    )
+    for tuning in (dict(num_stages=3), dict(block_n=128)):
+        call = functools.partial(mla_decode_mgpu, kv_lora_rank=512, sm_scale=0.1, **tuning)
+        with pytest.raises(ValueError, match="shared memory"):
+            jax.eval_shape(call, *specs)
