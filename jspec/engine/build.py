@@ -25,6 +25,7 @@ from jspec.engine.sizing import (
     plan_pool,
     probe_running_requests,
 )
+from jspec.kernels.mla_decode_mgpu import mla_mosaic_unsupported
 from jspec.kernels.paged_decode_mgpu import MosaicUnsupported, mosaic_decode_unsupported
 from jspec.kernels.paged_extend_mgpu import mosaic_extend_unsupported
 from jspec.kvcache.pool import kv_cache_dtype
@@ -106,13 +107,22 @@ def build_worker(model: Model, config: EngineConfig, draft=None, target_path=Non
 
 
 def check_attention_backend(config: EngineConfig, cfg: ModelConfig, dtype) -> None:
-    """--attention-backend mosaic runs decode, extend and tree verify on the Mosaic GPU kernels,
-    which cover the common case only: what they lack is refused here by name, before any program
-    is built."""
+    """--attention-backend mosaic runs decode, extend and tree verify on the Mosaic GPU kernels
+    (a latent-attention model: its decode only), which cover the common case only: what they
+    lack is refused here by name, before any program is built."""
     if config.attention_backend != "mosaic":
         return
     if cfg.deepseek is not None:
-        raise MosaicUnsupported(f"latent attention (MLA, {cfg.family}); use --attention-backend pallas")
+        ds = cfg.deepseek
+        latent_shape = (cfg.num_layers, 1, config.page_size, 1, ds.latent_dim)
+        feature = mla_mosaic_unsupported(latent_shape, kv_cache_dtype(config.kv_cache_dtype, dtype), ds.kv_lora_rank)
+        if feature is not None:
+            raise MosaicUnsupported(f"{feature} ({cfg.family}); use --attention-backend pallas", "MLA decode")
+        log.info(
+            "attention: MLA decode on the Mosaic GPU kernel; MLA verify on the Triton-backend kernel (no Mosaic "
+            "version yet); prefill on the expanded jnp form, as on every backend"
+        )
+        return
     cache_shape = (cfg.num_layers, 1, config.page_size, cfg.num_kv_heads, cfg.head_dim)
     cache_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)
     # Verify runs each draft tree padded to its bucket. A drafter's own block (DFLASH's default)

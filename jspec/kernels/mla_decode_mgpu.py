@@ -39,7 +39,7 @@ from jspec.kernels.mgpu_tiles import (
     interpret_params,
     swizzled,
 )
-from jspec.kernels.paged_tiles import LOG2E, choose_splits, merge_splits, min_split_len, runtime_split_len
+from jspec.kernels.paged_tiles import FP8_KV_BYTES, LOG2E, choose_splits, merge_splits, min_split_len, runtime_split_len
 
 GRID_AXES = ("seq", "head_block", "split")
 # Value columns per kernel call: the accumulator's share of a thread's registers stays half.
@@ -50,6 +50,8 @@ def mla_mosaic_unsupported(cache_shape, cache_dtype, kv_lora_rank: int) -> str |
     """The first feature of this latent cache that the Mosaic kernel lacks, or None."""
     _, _, page_size, one, width = cache_shape
     dtype = jnp.dtype(cache_dtype)
+    if dtype == FP8_KV_BYTES:
+        return "an FP8 latent cache"
     if dtype not in map(jnp.dtype, KV_DTYPES):
         return f"a {dtype.name} latent cache (16-bit caches only)"
     if page_size < MIN_PAGE_SIZE or page_size & (page_size - 1):

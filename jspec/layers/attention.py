@@ -9,6 +9,7 @@ from jax.sharding import PartitionSpec as P
 from jspec.distributed.mesh import TENSOR
 from jspec.distributed.tensor_parallel import kv_pool_spec
 from jspec.kernels.mla_decode import mla_decode
+from jspec.kernels.mla_decode_mgpu import mla_decode_mgpu
 from jspec.kernels.paged_decode import paged_decode
 from jspec.kernels.paged_decode_mgpu import paged_decode_mgpu
 from jspec.kernels.paged_extend import paged_extend
@@ -109,10 +110,9 @@ def paged_decode_with_lse(q, k_cache, v_cache, layer, seq_lens, page_tables, *, 
 def mla_decode_with_lse(q, latent_cache, layer, seq_lens, page_tables, *, kv_lora_rank, sm_scale, backend: str):
     """paged_decode_with_lse for absorbed latent attention (MLA): q [B, Hq, R + P] over a latent
     cache [L, P, S, 1, R + P] whose values are its first R columns -> (out [B, Hq, R] f32, lse)."""
-    if backend not in ("pallas", "reference"):
-        raise ValueError(f"attention backend {backend!r} has no latent-attention (MLA) kernels")
-    if backend == "pallas":
-        return mla_decode(
+    if backend in ("pallas", "mosaic"):
+        kernel = mla_decode if backend == "pallas" else mla_decode_mgpu
+        return kernel(
             q, latent_cache, layer, seq_lens, page_tables, kv_lora_rank=kv_lora_rank, sm_scale=sm_scale, return_lse=True
         )
     out, lse = paged_decode_ref(

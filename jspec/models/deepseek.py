@@ -21,6 +21,7 @@ import numpy as np
 from jspec.config.deepseek import DeepseekConfig
 from jspec.config.model import ModelConfig, RopeScaling
 from jspec.kernels import mla_decode as mla_kernels
+from jspec.kernels.mla_decode_mgpu import mla_decode_mgpu
 from jspec.kernels.mla_ref import mla_decode_ref, mla_extend_expanded_ref, mla_extend_ref
 from jspec.kvcache.pool import KVPool, write_kv
 from jspec.layers.batch import AttentionMode, ForwardBatch
@@ -94,17 +95,19 @@ def absorb_query(q_nope: jax.Array, q_rope: jax.Array, w_uk: jax.Array) -> jax.A
     return jnp.concatenate([q_lat.astype(q_rope.dtype), q_rope], axis=-1)
 
 
+MLA_KERNELS = {
+    "pallas": (mla_kernels.mla_decode, mla_kernels.mla_extend),
+    "mosaic": (mla_decode_mgpu, mla_kernels.mla_extend),
+    "reference": (mla_decode_ref, mla_extend_ref),
+}
+
+
 def mla_attention(cfg, lp, q_nope, q_rope, cache, layer, batch: ForwardBatch, mode: AttentionMode, mask):
     """Attention of the new tokens over the latent cache (already holding them): [T, Hq, v]."""
     ds = cfg.deepseek
-    if mode.backend not in ("pallas", "reference"):
-        raise ValueError(f"attention backend {mode.backend!r} has no latent-attention (MLA) kernels")
     # Decode and verify have Pallas kernels (absorbed); prefill runs the expanded reference on
-    # every backend.
-    if mode.backend == "pallas":
-        mla_decode, mla_extend = mla_kernels.mla_decode, mla_kernels.mla_extend
-    else:
-        mla_decode, mla_extend = mla_decode_ref, mla_extend_ref
+    # every backend. Mosaic GPU has the decode only: its verify stays on the Triton backend.
+    mla_decode, mla_extend = MLA_KERNELS[mode.backend]
     if not mode.decode_only and mask is None:
         out = mla_extend_expanded_ref(
             q_nope,

@@ -122,7 +122,7 @@ def test_kernel_lowers_for_cuda(batch, ctx, page_size, heads, rank, tuning):
 @pytest.mark.parametrize(
     "change,feature",
     [
-        (dict(dtype=jnp.uint8), "uint8 latent cache"),
+        (dict(dtype=jnp.uint8), "FP8 latent cache"),
         (dict(dtype=jnp.float32), "float32 latent cache"),
         (dict(page_size=4), "page size 4"),
         (dict(rank=96), "rank 96"),
@@ -164,3 +164,80 @@ def test_shared_memory_bounds_the_tile():
         call = functools.partial(mla_decode_mgpu, kv_lora_rank=512, sm_scale=0.1, **tuning)
         with pytest.raises(ValueError, match="shared memory"):
             jax.eval_shape(call, *specs)
+
+
+def deepseek(**hf):
+    """A small DeepSeek-V3 config (shapes only): MLA with a 64-wide rank and RoPE key."""
+    from jspec.config.deepseek import deepseek_fields
+    from jspec.config.model import ModelConfig
+
+    base = dict(
+        num_hidden_layers=2,
+        hidden_size=256,
+        intermediate_size=256,
+        num_attention_heads=8,
+        vocab_size=1024,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=64,
+        v_head_dim=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        first_k_dense_replace=1,
+        max_position_embeddings=4096,
+    )
+    return ModelConfig(**deepseek_fields("DeepseekV3ForCausalLM", {**base, **hf}))
+
+
+@pytest.mark.parametrize(
+    "hf,settings,feature",
+    [
+        ({}, dict(kv_cache_dtype="fp8_e4m3"), "FP8 latent cache"),
+        ({}, dict(page_size=4), "page size 4"),
+        (dict(kv_lora_rank=96), {}, "rank 96"),
+    ],
+)
+def test_engine_build_takes_latent_attention_and_refuses_what_the_kernel_lacks(hf, settings, feature):
+    """--attention-backend mosaic on a DeepSeek model: its decode on the Mosaic kernel (a bf16
+    latent cache, pages of 16), and what the kernel lacks refused by name at build."""
+    from jspec.config.engine import EngineConfig
+    from jspec.engine.build import check_attention_backend
+
+    check_attention_backend(EngineConfig(attention_backend="mosaic"), deepseek(), BF16)
+    with pytest.raises(MosaicUnsupported, match=feature):
+        check_attention_backend(EngineConfig(attention_backend="mosaic", **settings), deepseek(**hf), BF16)
+
+
+@pytest.mark.parametrize("step", ["decode", "verify"])
+def test_deepseek_forward_with_the_mosaic_backend_lowers_for_cuda(step, monkeypatch):
+    """--attention-backend mosaic on a DeepSeek model: a decode step calls the Mosaic GPU MLA
+    kernel and no Triton one; a verify (a tree mask) keeps the Triton-backend MLA extend."""
+    import jspec.kernels.backend
+    from jspec.checkpoint.loader import param_shapes
+    from jspec.kvcache.pool import KVPool
+    from jspec.layers.batch import AttentionMode, ForwardBatch
+    from jspec.models.forward import forward
+
+    monkeypatch.setattr(jspec.kernels.backend, "interpret_mode", lambda: False)  # kernels as on the GPU
+    cfg = deepseek()
+    params = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s, BF16), param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple)
+    )
+    decode_only = step == "decode"
+    B, Q, S, pages = 8, 1 if decode_only else 4, 16, 16
+    T = B * Q
+    latent = jax.ShapeDtypeStruct((cfg.num_layers, B * pages + 1, S, 1, cfg.deepseek.latent_dim), BF16)
+    empty = jax.ShapeDtypeStruct((cfg.num_layers, B * pages + 1, S, 1, 0), BF16)
+    batch = ForwardBatch(
+        *(jax.ShapeDtypeStruct((n,), I32) for n in (T, T, T, B)),
+        jax.ShapeDtypeStruct((B, pages), I32),
+        jax.ShapeDtypeStruct((B + 1,), I32),
+        jax.ShapeDtypeStruct((B,), I32),
+    )
+    mode = AttentionMode(decode_only, Q, "mosaic")
+    mask = None if decode_only else jax.ShapeDtypeStruct((B, Q, Q), jnp.bool_)
+    fn = lambda p, kv, b, m: forward(p, cfg, kv, b, mode, mask=m)[1].logits  # noqa: E731
+    text = lower_for_cuda(fn, params, KVPool(latent, empty), batch, mask).as_text()
+    assert ("mosaic_gpu_v2" in text) == decode_only
+    assert ("xla.gpu.triton" in text) != decode_only
