@@ -108,7 +108,7 @@ def build_worker(model: Model, config: EngineConfig, draft=None, target_path=Non
 
 def check_attention_backend(config: EngineConfig, cfg: ModelConfig, dtype) -> None:
     """--attention-backend mosaic runs decode, extend and tree verify on the Mosaic GPU kernels
-    (a latent-attention model: its decode only), which cover the common case only: what they
+    (a latent-attention model: MLA decode and verify), which cover the common case only: what they
     lack is refused here by name, before any program is built."""
     if config.attention_backend != "mosaic":
         return
@@ -117,11 +117,8 @@ def check_attention_backend(config: EngineConfig, cfg: ModelConfig, dtype) -> No
         latent_shape = (cfg.num_layers, 1, config.page_size, 1, ds.latent_dim)
         feature = mla_mosaic_unsupported(latent_shape, kv_cache_dtype(config.kv_cache_dtype, dtype), ds.kv_lora_rank)
         if feature is not None:
-            raise MosaicUnsupported(f"{feature} ({cfg.family}); use --attention-backend pallas", "MLA decode")
-        log.info(
-            "attention: MLA decode on the Mosaic GPU kernel; MLA verify on the Triton-backend kernel (no Mosaic "
-            "version yet); prefill on the expanded jnp form, as on every backend"
-        )
+            raise MosaicUnsupported(f"{feature} ({cfg.family}); use --attention-backend pallas", "MLA")
+        log.info("attention: MLA decode and verify on the Mosaic GPU kernels; prefill on the expanded jnp form")
         return
     cache_shape = (cfg.num_layers, 1, config.page_size, cfg.num_kv_heads, cfg.head_dim)
     cache_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)

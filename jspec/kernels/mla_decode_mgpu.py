@@ -1,6 +1,7 @@
-"""Absorbed multi-head latent attention for decode, Pallas over Mosaic GPU (Hopper).
+"""Absorbed multi-head latent attention, Pallas over Mosaic GPU (Hopper): decode, and the extend
+of a few new tokens per sequence (verify trees, causal or masked).
 
-mla_decode.mla_decode's contract (kernels/mla_ref.py explains the absorbed form): every query
+mla_decode.mla_decode's and mla_extend's contracts (kernels/mla_ref.py explains the absorbed form): every query
 head attends to the same latent row [c (R) | k_rope (P)], the score q . row over all R + P
 columns, the value c. So it is paged decode with one KV head whose keys and values are one
 buffer: a program holds GROUP_ROWS query heads (the M side of both wgmmas, zero heads padding a
@@ -11,8 +12,10 @@ A program's value accumulator is GROUP_ROWS x VALUE_COLS floats in one warpgroup
 a wide rank would not fit, so the rank is covered in chunks of VALUE_COLS columns, one kernel
 call each (each recomputes the scores over the same tiles). Shared memory bounds the rest: the
 query block, num_stages latent tiles and p (docs/kernels-mosaic.md works out DeepSeek-V3's
-budget). Grid (sequence, head block, context split); partials are merged in jnp as in
-paged_decode. The pipeline's choices are paged_decode_mgpu's, for the interpreter's sake.
+budget). Decode: grid (sequence, head block, context split), partials merged in jnp as in
+paged_decode. Extend: grid (sequence, new token, head block), each program over the keys its
+token sees, as mla_decode.mla_extend's. The pipeline's choices are paged_decode_mgpu's, for the
+interpreter's sake.
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ from jspec.kernels.mgpu_tiles import (
 from jspec.kernels.paged_tiles import FP8_KV_BYTES, LOG2E, choose_splits, merge_splits, min_split_len, runtime_split_len
 
 GRID_AXES = ("seq", "head_block", "split")
+EXTEND_GRID_AXES = ("seq", "token", "head_block")
+# A tree mask's bits per int32 word, as paged_extend_mgpu's.
+MASK_WORD_BITS = 32
 # Value columns per kernel call: the accumulator's share of a thread's registers stays half.
 VALUE_COLS = 256
 
@@ -137,28 +143,27 @@ def _issue_latent_tile(
         )
 
 
-def _mla_kernel(
-    scalars_ref,
-    seq_lens_ref,
-    page_tables_ref,
+def _latent_loop(
     q_ref,
     rows_ref,
-    acc_ref,
-    m_ref,
-    l_ref,
+    page_tables_ref,
+    mask_bits_ref,
     *,
+    block,
+    seq,
+    layer,
+    lo,
+    hi,
+    prefix,
     plan,
     cache_shape,
     value_lo,
-    num_head_blocks,
 ):
+    """The online softmax (m, l, acc) of query block q_ref[block] (GROUP_ROWS heads of one token)
+    over latent rows lo..hi of one sequence, the values being columns value_lo.. of each row.
+    mask_bits_ref: None, or the tree masks' words [blocks, words] of each block's token over its
+    sequence's new tokens, which start at prefix: key k >= prefix is seen iff bit k - prefix."""
     _, num_pages, page_size, _, width = cache_shape
-    seq, head_block, split = (lax.axis_index(axis) for axis in GRID_AXES)
-    max_pages = page_tables_ref.shape[1]
-    layer, split_len = scalars_ref[0], scalars_ref[1]
-    kv_len = jnp.minimum(seq_lens_ref[seq], max_pages * page_size)
-    lo = split * split_len
-    hi = jnp.minimum(lo + split_len, kv_len)
     num_tiles = lax.div(jnp.maximum(hi - lo, 0) + plan.block_n - 1, plan.block_n)
     issue = functools.partial(
         _issue_latent_tile,
@@ -171,12 +176,24 @@ def _mla_kernel(
         page_size=page_size,
         num_pages=num_pages,
     )
+    words = 0 if mask_bits_ref is None else mask_bits_ref.shape[1]
+    # Every row of the block is the same token: its mask words are scalars, read once.
+    row_words = [mask_bits_ref[block, word] for word in range(words)]
+
+    def visible(positions):
+        new_token = positions - prefix
+        seen = new_token < 0
+        for word, bits in enumerate(row_words):
+            bit = jnp.clip(new_token - word * MASK_WORD_BITS, 0, MASK_WORD_BITS - 1)
+            in_word = (new_token >= word * MASK_WORD_BITS) & (new_token < (word + 1) * MASK_WORD_BITS)
+            seen |= in_word & ((lax.shift_right_logical(bits + jnp.zeros_like(bit), bit) & 1) != 0)
+        return seen
 
     def attend(q_smem, tiles, p_smem, q_barrier, barriers):
         def issue_tile(t):
             issue(tiles, barriers, start=lo + t * plan.block_n, slot=lax.rem(t, plan.num_stages))
 
-        plgpu.copy_gmem_to_smem(q_ref.at[seq * num_head_blocks + head_block], q_smem, q_barrier)
+        plgpu.copy_gmem_to_smem(q_ref.at[block], q_smem, q_barrier)
         for t in range(plan.num_stages - 1):
             pl.when(t < num_tiles)(functools.partial(issue_tile, t))
         plgpu.barrier_wait(q_barrier)
@@ -196,19 +213,42 @@ def _mla_kernel(
                 start=lo + t * plan.block_n,
                 hi=hi,
                 scale_log2=plan.scale_log2,
+                visible=visible if words else None,
             )
 
         return lax.fori_loop(0, num_tiles, attend_tile, initial_rows(plan.value_cols))
 
     dtype = rows_ref.dtype
-    copies = plan.block_n // plan.rows_per_copy
-    m, l, acc = pl.run_scoped(
+    return pl.run_scoped(
         attend,
         plgpu.SMEM((GROUP_ROWS, width), dtype, transforms=swizzled(width, dtype)),
         plgpu.SMEM((plan.num_stages, plan.block_n, width), dtype, transforms=swizzled(width, dtype)),
         plgpu.SMEM((GROUP_ROWS, plan.block_n), dtype, transforms=swizzled(plan.block_n, dtype)),
         plgpu.Barrier(num_arrivals=1),
-        plgpu.Barrier(num_arrivals=copies, num_barriers=plan.num_stages),
+        plgpu.Barrier(num_arrivals=plan.block_n // plan.rows_per_copy, num_barriers=plan.num_stages),
+    )
+
+
+def _decode_kernel(
+    scalars_ref, seq_lens_ref, page_tables_ref, q_ref, rows_ref, acc_ref, m_ref, l_ref, *, num_head_blocks, **loop
+):
+    page_size = loop["cache_shape"][2]
+    seq, head_block, split = (lax.axis_index(axis) for axis in GRID_AXES)
+    layer, split_len = scalars_ref[0], scalars_ref[1]
+    kv_len = jnp.minimum(seq_lens_ref[seq], page_tables_ref.shape[1] * page_size)
+    lo = split * split_len
+    m, l, acc = _latent_loop(
+        q_ref,
+        rows_ref,
+        page_tables_ref,
+        None,
+        block=seq * num_head_blocks + head_block,
+        seq=seq,
+        layer=layer,
+        lo=lo,
+        hi=jnp.minimum(lo + split_len, kv_len),
+        prefix=0,
+        **loop,
     )
 
     def write(acc_smem, m_smem, l_smem):
@@ -221,12 +261,57 @@ def _mla_kernel(
         plgpu.copy_smem_to_gmem(l_smem, l_ref.at[seq, split, head_block])
         plgpu.wait_smem_to_gmem(0)
 
+    value_cols = loop["plan"].value_cols
     pl.run_scoped(
         write,
-        plgpu.SMEM((GROUP_ROWS, plan.value_cols), jnp.float32),
+        plgpu.SMEM((GROUP_ROWS, value_cols), jnp.float32),
         plgpu.SMEM((GROUP_ROWS,), jnp.float32),
         plgpu.SMEM((GROUP_ROWS,), jnp.float32),
     )
+
+
+def _extend_kernel(
+    scalars_ref,
+    seq_lens_ref,
+    page_tables_ref,
+    query_start_ref,
+    q_ref,
+    rows_ref,
+    *refs,
+    num_head_blocks,
+    max_q_len,
+    tree,
+    **loop,
+):
+    mask_bits_ref, out_ref = refs if tree else (None, *refs)
+    page_size = loop["cache_shape"][2]
+    seq, token, head_block = (lax.axis_index(axis) for axis in EXTEND_GRID_AXES)
+    q_len = query_start_ref[seq + 1] - query_start_ref[seq]
+    kv_len = jnp.minimum(seq_lens_ref[seq], page_tables_ref.shape[1] * page_size)
+    prefix = kv_len - q_len
+    # Causal: keys up to the token itself; a tree may show any new token, its mask says which.
+    hi = jnp.where(token < q_len, kv_len if tree else prefix + token + 1, 0)
+    m, l, acc = _latent_loop(
+        q_ref,
+        rows_ref,
+        page_tables_ref,
+        mask_bits_ref,
+        block=(seq * max_q_len + token) * num_head_blocks + head_block,
+        seq=seq,
+        layer=scalars_ref[0],
+        lo=0,
+        hi=hi,
+        prefix=prefix,
+        **loop,
+    )
+
+    def write(out_smem):
+        out_smem[...] = (acc / lax.broadcast_in_dim(jnp.where(l > 0, l, 1.0), acc.shape, [0])).astype(out_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, out_ref.at[seq, token, head_block])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(write, plgpu.SMEM((GROUP_ROWS, loop["plan"].value_cols), out_ref.dtype))
 
 
 @functools.partial(
@@ -308,7 +393,11 @@ def mla_decode_mgpu(
     for value_lo in range(0, rank, plan.value_cols):
         kernel = plgpu.kernel(
             functools.partial(
-                _mla_kernel, plan=plan, cache_shape=latent_cache.shape, value_lo=value_lo, num_head_blocks=head_blocks
+                _decode_kernel,
+                plan=plan,
+                cache_shape=latent_cache.shape,
+                value_lo=value_lo,
+                num_head_blocks=head_blocks,
             ),
             out_type=out_type,
             grid=(batch, head_blocks, plan.num_splits),
@@ -330,3 +419,110 @@ def mla_decode_mgpu(
         lse = jnp.where(total > 0, (m_max + jnp.log2(jnp.where(total > 0, total, 1.0))) * math.log(2.0), -jnp.inf)
         return out, lse
     return out.astype(q.dtype)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("kv_lora_rank", "sm_scale", "max_q_len", "interpret", "block_n", "num_stages"),
+)
+def mla_extend_mgpu(
+    q,
+    latent_cache,
+    layer,
+    seq_lens,
+    page_tables,
+    query_start,
+    *,
+    kv_lora_rank,
+    sm_scale,
+    max_q_len,
+    mask=None,
+    interpret=None,
+    block_n=64,
+    num_stages=2,
+):
+    """mla_decode.mla_extend on Mosaic GPU: the same arguments and result (q [T, Hq, R + P],
+    sequence b's new tokens at rows query_start[b]:query_start[b+1], the last of its seq_lens[b]
+    cached latents; causal, or mask [B, max_q_len, max_q_len] among the new tokens -> [T, Hq, R]
+    in q's dtype, zeros on rows no sequence owns). One program per (sequence, new token, head
+    block) over the keys that token sees, as the Triton kernel's: right for verify trees of a few
+    nodes. Raises MosaicUnsupported for what mla_mosaic_unsupported() names."""
+    num_rows, num_heads, width = q.shape
+    num_layers, num_pages, page_size, _, cache_width = latent_cache.shape
+    rank = kv_lora_rank
+    if width != cache_width:
+        raise ValueError(f"q {q.shape} does not fit the latent cache {latent_cache.shape}")
+    feature = mla_mosaic_unsupported(latent_cache.shape, latent_cache.dtype, rank)
+    if feature is not None:
+        raise MosaicUnsupported(feature, kernel="MLA extend")
+    batch = seq_lens.shape[0]
+    tree = mask is not None
+    words = -(-max_q_len // MASK_WORD_BITS) if tree else 0
+    # One split: a verify token's keys are read once per head block and value chunk.
+    plan = mosaic_mla_plan(
+        batch,
+        num_heads,
+        latent_cache.shape,
+        page_tables.shape[1],
+        rank,
+        sm_scale=sm_scale,
+        block_n=block_n,
+        num_splits=1,
+        min_split_tokens=256,
+        num_stages=num_stages,
+    )
+    head_blocks = -(-num_heads // GROUP_ROWS)
+    # Each sequence's new tokens gathered to [B, max_q_len] (zeros past its own), then blocks of
+    # GROUP_ROWS heads, the last padded with zero heads.
+    query_start = query_start.astype(jnp.int32)
+    token = jnp.arange(max_q_len, dtype=jnp.int32)
+    q_lens = query_start[1:] - query_start[:-1]
+    owned = token[None] < q_lens[:, None]  # [B, max_q_len]
+    rows = jnp.clip(query_start[:-1, None] + token[None], 0, num_rows - 1)
+    gathered = jnp.where(owned[..., None, None], q[rows], 0).astype(latent_cache.dtype)
+    gathered = jnp.pad(gathered, ((0, 0), (0, 0), (0, head_blocks * GROUP_ROWS - num_heads), (0, 0)))
+    q_blocks = gathered.reshape(batch * max_q_len * head_blocks, GROUP_ROWS, width)
+    inputs = [
+        jnp.reshape(layer, (1,)).astype(jnp.int32),
+        seq_lens.astype(jnp.int32),
+        page_tables.astype(jnp.int32),
+        query_start,
+        q_blocks,
+        latent_cache.reshape(num_layers * num_pages, page_size, 1, width),
+    ]
+    if tree:
+        # Each token's row of the mask as bits, one word per MASK_WORD_BITS new tokens, for each
+        # of its head blocks: [B * max_q_len * head_blocks, words].
+        width_bits = words * MASK_WORD_BITS
+        row_mask = jnp.pad(mask.astype(bool), ((0, 0), (0, 0), (0, width_bits - mask.shape[-1])))
+        row_mask = row_mask.reshape(batch, max_q_len, words, MASK_WORD_BITS)
+        weights = jnp.left_shift(jnp.uint32(1), jnp.arange(MASK_WORD_BITS, dtype=jnp.uint32))
+        bits = jnp.sum(jnp.where(row_mask, weights, jnp.uint32(0)), axis=-1, dtype=jnp.uint32)
+        bits = lax.bitcast_convert_type(bits, jnp.int32)  # [B, max_q_len, words]
+        bits = jnp.broadcast_to(bits[:, :, None, :], (batch, max_q_len, head_blocks, words))
+        inputs.append(bits.reshape(-1, words))
+    chunks = []
+    for value_lo in range(0, rank, plan.value_cols):
+        kernel = plgpu.kernel(
+            functools.partial(
+                _extend_kernel,
+                plan=plan,
+                cache_shape=latent_cache.shape,
+                value_lo=value_lo,
+                num_head_blocks=head_blocks,
+                max_q_len=max_q_len,
+                tree=tree,
+            ),
+            out_type=jax.ShapeDtypeStruct((batch, max_q_len, head_blocks, GROUP_ROWS, plan.value_cols), q.dtype),
+            grid=(batch, max_q_len, head_blocks),
+            grid_names=EXTEND_GRID_AXES,
+            interpret=interpret_params(interpret),
+            kernel_name=f"mla_extend_mgpu_s{page_size}_n{plan.block_n}_v{value_lo}{'_tree' if tree else ''}",
+        )
+        chunks.append(kernel(*inputs))
+    out = jnp.concatenate(chunks, axis=-1).reshape(batch, max_q_len, head_blocks * GROUP_ROWS, rank)[:, :, :num_heads]
+    # Back to the rows: row r is token r - query_start[b] of the sequence b that owns it.
+    r = jnp.arange(num_rows, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(query_start, r, side="right") - 1, 0, batch - 1)
+    within = jnp.clip(r - query_start[seq], 0, max_q_len - 1)
+    return jnp.where((r < query_start[batch])[:, None, None], out[seq, within], 0)

@@ -21,7 +21,7 @@ import numpy as np
 from jspec.config.deepseek import DeepseekConfig
 from jspec.config.model import ModelConfig, RopeScaling
 from jspec.kernels import mla_decode as mla_kernels
-from jspec.kernels.mla_decode_mgpu import mla_decode_mgpu
+from jspec.kernels.mla_decode_mgpu import mla_decode_mgpu, mla_extend_mgpu
 from jspec.kernels.mla_ref import mla_decode_ref, mla_extend_expanded_ref, mla_extend_ref
 from jspec.kvcache.pool import KVPool, write_kv
 from jspec.layers.batch import AttentionMode, ForwardBatch
@@ -97,7 +97,7 @@ def absorb_query(q_nope: jax.Array, q_rope: jax.Array, w_uk: jax.Array) -> jax.A
 
 MLA_KERNELS = {
     "pallas": (mla_kernels.mla_decode, mla_kernels.mla_extend),
-    "mosaic": (mla_decode_mgpu, mla_kernels.mla_extend),
+    "mosaic": (mla_decode_mgpu, mla_extend_mgpu),
     "reference": (mla_decode_ref, mla_extend_ref),
 }
 
@@ -106,7 +106,7 @@ def mla_attention(cfg, lp, q_nope, q_rope, cache, layer, batch: ForwardBatch, mo
     """Attention of the new tokens over the latent cache (already holding them): [T, Hq, v]."""
     ds = cfg.deepseek
     # Decode and verify have Pallas kernels (absorbed); prefill runs the expanded reference on
-    # every backend. Mosaic GPU has the decode only: its verify stays on the Triton backend.
+    # every backend.
     mla_decode, mla_extend = MLA_KERNELS[mode.backend]
     if not mode.decode_only and mask is None:
         out = mla_extend_expanded_ref(

@@ -1,7 +1,7 @@
-"""The Mosaic GPU MLA decode kernel: run by Mosaic GPU's interpreter on the CPU (race detector
+"""The Mosaic GPU MLA decode and extend kernels: run by Mosaic GPU's interpreter on the CPU (race detector
 on, fresh shared memory NaN, the poisoned latent caches of test_mla.py) against the absorbed
-reference, lowered for CUDA at DeepSeek-V3's and V2-Lite's shapes, and refusing by name what it
-does not cover. Compiled on the GPU by benchmarks/gpu_tests.py, as every file here."""
+references, lowered for CUDA at DeepSeek-V3's and V2-Lite's shapes, and refusing by name what they
+do not cover. Compiled on the GPU by benchmarks/gpu_tests.py, as every file here."""
 
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ import pytest
 # The race detector's verdict has no public name in jax 0.11.2.
 from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from kernels.test_kernels import FAR_PAGE, LAYER, LAYERS, rel_err
+from kernels.test_kernels import FAR_PAGE, LAYER, LAYERS, random_tree_mask, rel_err
 from support.lowering import lower_for_cuda
 from support.precision import tolerance
 
 from jspec.kernels.backend import interpret_mode
 from jspec.kernels.mgpu_tiles import MosaicUnsupported
-from jspec.kernels.mla_decode_mgpu import mla_decode_mgpu, mla_mosaic_unsupported
-from jspec.kernels.mla_ref import mla_decode_ref
+from jspec.kernels.mla_decode_mgpu import mla_decode_mgpu, mla_extend_mgpu, mla_mosaic_unsupported
+from jspec.kernels.mla_ref import mla_decode_ref, mla_extend_ref
 from jspec.kernels.ref import paged_decode_ref
 
 BF16, I32 = jnp.bfloat16, jnp.int32
@@ -93,6 +93,55 @@ def test_interpreted_kernel_matches_reference(rank, rope, heads, page_size, tuni
     assert not np.isnan(got).any()
     assert rel_err(got, np.asarray(want, np.float32)) < tol.rel
     assert not np.any(got[0])  # an empty sequence attends to nothing
+
+
+# (rank, heads, page size, tree): causal new tokens, one value chunk, 16 heads padded to a block;
+# DeepSeek-V3's latent and 128 heads under a verify tree (two blocks, two chunks, the mask's bits).
+EXTEND_CASES = [
+    pytest.param(128, 16, 16, False, id="r128-h16-s16-causal"),
+    pytest.param(512, 128, 16, True, id="r512-h128-s16-tree"),
+]
+
+
+@pytest.mark.parametrize("rank,heads,page_size,tree", EXTEND_CASES)
+def test_interpreted_extend_matches_reference(rank, heads, page_size, tree):
+    """New tokens after a prefix (several, none, a prefix of two pages and a bit, a first token),
+    rows past the last sequence's (zeros), causal or a random tree among them."""
+    rng = np.random.default_rng(rank + heads + tree)
+    q_lens = np.array([3, 0, 4, 1], np.int32)
+    seq_lens = np.array([40, 0, 2 * page_size + 3, 1], np.int32)
+    max_q_len = 4
+    cache, tables = latent_cache(rng, seq_lens, page_size, rank + 64)
+    query_start = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = jnp.asarray(rng.standard_normal((int(query_start[-1]) + 2, heads, rank + 64)), BF16)
+    mask = jnp.asarray(random_tree_mask(rng, len(q_lens), max_q_len)) if tree else None
+    args = (q, cache, jnp.array([LAYER], I32), jnp.asarray(seq_lens), jnp.asarray(tables), jnp.asarray(query_start))
+    kw = dict(kv_lora_rank=rank, sm_scale=SCALE, max_q_len=max_q_len, mask=mask)
+    interpreted = interpret_mode()
+    got = mla_extend_mgpu(*args, interpret=RACE_CHECKED if interpreted else None, **kw)
+    want = mla_extend_ref(*args, **kw)
+    assert not (interpreted and get_races().races_found)
+    assert got.shape == (q.shape[0], heads, rank) and got.dtype == q.dtype
+    got = np.asarray(got, np.float32)
+    assert not np.isnan(got).any() and not got[-2:].any()
+    assert rel_err(got, np.asarray(want, np.float32)) < tolerance(BF16).rel
+
+
+def test_extend_lowers_for_cuda():
+    """A verify tree of 8 tokens over DeepSeek-V3's latent and 128 heads."""
+    B, Q, ctx, width = 8, 8, 4096, 576
+    specs = (
+        jax.ShapeDtypeStruct((B * Q, 128, width), BF16),
+        jax.ShapeDtypeStruct((2, B * ctx // 16 + 1, 16, 1, width), BF16),
+        jax.ShapeDtypeStruct((), I32),
+        jax.ShapeDtypeStruct((B,), I32),
+        jax.ShapeDtypeStruct((B, ctx // 16), I32),
+        jax.ShapeDtypeStruct((B + 1,), I32),
+    )
+    mask = jax.ShapeDtypeStruct((B, Q, Q), jnp.bool_)
+    fn = functools.partial(mla_extend_mgpu, kv_lora_rank=512, sm_scale=0.1, max_q_len=Q, interpret=False)
+    text = lower_for_cuda(lambda *a: fn(*a[:-1], mask=a[-1]), *specs, mask).as_text()
+    assert "custom_call @mosaic_gpu_v2" in text and "xla.gpu.triton" not in text
 
 
 @pytest.mark.parametrize(
@@ -211,8 +260,8 @@ def test_engine_build_takes_latent_attention_and_refuses_what_the_kernel_lacks(h
 
 @pytest.mark.parametrize("step", ["decode", "verify"])
 def test_deepseek_forward_with_the_mosaic_backend_lowers_for_cuda(step, monkeypatch):
-    """--attention-backend mosaic on a DeepSeek model: a decode step calls the Mosaic GPU MLA
-    kernel and no Triton one; a verify (a tree mask) keeps the Triton-backend MLA extend."""
+    """--attention-backend mosaic on a DeepSeek model: a decode step and a verify (a tree mask)
+    call the Mosaic GPU MLA kernels and no Triton one."""
     import jspec.kernels.backend
     from jspec.checkpoint.loader import param_shapes
     from jspec.kvcache.pool import KVPool
@@ -239,5 +288,4 @@ def test_deepseek_forward_with_the_mosaic_backend_lowers_for_cuda(step, monkeypa
     mask = None if decode_only else jax.ShapeDtypeStruct((B, Q, Q), jnp.bool_)
     fn = lambda p, kv, b, m: forward(p, cfg, kv, b, mode, mask=m)[1].logits  # noqa: E731
     text = lower_for_cuda(fn, params, KVPool(latent, empty), batch, mask).as_text()
-    assert ("mosaic_gpu_v2" in text) == decode_only
-    assert ("xla.gpu.triton" in text) != decode_only
+    assert "mosaic_gpu_v2" in text and "xla.gpu.triton" not in text
