@@ -10,6 +10,8 @@ and 64, where the heads fill them): a program reads every latent tile of its seq
 so at 128 heads and block_h 16 each tile is read 8 times. And the Mosaic GPU kernel
 (kernels/mla_decode_mgpu.py: 64 heads per program, the rank in value chunks of 256, each chunk
 its own call over the same tiles), where it covers the case; what it does not is recorded by name.
+Then a verify of a few chained draft tokens per sequence: the Triton-backend and Mosaic GPU
+extend kernels against the reference.
 
     python -m benchmarks.bench_mla [--dry-run] [--out benchmarks/results]
 """
@@ -25,13 +27,16 @@ import numpy as np
 
 from benchmarks.common import RESULTS_DIR, Results, copy_bandwidth, timed
 from jspec.kernels.mgpu_tiles import MosaicUnsupported
-from jspec.kernels.mla_decode import mla_decode
-from jspec.kernels.mla_decode_mgpu import mla_decode_mgpu
-from jspec.kernels.mla_ref import mla_decode_ref
+from jspec.kernels.mla_decode import mla_decode, mla_extend
+from jspec.kernels.mla_decode_mgpu import mla_decode_mgpu, mla_extend_mgpu
+from jspec.kernels.mla_ref import mla_decode_ref, mla_extend_ref
 
 # (batch, context, page_size, heads)
 CASES = [(1, 4096, 64, 128), (32, 4096, 64, 128), (128, 2048, 64, 16), (32, 4096, 1, 16)]
 DRY_CASES = [(2, 64, 16, 16), (3, 40, 1, 16), (1, 32, 16, 64)]
+# Verify: (batch, context, page_size, heads, new tokens), each sequence's new tokens a chain tree.
+VERIFY_CASES = [(32, 4096, 64, 128, 4), (32, 4096, 64, 16, 8)]
+DRY_VERIFY_CASES = [(2, 64, 16, 16, 4)]
 
 
 def problem(batch, ctx, page_size, heads, rank, rope, dtype, seed=0):
@@ -55,6 +60,7 @@ def main(argv=None):
     results = Results(args.out, "bench_mla", {"rank": rank, "rope": rope, "dtype": jnp.dtype(dtype).name})
     bandwidth = None if dry else copy_bandwidth()
     rows = []
+    iters, repeats = (1, 1) if dry else (args.iters, 5)
     for batch, ctx, page_size, heads in cases:
         q, cache, layer, lens, tables = problem(batch, ctx, page_size, heads, rank, rope, dtype)
         kw = dict(kv_lora_rank=rank, sm_scale=(192.0**-0.5))
@@ -62,7 +68,6 @@ def main(argv=None):
         ref = jax.jit(functools.partial(mla_decode_ref, **kw))
         out, want = kernel(q, cache, layer, lens, tables), ref(q, cache, layer, lens, tables)
         err = float(jnp.linalg.norm((out - want).astype(jnp.float32)) / jnp.linalg.norm(want.astype(jnp.float32)))
-        iters, repeats = (1, 1) if dry else (args.iters, 5)
         t_kernel = timed(lambda: kernel(q, cache, layer, lens, tables), iters, repeats)
         t_ref = timed(lambda: ref(q, cache, layer, lens, tables), iters, repeats)
         read = batch * ctx * (rank + rope) * jnp.dtype(dtype).itemsize
@@ -109,7 +114,43 @@ def main(argv=None):
         rows.append(row)
         print(row, flush=True)
         results.write(rows=rows, copy_bandwidth=bandwidth)
-    return rows
+    verify_rows = []
+    for batch, ctx, page_size, heads, new in DRY_VERIFY_CASES if dry else VERIFY_CASES:
+        verify_rows.append(time_verify(batch, ctx, page_size, heads, new, rank, rope, dtype, iters, repeats, bandwidth))
+        print(verify_rows[-1], flush=True)
+        results.write(rows=rows, verify_rows=verify_rows, copy_bandwidth=bandwidth)
+    return rows, verify_rows
+
+
+def rel_error(got, want) -> float:
+    return float(jnp.linalg.norm((got - want).astype(jnp.float32)) / jnp.linalg.norm(want.astype(jnp.float32)))
+
+
+def time_verify(batch, ctx, page_size, heads, new, rank, rope, dtype, iters, repeats, bandwidth) -> dict:
+    """A verify of `new` chained draft tokens per sequence at the end of ctx cached latents: the
+    Triton-backend mla_extend and the Mosaic GPU one against the reference, timed. Each new token
+    reads its sequence's latent once per program, so the floor is new x the decode's bytes."""
+    q, cache, layer, lens, tables = problem(batch, ctx, page_size, heads, rank, rope, dtype)
+    q = jnp.repeat(q, new, axis=0)  # [B * new, H, W]
+    query_start = jnp.arange(batch + 1, dtype=jnp.int32) * new
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((new, new), bool)), (batch, new, new))
+    kw = dict(kv_lora_rank=rank, sm_scale=(192.0**-0.5), max_q_len=new, mask=mask)
+    args = (q, cache, layer, lens, tables, query_start)
+    want = jax.jit(functools.partial(mla_extend_ref, **kw))(*args)
+    read = new * batch * ctx * (rank + rope) * jnp.dtype(dtype).itemsize
+    row = dict(batch=batch, ctx=ctx, page_size=page_size, heads=heads, new_tokens=new, latent_bytes_read=read)
+    row["floor_us"] = None if bandwidth is None else read / bandwidth * 1e6
+    for name, kernel in (("triton", mla_extend), ("mosaic", mla_extend_mgpu)):
+        fn = jax.jit(functools.partial(kernel, **kw))
+        try:
+            err = rel_error(fn(*args), want)
+            t = timed(lambda fn=fn: fn(*args), iters, repeats)
+            row[name] = dict(kernel_us=t * 1e6, kernel_gbps=read / t / 1e9, rel_err=err)
+        except MosaicUnsupported as e:
+            row[name] = {"unsupported": e.feature}
+        except Exception as e:  # noqa: BLE001 - a kernel failing on the GPU is recorded, not fatal
+            row[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    return row
 
 
 if __name__ == "__main__":
