@@ -61,7 +61,7 @@ for s in "$@"; do
       JSPEC_SKINNY_MATMUL=mosaic step decode_mosaic_gemv 150 $PY -m benchmarks.bench_decode --quick --no-stacked \
         --batches 1,16 --tag mosaic_gemv --out "$RESULTS" ;;
     mixed_step) step mixed_step 240 $PY -m benchmarks.bench_mixed_step --profile --out "$RESULTS" ;;
-    mla) step mla 70 $PY -m benchmarks.bench_mla --out "$RESULTS" ;;
+    mla) step mla ${MLA_LIMIT:-180} $PY -m benchmarks.bench_mla --out "$RESULTS" ;;
     nextn) step nextn 200 $PY -m benchmarks.bench_nextn --layers 4 --out "$RESULTS" ;;
     dflash_cost) step dflash_cost 150 $PY -m benchmarks.bench_dflash --draft-layers 5 --out "$RESULTS" ;;
     # DFLASH on real weights, one call each on a warm machine after `carry_demo_model.sh assemble`
