@@ -88,18 +88,19 @@ def mla_inputs(cfg: ModelConfig, lp, h: jax.Array, cos, sin):
     return q_nope, q_rope, jnp.concatenate([c, k_rope], axis=-1)
 
 
-def absorb_query(q_nope: jax.Array, q_rope: jax.Array, w_uk: jax.Array) -> jax.Array:
-    """[T, Hq, nope], [T, Hq, rope], w_uk [Hq, nope, R] -> [T, Hq, R + rope]: the query that
-    scores the latent directly."""
-    q_lat = jnp.einsum("thn,hnr->thr", q_nope, w_uk, preferred_element_type=jnp.float32)
-    return jnp.concatenate([q_lat.astype(q_rope.dtype), q_rope], axis=-1)
-
-
+# Each attention backend's absorbed MLA (decode, extend): decode and verify steps.
 MLA_KERNELS = {
     "pallas": (mla_kernels.mla_decode, mla_kernels.mla_extend),
     "mosaic": (mla_decode_mgpu, mla_extend_mgpu),
     "reference": (mla_decode_ref, mla_extend_ref),
 }
+
+
+def absorb_query(q_nope: jax.Array, q_rope: jax.Array, w_uk: jax.Array) -> jax.Array:
+    """[T, Hq, nope], [T, Hq, rope], w_uk [Hq, nope, R] -> [T, Hq, R + rope]: the query that
+    scores the latent directly."""
+    q_lat = jnp.einsum("thn,hnr->thr", q_nope, w_uk, preferred_element_type=jnp.float32)
+    return jnp.concatenate([q_lat.astype(q_rope.dtype), q_rope], axis=-1)
 
 
 def mla_attention(cfg, lp, q_nope, q_rope, cache, layer, batch: ForwardBatch, mode: AttentionMode, mask):
