@@ -96,10 +96,12 @@ def test_interpreted_kernel_matches_reference(rank, rope, heads, page_size, tuni
 
 
 # (rank, heads, page size, tree): causal new tokens, one value chunk, 16 heads padded to a block;
-# DeepSeek-V3's latent and 128 heads under a verify tree (two blocks, two chunks, the mask's bits).
+# DeepSeek-V3's latent and 128 heads under a verify tree (two blocks, two chunks, the mask's bits);
+# a tree over pages of a whole tile, 20 heads.
 EXTEND_CASES = [
     pytest.param(128, 16, 16, False, id="r128-h16-s16-causal"),
     pytest.param(512, 128, 16, True, id="r512-h128-s16-tree"),
+    pytest.param(256, 20, 64, True, id="r256-h20-s64-tree"),
 ]
 
 
