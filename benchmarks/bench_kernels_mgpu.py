@@ -1,7 +1,7 @@
 """Paged attention on Mosaic GPU against the Triton-backend kernels and their rooflines.
 
 Llama-3.1-8B's attention (32 query heads over 8 KV heads, head_dim 128), bf16, page 16: decode at
-B = 1 and B = 32, ctx 4096, and tree verify of B = 32 x 8 tokens at ctx 4096, each against the
+B = 1 and B = 32, ctx 4096 (B = 32 again over an FP8 pool: e4m3 bytes, half the reads), and tree verify of B = 32 x 8 tokens at ctx 4096, each against the
 copy-bandwidth roofline (the KV bytes a call must read over the copy bandwidth measured in this
 run); a causal prefill of 2,048 tokens in TFLOP/s (the FLOPs its mask leaves, as bench_kernels
 counts them), against the bf16 matmul rate measured in this run. Each variant of either kernel
@@ -19,6 +19,7 @@ import argparse
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from benchmarks import bench_kernels
 from benchmarks.bench_kernels import (
@@ -34,6 +35,7 @@ from jspec.kernels.paged_decode import decode_plan, paged_decode
 from jspec.kernels.paged_decode_mgpu import mosaic_decode_plan, paged_decode_mgpu
 from jspec.kernels.paged_extend import extend_plan, paged_extend
 from jspec.kernels.paged_extend_mgpu import mosaic_extend_plan, paged_extend_mgpu
+from jspec.kernels.paged_tiles import FP8_KV, FP8_KV_BYTES
 from jspec.kernels.ref import paged_decode_ref, paged_extend_ref
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -44,6 +46,7 @@ NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 # context); causal prefill's longer KV tiles (more work per softmax step).
 MOSAIC_TUNINGS = {
     "decode": {"stages3": dict(num_stages=3), "stages4": dict(num_stages=4), "n128": dict(block_n=128)},
+    "fp8": {"stages3": dict(num_stages=3), "n128": dict(block_n=128)},
     "tree": {
         "stages3": dict(num_stages=3),
         "n128": dict(block_n=128),
@@ -67,7 +70,8 @@ def variants(kind: str, quick: bool):
     return out
 
 
-def decode_case(name, batch, ctx, page_size, kernel_variants, *, iters, reps):
+def decode_case(name, batch, ctx, page_size, kernel_variants, *, iters, reps, fp8=False):
+    """fp8: the pool as the engine stores an FP8 one (e4m3 bytes), half the bytes to read."""
     p = Problem(
         batch=batch,
         ctx=ctx,
@@ -78,18 +82,22 @@ def decode_case(name, batch, ctx, page_size, kernel_variants, *, iters, reps):
         q_rows=batch,
     )
     layer = jnp.int32(LAYER)
-    ref = paged_decode_ref(p.q, p.k, p.v, layer, p.seq_lens, p.page_tables[0], sm_scale=p.sm_scale)
+    k, v = p.k, p.v
+    if fp8:
+        k, v = (lax.bitcast_convert_type(x.astype(FP8_KV), FP8_KV_BYTES) for x in (k, v))
+    ref = paged_decode_ref(p.q, k, v, layer, p.seq_lens, p.page_tables[0], sm_scale=p.sm_scale)
     case = dict(
         name=name,
         kind="decode",
+        kv_dtype="fp8_e4m3" if fp8 else "bfloat16",
         batch=batch,
         ctx=ctx,
         page_size=page_size,
         num_q_heads=NUM_Q_HEADS,
         num_kv_heads=NUM_KV_HEADS,
         head_dim=HEAD_DIM,
-        kv_bytes=p.kv_bytes,
-        cache_bytes=2 * p.k.nbytes,
+        kv_bytes=p.kv_bytes // 2 if fp8 else p.kv_bytes,
+        cache_bytes=2 * k.nbytes,
         page_table_sets=p.sets,
         results=[],
     )
@@ -97,7 +105,10 @@ def decode_case(name, batch, ctx, page_size, kernel_variants, *, iters, reps):
     for kernel, vname, tuning in kernel_variants:
         fn, plan_of = {
             "triton": (paged_decode, decode_plan),
-            "mosaic": (paged_decode_mgpu, lambda *a, **kw: mosaic_decode_plan(*a, sm_scale=p.sm_scale, **kw)),
+            "mosaic": (
+                paged_decode_mgpu,
+                lambda *a, **kw: mosaic_decode_plan(*a, sm_scale=p.sm_scale, cache_dtype=k.dtype, **kw),
+            ),
         }[kernel]
         call = lambda q, pt, k, v, fn=fn, tuning=tuning: fn(
             q, k, v, layer, p.seq_lens, pt, sm_scale=p.sm_scale, **tuning
@@ -107,7 +118,7 @@ def decode_case(name, batch, ctx, page_size, kernel_variants, *, iters, reps):
         except Exception as e:  # noqa: BLE001 - recorded with the variant
             plan = {"error": f"{type(e).__name__}: {e}"}
         extra = {"tuning": tuning, "plan": plan, "kernel": kernel}
-        case["results"].append(run_variant(vname, call, ref, p, iters, reps, extra))
+        case["results"].append(run_variant(vname, call, ref, p, iters, reps, extra, caches=(k, v)))
         print(f"  {name} {vname}: {case['results'][-1].get('median_us', 'FAILED')}", flush=True)
     return case
 
@@ -190,6 +201,9 @@ def main():
         lambda: decode_case("decode_b1_ctx4096_s16", 1, ctx, 16, variants("decode", quick), iters=iters, reps=reps),
         lambda: decode_case(
             f"decode_b{batch}_ctx4096_s16", batch, ctx, 16, variants("decode", quick), iters=iters, reps=reps
+        ),
+        lambda: decode_case(
+            f"decode_fp8_b{batch}_ctx4096_s16", batch, ctx, 16, variants("fp8", quick), iters=iters, reps=reps, fp8=True
         ),
         lambda: extend_case(
             f"tree_b{batch}_q8_ctx4096_s16",

@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jspec.kernels.backend import resolve_interpret
-from jspec.kernels.paged_tiles import FP8_KV_BYTES, LOG2E, MASK_VALUE
+from jspec.kernels.paged_tiles import FP8_KV, FP8_KV_BYTES, LOG2E, MASK_VALUE
 
 # wgmma multiplies 64-row blocks: a program's query rows are padded to this.
 GROUP_ROWS = 64
@@ -27,6 +27,8 @@ MIN_PAGE_SIZE = 8
 # Hopper's shared memory per block (opt-in); Mosaic GPU assumes it too when no GPU is attached.
 SMEM_BYTES = 227 * 1024
 KV_DTYPES = (jnp.bfloat16, jnp.float16)
+# An FP8 tile's wgmma dtype: Hopper converts e4m3 to f16 in one step, to bf16 only through f32.
+FP8_COMPUTE = jnp.float16
 # KV tokens per tile: wgmma's N for the logits. Fewer than 64 fail Mosaic GPU's layout inference
 # (jax 0.11.2); more than 256 exceed wgmma's N.
 BLOCK_N_CHOICES = (64, 128, 256)
@@ -41,12 +43,15 @@ class MosaicUnsupported(NotImplementedError):
         self.kernel = kernel
 
 
-def paged_unsupported(cache_shape, cache_dtype, num_q_heads, *, num_warps) -> str | None:
-    """The first feature of a paged attention call that the Mosaic kernels lack, or None."""
+def paged_unsupported(cache_shape, cache_dtype, num_q_heads, *, num_warps, fp8=False) -> str | None:
+    """The first feature of a paged attention call that the Mosaic kernels lack, or None. fp8:
+    the kernel takes an FP8 pool (its tiles upcast in shared memory)."""
     _, _, page_size, num_kv_heads, head_dim = cache_shape
     dtype = jnp.dtype(cache_dtype)
-    if dtype == FP8_KV_BYTES:
+    if dtype == FP8_KV_BYTES and not fp8:
         return "an FP8 KV pool"
+    if dtype == FP8_KV_BYTES:
+        dtype = jnp.dtype(FP8_COMPUTE)
     if dtype not in map(jnp.dtype, KV_DTYPES):
         # wgmma reads 32-bit operands K-major only, and a V tile is N-major.
         return f"a {dtype.name} KV pool (16-bit pools only)"
@@ -67,9 +72,20 @@ def check_block_n(block_n: int) -> None:
         raise ValueError(f"block_n must be one of {BLOCK_N_CHOICES}, got {block_n}")
 
 
-def tile_smem_bytes(head_dim: int, block_n: int, num_stages: int, itemsize: int = 2) -> int:
-    """Shared memory of a tile loop: the query block, num_stages K and V tiles, and p."""
+def tile_smem_bytes(head_dim: int, block_n: int, num_stages: int, itemsize: int = 2, fp8: bool = False) -> int:
+    """Shared memory of a tile loop: the query block, num_stages K and V tiles, and p; over an
+    FP8 pool the tiles are bytes, plus one K and one V tile upcast to 16 bits."""
+    if fp8:
+        return (
+            2 * (GROUP_ROWS * head_dim + 2 * block_n * head_dim + GROUP_ROWS * block_n)
+            + 2 * num_stages * block_n * head_dim
+        )
     return itemsize * (GROUP_ROWS * head_dim + 2 * num_stages * block_n * head_dim + GROUP_ROWS * block_n)
+
+
+def upcast_fp8_tile(tile_bytes, tile_16):
+    """An FP8 tile in shared memory (e4m3 bytes) written to a 16-bit one, for wgmma."""
+    tile_16[...] = lax.bitcast_convert_type(tile_bytes[...], FP8_KV).astype(tile_16.dtype)
 
 
 def interpret_params(interpret) -> plgpu.InterpretGPUParams | None:

@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jspec.kernels.mgpu_tiles import (
+    FP8_COMPUTE,
     GROUP_ROWS,
     SMEM_BYTES,
     MosaicUnsupported,
@@ -51,8 +52,10 @@ from jspec.kernels.mgpu_tiles import (
     split_sink_rows,
     swizzled,
     tile_smem_bytes,
+    upcast_fp8_tile,
 )
 from jspec.kernels.paged_tiles import (
+    FP8_KV_BYTES,
     LOG2E,
     choose_splits,
     lse_of_splits,
@@ -67,7 +70,7 @@ GRID_AXES = ("seq", "kv_head", "split")
 
 def mosaic_decode_unsupported(cache_shape, cache_dtype, num_q_heads, *, num_warps=4) -> str | None:
     """The first feature of this call that the Mosaic kernel lacks, or None if it can run it."""
-    return paged_unsupported(cache_shape, cache_dtype, num_q_heads, num_warps=num_warps)
+    return paged_unsupported(cache_shape, cache_dtype, num_q_heads, num_warps=num_warps, fp8=True)
 
 
 def _attend_split(
@@ -86,7 +89,7 @@ def _attend_split(
     q_barrier,
     k_barriers,
     v_barriers,
-    *,
+    *upcast,
     page_size,
     num_pages,
     num_kv_heads,
@@ -97,7 +100,9 @@ def _attend_split(
     scale_log2,
     softcap,
 ):
-    """This program's split of the context: its online-softmax state (m, l, acc) over GROUP_ROWS rows."""
+    """This program's split of the context: its online-softmax state (m, l, acc) over GROUP_ROWS rows.
+    upcast: over an FP8 pool, the 16-bit K and V tiles each byte tile is written to before its
+    wgmmas (empty otherwise)."""
     seq, kv_head, split = (lax.axis_index(axis) for axis in GRID_AXES)
     max_pages = page_tables_ref.shape[1]
     head_dim = q_smem.shape[1]
@@ -143,11 +148,14 @@ def _attend_split(
         slot = lax.rem(t, num_stages)
         pl.when(t + num_stages - 1 < num_tiles)(lambda: issue_tile(t + num_stages - 1))
         plgpu.barrier_wait(k_barriers.at[slot])
+        k_tile, v_tile, v_barrier = k_smem.at[slot], v_smem.at[slot], v_barriers.at[slot]
+        if upcast:  # the previous tile's wgmmas are done with these (attend_kv_tile read them out)
+            k_tile, v_tile, v_barrier = (*_upcast_tiles(k_tile, v_tile, v_barrier, *upcast), None)
         return attend_kv_tile(
             q_smem,
-            k_smem.at[slot],
-            v_smem.at[slot],
-            v_barriers.at[slot],
+            k_tile,
+            v_tile,
+            v_barrier,
             p_smem,
             carry,
             start=lo + t * block_n,
@@ -158,6 +166,15 @@ def _attend_split(
         )
 
     return lax.fori_loop(0, num_tiles, attend_tile, carry)
+
+
+def _upcast_tiles(k_bytes, v_bytes, v_barrier, k_16, v_16):
+    """An FP8 slot's K and V tiles, upcast into k_16 and v_16 (V waited for first)."""
+    upcast_fp8_tile(k_bytes, k_16)
+    plgpu.barrier_wait(v_barrier)
+    upcast_fp8_tile(v_bytes, v_16)
+    plgpu.commit_smem()
+    return k_16, v_16
 
 
 def _write_out(out_ref, out_smem, m, l, acc, *, group):
@@ -186,7 +203,8 @@ def _decode_kernel(
 ):
     sinks_ref, *out_refs = refs if sinks else (None, *refs)
     _, num_pages, page_size, num_kv_heads, head_dim = cache_shape
-    dtype = k_ref.dtype
+    fp8 = k_ref.dtype == FP8_KV_BYTES
+    dtype = FP8_COMPUTE if fp8 else k_ref.dtype  # the wgmmas' (q, p and the upcast tiles)
     stages, block_n = plan.num_stages, plan.block_n
     attend = functools.partial(
         _attend_split,
@@ -209,17 +227,20 @@ def _decode_kernel(
     )
     copies = block_n // plan.rows_per_copy
     # Two scopes, one after the other: the epilogue's buffers reuse the tiles' shared memory.
-    m, l, acc = pl.run_scoped(
-        attend,
+    kv = k_ref.dtype
+    scratch = [
         plgpu.SMEM((GROUP_ROWS, head_dim), dtype, transforms=swizzled(head_dim, dtype)),
-        plgpu.SMEM((stages, block_n, head_dim), dtype, transforms=swizzled(head_dim, dtype)),
-        plgpu.SMEM((stages, block_n, head_dim), dtype, transforms=swizzled(head_dim, dtype)),
+        plgpu.SMEM((stages, block_n, head_dim), kv, transforms=swizzled(head_dim, kv)),
+        plgpu.SMEM((stages, block_n, head_dim), kv, transforms=swizzled(head_dim, kv)),
         plgpu.SMEM((GROUP_ROWS, block_n), dtype, transforms=swizzled(block_n, dtype)),
         plgpu.SMEM((GROUP_ROWS,), jnp.float32),  # the rows' sinks (unused without)
         plgpu.Barrier(num_arrivals=2 if sinks else 1),  # q, and the sinks
         plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
         plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
-    )
+    ]
+    if fp8:
+        scratch += [plgpu.SMEM((block_n, head_dim), dtype, transforms=swizzled(head_dim, dtype))] * 2
+    m, l, acc = pl.run_scoped(attend, *scratch)
     if len(out_refs) == 1:
         (out_ref,) = out_refs
         write = functools.partial(_write_out, out_ref, group=group)
@@ -256,13 +277,14 @@ def mosaic_decode_plan(
     num_splits=None,
     min_split_tokens=256,
     num_stages=2,
+    cache_dtype=jnp.bfloat16,
 ) -> MosaicDecodePlan:
     _, _, page_size, _, head_dim = cache_shape
     block_n = block_n or 64
     check_block_n(block_n)
     if num_stages < 1:
         raise ValueError(f"num_stages must be at least 1, got {num_stages}")
-    tiles = tile_smem_bytes(head_dim, block_n, num_stages)
+    tiles = tile_smem_bytes(head_dim, block_n, num_stages, fp8=jnp.dtype(cache_dtype) == FP8_KV_BYTES)
     if tiles > SMEM_BYTES:
         raise ValueError(
             f"block_n {block_n} x num_stages {num_stages} at head_dim {head_dim} needs {tiles} bytes of shared memory"
@@ -337,6 +359,7 @@ def paged_decode_mgpu(
         num_splits=num_splits,
         min_split_tokens=min_split_tokens,
         num_stages=num_stages,
+        cache_dtype=k_cache.dtype,
     )
     group = num_q_heads // num_kv_heads
     write_final = plan.num_splits == 1 and not return_lse
@@ -346,7 +369,8 @@ def paged_decode_mgpu(
     span = jnp.minimum(kv_lens, window + (plan.block_n - 1))
     split_len = runtime_split_len(span, plan.num_splits, plan.block_n, plan.min_split_len)
     # wgmma's 64 rows: the group's heads, then zeros.
-    q_groups = q.astype(k_cache.dtype).reshape(batch * num_kv_heads, group, head_dim)
+    compute = FP8_COMPUTE if k_cache.dtype == FP8_KV_BYTES else k_cache.dtype
+    q_groups = q.astype(compute).reshape(batch * num_kv_heads, group, head_dim)
     q_groups = jnp.pad(q_groups, ((0, 0), (0, GROUP_ROWS - group), (0, 0)))
     if write_final:
         out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)

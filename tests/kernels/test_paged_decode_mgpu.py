@@ -90,6 +90,46 @@ def test_interpreted_kernel_matches_reference(page_size, group, head_dim, tuning
     assert not np.any(got[0])  # seq_len 0 -> zeros
 
 
+# (page_size, head_dim, tuning): an FP8 pool (e4m3 bytes, as the engine stores it), upcast to f16
+# in shared memory: tiles of four pages over two splits; pages of a whole tile, three in flight.
+FP8_CASES = [
+    pytest.param(16, 64, dict(num_splits=2), id="s16-d64-two_splits"),
+    pytest.param(64, 128, dict(num_splits=1, num_stages=3, return_lse=True), id="s64-d128-lse"),
+]
+
+
+@pytest.mark.parametrize("page_size,head_dim,tuning", FP8_CASES)
+def test_interpreted_fp8_kv_matches_reference(page_size, head_dim, tuning):
+    from kernels.test_fp8_kernels import fp8_paged_problem
+
+    seq_lens = np.array([0, 1, 2 * page_size + 3, 200], np.int32)
+    k8, v8, _, _, tables = fp8_paged_problem(page_size, seq_lens, page_size, head_dim=head_dim)
+    q = jnp.asarray(np.random.default_rng(1).standard_normal((len(seq_lens), 8, head_dim)), BF16)
+    args = (q, jnp.asarray(k8), jnp.asarray(v8), jnp.array([LAYER], I32), jnp.asarray(seq_lens), jnp.asarray(tables))
+    tuning = dict(tuning)
+    return_lse = tuning.pop("return_lse", False)
+    interpreted = interpret_mode()
+    got = paged_decode_mgpu(
+        *args,
+        sm_scale=SM_SCALE,
+        min_split_tokens=16,
+        return_lse=return_lse,
+        interpret=RACE_CHECKED if interpreted else None,
+        **tuning,
+    )
+    want = paged_decode_ref(*args, sm_scale=SM_SCALE, return_lse=return_lse)
+    assert not (interpreted and get_races().races_found)
+    tol = tolerance(BF16)
+    if return_lse:
+        (got, lse), (want, want_lse) = got, want
+        np.testing.assert_allclose(lse, want_lse, rtol=tol.rtol, atol=tol.lse_atol)
+    else:
+        assert got.dtype == q.dtype
+    got = np.asarray(got, np.float32)
+    assert not np.isnan(got).any() and not np.any(got[0])
+    assert rel_err(got, np.asarray(want, np.float32)) < tol.rel
+
+
 # (page_size, window, softcap, sinks, tuning): a window starting inside a tile, over splits (each
 # sequence's splits cover its window only); the same with a soft-cap and sinks, one split; sinks
 # over three splits with the log-sum-exp (the merge must count them once).
@@ -138,8 +178,8 @@ def test_interpreted_windows_softcaps_and_sinks_match_reference(page_size, windo
     assert rel_err(got, np.asarray(want, np.float32)) < tol.rel
 
 
-def cache_specs(batch, ctx, page_size, num_kv_heads, head_dim):
-    cache = jax.ShapeDtypeStruct((4, batch * ctx // page_size + 1, page_size, num_kv_heads, head_dim), BF16)
+def cache_specs(batch, ctx, page_size, num_kv_heads, head_dim, dtype=BF16):
+    cache = jax.ShapeDtypeStruct((4, batch * ctx // page_size + 1, page_size, num_kv_heads, head_dim), dtype)
     lens, tables = jax.ShapeDtypeStruct((batch,), I32), jax.ShapeDtypeStruct((batch, ctx // page_size), I32)
     return cache, cache, jax.ShapeDtypeStruct((), I32), lens, tables
 
@@ -150,12 +190,16 @@ def cache_specs(batch, ctx, page_size, num_kv_heads, head_dim):
         (32, 4096, 16, 32, 8, 128, {}),  # Llama-3.1-8B, one split: the output written directly
         (1, 4096, 16, 32, 8, 128, dict(return_lse=True)),  # split-K
         (8, 4096, 256, 16, 2, 256, dict(num_stages=1)),  # head_dim 256, tiles inside a page
+        (32, 4096, 16, 32, 8, 128, dict(kv=jnp.uint8)),  # the 8B shape over an FP8 pool
+        (4, 4096, 64, 16, 2, 64, dict(kv=jnp.uint8, return_lse=True)),
     ],
 )
 def test_kernel_lowers_for_cuda(batch, ctx, page_size, num_q_heads, num_kv_heads, head_dim, tuning):
+    tuning = dict(tuning)
+    kv = tuning.pop("kv", BF16)
     q = jax.ShapeDtypeStruct((batch, num_q_heads, head_dim), BF16)
     fn = functools.partial(paged_decode_mgpu, sm_scale=head_dim**-0.5, interpret=False, **tuning)
-    text = lower_for_cuda(fn, q, *cache_specs(batch, ctx, page_size, num_kv_heads, head_dim)).as_text()
+    text = lower_for_cuda(fn, q, *cache_specs(batch, ctx, page_size, num_kv_heads, head_dim, kv)).as_text()
     assert "custom_call @mosaic_gpu_v2" in text and "xla.gpu.triton" not in text
 
 
@@ -186,7 +230,6 @@ def test_kernel_with_window_softcap_and_sinks_lowers_for_cuda():
 @pytest.mark.parametrize(
     "change,feature",
     [
-        (dict(dtype=jnp.uint8), "FP8"),
         (dict(dtype=jnp.float32), "float32 KV"),
         (dict(page_size=4), "page size 4"),
         (dict(head_dim=96), "head_dim 96"),
