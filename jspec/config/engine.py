@@ -120,7 +120,7 @@ class EngineConfig:
     attention_backend: str | None = setting(
         None,
         "default: pallas on the GPU, the jnp reference elsewhere (Pallas would run interpreted); "
-        "mosaic: decode, extend and tree verify on the Mosaic GPU kernels (16-bit KV, pages >= 8, trees "
+        "mosaic: decode, extend and tree verify on the Mosaic GPU kernels (16-bit or FP8 KV, pages >= 8, trees "
         "of at most 256 tokens; latent attention: its decode and verify; the rest refused by name at build)",
         choices=ATTENTION_BACKENDS,
         group="kernels",

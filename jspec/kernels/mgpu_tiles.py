@@ -3,8 +3,9 @@
 Both kernels run one warpgroup per program over a block of GROUP_ROWS query rows (a GQA group,
 or tokens x group) padded with zeros, read KV by TMA one page (or one tile of a longer page) per
 copy into swizzled shared memory, and run the online softmax in registers in wgmma's layout.
-What they cover is the same (16-bit pools, pages of MIN_PAGE_SIZE or more, head_dim a multiple of
-64 up to 256; sliding windows, soft-caps and sinks); anything else raises MosaicUnsupported.
+What they cover is the same (16-bit and FP8 pools, FP8 tiles upcast in shared memory; pages of
+MIN_PAGE_SIZE or more, head_dim a multiple of 64 up to 256; sliding windows, soft-caps and
+sinks); anything else raises MosaicUnsupported.
 
 The shapes of a tile step follow what Mosaic GPU's interpreter (the CPU test path) can run: see
 docs/kernels-mosaic.md and each kernel's docstring.
@@ -54,7 +55,7 @@ def paged_unsupported(cache_shape, cache_dtype, num_q_heads, *, num_warps, fp8=F
         dtype = jnp.dtype(FP8_COMPUTE)
     if dtype not in map(jnp.dtype, KV_DTYPES):
         # wgmma reads 32-bit operands K-major only, and a V tile is N-major.
-        return f"a {dtype.name} KV pool (16-bit pools only)"
+        return f"a {dtype.name} KV pool (16-bit or FP8 pools only)"
     if page_size < MIN_PAGE_SIZE or page_size & (page_size - 1):
         return f"page size {page_size} (powers of two from {MIN_PAGE_SIZE})"
     if head_dim % 64 or head_dim > 256:
@@ -83,9 +84,15 @@ def tile_smem_bytes(head_dim: int, block_n: int, num_stages: int, itemsize: int 
     return itemsize * (GROUP_ROWS * head_dim + 2 * num_stages * block_n * head_dim + GROUP_ROWS * block_n)
 
 
-def upcast_fp8_tile(tile_bytes, tile_16):
-    """An FP8 tile in shared memory (e4m3 bytes) written to a 16-bit one, for wgmma."""
-    tile_16[...] = lax.bitcast_convert_type(tile_bytes[...], FP8_KV).astype(tile_16.dtype)
+def upcast_kv_tiles(k_bytes, v_bytes, v_barrier, k_16, v_16):
+    """An FP8 slot's K and V tiles in shared memory (e4m3 bytes; V waited for first) written to
+    the 16-bit tiles k_16 and v_16, for wgmma; returns those. The caller's previous tile is done
+    with them: attend_kv_tile reads both wgmmas' results out before it returns."""
+    k_16[...] = lax.bitcast_convert_type(k_bytes[...], FP8_KV).astype(k_16.dtype)
+    plgpu.barrier_wait(v_barrier)
+    v_16[...] = lax.bitcast_convert_type(v_bytes[...], FP8_KV).astype(v_16.dtype)
+    plgpu.commit_smem()
+    return k_16, v_16
 
 
 def interpret_params(interpret) -> plgpu.InterpretGPUParams | None:

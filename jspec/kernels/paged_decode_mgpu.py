@@ -1,8 +1,8 @@
 """Paged attention for decode: one query token per sequence, Pallas over Mosaic GPU (Hopper).
 
 The same contract as paged_decode.paged_decode (same arguments, same outputs, the same split-K
-plan and merge; sliding windows, soft-caps and sinks included), for 16-bit KV pools and pages of
-8 or more tokens. Anything else raises MosaicUnsupported, naming the feature, so that a caller
+plan and merge; sliding windows, soft-caps and sinks included), for 16-bit and FP8 KV pools
+(an FP8 tile upcast to f16 in shared memory before its wgmmas) and pages of 8 or more tokens. Anything else raises MosaicUnsupported, naming the feature, so that a caller
 can fall back to the Triton-backend kernel; mosaic_decode_unsupported() asks first.
 
 Grid (sequence, kv head, context split), one warpgroup per program. The program's GQA group is
@@ -52,7 +52,7 @@ from jspec.kernels.mgpu_tiles import (
     split_sink_rows,
     swizzled,
     tile_smem_bytes,
-    upcast_fp8_tile,
+    upcast_kv_tiles,
 )
 from jspec.kernels.paged_tiles import (
     FP8_KV_BYTES,
@@ -149,8 +149,8 @@ def _attend_split(
         pl.when(t + num_stages - 1 < num_tiles)(lambda: issue_tile(t + num_stages - 1))
         plgpu.barrier_wait(k_barriers.at[slot])
         k_tile, v_tile, v_barrier = k_smem.at[slot], v_smem.at[slot], v_barriers.at[slot]
-        if upcast:  # the previous tile's wgmmas are done with these (attend_kv_tile read them out)
-            k_tile, v_tile, v_barrier = (*_upcast_tiles(k_tile, v_tile, v_barrier, *upcast), None)
+        if upcast:
+            k_tile, v_tile, v_barrier = (*upcast_kv_tiles(k_tile, v_tile, v_barrier, *upcast), None)
         return attend_kv_tile(
             q_smem,
             k_tile,
@@ -166,15 +166,6 @@ def _attend_split(
         )
 
     return lax.fori_loop(0, num_tiles, attend_tile, carry)
-
-
-def _upcast_tiles(k_bytes, v_bytes, v_barrier, k_16, v_16):
-    """An FP8 slot's K and V tiles, upcast into k_16 and v_16 (V waited for first)."""
-    upcast_fp8_tile(k_bytes, k_16)
-    plgpu.barrier_wait(v_barrier)
-    upcast_fp8_tile(v_bytes, v_16)
-    plgpu.commit_smem()
-    return k_16, v_16
 
 
 def _write_out(out_ref, out_smem, m, l, acc, *, group):

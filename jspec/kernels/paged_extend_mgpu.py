@@ -3,7 +3,7 @@ over Mosaic GPU (Hopper).
 
 The same contract as paged_extend.paged_extend (same arguments, same outputs; causal, or a tree
 mask: the prefix fully visible, new token i seeing new token k iff mask[b, i, k]; sliding
-windows, soft-caps and sinks included) for 16-bit KV pools, pages of 8 or more tokens and trees of
+windows, soft-caps and sinks included) for 16-bit and FP8 KV pools, pages of 8 or more tokens and trees of
 at most MAX_TREE_TOKENS tokens. Anything else raises MosaicUnsupported, naming the feature;
 mosaic_extend_unsupported() asks first.
 
@@ -43,6 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jspec.kernels.mgpu_tiles import (
+    FP8_COMPUTE,
     GROUP_ROWS,
     SMEM_BYTES,
     MosaicUnsupported,
@@ -56,8 +57,10 @@ from jspec.kernels.mgpu_tiles import (
     split_sink_rows,
     swizzled,
     tile_smem_bytes,
+    upcast_kv_tiles,
 )
 from jspec.kernels.paged_tiles import (
+    FP8_KV_BYTES,
     LOG2E,
     choose_splits,
     merge_splits,
@@ -86,7 +89,9 @@ def mosaic_extend_unsupported(
 ) -> str | None:
     """The first feature of this call that the Mosaic extend kernel lacks, or None if it can run
     it. max_q_len: the bound on new tokens per sequence (a tree mask's side)."""
-    feature = paged_unsupported(cache_shape, cache_dtype, num_q_heads, num_warps=4 if num_warps is None else num_warps)
+    feature = paged_unsupported(
+        cache_shape, cache_dtype, num_q_heads, num_warps=4 if num_warps is None else num_warps, fp8=True
+    )
     if feature is None and tree and max_q_len is not None and max_q_len > MAX_TREE_TOKENS:
         return f"a tree mask over {max_q_len} tokens (at most {MAX_TREE_TOKENS})"
     return feature
@@ -122,6 +127,7 @@ def mosaic_extend_plan(
     num_splits=None,
     min_split_tokens=256,
     num_stages=2,
+    cache_dtype=jnp.bfloat16,
 ) -> MosaicExtendPlan:
     _, _, page_size, num_kv_heads, head_dim = cache_shape
     group = num_q_heads // num_kv_heads
@@ -130,7 +136,8 @@ def mosaic_extend_plan(
     if num_stages < 1:
         raise ValueError(f"num_stages must be at least 1, got {num_stages}")
     words = -(-max_q_len // MASK_WORD_BITS) if tree else 0
-    smem = tile_smem_bytes(head_dim, block_n, num_stages) + 4 * GROUP_ROWS * (1 + words)
+    fp8 = jnp.dtype(cache_dtype) == FP8_KV_BYTES
+    smem = tile_smem_bytes(head_dim, block_n, num_stages, fp8=fp8) + 4 * GROUP_ROWS * (1 + words)
     if smem > SMEM_BYTES:
         raise ValueError(
             f"block_n {block_n} x num_stages {num_stages} at head_dim {head_dim} needs {smem} bytes of shared memory"
@@ -179,7 +186,7 @@ def _attend_block(
     q_barrier,
     k_barriers,
     v_barriers,
-    *,
+    *upcast,
     plan,
     cache_shape,
     seq,
@@ -192,7 +199,8 @@ def _attend_block(
 ):
     """This program's query block over its split of the context: its online-softmax state (m, l, acc).
     item indexes the per-row facts (one set per query block of the batch), block the q block (one
-    per kv head too)."""
+    per kv head too). upcast: over an FP8 pool, the 16-bit K and V tiles each byte tile is
+    written to before its wgmmas (empty otherwise)."""
     kv_head = lax.axis_index("kv_head")
     _, num_pages, page_size, _, head_dim = cache_shape
     block_n, stages, tree = plan.block_n, plan.num_stages, plan.mask_words > 0
@@ -275,11 +283,14 @@ def _attend_block(
         slot = lax.rem(t, stages)
         pl.when(t + stages - 1 < num_tiles)(lambda: issue_tile(t + stages - 1))
         plgpu.barrier_wait(k_barriers.at[slot])
+        k_tile, v_tile, v_barrier = k_smem.at[slot], v_smem.at[slot], v_barriers.at[slot]
+        if upcast:
+            k_tile, v_tile, v_barrier = (*upcast_kv_tiles(k_tile, v_tile, v_barrier, *upcast), None)
         return attend_kv_tile(
             q_smem,
-            k_smem.at[slot],
-            v_smem.at[slot],
-            v_barriers.at[slot],
+            k_tile,
+            v_tile,
+            v_barrier,
             p_smem,
             carry,
             start=lo + t * block_n,
@@ -340,7 +351,9 @@ def _extend_kernel(
     sinks_ref = refs.pop(0) if sinks else None
     k_ref, v_ref, *out_refs = refs
     _, _, _, num_kv_heads, head_dim = cache_shape
-    dtype, stages, block_n = k_ref.dtype, plan.num_stages, plan.block_n
+    kv, stages, block_n = k_ref.dtype, plan.num_stages, plan.block_n
+    fp8 = kv == FP8_KV_BYTES
+    dtype = FP8_COMPUTE if fp8 else kv  # the wgmmas' (q, p and the upcast tiles)
     item, split, kv_head = (lax.axis_index(axis) for axis in GRID_AXES)
     # The item's sequence (-1 past the batch's blocks: the program does nothing) and block.
     real_seq, q_block = item_seq_ref[item], item_block_ref[item]
@@ -351,8 +364,8 @@ def _extend_kernel(
     copies = block_n // plan.rows_per_copy
     scratch = [
         plgpu.SMEM((GROUP_ROWS, head_dim), dtype, transforms=swizzled(head_dim, dtype)),
-        plgpu.SMEM((stages, block_n, head_dim), dtype, transforms=swizzled(head_dim, dtype)),
-        plgpu.SMEM((stages, block_n, head_dim), dtype, transforms=swizzled(head_dim, dtype)),
+        plgpu.SMEM((stages, block_n, head_dim), kv, transforms=swizzled(head_dim, kv)),
+        plgpu.SMEM((stages, block_n, head_dim), kv, transforms=swizzled(head_dim, kv)),
         plgpu.SMEM((GROUP_ROWS, block_n), dtype, transforms=swizzled(block_n, dtype)),
         plgpu.SMEM((GROUP_ROWS,), jnp.int32),
         plgpu.SMEM((max(plan.mask_words, 1), GROUP_ROWS), jnp.int32),
@@ -363,6 +376,8 @@ def _extend_kernel(
         plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
         plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
     ]
+    if fp8:
+        scratch += [plgpu.SMEM((block_n, head_dim), dtype, transforms=swizzled(head_dim, dtype))] * 2
     attend = functools.partial(
         _attend_block,
         scalars_ref,
@@ -426,7 +441,7 @@ def window_starts(row_pos, valid, window):
 
 def query_blocks(q, query_start, kv_lens, mask, plan, *, num_kv_heads, dtype):
     """The per-call gathers, one per grid item (paged_tiles.query_block_table's order, NI =
-    plan.num_items): q blocks [NI * Hkv, block_rows, D] in the pool's dtype, each row's causal
+    plan.num_items): q blocks [NI * Hkv, block_rows, D] in dtype (the wgmmas'), each row's causal
     limit [NI, GROUP_ROWS], under a tree its mask bits [NI, words, GROUP_ROWS] (else None), and
     (position, real row) [NI, GROUP_ROWS] per row, for window_starts: the prefix plus the row's
     token, or under a tree its depth; and the items' (sequence, block) [NI] each, the kernel's
@@ -576,6 +591,7 @@ def paged_extend_mgpu(
         num_splits=num_splits,
         min_split_tokens=min_split_tokens,
         num_stages=num_stages,
+        cache_dtype=k_cache.dtype,
     )
     group = num_q_heads // num_kv_heads
     write_final = plan.num_splits == 1
@@ -590,7 +606,13 @@ def paged_extend_mgpu(
     # Sequences with no new tokens run no program: their KV does not set the split length.
     split_len = runtime_split_len(jnp.where(q_lens > 0, span, 0), plan.num_splits, plan.block_n, plan.min_split_len)
     blocks, row_limit, mask_bits, (row_pos, valid), (item_seq, item_block) = query_blocks(
-        q, query_start, kv_lens, mask, plan, num_kv_heads=num_kv_heads, dtype=k_cache.dtype
+        q,
+        query_start,
+        kv_lens,
+        mask,
+        plan,
+        num_kv_heads=num_kv_heads,
+        dtype=FP8_COMPUTE if k_cache.dtype == FP8_KV_BYTES else k_cache.dtype,
     )
     num_blocks = blocks.shape[0]
     if write_final:

@@ -293,7 +293,6 @@ def speculative(**fields):
 @pytest.mark.parametrize(
     "fields,settings,feature",
     [
-        ({}, dict(kv_cache_dtype="fp8_e4m3"), "FP8"),
         ({}, dict(page_size=4), "page size 4"),
         (dict(head_dim=80), {}, "head_dim 80"),
         # 260 draft tokens verify as a tree of 512: past the extend kernel's mask words.
@@ -318,6 +317,8 @@ def test_engine_build_takes_a_plain_bf16_model_and_refuses_a_float32_one():
 
     config = EngineConfig(attention_backend="mosaic")
     check_attention_backend(config, model(), BF16)
+    # An FP8 KV cache: both kernels upcast its tiles.
+    check_attention_backend(EngineConfig(attention_backend="mosaic", kv_cache_dtype="fp8_e4m3"), model(), BF16)
     # Windows, soft-caps and sinks: both kernels take them.
     check_attention_backend(config, model(family="mistral", sliding_windows=(128, 0)), BF16)
     check_attention_backend(config, model(family="gemma2", attn_logit_softcap=50.0), BF16)
@@ -374,6 +375,9 @@ def test_engine_on_the_mosaic_backend_gives_the_reference_backends_tokens():
         # gpt-oss's attention: sinks, and windows on every other layer.
         ("decode", dict(attention_sinks=True, sliding_windows=(128, 0))),
         ("verify", dict(attention_sinks=True, sliding_windows=(128, 0))),
+        # An FP8 KV pool (e4m3 bytes).
+        ("decode", dict(kv=jnp.uint8)),
+        ("verify", dict(kv=jnp.uint8)),
     ],
 )
 def test_model_forward_with_the_mosaic_backend_lowers_for_cuda(step, fields, monkeypatch):
@@ -386,6 +390,8 @@ def test_model_forward_with_the_mosaic_backend_lowers_for_cuda(step, fields, mon
     from jspec.models.forward import forward
 
     monkeypatch.setattr(jspec.kernels.backend, "interpret_mode", lambda: False)  # kernels as on the GPU
+    fields = dict(fields)
+    kv = fields.pop("kv", BF16)
     cfg = model(**fields)
     params = jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s, BF16), param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple)
@@ -393,7 +399,7 @@ def test_model_forward_with_the_mosaic_backend_lowers_for_cuda(step, fields, mon
     decode_only = step == "decode"
     B, Q, S, pages = 8, 1 if decode_only else 4, 16, 16
     T = B * Q
-    cache = jax.ShapeDtypeStruct((cfg.num_layers, B * pages + 1, S, cfg.num_kv_heads, cfg.head_dim), BF16)
+    cache = jax.ShapeDtypeStruct((cfg.num_layers, B * pages + 1, S, cfg.num_kv_heads, cfg.head_dim), kv)
     batch = ForwardBatch(
         *(jax.ShapeDtypeStruct((n,), I32) for n in (T, T, T, B)),
         jax.ShapeDtypeStruct((B, pages), I32),

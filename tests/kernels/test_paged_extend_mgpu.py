@@ -161,6 +161,40 @@ def test_interpreted_windows_softcaps_and_sinks_match_reference(page_size, tree,
 
 
 # A tree of 8 tokens fills half a block's rows (only those travel); the others fill whole blocks.
+@pytest.mark.parametrize("tree", [False, True])
+def test_interpreted_fp8_kv_matches_reference(tree):
+    """An FP8 pool (e4m3 bytes, as the engine stores it), its tiles upcast to f16 in shared
+    memory: causal new tokens and a random tree, over two splits."""
+    from kernels.test_fp8_kernels import fp8_paged_problem
+    from kernels.test_kernels import random_tree_mask
+
+    page_size, max_q_len = 16, 5
+    q_lens = np.array([3, 0, 5, 1], np.int32)
+    seq_lens = np.array([40, 0, 2 * page_size + 3, 1], np.int32)
+    k8, v8, _, _, tables = fp8_paged_problem(page_size + tree, seq_lens, page_size)
+    rng = np.random.default_rng(tree)
+    query_start = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = jnp.asarray(rng.standard_normal((int(query_start[-1]) + 2, 8, 64)), BF16)
+    mask = jnp.asarray(random_tree_mask(rng, len(q_lens), max_q_len)) if tree else None
+    args = (q, jnp.asarray(k8), jnp.asarray(v8), jnp.array([LAYER], I32), jnp.asarray(seq_lens))
+    args += (jnp.asarray(tables), jnp.asarray(query_start))
+    interpreted = interpret_mode()
+    got = paged_extend_mgpu(
+        *args,
+        sm_scale=SM_SCALE,
+        max_q_len=max_q_len,
+        mask=mask,
+        min_split_tokens=16,
+        num_splits=2,
+        interpret=RACE_CHECKED if interpreted else None,
+    )
+    want = paged_extend_ref(*args, sm_scale=SM_SCALE, max_q_len=max_q_len, mask=mask)
+    assert not (interpreted and get_races().races_found)
+    got = np.asarray(got, np.float32)
+    assert not np.isnan(got).any() and not got[-2:].any()
+    assert rel_err(got, np.asarray(want, np.float32)) < tolerance(BF16).rel
+
+
 @pytest.mark.parametrize("group,tree,max_q_len", [(4, True, 8), (4, True, 40), (3, False, 40), (64, False, 40)])
 def test_block_layout_round_trips(group, tree, max_q_len):
     """query_blocks then ragged_rows gives q back (zeros past the last sequence), the grid holds
@@ -220,8 +254,8 @@ def test_block_layout_round_trips(group, tree, max_q_len):
         np.testing.assert_array_equal(seen.transpose(0, 2, 1), rows_mask & real[..., None])
 
 
-def cache_specs(batch, ctx, page_size, num_kv_heads, head_dim):
-    cache = jax.ShapeDtypeStruct((4, batch * ctx // page_size + 1, page_size, num_kv_heads, head_dim), BF16)
+def cache_specs(batch, ctx, page_size, num_kv_heads, head_dim, dtype=BF16):
+    cache = jax.ShapeDtypeStruct((4, batch * ctx // page_size + 1, page_size, num_kv_heads, head_dim), dtype)
     lens, tables = jax.ShapeDtypeStruct((batch,), I32), jax.ShapeDtypeStruct((batch, ctx // page_size), I32)
     return cache, cache, jax.ShapeDtypeStruct((), I32), lens, tables, jax.ShapeDtypeStruct((batch + 1,), I32)
 
@@ -235,11 +269,15 @@ def cache_specs(batch, ctx, page_size, num_kv_heads, head_dim):
         pytest.param(1, 2048, 2048, 16, 32, 8, 128, False, dict(block_n=128), id="8b-prefill_2048-n128"),
         # head_dim 256, tiles inside 256-token pages, a tree of 64 tokens (two mask words).
         pytest.param(8, 4096, 64, 256, 16, 2, 256, True, dict(num_stages=1), id="d256-tree64"),
+        # The 8B tree verify over an FP8 pool.
+        pytest.param(32, 4096, 8, 16, 32, 8, 128, True, dict(kv=jnp.uint8), id="8b-verify_b32x8-fp8"),
     ],
 )
 def test_kernel_lowers_for_cuda(batch, ctx, q_len, page_size, num_q_heads, num_kv_heads, head_dim, tree, tuning):
+    tuning = dict(tuning)
+    kv = tuning.pop("kv", BF16)
     q = jax.ShapeDtypeStruct((batch * q_len, num_q_heads, head_dim), BF16)
-    specs = (q, *cache_specs(batch, ctx, page_size, num_kv_heads, head_dim))
+    specs = (q, *cache_specs(batch, ctx, page_size, num_kv_heads, head_dim, kv))
     call = functools.partial(paged_extend_mgpu, sm_scale=head_dim**-0.5, max_q_len=q_len, interpret=False, **tuning)
     if tree:
         fn = lambda *a: call(*a[:-1], mask=a[-1])  # noqa: E731
@@ -272,7 +310,6 @@ def test_kernel_with_window_softcap_and_sinks_lowers_for_cuda(tree):
 @pytest.mark.parametrize(
     "change,feature",
     [
-        (dict(dtype=jnp.uint8), "FP8"),
         (dict(dtype=jnp.float32), "float32 KV"),
         (dict(page_size=4), "page size 4"),
         (dict(head_dim=96), "head_dim 96"),
