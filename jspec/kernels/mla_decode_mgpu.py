@@ -314,6 +314,32 @@ def _extend_kernel(
     pl.run_scoped(write, plgpu.SMEM((GROUP_ROWS, loop["plan"].value_cols), out_ref.dtype))
 
 
+def _check_call(q, latent_cache, rank: int, kernel: str) -> None:
+    """q must fit the cache, and the cache be one the kernels cover (else MosaicUnsupported)."""
+    if q.shape[-1] != latent_cache.shape[-1]:
+        raise ValueError(f"q {q.shape} does not fit the latent cache {latent_cache.shape}")
+    feature = mla_mosaic_unsupported(latent_cache.shape, latent_cache.dtype, rank)
+    if feature is not None:
+        raise MosaicUnsupported(feature, kernel=kernel)
+
+
+def _over_value_chunks(body, inputs, *, plan, rank, out_type, grid, grid_names, interpret, name, **statics):
+    """One kernel call per chunk of plan.value_cols value columns (each recomputes the same
+    scores): their outputs, in column order."""
+    outs = []
+    for value_lo in range(0, rank, plan.value_cols):
+        kernel = plgpu.kernel(
+            functools.partial(body, plan=plan, value_lo=value_lo, **statics),
+            out_type=out_type,
+            grid=grid,
+            grid_names=grid_names,
+            interpret=interpret_params(interpret),
+            kernel_name=f"{name}_v{value_lo}",
+        )
+        outs.append(kernel(*inputs))
+    return outs
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -351,13 +377,9 @@ def mla_decode_mgpu(
     min_split_tokens as the Triton kernel's; num_stages tiles in flight. interpret: as
     paged_decode_mgpu's."""
     batch, num_heads, width = q.shape
-    num_layers, num_pages, page_size, _, cache_width = latent_cache.shape
+    num_layers, num_pages, page_size, _, _ = latent_cache.shape
     rank = kv_lora_rank
-    if width != cache_width:
-        raise ValueError(f"q {q.shape} does not fit the latent cache {latent_cache.shape}")
-    feature = mla_mosaic_unsupported(latent_cache.shape, latent_cache.dtype, rank)
-    if feature is not None:
-        raise MosaicUnsupported(feature, kernel="MLA decode")
+    _check_call(q, latent_cache, rank, "MLA decode")
     plan = mosaic_mla_plan(
         batch,
         num_heads,
@@ -389,23 +411,19 @@ def mla_decode_mgpu(
         q_blocks,
         latent_cache.reshape(num_layers * num_pages, page_size, 1, width),  # layer and page in one index
     )
-    chunks = []
-    for value_lo in range(0, rank, plan.value_cols):
-        kernel = plgpu.kernel(
-            functools.partial(
-                _decode_kernel,
-                plan=plan,
-                cache_shape=latent_cache.shape,
-                value_lo=value_lo,
-                num_head_blocks=head_blocks,
-            ),
-            out_type=out_type,
-            grid=(batch, head_blocks, plan.num_splits),
-            grid_names=GRID_AXES,
-            interpret=interpret_params(interpret),
-            kernel_name=f"mla_decode_mgpu_s{page_size}_n{plan.block_n}_v{value_lo}",
-        )
-        chunks.append(kernel(*args))
+    chunks = _over_value_chunks(
+        _decode_kernel,
+        args,
+        plan=plan,
+        rank=rank,
+        out_type=out_type,
+        grid=(batch, head_blocks, plan.num_splits),
+        grid_names=GRID_AXES,
+        interpret=interpret,
+        name=f"mla_decode_mgpu_s{page_size}_n{plan.block_n}",
+        cache_shape=latent_cache.shape,
+        num_head_blocks=head_blocks,
+    )
     # Every chunk's scores are the same: m and l from the first; the values side by side.
     acc = jnp.concatenate([c[0] for c in chunks], axis=-1)
     m, l = chunks[0][1], chunks[0][2]
@@ -448,13 +466,9 @@ def mla_extend_mgpu(
     block) over the keys that token sees, as the Triton kernel's: right for verify trees of a few
     nodes. Raises MosaicUnsupported for what mla_mosaic_unsupported() names."""
     num_rows, num_heads, width = q.shape
-    num_layers, num_pages, page_size, _, cache_width = latent_cache.shape
+    num_layers, num_pages, page_size, _, _ = latent_cache.shape
     rank = kv_lora_rank
-    if width != cache_width:
-        raise ValueError(f"q {q.shape} does not fit the latent cache {latent_cache.shape}")
-    feature = mla_mosaic_unsupported(latent_cache.shape, latent_cache.dtype, rank)
-    if feature is not None:
-        raise MosaicUnsupported(feature, kernel="MLA extend")
+    _check_call(q, latent_cache, rank, "MLA extend")
     batch = seq_lens.shape[0]
     tree = mask is not None
     words = -(-max_q_len // MASK_WORD_BITS) if tree else 0
@@ -501,25 +515,21 @@ def mla_extend_mgpu(
         bits = lax.bitcast_convert_type(bits, jnp.int32)  # [B, max_q_len, words]
         bits = jnp.broadcast_to(bits[:, :, None, :], (batch, max_q_len, head_blocks, words))
         inputs.append(bits.reshape(-1, words))
-    chunks = []
-    for value_lo in range(0, rank, plan.value_cols):
-        kernel = plgpu.kernel(
-            functools.partial(
-                _extend_kernel,
-                plan=plan,
-                cache_shape=latent_cache.shape,
-                value_lo=value_lo,
-                num_head_blocks=head_blocks,
-                max_q_len=max_q_len,
-                tree=tree,
-            ),
-            out_type=jax.ShapeDtypeStruct((batch, max_q_len, head_blocks, GROUP_ROWS, plan.value_cols), q.dtype),
-            grid=(batch, max_q_len, head_blocks),
-            grid_names=EXTEND_GRID_AXES,
-            interpret=interpret_params(interpret),
-            kernel_name=f"mla_extend_mgpu_s{page_size}_n{plan.block_n}_v{value_lo}{'_tree' if tree else ''}",
-        )
-        chunks.append(kernel(*inputs))
+    chunks = _over_value_chunks(
+        _extend_kernel,
+        inputs,
+        plan=plan,
+        rank=rank,
+        out_type=jax.ShapeDtypeStruct((batch, max_q_len, head_blocks, GROUP_ROWS, plan.value_cols), q.dtype),
+        grid=(batch, max_q_len, head_blocks),
+        grid_names=EXTEND_GRID_AXES,
+        interpret=interpret,
+        name=f"mla_extend_mgpu_s{page_size}_n{plan.block_n}{'_tree' if tree else ''}",
+        cache_shape=latent_cache.shape,
+        num_head_blocks=head_blocks,
+        max_q_len=max_q_len,
+        tree=tree,
+    )
     out = jnp.concatenate(chunks, axis=-1).reshape(batch, max_q_len, head_blocks * GROUP_ROWS, rank)[:, :, :num_heads]
     # Back to the rows: row r is token r - query_start[b] of the sequence b that owns it.
     r = jnp.arange(num_rows, dtype=jnp.int32)

@@ -15,10 +15,12 @@ R, P, NOPE, V, HEADS = 32, 8, 16, 12, 4
 SCALE = 0.3
 
 
-def latent_problem(rng, seq_lens, page_size):
-    pages_needed = [-(-n // page_size) for n in seq_lens]
+def latent_problem(rng, seq_lens, page_size, width=R + P):
+    """A NaN-poisoned latent cache [LAYERS, pages, S, 1, width] holding each sequence's rows on
+    shuffled pages of layer LAYER (odd rows' tables point past their pages at FAR_PAGE)."""
+    pages_needed = [-(-int(n) // page_size) for n in seq_lens]
     num_pages = sum(pages_needed) + 2
-    cache = np.full((LAYERS, num_pages, page_size, 1, R + P), np.nan, np.float32)
+    cache = np.full((LAYERS, num_pages, page_size, 1, width), np.nan, np.float32)
     tables = np.full((len(seq_lens), max(pages_needed) + 1), num_pages - 1, np.int32)
     owned, cursor = rng.permutation(sum(pages_needed)), 0
     for b, (n, k) in enumerate(zip(seq_lens, pages_needed)):
@@ -27,7 +29,7 @@ def latent_problem(rng, seq_lens, page_size):
         if b % 2:
             tables[b, k:] = FAR_PAGE
         for t in range(n):
-            cache[LAYER, tables[b, t // page_size], t % page_size, 0] = rng.standard_normal(R + P)
+            cache[LAYER, tables[b, t // page_size], t % page_size, 0] = rng.standard_normal(width)
     return cache, tables
 
 

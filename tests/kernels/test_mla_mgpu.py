@@ -15,7 +15,8 @@ import pytest
 # The race detector's verdict has no public name in jax 0.11.2.
 from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from kernels.test_kernels import FAR_PAGE, LAYER, LAYERS, random_tree_mask, rel_err
+from kernels.test_kernels import LAYER, random_tree_mask, rel_err
+from kernels.test_mla import latent_problem
 from support.lowering import lower_for_cuda
 from support.precision import tolerance
 
@@ -31,20 +32,8 @@ SCALE = 0.1
 
 
 def latent_cache(rng, seq_lens, page_size, width):
-    """A NaN-poisoned bf16 latent cache [LAYERS, pages, S, 1, width] holding each sequence's rows
-    on shuffled pages of layer LAYER; odd rows' tables point past their pages at FAR_PAGE."""
-    pages_needed = [-(-int(n) // page_size) for n in seq_lens]
-    num_pages = sum(pages_needed) + 2
-    cache = np.full((LAYERS, num_pages, page_size, 1, width), np.nan, np.float32)
-    tables = np.full((len(seq_lens), max(pages_needed) + 1), num_pages - 1, np.int32)
-    owned, cursor = rng.permutation(sum(pages_needed)), 0
-    for b, (n, k) in enumerate(zip(seq_lens, pages_needed)):
-        tables[b, :k] = owned[cursor : cursor + k]
-        cursor += k
-        if b % 2:
-            tables[b, k:] = FAR_PAGE
-        for t in range(n):
-            cache[LAYER, tables[b, t // page_size], t % page_size, 0] = rng.standard_normal(width)
+    """test_mla's poisoned latent problem, in bf16 (the Mosaic kernels' 16-bit cache)."""
+    cache, tables = latent_problem(rng, seq_lens, page_size, width)
     return jnp.asarray(cache, BF16), tables
 
 
