@@ -38,6 +38,7 @@ VARIANTS = {  # name: (quantization, FP8 matmul path, KV dtype)
     "bf16": (None, None, jnp.bfloat16),
     "fp8_xla": ("fp8", "xla", jnp.bfloat16),
     "fp8_pallas": ("fp8", "pallas", jnp.bfloat16),
+    "fp8_mosaic": ("fp8", "mosaic", jnp.bfloat16),
     "fp8_w8a8": ("fp8", "w8a8", jnp.bfloat16),
     "fp8_pallas_fp8kv": ("fp8", "pallas", jnp.float8_e4m3fn),
 }

@@ -18,7 +18,7 @@ ATTENTION_BACKENDS = ("pallas", "mosaic", "reference")
 LAYER_LOOPS = ("auto", "scan", "unrolled", "unrolled_stack")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 QUANTIZATIONS = ("fp8",)
-FP8_GEMM_BACKENDS = ("auto", "xla", "pallas", "w8a8")
+FP8_GEMM_BACKENDS = ("auto", "xla", "pallas", "mosaic", "w8a8")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 GRAMMAR_BACKENDS = ("llguidance", "none")
 
@@ -92,7 +92,8 @@ class EngineConfig:
     fp8_gemm_backend: str = setting(
         "auto",
         "FP8 weights' matmul: xla (the upcast inside XLA's dot), pallas (the skinny GEMV upcasting in "
-        "registers, for decode rows on one GPU; XLA's dot for the others), w8a8 (activations quantized "
+        "registers, for decode rows on one GPU; XLA's dot for the others), mosaic (the same on Mosaic GPU, "
+        "upcasting in shared memory; per-tensor or per-channel weights), w8a8 (activations quantized "
         "per token, XLA's FP8 x FP8 GEMM; per-tensor or per-channel weights), auto: xla (measured the fastest)",
         choices=FP8_GEMM_BACKENDS,
         group="kernels",

@@ -1,7 +1,7 @@
 """Skinny matmul x[M, K] @ W[K, N] for decode rows (M <= 64), Pallas over Mosaic GPU (Hopper).
 
-The same contract as skinny_matmul.skinny_matmul for 16-bit weights whose K and N are whole
-tiles; anything else raises MosaicUnsupported, naming it, so that a caller can fall back to the
+The same contract as skinny_matmul.skinny_matmul for 16-bit weights, and FP8 (e4m3) ones with
+one scale row, whose K and N are whole tiles; anything else raises MosaicUnsupported, naming it, so that a caller can fall back to the
 Triton-backend kernel; mosaic_skinny_unsupported() asks first.
 
 Grid (column strip, K split), one warpgroup per program. Every weight byte is read once: the
@@ -32,6 +32,9 @@ from jspec.kernels.paged_tiles import TARGET_PROGRAMS
 
 MAX_ROWS = GROUP_ROWS  # wgmma's M: the padded x tile
 WEIGHT_DTYPES = (jnp.bfloat16, jnp.float16)
+# An FP8 weight's tiles are upcast to this in shared memory for wgmma (through f32: Hopper has
+# no direct e4m3 -> bf16), x cast to it too; bf16 keeps x's range where f16 would not.
+FP8_WEIGHT, FP8_COMPUTE = jnp.float8_e4m3fn, jnp.bfloat16
 # A K tile is one 128-byte swizzle row of 16-bit x; block_n is wgmma's N.
 BLOCK_K = 64
 BLOCK_N_CHOICES = (64, 128, 256)
@@ -40,14 +43,18 @@ GRID_AXES = ("strip", "split")
 MIN_TILES_PER_SPLIT = 4
 
 
-def mosaic_skinny_unsupported(M: int, K: int, N: int, w_dtype, *, block_n: int | None = None) -> str | None:
+def mosaic_skinny_unsupported(
+    M: int, K: int, N: int, w_dtype, *, block_n: int | None = None, scale_rows: int = 1
+) -> str | None:
     """The first feature of this call that the Mosaic kernel lacks, or None if it can run it
-    (block_n None: the plan's, which takes any N that 64 divides)."""
+    (block_n None: the plan's, which takes any N that 64 divides; scale_rows: an FP8 weight's
+    scale rows, one per tensor or per output channel)."""
     dtype = jnp.dtype(w_dtype)
-    if dtype.itemsize == 1:
-        return "FP8 weights"
-    if dtype not in map(jnp.dtype, WEIGHT_DTYPES):
-        return f"{dtype.name} weights (16-bit weights only)"
+    if dtype == jnp.dtype(FP8_WEIGHT):
+        if scale_rows != 1:
+            return "FP8 block scales (one scale row: per tensor or per output channel)"
+    elif dtype not in map(jnp.dtype, WEIGHT_DTYPES):
+        return f"{dtype.name} weights (16-bit or FP8 e4m3 weights only)"
     if not 1 <= M <= MAX_ROWS:
         return f"{M} rows (1 to {MAX_ROWS})"
     if K % BLOCK_K:
@@ -66,7 +73,9 @@ class MosaicSkinnyPlan(NamedTuple):
     num_stages: int  # tiles of x and W in shared memory at once
 
 
-def mosaic_skinny_plan(K: int, N: int, *, block_n=None, num_splits=None, num_stages=4) -> MosaicSkinnyPlan:
+def mosaic_skinny_plan(
+    K: int, N: int, *, block_n=None, num_splits=None, num_stages=4, w_itemsize: int = 2
+) -> MosaicSkinnyPlan:
     """Default tiles and split-K: block_n 128 (64 for an N that 128 does not divide, as SmolLM2's
     fused QKV), and enough K splits (a divisor of K's tiles, no
     split under MIN_TILES_PER_SPLIT tiles) that the grid reaches TARGET_PROGRAMS programs when the
@@ -76,7 +85,9 @@ def mosaic_skinny_plan(K: int, N: int, *, block_n=None, num_splits=None, num_sta
         raise ValueError(f"block_n must be one of {BLOCK_N_CHOICES}, got {block_n}")
     if num_stages < 1:
         raise ValueError(f"num_stages must be at least 1, got {num_stages}")
-    smem = num_stages * 2 * (MAX_ROWS * BLOCK_K + BLOCK_K * block_n) + 4 * MAX_ROWS * block_n
+    smem = num_stages * (2 * MAX_ROWS * BLOCK_K + w_itemsize * BLOCK_K * block_n) + 4 * MAX_ROWS * block_n
+    if w_itemsize == 1:  # the upcast tile
+        smem += 2 * BLOCK_K * block_n
     if smem > SMEM_BYTES:
         raise ValueError(f"block_n {block_n} x num_stages {num_stages} needs {smem} bytes of shared memory")
     strips, k_tiles = N // block_n, K // BLOCK_K
@@ -95,12 +106,15 @@ def mosaic_skinny_plan(K: int, N: int, *, block_n=None, num_splits=None, num_sta
 
 
 def _skinny_kernel(x_ref, w_ref, out_ref, *, plan, rows, dtype):
+    """dtype: the wgmma's (x's tiles, and an FP8 weight's upcast ones)."""
     block_n, stages, tiles = plan.block_n, plan.num_stages, plan.tiles_per_split
     strip, split = (lax.axis_index(axis) for axis in GRID_AXES)
     cols = pl.ds(pl.multiple_of(strip * block_n, block_n), block_n)
     first_tile = split * tiles
 
-    def product(x_smem, w_smem, barriers):
+    fp8 = w_ref.dtype == FP8_WEIGHT
+
+    def product(x_smem, w_smem, barriers, w_16=None):
         def issue(t):
             slot = lax.rem(t, stages)
             k = pl.ds(pl.multiple_of((first_tile + t) * BLOCK_K, BLOCK_K), BLOCK_K)
@@ -116,8 +130,14 @@ def _skinny_kernel(x_ref, w_ref, out_ref, *, plan, rows, dtype):
             pl.when(t + stages - 1 < tiles)(lambda: issue(t + stages - 1))
             plgpu.barrier_wait(barriers.at[slot])
 
+            w_tile = w_smem.at[slot]
+            if fp8:  # the previous tile's wgmma, read out already, is done with w_16
+                w_16[...] = w_tile[...].astype(jnp.float32).astype(dtype)
+                plgpu.commit_smem()
+                w_tile = w_16
+
             def multiply(acc_ref):
-                plgpu.wgmma(acc_ref, x_smem.at[slot], w_smem.at[slot])
+                plgpu.wgmma(acc_ref, x_smem.at[slot], w_tile)
                 return acc_ref[...]
 
             return acc + pl.run_scoped(multiply, plgpu.ACC((MAX_ROWS, block_n), jnp.float32))
@@ -125,12 +145,15 @@ def _skinny_kernel(x_ref, w_ref, out_ref, *, plan, rows, dtype):
         zeros = plgpu.layout_cast(jnp.zeros((MAX_ROWS, block_n), jnp.float32), plgpu.Layout.WGMMA)
         return lax.fori_loop(0, tiles, tile, zeros)
 
-    acc = pl.run_scoped(
-        product,
+    w_dtype = w_ref.dtype
+    scratch = [
         plgpu.SMEM((stages, MAX_ROWS, BLOCK_K), dtype, transforms=swizzled(BLOCK_K, dtype)),
-        plgpu.SMEM((stages, BLOCK_K, block_n), dtype, transforms=swizzled(block_n, dtype)),
+        plgpu.SMEM((stages, BLOCK_K, block_n), w_dtype, transforms=swizzled(block_n, w_dtype)),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-    )
+    ]
+    if fp8:
+        scratch.append(plgpu.SMEM((BLOCK_K, block_n), dtype, transforms=swizzled(block_n, dtype)))
+    acc = pl.run_scoped(product, *scratch)
 
     def write(out_smem):
         out_smem[...] = acc
@@ -142,9 +165,11 @@ def _skinny_kernel(x_ref, w_ref, out_ref, *, plan, rows, dtype):
 
 
 @functools.partial(jax.jit, static_argnames=("block_n", "num_splits", "num_stages", "interpret"))
-def skinny_matmul_mgpu(x, w, *, block_n=None, num_splits=None, num_stages=4, interpret=None):
+def skinny_matmul_mgpu(x, w, scale=None, *, block_n=None, num_splits=None, num_stages=4, interpret=None):
     """skinny_matmul.skinny_matmul on Mosaic GPU: x [M, K] (M <= 64, any float dtype) @ w [K, N]
-    (16-bit) -> f32 [M, N], x cast to w's dtype, f32 accumulation.
+    (16-bit) -> f32 [M, N], x cast to w's dtype, f32 accumulation. An FP8 (e4m3) w comes with
+    scale [1, N] f32 (per tensor or per output channel): its tiles are upcast to bf16 in shared
+    memory, x cast to bf16, and the f32 sum multiplied by the scale after the kernel.
 
     Raises MosaicUnsupported for what mosaic_skinny_unsupported() names. Tuning (see
     mosaic_skinny_plan): block_n (64, 128 or 256), num_splits (a divisor of K / 64), num_stages.
@@ -153,13 +178,21 @@ def skinny_matmul_mgpu(x, w, *, block_n=None, num_splits=None, num_stages=4, int
     (M, K), (K_w, N) = x.shape, w.shape
     if K != K_w:
         raise ValueError(f"x {x.shape} does not fit w {w.shape}")
-    feature = mosaic_skinny_unsupported(M, K, N, w.dtype, block_n=block_n)
+    fp8 = w.dtype == FP8_WEIGHT
+    if fp8 != (scale is not None):
+        raise ValueError("an FP8 weight needs its scale, and only an FP8 weight takes one")
+    feature = mosaic_skinny_unsupported(
+        M, K, N, w.dtype, block_n=block_n, scale_rows=1 if scale is None else scale.shape[0]
+    )
     if feature is not None:
         raise MosaicUnsupported(feature, kernel="skinny matmul")
-    plan = mosaic_skinny_plan(K, N, block_n=block_n, num_splits=num_splits, num_stages=num_stages)
-    x_rows = jnp.pad(x.astype(w.dtype), ((0, MAX_ROWS - M), (0, 0)))  # wgmma's 64 rows
+    plan = mosaic_skinny_plan(
+        K, N, block_n=block_n, num_splits=num_splits, num_stages=num_stages, w_itemsize=w.dtype.itemsize
+    )
+    dtype = FP8_COMPUTE if fp8 else w.dtype
+    x_rows = jnp.pad(x.astype(dtype), ((0, MAX_ROWS - M), (0, 0)))  # wgmma's 64 rows
     kernel = plgpu.kernel(
-        functools.partial(_skinny_kernel, plan=plan, rows=M, dtype=w.dtype),
+        functools.partial(_skinny_kernel, plan=plan, rows=M, dtype=dtype),
         out_type=jax.ShapeDtypeStruct((plan.num_splits, M, N), jnp.float32),
         grid=(N // plan.block_n, plan.num_splits),
         grid_names=GRID_AXES,
@@ -167,4 +200,5 @@ def skinny_matmul_mgpu(x, w, *, block_n=None, num_splits=None, num_stages=4, int
         kernel_name=f"skinny_matmul_mgpu_n{plan.block_n}_s{plan.num_splits}",
     )
     partials = kernel(x_rows, w)
-    return partials[0] if plan.num_splits == 1 else jnp.sum(partials, axis=0)
+    out = partials[0] if plan.num_splits == 1 else jnp.sum(partials, axis=0)
+    return out if scale is None else out * scale[0]

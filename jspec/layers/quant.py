@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jspec.config.engine import FP8_GEMM_BACKENDS
 from jspec.kernels.ref import dequantize_fp8
 from jspec.kernels.skinny_matmul import MAX_ROWS, skinny_matmul
+from jspec.kernels.skinny_matmul_mgpu import mosaic_skinny_unsupported, skinny_matmul_mgpu
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8).max)  # 448
@@ -72,6 +73,8 @@ def fp8_dense_f32(x: jax.Array, w: Fp8Weight) -> jax.Array:
     """x [T, in] @ w ([in, out], or the TP layout [in, tp, n]) -> f32 [T, out...]."""
     if w.gemm == "pallas" and x.shape[0] <= MAX_ROWS and w.ndim == 2 and one_gpu() and gemv_takes(w):
         return skinny_matmul(x, w.w, scale=w.scale)
+    if w.gemm == "mosaic" and w.ndim == 2 and one_gpu() and mosaic_gemv_takes(x, w):
+        return skinny_matmul_mgpu(x, w.w, w.scale)
     if w.gemm == "w8a8":
         return fp8_dot_w8a8(x, w.w, w.scale)
     return fp8_dot_xla(x, w.w, w.scale)
@@ -82,6 +85,11 @@ def gemv_takes(w: Fp8Weight) -> bool:
     (XLA's dot takes any other)."""
     rows = w.shape[0] // w.in_blocks
     return w.in_blocks == 1 or rows & (rows - 1) == 0
+
+
+def mosaic_gemv_takes(x, w: Fp8Weight) -> bool:
+    """The Mosaic GPU GEMV's cover: decode rows, whole tiles, one scale row."""
+    return mosaic_skinny_unsupported(x.shape[0], *w.shape, w.w.dtype, scale_rows=w.in_blocks) is None
 
 
 def one_gpu() -> bool:
@@ -158,7 +166,8 @@ def quantize_params(params, method: str | None):
 
 def with_fp8_gemm(params, backend: str):
     """params with every FP8 weight's matmul path set: "xla", "pallas" (the Pallas GEMV, which
-    upcasts in registers and reads each byte once, for decode rows on one GPU), "w8a8", or
+    upcasts in registers and reads each byte once, for decode rows on one GPU), "mosaic" (the
+    Mosaic GPU GEMV, upcasting in shared memory; one scale row), "w8a8", or
     "auto": XLA's dot, the fastest on the GPU at 16 rows and on small projections, and within a
     few percent of the GEMV at one row on large ones (benchmarks/NOTES.md, bench_fp8)."""
     if backend not in FP8_GEMM_BACKENDS:

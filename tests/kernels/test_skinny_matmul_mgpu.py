@@ -79,18 +79,44 @@ def test_plan_fills_the_gpu_with_whole_splits():
         mosaic_skinny_plan(4096, 4096, block_n=256, num_stages=8)
 
 
-@pytest.mark.parametrize("M,K,N", [(1, 4096, 6144), (16, 14336, 4096), (64, 4096, 128256)])
-def test_kernel_lowers_for_cuda(M, K, N):
+@pytest.mark.parametrize(
+    "M,K,N,w_dtype",
+    [
+        (1, 4096, 6144, jnp.bfloat16),
+        (16, 14336, 4096, jnp.bfloat16),
+        (64, 4096, 128256, jnp.bfloat16),
+        (1, 4096, 6144, jnp.float8_e4m3fn),  # FP8, one scale row
+        (16, 14336, 4096, jnp.float8_e4m3fn),
+    ],
+)
+def test_kernel_lowers_for_cuda(M, K, N, w_dtype):
     fn = functools.partial(skinny_matmul_mgpu, interpret=False)
-    specs = jax.ShapeDtypeStruct((M, K), jnp.bfloat16), jax.ShapeDtypeStruct((K, N), jnp.bfloat16)
+    specs = (jax.ShapeDtypeStruct((M, K), jnp.bfloat16), jax.ShapeDtypeStruct((K, N), w_dtype))
+    if w_dtype == jnp.float8_e4m3fn:
+        specs += (jax.ShapeDtypeStruct((1, N), jnp.float32),)
     text = lower_for_cuda(fn, *specs).as_text()
     assert "custom_call @mosaic_gpu_v2" in text and "xla.gpu.triton" not in text
+
+
+@pytest.mark.parametrize("M,K,N,tuning", [(1, 256, 384, {}), (16, 512, 128, dict(num_splits=2, block_n=64))])
+def test_interpreted_fp8_weight_matches_reference(M, K, N, tuning):
+    """An e4m3 weight with a scale per output channel: its tiles upcast to bf16 in shared memory,
+    the scale applied to the f32 sum."""
+    from kernels.test_fp8_kernels import fp8_weight
+
+    w, scale = fp8_weight(K, N, 1, seed=M + K)
+    x = jnp.asarray(np.random.default_rng(M).standard_normal((M, K)), jnp.bfloat16)
+    interpreted = interpret_mode()
+    got = skinny_matmul_mgpu(x, w, scale, interpret=RACE_CHECKED if interpreted else None, **tuning)
+    assert not (interpreted and get_races().races_found)
+    assert got.shape == (M, N) and got.dtype == jnp.float32
+    want = skinny_matmul_ref(x, w, scale)
+    assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < tolerance(jnp.bfloat16).rel
 
 
 @pytest.mark.parametrize(
     "M,K,N,dtype,feature",
     [
-        (1, 256, 128, jnp.float8_e4m3fn, "FP8 weights"),
         (1, 256, 128, jnp.float32, "float32 weights"),
         (65, 256, 128, jnp.bfloat16, "65 rows"),
         (1, 300, 128, jnp.bfloat16, "K 300"),
@@ -104,3 +130,12 @@ def test_refuses_by_name(M, K, N, dtype, feature):
     x, w = jax.ShapeDtypeStruct((M, K), jnp.bfloat16), jax.ShapeDtypeStruct((K, N), dtype)
     with pytest.raises(MosaicUnsupported, match=re.escape(feature)):
         jax.eval_shape(skinny_matmul_mgpu, x, w)
+
+
+def test_refuses_fp8_block_scales_by_name():
+    """Block scales (several scale rows, DeepSeek's) stay with the Triton-backend GEMV."""
+    feature = "FP8 block scales"
+    assert feature in mosaic_skinny_unsupported(1, 256, 128, jnp.float8_e4m3fn, scale_rows=2)
+    x, w = jax.ShapeDtypeStruct((1, 256), jnp.bfloat16), jax.ShapeDtypeStruct((256, 128), jnp.float8_e4m3fn)
+    with pytest.raises(MosaicUnsupported, match=feature):
+        jax.eval_shape(skinny_matmul_mgpu, x, w, jax.ShapeDtypeStruct((2, 128), jnp.float32))

@@ -166,11 +166,11 @@ def test_fp8_refusals(tiny, fp8_checkpoints, tmp_path):
         jspec.Engine(moe, **ENGINE, quantization="fp8")
 
 
-@pytest.mark.parametrize("scan,gemm", [(True, "xla"), (False, "pallas"), (True, "w8a8")])
+@pytest.mark.parametrize("scan,gemm", [(True, "xla"), (False, "pallas"), (False, "mosaic"), (True, "w8a8")])
 def test_fp8_decode_step_lowers_for_cuda(tmp_path, monkeypatch, scan, gemm):
     """The bf16 decode step with FP8 weights (stacked under the scan through XLA's dot, or per
-    layer through the Pallas GEMV) and an FP8 KV pool lowers for an H200, kernels compiled;
-    the weights enter the step FP8."""
+    layer through the Pallas GEMV, Triton's or Mosaic GPU's) and an FP8 KV pool lowers for an
+    H200, kernels compiled; the weights enter the step FP8."""
     from support.lowering import lower_for_cuda
 
     import jspec.kernels.backend
@@ -198,6 +198,8 @@ def test_fp8_decode_step_lowers_for_cuda(tmp_path, monkeypatch, scan, gemm):
     assert "__gpu$xla.gpu.triton" in text
     # Per layer: qkv, o, gate_up and down through the FP8 GEMV kernel (each its own launch).
     assert text.count("skinny_matmul_fp8") >= (4 * w.cfg.num_layers if gemm == "pallas" else 0)
+    # The Mosaic GEMV is a jitted function: the layers' calls of one shape share its body.
+    assert text.count("custom_call @mosaic_gpu_v2") >= (4 if gemm == "mosaic" else 0)
     signature = text[text.index("func.func public @main") :].split("{", 1)[0]
     assert signature.count("f8E4M3FN") >= 4  # 4 projections (x layers when unrolled)
     assert signature.count("xui8>") >= 2  # the K and V pools: e4m3 bytes
