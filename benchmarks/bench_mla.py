@@ -66,37 +66,19 @@ def main(argv=None):
         kw = dict(kv_lora_rank=rank, sm_scale=(192.0**-0.5))
         kernel = jax.jit(functools.partial(mla_decode, **kw))
         ref = jax.jit(functools.partial(mla_decode_ref, **kw))
-        out, want = kernel(q, cache, layer, lens, tables), ref(q, cache, layer, lens, tables)
-        err = float(jnp.linalg.norm((out - want).astype(jnp.float32)) / jnp.linalg.norm(want.astype(jnp.float32)))
+        args = (q, cache, layer, lens, tables)
+        out, want = kernel(*args), ref(*args)
+        err = rel_error(out, want)
         t_kernel = timed(lambda: kernel(q, cache, layer, lens, tables), iters, repeats)
         t_ref = timed(lambda: ref(q, cache, layer, lens, tables), iters, repeats)
         read = batch * ctx * (rank + rope) * jnp.dtype(dtype).itemsize
-        by_block_h = {}
-        for block_h in (16, 64):
-            if block_h >= heads:  # the default already runs all the heads in one block
-                continue
-            wide = jax.jit(functools.partial(mla_decode, block_h=block_h, **kw))
-            try:
-                got = wide(q, cache, layer, lens, tables)
-                wide_err = float(
-                    jnp.linalg.norm((got - want).astype(jnp.float32)) / jnp.linalg.norm(want.astype(jnp.float32))
-                )
-                t = timed(lambda wide=wide: wide(q, cache, layer, lens, tables), iters, repeats)
-                by_block_h[block_h] = dict(kernel_us=t * 1e6, kernel_gbps=read / t / 1e9, rel_err=wide_err)
-            except Exception as e:  # noqa: BLE001 - a block too large for the GPU is recorded, not fatal
-                by_block_h[block_h] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        mosaic = jax.jit(functools.partial(mla_decode_mgpu, **kw))
-        try:
-            got = mosaic(q, cache, layer, lens, tables)
-            mosaic_err = float(
-                jnp.linalg.norm((got - want).astype(jnp.float32)) / jnp.linalg.norm(want.astype(jnp.float32))
-            )
-            t = timed(lambda: mosaic(q, cache, layer, lens, tables), iters, repeats)
-            mosaic_row = dict(kernel_us=t * 1e6, kernel_gbps=read / t / 1e9, rel_err=mosaic_err)
-        except MosaicUnsupported as e:
-            mosaic_row = {"unsupported": e.feature}
-        except Exception as e:  # noqa: BLE001 - a kernel failing on the GPU is recorded, not fatal
-            mosaic_row = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        # The default's neighbours for heads per program (where the heads fill them), and Mosaic GPU.
+        by_block_h = {
+            block_h: time_kernel(functools.partial(mla_decode, block_h=block_h, **kw), args, want, read, iters, repeats)
+            for block_h in (16, 64)
+            if block_h < heads  # else the default already runs all the heads in one block
+        }
+        mosaic_row = time_kernel(functools.partial(mla_decode_mgpu, **kw), args, want, read, iters, repeats)
         row = dict(
             batch=batch,
             ctx=ctx,
@@ -122,6 +104,21 @@ def main(argv=None):
     return rows, verify_rows
 
 
+def time_kernel(kernel, args, want, read, iters, repeats) -> dict:
+    """kernel(*args) checked against want and timed: its time, the read bandwidth over read
+    bytes and its error; or the feature it refuses by name, or the error it raised (a kernel
+    failing on the GPU is recorded, not fatal)."""
+    fn = jax.jit(kernel)
+    try:
+        err = rel_error(fn(*args), want)
+        t = timed(lambda: fn(*args), iters, repeats)
+        return dict(kernel_us=t * 1e6, kernel_gbps=read / t / 1e9, rel_err=err)
+    except MosaicUnsupported as e:
+        return {"unsupported": e.feature}
+    except Exception as e:  # noqa: BLE001 - recorded with the row
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+
 def rel_error(got, want) -> float:
     return float(jnp.linalg.norm((got - want).astype(jnp.float32)) / jnp.linalg.norm(want.astype(jnp.float32)))
 
@@ -141,15 +138,7 @@ def time_verify(batch, ctx, page_size, heads, new, rank, rope, dtype, iters, rep
     row = dict(batch=batch, ctx=ctx, page_size=page_size, heads=heads, new_tokens=new, latent_bytes_read=read)
     row["floor_us"] = None if bandwidth is None else read / bandwidth * 1e6
     for name, kernel in (("triton", mla_extend), ("mosaic", mla_extend_mgpu)):
-        fn = jax.jit(functools.partial(kernel, **kw))
-        try:
-            err = rel_error(fn(*args), want)
-            t = timed(lambda fn=fn: fn(*args), iters, repeats)
-            row[name] = dict(kernel_us=t * 1e6, kernel_gbps=read / t / 1e9, rel_err=err)
-        except MosaicUnsupported as e:
-            row[name] = {"unsupported": e.feature}
-        except Exception as e:  # noqa: BLE001 - a kernel failing on the GPU is recorded, not fatal
-            row[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        row[name] = time_kernel(functools.partial(kernel, **kw), args, want, read, iters, repeats)
     return row
 
 

@@ -30,6 +30,8 @@ SMEM_BYTES = 227 * 1024
 KV_DTYPES = (jnp.bfloat16, jnp.float16)
 # An FP8 tile's wgmma dtype: Hopper converts e4m3 to f16 in one step, to bf16 only through f32.
 FP8_COMPUTE = jnp.float16
+# A tree mask's row travels as bits: one int32 word per this many new tokens.
+MASK_WORD_BITS = 32
 # KV tokens per tile: wgmma's N for the logits. Fewer than 64 fail Mosaic GPU's layout inference
 # (jax 0.11.2); more than 256 exceed wgmma's N.
 BLOCK_N_CHOICES = (64, 128, 256)
@@ -44,16 +46,11 @@ class MosaicUnsupported(NotImplementedError):
         self.kernel = kernel
 
 
-def paged_unsupported(cache_shape, cache_dtype, num_q_heads, *, num_warps, fp8=False) -> str | None:
-    """The first feature of a paged attention call that the Mosaic kernels lack, or None. fp8:
-    the kernel takes an FP8 pool (its tiles upcast in shared memory)."""
+def paged_unsupported(cache_shape, cache_dtype, num_q_heads, *, num_warps) -> str | None:
+    """The first feature of a paged attention call that the Mosaic kernels lack, or None."""
     _, _, page_size, num_kv_heads, head_dim = cache_shape
     dtype = jnp.dtype(cache_dtype)
-    if dtype == FP8_KV_BYTES and not fp8:
-        return "an FP8 KV pool"
-    if dtype == FP8_KV_BYTES:
-        dtype = jnp.dtype(FP8_COMPUTE)
-    if dtype not in map(jnp.dtype, KV_DTYPES):
+    if dtype != FP8_KV_BYTES and dtype not in map(jnp.dtype, KV_DTYPES):
         # wgmma reads 32-bit operands K-major only, and a V tile is N-major.
         return f"a {dtype.name} KV pool (16-bit or FP8 pools only)"
     if page_size < MIN_PAGE_SIZE or page_size & (page_size - 1):
@@ -73,15 +70,26 @@ def check_block_n(block_n: int) -> None:
         raise ValueError(f"block_n must be one of {BLOCK_N_CHOICES}, got {block_n}")
 
 
-def tile_smem_bytes(head_dim: int, block_n: int, num_stages: int, itemsize: int = 2, fp8: bool = False) -> int:
+def wgmma_dtype(kv_dtype):
+    """The dtype a pool's attention multiplies in (q, p and the K / V tiles): the pool's, or
+    FP8_COMPUTE over an FP8 pool (its byte tiles upcast in shared memory)."""
+    return FP8_COMPUTE if jnp.dtype(kv_dtype) == FP8_KV_BYTES else kv_dtype
+
+
+def tile_smem_bytes(head_dim: int, block_n: int, num_stages: int, kv_dtype=jnp.bfloat16) -> int:
     """Shared memory of a tile loop: the query block, num_stages K and V tiles, and p; over an
     FP8 pool the tiles are bytes, plus one K and one V tile upcast to 16 bits."""
-    if fp8:
-        return (
-            2 * (GROUP_ROWS * head_dim + 2 * block_n * head_dim + GROUP_ROWS * block_n)
-            + 2 * num_stages * block_n * head_dim
-        )
-    return itemsize * (GROUP_ROWS * head_dim + 2 * num_stages * block_n * head_dim + GROUP_ROWS * block_n)
+    tiles = 2 * num_stages * block_n * head_dim * jnp.dtype(kv_dtype).itemsize
+    upcast = 2 * block_n * head_dim * 2 if jnp.dtype(kv_dtype) == FP8_KV_BYTES else 0
+    return tiles + upcast + 2 * (GROUP_ROWS * head_dim + GROUP_ROWS * block_n)
+
+
+def upcast_tiles_smem(block_n: int, head_dim: int, kv_dtype) -> list:
+    """The shared memory upcast_kv_tiles writes to: a K and a V tile over an FP8 pool, else none."""
+    if jnp.dtype(kv_dtype) != FP8_KV_BYTES:
+        return []
+    dtype = wgmma_dtype(kv_dtype)
+    return [plgpu.SMEM((block_n, head_dim), dtype, transforms=swizzled(head_dim, dtype)) for _ in range(2)]
 
 
 def upcast_kv_tiles(k_bytes, v_bytes, v_barrier, k_16, v_16):
@@ -93,6 +101,29 @@ def upcast_kv_tiles(k_bytes, v_bytes, v_barrier, k_16, v_16):
     v_16[...] = lax.bitcast_convert_type(v_bytes[...], FP8_KV).astype(v_16.dtype)
     plgpu.commit_smem()
     return k_16, v_16
+
+
+def mask_word_bits(mask, words: int):
+    """A boolean mask [..., Q] as int32 words [..., words], bit k of word w the mask at w *
+    MASK_WORD_BITS + k (made in jnp, read in a kernel by seen_or_in_words)."""
+    width = words * MASK_WORD_BITS
+    rows = jnp.pad(mask.astype(bool), [(0, 0)] * (mask.ndim - 1) + [(0, width - mask.shape[-1])])
+    rows = rows.reshape(*mask.shape[:-1], words, MASK_WORD_BITS)
+    weights = jnp.left_shift(jnp.uint32(1), jnp.arange(MASK_WORD_BITS, dtype=jnp.uint32))
+    return lax.bitcast_convert_type(
+        jnp.sum(jnp.where(rows, weights, jnp.uint32(0)), axis=-1, dtype=jnp.uint32), jnp.int32
+    )
+
+
+def seen_or_in_words(seen, new_token, word_values):
+    """In a kernel: seen, or'd with whether each new_token (an array of positions among the new
+    tokens; negative ones are not new) has its bit set, word_values[w] holding word w's bits
+    shaped like new_token (mask_word_bits' layout)."""
+    for word, bits in enumerate(word_values):
+        bit = jnp.clip(new_token - word * MASK_WORD_BITS, 0, MASK_WORD_BITS - 1)
+        in_word = (new_token >= word * MASK_WORD_BITS) & (new_token < (word + 1) * MASK_WORD_BITS)
+        seen |= in_word & ((lax.shift_right_logical(bits, bit) & 1) != 0)
+    return seen
 
 
 def interpret_params(interpret) -> plgpu.InterpretGPUParams | None:

@@ -33,6 +33,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jspec.kernels.mgpu_tiles import (
     GROUP_ROWS,
     KV_DTYPES,
+    MASK_WORD_BITS,
     MIN_PAGE_SIZE,
     SMEM_BYTES,
     MosaicUnsupported,
@@ -40,14 +41,14 @@ from jspec.kernels.mgpu_tiles import (
     check_block_n,
     initial_rows,
     interpret_params,
+    mask_word_bits,
+    seen_or_in_words,
     swizzled,
 )
 from jspec.kernels.paged_tiles import FP8_KV_BYTES, LOG2E, choose_splits, merge_splits, min_split_len, runtime_split_len
 
 GRID_AXES = ("seq", "head_block", "split")
 EXTEND_GRID_AXES = ("seq", "token", "head_block")
-# A tree mask's bits per int32 word, as paged_extend_mgpu's.
-MASK_WORD_BITS = 32
 # Value columns per kernel call: the accumulator's share of a thread's registers stays half.
 VALUE_COLS = 256
 
@@ -182,12 +183,7 @@ def _latent_loop(
 
     def visible(positions):
         new_token = positions - prefix
-        seen = new_token < 0
-        for word, bits in enumerate(row_words):
-            bit = jnp.clip(new_token - word * MASK_WORD_BITS, 0, MASK_WORD_BITS - 1)
-            in_word = (new_token >= word * MASK_WORD_BITS) & (new_token < (word + 1) * MASK_WORD_BITS)
-            seen |= in_word & ((lax.shift_right_logical(bits + jnp.zeros_like(bit), bit) & 1) != 0)
-        return seen
+        return seen_or_in_words(new_token < 0, new_token, [bits + jnp.zeros_like(new_token) for bits in row_words])
 
     def attend(q_smem, tiles, p_smem, q_barrier, barriers):
         def issue_tile(t):
@@ -505,14 +501,9 @@ def mla_extend_mgpu(
         latent_cache.reshape(num_layers * num_pages, page_size, 1, width),
     ]
     if tree:
-        # Each token's row of the mask as bits, one word per MASK_WORD_BITS new tokens, for each
-        # of its head blocks: [B * max_q_len * head_blocks, words].
-        width_bits = words * MASK_WORD_BITS
-        row_mask = jnp.pad(mask.astype(bool), ((0, 0), (0, 0), (0, width_bits - mask.shape[-1])))
-        row_mask = row_mask.reshape(batch, max_q_len, words, MASK_WORD_BITS)
-        weights = jnp.left_shift(jnp.uint32(1), jnp.arange(MASK_WORD_BITS, dtype=jnp.uint32))
-        bits = jnp.sum(jnp.where(row_mask, weights, jnp.uint32(0)), axis=-1, dtype=jnp.uint32)
-        bits = lax.bitcast_convert_type(bits, jnp.int32)  # [B, max_q_len, words]
+        # Each token's row of the mask as bits, for each of its head blocks:
+        # [B * max_q_len * head_blocks, words].
+        bits = mask_word_bits(mask, words)  # [B, max_q_len, words]
         bits = jnp.broadcast_to(bits[:, :, None, :], (batch, max_q_len, head_blocks, words))
         inputs.append(bits.reshape(-1, words))
     chunks = _over_value_chunks(

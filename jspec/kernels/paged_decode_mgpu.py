@@ -2,8 +2,9 @@
 
 The same contract as paged_decode.paged_decode (same arguments, same outputs, the same split-K
 plan and merge; sliding windows, soft-caps and sinks included), for 16-bit and FP8 KV pools
-(an FP8 tile upcast to f16 in shared memory before its wgmmas) and pages of 8 or more tokens. Anything else raises MosaicUnsupported, naming the feature, so that a caller
-can fall back to the Triton-backend kernel; mosaic_decode_unsupported() asks first.
+(an FP8 tile upcast to f16 in shared memory before its wgmmas) and pages of 8 or more tokens.
+Anything else raises MosaicUnsupported, naming the feature, so that a caller can fall back to the
+Triton-backend kernel; mosaic_decode_unsupported() asks first.
 
 Grid (sequence, kv head, context split), one warpgroup per program. The program's GQA group is
 the M side of two wgmmas (logits = q k^T, then p v), padded with zero rows to wgmma's 64: the
@@ -38,7 +39,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jspec.kernels.mgpu_tiles import (
-    FP8_COMPUTE,
     GROUP_ROWS,
     SMEM_BYTES,
     MosaicUnsupported,
@@ -53,9 +53,10 @@ from jspec.kernels.mgpu_tiles import (
     swizzled,
     tile_smem_bytes,
     upcast_kv_tiles,
+    upcast_tiles_smem,
+    wgmma_dtype,
 )
 from jspec.kernels.paged_tiles import (
-    FP8_KV_BYTES,
     LOG2E,
     choose_splits,
     lse_of_splits,
@@ -70,7 +71,7 @@ GRID_AXES = ("seq", "kv_head", "split")
 
 def mosaic_decode_unsupported(cache_shape, cache_dtype, num_q_heads, *, num_warps=4) -> str | None:
     """The first feature of this call that the Mosaic kernel lacks, or None if it can run it."""
-    return paged_unsupported(cache_shape, cache_dtype, num_q_heads, num_warps=num_warps, fp8=True)
+    return paged_unsupported(cache_shape, cache_dtype, num_q_heads, num_warps=num_warps)
 
 
 def _attend_split(
@@ -194,8 +195,7 @@ def _decode_kernel(
 ):
     sinks_ref, *out_refs = refs if sinks else (None, *refs)
     _, num_pages, page_size, num_kv_heads, head_dim = cache_shape
-    fp8 = k_ref.dtype == FP8_KV_BYTES
-    dtype = FP8_COMPUTE if fp8 else k_ref.dtype  # the wgmmas' (q, p and the upcast tiles)
+    dtype = wgmma_dtype(k_ref.dtype)
     stages, block_n = plan.num_stages, plan.block_n
     attend = functools.partial(
         _attend_split,
@@ -229,8 +229,7 @@ def _decode_kernel(
         plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
         plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
     ]
-    if fp8:
-        scratch += [plgpu.SMEM((block_n, head_dim), dtype, transforms=swizzled(head_dim, dtype))] * 2
+    scratch += upcast_tiles_smem(block_n, head_dim, kv)
     m, l, acc = pl.run_scoped(attend, *scratch)
     if len(out_refs) == 1:
         (out_ref,) = out_refs
@@ -275,7 +274,7 @@ def mosaic_decode_plan(
     check_block_n(block_n)
     if num_stages < 1:
         raise ValueError(f"num_stages must be at least 1, got {num_stages}")
-    tiles = tile_smem_bytes(head_dim, block_n, num_stages, fp8=jnp.dtype(cache_dtype) == FP8_KV_BYTES)
+    tiles = tile_smem_bytes(head_dim, block_n, num_stages, cache_dtype)
     if tiles > SMEM_BYTES:
         raise ValueError(
             f"block_n {block_n} x num_stages {num_stages} at head_dim {head_dim} needs {tiles} bytes of shared memory"
@@ -360,8 +359,7 @@ def paged_decode_mgpu(
     span = jnp.minimum(kv_lens, window + (plan.block_n - 1))
     split_len = runtime_split_len(span, plan.num_splits, plan.block_n, plan.min_split_len)
     # wgmma's 64 rows: the group's heads, then zeros.
-    compute = FP8_COMPUTE if k_cache.dtype == FP8_KV_BYTES else k_cache.dtype
-    q_groups = q.astype(compute).reshape(batch * num_kv_heads, group, head_dim)
+    q_groups = q.astype(wgmma_dtype(k_cache.dtype)).reshape(batch * num_kv_heads, group, head_dim)
     q_groups = jnp.pad(q_groups, ((0, 0), (0, GROUP_ROWS - group), (0, 0)))
     if write_final:
         out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)

@@ -3,9 +3,9 @@ over Mosaic GPU (Hopper).
 
 The same contract as paged_extend.paged_extend (same arguments, same outputs; causal, or a tree
 mask: the prefix fully visible, new token i seeing new token k iff mask[b, i, k]; sliding
-windows, soft-caps and sinks included) for 16-bit and FP8 KV pools, pages of 8 or more tokens and trees of
-at most MAX_TREE_TOKENS tokens. Anything else raises MosaicUnsupported, naming the feature;
-mosaic_extend_unsupported() asks first.
+windows, soft-caps and sinks included) for 16-bit and FP8 KV pools, pages of 8 or more tokens
+and trees of at most MAX_TREE_TOKENS tokens. Anything else raises MosaicUnsupported, naming the
+feature; mosaic_extend_unsupported() asks first.
 
 Grid (query block, context split, kv head), one warpgroup per program, over the batch's query
 blocks themselves (paged_tiles.query_block_table: each sequence's blocks, highest first, since
@@ -43,8 +43,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jspec.kernels.mgpu_tiles import (
-    FP8_COMPUTE,
     GROUP_ROWS,
+    MASK_WORD_BITS,
     SMEM_BYTES,
     MosaicUnsupported,
     attend_kv_tile,
@@ -52,15 +52,18 @@ from jspec.kernels.mgpu_tiles import (
     initial_rows,
     interpret_params,
     issue_kv_tile,
+    mask_word_bits,
     paged_unsupported,
     rows_after_sinks,
+    seen_or_in_words,
     split_sink_rows,
     swizzled,
     tile_smem_bytes,
     upcast_kv_tiles,
+    upcast_tiles_smem,
+    wgmma_dtype,
 )
 from jspec.kernels.paged_tiles import (
-    FP8_KV_BYTES,
     LOG2E,
     choose_splits,
     merge_splits,
@@ -74,7 +77,6 @@ from jspec.kernels.paged_tiles import (
 
 GRID_AXES = ("item", "split", "kv_head")
 # A tree's mask rows travel as 32-bit words; each masked tile tests every word, so trees stay small.
-MASK_WORD_BITS = 32
 MAX_TREE_TOKENS = 256
 
 
@@ -89,9 +91,7 @@ def mosaic_extend_unsupported(
 ) -> str | None:
     """The first feature of this call that the Mosaic extend kernel lacks, or None if it can run
     it. max_q_len: the bound on new tokens per sequence (a tree mask's side)."""
-    feature = paged_unsupported(
-        cache_shape, cache_dtype, num_q_heads, num_warps=4 if num_warps is None else num_warps, fp8=True
-    )
+    feature = paged_unsupported(cache_shape, cache_dtype, num_q_heads, num_warps=4 if num_warps is None else num_warps)
     if feature is None and tree and max_q_len is not None and max_q_len > MAX_TREE_TOKENS:
         return f"a tree mask over {max_q_len} tokens (at most {MAX_TREE_TOKENS})"
     return feature
@@ -136,8 +136,7 @@ def mosaic_extend_plan(
     if num_stages < 1:
         raise ValueError(f"num_stages must be at least 1, got {num_stages}")
     words = -(-max_q_len // MASK_WORD_BITS) if tree else 0
-    fp8 = jnp.dtype(cache_dtype) == FP8_KV_BYTES
-    smem = tile_smem_bytes(head_dim, block_n, num_stages, fp8=fp8) + 4 * GROUP_ROWS * (1 + words)
+    smem = tile_smem_bytes(head_dim, block_n, num_stages, cache_dtype) + 4 * GROUP_ROWS * (1 + words)
     if smem > SMEM_BYTES:
         raise ValueError(
             f"block_n {block_n} x num_stages {num_stages} at head_dim {head_dim} needs {smem} bytes of shared memory"
@@ -270,13 +269,9 @@ def _attend_block(
         if row_lo is not None:
             seen &= positions >= lax.broadcast_in_dim(row_lo, positions.shape, [0])
         if tree:
-            new_token = positions - prefix
-            for word in range(plan.mask_words):
-                bits = plgpu.load(mask_bits_smem.at[word], layout=row_facts)
-                bit = jnp.clip(new_token - word * MASK_WORD_BITS, 0, MASK_WORD_BITS - 1)
-                in_word = (new_token >= word * MASK_WORD_BITS) & (new_token < (word + 1) * MASK_WORD_BITS)
-                shifted = lax.shift_right_logical(lax.broadcast_in_dim(bits, positions.shape, [0]), bit)
-                seen |= in_word & ((shifted & 1) != 0)
+            rows_words = (plgpu.load(mask_bits_smem.at[word], layout=row_facts) for word in range(plan.mask_words))
+            words = [lax.broadcast_in_dim(bits, positions.shape, [0]) for bits in rows_words]
+            seen = seen_or_in_words(seen, positions - prefix, words)
         return seen
 
     def attend_tile(t, carry, *, masked):
@@ -352,8 +347,7 @@ def _extend_kernel(
     k_ref, v_ref, *out_refs = refs
     _, _, _, num_kv_heads, head_dim = cache_shape
     kv, stages, block_n = k_ref.dtype, plan.num_stages, plan.block_n
-    fp8 = kv == FP8_KV_BYTES
-    dtype = FP8_COMPUTE if fp8 else kv  # the wgmmas' (q, p and the upcast tiles)
+    dtype = wgmma_dtype(kv)
     item, split, kv_head = (lax.axis_index(axis) for axis in GRID_AXES)
     # The item's sequence (-1 past the batch's blocks: the program does nothing) and block.
     real_seq, q_block = item_seq_ref[item], item_block_ref[item]
@@ -376,8 +370,7 @@ def _extend_kernel(
         plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
         plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
     ]
-    if fp8:
-        scratch += [plgpu.SMEM((block_n, head_dim), dtype, transforms=swizzled(head_dim, dtype))] * 2
+    scratch += upcast_tiles_smem(block_n, head_dim, kv)
     attend = functools.partial(
         _attend_block,
         scalars_ref,
@@ -470,13 +463,8 @@ def query_blocks(q, query_start, kv_lens, mask, plan, *, num_kv_heads, dtype):
     max_q_len = mask.shape[-1]
     within = jnp.minimum(token, max_q_len - 1)
     row_pos = prefix + tree_depth(mask)[seq, within]
-    width = plan.mask_words * MASK_WORD_BITS
     rows_mask = mask.astype(bool)[seq, within] & valid[..., None]  # [NI, R, Q]
-    rows_mask = jnp.pad(rows_mask, ((0, 0), (0, 0), (0, width - max_q_len)))
-    rows_mask = rows_mask.reshape(*rows_mask.shape[:2], plan.mask_words, MASK_WORD_BITS)
-    weights = jnp.left_shift(jnp.uint32(1), jnp.arange(MASK_WORD_BITS, dtype=jnp.uint32))
-    words = jnp.sum(jnp.where(rows_mask, weights, jnp.uint32(0)), axis=-1, dtype=jnp.uint32)  # [NI, R, W]
-    bits = lax.bitcast_convert_type(words, jnp.int32).transpose(0, 2, 1)
+    bits = mask_word_bits(rows_mask, plan.mask_words).transpose(0, 2, 1)  # [NI, W, R]
     return blocks, row_limit, bits, (row_pos, valid), table
 
 
@@ -612,7 +600,7 @@ def paged_extend_mgpu(
         mask,
         plan,
         num_kv_heads=num_kv_heads,
-        dtype=FP8_COMPUTE if k_cache.dtype == FP8_KV_BYTES else k_cache.dtype,
+        dtype=wgmma_dtype(k_cache.dtype),
     )
     num_blocks = blocks.shape[0]
     if write_final:

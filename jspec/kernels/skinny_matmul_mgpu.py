@@ -1,8 +1,9 @@
 """Skinny matmul x[M, K] @ W[K, N] for decode rows (M <= 64), Pallas over Mosaic GPU (Hopper).
 
 The same contract as skinny_matmul.skinny_matmul for 16-bit weights, and FP8 (e4m3) ones with
-one scale row, whose K and N are whole tiles; anything else raises MosaicUnsupported, naming it, so that a caller can fall back to the
-Triton-backend kernel; mosaic_skinny_unsupported() asks first.
+one scale row, whose K and N are whole tiles; anything else raises MosaicUnsupported, naming
+it, so that a caller can fall back to the Triton-backend kernel; mosaic_skinny_unsupported()
+asks first.
 
 Grid (column strip, K split), one warpgroup per program. Every weight byte is read once: the
 program walks its strip's block_n columns down its split of K in block_k-row tiles, each tile of
