@@ -19,6 +19,7 @@ import jax
 
 import jspec
 from benchmarks.common import Results
+from jspec.config.load import LoadConfig
 from jspec.engine.sizing import device_memory_stats
 from jspec.worker.programs import measure_programs, scratch_decode
 
@@ -114,9 +115,8 @@ def main() -> None:
     a = ap.parse_args()
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", a.mem_fraction)
     logging.basicConfig(level="INFO", format="[%(name)s] %(message)s")
-    model = jspec.load(a.model_path, load_format="dummy")
     if a.time_pools:
-        return time_pools(model, [int(t) for t in a.time_pools.split(",")])
+        return time_pools(jspec.load(a.model_path, load_format="dummy"), [int(t) for t in a.time_pools.split(",")])
     spec = None
     if a.speculative_args:
         algo, path, steps, topk, tokens, *adaptive = a.speculative_args.split()
@@ -129,8 +129,14 @@ def main() -> None:
             adaptive=adaptive == ["adaptive"],
         )
     t0 = time.perf_counter()
+    # From the path, as the server builds it: a Model held here would keep the loader's stacked
+    # layers on the device beside the engine's per-layer copies.
     engine = jspec.Engine(
-        model, max_total_tokens=a.max_total_tokens, max_running_requests=a.max_running_requests, speculative=spec
+        a.model_path,
+        load=LoadConfig(load_format="dummy"),
+        max_total_tokens=a.max_total_tokens,
+        max_running_requests=a.max_running_requests,
+        speculative=spec,
     )
     n = len(measure_programs(engine.worker)) if a.largest_only else engine.warmup()
     if a.largest_only:  # and run one: a donation refused at run time shows only there

@@ -34,7 +34,7 @@ from jspec.layers.quant import has_fp8_weights, quantize_params, with_fp8_gemm
 from jspec.lora.adapter import read_rank
 from jspec.lora.pool import LoraPool
 from jspec.speculative.registry import make_method
-from jspec.worker.base import Worker, check_layer_loop
+from jspec.worker.base import Worker, check_layer_loop, lay_out_layers
 from jspec.worker.dp import DPWorker
 from jspec.worker.plain import PlainWorker
 from jspec.worker.programs import first_step, measure_programs
@@ -85,6 +85,9 @@ def build_worker(model: Model, config: EngineConfig, draft=None, target_path=Non
         lora=lora_pool(config, model.cfg, dtype, mesh or dp_mesh, params),
         kv_cache_dtype=config.kv_cache_dtype,
     )
+    # Laid out here, where the weights are owned, so the loader's stacked copy is gone before any
+    # pool exists: a worker laying them out itself creates its pool while the caller holds both.
+    params = lay_out_layers(params, check_layer_loop(config.layer_loop))
     sizing = sizing_arguments(config, cfg, params, method, dp)
     pages, slots = first_pool(config, sizing, dp)
     if method is None:

@@ -150,7 +150,11 @@ class Engine:
     directory or a Hub repo id) read with `load` (a LoadConfig: revision, dtype, tokenizer, ...).
     Settings: an EngineConfig, or its fields as keywords (`Engine(model, page_size=16,
     tp_size=2)`); draft: EAGLE / STANDALONE weights given in memory, as (DraftConfig, params),
-    instead of config.speculative.draft_model_path."""
+    instead of config.speculative.draft_model_path.
+
+    Given a checkpoint, the engine holds the weights alone. A Model you hold keeps its arrays:
+    on the GPU, where the layers run from per-layer copies, the loader's stacked layers then
+    stay on the device beside them, and the pool is sized around both."""
 
     def __init__(self, model, config: EngineConfig | None = None, *, draft=None, load=None, **settings):
         config = dataclasses.replace(config or EngineConfig(), **settings)

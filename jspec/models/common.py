@@ -106,7 +106,8 @@ def store_capture(captured: jax.Array | None, capture_layers: tuple[int, ...], l
 
 
 def unstack_layers(params):
-    """Stacked layer weights -> a list of per-layer dicts (leaf by leaf, freeing as it goes)."""
+    """Stacked layer weights -> a list of per-layer dicts. Each is a copy on the device: the
+    stack is freed only when its last holder drops it."""
     layers = params["layers"]
     if isinstance(layers, (list, tuple)):
         return params

@@ -60,7 +60,11 @@ def lay_out_layers(params, layer_loop: str):
         return params
     if layer_loop == "unrolled":
         return unstack_layers(params)
-    if layer_loop == "unrolled_stack" and isinstance(params["layers"], dict):
+    if (
+        layer_loop == "unrolled_stack"
+        and isinstance(params["layers"], dict)
+        and not isinstance(params["layers"], UnrolledStack)
+    ):
         return {**params, "layers": UnrolledStack(params["layers"])}
     return params
 

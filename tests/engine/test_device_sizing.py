@@ -1,11 +1,16 @@
 """An engine on an accelerator that reports its memory sizes its pool from what is left after
 the weights and its measured programs (the CPU reports none: its memory is stood in for here)."""
 
+import gc
+
+import jax
 import pytest
 from support.models import eagle_draft, tiny_model
 
 import jspec
 import jspec.engine.build as build_module
+import jspec.worker.plain as plain_module
+from jspec.checkpoint.tiny import make_tiny_model
 from jspec.engine.sizing import MAX_RUNNING_REQUESTS, PROBE_PAGES
 
 pytestmark = pytest.mark.slow  # builds engines, servers or HF references
@@ -52,3 +57,33 @@ def test_adaptive_speculation_measures_every_draft_shape(tiny, monkeypatch, capl
     B = engine.plan.max_running_requests
     assert all(f"decode B={B} greedy shape {s}:" in measured for s in range(1, engine.worker.num_shapes))
     assert engine.worker.num_shapes > 1 and engine.plan.pool_source.startswith("device:")
+
+
+def test_the_loaders_stacked_layers_are_gone_before_the_pool_is_created(tmp_path, monkeypatch):
+    """The GPU runs the layers from per-layer arrays, device copies of the loader's stacks: the
+    stacks must be dropped before the pool is created, or the device holds the layers twice
+    beside a pool sized as if it did not."""
+
+    def live_bytes():
+        gc.collect()
+        return sum(a.nbytes for a in jax.live_arrays())
+
+    at_pool = []
+    create = plain_module.create_kv_pool
+    monkeypatch.setattr(
+        plain_module, "create_kv_pool", lambda *a, **k: (at_pool.append(live_bytes()), create(*a, **k))[1]
+    )
+    before = live_bytes()
+    # Built from a checkpoint, as the server builds it: the loader's weights are the engine's alone.
+    engine = jspec.Engine(
+        make_tiny_model(str(tmp_path / "m"), seed=5),
+        layer_loop="unrolled",
+        context_length=128,
+        max_total_tokens=256,
+        attention_backend="reference",
+    )
+    w = engine.worker
+    assert isinstance(w.params["layers"], list)
+    weights = sum(x.nbytes for x in jax.tree.leaves(w.params))
+    layers = sum(x.nbytes for x in jax.tree.leaves(w.params["layers"]))
+    assert at_pool[0] - before < weights + layers / 2
