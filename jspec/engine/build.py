@@ -96,6 +96,7 @@ def build_worker(model: Model, config: EngineConfig, draft=None, target_path=Non
         worker = SpecWorker(cfg, params, method, dparams, num_pages=pages, max_slots=slots, **kw)
     del params
     plan = size_pool(worker, sizing, dp)
+    check_pool_allocated(worker, plan)
     log.info(
         "KV pool: %d tokens, %.2f GiB (%s); at most %d running requests (%s)",
         plan.tokens,
@@ -107,6 +108,21 @@ def build_worker(model: Model, config: EngineConfig, draft=None, target_path=Non
     if dp_mesh is not None:
         worker = DPWorker(worker, dp_mesh)
     return worker, plan
+
+
+def check_pool_allocated(worker, plan: PoolPlan) -> None:
+    """Waits for the device state's buffers: an allocation that failed is reported here, by what
+    it was for, not by the first step that reads the pool (dispatch is asynchronous)."""
+    try:
+        jax.block_until_ready(worker.state)
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise MemoryError(
+            f"the KV pool of {plan.tokens} tokens ({plan.pool_bytes / 2**30:.2f} GiB, {plan.pool_source}) "
+            f"does not fit on the device beside the weights: ask for fewer tokens (max_total_tokens, "
+            f"mem_fraction_static). {e}"
+        ) from None
 
 
 def check_attention_backend(config: EngineConfig, cfg: ModelConfig, dtype) -> None:

@@ -87,3 +87,15 @@ def test_the_loaders_stacked_layers_are_gone_before_the_pool_is_created(tmp_path
     weights = sum(x.nbytes for x in jax.tree.leaves(w.params))
     layers = sum(x.nbytes for x in jax.tree.leaves(w.params["layers"]))
     assert at_pool[0] - before < weights + layers / 2
+
+
+def test_a_pool_that_could_not_be_allocated_is_reported_as_the_pool(tiny, monkeypatch):
+    """Dispatch is asynchronous: a pool whose allocation failed would otherwise fail the first
+    step that reads it, under that step's name."""
+
+    def out_of_memory(x):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB")
+
+    monkeypatch.setattr(build_module.jax, "block_until_ready", out_of_memory)
+    with pytest.raises(MemoryError, match=r"the KV pool of 4096 tokens .* max_total_tokens"):
+        jspec.Engine(tiny, max_total_tokens=4096, attention_backend="reference")
