@@ -25,10 +25,12 @@ from jspec.engine.sizing import (
     plan_pool,
     probe_running_requests,
 )
+from jspec.kernels.mgpu_tiles import GROUP_ROWS
 from jspec.kernels.mla_decode_mgpu import mla_mosaic_unsupported
 from jspec.kernels.paged_decode_mgpu import MosaicUnsupported, mosaic_decode_unsupported
 from jspec.kernels.paged_extend_mgpu import mosaic_extend_unsupported
 from jspec.kvcache.pool import kv_cache_dtype
+from jspec.layers.attention import MLA_KERNELS, mla_kernels_for
 from jspec.layers.batch import bucket
 from jspec.layers.quant import has_fp8_weights, quantize_params, with_fp8_gemm
 from jspec.lora.adapter import read_rank
@@ -133,6 +135,15 @@ def check_attention_backend(config: EngineConfig, cfg: ModelConfig, dtype) -> No
         return
     if cfg.deepseek is not None:
         ds = cfg.deepseek
+        heads = cfg.num_heads // config.tp_size
+        if mla_kernels_for("mosaic", heads) != MLA_KERNELS["mosaic"]:
+            log.info(
+                "attention: MLA decode and verify on the Triton-backend kernels: %d query heads per device "
+                "leave most of a Mosaic program's %d-row products empty",
+                heads,
+                GROUP_ROWS,
+            )
+            return
         latent_shape = (cfg.num_layers, 1, config.page_size, 1, ds.latent_dim)
         feature = mla_mosaic_unsupported(latent_shape, kv_cache_dtype(config.kv_cache_dtype, dtype), ds.kv_lora_rank)
         if feature is not None:

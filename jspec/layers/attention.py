@@ -8,8 +8,10 @@ from jax.sharding import PartitionSpec as P
 
 from jspec.distributed.mesh import TENSOR
 from jspec.distributed.tensor_parallel import kv_pool_spec
-from jspec.kernels.mla_decode import mla_decode
-from jspec.kernels.mla_decode_mgpu import mla_decode_mgpu
+from jspec.kernels.mgpu_tiles import GROUP_ROWS
+from jspec.kernels.mla_decode import mla_decode, mla_extend
+from jspec.kernels.mla_decode_mgpu import mla_decode_mgpu, mla_extend_mgpu
+from jspec.kernels.mla_ref import mla_decode_ref, mla_extend_ref
 from jspec.kernels.paged_decode import paged_decode
 from jspec.kernels.paged_decode_mgpu import paged_decode_mgpu
 from jspec.kernels.paged_extend import paged_extend
@@ -22,6 +24,21 @@ BACKENDS = ("pallas", "mosaic", "reference")
 # is refused by name at the engine's build, and raises MosaicUnsupported at trace time.
 DECODE_KERNELS = {"pallas": paged_decode, "mosaic": paged_decode_mgpu, "reference": paged_decode_ref}
 EXTEND_KERNELS = {"pallas": paged_extend, "mosaic": paged_extend_mgpu, "reference": paged_extend_ref}
+# Absorbed latent attention (MLA): (decode, extend) per backend.
+MLA_KERNELS = {
+    "pallas": (mla_decode, mla_extend),
+    "mosaic": (mla_decode_mgpu, mla_extend_mgpu),
+    "reference": (mla_decode_ref, mla_extend_ref),
+}
+
+
+def mla_kernels_for(backend: str, num_heads: int):
+    """MLA's (decode, extend) on this backend. A Mosaic program multiplies GROUP_ROWS query heads
+    at once: with fewer heads most of each product is padding, and the Triton-backend kernels
+    were faster on the GPU (benchmarks/NOTES.md, bench_mla), so those run instead."""
+    if backend == "mosaic" and num_heads < GROUP_ROWS:
+        backend = "pallas"
+    return MLA_KERNELS[backend]
 
 
 def paged_attention(
@@ -111,7 +128,7 @@ def mla_decode_with_lse(q, latent_cache, layer, seq_lens, page_tables, *, kv_lor
     """paged_decode_with_lse for absorbed latent attention (MLA): q [B, Hq, R + P] over a latent
     cache [L, P, S, 1, R + P] whose values are its first R columns -> (out [B, Hq, R] f32, lse)."""
     if backend in ("pallas", "mosaic"):
-        kernel = mla_decode if backend == "pallas" else mla_decode_mgpu
+        kernel = mla_kernels_for(backend, q.shape[1])[0]
         return kernel(
             q, latent_cache, layer, seq_lens, page_tables, kv_lora_rank=kv_lora_rank, sm_scale=sm_scale, return_lse=True
         )

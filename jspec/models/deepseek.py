@@ -20,10 +20,9 @@ import numpy as np
 
 from jspec.config.deepseek import DeepseekConfig
 from jspec.config.model import ModelConfig, RopeScaling
-from jspec.kernels import mla_decode as mla_kernels
-from jspec.kernels.mla_decode_mgpu import mla_decode_mgpu, mla_extend_mgpu
-from jspec.kernels.mla_ref import mla_decode_ref, mla_extend_expanded_ref, mla_extend_ref
+from jspec.kernels.mla_ref import mla_extend_expanded_ref
 from jspec.kvcache.pool import KVPool, write_kv
+from jspec.layers.attention import mla_kernels_for
 from jspec.layers.batch import AttentionMode, ForwardBatch
 from jspec.layers.matmul import dense_f32
 from jspec.models.common import ForwardOutput, compute_logits, rms_norm, run_layers, store_capture
@@ -89,11 +88,6 @@ def mla_inputs(cfg: ModelConfig, lp, h: jax.Array, cos, sin):
 
 
 # Each attention backend's absorbed MLA (decode, extend): decode and verify steps.
-MLA_KERNELS = {
-    "pallas": (mla_kernels.mla_decode, mla_kernels.mla_extend),
-    "mosaic": (mla_decode_mgpu, mla_extend_mgpu),
-    "reference": (mla_decode_ref, mla_extend_ref),
-}
 
 
 def absorb_query(q_nope: jax.Array, q_rope: jax.Array, w_uk: jax.Array) -> jax.Array:
@@ -108,7 +102,7 @@ def mla_attention(cfg, lp, q_nope, q_rope, cache, layer, batch: ForwardBatch, mo
     ds = cfg.deepseek
     # Decode and verify have Pallas kernels (absorbed); prefill runs the expanded reference on
     # every backend.
-    mla_decode, mla_extend = MLA_KERNELS[mode.backend]
+    mla_decode, mla_extend = mla_kernels_for(mode.backend, q_nope.shape[1])
     if not mode.decode_only and mask is None:
         out = mla_extend_expanded_ref(
             q_nope,

@@ -21,7 +21,7 @@ from support.lowering import lower_for_cuda
 from support.precision import tolerance
 
 from jspec.kernels.backend import interpret_mode
-from jspec.kernels.mgpu_tiles import MosaicUnsupported
+from jspec.kernels.mgpu_tiles import GROUP_ROWS, MosaicUnsupported
 from jspec.kernels.mla_decode_mgpu import mla_decode_mgpu, mla_extend_mgpu, mla_mosaic_unsupported
 from jspec.kernels.mla_ref import mla_decode_ref, mla_extend_ref
 from jspec.kernels.ref import paged_decode_ref
@@ -207,7 +207,8 @@ def test_shared_memory_bounds_the_tile():
 
 
 def deepseek(**hf):
-    """A small DeepSeek-V3 config (shapes only): MLA with a 64-wide rank and RoPE key."""
+    """A small DeepSeek-V3 config (shapes only): MLA with a 64-wide rank and RoPE key, and as many
+    query heads as a Mosaic program multiplies (fewer run the Triton-backend kernels)."""
     from jspec.config.deepseek import deepseek_fields
     from jspec.config.model import ModelConfig
 
@@ -215,7 +216,7 @@ def deepseek(**hf):
         num_hidden_layers=2,
         hidden_size=256,
         intermediate_size=256,
-        num_attention_heads=8,
+        num_attention_heads=GROUP_ROWS,
         vocab_size=1024,
         kv_lora_rank=64,
         qk_nope_head_dim=32,
@@ -247,12 +248,17 @@ def test_engine_build_takes_latent_attention_and_refuses_what_the_kernel_lacks(h
     check_attention_backend(EngineConfig(attention_backend="mosaic"), deepseek(), BF16)
     with pytest.raises(MosaicUnsupported, match=feature):
         check_attention_backend(EngineConfig(attention_backend="mosaic", **settings), deepseek(**hf), BF16)
+    # A model of fewer heads runs the Triton-backend kernels: the Mosaic kernel's limits are not
+    # checked (an FP8 latent cache is refused on every backend, when the pool is sized).
+    few = deepseek(**hf, num_attention_heads=16)
+    check_attention_backend(EngineConfig(attention_backend="mosaic", **settings), few, BF16)
 
 
-@pytest.mark.parametrize("step", ["decode", "verify"])
-def test_deepseek_forward_with_the_mosaic_backend_lowers_for_cuda(step, monkeypatch):
+@pytest.mark.parametrize("step,heads", [("decode", GROUP_ROWS), ("verify", GROUP_ROWS), ("decode", 16)])
+def test_deepseek_forward_with_the_mosaic_backend_lowers_for_cuda(step, heads, monkeypatch):
     """--attention-backend mosaic on a DeepSeek model: a decode step and a verify (a tree mask)
-    call the Mosaic GPU MLA kernels and no Triton one."""
+    call the Mosaic GPU MLA kernels and no Triton one; with fewer heads than a Mosaic program
+    multiplies, the Triton-backend kernels, which the GPU measured faster there."""
     import jspec.kernels.backend
     from jspec.checkpoint.loader import param_shapes
     from jspec.kvcache.pool import KVPool
@@ -260,7 +266,7 @@ def test_deepseek_forward_with_the_mosaic_backend_lowers_for_cuda(step, monkeypa
     from jspec.models.forward import forward
 
     monkeypatch.setattr(jspec.kernels.backend, "interpret_mode", lambda: False)  # kernels as on the GPU
-    cfg = deepseek()
+    cfg = deepseek(num_attention_heads=heads)
     params = jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s, BF16), param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple)
     )
@@ -279,4 +285,5 @@ def test_deepseek_forward_with_the_mosaic_backend_lowers_for_cuda(step, monkeypa
     mask = None if decode_only else jax.ShapeDtypeStruct((B, Q, Q), jnp.bool_)
     fn = lambda p, kv, b, m: forward(p, cfg, kv, b, mode, mask=m)[1].logits  # noqa: E731
     text = lower_for_cuda(fn, params, KVPool(latent, empty), batch, mask).as_text()
-    assert "mosaic_gpu_v2" in text and "xla.gpu.triton" not in text
+    on_mosaic = heads >= GROUP_ROWS
+    assert ("mosaic_gpu_v2" in text) == on_mosaic and ("xla.gpu.triton" in text) != on_mosaic
