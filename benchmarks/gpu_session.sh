@@ -46,7 +46,8 @@ step() {  # step NAME SECONDS COMMAND...
 
 for s in "$@"; do
   case $s in
-    kernel_tests) step kernel_tests ${KERNEL_TESTS_LIMIT:-120} $PY -m pytest -q -p no:cacheprovider tests/kernels -rf --maxfail=300 ;;
+    # KERNEL_TESTS: the files to run (default tests/kernels whole, more than 240 s compiled).
+    kernel_tests) step kernel_tests ${KERNEL_TESTS_LIMIT:-120} $PY -m pytest -q -p no:cacheprovider ${KERNEL_TESTS:-tests/kernels} -rf --maxfail=300 ;;
     gpu_tests) step gpu_tests 300 $PY -m benchmarks.gpu_tests --limit-s 255 --out "$RESULTS" ;;
     gpu_tests_engine) step gpu_tests_engine ${ENGINE_TESTS_LIMIT:-540} $PY -m benchmarks.gpu_tests --engine-only \
       ${ENGINE_SHARD:+--shard $ENGINE_SHARD} --limit-s $(( ${ENGINE_TESTS_LIMIT:-540} - 20 )) \
