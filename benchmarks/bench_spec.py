@@ -153,11 +153,7 @@ def main():
             carry = SpecCarry(
                 jnp.asarray(rng.integers(0, cfg.vocab_size, B + 1), jnp.int32),
                 jnp.full(B + 1, ctx, jnp.int32).at[B].set(0),
-                EagleExtra(
-                    jax.nn.softmax(jnp.asarray(rng.normal(size=(B + 1, topk)), jnp.float32), -1),
-                    jnp.asarray(rng.integers(0, cfg.vocab_size, (B + 1, topk)), jnp.int32),
-                    jnp.asarray(rng.normal(size=(B + 1, cfg.hidden_size)), dtype),
-                ),
+                EagleExtra(jnp.asarray(rng.normal(size=(B + 1, cfg.hidden_size)), dtype)),
             )
             st = {"s": SpecState(tkv, dkv, carry, pen)}
             base_ms = None

@@ -38,11 +38,12 @@ from jspec.steps.common import slots_of
 
 
 class EagleExtra(NamedTuple):
-    """EAGLE's per-slot carry beside next_token / seq_len."""
+    """EAGLE's per-slot carry beside next_token / seq_len: the draft's output at n-1, its feature
+    for the next step. The draft's top-k after the root is taken from it by the shape that drafts
+    (propose), not carried, so an iteration that drafts nothing (adaptive speculation's off
+    shape) never runs the draft's LM head."""
 
-    topk_p: jax.Array  # [slots+1, topk] float32: the draft's top-k after the root
-    topk_ids: jax.Array  # [slots+1, topk] int32, target vocabulary
-    hidden: jax.Array  # [slots+1, H] the draft's output at n-1 (its feature for the next step)
+    hidden: jax.Array  # [slots+1, H]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,13 +52,6 @@ class EagleMethod(SpecMethod):
 
     spec: SpecConfig
     dcfg: DraftConfig | ModelConfig  # the head's; NextnMethod's is the target's ModelConfig
-    # Top-k candidates the carry keeps after the root: the widest topk among the shapes an
-    # adaptive engine switches between (sorted, so a narrower shape reads the first k).
-    carry_topk: int = 0
-
-    @property
-    def topk_carried(self) -> int:
-        return max(self.carry_topk, self.spec.eagle_topk)
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
@@ -70,10 +64,7 @@ class EagleMethod(SpecMethod):
         return kv_bytes_per_page(layer_config(self.dcfg), page_size, dtype)
 
     def init_extra(self, num_slots, dtype):
-        n, k = num_slots + 1, self.topk_carried
-        return EagleExtra(
-            jnp.zeros((n, k), jnp.float32), jnp.zeros((n, k), jnp.int32), jnp.zeros((n, self.dcfg.hidden_size), dtype)
-        )
+        return EagleExtra(jnp.zeros((num_slots + 1, self.dcfg.hidden_size), dtype))
 
     def prefill(self, params, dparams, dkv, ctx: PrefillContext):
         # The draft's prefill over the same rows: pair (x_{t+1}, feature_t) at position t.
@@ -81,17 +72,16 @@ class EagleMethod(SpecMethod):
         dkv, dout = self.draft_forward(
             params, dparams, dkv, ctx.batch._replace(tokens=ctx.next_tokens), ctx.mode, ctx.next_tokens, hidden
         )
-        last = dout[ctx.batch.logits_indices]
-        p, ids = self.draft_topk(params, dparams, last, self.topk_carried)
-        return dkv, EagleExtra(p, ids, last)
+        return dkv, EagleExtra(dout[ctx.batch.logits_indices])
 
     def propose(self, params, dparams, dkv, c: SpecCarry, page_tables, slot_ids, backend):
         if self.spec.num_steps == 0:  # root only; update's draft-extend keeps the draft current
-            return dkv, chains_tree(c.next_token, c.extra.topk_ids[:, None, :0])
+            return dkv, chains_tree(c.next_token, jnp.zeros((c.next_token.shape[0], 1, 0), jnp.int32))
         if self.spec.num_steps == 1 and self.spec.eagle_topk == 1:
             # The high-throughput path (1 step, topk 1, 2 verify tokens): the draft token is the
-            # carry's top-1 from the last draft-extend; no draft forward, no tree search.
-            return dkv, chains_tree(c.next_token, c.extra.topk_ids[:, None, :1])
+            # top-1 of the last draft-extend's output; no draft forward, no tree search.
+            _, ids = self.draft_topk(params, dparams, c.extra.hidden, 1)
+            return dkv, chains_tree(c.next_token, ids[:, None, :])
         return dkv, self.draft_tree(params, dparams, dkv, c, page_tables, backend)
 
     def update(self, params, dparams, dkv, c: SpecCarry, v: Verified, page_tables, slot_ids, backend):
@@ -117,9 +107,7 @@ class EagleMethod(SpecMethod):
         dkv, dout = self.draft_forward(
             params, dparams, dkv, extend, AttentionMode(False, bucket(E), backend), extend.tokens, hidden
         )
-        last = dout[extend.logits_indices]
-        p, ids = self.draft_topk(params, dparams, last, self.topk_carried)
-        return dkv, EagleExtra(p, ids, last)
+        return dkv, EagleExtra(dout[extend.logits_indices])
 
     # The draft model's parts; NEXTN (speculative/nextn.py) replaces them with an MTP layer's.
 
@@ -177,7 +165,7 @@ def _draft_tree(params, dparams, dcfg, spec: SpecConfig, draft_kv: KVPool, c: Sp
     lcfg = layer_config(dcfg)
     embed = draft_embed(dparams, params)
     K = spec.eagle_topk
-    e = e._replace(topk_p=e.topk_p[:, :K], topk_ids=e.topk_ids[:, :K])
+    first_p, first_ids = _draft_topk(dparams, dcfg, params, e.hidden, K)  # the root's children
 
     def step_fn(tokens, hidden, positions, attend_for_layer, anc):
         cos, sin = rope_cos_sin(lcfg, positions)
@@ -188,8 +176,8 @@ def _draft_tree(params, dparams, dcfg, spec: SpecConfig, draft_kv: KVPool, c: Sp
     # Beams at depth i sit at position n + i - 1 (the draft's shifted convention): prefix 0..n-1.
     return grow_beam_tree(
         c.next_token,
-        e.topk_p,
-        e.topk_ids,
+        first_p,
+        first_ids,
         e.hidden,
         c.seq_len,
         page_tables,

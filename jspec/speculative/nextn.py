@@ -78,10 +78,11 @@ class NextnMethod(EagleMethod):
             p, ids = self.draft_topk(params, dparams, out, K)
             return p, ids, out, anc
 
+        first_p, first_ids = self.draft_topk(params, dparams, e.hidden, K)  # the root's children
         return grow_beam_tree(
             c.next_token,
-            e.topk_p[:, :K],
-            e.topk_ids[:, :K],
+            first_p,
+            first_ids,
             e.hidden,
             c.seq_len,
             page_tables,

@@ -27,7 +27,7 @@ def make_method(spec: SpecConfig, cfg: ModelConfig, draft=None, dtype=None, targ
         if draft is None:
             draft = load_draft_model(_draft_dir(spec), cfg, dtype=dtype, algorithm=spec.algorithm)
         dcfg, dparams = draft
-        return EagleMethod(spec, dcfg, carry_topk=max(k for _, k, _ in spec.shapes())), dparams
+        return EagleMethod(spec, dcfg), dparams
     if spec.algorithm == "STANDALONE":
         if draft is None:
             draft = load_model(_draft_dir(spec), dtype=dtype)
@@ -59,7 +59,7 @@ def make_method(spec: SpecConfig, cfg: ModelConfig, draft=None, dtype=None, targ
                 )
             draft = (cfg, load_mtp_params(path, cfg, dtype=dtype))
         dcfg, dparams = draft
-        return NextnMethod(spec, dcfg, carry_topk=max(k for _, k, _ in spec.shapes())), dparams
+        return NextnMethod(spec, dcfg), dparams
     if spec.algorithm == "DFLASH":
         method, dparams = make_dflash_method(spec, cfg, draft, dtype, lambda: _draft_dir(spec))
         _check_tree_fits_windows(method.spec, cfg, "target")  # now that the block is known

@@ -3,18 +3,22 @@ iteration (chains, trees, the (1,1,2) path and off), every method's greedy outpu
 greedy decoding and its seeded sampled output equals plain seeded sampling, token for token;
 and the policy, left to itself, measures its costs and reports what it chose."""
 
+import functools
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
 import pytest
-from support.models import TARGET, engine_settings, permutation_models, prompts
+from support.models import TARGET, draft_config, engine_settings, permutation_models, prompts
 
 import jspec
+from jspec.checkpoint.eagle import init_random_draft_params
 from jspec.checkpoint.loader import init_random_params
 from jspec.config.sampling import SamplingParams
 from jspec.config.spec import SpecConfig
 from jspec.speculative.adaptive import Choice, CostTable
+from jspec.worker.programs import abstract_args, decode_jobs
 
 pytestmark = pytest.mark.slow  # builds engines, servers or HF references
 
@@ -160,3 +164,33 @@ def test_replayed_ngram_traces_match_the_engine():
         for t, o in zip(traces, outs):
             assert len(o.token_ids) == t.generated
             assert sum(replay([t], flat, shapes, fixed(i))["iterations"].values()) == o.spec_verify_ct, (shape, t.name)
+
+
+def test_the_off_shape_never_runs_the_drafts_lm_head():
+    """Off verifies the root alone and keeps the draft's KV current, but needs no draft tokens:
+    the draft's LM head (a vocabulary of its own here, so its product is told apart) is in the
+    drafting shape's decode program and not in off's."""
+    vocab = 40
+    dcfg = draft_config("EAGLE3", vocab=vocab)
+    draft = (dcfg, init_random_draft_params(dcfg, jax.random.key(2), std=0.2))
+    spec = SpecConfig("EAGLE3", num_steps=3, adaptive=True, adaptive_shapes="0,1,1")
+    engine = jspec.Engine(
+        (TARGET, init_random_params(TARGET, jax.random.key(1), jnp.float32)),
+        speculative=spec,
+        draft=draft,
+        page_size=16,
+        max_total_tokens=1024,
+        max_running_requests=1,
+        chunked_prefill_size=16,
+        attention_backend="reference",
+    )
+    w = engine.worker
+
+    def draft_head_products(shape) -> int:
+        index = next(i for i, m in enumerate(w.methods) if m.spec.shape == shape)
+        (job,) = decode_jobs(w, ["greedy"], shapes=[index])
+        jaxpr = jax.make_jaxpr(functools.partial(job.program.step, **job.program.static))(*abstract_args(job.args))
+        return len(re.findall(rf",{vocab}\] = dot_general", str(jaxpr)))
+
+    assert draft_head_products((3, 1, 4)) >= 1
+    assert draft_head_products((0, 1, 1)) == 0
