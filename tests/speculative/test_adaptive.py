@@ -95,12 +95,11 @@ def test_forced_switches_equal_plain_decoding(method, page_size, overlap):
         assert max(o.mean_accept_length for o in out) > 1.5
 
 
-def test_policy_measures_costs_and_reports_its_choices():
-    target, draft = _models("EAGLE3")
-    spec = SpecConfig("EAGLE3", num_steps=3, adaptive=True, adaptive_shapes="0,1,1")
-    engine = jspec.Engine(
+def _one_row_adaptive_engine(target, draft):
+    """An adaptive EAGLE-3 engine choosing between (3,1,4) and off, one row: few programs."""
+    return jspec.Engine(
         (TARGET, target),
-        speculative=spec,
+        speculative=SpecConfig("EAGLE3", num_steps=3, adaptive=True, adaptive_shapes="0,1,1"),
         draft=draft,
         page_size=16,
         max_total_tokens=1024,
@@ -108,6 +107,10 @@ def test_policy_measures_costs_and_reports_its_choices():
         chunked_prefill_size=16,
         attention_backend="reference",
     )
+
+
+def test_policy_measures_costs_and_reports_its_choices():
+    engine = _one_row_adaptive_engine(*_models("EAGLE3"))
     engine.warmup(["greedy"])
     costs = engine.adaptive.costs
     assert costs.source.startswith("measured at warm-up")
@@ -173,18 +176,7 @@ def test_the_off_shape_never_runs_the_drafts_lm_head():
     vocab = 40
     dcfg = draft_config("EAGLE3", vocab=vocab)
     draft = (dcfg, init_random_draft_params(dcfg, jax.random.key(2), std=0.2))
-    spec = SpecConfig("EAGLE3", num_steps=3, adaptive=True, adaptive_shapes="0,1,1")
-    engine = jspec.Engine(
-        (TARGET, init_random_params(TARGET, jax.random.key(1), jnp.float32)),
-        speculative=spec,
-        draft=draft,
-        page_size=16,
-        max_total_tokens=1024,
-        max_running_requests=1,
-        chunked_prefill_size=16,
-        attention_backend="reference",
-    )
-    w = engine.worker
+    w = _one_row_adaptive_engine(init_random_params(TARGET, jax.random.key(1), jnp.float32), draft).worker
 
     def draft_head_products(shape) -> int:
         index = next(i for i, m in enumerate(w.methods) if m.spec.shape == shape)
