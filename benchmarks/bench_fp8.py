@@ -2,8 +2,11 @@
 
 For each model shape and batch, the plain decode step (per-layer weights, as the GPU runs
 them) in five variants: bf16; FP8 weights per output channel through XLA's dot (the upcast
-inside it); FP8 weights through the Pallas skinny GEMV; W8A8 (activations quantized per
-token, XLA's FP8 GEMM); the GEMV with an FP8 KV cache too.
+inside it); FP8 weights through the Pallas skinny GEMV, the Triton-backend and the Mosaic GPU
+one; W8A8 (activations quantized per token, XLA's FP8 GEMM); the GEMV with an FP8 KV cache too;
+and both GEMVs over block scales (the per-channel scales repeated over 128-row blocks, 64 where
+128 does not divide K: the same weights, through the block-scale path DeepSeek-V3's
+checkpoints take).
 Each row: the step's time, its floor (the bytes a step must read: every weight but the
 embedding table, scales included, plus the KV of every sequence, over the read bandwidth
 measured in the same run), decode tokens/s (batch / step) and its ratio to bf16's, and the
@@ -19,6 +22,7 @@ path reads its weights twice then, and the XLA path is not what it should be).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 
@@ -29,7 +33,7 @@ import numpy as np
 from benchmarks.common import RESULTS_DIR, Results, int_list, random_params, read_bandwidth, shape, timed, tiny
 from jspec.kvcache.pool import KVPool
 from jspec.layers.penalties import init_penalty_state
-from jspec.layers.quant import QUANTIZED_LEAVES, quantize_params, with_fp8_gemm
+from jspec.layers.quant import QUANTIZED_LEAVES, is_fp8, quantize_params, with_fp8_gemm
 from jspec.layers.sampling import sampling_rows
 from jspec.models.common import unstack_layers
 from jspec.steps.plain import PlainCarry, PlainState, plain_decode_step
@@ -41,8 +45,21 @@ VARIANTS = {  # name: (quantization, FP8 matmul path, KV dtype)
     "fp8_mosaic": ("fp8", "mosaic", jnp.bfloat16),
     "fp8_w8a8": ("fp8", "w8a8", jnp.bfloat16),
     "fp8_pallas_fp8kv": ("fp8", "pallas", jnp.float8_e4m3fn),
+    "fp8_pallas_block": ("fp8_block", "pallas", jnp.bfloat16),
+    "fp8_mosaic_block": ("fp8_block", "mosaic", jnp.bfloat16),
 }
 PAGE = 16
+
+
+def as_block_scaled(params):
+    """Per-channel FP8 weights with each scale row repeated over blocks of 128 input rows (64
+    where 128 does not divide them): the same values, multiplied through the block-scale path."""
+
+    def blocks(a):
+        rows = 128 if a.shape[-2] % 128 == 0 else 64
+        return dataclasses.replace(a, scale=jnp.repeat(a.scale, a.shape[-2] // rows, axis=-2))
+
+    return jax.tree.map(lambda a: blocks(a) if is_fp8(a) else a, params, is_leaf=is_fp8)
 
 
 def weight_bytes(params) -> int:
@@ -66,7 +83,9 @@ def run_variant(cfg, base, variant: str, batches, ctx: int, bandwidth: float, dt
     if jax.default_backend() != "gpu" and kv_dtype == jnp.bfloat16:
         kv_dtype = dtype
     fp8_kv = kv_dtype == jnp.float8_e4m3fn
-    params = quantize_params(base, quant)
+    params = quantize_params(base, "fp8" if quant == "fp8_block" else quant)
+    if quant == "fp8_block":
+        params = as_block_scaled(params)
     if gemm:
         params = with_fp8_gemm(params, gemm)
     weights = unstack_layers(params)

@@ -52,7 +52,7 @@ for s in "$@"; do
     gpu_tests_engine) step gpu_tests_engine ${ENGINE_TESTS_LIMIT:-540} $PY -m benchmarks.gpu_tests --engine-only \
       ${ENGINE_SHARD:+--shard $ENGINE_SHARD} --limit-s $(( ${ENGINE_TESTS_LIMIT:-540} - 20 )) \
       --name gpu_tests_engine${ENGINE_SHARD:+_$(echo $ENGINE_SHARD | tr / of)} --out "$RESULTS" ;;
-    fp8) step fp8 ${FP8_LIMIT:-210} $PY -m benchmarks.bench_fp8 --out "$RESULTS" ;;
+    fp8) step fp8 ${FP8_LIMIT:-300} $PY -m benchmarks.bench_fp8 --out "$RESULTS" ;;
     kernels) step kernels 120 $PY -m benchmarks.bench_kernels --quick --out "$RESULTS" ;;
     kernels_mgpu) step kernels_mgpu 300 $PY -m benchmarks.bench_kernels_mgpu --out "$RESULTS" ;;
     gemv)

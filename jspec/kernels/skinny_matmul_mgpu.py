@@ -1,9 +1,9 @@
 """Skinny matmul x[M, K] @ W[K, N] for decode rows (M <= 64), Pallas over Mosaic GPU (Hopper).
 
 The same contract as skinny_matmul.skinny_matmul for 16-bit weights, and FP8 (e4m3) ones with
-one scale row, whose K and N are whole tiles; anything else raises MosaicUnsupported, naming
-it, so that a caller can fall back to the Triton-backend kernel; mosaic_skinny_unsupported()
-asks first.
+one scale row or block scales whose blocks hold whole K tiles, K and N whole tiles; anything
+else raises MosaicUnsupported, naming it, so that a caller can fall back to the Triton-backend
+kernel; mosaic_skinny_unsupported() asks first.
 
 Grid (column strip, K split), one warpgroup per program. Every weight byte is read once: the
 program walks its strip's block_n columns down its split of K in block_k-row tiles, each tile of
@@ -49,11 +49,11 @@ def mosaic_skinny_unsupported(
 ) -> str | None:
     """The first feature of this call that the Mosaic kernel lacks, or None if it can run it
     (block_n None: the plan's, which takes any N that 64 divides; scale_rows: an FP8 weight's
-    scale rows, one per tensor or per output channel)."""
+    scale rows: one per tensor or per output channel, several for block scales)."""
     dtype = jnp.dtype(w_dtype)
     if dtype == jnp.dtype(FP8_WEIGHT):
-        if scale_rows != 1:
-            return "FP8 block scales (one scale row: per tensor or per output channel)"
+        if scale_rows > 1 and (K % scale_rows or (K // scale_rows) % BLOCK_K):
+            return f"FP8 block scales of {K}/{scale_rows} rows (blocks of whole {BLOCK_K}-row tiles)"
     elif dtype not in map(jnp.dtype, WEIGHT_DTYPES):
         return f"{dtype.name} weights (16-bit or FP8 e4m3 weights only)"
     if not 1 <= M <= MAX_ROWS:
@@ -87,8 +87,8 @@ def mosaic_skinny_plan(
     if num_stages < 1:
         raise ValueError(f"num_stages must be at least 1, got {num_stages}")
     smem = num_stages * (2 * MAX_ROWS * BLOCK_K + w_itemsize * BLOCK_K * block_n) + 4 * MAX_ROWS * block_n
-    if w_itemsize == 1:  # the upcast tile
-        smem += 2 * BLOCK_K * block_n
+    if w_itemsize == 1:  # the upcast tile, and each stage's row of block scales
+        smem += 2 * BLOCK_K * block_n + num_stages * 4 * block_n
     if smem > SMEM_BYTES:
         raise ValueError(f"block_n {block_n} x num_stages {num_stages} needs {smem} bytes of shared memory")
     strips, k_tiles = N // block_n, K // BLOCK_K
@@ -106,8 +106,11 @@ def mosaic_skinny_plan(
     return MosaicSkinnyPlan(block_n, num_splits, k_tiles // num_splits, num_stages)
 
 
-def _skinny_kernel(x_ref, w_ref, out_ref, *, plan, rows, dtype):
-    """dtype: the wgmma's (x's tiles, and an FP8 weight's upcast ones)."""
+def _skinny_kernel(x_ref, w_ref, *refs, plan, rows, dtype, tiles_per_block):
+    """dtype: the wgmma's (x's tiles, and an FP8 weight's upcast ones). tiles_per_block: K tiles
+    per scale row of an FP8 weight with block scales (refs then start with the scale [rows, N]),
+    else 0: each tile's product is multiplied by its block's scale row before it is summed."""
+    (scale_ref, out_ref) = refs if tiles_per_block else (None, *refs)
     block_n, stages, tiles = plan.block_n, plan.num_stages, plan.tiles_per_split
     strip, split = (lax.axis_index(axis) for axis in GRID_AXES)
     cols = pl.ds(pl.multiple_of(strip * block_n, block_n), block_n)
@@ -115,12 +118,15 @@ def _skinny_kernel(x_ref, w_ref, out_ref, *, plan, rows, dtype):
 
     fp8 = w_ref.dtype == FP8_WEIGHT
 
-    def product(x_smem, w_smem, barriers, w_16=None):
+    def product(x_smem, w_smem, barriers, w_16=None, scale_smem=None):
         def issue(t):
             slot = lax.rem(t, stages)
             k = pl.ds(pl.multiple_of((first_tile + t) * BLOCK_K, BLOCK_K), BLOCK_K)
             plgpu.copy_gmem_to_smem(x_ref.at[:, k], x_smem.at[slot], barriers.at[slot])
             plgpu.copy_gmem_to_smem(w_ref.at[k, cols], w_smem.at[slot], barriers.at[slot])
+            if tiles_per_block:
+                block = pl.ds(lax.div(first_tile + t, tiles_per_block), 1)
+                plgpu.copy_gmem_to_smem(scale_ref.at[block, cols], scale_smem.at[slot], barriers.at[slot])
 
         for t in range(min(stages - 1, tiles)):
             issue(t)
@@ -131,6 +137,8 @@ def _skinny_kernel(x_ref, w_ref, out_ref, *, plan, rows, dtype):
             pl.when(t + stages - 1 < tiles)(lambda: issue(t + stages - 1))
             plgpu.barrier_wait(barriers.at[slot])
 
+            if tiles_per_block:  # read before the wgmma, as the tile's upcast is
+                scale = plgpu.load(scale_smem.at[slot].at[0], layout=plgpu.Layout.WGMMA.reduce(0))
             w_tile = w_smem.at[slot]
             if fp8:  # the previous tile's wgmma, read out already, is done with w_16
                 w_16[...] = w_tile[...].astype(jnp.float32).astype(dtype)
@@ -141,7 +149,10 @@ def _skinny_kernel(x_ref, w_ref, out_ref, *, plan, rows, dtype):
                 plgpu.wgmma(acc_ref, x_smem.at[slot], w_tile)
                 return acc_ref[...]
 
-            return acc + pl.run_scoped(multiply, plgpu.ACC((MAX_ROWS, block_n), jnp.float32))
+            tile_product = pl.run_scoped(multiply, plgpu.ACC((MAX_ROWS, block_n), jnp.float32))
+            if tiles_per_block:
+                tile_product = tile_product * scale[None, :]
+            return acc + tile_product
 
         zeros = plgpu.layout_cast(jnp.zeros((MAX_ROWS, block_n), jnp.float32), plgpu.Layout.WGMMA)
         return lax.fori_loop(0, tiles, tile, zeros)
@@ -150,10 +161,12 @@ def _skinny_kernel(x_ref, w_ref, out_ref, *, plan, rows, dtype):
     scratch = [
         plgpu.SMEM((stages, MAX_ROWS, BLOCK_K), dtype, transforms=swizzled(BLOCK_K, dtype)),
         plgpu.SMEM((stages, BLOCK_K, block_n), w_dtype, transforms=swizzled(block_n, w_dtype)),
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=3 if tiles_per_block else 2, num_barriers=stages),
     ]
     if fp8:
         scratch.append(plgpu.SMEM((BLOCK_K, block_n), dtype, transforms=swizzled(block_n, dtype)))
+    if tiles_per_block:
+        scratch.append(plgpu.SMEM((stages, 1, block_n), jnp.float32))
     acc = pl.run_scoped(product, *scratch)
 
     def write(out_smem):
@@ -169,8 +182,9 @@ def _skinny_kernel(x_ref, w_ref, out_ref, *, plan, rows, dtype):
 def skinny_matmul_mgpu(x, w, scale=None, *, block_n=None, num_splits=None, num_stages=4, interpret=None):
     """skinny_matmul.skinny_matmul on Mosaic GPU: x [M, K] (M <= 64, any float dtype) @ w [K, N]
     (16-bit) -> f32 [M, N], x cast to w's dtype, f32 accumulation. An FP8 (e4m3) w comes with
-    scale [1, N] f32 (per tensor or per output channel): its tiles are upcast to bf16 in shared
-    memory, x cast to bf16, and the f32 sum multiplied by the scale after the kernel.
+    scale [rows, N] f32: its tiles are upcast to bf16 in shared memory, x cast to bf16; one row
+    (per tensor or per output channel) multiplies the f32 sum after the kernel, several (block
+    scales, each over K / rows input rows) each tile's product inside it.
 
     Raises MosaicUnsupported for what mosaic_skinny_unsupported() names. Tuning (see
     mosaic_skinny_plan): block_n (64, 128 or 256), num_splits (a divisor of K / 64), num_stages.
@@ -192,14 +206,16 @@ def skinny_matmul_mgpu(x, w, scale=None, *, block_n=None, num_splits=None, num_s
     )
     dtype = FP8_COMPUTE if fp8 else w.dtype
     x_rows = jnp.pad(x.astype(dtype), ((0, MAX_ROWS - M), (0, 0)))  # wgmma's 64 rows
+    in_blocks = 1 if scale is None else scale.shape[0]
+    tiles_per_block = K // in_blocks // BLOCK_K if in_blocks > 1 else 0
     kernel = plgpu.kernel(
-        functools.partial(_skinny_kernel, plan=plan, rows=M, dtype=dtype),
+        functools.partial(_skinny_kernel, plan=plan, rows=M, dtype=dtype, tiles_per_block=tiles_per_block),
         out_type=jax.ShapeDtypeStruct((plan.num_splits, M, N), jnp.float32),
         grid=(N // plan.block_n, plan.num_splits),
         grid_names=GRID_AXES,
         interpret=interpret_params(interpret),
         kernel_name=f"skinny_matmul_mgpu_n{plan.block_n}_s{plan.num_splits}",
     )
-    partials = kernel(x_rows, w)
+    partials = kernel(x_rows, w, scale) if tiles_per_block else kernel(x_rows, w)
     out = partials[0] if plan.num_splits == 1 else jnp.sum(partials, axis=0)
-    return out if scale is None else out * scale[0]
+    return out if scale is None or tiles_per_block else out * scale[0]

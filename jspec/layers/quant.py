@@ -88,7 +88,7 @@ def gemv_takes(w: Fp8Weight) -> bool:
 
 
 def mosaic_gemv_takes(x, w: Fp8Weight) -> bool:
-    """The Mosaic GPU GEMV's cover: decode rows, whole tiles, one scale row."""
+    """The Mosaic GPU GEMV's cover: decode rows, whole tiles, one scale row or blocks of whole tiles."""
     return mosaic_skinny_unsupported(x.shape[0], *w.shape, w.w.dtype, scale_rows=w.in_blocks) is None
 
 

@@ -87,24 +87,35 @@ def test_plan_fills_the_gpu_with_whole_splits():
         (64, 4096, 128256, jnp.bfloat16),
         (1, 4096, 6144, jnp.float8_e4m3fn),  # FP8, one scale row
         (16, 14336, 4096, jnp.float8_e4m3fn),
+        (1, 7168, 2048, "block"),  # FP8 with 128 x 128 block scales (DeepSeek-V3's)
     ],
 )
 def test_kernel_lowers_for_cuda(M, K, N, w_dtype):
     fn = functools.partial(skinny_matmul_mgpu, interpret=False)
+    scale_rows = K // 128 if w_dtype == "block" else 1
+    w_dtype = jnp.float8_e4m3fn if w_dtype == "block" else w_dtype
     specs = (jax.ShapeDtypeStruct((M, K), jnp.bfloat16), jax.ShapeDtypeStruct((K, N), w_dtype))
     if w_dtype == jnp.float8_e4m3fn:
-        specs += (jax.ShapeDtypeStruct((1, N), jnp.float32),)
+        specs += (jax.ShapeDtypeStruct((scale_rows, N), jnp.float32),)
     text = lower_for_cuda(fn, *specs).as_text()
     assert "custom_call @mosaic_gpu_v2" in text and "xla.gpu.triton" not in text
 
 
-@pytest.mark.parametrize("M,K,N,tuning", [(1, 256, 384, {}), (16, 512, 128, dict(num_splits=2, block_n=64))])
-def test_interpreted_fp8_weight_matches_reference(M, K, N, tuning):
-    """An e4m3 weight with a scale per output channel: its tiles upcast to bf16 in shared memory,
-    the scale applied to the f32 sum."""
+@pytest.mark.parametrize(
+    "M,K,N,in_blocks,tuning",
+    [
+        (1, 256, 384, 1, {}),  # a scale per output channel, on the f32 sum
+        (16, 512, 128, 1, dict(num_splits=2, block_n=64)),
+        (3, 512, 256, 4, dict(num_splits=2, num_stages=3)),  # 128-row blocks (DeepSeek's): two tiles each
+        (2, 256, 128, 4, dict(block_n=64, num_stages=2)),  # 64-row blocks: a scale row per tile
+    ],
+)
+def test_interpreted_fp8_weight_matches_reference(M, K, N, in_blocks, tuning):
+    """An e4m3 weight: its tiles upcast to bf16 in shared memory; one scale row applied to the
+    f32 sum, block scales to each tile's product, their rows copied beside the tiles."""
     from kernels.test_fp8_kernels import fp8_weight
 
-    w, scale = fp8_weight(K, N, 1, seed=M + K)
+    w, scale = fp8_weight(K, N, in_blocks, seed=M + K)
     x = jnp.asarray(np.random.default_rng(M).standard_normal((M, K)), jnp.bfloat16)
     interpreted = interpret_mode()
     got = skinny_matmul_mgpu(x, w, scale, interpret=RACE_CHECKED if interpreted else None, **tuning)
@@ -132,10 +143,11 @@ def test_refuses_by_name(M, K, N, dtype, feature):
         jax.eval_shape(skinny_matmul_mgpu, x, w)
 
 
-def test_refuses_fp8_block_scales_by_name():
-    """Block scales (several scale rows, DeepSeek's) stay with the Triton-backend GEMV."""
-    feature = "FP8 block scales"
-    assert feature in mosaic_skinny_unsupported(1, 256, 128, jnp.float8_e4m3fn, scale_rows=2)
+def test_refuses_fp8_block_scales_of_part_tiles_by_name():
+    """Block scales over fewer input rows than a K tile stay with the Triton-backend GEMV."""
+    feature = "FP8 block scales of 256/8 rows"
+    assert feature in mosaic_skinny_unsupported(1, 256, 128, jnp.float8_e4m3fn, scale_rows=8)
+    assert mosaic_skinny_unsupported(1, 256, 128, jnp.float8_e4m3fn, scale_rows=2) is None
     x, w = jax.ShapeDtypeStruct((1, 256), jnp.bfloat16), jax.ShapeDtypeStruct((256, 128), jnp.float8_e4m3fn)
-    with pytest.raises(MosaicUnsupported, match=feature):
-        jax.eval_shape(skinny_matmul_mgpu, x, w, jax.ShapeDtypeStruct((2, 128), jnp.float32))
+    with pytest.raises(MosaicUnsupported, match=re.escape(feature)):
+        jax.eval_shape(skinny_matmul_mgpu, x, w, jax.ShapeDtypeStruct((8, 128), jnp.float32))
