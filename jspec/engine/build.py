@@ -30,7 +30,7 @@ from jspec.kernels.mla_decode_mgpu import mla_mosaic_unsupported
 from jspec.kernels.paged_decode_mgpu import MosaicUnsupported, mosaic_decode_unsupported
 from jspec.kernels.paged_extend_mgpu import mosaic_extend_unsupported
 from jspec.kvcache.pool import kv_cache_dtype
-from jspec.layers.attention import MLA_KERNELS, mla_kernels_for
+from jspec.layers.attention import mosaic_runs_mla
 from jspec.layers.batch import bucket
 from jspec.layers.quant import has_fp8_weights, quantize_params, with_fp8_gemm
 from jspec.lora.adapter import read_rank
@@ -136,7 +136,7 @@ def check_attention_backend(config: EngineConfig, cfg: ModelConfig, dtype) -> No
     if cfg.deepseek is not None:
         ds = cfg.deepseek
         heads = cfg.num_heads // config.tp_size
-        if mla_kernels_for("mosaic", heads) != MLA_KERNELS["mosaic"]:
+        if not mosaic_runs_mla(heads):
             log.info(
                 "attention: MLA decode and verify on the Triton-backend kernels: %d query heads per device "
                 "leave most of a Mosaic program's %d-row products empty",

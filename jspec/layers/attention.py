@@ -32,11 +32,17 @@ MLA_KERNELS = {
 }
 
 
+def mosaic_runs_mla(num_heads: int) -> bool:
+    """Whether the Mosaic MLA kernels run for num_heads query heads (per device). A Mosaic program
+    multiplies GROUP_ROWS heads at once: with fewer most of each product is padding, and the
+    Triton-backend kernels were faster on the GPU (benchmarks/NOTES.md, bench_mla)."""
+    return num_heads >= GROUP_ROWS
+
+
 def mla_kernels_for(backend: str, num_heads: int):
-    """MLA's (decode, extend) on this backend. A Mosaic program multiplies GROUP_ROWS query heads
-    at once: with fewer heads most of each product is padding, and the Triton-backend kernels
-    were faster on the GPU (benchmarks/NOTES.md, bench_mla), so those run instead."""
-    if backend == "mosaic" and num_heads < GROUP_ROWS:
+    """MLA's (decode, extend) on this backend; under "mosaic", the Triton-backend kernels where
+    mosaic_runs_mla says no."""
+    if backend == "mosaic" and not mosaic_runs_mla(num_heads):
         backend = "pallas"
     return MLA_KERNELS[backend]
 

@@ -87,9 +87,6 @@ def mla_inputs(cfg: ModelConfig, lp, h: jax.Array, cos, sin):
     return q_nope, q_rope, jnp.concatenate([c, k_rope], axis=-1)
 
 
-# Each attention backend's absorbed MLA (decode, extend): decode and verify steps.
-
-
 def absorb_query(q_nope: jax.Array, q_rope: jax.Array, w_uk: jax.Array) -> jax.Array:
     """[T, Hq, nope], [T, Hq, rope], w_uk [Hq, nope, R] -> [T, Hq, R + rope]: the query that
     scores the latent directly."""
