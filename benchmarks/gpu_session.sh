@@ -167,10 +167,13 @@ for s in "$@"; do
       # NGRAM and adaptive EAGLE-3, beside the plain server.
       make_8b_head
       eagle="--speculative-algorithm EAGLE3 --speculative-draft-model-path $head --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4"
+      # SPEC_VARIANTS: which of them run (default all four).
+      declare -A spec=([default]="" [eagle3]="$eagle" [ngram]="--speculative-algorithm NGRAM"
+        [eagle3_adaptive]="$eagle --speculative-adaptive")
+      spec_args=()
+      for v in ${SPEC_VARIANTS:-default eagle3 ngram eagle3_adaptive}; do spec_args+=(--variant "$v=${spec[$v]}"); done
       step curve_8b_spec ${SPEC_LIMIT:-590} $PY -m benchmarks.serving_curve --server-args "$SHAPE_8B" --input-lens 128 \
-        --variant default= --variant "eagle3=$eagle" --variant "ngram=--speculative-algorithm NGRAM" \
-        --variant "eagle3_adaptive=$eagle --speculative-adaptive" ${CURVE_ARGS:-} --out "$RESULTS" \
-        --name serving_curve_8b_spec ;;
+        "${spec_args[@]}" ${CURVE_ARGS:-} --out "$RESULTS" --name serving_curve_8b_spec ;;
     curve_8b_mosaic)
       # The engine on the Mosaic GPU kernels beside the Triton ones: the default 8B server's curve
       # with and without --attention-backend mosaic (issue: the default is whichever is faster).
