@@ -72,7 +72,7 @@ def dp_param_specs(params) -> dict:
 def shard_params_dp(cfg: ModelConfig, params, mesh: Mesh):
     """(cfg, params) laid out and placed for DP attention on mesh. The dense MLP weights get an
     explicit rank axis (w_gate_up [H, dp, tp/dp, 2I/tp], w_down [dp, I/dp, H]): that layout is
-    what tells the forward (models/llama.mlp_block) to gather tokens over the ranks."""
+    what tells the forward (models/llama.mlp_delta) to gather tokens over the ranks."""
     dp, attn_tp = mesh.shape[DATA], mesh.shape[TENSOR]
     tp = dp * attn_tp
     check_dp_config(cfg, dp, attn_tp)

@@ -22,12 +22,6 @@ class ForwardOutput(NamedTuple):
     captured: jax.Array | None  # [C, T, H] residual stream entering each capture layer
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * x32.astype(x.dtype)
-
-
 def compute_logits(params, cfg: ModelConfig, hidden_normed: jax.Array) -> jax.Array:
     """f32 logits of final-normed hidden states: the LM head, divided by Granite's
     logits_scaling, soft-capped for Gemma 2."""

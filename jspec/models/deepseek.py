@@ -25,7 +25,8 @@ from jspec.kvcache.pool import KVPool, write_kv
 from jspec.layers.attention import mla_kernels_for
 from jspec.layers.batch import AttentionMode, ForwardBatch
 from jspec.layers.matmul import dense_f32
-from jspec.models.common import ForwardOutput, compute_logits, rms_norm, run_layers, store_capture
+from jspec.layers.norm import rms_norm
+from jspec.models.common import ForwardOutput, compute_logits, run_layers, store_capture
 from jspec.models.moe import ExpertMlp, moe_experts
 from jspec.models.rope import inv_freq
 

@@ -27,7 +27,8 @@ from jspec.config.dflash import DFlashConfig
 from jspec.config.model import ModelConfig
 from jspec.kvcache.pool import KVPool, write_kv
 from jspec.layers.matmul import dense_f32
-from jspec.models.common import lm_head_logits, rms_norm, run_layers
+from jspec.layers.norm import rms_norm
+from jspec.models.common import lm_head_logits, run_layers
 from jspec.models.llama import decoder_layer, rope_cos_sin
 from jspec.models.rope import apply_rope
 

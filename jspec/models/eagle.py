@@ -16,7 +16,8 @@ import jax.numpy as jnp
 
 from jspec.config.draft import DraftConfig
 from jspec.config.model import ModelConfig
-from jspec.models.common import lm_head_logits, rms_norm, run_layers
+from jspec.layers.norm import rms_norm
+from jspec.models.common import lm_head_logits, run_layers
 from jspec.models.llama import decoder_layer
 
 

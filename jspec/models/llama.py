@@ -23,9 +23,10 @@ from jspec.layers.attention import paged_attention
 from jspec.layers.batch import AttentionMode, ForwardBatch
 from jspec.layers.lora import LoraBatch, add_lora_delta, lora_dense, slot_mask
 from jspec.layers.matmul import dense_f32
+from jspec.layers.norm import add_rms_norm, rms_norm
 from jspec.layers.quant import is_fp8
 from jspec.models import rope
-from jspec.models.common import ForwardOutput, compute_logits, rms_norm, run_layers, store_capture
+from jspec.models.common import ForwardOutput, compute_logits, run_layers, store_capture
 from jspec.models.moe import moe_mlp_on_mesh
 from jspec.models.rope import apply_rope
 
@@ -81,14 +82,23 @@ def attention_input(cfg: ModelConfig, lp, x: jax.Array) -> jax.Array:
     return x if cfg.norm_layout == "post" else rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
 
 
-def add_residual(cfg: ModelConfig, lp, x: jax.Array, y: jax.Array, post_norm: str) -> jax.Array:
-    """x + y for a sublayer's output y: normed first under the sandwich and post layouts
-    (lp[post_norm]), scaled by Granite's residual multiplier."""
+def residual_delta(cfg: ModelConfig, lp, y: jax.Array, post_norm: str) -> jax.Array:
+    """What a sublayer's output y adds to the residual stream: y normed first under the sandwich
+    and post layouts (lp[post_norm]), scaled by Granite's residual multiplier."""
     if cfg.norm_layout != "pre":
         y = rms_norm(y, lp[post_norm], cfg.rms_norm_eps)
     if cfg.residual_multiplier != 1.0:
         y = y * cfg.residual_multiplier
-    return x + y
+    return y
+
+
+def add_and_norm(cfg: ModelConfig, x: jax.Array, delta: jax.Array, norm: jax.Array | None):
+    """(x + delta, the next sublayer's input): the sum's RMSNorm, or the sum itself where the
+    norms sit on the sublayers' outputs only (OLMo 2). One kernel on the GPU (layers/norm.py)."""
+    if cfg.norm_layout == "post":
+        s = x + delta
+        return s, s
+    return add_rms_norm(x, delta, norm, cfg.rms_norm_eps)
 
 
 def embed_tokens(params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
@@ -100,23 +110,22 @@ def embed_tokens(params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
     return x
 
 
-def mlp_block(cfg: ModelConfig, lp, x: jax.Array) -> jax.Array:
-    """x + SwiGLU (GeGLU) of RMSNorm(x), or x + MoE(RMSNorm(x)) on a sparse layer; the norm
-    moves to the output under the post layout (add_residual)."""
-    h = x if cfg.norm_layout == "post" else rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+def mlp_delta(cfg: ModelConfig, lp, x: jax.Array, h: jax.Array) -> jax.Array:
+    """What the MLP adds to residual x, given its input h (x's RMSNorm, or x under the post
+    layout): SwiGLU (GeGLU) of h, or MoE of h on a sparse layer (residual_delta's form)."""
     if "router" in lp:
         # The loader gives router and expert weights exactly to cfg.moe_layers (and a scan
         # stacks only alike layers), so the weights present say which block this layer is.
-        return add_residual(cfg, lp, x, moe_mlp_on_mesh(cfg, lp, h), "mlp_post_norm")
+        return residual_delta(cfg, lp, moe_mlp_on_mesh(cfg, lp, h), "mlp_post_norm")
     if lp["w_gate_up"].ndim == 4:  # [in, 1, tp/dp, n]: this DP-attention rank's slice, for every rank's tokens
-        return add_residual(cfg, lp, x, dense_mlp_over_ranks(lp, h, activation(cfg)).astype(x.dtype), "mlp_post_norm")
+        return residual_delta(cfg, lp, dense_mlp_over_ranks(lp, h, activation(cfg)).astype(x.dtype), "mlp_post_norm")
     # [in, 2I], or [in, tp, 2I / tp] (as wqkv); with LoRA, w_gate_up carries the pool's columns
     gate_up = _project_lora(lp, h, "w_gate_up", "gate_up")
     half = gate_up.shape[-1] // 2
     T = x.shape[0]
     gate, up = gate_up[..., :half].reshape(T, -1), gate_up[..., half:].reshape(T, -1)
     y = _linear_lora(lp, (activation(cfg)(gate) * up).astype(x.dtype), "w_down", "down")
-    return add_residual(cfg, lp, x, y, "mlp_post_norm")
+    return residual_delta(cfg, lp, y, "mlp_post_norm")
 
 
 def dense_mlp_over_ranks(lp, h: jax.Array, act_fn=jax.nn.silu) -> jax.Array:
@@ -218,13 +227,21 @@ def decoder_layer(cfg: ModelConfig, lp, x, h, cos, sin, attend, caches):
     The target passes h = attention_input(x); EAGLE draft layers pass other inputs
     (EAGLE-3 concatenates normed embeddings and normed hidden states).
     """
+    x, delta, caches = decoder_layer_deferred(cfg, lp, x, h, cos, sin, attend, caches)
+    return x + delta, caches
+
+
+def decoder_layer_deferred(cfg: ModelConfig, lp, x, h, cos, sin, attend, caches):
+    """decoder_layer without its last residual add: (x after attention, the MLP's delta,
+    caches). The target's forward adds the delta together with the next layer's norm, one
+    kernel on the GPU where the add and the norm would be three (layers/norm.py)."""
     q, k, v = qkv_heads(cfg, lp, h, cos, sin)
     attn, caches = attend(q, k, v, caches)
     y = _linear_lora(lp, attn.reshape(x.shape[0], cfg.q_size), "wo", "o")
     if cfg.o_bias:
         y = y + lp["bo"].astype(y.dtype)
-    x = add_residual(cfg, lp, x, y, "attn_post_norm")
-    return mlp_block(cfg, lp, x), caches
+    x, h = add_and_norm(cfg, x, residual_delta(cfg, lp, y, "attn_post_norm"), lp.get("mlp_norm"))
+    return x, mlp_delta(cfg, lp, x, h), caches
 
 
 def layer_rope(cfg: ModelConfig, layer, full, sliding):
@@ -279,23 +296,27 @@ def forward(
     if lora is not None:  # each layer's pool arrays travel with its weights
         layers = attach_lora(layers, lora.weights.layers)
 
+    # Each layer's MLP delta is added by the next layer together with its norm (add_and_norm);
+    # the first adds zeros.
     def layer_body(carry, lp, layer):
-        x, k_cache, v_cache, captured = carry
+        x, delta, k_cache, v_cache, captured = carry
         if lora is not None:
             lp = {**lp, "lora": (lp["lora"], lmask)}
+        x, h = add_and_norm(cfg, x, delta, lp.get("attn_norm"))
         captured = store_capture(captured, capture_layers, layer, x)
-        h = attention_input(cfg, lp, x)
         window = layer_window(cfg, layer)
         kv_scale = None if kv_scales is None else kv_scales[layer]
         layer_index = jnp.int32(layer) if isinstance(layer, int) else layer
         attend = paged_attend(cfg, mode, batch, layer_index, mask, window, kv_scale, lp.get("sinks"))
         layer_cos, layer_sin = layer_rope(cfg, layer, (cos, sin), sliding_rope)
-        x, (k_cache, v_cache) = decoder_layer(cfg, lp, x, h, layer_cos, layer_sin, attend, (k_cache, v_cache))
-        return x, k_cache, v_cache, captured
+        x, delta, (k_cache, v_cache) = decoder_layer_deferred(
+            cfg, lp, x, h, layer_cos, layer_sin, attend, (k_cache, v_cache)
+        )
+        return x, delta, k_cache, v_cache, captured
 
-    x, k_cache, v_cache, captured = run_layers(layers, layer_body, (x, kv.k, kv.v, captured))
+    x, delta, k_cache, v_cache, captured = run_layers(layers, layer_body, (x, jnp.zeros_like(x), kv.k, kv.v, captured))
+    x, h = add_rms_norm(x, delta, params["final_norm"], cfg.rms_norm_eps)
     captured = store_capture(captured, capture_layers, cfg.num_layers, x)
-    h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     logits = compute_logits(params, cfg, h[batch.logits_indices])
     return KVPool(k_cache, v_cache), ForwardOutput(logits, h, captured)
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from jspec.config.model import ModelConfig
 from jspec.layers.matmul import dense_f32
-from jspec.models.common import rms_norm
+from jspec.layers.norm import rms_norm
 from jspec.models.forward import decoder_layer
 
 

@@ -18,7 +18,8 @@ from jspec.config.model import ModelConfig
 from jspec.config.spec import SpecConfig
 from jspec.kvcache.pool import create_kv_pool, kv_bytes_per_page
 from jspec.layers.batch import AttentionMode, ForwardBatch, bucket
-from jspec.models.common import compute_logits, rms_norm, run_layers
+from jspec.layers.norm import rms_norm
+from jspec.models.common import compute_logits, run_layers
 from jspec.models.forward import forward
 from jspec.models.llama import attention_input, decoder_layer, embed_tokens, layer_rope, rope_cos_sin
 from jspec.speculative.beams import grow_beam_tree

@@ -30,7 +30,8 @@ from jspec.checkpoint.files import write_safetensors
 from jspec.checkpoint.loader import save_params
 from jspec.config.draft import DraftConfig
 from jspec.config.model import ModelConfig
-from jspec.models.common import compute_logits, rms_norm
+from jspec.layers.norm import rms_norm
+from jspec.models.common import compute_logits
 from jspec.models.eagle import draft_layers, draft_logits, layer_config, target_feature
 from jspec.models.llama import attention_input, decoder_layer, embed_tokens, rope_cos_sin
 from jspec.server.chat_template import render_chat

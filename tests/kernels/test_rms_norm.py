@@ -1,0 +1,75 @@
+"""The add-then-RMSNorm kernel against its reference (interpret mode on the CPU, compiled on
+the GPU), and the layer that picks between them."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from support.lowering import lower_for_cuda
+
+from jspec.kernels.rms_norm import add_rms_norm, add_rms_norm_ref
+from jspec.layers import norm
+
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+
+
+def operands(T, H, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    x, y = (jnp.asarray(rng.standard_normal((T, H)) * 3, dtype) for _ in range(2))
+    weight = jnp.asarray(1 + 0.2 * rng.standard_normal(H), dtype)
+    return x, y, weight
+
+
+@pytest.mark.parametrize(
+    "T,H,dtype",
+    [
+        (1, 64, jnp.float32),
+        (3, 576, jnp.bfloat16),  # a width that is not a power of two: the row's tail is masked
+        (5, 96, jnp.float32),
+        (2, 4096, jnp.bfloat16),
+    ],
+)
+def test_add_rms_norm_matches_reference(T, H, dtype):
+    x, y, weight = operands(T, H, dtype, seed=T * H)
+    got_sum, got_norm = add_rms_norm(x, y, weight, eps=1e-6)
+    ref_sum, ref_norm = add_rms_norm_ref(x, y, weight, 1e-6)
+    assert got_sum.dtype == ref_sum.dtype and got_norm.dtype == ref_norm.dtype
+    # The sum is one rounded add either way; the norm differs only in the order of its f32 sum
+    # of squares, which moves the scale by ~1e-7 and a bf16 result by at most one rounding.
+    np.testing.assert_array_equal(np.asarray(got_sum), np.asarray(ref_sum))
+    rtol = 1e-5 if dtype == jnp.float32 else 2**-7
+    np.testing.assert_allclose(np.asarray(got_norm, np.float32), np.asarray(ref_norm, np.float32), rtol=rtol, atol=rtol)
+
+
+def test_add_rms_norm_refuses_mismatched_operands():
+    x, y, weight = operands(2, 64, jnp.float32)
+    with pytest.raises(ValueError, match="one dtype"):
+        add_rms_norm(x, y.astype(jnp.bfloat16), weight, eps=1e-6)
+    with pytest.raises(ValueError, match="weight"):
+        add_rms_norm(x, y, weight[:32], eps=1e-6)
+
+
+@pytest.mark.parametrize("T,H", [(1, 4096), (64, 576), (4096, 8192)])
+def test_add_rms_norm_lowers_for_cuda(T, H):
+    rows = jax.ShapeDtypeStruct((T, H), jnp.bfloat16)
+    fn = functools.partial(add_rms_norm, eps=1e-5, interpret=False)
+    assert "__gpu$xla.gpu.triton" in lower_for_cuda(fn, rows, rows, jax.ShapeDtypeStruct((H,), jnp.bfloat16)).as_text()
+
+
+def test_the_layer_runs_the_kernel_on_one_gpu_only(monkeypatch):
+    """With the setting on, the layer runs the kernel on a GPU and the reference elsewhere (the
+    kernel would run interpreted); a setting it does not know is refused by name."""
+    x, y, weight = operands(2, 64, jnp.float32)
+    monkeypatch.setenv(norm.ADD_RMS_NORM_ENV, "pallas")
+    text = jax.jit(lambda *a: norm.add_rms_norm(*a, 1e-6)).lower(x, y, weight).as_text()
+    on_one_gpu = jax.default_backend() == "gpu" and jax.device_count() == 1
+    assert ("add_rms_norm_64" in text) == on_one_gpu
+    monkeypatch.setenv(norm.ADD_RMS_NORM_ENV, "xla")
+    assert "add_rms_norm_64" not in jax.jit(lambda *a: norm.add_rms_norm(*a, 1e-6)).lower(x, y, weight).as_text()
+    monkeypatch.setenv(norm.ADD_RMS_NORM_ENV, "triton")
+    with pytest.raises(ValueError, match="JSPEC_ADD_RMS_NORM='triton'"):
+        norm.add_rms_norm(x, y, weight, 1e-6)
