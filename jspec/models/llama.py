@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.config.model import ModelConfig
+from jspec.distributed.dp_attention import in_rank_region
 from jspec.distributed.mesh import DATA
 from jspec.kernels.paged_tiles import NO_WINDOW
 from jspec.kvcache.pool import KVPool, is_fp8_cache, write_kv
@@ -297,22 +298,25 @@ def forward(
         layers = attach_lora(layers, lora.weights.layers)
 
     # Each layer's MLP delta is added by the next layer together with its norm (add_and_norm);
-    # the first adds zeros.
+    # the first adds zeros. Not inside DP attention's per-rank region, where a MoE layer's delta
+    # varies over the ranks and the residual does not: there each layer adds its own.
+    defer = not in_rank_region()
+
     def layer_body(carry, lp, layer):
         x, delta, k_cache, v_cache, captured = carry
         if lora is not None:
             lp = {**lp, "lora": (lp["lora"], lmask)}
-        x, h = add_and_norm(cfg, x, delta, lp.get("attn_norm"))
+        x, h = add_and_norm(cfg, x, delta, lp.get("attn_norm")) if defer else (x, attention_input(cfg, lp, x))
         captured = store_capture(captured, capture_layers, layer, x)
         window = layer_window(cfg, layer)
         kv_scale = None if kv_scales is None else kv_scales[layer]
         layer_index = jnp.int32(layer) if isinstance(layer, int) else layer
         attend = paged_attend(cfg, mode, batch, layer_index, mask, window, kv_scale, lp.get("sinks"))
         layer_cos, layer_sin = layer_rope(cfg, layer, (cos, sin), sliding_rope)
-        x, delta, (k_cache, v_cache) = decoder_layer_deferred(
+        x, mlp, (k_cache, v_cache) = decoder_layer_deferred(
             cfg, lp, x, h, layer_cos, layer_sin, attend, (k_cache, v_cache)
         )
-        return x, delta, k_cache, v_cache, captured
+        return (x, mlp, k_cache, v_cache, captured) if defer else (x + mlp, delta, k_cache, v_cache, captured)
 
     x, delta, k_cache, v_cache, captured = run_layers(layers, layer_body, (x, jnp.zeros_like(x), kv.k, kv.v, captured))
     x, h = add_rms_norm(x, delta, params["final_norm"], cfg.rms_norm_eps)
