@@ -31,6 +31,7 @@ import jax
 KINDS = (
     ("attention (Pallas)", re.compile(r"paged_|attention|flash")),
     ("skinny matmul (Pallas)", re.compile(r"skinny")),
+    ("add + RMSNorm (Pallas)", re.compile(r"add_rms_norm")),
     ("matmul (cuBLAS / XLA gemm)", re.compile(r"gemm|gemv|cublas|cutlass|xmma|sm90|dot|matmul|nvjet")),
     ("copy / memset", re.compile(r"memcpy|memset|copy")),
     ("reduction fusion", re.compile(r"reduce|reduction")),
