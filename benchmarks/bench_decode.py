@@ -33,6 +33,7 @@ import numpy as np
 from benchmarks.common import (
     LLAMA_8B,
     RESULTS_DIR,
+    SMALL,
     Results,
     copy_bandwidth,
     int_list,
@@ -281,6 +282,9 @@ def main():
     ap.add_argument("--out", default=RESULTS_DIR)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--tiny", action="store_true", help="a tiny model: a CPU dry run of the script itself")
+    ap.add_argument(
+        "--small", action="store_true", help="the SmolLM2-135M shape instead of the 8B: a step set by its kernel count"
+    )
     ap.add_argument("--parts", action="store_true", help="also time each GEMV shape and the matmul-only step")
     ap.add_argument("--tag", help="results file bench_decode_TAG.json (e.g. an XLA_FLAGS variant)")
     ap.add_argument(
@@ -298,7 +302,7 @@ def main():
     )
     args = ap.parse_args()
 
-    cfg, dtype, S = LLAMA_8B, jnp.bfloat16, args.page_size
+    cfg, dtype, S = (SMALL if args.small else LLAMA_8B), jnp.bfloat16, args.page_size
     if args.tiny:
         cfg = tiny(cfg, num_layers=2)
     dev = jax.devices()[0]
@@ -336,7 +340,7 @@ def main():
     rng = np.random.default_rng(0)
     rows = []
     settings = {
-        "model": "llama-3.1-8b shape, random bf16",
+        "model": f"{'smollm2-135m' if args.small else 'llama-3.1-8b'} shape, random bf16",
         "page_size": S,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "tag": args.tag,

@@ -95,12 +95,12 @@ for s in "$@"; do
         --variant "ngram=--speculative-algorithm NGRAM" --run-timeout 120 --out "$RESULTS" --name serving_curve_smollm2_spec ;;
     add_norm)
       # The residual add + RMSNorm kernel against XLA's three kernels (JSPEC_ADD_RMS_NORM): the 8B
-      # step at bs 1 / 16 with its kernel profile, and the SmolLM2 shape's launch at bs 1.
+      # step at bs 1 / 16 and the SmolLM2 shape's at bs 1, each with its kernel profile.
       for v in xla pallas; do
         JSPEC_ADD_RMS_NORM=$v step decode_add_norm_$v 150 $PY -m benchmarks.bench_decode --quick --no-stacked \
           --batches 1,16 --profile --verify-tokens 0 --tag add_norm_$v --out "$RESULTS"
-        JSPEC_ADD_RMS_NORM=$v step host_launch_add_norm_$v 120 $PY -m benchmarks.bench_host_launch --tokens 128 \
-          --name bench_host_launch_add_norm_$v --out "$RESULTS"
+        JSPEC_ADD_RMS_NORM=$v step decode_small_add_norm_$v 90 $PY -m benchmarks.bench_decode --small --quick \
+          --no-stacked --batches 1 --profile --verify-tokens 0 --tag small_add_norm_$v --out "$RESULTS"
       done ;;
     host_launch) step host_launch 180 $PY -m benchmarks.bench_host_launch --tokens 128 --name bench_host_launch_gpu --out "$RESULTS" ;;
     overlap) step overlap 140 $PY -m benchmarks.bench_overlap --batches 1 --out "$RESULTS" --name bench_overlap_bs1 ;;
