@@ -6,6 +6,8 @@ squares, the scaling), each a launch and a round trip through HBM for a few kilo
 decode batch sizes; here one program per row reads x and y once and writes the sum and its
 norm. The sum is rounded to the residual's dtype before it is normalised, as the add-then-norm
 of the reference does, so the two differ only in the order of the squares' f32 summation.
+y may be wider than x (a projection's float32 output): its rounding to x's dtype happens here
+too, where XLA would spend one more kernel on it.
 
 The row is padded to a power of two (Triton's arrays) and masked; one program holds a whole
 row in registers, which suits model widths up to a few thousand (the 8B's 4096: 32 values a
@@ -35,8 +37,9 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def add_rms_norm_ref(x: jax.Array, y: jax.Array, weight: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
-    """(x + y, rms_norm(x + y)): the new residual and the next sublayer's input."""
-    s = x + y
+    """(x + y, rms_norm(x + y)): the new residual and the next sublayer's input, in x's dtype
+    (y, a projection's float32 output for instance, rounded to it first)."""
+    s = x + y.astype(x.dtype)
     return s, rms_norm(s, weight, eps)
 
 
@@ -46,7 +49,7 @@ def _add_rms_norm_kernel(x_ref, y_ref, w_ref, sum_ref, normed_ref, *, width, pad
     real = cols < width
     x = pltriton.load(x_ref.at[row, cols], mask=real, other=0)
     y = pltriton.load(y_ref.at[row, cols], mask=real, other=0)
-    s = (x.astype(jnp.float32) + y.astype(jnp.float32)).astype(sum_ref.dtype)
+    s = (x.astype(jnp.float32) + y.astype(sum_ref.dtype).astype(jnp.float32)).astype(sum_ref.dtype)
     s32 = s.astype(jnp.float32)
     inv = lax.rsqrt(jnp.sum(s32 * s32) / width + eps)
     w = pltriton.load(w_ref.at[cols], mask=real, other=0)
@@ -57,12 +60,10 @@ def _add_rms_norm_kernel(x_ref, y_ref, w_ref, sum_ref, normed_ref, *, width, pad
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret"))
 def add_rms_norm(x, y, weight, *, eps: float, interpret=None):
-    """x, y [T, H] of one dtype, weight [H] -> (x + y, rms_norm(x + y, weight)) as
-    add_rms_norm_ref computes them, the norm in the dtype weight * x promotes to."""
-    if x.ndim != 2 or x.shape != y.shape or x.dtype != y.dtype or weight.shape != x.shape[1:]:
-        raise ValueError(
-            f"add_rms_norm takes x, y [T, H] of one dtype and weight [H], got {x.shape}, {y.shape}, {weight.shape}"
-        )
+    """x, y [T, H], weight [H] -> (x + y, rms_norm(x + y, weight)) as add_rms_norm_ref computes
+    them: y rounded to x's dtype first, the norm in the dtype weight * x promotes to."""
+    if x.ndim != 2 or x.shape != y.shape or weight.shape != x.shape[1:]:
+        raise ValueError(f"add_rms_norm takes x, y [T, H] and weight [H], got {x.shape}, {y.shape}, {weight.shape}")
     T, H = x.shape
     padded = next_pow2(H)
     kernel = functools.partial(_add_rms_norm_kernel, width=H, padded=padded, eps=eps)

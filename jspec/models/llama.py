@@ -32,10 +32,6 @@ from jspec.models.moe import moe_mlp_on_mesh
 from jspec.models.rope import apply_rope
 
 
-def _linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    return dense_f32(x, w).astype(x.dtype)
-
-
 def _project(h: jax.Array, w: jax.Array) -> jax.Array:
     """h [T, in] @ w -> f32 [T, shards, n]; w is [in, n] (one shard) or [in, tp, n / tp]."""
     if w.ndim == 2:
@@ -83,9 +79,15 @@ def attention_input(cfg: ModelConfig, lp, x: jax.Array) -> jax.Array:
     return x if cfg.norm_layout == "post" else rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
 
 
-def residual_delta(cfg: ModelConfig, lp, y: jax.Array, post_norm: str) -> jax.Array:
+def residual_delta(cfg: ModelConfig, lp, y: jax.Array, post_norm: str, dtype) -> jax.Array:
     """What a sublayer's output y adds to the residual stream: y normed first under the sandwich
-    and post layouts (lp[post_norm]), scaled by Granite's residual multiplier."""
+    and post layouts (lp[post_norm]), scaled by Granite's residual multiplier. y may come wider
+    than the stream's dtype (a projection's float32): rounded first where anything is done to
+    it, else passed on in float32 for the add to round (add_rms_norm: in its
+    kernel, where XLA would spend a kernel on the rounding alone)."""
+    if passes_delta_unrounded(cfg):
+        return y.astype(jnp.float32)
+    y = y.astype(dtype)
     if cfg.norm_layout != "pre":
         y = rms_norm(y, lp[post_norm], cfg.rms_norm_eps)
     if cfg.residual_multiplier != 1.0:
@@ -93,11 +95,22 @@ def residual_delta(cfg: ModelConfig, lp, y: jax.Array, post_norm: str) -> jax.Ar
     return y
 
 
+def passes_delta_unrounded(cfg: ModelConfig) -> bool:
+    """Whether residual_delta passes a sublayer's output on as it is (float32): nothing is done
+    to it before the add."""
+    return cfg.norm_layout == "pre" and cfg.residual_multiplier == 1.0
+
+
+def delta_dtype(cfg: ModelConfig, dtype):
+    """The dtype of residual_delta's result for a stream of dtype."""
+    return jnp.float32 if passes_delta_unrounded(cfg) else dtype
+
+
 def add_and_norm(cfg: ModelConfig, x: jax.Array, delta: jax.Array, norm: jax.Array | None):
     """(x + delta, the next sublayer's input): the sum's RMSNorm, or the sum itself where the
     norms sit on the sublayers' outputs only (OLMo 2). One kernel on the GPU (layers/norm.py)."""
     if cfg.norm_layout == "post":
-        s = x + delta
+        s = x + delta.astype(x.dtype)
         return s, s
     return add_rms_norm(x, delta, norm, cfg.rms_norm_eps)
 
@@ -117,16 +130,18 @@ def mlp_delta(cfg: ModelConfig, lp, x: jax.Array, h: jax.Array) -> jax.Array:
     if "router" in lp:
         # The loader gives router and expert weights exactly to cfg.moe_layers (and a scan
         # stacks only alike layers), so the weights present say which block this layer is.
-        return residual_delta(cfg, lp, moe_mlp_on_mesh(cfg, lp, h), "mlp_post_norm")
+        return residual_delta(cfg, lp, moe_mlp_on_mesh(cfg, lp, h), "mlp_post_norm", x.dtype)
     if lp["w_gate_up"].ndim == 4:  # [in, 1, tp/dp, n]: this DP-attention rank's slice, for every rank's tokens
-        return residual_delta(cfg, lp, dense_mlp_over_ranks(lp, h, activation(cfg)).astype(x.dtype), "mlp_post_norm")
+        return residual_delta(
+            cfg, lp, dense_mlp_over_ranks(lp, h, activation(cfg)).astype(x.dtype), "mlp_post_norm", x.dtype
+        )
     # [in, 2I], or [in, tp, 2I / tp] (as wqkv); with LoRA, w_gate_up carries the pool's columns
     gate_up = _project_lora(lp, h, "w_gate_up", "gate_up")
     half = gate_up.shape[-1] // 2
     T = x.shape[0]
     gate, up = gate_up[..., :half].reshape(T, -1), gate_up[..., half:].reshape(T, -1)
-    y = _linear_lora(lp, (activation(cfg)(gate) * up).astype(x.dtype), "w_down", "down")
-    return residual_delta(cfg, lp, y, "mlp_post_norm")
+    y = _linear_lora_f32(lp, (activation(cfg)(gate) * up).astype(x.dtype), "w_down", "down")
+    return residual_delta(cfg, lp, y, "mlp_post_norm", x.dtype)
 
 
 def dense_mlp_over_ranks(lp, h: jax.Array, act_fn=jax.nn.silu) -> jax.Array:
@@ -162,9 +177,14 @@ def _project_lora(lp, h: jax.Array, name: str, projection: str) -> jax.Array:
 
 def _linear_lora(lp, x: jax.Array, name: str, projection: str) -> jax.Array:
     """x @ lp[name], with the layer's LoRA delta when it has one."""
+    return _linear_lora_f32(lp, x, name, projection).astype(x.dtype)
+
+
+def _linear_lora_f32(lp, x: jax.Array, name: str, projection: str) -> jax.Array:
+    """_linear_lora before its rounding to x's dtype: float32."""
     if "lora" in lp:
-        return lora_dense(*lp["lora"], x, lp[name], projection).astype(x.dtype)
-    return _linear(x, lp[name])
+        return lora_dense(*lp["lora"], x, lp[name], projection)
+    return dense_f32(x, lp[name])
 
 
 def layer_window(cfg: ModelConfig, layer) -> jax.Array | None:
@@ -229,7 +249,7 @@ def decoder_layer(cfg: ModelConfig, lp, x, h, cos, sin, attend, caches):
     (EAGLE-3 concatenates normed embeddings and normed hidden states).
     """
     x, delta, caches = decoder_layer_deferred(cfg, lp, x, h, cos, sin, attend, caches)
-    return x + delta, caches
+    return x + delta.astype(x.dtype), caches
 
 
 def decoder_layer_deferred(cfg: ModelConfig, lp, x, h, cos, sin, attend, caches):
@@ -238,10 +258,10 @@ def decoder_layer_deferred(cfg: ModelConfig, lp, x, h, cos, sin, attend, caches)
     kernel on the GPU where the add and the norm would be three (layers/norm.py)."""
     q, k, v = qkv_heads(cfg, lp, h, cos, sin)
     attn, caches = attend(q, k, v, caches)
-    y = _linear_lora(lp, attn.reshape(x.shape[0], cfg.q_size), "wo", "o")
+    y = _linear_lora_f32(lp, attn.reshape(x.shape[0], cfg.q_size), "wo", "o")
     if cfg.o_bias:
-        y = y + lp["bo"].astype(y.dtype)
-    x, h = add_and_norm(cfg, x, residual_delta(cfg, lp, y, "attn_post_norm"), lp.get("mlp_norm"))
+        y = y.astype(x.dtype) + lp["bo"].astype(x.dtype)
+    x, h = add_and_norm(cfg, x, residual_delta(cfg, lp, y, "attn_post_norm", x.dtype), lp.get("mlp_norm"))
     return x, mlp_delta(cfg, lp, x, h), caches
 
 
@@ -316,9 +336,13 @@ def forward(
         x, mlp, (k_cache, v_cache) = decoder_layer_deferred(
             cfg, lp, x, h, layer_cos, layer_sin, attend, (k_cache, v_cache)
         )
-        return (x, mlp, k_cache, v_cache, captured) if defer else (x + mlp, delta, k_cache, v_cache, captured)
+        if not defer:
+            return x + mlp.astype(x.dtype), delta, k_cache, v_cache, captured
+        return x, mlp, k_cache, v_cache, captured
 
-    x, delta, k_cache, v_cache, captured = run_layers(layers, layer_body, (x, jnp.zeros_like(x), kv.k, kv.v, captured))
+    x, delta, k_cache, v_cache, captured = run_layers(
+        layers, layer_body, (x, jnp.zeros(x.shape, delta_dtype(cfg, x.dtype)), kv.k, kv.v, captured)
+    )
     x, h = add_rms_norm(x, delta, params["final_norm"], cfg.rms_norm_eps)
     captured = store_capture(captured, capture_layers, cfg.num_layers, x)
     logits = compute_logits(params, cfg, h[batch.logits_indices])

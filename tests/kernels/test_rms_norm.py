@@ -45,10 +45,25 @@ def test_add_rms_norm_matches_reference(T, H, dtype):
     np.testing.assert_allclose(np.asarray(got_norm, np.float32), np.asarray(ref_norm, np.float32), rtol=rtol, atol=rtol)
 
 
+def test_a_float32_delta_is_rounded_to_the_stream_first():
+    """y as a projection leaves it, float32, onto a bf16 stream: the kernel rounds it as the
+    reference's add does, so the sum is bit for bit the reference's."""
+    x, _, weight = operands(3, 576, jnp.bfloat16)
+    y = jnp.asarray(np.random.default_rng(1).standard_normal((3, 576)) * 3, jnp.float32)
+    got_sum, got_norm = add_rms_norm(x, y, weight, eps=1e-6)
+    ref_sum, ref_norm = add_rms_norm_ref(x, y, weight, 1e-6)
+    assert got_sum.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got_sum), np.asarray(ref_sum))
+    np.testing.assert_array_equal(np.asarray(ref_sum), np.asarray(x + y.astype(jnp.bfloat16)))
+    np.testing.assert_allclose(
+        np.asarray(got_norm, np.float32), np.asarray(ref_norm, np.float32), rtol=2**-7, atol=2**-7
+    )
+
+
 def test_add_rms_norm_refuses_mismatched_operands():
     x, y, weight = operands(2, 64, jnp.float32)
-    with pytest.raises(ValueError, match="one dtype"):
-        add_rms_norm(x, y.astype(jnp.bfloat16), weight, eps=1e-6)
+    with pytest.raises(ValueError, match="weight"):
+        add_rms_norm(x, y[:, :32], weight, eps=1e-6)
     with pytest.raises(ValueError, match="weight"):
         add_rms_norm(x, y, weight[:32], eps=1e-6)
 
