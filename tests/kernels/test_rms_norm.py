@@ -88,3 +88,30 @@ def test_the_layer_runs_the_kernel_on_one_gpu_only(monkeypatch):
     monkeypatch.setenv(norm.ADD_RMS_NORM_ENV, "triton")
     with pytest.raises(ValueError, match="JSPEC_ADD_RMS_NORM='triton'"):
         norm.add_rms_norm(x, y, weight, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_forward_on_the_kernel_gives_the_references_logits(monkeypatch, dtype):
+    """A Llama-family prefill with every add-and-norm on the kernel against the same with XLA's
+    ops: on a GPU two different programs (equal up to the norms' summation order), on the CPU
+    the same one."""
+    from support.models import TARGET
+
+    from jspec.checkpoint.loader import init_random_params
+    from jspec.kvcache.pool import create_kv_pool
+    from jspec.models.forward import forward
+    from jspec.worker.inputs import SeqChunk, build_forward_batch
+
+    params = init_random_params(TARGET, jax.random.key(0), dtype)
+    batch, mode = build_forward_batch([SeqChunk(list(range(1, 12)), 0, [0, 1, 2])], page_size=4, num_pages=8)
+    batch = batch._replace(logits_indices=np.arange(batch.tokens.shape[0], dtype=np.int32))
+
+    def logits(backend):
+        monkeypatch.setenv(norm.ADD_RMS_NORM_ENV, backend)
+        kv = create_kv_pool(TARGET, 8, 4, dtype)
+        run = jax.jit(lambda p, kv, b: forward(p, TARGET, kv, b, mode)[1].logits)  # traced afresh: reads the setting
+        return np.asarray(run(params, kv, batch), np.float32)
+
+    ref, got = logits("xla"), logits("pallas")
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < tol
