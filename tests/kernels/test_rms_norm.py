@@ -10,9 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.lowering import lower_for_cuda
+from support.models import TARGET
+from support.precision import tolerance
 
+from jspec.checkpoint.loader import init_random_params
 from jspec.kernels.rms_norm import add_rms_norm, add_rms_norm_ref
+from jspec.kvcache.pool import create_kv_pool
 from jspec.layers import norm
+from jspec.models.forward import forward
+from jspec.worker.inputs import SeqChunk, build_forward_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
@@ -95,13 +101,6 @@ def test_the_forward_on_the_kernel_gives_the_references_logits(monkeypatch, dtyp
     """A Llama-family prefill with every add-and-norm on the kernel against the same with XLA's
     ops: on a GPU two different programs (equal up to the norms' summation order), on the CPU
     the same one."""
-    from support.models import TARGET
-
-    from jspec.checkpoint.loader import init_random_params
-    from jspec.kvcache.pool import create_kv_pool
-    from jspec.models.forward import forward
-    from jspec.worker.inputs import SeqChunk, build_forward_batch
-
     params = init_random_params(TARGET, jax.random.key(0), dtype)
     batch, mode = build_forward_batch([SeqChunk(list(range(1, 12)), 0, [0, 1, 2])], page_size=4, num_pages=8)
     batch = batch._replace(logits_indices=np.arange(batch.tokens.shape[0], dtype=np.int32))
@@ -113,5 +112,5 @@ def test_the_forward_on_the_kernel_gives_the_references_logits(monkeypatch, dtyp
         return np.asarray(run(params, kv, batch), np.float32)
 
     ref, got = logits("xla"), logits("pallas")
-    tol = 1e-5 if dtype == jnp.float32 else 2e-2
-    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < tol
+    # Both programs' dots name no precision (TF32 on a GPU), and each may pick its own GEMMs.
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < tolerance(dtype).rel
