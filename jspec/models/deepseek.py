@@ -25,7 +25,7 @@ from jspec.kvcache.pool import KVPool, write_kv
 from jspec.layers.attention import mla_kernels_for
 from jspec.layers.batch import AttentionMode, ForwardBatch
 from jspec.layers.matmul import dense_f32
-from jspec.layers.norm import rms_norm
+from jspec.layers.norm import add_rms_norm, rms_norm
 from jspec.models.common import ForwardOutput, compute_logits, run_layers, store_capture
 from jspec.models.moe import ExpertMlp, moe_experts
 from jspec.models.rope import inv_freq
@@ -217,8 +217,8 @@ def decoder_layer(cfg: ModelConfig, lp, x, h, cos, sin, attend, caches):
     """One DeepSeek layer on residual x with attention input h (normed): (x, caches)."""
     q_nope, q_rope, latent = mla_inputs(cfg, lp, h, cos, sin)
     attn, caches = attend(lp, q_nope, q_rope, latent, caches)
-    x = x + _linear(attn.reshape(x.shape[0], -1), lp["wo"])
-    h2 = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    # The o projection's float32 output is rounded by the add, with the norm in one call (layers/norm.py).
+    x, h2 = add_rms_norm(x, dense_f32(attn.reshape(x.shape[0], -1), lp["wo"]), lp["mlp_norm"], cfg.rms_norm_eps)
     return x + mlp(cfg, lp, h2).astype(x.dtype), caches
 
 
