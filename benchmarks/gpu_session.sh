@@ -98,7 +98,7 @@ for s in "$@"; do
       # step at bs 1 / 16 and the SmolLM2 shape's at bs 1, each with its kernel profile.
       for v in xla pallas; do
         JSPEC_ADD_RMS_NORM=$v step decode_add_norm_$v 150 $PY -m benchmarks.bench_decode --quick --no-stacked \
-          --batches 1,16 --profile --verify-tokens 0 --tag add_norm_$v --out "$RESULTS"
+          --batches ${ADD_NORM_BATCHES:-1,16} --profile --verify-tokens 0 --tag add_norm_$v --out "$RESULTS"
         JSPEC_ADD_RMS_NORM=$v step decode_small_add_norm_$v 90 $PY -m benchmarks.bench_decode --small --quick \
           --no-stacked --batches 1 --profile --verify-tokens 0 --tag small_add_norm_$v --out "$RESULTS"
       done ;;
