@@ -1,9 +1,10 @@
 """The residual add and the RMSNorm after it: XLA's ops, or one Pallas kernel on the GPU.
 
-XLA emits add-then-norm as three kernels on the GPU (kernels/rms_norm.py says why that
-matters at decode batch sizes). `JSPEC_ADD_RMS_NORM=pallas` sends every add-then-norm of a
-single-GPU step through kernels/rms_norm.py instead; read when a step is traced, so set per
-process. Under a mesh XLA's ops stay: a Pallas call does not partition.
+XLA emits add-then-norm as several kernels on the GPU (kernels/rms_norm.py says why that
+matters at decode batch sizes), so every add-then-norm of a single-GPU step goes through
+kernels/rms_norm.py; `JSPEC_ADD_RMS_NORM=xla` keeps XLA's ops (read when a step is traced, so
+set per process). Under a mesh XLA's ops stay: a Pallas call does not partition. Off the GPU
+the reference runs (the kernel would be interpreted).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ __all__ = ["add_rms_norm", "add_rms_norm_backend", "rms_norm"]
 
 
 def add_rms_norm_backend() -> str:
-    value = os.environ.get(ADD_RMS_NORM_ENV, "xla")
+    value = os.environ.get(ADD_RMS_NORM_ENV, "pallas")
     if value not in ("xla", "pallas"):
         raise ValueError(f"{ADD_RMS_NORM_ENV}={value!r}: expected 'xla' or 'pallas'")
     return value
