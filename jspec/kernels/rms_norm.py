@@ -10,8 +10,7 @@ y may be wider than x (a projection's float32 output): its rounding to x's dtype
 too, where XLA would spend one more kernel on it.
 
 The row is padded to a power of two (Triton's arrays) and masked; one program holds a whole
-row in registers, which suits model widths up to a few thousand (the 8B's 4096: 32 values a
-thread per array at four warps).
+row in registers, which suits model widths up to a few thousand (eight warps past 4096).
 """
 
 from __future__ import annotations
