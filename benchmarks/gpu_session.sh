@@ -102,6 +102,16 @@ for s in "$@"; do
         JSPEC_ADD_RMS_NORM=$v step decode_small_add_norm_$v 90 $PY -m benchmarks.bench_decode --small --quick \
           --no-stacked --batches 1 --profile --verify-tokens 0 --tag small_add_norm_$v --out "$RESULTS"
       done ;;
+    decode_splits)
+      # The decode kernel's split-K count (JSPEC_DECODE_SPLITS): from the shape, against one split
+      # (no merge of partials after the kernel), bs 1, both shapes, profiled.
+      for v in auto 1; do
+        env_splits=(); [ $v = auto ] || env_splits=(JSPEC_DECODE_SPLITS=$v)
+        step decode_small_splits_$v 90 env "${env_splits[@]}" $PY -m benchmarks.bench_decode --small --quick --no-stacked \
+          --batches 1 --profile --verify-tokens 0 --tag small_splits_$v --out "$RESULTS"
+        step decode_splits_$v 150 env "${env_splits[@]}" $PY -m benchmarks.bench_decode --quick --no-stacked \
+          --batches 1 --profile --verify-tokens 0 --tag splits_$v --out "$RESULTS"
+      done ;;
     host_launch) step host_launch 180 $PY -m benchmarks.bench_host_launch --tokens 128 --name bench_host_launch_gpu --out "$RESULTS" ;;
     overlap) step overlap 140 $PY -m benchmarks.bench_overlap --batches 1 --out "$RESULTS" --name bench_overlap_bs1 ;;
     adaptive_costs)

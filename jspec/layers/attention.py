@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -30,6 +32,22 @@ MLA_KERNELS = {
     "mosaic": (mla_decode_mgpu, mla_extend_mgpu),
     "reference": (mla_decode_ref, mla_extend_ref),
 }
+
+
+# The decode kernels' split-K count, for an experiment (read when a step is traced): by default
+# it follows the shape (kernels/paged_tiles.choose_splits); one split writes the output from the
+# kernel, with no merge of partials after it (benchmarks/NOTES.md, "add_norm": the merge's
+# kernels cost the small model's step more than its attention).
+DECODE_SPLITS_ENV = "JSPEC_DECODE_SPLITS"
+
+
+def decode_splits() -> int | None:
+    value = os.environ.get(DECODE_SPLITS_ENV)
+    if value is None:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{DECODE_SPLITS_ENV}={value!r}: expected a positive number of splits")
+    return int(value)
 
 
 def mosaic_runs_mla(num_heads: int) -> bool:
@@ -70,6 +88,7 @@ def paged_attention(
     windowed = window is not None
     sinked = sinks is not None
     if mode.decode_only and mask is None:
+        splits = {} if mode.backend == "reference" or decode_splits() is None else {"num_splits": decode_splits()}
 
         def run_decode(q, k, v, layer, lens, tables, *extra):
             return decode(
@@ -83,6 +102,7 @@ def paged_attention(
                 window=extra[0] if windowed else None,
                 logit_softcap=logit_softcap,
                 sinks=extra[-1] if sinked else None,
+                **splits,
             )
 
         extra = ((window,) if windowed else ()) + ((sinks,) if sinked else ())
