@@ -35,11 +35,12 @@ HEADROOM_MIN_BYTES = 1 * GiB
 PROGRAM_BYTES_FACTOR = 1.25
 # Pages of the pool the programs are measured against (the scratch page and one more).
 PROBE_PAGES = 2
-# On the GPU the first step over a large pool has failed allocating one more buffer the size of
-# a pool leaf (K or V). Every such run fits the pool having been created while the loader's
-# stacked layers were still alive (dropped earlier since; benchmarks/NOTES.md, "The KV pool on
-# the GPU"). Until a server with the larger pool has run on a GPU, the device plan leaves room
-# for one leaf, as a fraction of the pool: K and V are its two equal leaves.
+# On the GPU a pool planned without this reserve has failed to allocate its second leaf (K or
+# V): first while the loader's stacked layers were alive, then, with them dropped first, because
+# their freed memory is a hole below the per-layer weights that no leaf fits (benchmarks/NOTES.md,
+# "The KV pool on the GPU"). Until the loader leaves no such hole and a server with the larger
+# pool has run on a GPU, the device plan leaves room for one leaf, as a fraction of the pool: K
+# and V are its two equal leaves.
 FIRST_STEP_LEAF_FRACTION = 0.5
 
 

@@ -88,7 +88,8 @@ def paged_attention(
     windowed = window is not None
     sinked = sinks is not None
     if mode.decode_only and mask is None:
-        splits = {} if mode.backend == "reference" or decode_splits() is None else {"num_splits": decode_splits()}
+        num_splits = None if mode.backend == "reference" else decode_splits()
+        splits = {} if num_splits is None else {"num_splits": num_splits}
 
         def run_decode(q, k, v, layer, lens, tables, *extra):
             return decode(
