@@ -220,6 +220,14 @@ for s in "$@"; do
     curve_8b_long)
       step curve_8b_long 300 $PY -m benchmarks.serving_curve --server-args "$SHAPE_8B" --input-lens 1024 \
         --out "$RESULTS" --name serving_curve_8b_1024 ;;
+    curve_small_add_norm)
+      # The SmolLM2 server with XLA's add-and-norm ops, then with the kernel (the GPU default),
+      # at c 1 and 64 with 8 prompts per unit of concurrency (a c64 run of 128 lasts 2 s).
+      for v in xla pallas; do
+        JSPEC_ADD_RMS_NORM=$v step curve_small_add_norm_$v ${SMALL_LIMIT:-150} $PY -m benchmarks.serving_curve \
+          --server-args "$SHAPE_SMALL" --input-lens 128 --concurrency 1,64 --prompts-per-c 8 --min-prompts 8 \
+          --out "$RESULTS" --name serving_curve_smollm2_add_norm_$v
+      done ;;
     curve_small)
       XLA_FLAGS="$(cat "$RESULTS/xla_flags" 2>/dev/null)" step curve_small ${SMALL_LIMIT:-120} $PY -m benchmarks.serving_curve \
         --server-args "$SHAPE_SMALL" --input-lens 128 --concurrency ${SMALL_C:-1,64} --min-prompts 8 --out "$RESULTS" \

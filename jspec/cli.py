@@ -9,6 +9,7 @@ import time
 from jspec.checkpoint.demo import default_model_path
 from jspec.checkpoint.model import load_logged
 from jspec.config.sampling import SamplingParams
+from jspec.engine.build import loads_per_layer
 from jspec.engine.engine import Engine
 from jspec.server.args import build_parser, engine_config, load_config
 from jspec.server.chat_template import render_chat
@@ -52,7 +53,7 @@ def generate(argv=None) -> None:
         print(f"[jspec] using {what} at {path}")
     prompts = args.prompt or ["What is the capital of France?", "Write a short poem about speculation."]
     try:
-        model = load_logged(path, load)
+        model = load_logged(path, load, per_layer=loads_per_layer(config))
     except (ValueError, OSError) as e:  # a missing or bad checkpoint, a Hub repo id that resolves nowhere
         ap.error(str(e))
     shown = prompts

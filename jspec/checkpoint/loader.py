@@ -265,9 +265,14 @@ def convert_hf_params(
     source: str | os.PathLike | None = None,
     device: jax.Device | None = None,
     fp8: Fp8Scheme | None = None,
+    per_layer: bool = False,
 ) -> dict[str, jax.Array]:
     """Builds the jspec param pytree (jax arrays on `device`, default: the default
     device) from HF-named tensors. `source` names the checkpoint in errors.
+
+    per_layer: params["layers"] as a list of per-layer dicts (the unrolled layer loop's
+    layout), each array built in place: no stacked leaf is ever made, so none is freed later
+    below the weights (a hole the KV pool's large leaves cannot use).
 
     Each weight matrix is sent to the device as it is stored ([out, in], source
     dtype, straight from the memory map) and cast, transposed and written into
@@ -283,7 +288,7 @@ def convert_hf_params(
     where = repr(os.fspath(source)) if source is not None else "(in memory)"
     moe_layout = _moe_layout(cfg, tensors)
     _check_tensors(cfg, tensors, where, moe_layout)
-    leaves = _DeviceLeaves(cfg, tensors, np.dtype(jnp.dtype(dtype)), device, fp8, moe_layout, where)
+    leaves = _DeviceLeaves(cfg, tensors, np.dtype(jnp.dtype(dtype)), device, fp8, moe_layout, where, per_layer)
     fused = _fused_projections(tensors)
     # Gemma's RMSNorms scale by (1 + w): the offset is added here, once.
     norm_offset = 1.0 if cfg.family in GEMMA_FAMILIES else 0.0
@@ -297,6 +302,8 @@ def convert_hf_params(
         dense["w_down"] = leaves.matrices(["mlp.down_proj.weight"], cfg.dense_layers)
     sparse = _moe_leaves(cfg, leaves) if cfg.moe_layers else {}
     layers = assemble_layers(cfg, layers, dense, sparse, lambda a, j: a[j])
+    if per_layer and isinstance(layers, dict):
+        layers = [{k: v[i] for k, v in layers.items()} for i in range(cfg.num_layers)]
     for n in ("model.embed_tokens.weight", "lm_head.weight"):
         if n in tensors and is_fp8_tensor(tensors[n]):
             raise UnsupportedQuantizationError(
@@ -361,8 +368,9 @@ def _moe_leaves(cfg: ModelConfig, leaves: _DeviceLeaves) -> dict:
 
 @dataclasses.dataclass
 class _DeviceLeaves:
-    """Builds the pytree's stacked leaves on the device from HF-named tensors, one tensor at a
-    time (convert_hf_params says why)."""
+    """Builds the pytree's leaves on the device from HF-named tensors, one tensor at a time
+    (convert_hf_params says why): each stacked over its layers, or with per_layer a list of
+    one array per layer."""
 
     cfg: ModelConfig
     tensors: Mapping[str, np.ndarray]
@@ -371,6 +379,19 @@ class _DeviceLeaves:
     fp8: Fp8Scheme | None
     moe_layout: _MoeLayout
     where: str  # the checkpoint, as errors name it
+    per_layer: bool = False
+
+    def _zeros(self, shape: tuple[int, ...], dtype) -> list[jax.Array] | jax.Array:
+        """The leaf to fill, shape[0] being its layers: one array, or one per layer."""
+        if self.per_layer:
+            return [jnp.zeros(shape[1:], dtype, device=self.device) for _ in range(shape[0])]
+        return jnp.zeros(shape, dtype, device=self.device)
+
+    def _stacked(self, rows: np.ndarray) -> list[jax.Array] | jax.Array:
+        """A host array over layers on the device, cast: whole, or a row per layer."""
+        if self.per_layer:
+            return [_cast(jax.device_put(r, self.device), self.dtype) for r in rows]
+        return _cast(jax.device_put(rows, self.device), self.dtype)
 
     def vectors(self, parts: list[str], offset: float = 0.0) -> jax.Array:
         """[L, sum(n)] (plus offset): tiny, so stacked on the host and sent at once."""
@@ -380,7 +401,7 @@ class _DeviceLeaves:
         stacked = np.stack(rows)
         if offset:
             stacked = stacked.astype(np.float32) + offset
-        return _cast(jax.device_put(stacked, self.device), self.dtype)
+        return self._stacked(stacked)
 
     def matrices(self, parts: list[str], layer_ids=None) -> jax.Array | Fp8Weight:
         """[len(layer_ids), in, sum(out)]: each layer's parts concatenated on the out axis
@@ -398,12 +419,12 @@ class _DeviceLeaves:
         if all(quantized) and self.fp8 is None:
             raise UnsupportedQuantizationError(f"checkpoint {self.where}: FP8 tensors but no quantization_config")
         leaf_dtype = FP8 if all(quantized) else self.dtype
-        out = jnp.zeros((len(layer_ids), first[0].shape[1], sum(t.shape[0] for t in first)), leaf_dtype, device=device)
+        out = self._zeros((len(layer_ids), first[0].shape[1], sum(t.shape[0] for t in first)), leaf_dtype)
         for j, i in enumerate(layer_ids):
             col = 0
             for p in parts:
                 t = tensors[f"model.layers.{i}.{p}"]
-                out = _place_transposed(out, jax.device_put(t, device), (j, 0, col))
+                out = _fill(out, j, jax.device_put(t, device), (0, col), transposed=True)
                 col += t.shape[0]
         if not all(quantized):
             return out
@@ -417,6 +438,8 @@ class _DeviceLeaves:
                 for i in layer_ids
             ]
         )
+        if self.per_layer:
+            return [Fp8Weight(w, jax.device_put(s, device)) for w, s in zip(out, scales)]
         return Fp8Weight(out, jax.device_put(scales, device))
 
     def experts(self, layer_ids, fused: str, per_expert: list[int]) -> jax.Array:
@@ -429,16 +452,17 @@ class _DeviceLeaves:
             else [tensors[f"model.layers.{layer_ids[0]}.{fused}"][0]]
         )
         shape = (len(layer_ids), E, pieces[0].shape[1], sum(t.shape[0] for t in pieces))
-        out = jnp.zeros(shape, self.dtype, device=device)
+        out = self._zeros(shape, self.dtype)
         for j, i in enumerate(layer_ids):
             if lay.fused:
-                out = _place_transposed(out, jax.device_put(tensors[f"model.layers.{i}.{fused}"], device), (j, 0, 0, 0))
+                fused_t = jax.device_put(tensors[f"model.layers.{i}.{fused}"], device)
+                out = _fill(out, j, fused_t, (0, 0, 0), transposed=True)
                 continue
             for e in range(E):
                 col = 0
                 for w in per_expert:
                     t = tensors[f"model.layers.{i}.{lay.expert(e, w)}"]
-                    out = _place_transposed(out, jax.device_put(t, device), (j, e, 0, col))
+                    out = _fill(out, j, jax.device_put(t, device), (e, 0, col), transposed=True)
                     col += t.shape[0]
         return out
 
@@ -457,10 +481,11 @@ class _DeviceLeaves:
 
         E = self.cfg.num_experts
         first = expert(layer_ids[0], 0)
-        out = jnp.zeros((len(layer_ids), E, *first.shape), self.dtype, device=self.device)
+        out = self._zeros((len(layer_ids), E, *first.shape), self.dtype)
         for j, i in enumerate(layer_ids):
             for e in range(E):
-                out = _place(out, jax.device_put(first if j == e == 0 else expert(i, e), self.device), (j, e, 0, 0))
+                piece = jax.device_put(first if j == e == 0 else expert(i, e), self.device)
+                out = _fill(out, j, piece, (e, 0, 0), transposed=False)
         return out
 
     def expert_vectors(self, layer_ids, name: str, interleaved: bool = False) -> jax.Array:
@@ -468,7 +493,7 @@ class _DeviceLeaves:
         rows = [np.asarray(self.tensors[f"model.layers.{i}.{name}"]) for i in layer_ids]
         if interleaved:
             rows = [np.concatenate([r[..., 0::2], r[..., 1::2]], axis=-1) for r in rows]
-        return _cast(jax.device_put(np.stack(rows), self.device), self.dtype)
+        return self._stacked(np.stack(rows))
 
     def lm_head(self, t: np.ndarray) -> jax.Array:
         """[V, H] -> [H, V], in row blocks of at most 256 MiB."""
@@ -477,6 +502,16 @@ class _DeviceLeaves:
         for r in range(0, t.shape[0], block):
             out = _place_transposed(out, jax.device_put(t[r : r + block], self.device), (0, r))
         return out
+
+
+def _fill(out, j: int, piece: jax.Array, offsets: tuple[int, ...], *, transposed: bool):
+    """Layer j's slot of a leaf (one stacked array, or a list of per-layer ones) at offsets
+    within the layer = piece, in place; transposed: piece's last two axes swapped first."""
+    place = _place_transposed if transposed else _place
+    if isinstance(out, list):
+        out[j] = place(out[j], piece, offsets)
+        return out
+    return place(out, piece, (j, *offsets))
 
 
 def _cast(x: jax.Array, dtype: np.dtype) -> jax.Array:
@@ -517,8 +552,17 @@ def assemble_layers(cfg: ModelConfig, common: dict, dense: dict, sparse: dict, t
     return per_layer
 
 
-def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
-    """The pytree's leaf shapes for a config (same structure as the params)."""
+def param_shapes(cfg: ModelConfig, per_layer: bool = False) -> dict[str, Any]:
+    """The pytree's leaf shapes for a config (same structure as the params); per_layer: the
+    layers as a list of per-layer dicts (convert_hf_params' per_layer layout)."""
+    shapes = _stacked_param_shapes(cfg)
+    if per_layer and isinstance(shapes["layers"], dict):
+        stacked = shapes["layers"]
+        shapes["layers"] = [{k: s[1:] for k, s in stacked.items()} for _ in range(cfg.num_layers)]
+    return shapes
+
+
+def _stacked_param_shapes(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.deepseek is not None:
         return deepseek_param_shapes(cfg)
     H, I, D, L = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_layers
@@ -566,9 +610,12 @@ def count_params(params: Any) -> int:
 # ---------------------------------------------------------------------------
 
 
-def init_random_params(cfg: ModelConfig, key: jax.Array, dtype: Any = jnp.float32, std: float = 0.02) -> dict[str, Any]:
-    """Random params in the loader's pytree (checkpoint/random_weights.py's rule)."""
-    return random_weights(param_shapes(cfg), key, dtype, std)
+def init_random_params(
+    cfg: ModelConfig, key: jax.Array, dtype: Any = jnp.float32, std: float = 0.02, per_layer: bool = False
+) -> dict[str, Any]:
+    """Random params in the loader's pytree (checkpoint/random_weights.py's rule); per_layer:
+    drawn as per-layer arrays (param_shapes' per_layer), no stacked leaf made."""
+    return random_weights(param_shapes(cfg, per_layer), key, dtype, std)
 
 
 # ---------------------------------------------------------------------------
@@ -651,13 +698,15 @@ def _default_dtype():
 
 
 def load_model(
-    path: str | os.PathLike, dtype: Any = None, progress_name: str | None = None
+    path: str | os.PathLike, dtype: Any = None, progress_name: str | None = None, per_layer: bool = False
 ) -> tuple[ModelConfig, dict[str, Any]]:
     """Loads an HF checkpoint directory or a jspec converted directory.
 
     dtype None: bfloat16 on a GPU backend, float32 otherwise. Returns jax arrays
     on the default device. progress_name: a checkpoint of several shards reports its
-    reading under this name (checkpoint/progress.py).
+    reading under this name (checkpoint/progress.py). per_layer: an HF checkpoint of the
+    Llama family's layers built as per-layer arrays (convert_hf_params); the others come
+    stacked whatever it says (the worker lays them out).
     """
     path = os.fspath(path)
     if not os.path.exists(path):
@@ -703,7 +752,7 @@ def load_model(
         if cfg.deepseek is not None:
             params = convert_deepseek_params(cfg, tensors, dtype, source=path)
         else:
-            params = convert_hf_params(cfg, tensors, dtype, source=path, fp8=scheme)
+            params = convert_hf_params(cfg, tensors, dtype, source=path, fp8=scheme, per_layer=per_layer)
     finally:
         if progress is not None:
             progress.close()

@@ -37,6 +37,7 @@ def load(
     tokenizer_path: str | os.PathLike | None = None,
     chat_template: str | None = None,
     local_files_only: bool = False,
+    per_layer: bool = False,
 ) -> Model:
     """A checkpoint -> Model. path: a directory, or a Hugging Face Hub repo id ("org/name", at
     `revision`; fetched into huggingface_hub's cache unless HF_HUB_OFFLINE or local_files_only
@@ -45,15 +46,17 @@ def load(
     weights of config.json's shape, for benchmarks of shapes whose weights are not at hand.
     tokenizer_path: another tokenizer (a directory or a repo id); chat_template: a Jinja
     template, or a file holding one, in place of the tokenizer's. A checkpoint of several
-    shards reports its reading as it goes: a bar on a terminal, else log lines."""
-    return _load(path, dtype, load_format, revision, tokenizer_path, chat_template, local_files_only)
+    shards reports its reading as it goes: a bar on a terminal, else log lines. per_layer:
+    the layers as per-layer arrays, made so from the start where the loader can (random
+    weights, HF checkpoints of the Llama family): what an engine on one GPU runs."""
+    return _load(path, dtype, load_format, revision, tokenizer_path, chat_template, local_files_only, per_layer)
 
 
-def load_logged(path: str | os.PathLike, load_config=None) -> Model:
+def load_logged(path: str | os.PathLike, load_config=None, *, per_layer: bool = False) -> Model:
     """load() with a LoadConfig's settings, logging what was loaded and in how long."""
     load_config = load_config or LoadConfig()
     t0 = time.perf_counter()
-    model = load(path, **dataclasses.asdict(load_config))
+    model = load(path, **dataclasses.asdict(load_config), per_layer=per_layer)
     logging.getLogger("jspec.checkpoint").info(
         "weights loaded: %s, %d layers, %.0fM parameters, %s%s, in %.1f s",
         display_name(path, load_config.revision),
@@ -87,7 +90,7 @@ def with_context_length(model: Model, context_length: int | None) -> Model:
     return dataclasses.replace(model, cfg=dataclasses.replace(model.cfg, max_position_embeddings=context_length))
 
 
-def _load(path, dtype, load_format, revision, tokenizer_path, chat_template, local_files_only) -> Model:
+def _load(path, dtype, load_format, revision, tokenizer_path, chat_template, local_files_only, per_layer) -> Model:
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"unknown load_format {load_format!r}; choose auto or dummy")
     dtype = _dtype(dtype)
@@ -97,10 +100,10 @@ def _load(path, dtype, load_format, revision, tokenizer_path, chat_template, loc
     if load_format == "dummy":
         cfg = ModelConfig.from_pretrained(directory)
         dtype = dtype or (jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32)
-        params = init_random_params(cfg, jax.random.key(0), dtype)
+        params = init_random_params(cfg, jax.random.key(0), dtype, per_layer=per_layer)
     else:
         # A checkpoint of several shards reports its reading (checkpoint/progress.py).
-        cfg, params = load_model(directory, dtype=dtype, progress_name=name)
+        cfg, params = load_model(directory, dtype=dtype, progress_name=name, per_layer=per_layer)
     if tokenizer_path is None:
         tokenizer = load_tokenizer(directory)
     else:

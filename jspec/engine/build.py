@@ -45,6 +45,14 @@ from jspec.worker.spec import SpecWorker
 log = logging.getLogger("jspec.engine")
 
 
+def loads_per_layer(config: EngineConfig) -> bool:
+    """Whether the weights should be loaded as per-layer arrays: the layout the unrolled layer
+    loop runs on one device. Loaded stacked and copied out later, the freed stacks would leave a
+    hole below the weights that the KV pool's large leaves cannot use. Sharded engines take the
+    stacked layout the sharding code expects."""
+    return check_layer_loop(config.layer_loop) == "unrolled" and config.tp_size == 1 and not config.enable_dp_attention
+
+
 def build_worker(model: Model, config: EngineConfig, draft=None, target_path=None) -> tuple[Worker, PoolPlan]:
     """The worker of `model` under `config`, over its KV pool, and the pool's plan. draft: an
     EAGLE / STANDALONE draft given in memory as (config, params); target_path: the target's

@@ -29,7 +29,7 @@ from jspec.checkpoint.model import as_model, load_logged, with_context_length
 from jspec.config.engine import EngineConfig
 from jspec.config.sampling import SamplingParams
 from jspec.constrained.grammar import GrammarCompiler
-from jspec.engine.build import build_worker
+from jspec.engine.build import build_worker, loads_per_layer
 from jspec.engine.outputs import GenerationOutput, as_prompt_list, tokenize_prompt
 from jspec.layers.sampling import SAMPLING_MODES, sampling_mode
 from jspec.lora.adapter import load_adapter
@@ -164,7 +164,7 @@ class Engine:
         if isinstance(model, (str, os.PathLike)):
             # Loaded here, the engine holds the loader's weights alone and frees them once the
             # worker has laid them out, before the KV pool is sized.
-            model = load_logged(model, load)
+            model = load_logged(model, load, per_layer=loads_per_layer(config))
         self.model = with_context_length(as_model(model), config.context_length)
         target_path = self.model.path  # where NEXTN finds the target's own MTP layers
         del model

@@ -27,6 +27,7 @@ from jspec.disaggregation.decode import DecodeEngine
 from jspec.disaggregation.prefill import PrefillEngine, PrefillServer
 from jspec.distributed.multihost import init_distributed
 from jspec.engine.async_engine import AsyncEngine
+from jspec.engine.build import loads_per_layer
 from jspec.engine.engine import Engine
 from jspec.engine.engine_process import LOG_FORMAT, EngineLaunch, EngineProcess, EngineStartError, warm_up
 from jspec.server.app import create_app
@@ -42,7 +43,7 @@ def make_engine(config, server: ServerConfig, load, path: str):
     loads the weights itself, so it holds the loader's copy alone and frees it once laid out."""
     if server.disaggregation_mode not in ("prefill", "decode"):
         return Engine(path, config, load=load)
-    model = load_logged(path, load)
+    model = load_logged(path, load, per_layer=loads_per_layer(config))
     if model.cfg.deepseek is not None:
         raise ValueError(
             f"PD disaggregation is not implemented for latent-attention (MLA) models ({model.cfg.family}) yet"

@@ -194,6 +194,52 @@ def test_orbax_round_trip_exact(llama_bf16, tmp_path):
     assert load_tokenizer(converted).encode("hi") == [256, 104, 105]
 
 
+def assert_per_layer_matches_stacked(cfg, per_layer, stacked) -> None:
+    """per_layer holds the same arrays as stacked, with the layers as a list of per-layer
+    dicts and no leaf over all layers."""
+    assert isinstance(per_layer["layers"], list) and len(per_layer["layers"]) == cfg.num_layers
+    for i, lp in enumerate(per_layer["layers"]):
+        for name, leaf in lp.items():
+            expected = stacked["layers"][i][name] if isinstance(stacked["layers"], list) else stacked["layers"][name][i]
+            for got, want in zip(jax.tree.leaves(leaf), jax.tree.leaves(expected)):  # an Fp8Weight: weight, scale
+                assert got.dtype == want.dtype, name
+                np.testing.assert_array_equal(_np(got), _np(want), err_msg=f"layer {i} {name}")
+    for name in ("embed", "final_norm", "lm_head"):
+        if name in stacked:
+            np.testing.assert_array_equal(_np(per_layer[name]), _np(stacked[name]))
+
+
+@pytest.mark.parametrize("arch,tied", [("llama", False), ("qwen2", True), ("qwen3", False), ("mixtral", False)])
+def test_per_layer_load_builds_the_stacked_loads_arrays(tiny_dirs, tmp_path, arch, tied):
+    """load_model(per_layer=True), the layout one GPU runs: each layer's arrays built as they
+    are, equal to the stacked load's rows (dense, biased, qk-normed, MoE)."""
+    path = tiny_dirs[(arch, tied)] if (arch, tied) in tiny_dirs else make_tiny_model(tmp_path / arch, arch, seed=3)
+    cfg, stacked = load_model(path, dtype=jnp.float32)
+    cfg_pl, per_layer = load_model(path, dtype=jnp.float32, per_layer=True)
+    assert cfg_pl == cfg
+    assert jax.tree.map(lambda x: tuple(x.shape), per_layer) == param_shapes(cfg, per_layer=True)
+    assert_per_layer_matches_stacked(cfg, per_layer, stacked)
+
+
+def test_per_layer_load_of_an_fp8_checkpoint(tmp_path):
+    from jspec.testing.fp8 import write_fp8_checkpoint
+
+    src = make_tiny_model(tmp_path / "src", seed=1, tokenizer=False)
+    path = write_fp8_checkpoint(src, tmp_path / "fp8", "ct_channel_dynamic")
+    cfg, stacked = load_model(path, dtype=jnp.float32)
+    _, per_layer = load_model(path, dtype=jnp.float32, per_layer=True)
+    assert_per_layer_matches_stacked(cfg, per_layer, stacked)
+
+
+def test_per_layer_random_params(tiny_dirs):
+    cfg, _ = load_model(tiny_dirs[("llama", False)], dtype=jnp.float32)
+    params = init_random_params(cfg, jax.random.key(0), jnp.bfloat16, per_layer=True)
+    assert jax.tree.map(lambda x: tuple(x.shape), params) == param_shapes(cfg, per_layer=True)
+    assert not np.array_equal(_np(params["layers"][0]["wqkv"]), _np(params["layers"][1]["wqkv"]))
+    norm = _np(params["layers"][1]["attn_norm"]).astype(np.float32)
+    assert 0.9 < norm.mean() < 1.1
+
+
 def test_init_random_params(tiny_dirs):
     cfg, loaded = load_model(tiny_dirs[("qwen2", False)], dtype=jnp.float32)
     params = init_random_params(cfg, jax.random.key(0), jnp.bfloat16)

@@ -59,6 +59,23 @@ def test_scanned_and_unrolled_layers_give_the_same_tokens(tiny, spec):
     assert greedy(scanned) == greedy(unrolled) == greedy(unrolled_stack)
 
 
+def test_an_unrolled_engine_loads_its_layers_per_layer(tiny, monkeypatch):
+    """Given a checkpoint, an engine on the unrolled loop (one GPU's default) has the loader
+    build per-layer arrays: no stacked leaf is copied out (and freed below the weights)."""
+    import jspec.worker.base
+    from jspec.config.load import LoadConfig
+
+    def unstack_nothing(params):
+        assert not isinstance(params["layers"], dict), "a stacked load was unstacked"
+        return params
+
+    monkeypatch.setattr(jspec.worker.base, "unstack_layers", unstack_nothing)
+    load = LoadConfig(dtype="float32")
+    engine = jspec.Engine(tiny.path, layer_loop="unrolled", context_length=256, load=load, **KW)
+    assert isinstance(engine.worker.params["layers"], list)
+    assert greedy(engine) == greedy(jspec.Engine(tiny, **KW))
+
+
 def test_an_unknown_layer_loop_is_refused(tiny):
     with pytest.raises(ValueError, match="unknown layer_loop"):
         jspec.Engine(tiny, layer_loop="fused", **KW)
