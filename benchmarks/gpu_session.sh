@@ -61,6 +61,19 @@ for s in "$@"; do
       step gemv 240 $PY -m benchmarks.bench_decode --parts --quick --no-stacked --batches 1,16 --tag gemv --out "$RESULTS"
       JSPEC_SKINNY_MATMUL=mosaic step decode_mosaic_gemv 150 $PY -m benchmarks.bench_decode --quick --no-stacked \
         --batches 1,16 --tag mosaic_gemv --out "$RESULTS" ;;
+    gemv_small)
+      # The SmolLM2 shape's projections, which XLA emits as reduction fusions at one row: its
+      # GEMV table, then the profiled step with XLA's dots and each skinny matmul.
+      step gemv_small 120 $PY -m benchmarks.bench_decode --small --parts --quick --no-stacked --batches 1 \
+        --tag small_gemv --out "$RESULTS"
+      for v in xla pallas mosaic; do
+        JSPEC_SKINNY_MATMUL=$v step decode_small_gemv_$v 90 $PY -m benchmarks.bench_decode --small --quick \
+          --no-stacked --batches 1 --profile --verify-tokens 0 --tag small_gemv_$v --out "$RESULTS"
+      done
+      # XLA's dots without its rewrite of small ones into reductions (they go to its GEMM path).
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dot_strength_reduction=false" step decode_small_gemv_no_reduce 90 \
+        $PY -m benchmarks.bench_decode --small --quick --no-stacked --batches 1 --profile --verify-tokens 0 \
+        --tag small_gemv_no_reduce --out "$RESULTS" ;;
     mixed_step) step mixed_step 240 $PY -m benchmarks.bench_mixed_step --profile --out "$RESULTS" ;;
     mla) step mla ${MLA_LIMIT:-180} $PY -m benchmarks.bench_mla --out "$RESULTS" ;;
     nextn) step nextn 200 $PY -m benchmarks.bench_nextn --layers 4 --out "$RESULTS" ;;
