@@ -156,10 +156,13 @@ for s in "$@"; do
       # if both serve, the reserve can go (benchmarks/NOTES.md, "The KV pool on the GPU").
       make_8b_head
       eagle="--speculative-algorithm EAGLE3 --speculative-draft-model-path $head --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4"
+      # NO_RESERVE_VARIANTS: which servers run (default both).
+      declare -A no_reserve=([plain]="--max-total-tokens ${NO_RESERVE_TOKENS:-433000}"
+        [adaptive]="$eagle --speculative-adaptive --max-total-tokens ${NO_RESERVE_SPEC_TOKENS:-408000}")
+      no_reserve_args=()
+      for v in ${NO_RESERVE_VARIANTS:-plain adaptive}; do no_reserve_args+=(--variant "$v=${no_reserve[$v]}"); done
       step pool_no_reserve ${NO_RESERVE_LIMIT:-420} $PY -m benchmarks.serving_curve --server-args "$SHAPE_8B" \
-        --input-lens 128 --concurrency 64,256 --min-prompts 4 \
-        --variant "plain=--max-total-tokens ${NO_RESERVE_TOKENS:-433000}" \
-        --variant "adaptive=$eagle --speculative-adaptive --max-total-tokens ${NO_RESERVE_SPEC_TOKENS:-408000}" \
+        --input-lens 128 --concurrency 64,256 --min-prompts 4 "${no_reserve_args[@]}" \
         --out "$RESULTS" --name serving_pool_no_reserve ;;
     tree_move)
       # The tree verify's KV move updates the target pool in place on the GPU too (no pool-sized copy).
