@@ -107,9 +107,10 @@ for s in "$@"; do
         --variant "eagle3=--speculative-algorithm EAGLE3 --speculative-draft-model-path .demo_stash/eagle3-smol --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4" \
         --variant "ngram=--speculative-algorithm NGRAM" --run-timeout 120 --out "$RESULTS" --name serving_curve_smollm2_spec ;;
     add_norm)
-      # The residual add + RMSNorm kernel against XLA's three kernels (JSPEC_ADD_RMS_NORM): the 8B
-      # step at bs 1 / 16 and the SmolLM2 shape's at bs 1, each with its kernel profile.
-      for v in xla pallas; do
+      # The residual add + RMSNorm kernels (Triton-backend, Mosaic GPU) against XLA's ops
+      # (JSPEC_ADD_RMS_NORM): the 8B step at bs 1 / 16 and the SmolLM2 shape's at bs 1, each
+      # with its kernel profile.
+      for v in ${ADD_NORM_VARIANTS:-xla pallas mosaic}; do
         JSPEC_ADD_RMS_NORM=$v step decode_add_norm_$v 150 $PY -m benchmarks.bench_decode --quick --no-stacked \
           --batches ${ADD_NORM_BATCHES:-1,16} --profile --verify-tokens 0 --tag add_norm_$v --out "$RESULTS"
         JSPEC_ADD_RMS_NORM=$v step decode_small_add_norm_$v 90 $PY -m benchmarks.bench_decode --small --quick \
