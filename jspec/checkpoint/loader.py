@@ -705,8 +705,9 @@ def load_model(
     dtype None: bfloat16 on a GPU backend, float32 otherwise. Returns jax arrays
     on the default device. progress_name: a checkpoint of several shards reports its
     reading under this name (checkpoint/progress.py). per_layer: an HF checkpoint of the
-    Llama family's layers built as per-layer arrays (convert_hf_params); the others come
-    stacked whatever it says (the worker lays them out).
+    Llama family's layers built as per-layer arrays (convert_hf_params); DeepSeek's are per
+    layer anyway, and a jspec converted directory comes stacked whatever it says (the worker
+    lays it out).
     """
     path = os.fspath(path)
     if not os.path.exists(path):
