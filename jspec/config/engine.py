@@ -81,6 +81,12 @@ class EngineConfig:
         "last at once): fewer, larger chunks cost the HTTP side less per token at high concurrency",
         group="serving",
     )
+    disable_gc_freeze: bool = setting(
+        False,
+        "leave Python's garbage collector as it is; by default a serving process collects once after "
+        "start-up and freezes what is left, so no later collection walks the start-up heap in the loop",
+        group="serving",
+    )
     # Quantization.
     quantization: str | None = setting(
         None,

@@ -30,6 +30,7 @@ from jspec.engine.async_engine import AsyncEngine
 from jspec.engine.build import loads_per_layer
 from jspec.engine.engine import Engine
 from jspec.engine.engine_process import LOG_FORMAT, EngineLaunch, EngineProcess, EngineStartError, warm_up
+from jspec.engine.heap import freeze_heap
 from jspec.server.app import create_app
 from jspec.server.args import ServerConfig, build_parser, engine_config, load_config, server_config
 from jspec.server.chat_template import check_chat_template
@@ -107,7 +108,8 @@ def main(argv=None) -> None:
             ap.error(str(e))
     if server.disaggregation_mode == "prefill":
         return serve_prefill(engine, server)
-    serve_http(AsyncEngine(engine), server, server.served_model_name or display_name(path), started)
+    name = server.served_model_name or display_name(path)
+    serve_http(AsyncEngine(engine), server, name, started, freeze_gc=not config.disable_gc_freeze)
 
 
 def serve_engine_process(ap, server: ServerConfig, load, config, started: float) -> None:
@@ -130,16 +132,24 @@ def serve_engine_process(ap, server: ServerConfig, load, config, started: float)
     finally:
         if on_main_thread:
             signal.signal(signal.SIGTERM, previous)
-    serve_http(engine, server, server.served_model_name or display_name(engine.model_path), started)
+    name = server.served_model_name or display_name(engine.model_path)
+    serve_http(engine, server, name, started, freeze_gc=not config.disable_gc_freeze)
 
 
 def _exit_on_signal(signum, frame):
     raise SystemExit(128 + signum)
 
 
-def serve_http(engine: AsyncEngine | EngineProcess, server: ServerConfig, name: str, started: float) -> None:
+def serve_http(
+    engine: AsyncEngine | EngineProcess, server: ServerConfig, name: str, started: float, *, freeze_gc: bool
+) -> None:
+    """The HTTP server over an engine; freeze_gc: this process's start-up heap frozen once the
+    server is up (engine/heap.py)."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        if freeze_gc:
+            freeze_heap("HTTP server")
         log.info(
             "ready: %s on http://%s:%d (%.0f s after start)",
             name,

@@ -315,6 +315,8 @@ def test_the_readme_server_comes_up_with_no_flags_and_answers_a_chat(tmp_path):
         out = log.read()
         assert proc.poll() is None and time.time() < deadline, out[-3000:]
         assert "programs ready" in out and "ready:" in out, out[-3000:]
+        # Both processes' start-up heaps are frozen out of Python's collections (engine/heap.py).
+        assert "engine process: " in out and "HTTP server: " in out and "frozen out of Python's collections" in out
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         model = client.models.list().data[0].id
         r = client.chat.completions.create(
