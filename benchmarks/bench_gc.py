@@ -28,13 +28,12 @@ VARIANTS = ("python_default", "frozen")
 def run_variant(variant: str, rounds: int, prompts: int, tokens: int) -> dict:
     import jspec
     from jspec.checkpoint.demo import default_model_path
-    from jspec.engine.heap import GcPauses, freeze_heap
+    from jspec.engine.heap import GcPauses, settle_heap
 
     path, what = default_model_path()
     engine = jspec.Engine(path)
     engine.warmup()
-    if variant == "frozen":
-        freeze_heap("bench_gc")
+    settle_heap("bench_gc", freeze=variant == "frozen")  # as a serving process does, either way
     frozen = gc.get_freeze_count()
     params = jspec.SamplingParams(max_new_tokens=tokens, ignore_eos=True)
     round_s = []

@@ -148,6 +148,18 @@ def loop_split(before: dict, after: dict) -> dict:
     }
 
 
+def gc_split(before: dict | None, after: dict | None) -> dict | None:
+    """Python's collections in the engine's process over one run: count and milliseconds per
+    generation (the longest is since start: a run's own longest is not kept)."""
+    if before is None or after is None:
+        return None
+    return {
+        "count": [a - b for a, b in zip(after["count"], before["count"])],
+        "total_ms": [round(a - b, 3) for a, b in zip(after["total_ms"], before["total_ms"])],
+        "max_ms_since_start": after["max_ms"],
+    }
+
+
 def measure_variant(name: str, flags: str, a, port: int, out_dir: str) -> dict:
     log = os.path.join(out_dir, f"{a.name}_{name}.log")
     proc, healthy_s = start_server(f"{a.server_args} {flags}", port, log, a.timeout)
@@ -170,7 +182,7 @@ def measure_variant(name: str, flags: str, a, port: int, out_dir: str) -> dict:
                     requests = [(ids, a.output_len) for ids in heldout_prompt_ids(a.server_args, n)]
                 client.max_concurrency = c
                 state = get_json(url + "/debug/state")
-                before, clocks = state["loop"], cpu_clocks(proc.pid, state)
+                before, clocks, gc_before = state["loop"], cpu_clocks(proc.pid, state), state.get("gc")
                 try:
                     row = asyncio.run(asyncio.wait_for(run(client, requests, float("inf")), a.run_timeout))
                 except TimeoutError as e:
@@ -181,6 +193,7 @@ def measure_variant(name: str, flags: str, a, port: int, out_dir: str) -> dict:
                 state = get_json(url + "/debug/state")
                 row.update(variant=name, input_len=input_len, output_len=a.output_len, concurrency=c, num_prompts=n)
                 row["loop"] = loop_split(before, state["loop"])
+                row["gc"] = gc_split(gc_before, state.get("gc"))
                 row["cpu_busy"] = cpu_busy(clocks, cpu_clocks(proc.pid, state))
                 rows.append(row)
                 print(summary_line(row), flush=True)
@@ -221,6 +234,11 @@ def summary_line(r: dict) -> str:
             else ""
         )
         + (f"  accept {r['mean_accept_length']:.2f}" if r.get("mean_accept_length") else "")
+        + (
+            f"; gc {'/'.join(map(str, g['count']))} collections, {sum(g['total_ms']):.1f} ms"
+            if (g := r.get("gc"))
+            else ""
+        )
     )
 
 

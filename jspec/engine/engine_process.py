@@ -43,7 +43,7 @@ from jspec.config.sampling import SamplingParams
 from jspec.engine.async_engine import RequestFailed, StreamBatcher, publish_step, request_outputs, settle
 from jspec.engine.engine import Engine, RequestOutput
 from jspec.engine.facts import EngineFacts, EngineStats, engine_stats, serving_facts
-from jspec.engine.heap import freeze_heap
+from jspec.engine.heap import settle_heap
 
 log = logging.getLogger("jspec.engine")
 LOG_FORMAT = "[jspec] %(asctime)s %(levelname)s %(message)s"
@@ -317,8 +317,7 @@ def run_engine_process(conn, launch: EngineLaunch) -> None:
         if launch.warmup_sampling_modes is not None:
             warm_up(engine, launch.warmup_sampling_modes)
         facts = serving_facts(engine)
-        if not launch.config.disable_gc_freeze:
-            freeze_heap("engine process")
+        settle_heap("engine process", freeze=not launch.config.disable_gc_freeze)
     except BaseException as e:  # noqa: BLE001 - whatever it is, the parent reports it and exits
         if not isinstance(e, (ValueError, NotImplementedError, OSError)):
             log.exception("the engine could not be built")

@@ -15,6 +15,7 @@ import threading
 import jax
 
 from jspec.config.model import ModelConfig
+from jspec.engine.heap import serving_gc_pauses
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +51,9 @@ class EngineStats:
     adaptive_counts: tuple[dict, dict, dict] | None  # its stats: chosen, seconds, accept_ema
     pid: int  # the engine loop's process and native thread id (benchmarks read their CPU time)
     thread_id: int
+    # Python's collections in the engine's process since it started serving (engine/heap.py
+    # GcPauses: count, total_ms, max_ms per generation); None outside a serving process.
+    gc: dict | None = None
 
 
 def serving_facts(engine) -> EngineFacts:
@@ -97,4 +101,5 @@ def engine_stats(engine) -> EngineStats:
         adaptive_counts=counts,
         pid=os.getpid(),
         thread_id=threading.get_native_id(),
+        gc=dataclasses.asdict(pauses) if (pauses := serving_gc_pauses()) is not None else None,
     )

@@ -18,21 +18,33 @@ import logging
 import time
 
 log = logging.getLogger("jspec.engine")
+_SERVING_PAUSES: GcPauses | None = None
 
 
-def freeze_heap(process: str) -> None:
-    """Collects what is garbage now, then freezes every object left (this process's start-up),
-    logging how many and how long the collection took."""
+def settle_heap(process: str, *, freeze: bool) -> None:
+    """Once a serving process has started: collects what is garbage now and, with freeze,
+    moves every object left (the start-up heap) out of Python's collections, logging how many
+    and how long the collection took; from then on the process's collections are counted
+    (serving_gc_pauses: the engine's stats carry them)."""
+    global _SERVING_PAUSES
     t0 = time.perf_counter()
     gc.collect()
     collect_s = time.perf_counter() - t0
-    gc.freeze()
-    log.info(
-        "%s: %d start-up objects frozen out of Python's collections (the last full one took %.0f ms)",
-        process,
-        gc.get_freeze_count(),
-        collect_s * 1e3,
-    )
+    if freeze:
+        gc.freeze()
+        log.info(
+            "%s: %d start-up objects frozen out of Python's collections (the last full one took %.0f ms)",
+            process,
+            gc.get_freeze_count(),
+            collect_s * 1e3,
+        )
+    if _SERVING_PAUSES is None:
+        _SERVING_PAUSES = GcPauses().__enter__()
+
+
+def serving_gc_pauses() -> GcPauses | None:
+    """This process's collections since settle_heap, if it ran here."""
+    return _SERVING_PAUSES
 
 
 @dataclasses.dataclass
@@ -43,7 +55,7 @@ class GcPauses:
     count: list[int] = dataclasses.field(default_factory=lambda: [0, 0, 0])
     total_ms: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0, 0.0])
     max_ms: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0, 0.0])
-    _started: float | None = None
+    _started = None  # perf_counter() at the running collection's start (not a field)
 
     def _callback(self, phase: str, info: dict) -> None:
         if phase == "start":

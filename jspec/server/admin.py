@@ -69,4 +69,7 @@ async def debug_state(st: Served):
         # benchmark reads the loop thread's CPU time from /proc/PID/task/TID.
         "engine_pid": stats.pid,
         "engine_thread_id": stats.thread_id,
+        # Python's collections in the engine's process since it started serving (per generation:
+        # count, total_ms, max_ms), or null.
+        "gc": stats.gc,
     }

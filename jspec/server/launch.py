@@ -30,7 +30,7 @@ from jspec.engine.async_engine import AsyncEngine
 from jspec.engine.build import loads_per_layer
 from jspec.engine.engine import Engine
 from jspec.engine.engine_process import LOG_FORMAT, EngineLaunch, EngineProcess, EngineStartError, warm_up
-from jspec.engine.heap import freeze_heap
+from jspec.engine.heap import settle_heap
 from jspec.server.app import create_app
 from jspec.server.args import ServerConfig, build_parser, engine_config, load_config, server_config
 from jspec.server.chat_template import check_chat_template
@@ -143,13 +143,12 @@ def _exit_on_signal(signum, frame):
 def serve_http(
     engine: AsyncEngine | EngineProcess, server: ServerConfig, name: str, started: float, *, freeze_gc: bool
 ) -> None:
-    """The HTTP server over an engine; freeze_gc: this process's start-up heap frozen once the
-    server is up (engine/heap.py)."""
+    """The HTTP server over an engine; once it is up, this process's heap is settled
+    (engine/heap.py), its start-up objects frozen out of Python's collections with freeze_gc."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        if freeze_gc:
-            freeze_heap("HTTP server")
+        settle_heap("HTTP server", freeze=freeze_gc)
         log.info(
             "ready: %s on http://%s:%d (%.0f s after start)",
             name,

@@ -3,21 +3,26 @@
 import gc
 import logging
 
-from jspec.engine.heap import GcPauses, freeze_heap
+from jspec.engine import heap
+from jspec.engine.heap import GcPauses, serving_gc_pauses, settle_heap
 
 
-def test_freeze_heap_moves_the_live_objects_out_of_collections(caplog):
+def test_settle_heap_freezes_the_live_objects_out_of_collections(caplog, monkeypatch):
+    monkeypatch.setattr(heap, "_SERVING_PAUSES", None)  # as in a process that has not settled yet
     gc.unfreeze()
     gc.disable()  # only the collections this test asks for
     try:
         with caplog.at_level(logging.INFO, logger="jspec.engine"):
-            freeze_heap("test process")
+            settle_heap("test process", freeze=True)
         assert gc.get_freeze_count() > 1000  # this process's modules, at the least
         assert "test process: " in caplog.text and "frozen out of Python's collections" in caplog.text
         with GcPauses() as pauses:
             gc.collect()
         assert pauses.count == [0, 0, 1] and pauses.max_ms[2] == pauses.total_ms[2] > 0
+        # The process's own count (the engine's stats) saw it too.
+        assert serving_gc_pauses().count == [0, 0, 1]
     finally:
+        serving_gc_pauses().__exit__()
         gc.enable()
         gc.unfreeze()  # the rest of the suite runs with Python's default
 

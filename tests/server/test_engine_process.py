@@ -68,6 +68,8 @@ def test_the_engine_runs_in_a_child_and_the_routes_read_it(server):
     state = debug_state(server)
     assert state["engine_pid"] != server.proc.pid and parent_pid(state["engine_pid"]) == server.proc.pid
     assert os.path.exists(f"/proc/{state['engine_pid']}/task/{state['engine_thread_id']}")
+    # The engine's process counts its collections since it settled its heap (engine/heap.py).
+    assert set(state["gc"]) == {"count", "total_ms", "max_ms"} and len(state["gc"]["count"]) == 3
     info = json.loads(server.get("/get_server_info"))
     assert (info["model"], info["page_size"], info["context_length"], info["max_running_requests"]) == (
         "tiny",
