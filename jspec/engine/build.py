@@ -82,7 +82,14 @@ def build_worker(model: Model, config: EngineConfig, draft=None, target_path=Non
     method = dparams = None
     if spec is not None:
         # The draft is built against the checkpoint's config; it runs replicated on every shard.
-        method, dparams = make_method(spec, model.cfg, draft, dtype=params["embed"].dtype, target_path=target_path)
+        method, dparams = make_method(
+            spec,
+            model.cfg,
+            draft,
+            dtype=params["embed"].dtype,
+            target_path=target_path,
+            per_layer=loads_per_layer(config),
+        )
     dtype = params["embed"].dtype
     kw = dict(
         page_size=config.page_size,

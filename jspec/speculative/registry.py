@@ -17,11 +17,12 @@ from jspec.speculative.ngram import NgramMethod
 from jspec.speculative.standalone import StandaloneMethod
 
 
-def make_method(spec: SpecConfig, cfg: ModelConfig, draft=None, dtype=None, target_path=None):
+def make_method(spec: SpecConfig, cfg: ModelConfig, draft=None, dtype=None, target_path=None, per_layer=False):
     """-> (method, draft params or None). draft: (config, params) of a draft model already in
     memory; else spec.draft_model_path (a directory or a Hub repo id) is loaded (methods that
-    need a draft model). NEXTN reads
-    the MTP layers of spec.draft_model_path, else of target_path (the target's checkpoint)."""
+    need a draft model; a STANDALONE draft's layers as per-layer arrays with per_layer, as the
+    target's). NEXTN reads the MTP layers of spec.draft_model_path, else of target_path (the
+    target's checkpoint)."""
     _check_tree_fits_windows(spec, cfg, "target")
     if spec.algorithm in ("EAGLE", "EAGLE3"):
         if draft is None:
@@ -30,7 +31,7 @@ def make_method(spec: SpecConfig, cfg: ModelConfig, draft=None, dtype=None, targ
         return EagleMethod(spec, dcfg), dparams
     if spec.algorithm == "STANDALONE":
         if draft is None:
-            draft = load_model(_draft_dir(spec), dtype=dtype)
+            draft = load_model(_draft_dir(spec), dtype=dtype, per_layer=per_layer)
         dcfg, dparams = draft
         if dcfg.vocab_size != cfg.vocab_size:
             raise ValueError(

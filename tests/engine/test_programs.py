@@ -59,9 +59,11 @@ def test_scanned_and_unrolled_layers_give_the_same_tokens(tiny, spec):
     assert greedy(scanned) == greedy(unrolled) == greedy(unrolled_stack)
 
 
-def test_an_unrolled_engine_loads_its_layers_per_layer(tiny, monkeypatch):
+@pytest.mark.parametrize("standalone", [False, True])
+def test_an_unrolled_engine_loads_its_layers_per_layer(tiny, monkeypatch, standalone):
     """Given a checkpoint, an engine on the unrolled loop (one GPU's default) has the loader
-    build per-layer arrays: no stacked leaf is copied out (and freed below the weights)."""
+    build per-layer arrays, a STANDALONE draft's too: no stacked leaf is copied out (and freed
+    below the weights)."""
     import jspec.worker.base
     from jspec.config.load import LoadConfig
 
@@ -70,9 +72,13 @@ def test_an_unrolled_engine_loads_its_layers_per_layer(tiny, monkeypatch):
         return params
 
     monkeypatch.setattr(jspec.worker.base, "unstack_layers", unstack_nothing)
-    load = LoadConfig(dtype="float32")
-    engine = jspec.Engine(tiny.path, layer_loop="unrolled", context_length=256, load=load, **KW)
+    kw = dict(KW, layer_loop="unrolled", context_length=256, load=LoadConfig(dtype="float32"))
+    if standalone:
+        kw["speculative"] = jspec.SpecConfig("STANDALONE", num_steps=2, eagle_topk=1, draft_model_path=tiny.path)
+    engine = jspec.Engine(tiny.path, **kw)
     assert isinstance(engine.worker.params["layers"], list)
+    if standalone:
+        assert isinstance(engine.worker.dparams["layers"], list)
     assert greedy(engine) == greedy(jspec.Engine(tiny, **KW))
 
 
