@@ -393,7 +393,7 @@ class _DeviceLeaves:
             return [_cast(jax.device_put(r, self.device), self.dtype) for r in rows]
         return _cast(jax.device_put(rows, self.device), self.dtype)
 
-    def vectors(self, parts: list[str], offset: float = 0.0) -> jax.Array:
+    def vectors(self, parts: list[str], offset: float = 0.0) -> jax.Array | list[jax.Array]:
         """[L, sum(n)] (plus offset): tiny, so stacked on the host and sent at once."""
         rows = [
             np.concatenate([self.tensors[f"model.layers.{i}.{p}"] for p in parts]) for i in range(self.cfg.num_layers)
@@ -403,7 +403,7 @@ class _DeviceLeaves:
             stacked = stacked.astype(np.float32) + offset
         return self._stacked(stacked)
 
-    def matrices(self, parts: list[str], layer_ids=None) -> jax.Array | Fp8Weight:
+    def matrices(self, parts: list[str], layer_ids=None) -> jax.Array | Fp8Weight | list:
         """[len(layer_ids), in, sum(out)]: each layer's parts concatenated on the out axis
         (layer_ids: every layer when None)."""
         tensors, device = self.tensors, self.device
@@ -442,7 +442,7 @@ class _DeviceLeaves:
             return [Fp8Weight(w, jax.device_put(s, device)) for w, s in zip(out, scales)]
         return Fp8Weight(out, jax.device_put(scales, device))
 
-    def experts(self, layer_ids, fused: str, per_expert: list[int]) -> jax.Array:
+    def experts(self, layer_ids, fused: str, per_expert: list[int]) -> jax.Array | list[jax.Array]:
         """[n, E, in, sum(out)] from the fused [E, out, in] tensor or per-expert [out, in] ones."""
         tensors, device = self.tensors, self.device
         E, lay = self.cfg.num_experts, self.moe_layout
@@ -466,7 +466,7 @@ class _DeviceLeaves:
                     col += t.shape[0]
         return out
 
-    def gpt_oss_experts(self, layer_ids, name: str, interleaved: bool) -> jax.Array:
+    def gpt_oss_experts(self, layer_ids, name: str, interleaved: bool) -> jax.Array | list[jax.Array]:
         """[n, E, in, out] of gpt-oss's [E, in, out] experts, one expert at a time (dequantised
         from MXFP4 on the host: a layer's experts in f32 would be gigabytes); interleaved gate /
         up columns become gate columns, then up columns."""
@@ -488,7 +488,7 @@ class _DeviceLeaves:
                 out = _fill(out, j, piece, (e, 0, 0), transposed=False)
         return out
 
-    def expert_vectors(self, layer_ids, name: str, interleaved: bool = False) -> jax.Array:
+    def expert_vectors(self, layer_ids, name: str, interleaved: bool = False) -> jax.Array | list[jax.Array]:
         """[n, *shape] of a small per-layer tensor (biases), gate / up columns as gpt_oss_experts'."""
         rows = [np.asarray(self.tensors[f"model.layers.{i}.{name}"]) for i in layer_ids]
         if interleaved:
