@@ -85,6 +85,29 @@ def test_logits_match_transformers(hf_references, variant):
             assert int(np.argmax(got)) == int(ref["generated"][i][step + 1])
 
 
+@requires_hf
+@pytest.mark.parametrize("variant", ["gpt_oss", "phi3", "gemma2", "qwen2"])
+def test_per_layer_load_equals_the_stacked_one(hf_references, variant):
+    """The loader's per-layer arrays (one GPU's layout, built without a stacked copy) for
+    checkpoints transformers wrote: gpt-oss's experts, Phi-3's fused projections, Gemma's norm
+    offset, Qwen2's biases equal the stacked load's rows."""
+    path, _ = hf_references[variant]
+    cfg, stacked = load_model(path, dtype=jnp.float32)
+    _, per_layer = load_model(path, dtype=jnp.float32, per_layer=True)
+    assert isinstance(per_layer["layers"], list) and len(per_layer["layers"]) == cfg.num_layers
+    for i, lp in enumerate(per_layer["layers"]):
+        want = (
+            stacked["layers"][i]
+            if isinstance(stacked["layers"], list)
+            else jax.tree.map(lambda a: a[i], stacked["layers"])
+        )
+        assert set(lp) == set(want)
+        for name in lp:
+            np.testing.assert_array_equal(
+                np.asarray(lp[name]), np.asarray(want[name]), err_msg=f"{variant} layer {i} {name}"
+            )
+
+
 # NGRAM and a random EAGLE-3 head on each family past Llama, at both page sizes, chains and
 # trees; one of them on each window and RoPE variant; gpt-oss under all three methods (its
 # STANDALONE draft is its own first layer, windowed, so it drafts chains). Drafts are 2 deep:
