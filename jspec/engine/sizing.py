@@ -38,9 +38,9 @@ PROBE_PAGES = 2
 # On the GPU a pool planned without this reserve has failed to allocate its second leaf (K or
 # V): first while the loader's stacked layers were alive, then, with them dropped first, because
 # their freed memory is a hole below the per-layer weights that no leaf fits (benchmarks/NOTES.md,
-# "The KV pool on the GPU"). Until the loader leaves no such hole and a server with the larger
-# pool has run on a GPU, the device plan leaves room for one leaf, as a fraction of the pool: K
-# and V are its two equal leaves.
+# "The KV pool on the GPU"). The loader now builds one GPU's weights per layer, with no stack to
+# free; until a server with the larger pool has run on a GPU, the device plan leaves room for one
+# leaf, as a fraction of the pool: K and V are its two equal leaves.
 FIRST_STEP_LEAF_FRACTION = 0.5
 
 

@@ -10,6 +10,12 @@ def interpret_mode() -> bool:
     return jax.default_backend() != "gpu"
 
 
+def one_gpu() -> bool:
+    """Where the layers call their single-device Pallas kernels: one GPU. Under a mesh XLA's ops
+    stay, since they partition the sharded operands and a Pallas call does not."""
+    return jax.default_backend() == "gpu" and jax.device_count() == 1
+
+
 def resolve_interpret(interpret: bool | None) -> bool:
     # None means "from the backend"; an explicit bool is for tests that lower for
     # CUDA on a CPU-only machine.

@@ -34,10 +34,10 @@ MLA_KERNELS = {
 }
 
 
-# The decode kernels' split-K count, for an experiment (read when a step is traced): by default
+# The decode kernels' split-K count, for experiments (read when a step is traced): by default
 # it follows the shape (kernels/paged_tiles.choose_splits); one split writes the output from the
-# kernel, with no merge of partials after it (benchmarks/NOTES.md, "add_norm": the merge's
-# kernels cost the small model's step more than its attention).
+# kernel, with no merge of partials after it (benchmarks/NOTES.md, "add_norm": on the GPU one
+# split made both shapes' steps slower, so the shape's choice stays).
 DECODE_SPLITS_ENV = "JSPEC_DECODE_SPLITS"
 
 

@@ -15,6 +15,7 @@ import os
 import jax
 import jax.numpy as jnp
 
+from jspec.kernels.backend import one_gpu
 from jspec.kernels.skinny_matmul import MAX_ROWS, skinny_matmul
 from jspec.kernels.skinny_matmul_mgpu import mosaic_skinny_unsupported, skinny_matmul_mgpu
 from jspec.layers.quant import fp8_dense_f32, is_fp8
@@ -34,7 +35,7 @@ def dense_f32(x: jax.Array, w: jax.Array) -> jax.Array:
     if is_fp8(w):
         return fp8_dense_f32(x, w)
     backend = skinny_backend()
-    if w.ndim == 2 and w.dtype == jnp.bfloat16 and jax.default_backend() == "gpu" and jax.device_count() == 1:
+    if w.ndim == 2 and w.dtype == jnp.bfloat16 and one_gpu():
         if backend == "pallas" and x.shape[0] <= MAX_ROWS:
             return skinny_matmul(x, w)
         if backend == "mosaic" and mosaic_skinny_unsupported(x.shape[0], *w.shape, w.dtype) is None:

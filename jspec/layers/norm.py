@@ -17,6 +17,7 @@ import os
 
 import jax
 
+from jspec.kernels.backend import one_gpu
 from jspec.kernels.rms_norm import add_rms_norm as add_rms_norm_kernel
 from jspec.kernels.rms_norm import add_rms_norm_ref, rms_norm
 from jspec.kernels.rms_norm_mgpu import add_rms_norm_mgpu, mosaic_add_rms_norm_unsupported
@@ -34,14 +35,10 @@ def add_rms_norm_backend() -> str:
     return value
 
 
-def on_one_gpu() -> bool:
-    return jax.default_backend() == "gpu" and jax.device_count() == 1
-
-
 def add_rms_norm(x: jax.Array, y: jax.Array, weight: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
     """(x + y, rms_norm(x + y, weight)): the new residual stream and the next sublayer's input."""
     backend = add_rms_norm_backend()
-    if backend == "xla" or not on_one_gpu() or x.ndim != 2 or x.shape != y.shape:
+    if backend == "xla" or not one_gpu() or x.ndim != 2 or x.shape != y.shape:
         return add_rms_norm_ref(x, y, weight, eps)
     if backend == "mosaic":
         feature = mosaic_add_rms_norm_unsupported(x.shape[1], x.dtype, y.dtype, weight.dtype)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.config.engine import FP8_GEMM_BACKENDS
+from jspec.kernels.backend import one_gpu
 from jspec.kernels.ref import dequantize_fp8
 from jspec.kernels.skinny_matmul import MAX_ROWS, skinny_matmul
 from jspec.kernels.skinny_matmul_mgpu import mosaic_skinny_unsupported, skinny_matmul_mgpu
@@ -90,11 +91,6 @@ def gemv_takes(w: Fp8Weight) -> bool:
 def mosaic_gemv_takes(x, w: Fp8Weight) -> bool:
     """The Mosaic GPU GEMV's cover: decode rows, whole tiles, one scale row or blocks of whole tiles."""
     return mosaic_skinny_unsupported(x.shape[0], *w.shape, w.w.dtype, scale_rows=w.in_blocks) is None
-
-
-def one_gpu() -> bool:
-    """Where the Pallas GEMV runs: one GPU (under a mesh XLA's dot partitions the sharded weights)."""
-    return jax.default_backend() == "gpu" and jax.device_count() == 1
 
 
 def fp8_dot_xla(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:

@@ -175,13 +175,8 @@ def _project_lora(lp, h: jax.Array, name: str, projection: str) -> jax.Array:
     return _project(h, lp[name])
 
 
-def _linear_lora(lp, x: jax.Array, name: str, projection: str) -> jax.Array:
-    """x @ lp[name], with the layer's LoRA delta when it has one."""
-    return _linear_lora_f32(lp, x, name, projection).astype(x.dtype)
-
-
 def _linear_lora_f32(lp, x: jax.Array, name: str, projection: str) -> jax.Array:
-    """_linear_lora before its rounding to x's dtype: float32."""
+    """x @ lp[name] in float32, with the layer's LoRA delta when it has one."""
     if "lora" in lp:
         return lora_dense(*lp["lora"], x, lp[name], projection)
     return dense_f32(x, lp[name])

@@ -80,7 +80,7 @@ def test_the_layer_runs_the_mosaic_kernel_where_it_covers_the_width(monkeypatch,
     Triton-backend kernel elsewhere (traced as on a GPU, lowered for CUDA)."""
     monkeypatch.setenv(norm.ADD_RMS_NORM_ENV, "mosaic")
     monkeypatch.setattr(jspec.kernels.backend, "interpret_mode", lambda: False)
-    monkeypatch.setattr(norm, "on_one_gpu", lambda: True)
+    monkeypatch.setattr(norm, "one_gpu", lambda: True)
     rows = jax.ShapeDtypeStruct((2, H), jnp.bfloat16)
     text = lower_for_cuda(lambda *a: norm.add_rms_norm(*a, 1e-6), rows, rows, jax.ShapeDtypeStruct((H,), jnp.bfloat16))
     assert kernel in text.as_text() and ("mosaic_gpu_v2" in text.as_text()) == (kernel == "mosaic_gpu_v2")
