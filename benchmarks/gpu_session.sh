@@ -157,9 +157,12 @@ for s in "$@"; do
       # if both serve, the reserve can go (benchmarks/NOTES.md, "The KV pool on the GPU").
       make_8b_head
       eagle="--speculative-algorithm EAGLE3 --speculative-draft-model-path $head --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4"
-      # NO_RESERVE_VARIANTS: which servers run (default both).
-      declare -A no_reserve=([plain]="--max-total-tokens ${NO_RESERVE_TOKENS:-433000}"
-        [adaptive]="$eagle --speculative-adaptive --max-total-tokens ${NO_RESERVE_SPEC_TOKENS:-408000}")
+      # NO_RESERVE_VARIANTS: which servers run (default both). The sizes are the plan's without the
+      # reserve on an H100 80GB; on a card of more memory (an H200) they scale with its memory.
+      mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+      if [ "${mib:-0}" -gt 100000 ]; then plain_tokens=850000 spec_tokens=800000; else plain_tokens=433000 spec_tokens=408000; fi
+      declare -A no_reserve=([plain]="--max-total-tokens ${NO_RESERVE_TOKENS:-$plain_tokens}"
+        [adaptive]="$eagle --speculative-adaptive --max-total-tokens ${NO_RESERVE_SPEC_TOKENS:-$spec_tokens}")
       no_reserve_args=()
       for v in ${NO_RESERVE_VARIANTS:-plain adaptive}; do no_reserve_args+=(--variant "$v=${no_reserve[$v]}"); done
       step pool_no_reserve ${NO_RESERVE_LIMIT:-420} $PY -m benchmarks.serving_curve --server-args "$SHAPE_8B" \
