@@ -116,6 +116,21 @@ for s in "$@"; do
         JSPEC_ADD_RMS_NORM=$v step decode_small_add_norm_$v 90 $PY -m benchmarks.bench_decode --small --quick \
           --no-stacked --batches 1 --profile --verify-tokens 0 --tag small_add_norm_$v --out "$RESULTS"
       done ;;
+    rope_kv)
+      # The new tokens' RoPE and K / V write as one kernel (kernels/rope_kv.py) against XLA's four
+      # (JSPEC_ROPE_KV): the SmolLM2 step at bs 1 and the 8B step at bs 1 / 16, each profiled
+      # (kernel counts), then the SmolLM2 server at c 1 / 64 with each.
+      for v in xla pallas; do
+        JSPEC_ROPE_KV=$v step decode_small_rope_kv_$v 90 $PY -m benchmarks.bench_decode --small --quick \
+          --no-stacked --batches 1 --profile --verify-tokens 0 --tag small_rope_kv_$v --out "$RESULTS"
+        JSPEC_ROPE_KV=$v step decode_rope_kv_$v 150 $PY -m benchmarks.bench_decode --quick --no-stacked \
+          --batches ${ROPE_KV_BATCHES:-1,16} --profile --verify-tokens 0 --tag rope_kv_$v --out "$RESULTS"
+      done
+      for v in xla pallas; do
+        JSPEC_ROPE_KV=$v step curve_small_rope_kv_$v ${SMALL_LIMIT:-150} $PY -m benchmarks.serving_curve \
+          --server-args "$SHAPE_SMALL" --input-lens 128 --concurrency 1,64 --prompts-per-c 8 --min-prompts 8 \
+          --out "$RESULTS" --name serving_curve_smollm2_rope_kv_$v
+      done ;;
     decode_splits)
       # The decode kernel's split-K count (JSPEC_DECODE_SPLITS): from the shape, against one split
       # (no merge of partials after the kernel), bs 1, both shapes, profiled.

@@ -50,6 +50,19 @@ def decode_splits() -> int | None:
     return int(value)
 
 
+# Where the new tokens' RoPE and K / V write run, for experiments (read when a step is traced):
+# "pallas" (the default), one kernel on one GPU under the Triton-backend attention
+# (kernels/rope_kv.py); "xla", XLA's ops.
+ROPE_KV_ENV = "JSPEC_ROPE_KV"
+
+
+def rope_kv_backend() -> str:
+    value = os.environ.get(ROPE_KV_ENV, "pallas")
+    if value not in ("xla", "pallas"):
+        raise ValueError(f"{ROPE_KV_ENV}={value!r}: expected 'xla' or 'pallas'")
+    return value
+
+
 def mosaic_runs_mla(num_heads: int) -> bool:
     """Whether the Mosaic MLA kernels run for num_heads query heads (per device). A Mosaic program
     multiplies GROUP_ROWS heads at once: with fewer most of each product is padding, and the

@@ -11,6 +11,8 @@ Callers run models/forward.py's forward, which picks this family or DeepSeek's.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,9 +20,11 @@ import numpy as np
 from jspec.config.model import ModelConfig
 from jspec.distributed.dp_attention import in_rank_region
 from jspec.distributed.mesh import DATA
+from jspec.kernels.backend import one_gpu
 from jspec.kernels.paged_tiles import NO_WINDOW
+from jspec.kernels.rope_kv import rope_kv_write
 from jspec.kvcache.pool import KVPool, is_fp8_cache, write_kv
-from jspec.layers.attention import paged_attention
+from jspec.layers.attention import paged_attention, rope_kv_backend
 from jspec.layers.batch import AttentionMode, ForwardBatch
 from jspec.layers.lora import LoraBatch, add_lora_delta, lora_dense, slot_mask
 from jspec.layers.matmul import dense_f32
@@ -41,17 +45,22 @@ def _project(h: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.einsum("ti,isn->tsn", h, w, preferred_element_type=jnp.float32)
 
 
-def qkv_heads(cfg: ModelConfig, lp, h: jax.Array, cos, sin):
-    """Projects normed input h [T, in] to RoPE'd q [T, Hq, D], k and v [T, Hkv, D]."""
-    T = h.shape[0]
-    # wqkv [in, n], or the tensor-parallel layout [in, tp, n / tp] (jspec.distributed): q, k, v
-    # of each shard's heads side by side, so the split below stays within a shard.
-    # With LoRA wqkv carries the pool's columns (jspec.lora.pool).
+def qkv_projection(cfg: ModelConfig, lp, h: jax.Array) -> jax.Array:
+    """The QKV projection of normed input h [T, in], bias included: float32 [T, shards, n].
+    wqkv is [in, n], or the tensor-parallel layout [in, tp, n / tp] (jspec.distributed): q, k, v
+    of each shard's heads side by side, so qkv_heads' split stays within a shard. With LoRA wqkv
+    carries the pool's columns (jspec.lora.pool)."""
     qkv = _project_lora(lp, h, "wqkv", "qkv")
-    shards = qkv.shape[1]
     if cfg.qkv_bias:
-        qkv = qkv + lp["bqkv"].reshape(shards, -1).astype(jnp.float32)
-    qkv = qkv.astype(h.dtype)
+        qkv = qkv + lp["bqkv"].reshape(qkv.shape[1], -1).astype(jnp.float32)
+    return qkv
+
+
+def qkv_heads(cfg: ModelConfig, lp, qkv: jax.Array, cos, sin, dtype):
+    """The projection's output qkv [T, shards, n] as RoPE'd q [T, Hq, D], k and v [T, Hkv, D]
+    in dtype (the activations')."""
+    T, shards = qkv.shape[:2]
+    qkv = qkv.astype(dtype)
     ql, kvl = cfg.q_size // shards, cfg.kv_size // shards
     q, k = qkv[..., :ql].reshape(T, cfg.q_size), qkv[..., ql : ql + kvl].reshape(T, cfg.kv_size)
     if cfg.qk_norm_whole:
@@ -193,48 +202,92 @@ def layer_window(cfg: ModelConfig, layer) -> jax.Array | None:
     return jnp.asarray(windows)[layer]
 
 
-def paged_attend(
-    cfg: ModelConfig,
-    mode: AttentionMode,
-    batch: ForwardBatch,
-    layer,
-    mask=None,
-    window=None,
-    kv_scale=None,
-    sinks=None,
-):
-    """attend(q, k, v, (k_cache, v_cache)) for the paged pool: write the new K/V, then attend.
-    sinks: the layer's attention sink logits [Hq] (gpt-oss), None for none.
+@dataclasses.dataclass(frozen=True)
+class PagedAttend:
+    """attend(q, k, v, caches) for the paged pool: write the new K/V, then attend. sinks: the
+    layer's attention sink logits [Hq] (gpt-oss), None for none.
 
     An FP8 pool holds K / k_scale and V / v_scale (kv_scale [2], this layer's; None: 1). The
     kernels read it as stored, so k_scale multiplies q (q.(k s) = (q s).k) and v_scale the output.
+
+    Where rotates_and_writes holds, decoder_layer_deferred hands over the QKV projection's
+    output instead (rope_and_attend): one kernel rotates q and k and writes k and v
+    (kernels/rope_kv.py), where XLA would spend four.
     """
 
-    def attend(q, k, v, caches):
-        fp8 = is_fp8_cache(caches[0]) and kv_scale is not None
+    cfg: ModelConfig
+    mode: AttentionMode
+    batch: ForwardBatch
+    layer: jax.Array
+    mask: jax.Array | None = None
+    window: jax.Array | None = None
+    kv_scale: jax.Array | None = None
+    sinks: jax.Array | None = None
+
+    def __call__(self, q, k, v, caches):
+        fp8 = is_fp8_cache(caches[0]) and self.kv_scale is not None
         if fp8:
-            k, v = k.astype(jnp.float32) / kv_scale[0], v.astype(jnp.float32) / kv_scale[1]
-        k_cache = write_kv(caches[0], layer, batch.slots, k)
-        v_cache = write_kv(caches[1], layer, batch.slots, v)
-        qs = (q.astype(jnp.float32) * kv_scale[0]).astype(q.dtype) if fp8 else q
+            k, v = k.astype(jnp.float32) / self.kv_scale[0], v.astype(jnp.float32) / self.kv_scale[1]
+        caches = (
+            write_kv(caches[0], self.layer, self.batch.slots, k),
+            write_kv(caches[1], self.layer, self.batch.slots, v),
+        )
+        return self.read(q, caches)
+
+    def read(self, q, caches):
+        """Attention of q over the pool, whose leaves already hold the new tokens' K / V."""
+        fp8 = is_fp8_cache(caches[0]) and self.kv_scale is not None
+        qs = (q.astype(jnp.float32) * self.kv_scale[0]).astype(q.dtype) if fp8 else q
         out = paged_attention(
             qs,
-            k_cache,
-            v_cache,
-            layer,
-            batch,
-            mode,
-            sm_scale=cfg.sm_scale,
-            mask=mask,
-            window=window,
-            logit_softcap=cfg.attn_logit_softcap,
-            sinks=sinks,
+            caches[0],
+            caches[1],
+            self.layer,
+            self.batch,
+            self.mode,
+            sm_scale=self.cfg.sm_scale,
+            mask=self.mask,
+            window=self.window,
+            logit_softcap=self.cfg.attn_logit_softcap,
+            sinks=self.sinks,
         )
         if fp8:
-            out = (out.astype(jnp.float32) * kv_scale[1]).astype(q.dtype)
-        return out, (k_cache, v_cache)
+            out = (out.astype(jnp.float32) * self.kv_scale[1]).astype(q.dtype)
+        return out, caches
 
-    return attend
+    def rotates_and_writes(self, qkv: jax.Array, caches) -> bool:
+        """Whether rope_and_attend runs for this projection output qkv [T, shards, n]: on one
+        GPU under the Triton-backend attention, for one shard's full-rotary heads of a width
+        Triton tiles (a power of two), into a 16-bit or float32 pool, with no norm on q and k."""
+        cfg = self.cfg
+        return (
+            rope_kv_backend() == "pallas"
+            and one_gpu()
+            and self.mode.backend == "pallas"
+            and qkv.shape[1] == 1
+            and not (cfg.qk_norm or cfg.qk_norm_whole)
+            and cfg.rotary_dim == cfg.head_dim
+            and cfg.head_dim & (cfg.head_dim - 1) == 0
+            and not is_fp8_cache(caches[0])
+        )
+
+    def rope_and_attend(self, qkv: jax.Array, cos, sin, caches, dtype):
+        """attend(*qkv's heads rotated, caches) from the projection's output qkv [T, 1, n]:
+        q and k rotated and k and v written by one kernel, rounded to dtype as qkv_heads does."""
+        cfg = self.cfg
+        q, k_cache, v_cache = rope_kv_write(
+            qkv[:, 0],
+            cos,
+            sin,
+            caches[0],
+            caches[1],
+            self.layer,
+            self.batch.slots,
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            dtype=dtype,
+        )
+        return self.read(q, (k_cache, v_cache))
 
 
 def decoder_layer(cfg: ModelConfig, lp, x, h, cos, sin, attend, caches):
@@ -251,8 +304,11 @@ def decoder_layer_deferred(cfg: ModelConfig, lp, x, h, cos, sin, attend, caches)
     """decoder_layer without its last residual add: (x after attention, the MLP's delta,
     caches). The target's forward adds the delta together with the next layer's norm, one
     kernel on the GPU where the add and the norm would be three (layers/norm.py)."""
-    q, k, v = qkv_heads(cfg, lp, h, cos, sin)
-    attn, caches = attend(q, k, v, caches)
+    qkv = qkv_projection(cfg, lp, h)
+    if isinstance(attend, PagedAttend) and attend.rotates_and_writes(qkv, caches):
+        attn, caches = attend.rope_and_attend(qkv, cos, sin, caches, h.dtype)
+    else:
+        attn, caches = attend(*qkv_heads(cfg, lp, qkv, cos, sin, h.dtype), caches)
     y = _linear_lora_f32(lp, attn.reshape(x.shape[0], cfg.q_size), "wo", "o")
     if cfg.o_bias:
         y = y.astype(x.dtype) + lp["bo"].astype(x.dtype)
@@ -326,7 +382,7 @@ def forward(
         window = layer_window(cfg, layer)
         kv_scale = None if kv_scales is None else kv_scales[layer]
         layer_index = jnp.int32(layer) if isinstance(layer, int) else layer
-        attend = paged_attend(cfg, mode, batch, layer_index, mask, window, kv_scale, lp.get("sinks"))
+        attend = PagedAttend(cfg, mode, batch, layer_index, mask, window, kv_scale, lp.get("sinks"))
         layer_cos, layer_sin = layer_rope(cfg, layer, (cos, sin), sliding_rope)
         x, mlp, (k_cache, v_cache) = decoder_layer_deferred(
             cfg, lp, x, h, layer_cos, layer_sin, attend, (k_cache, v_cache)

@@ -20,7 +20,7 @@ from jspec.models.forward import decoder_layer
 
 def mtp_layer(cfg: ModelConfig, mp, embed, tokens, positions, hidden, cos, sin, attend, caches):
     """-> (the layer's normed output [T, H], caches). attend: the decoder layer's attention
-    closure (deepseek.paged_mla_attend / absorbed_attend, or llama.paged_attend / a beams one)."""
+    closure (deepseek.paged_mla_attend / absorbed_attend, or llama.PagedAttend / a beams one)."""
     eps = cfg.rms_norm_eps
     e = embed[tokens].astype(hidden.dtype)
     if cfg.deepseek is None:

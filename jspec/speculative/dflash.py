@@ -32,7 +32,7 @@ from jspec.config.spec import SpecConfig
 from jspec.kvcache.pool import KVPool, create_kv_pool, kv_bytes_per_page
 from jspec.layers.batch import AttentionMode, ForwardBatch, bucket
 from jspec.models.dflash import block_embeddings, block_layers, draft_logits, inject_context
-from jspec.models.llama import paged_attend, rope_cos_sin
+from jspec.models.llama import PagedAttend, rope_cos_sin
 from jspec.speculative.method import PrefillContext, SpecCarry, SpecMethod
 from jspec.speculative.tree import chains_tree
 from jspec.speculative.verify import Verified
@@ -99,7 +99,7 @@ class DFlashMethod(SpecMethod):
         x = block_embeddings(params, self.dcfg, block.tokens).astype(dkv.k.dtype)
 
         def attend_for_layer(layer):
-            return paged_attend(cfg, mode, block, jnp.int32(layer) if isinstance(layer, int) else layer, full)
+            return PagedAttend(cfg, mode, block, jnp.int32(layer) if isinstance(layer, int) else layer, full)
 
         h, caches = block_layers(dparams, self.dcfg, x, cos, sin, attend_for_layer, (dkv.k, dkv.v))
         return KVPool(*caches), draft_logits(params, self.dcfg, h)

@@ -29,7 +29,7 @@ from jspec.models.eagle import (
     target_feature,
     to_target_ids,
 )
-from jspec.models.llama import paged_attend, rope_cos_sin
+from jspec.models.llama import PagedAttend, rope_cos_sin
 from jspec.speculative.beams import grow_beam_tree
 from jspec.speculative.method import PrefillContext, SpecCarry, SpecMethod
 from jspec.speculative.tree import chains_tree
@@ -153,7 +153,7 @@ def _draft_paged_forward(params, dparams, dcfg, dkv: KVPool, batch: ForwardBatch
         hidden,
         cos,
         sin,
-        lambda i: paged_attend(lcfg, mode, batch, jnp.int32(i)),
+        lambda i: PagedAttend(lcfg, mode, batch, jnp.int32(i)),
         (dkv.k, dkv.v),
     )
     return KVPool(k, v), out

@@ -21,7 +21,7 @@ from jspec.kvcache.pool import KVPool, create_kv_pool, kv_bytes_per_page
 from jspec.models.common import lm_head_logits
 from jspec.models.deepseek import absorbed_attend, paged_mla_attend
 from jspec.models.forward import rope_cos_sin
-from jspec.models.llama import paged_attend
+from jspec.models.llama import PagedAttend
 from jspec.models.mtp import mtp_layer
 from jspec.speculative.beams import grow_beam_tree
 from jspec.speculative.eagle import EagleMethod
@@ -57,7 +57,7 @@ class NextnMethod(EagleMethod):
             attend = paged_mla_attend(cfg, mode, batch, jnp.int32(0))
             out, k = mtp_layer(cfg, dparams["mtp"], embed, tokens, batch.positions, hidden, cos, sin, attend, dkv.k)
             return KVPool(k, dkv.v), out
-        attend = paged_attend(cfg, mode, batch, jnp.int32(0))
+        attend = PagedAttend(cfg, mode, batch, jnp.int32(0))
         out, kv = mtp_layer(cfg, dparams["mtp"], embed, tokens, batch.positions, hidden, cos, sin, attend, tuple(dkv))
         return KVPool(*kv), out
 

@@ -251,6 +251,9 @@ def test_windowed_model_forward_lowers_for_cuda(decode_only, tree, monkeypatch):
 
     monkeypatch.setattr(jspec.kernels.backend, "interpret_mode", lambda: False)  # kernels as on the GPU
     from jspec.checkpoint.loader import param_shapes
+    from jspec.models import llama
+
+    monkeypatch.setattr(llama, "one_gpu", lambda: True)  # the layers' one-GPU kernels too (RoPE + K / V write)
     from jspec.config.model import ModelConfig
     from jspec.kvcache.pool import KVPool
     from jspec.layers.batch import AttentionMode, ForwardBatch
@@ -284,3 +287,4 @@ def test_windowed_model_forward_lowers_for_cuda(decode_only, tree, monkeypatch):
     fn = lambda p, kv, b, m: forward(p, cfg, kv, b, mode, mask=m)[1].logits  # noqa: E731
     text = lower_for_cuda(fn, params, KVPool(cache, cache), batch, mask).as_text()
     assert "__gpu$xla.gpu.triton" in text and "stablehlo.while" in text  # the kernels, in the scanned loop
+    assert "rope_kv_write_d128" in text
