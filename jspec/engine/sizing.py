@@ -35,13 +35,6 @@ HEADROOM_MIN_BYTES = 1 * GiB
 PROGRAM_BYTES_FACTOR = 1.25
 # Pages of the pool the programs are measured against (the scratch page and one more).
 PROBE_PAGES = 2
-# On the GPU a pool planned without this reserve has failed to allocate its second leaf (K or
-# V): first while the loader's stacked layers were alive, then, with them dropped first, because
-# their freed memory is a hole below the per-layer weights that no leaf fits (benchmarks/NOTES.md,
-# "The KV pool on the GPU"). The loader now builds one GPU's weights per layer, with no stack to
-# free; until a server with the larger pool has run on a GPU, the device plan leaves room for one
-# leaf, as a fraction of the pool: K and V are its two equal leaves.
-FIRST_STEP_LEAF_FRACTION = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +91,7 @@ def plan_pool(
     The pool, first rule that applies: max_total_tokens' worth; mem_fraction_static of the
     device for weights + KV (SGLang's meaning; the programs get the rest); on an accelerator,
     all of it less the weights, the programs' measured peak (x PROGRAM_BYTES_FACTOR) and a
-    headroom, with room for the first step's extra pool leaf (FIRST_STEP_LEAF_FRACTION);
+    headroom;
     otherwise DEFAULT_KV_BYTES.
     """
     S = page_size
@@ -126,7 +119,7 @@ def plan_pool(
     elif device_bytes:
         programs = int((program_bytes or 0) * PROGRAM_BYTES_FACTOR)
         headroom = max(HEADROOM_MIN_BYTES, int(device_bytes * HEADROOM_FRACTION))
-        kv = (device_bytes - weight_bytes - programs - headroom) / (1 + FIRST_STEP_LEAF_FRACTION)
+        kv = device_bytes - weight_bytes - programs - headroom
         if kv < 2 * bytes_per_page:
             raise ValueError(
                 f"the device's {_gib(device_bytes)} hold {_gib(weight_bytes)} of weights and {_gib(programs)} for the "
@@ -136,8 +129,7 @@ def plan_pool(
         pages = int(kv // bytes_per_page)
         source = (
             f"device: {_gib(device_bytes)} less {_gib(weight_bytes)} of weights in use, {_gib(programs)} for the programs "
-            f"(measured peak x {PROGRAM_BYTES_FACTOR}) and {_gib(headroom)} headroom, with room for one more pool "
-            f"leaf at the first step"
+            f"(measured peak x {PROGRAM_BYTES_FACTOR}) and {_gib(headroom)} headroom"
         )
     else:
         pages, source = DEFAULT_KV_BYTES // bytes_per_page, f"default {DEFAULT_KV_BYTES // 2**20} MiB (no accelerator)"

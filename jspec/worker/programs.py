@@ -547,17 +547,28 @@ class StepCosts:
         return max(fits, default=past[0])
 
 
-def measure_step_costs(worker, repeats: int = 3) -> StepCosts:
+# Runs per program when measure_step_costs times the buckets: at least the first number, then
+# more for the short ones until they have run for the seconds given, at most the second. A few
+# percent between two timings decides a mixed step's token budget (a bucket fits under the
+# bound or not), and a small model's steps, a millisecond or two of mostly host launch, vary
+# by more than that from run to run; the least of a dozen runs varies far less.
+STEP_COST_RUNS = (3, 12)
+STEP_COST_SECONDS = 0.05
+
+
+def measure_step_costs(worker) -> StepCosts:
     """Times every prefill token bucket and greedy decode row bucket on scratch rows (they write
-    only the scratch page and slot); the least of `repeats` runs after one that may compile."""
+    only the scratch page and slot): the least of its runs after one that may compile."""
+    least_runs, most_runs = STEP_COST_RUNS
 
     def least(launch) -> float:
-        times = []
-        for _ in range(repeats + 1):
+        jax.block_until_ready(launch())
+        times: list[float] = []
+        while len(times) < least_runs or (sum(times) < STEP_COST_SECONDS and len(times) < most_runs):
             t0 = time.perf_counter()
             jax.block_until_ready(launch())
             times.append(time.perf_counter() - t0)
-        return min(times[1:])
+        return min(times)
 
     prefill = {T: least(lambda T=T: scratch_prefill(worker, T)) for T in worker.buckets.prefill_token_buckets()}
     decode = {B: least(lambda B=B: scratch_decode(worker, B)) for B in worker.buckets.decode_buckets()}

@@ -127,6 +127,43 @@ def test_step_costs_bound_the_mixed_step_tokens():
     assert costs.mixed_step_tokens(512, 2.0) == 0  # no bucket past the rows
 
 
+def test_short_steps_are_timed_more_often_and_the_least_run_counts(monkeypatch):
+    """measure_step_costs runs a short program until it has run STEP_COST_SECONDS (a dozen runs
+    at most) and a long one its three, after one untimed run each, and keeps each one's least:
+    a run slowed by the machine does not move the cost that decides a mixed step's budget."""
+    from jspec.worker import programs
+
+    runs: dict[tuple[str, int], int] = {}
+    clock = [0.0]
+    seconds = {("prefill", 16): 0.001, ("prefill", 64): 0.04, ("decode", 1): 0.001}
+
+    def fake(kind):
+        def run(worker, n):
+            key = (kind, n)
+            runs[key] = runs.get(key, 0) + 1
+            # The second timed run of each program is slow, as if the machine stalled.
+            clock[0] += seconds[key] * (10 if runs[key] == 3 else 1)
+
+        return run
+
+    class Worker:
+        buckets = dataclasses.make_dataclass("B", [])()
+        last_decode = "loop's batch"
+
+    Worker.buckets.prefill_token_buckets = lambda: [16, 64]
+    Worker.buckets.decode_buckets = lambda: [1]
+    monkeypatch.setattr(programs, "scratch_prefill", fake("prefill"))
+    monkeypatch.setattr(programs, "scratch_decode", fake("decode"))
+    monkeypatch.setattr(programs.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(programs.jax, "block_until_ready", lambda x: x)
+    worker = Worker()
+    costs = programs.measure_step_costs(worker)
+    least, most = programs.STEP_COST_RUNS
+    assert runs == {("prefill", 16): 1 + most, ("prefill", 64): 1 + least, ("decode", 1): 1 + most}
+    assert costs.prefill == pytest.approx({16: 0.001, 64: 0.04}) and costs.decode == pytest.approx({1: 0.001})
+    assert worker.last_decode is None
+
+
 def test_decode_rows_take_their_share_of_the_step_first(tiny):
     engine = jspec.Engine(tiny, **SETTINGS)
     engine.add_request(list(range(5)), jspec.SamplingParams(max_new_tokens=30, ignore_eos=True))

@@ -6,7 +6,6 @@ import pytest
 from jspec.engine.sizing import (
     CPU_RUNNING_REQUESTS,
     DEFAULT_KV_BYTES,
-    FIRST_STEP_LEAF_FRACTION,
     HEADROOM_FRACTION,
     MAX_RUNNING_REQUESTS,
     MAX_RUNNING_REQUESTS_SPECULATIVE,
@@ -33,13 +32,10 @@ def test_an_8b_model_on_an_h200_gets_hundreds_of_thousands_of_tokens():
     )
     headroom = device * HEADROOM_FRACTION
     free = device - weights - programs * PROGRAM_BYTES_FACTOR - headroom
-    assert plan.pages == int(free / (1 + FIRST_STEP_LEAF_FRACTION) // PAGE_8B)
-    assert plan.tokens > 500_000
-    # Everything fits: the pool and one more of its leaves, the weights, the programs' reserve, the headroom.
-    assert (
-        plan.pool_bytes * (1 + FIRST_STEP_LEAF_FRACTION) + weights + programs * PROGRAM_BYTES_FACTOR + headroom
-        <= device
-    )
+    assert plan.pages == int(free // PAGE_8B)
+    assert plan.tokens > 800_000
+    # Everything fits: the pool, the weights, the programs' reserve, the headroom.
+    assert plan.pool_bytes + weights + programs * PROGRAM_BYTES_FACTOR + headroom <= device
     assert plan.max_running_requests == MAX_RUNNING_REQUESTS
     assert "measured peak" in plan.pool_source and plan.describe()["max_total_tokens"] == plan.tokens
 
@@ -47,7 +43,7 @@ def test_an_8b_model_on_an_h200_gets_hundreds_of_thousands_of_tokens():
 def test_the_programs_needs_come_out_of_the_pool():
     kw = dict(page_size=16, bytes_per_page=PAGE_8B, device_bytes=80 * GiB, weight_bytes=15 * GiB)
     small, big = plan_pool(**kw, program_bytes=GiB), plan_pool(**kw, program_bytes=9 * GiB)
-    freed = 8 * GiB * PROGRAM_BYTES_FACTOR / (1 + FIRST_STEP_LEAF_FRACTION)
+    freed = 8 * GiB * PROGRAM_BYTES_FACTOR
     assert (small.pages - big.pages) * PAGE_8B == pytest.approx(freed, abs=PAGE_8B)
 
 
