@@ -263,6 +263,12 @@ for s in "$@"; do
           --server-args "$SHAPE_SMALL" --input-lens 128 --concurrency 1,64 --prompts-per-c 8 --min-prompts 8 \
           --out "$RESULTS" --name serving_curve_smollm2_add_norm_$v
       done ;;
+    curve_small_repeat)
+      # The default SmolLM2 server started twice in one call: the mixed step's token budget comes
+      # from steps timed at start-up, so two starts should log the same budget and serve alike.
+      step curve_small_repeat ${SMALL_LIMIT:-150} $PY -m benchmarks.serving_curve --server-args "$SHAPE_SMALL" \
+        --input-lens 128 --concurrency 1,64 --prompts-per-c 8 --min-prompts 8 --variant first= --variant second= \
+        --out "$RESULTS" --name serving_curve_smollm2_repeat ;;
     curve_small)
       XLA_FLAGS="$(cat "$RESULTS/xla_flags" 2>/dev/null)" step curve_small ${SMALL_LIMIT:-120} $PY -m benchmarks.serving_curve \
         --server-args "$SHAPE_SMALL" --input-lens 128 --concurrency ${SMALL_C:-1,64} --min-prompts 8 --out "$RESULTS" \
