@@ -294,6 +294,12 @@ def main():
         "(benchmarks/device_profile.py): busy vs launch gaps, matmuls vs attention vs the rest",
     )
     ap.add_argument(
+        "--hlo",
+        action="store_true",
+        help="also write each per-layer case's optimized HLO (XLA's fusions, as the profile names "
+        "them) beside the results: bench_decode[_TAG]_B{B}_ctx{ctx}.hlo.txt",
+    )
+    ap.add_argument(
         "--verify-tokens",
         type=int,
         default=8,
@@ -411,6 +417,14 @@ def main():
             x_bandwidth_floor=t / bw_floor,
             tokens_per_s=B / t,
         )
+        if args.hlo and layout == "per_layer":
+            hlo = plain_decode_step.lower(
+                weights, state["s"], slot_ids, page_tables, greedy_rows, cfg=cfg, sampling="greedy"
+            ).compile()
+            name = f"bench_decode{'_' + args.tag if args.tag else ''}_B{B}_ctx{ctx}.hlo.txt"
+            with open(os.path.join(args.out, name), "w") as f:
+                f.write(hlo.as_text())
+            row["hlo"] = name
         if args.profile and layout == "per_layer":
             row["profile"] = profile_calls(step, calls=5)
             kv = state["s"].target_kv  # the profiled calls donated the pool again

@@ -263,6 +263,11 @@ for s in "$@"; do
           --server-args "$SHAPE_SMALL" --input-lens 128 --concurrency 1,64 --prompts-per-c 8 --min-prompts 8 \
           --out "$RESULTS" --name serving_curve_smollm2_add_norm_$v
       done ;;
+    hlo_small)
+      # The SmolLM2 step's optimized HLO at bs 1, to read which ops each small fusion of its
+      # profile holds (the three multiply fusions a layer, the convert).
+      step hlo_small 90 $PY -m benchmarks.bench_decode --small --quick --no-stacked --batches 1 --hlo \
+        --profile --verify-tokens 0 --tag small_hlo --out "$RESULTS" ;;
     curve_small_repeat)
       # The default SmolLM2 server started twice in one call: the mixed step's token budget comes
       # from steps timed at start-up, so two starts should log the same budget and serve alike.

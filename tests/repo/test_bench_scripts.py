@@ -26,9 +26,11 @@ def run_script(name: str, *args: str) -> None:
 
 
 def test_bench_decode_times_verify_against_decode(tmp_path):
-    run_script("bench_decode", "--no-stacked", "--out", str(tmp_path))
+    run_script("bench_decode", "--no-stacked", "--hlo", "--out", str(tmp_path))
     rows = [r for r in json.load(open(tmp_path / "bench_decode.json"))["rows"] if r["layout"] == "per_layer"]
     assert [r["batch"] for r in rows] == [1, 4]
+    # Each case's optimized HLO beside the results, named in its row.
+    assert all("fusion" in (tmp_path / r["hlo"]).read_text() for r in rows)
     for r in rows:
         assert r["step_ms"] > 0 and r["verify_tokens"] == 8
         assert r["forward_verify_ms"] > 0 and r["forward_decode_ms"] > 0
