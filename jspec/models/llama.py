@@ -255,25 +255,28 @@ class PagedAttend:
             out = (out.astype(jnp.float32) * self.kv_scale[1]).astype(q.dtype)
         return out, caches
 
-    def rotates_and_writes(self, qkv: jax.Array, caches) -> bool:
+    def rotates_and_writes(self, qkv: jax.Array, caches, norms, dtype) -> bool:
         """Whether rope_and_attend runs for this projection output qkv [T, shards, n]: on one
         GPU under the Triton-backend attention, for one shard's full-rotary heads of a width
-        Triton tiles (a power of two), into a 16-bit or float32 pool, with no norm on q and k."""
+        Triton tiles (a power of two), into a 16-bit or float32 pool, with no norm on q and k or
+        a per-head one (norms: its weights) in the activations' dtype."""
         cfg = self.cfg
         return (
             rope_kv_backend() == "pallas"
             and one_gpu()
             and self.mode.backend == "pallas"
             and qkv.shape[1] == 1
-            and not (cfg.qk_norm or cfg.qk_norm_whole)
+            and not cfg.qk_norm_whole
+            and (norms is None or all(w.dtype == dtype for w in norms))
             and cfg.rotary_dim == cfg.head_dim
             and cfg.head_dim & (cfg.head_dim - 1) == 0
             and not is_fp8_cache(caches[0])
         )
 
-    def rope_and_attend(self, qkv: jax.Array, cos, sin, caches, dtype):
+    def rope_and_attend(self, qkv: jax.Array, cos, sin, caches, norms, dtype):
         """attend(*qkv's heads rotated, caches) from the projection's output qkv [T, 1, n]:
-        q and k rotated and k and v written by one kernel, rounded to dtype as qkv_heads does."""
+        q and k normed (norms: their per-head weights, or None) and rotated, and k and v
+        written, by one kernel, rounded to dtype as qkv_heads does."""
         cfg = self.cfg
         q, k_cache, v_cache = rope_kv_write(
             qkv[:, 0],
@@ -283,9 +286,11 @@ class PagedAttend:
             caches[1],
             self.layer,
             self.batch.slots,
+            norms,
             num_heads=cfg.num_heads,
             num_kv_heads=cfg.num_kv_heads,
             dtype=dtype,
+            eps=cfg.rms_norm_eps,
         )
         return self.read(q, (k_cache, v_cache))
 
@@ -305,8 +310,9 @@ def decoder_layer_deferred(cfg: ModelConfig, lp, x, h, cos, sin, attend, caches)
     caches). The target's forward adds the delta together with the next layer's norm, one
     kernel on the GPU where the add and the norm would be three (layers/norm.py)."""
     qkv = qkv_projection(cfg, lp, h)
-    if isinstance(attend, PagedAttend) and attend.rotates_and_writes(qkv, caches):
-        attn, caches = attend.rope_and_attend(qkv, cos, sin, caches, h.dtype)
+    norms = (lp["q_norm"], lp["k_norm"]) if cfg.qk_norm else None
+    if isinstance(attend, PagedAttend) and attend.rotates_and_writes(qkv, caches, norms, h.dtype):
+        attn, caches = attend.rope_and_attend(qkv, cos, sin, caches, norms, h.dtype)
     else:
         attn, caches = attend(*qkv_heads(cfg, lp, qkv, cos, sin, h.dtype), caches)
     y = _linear_lora_f32(lp, attn.reshape(x.shape[0], cfg.q_size), "wo", "o")
