@@ -661,13 +661,15 @@ def save_params(params: Any, directory: str | os.PathLike, *, config: ModelConfi
     return directory
 
 
-def restore_params(directory: str | os.PathLike, like: Any = None, *, dtype: Any = None) -> dict[str, Any]:
+def restore_params(
+    directory: str | os.PathLike, like: Any = None, *, dtype: Any = None, device: jax.Device | None = None
+) -> dict[str, Any]:
     """Reads a pytree written by `save_params`.
 
     `like` (a pytree of arrays or jax.ShapeDtypeStruct, with shardings) chooses
-    placement and dtype. Without it every leaf goes to the default device with its
-    saved dtype (or `dtype`); the saved sharding is not reused, so a checkpoint
-    written on a GPU restores on the CPU and vice versa.
+    placement and dtype. Without it every leaf goes to `device` (default: the default
+    device) with its saved dtype (or `dtype`); the saved sharding is not reused, so a
+    checkpoint written on a GPU restores on the CPU and vice versa.
     """
     directory = os.path.abspath(os.fspath(directory))
     path = os.path.join(directory, PARAMS_SUBDIR)
@@ -677,15 +679,15 @@ def restore_params(directory: str | os.PathLike, like: Any = None, *, dtype: Any
         if like is None:
             meta = ckptr.metadata(path)
             tree = getattr(getattr(meta, "item_metadata", meta), "tree", meta)
-            device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            placement = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
             like = jax.tree.map(
                 lambda m: jax.ShapeDtypeStruct(
-                    tuple(m.shape), jnp.dtype(dtype) if dtype is not None else m.dtype, sharding=device
+                    tuple(m.shape), jnp.dtype(dtype) if dtype is not None else m.dtype, sharding=placement
                 ),
                 tree,
             )
-        elif dtype is not None:
-            raise ValueError("pass either like= or dtype=, not both")
+        elif dtype is not None or device is not None:
+            raise ValueError("pass either like= or dtype= / device=, not both")
         return ckptr.restore(path, like)
 
 
@@ -704,10 +706,10 @@ def load_model(
 
     dtype None: bfloat16 on a GPU backend, float32 otherwise. Returns jax arrays
     on the default device. progress_name: a checkpoint of several shards reports its
-    reading under this name (checkpoint/progress.py). per_layer: an HF checkpoint of the
-    Llama family's layers built as per-layer arrays (convert_hf_params); DeepSeek's are per
-    layer anyway, and a jspec converted directory comes stacked whatever it says (the worker
-    lays it out).
+    reading under this name (checkpoint/progress.py). per_layer: the Llama family's layers
+    as per-layer arrays on the device (an HF checkpoint's built so by convert_hf_params, a
+    jspec converted directory's restored stacked on the host and put on the device a layer at
+    a time), with no stacked device array to free; DeepSeek's are per layer anyway.
     """
     path = os.fspath(path)
     if not os.path.exists(path):
@@ -718,9 +720,9 @@ def load_model(
     if is_converted_dir(path):
         with open(os.path.join(path, JSPEC_CONFIG_FILE)) as f:
             cfg = config_from_json(json.load(f))
-        params = restore_params(path, dtype=dtype)
+        params = restore_params(path, dtype=dtype, device=jax.devices("cpu")[0] if per_layer else None)
         _check_converted(cfg, params, path)
-        return cfg, params
+        return cfg, (_layers_to_device(params) if per_layer else params)
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(
             f"no config.json in model directory {path!r} (expected an HF checkpoint: config.json + "
@@ -758,6 +760,23 @@ def load_model(
         if progress is not None:
             progress.close()
     return cfg, params
+
+
+def _layers_to_device(params: dict[str, Any]) -> dict[str, Any]:
+    """params restored on the host, on the default device with the layers as a list of
+    per-layer dicts (param_shapes' per_layer layout), each layer's arrays put there alone."""
+    device = jax.devices()[0]
+    layers = params["layers"]
+    if isinstance(layers, dict):  # stacked over every layer; a list is per layer already
+        layers = [
+            {k: jax.tree.map(lambda x, i=i: x[i], v) for k, v in layers.items()} for i in range(_num_rows(layers))
+        ]
+    rest = {k: v for k, v in params.items() if k != "layers"}
+    return {**jax.device_put(rest, device), "layers": [jax.device_put(lp, device) for lp in layers]}
+
+
+def _num_rows(stacked: dict[str, Any]) -> int:
+    return jax.tree.leaves(stacked)[0].shape[0]
 
 
 def _check_converted(cfg: ModelConfig, params: Any, path: str) -> None:

@@ -221,6 +221,18 @@ def test_per_layer_load_builds_the_stacked_loads_arrays(tiny_dirs, tmp_path, arc
     assert_per_layer_matches_stacked(cfg, per_layer, stacked)
 
 
+def test_per_layer_load_of_a_converted_directory(llama_bf16, tmp_path):
+    """A jspec converted directory loaded per layer: restored on the host, each layer's arrays
+    on the default device alone, equal to the stacked restore's rows."""
+    cfg, params = load_model(llama_bf16, dtype=jnp.bfloat16)
+    out = save_params(params, tmp_path / "ckpt", config=cfg)
+    _, stacked = load_model(out, dtype=jnp.bfloat16)
+    _, per_layer = load_model(out, dtype=jnp.bfloat16, per_layer=True)
+    assert jax.tree.map(lambda x: tuple(x.shape), per_layer) == param_shapes(cfg, per_layer=True)
+    assert_per_layer_matches_stacked(cfg, per_layer, stacked)
+    assert {d for x in jax.tree.leaves(per_layer) for d in x.devices()} == {jax.devices()[0]}
+
+
 def test_per_layer_load_of_an_fp8_checkpoint(tmp_path):
     from jspec.testing.fp8 import write_fp8_checkpoint
 

@@ -59,12 +59,13 @@ def test_scanned_and_unrolled_layers_give_the_same_tokens(tiny, spec):
     assert greedy(scanned) == greedy(unrolled) == greedy(unrolled_stack)
 
 
-@pytest.mark.parametrize("standalone", [False, True])
-def test_an_unrolled_engine_loads_its_layers_per_layer(tiny, monkeypatch, standalone):
-    """Given a checkpoint, an engine on the unrolled loop (one GPU's default) has the loader
-    build per-layer arrays, a STANDALONE draft's too: no stacked leaf is copied out (and freed
-    below the weights)."""
+@pytest.mark.parametrize("standalone,converted", [(False, False), (True, False), (False, True)])
+def test_an_unrolled_engine_loads_its_layers_per_layer(tiny, monkeypatch, tmp_path, standalone, converted):
+    """Given a checkpoint (HF's, or a jspec converted directory), an engine on the unrolled loop
+    (one GPU's default) has the loader build per-layer arrays, a STANDALONE draft's too: no
+    stacked leaf is copied out (and freed below the weights)."""
     import jspec.worker.base
+    from jspec.checkpoint.loader import convert_checkpoint
     from jspec.config.load import LoadConfig
 
     def unstack_nothing(params):
@@ -75,7 +76,8 @@ def test_an_unrolled_engine_loads_its_layers_per_layer(tiny, monkeypatch, standa
     kw = dict(KW, layer_loop="unrolled", context_length=256, load=LoadConfig(dtype="float32"))
     if standalone:
         kw["speculative"] = jspec.SpecConfig("STANDALONE", num_steps=2, eagle_topk=1, draft_model_path=tiny.path)
-    engine = jspec.Engine(tiny.path, **kw)
+    path = convert_checkpoint(tiny.path, tmp_path / "converted", dtype="float32") if converted else tiny.path
+    engine = jspec.Engine(path, **kw)
     assert isinstance(engine.worker.params["layers"], list)
     if standalone:
         assert isinstance(engine.worker.dparams["layers"], list)
