@@ -44,6 +44,14 @@ step() {  # step NAME SECONDS COMMAND...
   tar -C "$RESULTS" -czf "$OUT/gpu_results.tar.gz" .
 }
 
+small_curve() {  # small_curve STEP NAME [SERVING_CURVE_ARGS...]: the SmolLM2 server at c 1 and 64,
+  # 8 prompts per unit of concurrency (a c64 run of 128 lasts 2 s), into serving_curve's NAME.json
+  local name=$1 result=$2
+  shift 2
+  step "$name" ${SMALL_LIMIT:-150} $PY -m benchmarks.serving_curve --server-args "$SHAPE_SMALL" --input-lens 128 \
+    --concurrency 1,64 --prompts-per-c 8 --min-prompts 8 "$@" --out "$RESULTS" --name "$result"
+}
+
 for s in "$@"; do
   case $s in
     # KERNEL_TESTS: the files to run (default tests/kernels whole, more than 240 s compiled).
@@ -127,9 +135,7 @@ for s in "$@"; do
           --batches ${ROPE_KV_BATCHES:-1,16} --profile --verify-tokens 0 --tag rope_kv_$v --out "$RESULTS"
       done
       for v in xla pallas; do
-        JSPEC_ROPE_KV=$v step curve_small_rope_kv_$v ${SMALL_LIMIT:-150} $PY -m benchmarks.serving_curve \
-          --server-args "$SHAPE_SMALL" --input-lens 128 --concurrency 1,64 --prompts-per-c 8 --min-prompts 8 \
-          --out "$RESULTS" --name serving_curve_smollm2_rope_kv_$v
+        JSPEC_ROPE_KV=$v small_curve curve_small_rope_kv_$v serving_curve_smollm2_rope_kv_$v
       done ;;
     decode_splits)
       # The decode kernel's split-K count (JSPEC_DECODE_SPLITS): from the shape, against one split
@@ -256,12 +262,9 @@ for s in "$@"; do
       step curve_8b_long 300 $PY -m benchmarks.serving_curve --server-args "$SHAPE_8B" --input-lens 1024 \
         --out "$RESULTS" --name serving_curve_8b_1024 ;;
     curve_small_add_norm)
-      # The SmolLM2 server with XLA's add-and-norm ops, then with the kernel (the GPU default),
-      # at c 1 and 64 with 8 prompts per unit of concurrency (a c64 run of 128 lasts 2 s).
+      # The SmolLM2 server with XLA's add-and-norm ops, then with the kernel (the GPU default).
       for v in xla pallas; do
-        JSPEC_ADD_RMS_NORM=$v step curve_small_add_norm_$v ${SMALL_LIMIT:-150} $PY -m benchmarks.serving_curve \
-          --server-args "$SHAPE_SMALL" --input-lens 128 --concurrency 1,64 --prompts-per-c 8 --min-prompts 8 \
-          --out "$RESULTS" --name serving_curve_smollm2_add_norm_$v
+        JSPEC_ADD_RMS_NORM=$v small_curve curve_small_add_norm_$v serving_curve_smollm2_add_norm_$v
       done ;;
     hlo_small)
       # The SmolLM2 step's optimized HLO at bs 1, to read which ops each small fusion of its
@@ -271,9 +274,7 @@ for s in "$@"; do
     curve_small_repeat)
       # The default SmolLM2 server started twice in one call: the mixed step's token budget comes
       # from steps timed at start-up, so two starts should log the same budget and serve alike.
-      step curve_small_repeat ${SMALL_LIMIT:-150} $PY -m benchmarks.serving_curve --server-args "$SHAPE_SMALL" \
-        --input-lens 128 --concurrency 1,64 --prompts-per-c 8 --min-prompts 8 --variant first= --variant second= \
-        --out "$RESULTS" --name serving_curve_smollm2_repeat ;;
+      small_curve curve_small_repeat serving_curve_smollm2_repeat --variant first= --variant second= ;;
     curve_small)
       XLA_FLAGS="$(cat "$RESULTS/xla_flags" 2>/dev/null)" step curve_small ${SMALL_LIMIT:-120} $PY -m benchmarks.serving_curve \
         --server-args "$SHAPE_SMALL" --input-lens 128 --concurrency ${SMALL_C:-1,64} --min-prompts 8 --out "$RESULTS" \

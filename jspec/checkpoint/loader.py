@@ -40,6 +40,7 @@ from jspec.config.deepseek import DeepseekConfig
 from jspec.config.errors import UnsupportedArchitectureError
 from jspec.config.model import GEMMA_FAMILIES, ModelConfig, RopeScaling
 from jspec.layers.quant import FP8, Fp8Weight
+from jspec.models.common import unstack_layers
 
 log = logging.getLogger(__name__)
 
@@ -763,20 +764,9 @@ def load_model(
 
 
 def _layers_to_device(params: dict[str, Any]) -> dict[str, Any]:
-    """params restored on the host, on the default device with the layers as a list of
-    per-layer dicts (param_shapes' per_layer layout), each layer's arrays put there alone."""
-    device = jax.devices()[0]
-    layers = params["layers"]
-    if isinstance(layers, dict):  # stacked over every layer; a list is per layer already
-        layers = [
-            {k: jax.tree.map(lambda x, i=i: x[i], v) for k, v in layers.items()} for i in range(_num_rows(layers))
-        ]
-    rest = {k: v for k, v in params.items() if k != "layers"}
-    return {**jax.device_put(rest, device), "layers": [jax.device_put(lp, device) for lp in layers]}
-
-
-def _num_rows(stacked: dict[str, Any]) -> int:
-    return jax.tree.leaves(stacked)[0].shape[0]
+    """params restored on the host, on the default device with the layers as per-layer dicts
+    (param_shapes' per_layer layout): each layer's arrays go there alone, no stack does."""
+    return jax.device_put(unstack_layers(params), jax.devices()[0])
 
 
 def _check_converted(cfg: ModelConfig, params: Any, path: str) -> None:

@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from jspec.distributed.mesh import TENSOR
 from jspec.distributed.tensor_parallel import kv_pool_spec
+from jspec.kernels.backend import env_choice
 from jspec.kernels.mgpu_tiles import GROUP_ROWS
 from jspec.kernels.mla_decode import mla_decode, mla_extend
 from jspec.kernels.mla_decode_mgpu import mla_decode_mgpu, mla_extend_mgpu
@@ -57,10 +58,7 @@ ROPE_KV_ENV = "JSPEC_ROPE_KV"
 
 
 def rope_kv_backend() -> str:
-    value = os.environ.get(ROPE_KV_ENV, "pallas")
-    if value not in ("xla", "pallas"):
-        raise ValueError(f"{ROPE_KV_ENV}={value!r}: expected 'xla' or 'pallas'")
-    return value
+    return env_choice(ROPE_KV_ENV, "pallas", ("xla", "pallas"))
 
 
 def mosaic_runs_mla(num_heads: int) -> bool:

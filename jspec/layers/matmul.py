@@ -10,12 +10,10 @@ a mesh XLA's dot partitions the sharded weights.
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 
-from jspec.kernels.backend import one_gpu
+from jspec.kernels.backend import env_choice, one_gpu
 from jspec.kernels.skinny_matmul import MAX_ROWS, skinny_matmul
 from jspec.kernels.skinny_matmul_mgpu import mosaic_skinny_unsupported, skinny_matmul_mgpu
 from jspec.layers.quant import fp8_dense_f32, is_fp8
@@ -24,10 +22,7 @@ SKINNY_MATMUL_ENV = "JSPEC_SKINNY_MATMUL"
 
 
 def skinny_backend() -> str:
-    value = os.environ.get(SKINNY_MATMUL_ENV, "xla")
-    if value not in ("xla", "pallas", "mosaic"):
-        raise ValueError(f"{SKINNY_MATMUL_ENV}={value!r}: expected 'xla', 'pallas' or 'mosaic'")
-    return value
+    return env_choice(SKINNY_MATMUL_ENV, "xla", ("xla", "pallas", "mosaic"))
 
 
 def dense_f32(x: jax.Array, w: jax.Array) -> jax.Array:

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import jax
 
-from jspec.kernels.backend import one_gpu
+from jspec.kernels.backend import env_choice, one_gpu
 from jspec.kernels.rms_norm import add_rms_norm as add_rms_norm_kernel
 from jspec.kernels.rms_norm import add_rms_norm_ref, rms_norm
 from jspec.kernels.rms_norm_mgpu import add_rms_norm_mgpu, mosaic_add_rms_norm_unsupported
@@ -29,10 +28,7 @@ __all__ = ["add_rms_norm", "add_rms_norm_backend", "rms_norm"]
 
 
 def add_rms_norm_backend() -> str:
-    value = os.environ.get(ADD_RMS_NORM_ENV, "pallas")
-    if value not in ("xla", "pallas", "mosaic"):
-        raise ValueError(f"{ADD_RMS_NORM_ENV}={value!r}: expected 'xla', 'pallas' or 'mosaic'")
-    return value
+    return env_choice(ADD_RMS_NORM_ENV, "pallas", ("xla", "pallas", "mosaic"))
 
 
 def add_rms_norm(x: jax.Array, y: jax.Array, weight: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
