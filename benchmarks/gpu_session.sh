@@ -271,6 +271,29 @@ for s in "$@"; do
       # profile holds (the three multiply fusions a layer, the convert).
       step hlo_small 90 $PY -m benchmarks.bench_decode --small --quick --no-stacked --batches 1 --hlo \
         --profile --verify-tokens 0 --tag small_hlo --out "$RESULTS" ;;
+    reduce_flags)
+      # XLA emits a one-row dot as a multiply and a Triton reduction; for three of the SmolLM2
+      # layer's four projections it writes the float32 product to memory between the two (the
+      # hlo_small HLO). The step under XLA flags that route reductions elsewhere, both shapes,
+      # then the SmolLM2 server with the fastest small step's flags beside the default.
+      declare -A rflags=([default]="" [no_block_rewriter]="--xla_gpu_experimental_enable_fusion_block_level_rewriter=false"
+        [no_heroless]="--xla_gpu_experimental_enable_triton_heroless_priority_fusion=false"
+        [no_triton_fusions]="--xla_gpu_experimental_enable_fusion_block_level_rewriter=false --xla_gpu_experimental_enable_triton_heroless_priority_fusion=false")
+      best=default best_ms=1e9
+      for v in ${REDUCE_VARIANTS:-default no_block_rewriter no_heroless no_triton_fusions}; do
+        XLA_FLAGS="${rflags[$v]}" step reduce_small_$v 90 $PY -m benchmarks.bench_decode --small --quick --no-stacked \
+          --batches 1,16 --profile --verify-tokens 0 --tag reduce_small_$v --out "$RESULTS"
+        ms=$($PY -c "import json,sys; r=json.load(open(sys.argv[1]))['rows']; print(min(x['step_ms'] for x in r if x['batch']==1))" \
+          "$RESULTS/bench_decode_reduce_small_$v.json" 2>/dev/null || echo 1e9)
+        awk -v a="$ms" -v b="$best_ms" 'BEGIN{exit !(a<b)}' && best=$v best_ms=$ms
+        XLA_FLAGS="${rflags[$v]}" step reduce_8b_$v 120 $PY -m benchmarks.bench_decode --quick --no-stacked \
+          --batches 1,16 --verify-tokens 0 --tag reduce_8b_$v --out "$RESULTS"
+      done
+      echo "fastest SmolLM2 bs 1 step: $best ($best_ms ms)"
+      if [ "$best" != default ]; then
+        small_curve curve_small_reduce_default serving_curve_smollm2_reduce_default
+        XLA_FLAGS="${rflags[$best]}" small_curve curve_small_reduce_$best serving_curve_smollm2_reduce_$best
+      fi ;;
     curve_small_repeat)
       # The default SmolLM2 server started twice in one call: the mixed step's token budget comes
       # from steps timed at start-up, so two starts should log the same budget and serve alike.
