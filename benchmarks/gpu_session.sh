@@ -294,6 +294,22 @@ for s in "$@"; do
         small_curve curve_small_reduce_default serving_curve_smollm2_reduce_default
         XLA_FLAGS="${rflags[$best]}" small_curve curve_small_reduce_$best serving_curve_smollm2_reduce_$best
       fi ;;
+    two_rows)
+      # The SmolLM2 step at bs 1, 2 and 4 (at 16 rows XLA's GEMM path runs the projections in
+      # ~13 us a layer against ~20 us for the one-row multiply-and-reduce), then bs 1 with each
+      # one-row projection padded to two rows (JSPEC_SKINNY_MATMUL=xla_padded), both shapes; then
+      # the SmolLM2 server both ways.
+      step rows_small 90 $PY -m benchmarks.bench_decode --small --quick --no-stacked --batches 1,2,4 --profile \
+        --verify-tokens 0 --tag rows_small --out "$RESULTS"
+      JSPEC_SKINNY_MATMUL=xla_padded step padded_small 90 $PY -m benchmarks.bench_decode --small --quick --no-stacked \
+        --batches 1 --profile --verify-tokens 0 --tag padded_small --out "$RESULTS"
+      for v in xla xla_padded; do
+        JSPEC_SKINNY_MATMUL=$v step rows_8b_$v 120 $PY -m benchmarks.bench_decode --quick --no-stacked \
+          --batches 1 --verify-tokens 0 --tag rows_8b_$v --out "$RESULTS"
+      done
+      for v in xla xla_padded; do
+        JSPEC_SKINNY_MATMUL=$v small_curve curve_small_$v serving_curve_smollm2_skinny_$v
+      done ;;
     curve_small_repeat)
       # The default SmolLM2 server started twice in one call: the mixed step's token budget comes
       # from steps timed at start-up, so two starts should log the same budget and serve alike.

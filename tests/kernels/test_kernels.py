@@ -513,11 +513,13 @@ def test_dense_matmul_switch(monkeypatch):
     x = jax.random.normal(jax.random.key(0), (3, 64), jnp.bfloat16)
     w = jax.random.normal(jax.random.key(1), (64, 48), jnp.bfloat16)
     monkeypatch.setenv(matmul.SKINNY_MATMUL_ENV, "cublas")
-    with pytest.raises(ValueError, match="expected 'xla', 'pallas' or 'mosaic'"):
+    with pytest.raises(ValueError, match="expected 'xla', 'pallas', 'mosaic' or 'xla_padded'"):
         matmul.dense_f32(x, w)
-    for backend in ("pallas", "mosaic"):
+    for backend in ("pallas", "mosaic", "xla_padded"):
         monkeypatch.setenv(matmul.SKINNY_MATMUL_ENV, backend)
         np.testing.assert_array_equal(matmul.dense_f32(x, w), jnp.dot(x, w, preferred_element_type=jnp.float32))
+    one_row = jnp.dot(x[:1], w, preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(matmul.two_row_dot(x[:1], w), one_row, rtol=1e-6)
 
 
 # Sliding windows: (window, page_size, tree, tuning). A window shorter than a block's tokens
