@@ -88,8 +88,12 @@ def _version(package: str) -> str:
 
 
 def environment_text() -> str:
-    """The versions, backend, devices and XLA settings a program compiles against."""
+    """The versions, backend, devices and XLA settings a program compiles against, and every
+    JSPEC_ environment variable: the layers' kernel switches (JSPEC_ROPE_KV, ...) are read when
+    a step is traced, so two processes that differ in one trace different programs from the
+    same code. Variables that change nothing traced cost only a fresh compile."""
     devices = jax.devices()
+    switches = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("JSPEC_")))
     return (
         plain_text(
             (
@@ -99,6 +103,7 @@ def environment_text() -> str:
                 devices[0].client.platform_version,
                 tuple(d.device_kind for d in devices),
                 os.environ.get("XLA_FLAGS", ""),
+                switches,
             )
         )
         + trace_config_text()

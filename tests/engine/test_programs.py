@@ -193,10 +193,12 @@ def scaled(x, shape):
     return x * shape.layers
 
 
-def test_a_stored_programs_key_follows_everything_it_is_made_from():
-    """Same step, statics, arguments' types and settings: same key; any of them changed: a new
-    one; a static that has no determining text (an arbitrary object): no key, so the program
-    compiles through JAX."""
+def test_a_stored_programs_key_follows_everything_it_is_made_from(monkeypatch):
+    """Same step, statics, arguments' types and settings: same key; any of them changed (a
+    kernel switch read from the environment at trace time among them): a new one; a static
+    that has no determining text (an arbitrary object): no key, so the program compiles
+    through JAX."""
+    monkeypatch.delenv("JSPEC_ROPE_KV", raising=False)
     x = jax.numpy.ones(3)
     key = program_key(scaled, {"shape": Shape(2)}, (x,), {})
     assert key == program_key(scaled, {"shape": Shape(2)}, (jax.numpy.zeros(3),), {})
@@ -210,6 +212,10 @@ def test_a_stored_programs_key_follows_everything_it_is_made_from():
     ]
     with jax.default_matmul_precision("highest"):
         changed.append(program_key(scaled, {"shape": Shape(2)}, (x,), {}))
+    for value in ("xla", "pallas"):
+        monkeypatch.setenv("JSPEC_ROPE_KV", value)
+        changed.append(program_key(scaled, {"shape": Shape(2)}, (x,), {}))
+    monkeypatch.delenv("JSPEC_ROPE_KV")
     assert None not in changed and len({key, *changed}) == len(changed) + 1
     assert program_key(scaled, {"shape": object()}, (x,), {}) is None
 
