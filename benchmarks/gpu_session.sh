@@ -310,6 +310,18 @@ for s in "$@"; do
       for v in xla xla_padded; do
         JSPEC_SKINNY_MATMUL=$v small_curve curve_small_$v serving_curve_smollm2_skinny_$v
       done ;;
+    served_switches)
+      # Kernel switches served side by side, each variant its own cold start (stored programs are
+      # keyed on the JSPEC_ variables): the SmolLM2 server with XLA's RoPE and K / V write, then
+      # the kernel; the 8B server with XLA's one-row dots, then padded to two rows (c 1 and 16).
+      for v in xla pallas; do
+        JSPEC_ROPE_KV=$v small_curve curve_small_rope_kv_$v serving_curve_smollm2_rope_kv_$v
+      done
+      for v in xla xla_padded; do
+        JSPEC_SKINNY_MATMUL=$v step curve_8b_skinny_$v 200 $PY -m benchmarks.serving_curve --server-args "$SHAPE_8B" \
+          --input-lens 128 --concurrency 1,16 --min-prompts 8 --output-len 128 --out "$RESULTS" \
+          --name serving_curve_8b_skinny_$v
+      done ;;
     curve_small_repeat)
       # The default SmolLM2 server started twice in one call: the mixed step's token budget comes
       # from steps timed at start-up, so two starts should log the same budget and serve alike.
