@@ -20,7 +20,12 @@ else
   echo "plan already running (started $(stat -c %y "$PLAN/started"))"
 fi
 end=$((SECONDS + WAIT_S))
-while [ ! -e "$PLAN/done" ] && [ $SECONDS -lt $end ]; do sleep 5; done
+# The packed results are copied on every pass, so a call cut off by its own limit (a WAIT_S
+# longer than the device time left) still brings back what the plan had packed.
+while [ ! -e "$PLAN/done" ] && [ $SECONDS -lt $end ]; do
+  sleep 5
+  cp "$PLAN/out/gpu_results.tar.gz" "${OUT:-/tmp}/" 2>/dev/null
+done
 tail -n "${TAIL:-60}" "$PLAN/log"
 if [ -e "$PLAN/done" ]; then echo "plan: done"; else echo "plan: still running, call again now"; fi
 cp "$PLAN/out/gpu_results.tar.gz" "${OUT:-/tmp}/" 2>/dev/null || echo "no results packed yet"
