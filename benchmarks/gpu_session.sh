@@ -41,7 +41,7 @@ step() {  # step NAME SECONDS COMMAND...
   local rc=$?
   tail -n 25 "$RESULTS/logs/$name.log"
   summary+=("$(printf '%-22s rc=%-3s %4d s' "$name" "$rc" $((SECONDS - s)))")
-  tar -C "$RESULTS" -czf "$OUT/gpu_results.tar.gz" .
+  tar -C "$RESULTS" -czf "$OUT/gpu_results.tar.gz.part" . && mv "$OUT/gpu_results.tar.gz.part" "$OUT/gpu_results.tar.gz"
 }
 
 small_curve() {  # small_curve STEP NAME [SERVING_CURVE_ARGS...]: the SmolLM2 server at c 1 and 64,
