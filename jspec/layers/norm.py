@@ -27,13 +27,20 @@ log = logging.getLogger("jspec.layers")
 __all__ = ["add_rms_norm", "add_rms_norm_backend", "rms_norm"]
 
 
-def add_rms_norm_backend() -> str:
-    return env_choice(ADD_RMS_NORM_ENV, "pallas", ("xla", "pallas", "mosaic"))
+def add_rms_norm_backend(attention_backend: str | None = None) -> str:
+    """JSPEC_ADD_RMS_NORM, or when it is unset the attention's kernel family: Mosaic GPU's
+    under the Mosaic attention, so that such a program holds no Triton-backend kernel, else
+    the Triton-backend one."""
+    default = "mosaic" if attention_backend == "mosaic" else "pallas"
+    return env_choice(ADD_RMS_NORM_ENV, default, ("xla", "pallas", "mosaic"))
 
 
-def add_rms_norm(x: jax.Array, y: jax.Array, weight: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
-    """(x + y, rms_norm(x + y, weight)): the new residual stream and the next sublayer's input."""
-    backend = add_rms_norm_backend()
+def add_rms_norm(
+    x: jax.Array, y: jax.Array, weight: jax.Array, eps: float, attention_backend: str | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """(x + y, rms_norm(x + y, weight)): the new residual stream and the next sublayer's input;
+    attention_backend (the step's AttentionMode.backend) picks the kernel family."""
+    backend = add_rms_norm_backend(attention_backend)
     if backend == "xla" or not one_gpu() or x.ndim != 2 or x.shape != y.shape:
         return add_rms_norm_ref(x, y, weight, eps)
     if backend == "mosaic":

@@ -115,13 +115,14 @@ def delta_dtype(cfg: ModelConfig, dtype):
     return jnp.float32 if passes_delta_unrounded(cfg) else dtype
 
 
-def add_and_norm(cfg: ModelConfig, x: jax.Array, delta: jax.Array, norm: jax.Array | None):
+def add_and_norm(cfg: ModelConfig, x: jax.Array, delta: jax.Array, norm: jax.Array | None, backend: str | None):
     """(x + delta, the next sublayer's input): the sum's RMSNorm, or the sum itself where the
-    norms sit on the sublayers' outputs only (OLMo 2). One kernel on the GPU (layers/norm.py)."""
+    norms sit on the sublayers' outputs only (OLMo 2). One kernel on the GPU (layers/norm.py),
+    of the attention backend's family."""
     if cfg.norm_layout == "post":
         s = x + delta.astype(x.dtype)
         return s, s
-    return add_rms_norm(x, delta, norm, cfg.rms_norm_eps)
+    return add_rms_norm(x, delta, norm, cfg.rms_norm_eps, backend)
 
 
 def embed_tokens(params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
@@ -311,6 +312,7 @@ def decoder_layer_deferred(cfg: ModelConfig, lp, x, h, cos, sin, attend, caches)
     kernel on the GPU where the add and the norm would be three (layers/norm.py)."""
     qkv = qkv_projection(cfg, lp, h)
     norms = (lp["q_norm"], lp["k_norm"]) if cfg.qk_norm else None
+    backend = attend.mode.backend if isinstance(attend, PagedAttend) else None
     if isinstance(attend, PagedAttend) and attend.rotates_and_writes(qkv, caches, norms, h.dtype):
         attn, caches = attend.rope_and_attend(qkv, cos, sin, caches, norms, h.dtype)
     else:
@@ -318,7 +320,7 @@ def decoder_layer_deferred(cfg: ModelConfig, lp, x, h, cos, sin, attend, caches)
     y = _linear_lora_f32(lp, attn.reshape(x.shape[0], cfg.q_size), "wo", "o")
     if cfg.o_bias:
         y = y.astype(x.dtype) + lp["bo"].astype(x.dtype)
-    x, h = add_and_norm(cfg, x, residual_delta(cfg, lp, y, "attn_post_norm", x.dtype), lp.get("mlp_norm"))
+    x, h = add_and_norm(cfg, x, residual_delta(cfg, lp, y, "attn_post_norm", x.dtype), lp.get("mlp_norm"), backend)
     return x, mlp_delta(cfg, lp, x, h), caches
 
 
@@ -383,7 +385,11 @@ def forward(
         x, delta, k_cache, v_cache, captured = carry
         if lora is not None:
             lp = {**lp, "lora": (lp["lora"], lmask)}
-        x, h = add_and_norm(cfg, x, delta, lp.get("attn_norm")) if defer else (x, attention_input(cfg, lp, x))
+        x, h = (
+            add_and_norm(cfg, x, delta, lp.get("attn_norm"), mode.backend)
+            if defer
+            else (x, attention_input(cfg, lp, x))
+        )
         captured = store_capture(captured, capture_layers, layer, x)
         window = layer_window(cfg, layer)
         kv_scale = None if kv_scales is None else kv_scales[layer]
@@ -400,7 +406,7 @@ def forward(
     x, delta, k_cache, v_cache, captured = run_layers(
         layers, layer_body, (x, jnp.zeros(x.shape, delta_dtype(cfg, x.dtype)), kv.k, kv.v, captured)
     )
-    x, h = add_rms_norm(x, delta, params["final_norm"], cfg.rms_norm_eps)
+    x, h = add_rms_norm(x, delta, params["final_norm"], cfg.rms_norm_eps, mode.backend)
     captured = store_capture(captured, capture_layers, cfg.num_layers, x)
     logits = compute_logits(params, cfg, h[batch.logits_indices])
     return KVPool(k_cache, v_cache), ForwardOutput(logits, h, captured)

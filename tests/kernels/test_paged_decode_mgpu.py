@@ -367,17 +367,18 @@ def test_engine_on_the_mosaic_backend_gives_the_reference_backends_tokens():
 )
 def test_model_forward_with_the_mosaic_backend_lowers_for_cuda(step, fields, monkeypatch):
     """--attention-backend mosaic: decode, extend (causal) and verify (a tree mask) steps all
-    call the Mosaic GPU kernels, none the Triton-backend ones."""
+    call the Mosaic GPU kernels, none the Triton-backend ones: the layers' add-and-norm, a
+    kernel on one GPU, is Mosaic GPU's too unless JSPEC_ADD_RMS_NORM says otherwise."""
     import jspec.kernels.backend
+    import jspec.layers.norm
     from jspec.checkpoint.loader import param_shapes
     from jspec.kvcache.pool import KVPool
     from jspec.layers.batch import AttentionMode, ForwardBatch
     from jspec.models.forward import forward
 
     monkeypatch.setattr(jspec.kernels.backend, "interpret_mode", lambda: False)  # kernels as on the GPU
-    # On one GPU the layers' add-and-norm is a Triton-backend kernel too (layers/norm.py): XLA's
-    # ops keep it out of the count, which is attention's.
-    monkeypatch.setenv("JSPEC_ADD_RMS_NORM", "xla")
+    monkeypatch.setattr(jspec.layers.norm, "one_gpu", lambda: True)  # the add-and-norm kernel, as on one GPU
+    monkeypatch.delenv("JSPEC_ADD_RMS_NORM", raising=False)
     fields = dict(fields)
     kv = fields.pop("kv", BF16)
     cfg = model(**fields)
@@ -398,5 +399,5 @@ def test_model_forward_with_the_mosaic_backend_lowers_for_cuda(step, fields, mon
     mask = jax.ShapeDtypeStruct((B, Q, Q), jnp.bool_) if step == "verify" else None
     fn = lambda p, kv, b, m: forward(p, cfg, kv, b, mode, mask=m)[1].logits  # noqa: E731
     text = lower_for_cuda(fn, params, KVPool(cache, cache), batch, mask).as_text()
-    assert "mosaic_gpu_v2" in text
+    assert "mosaic_gpu_v2" in text and "add_rms_norm_mgpu" in text
     assert "xla.gpu.triton" not in text

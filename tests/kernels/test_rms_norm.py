@@ -96,6 +96,21 @@ def test_the_layer_runs_the_kernel_on_one_gpu_only(monkeypatch):
         norm.add_rms_norm(x, y, weight, 1e-6)
 
 
+def test_unset_the_kernel_follows_the_attention_backend(monkeypatch):
+    """With JSPEC_ADD_RMS_NORM unset the add-and-norm is of the attention's kernel family
+    (Mosaic GPU's under the Mosaic attention, so its programs hold no Triton-backend kernel);
+    a value set wins over it."""
+    monkeypatch.delenv(norm.ADD_RMS_NORM_ENV, raising=False)
+    assert [norm.add_rms_norm_backend(b) for b in (None, "reference", "pallas", "mosaic")] == [
+        "pallas",
+        "pallas",
+        "pallas",
+        "mosaic",
+    ]
+    monkeypatch.setenv(norm.ADD_RMS_NORM_ENV, "pallas")
+    assert norm.add_rms_norm_backend("mosaic") == "pallas"
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_the_forward_on_the_kernel_gives_the_references_logits(monkeypatch, dtype):
     """A Llama-family prefill with every add-and-norm on the kernel against the same with XLA's
