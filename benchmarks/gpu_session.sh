@@ -239,7 +239,12 @@ for s in "$@"; do
       # with and without --attention-backend mosaic (issue: the default is whichever is faster).
       step curve_8b_mosaic ${MOSAIC_LIMIT:-590} $PY -m benchmarks.serving_curve --server-args "$SHAPE_8B" --input-lens 128 \
         --concurrency ${MOSAIC_C:-1,16,64} --variant default= --variant "mosaic=--attention-backend mosaic" \
-        --out "$RESULTS" --name serving_curve_8b_mosaic ;;
+        --out "$RESULTS" --name serving_curve_8b_mosaic
+      # The Triton backend's deprecation warning, counted in each server's log (none expected
+      # under the Mosaic attention: its add-and-norm is Mosaic GPU's too, RoPE XLA's).
+      for v in default mosaic; do
+        echo "$v server log: $(grep -c "Pallas Triton backend is deprecated" "$RESULTS/serving_curve_8b_mosaic_$v.log" 2>/dev/null) deprecation warnings"
+      done ;;
     curve_small_variants|curve_8b_variants)
       # Host-side variants of the default server, side by side (names in $HOST_VARIANTS): the
       # engine loop on a thread of the HTTP process (the old layout); the layers unrolled over
