@@ -327,6 +327,12 @@ for s in "$@"; do
           --input-lens 128 --concurrency 1,16 --min-prompts 8 --output-len 128 --out "$RESULTS" \
           --name serving_curve_8b_skinny_$v
       done ;;
+    one_row)
+      # One-row projections six ways in a chain of SmolLM2's layers without attention, profiled,
+      # then the 8B's (benchmarks/bench_one_row.py).
+      step one_row_small 150 $PY -m benchmarks.bench_one_row --out "$RESULTS"
+      step one_row_8b 150 $PY -m benchmarks.bench_one_row --shape llama-3.1-8b --forms xla,xla_nk,padded,pallas,mosaic \
+        --out "$RESULTS/8b" ;;
     curve_small_repeat)
       # The default SmolLM2 server started twice in one call: the mixed step's token budget comes
       # from steps timed at start-up, so two starts should log the same budget and serve alike.
