@@ -318,11 +318,12 @@ for s in "$@"; do
     served_switches)
       # Kernel switches served side by side, each variant its own cold start (stored programs are
       # keyed on the JSPEC_ variables): the SmolLM2 server with XLA's RoPE and K / V write, then
-      # the kernel; the 8B server with XLA's one-row dots, then padded to two rows (c 1 and 16).
+      # the kernel; the 8B server with XLA's one-row dots, then the default (auto: its large
+      # weights' one-row products padded to two rows), at c 1 and 16.
       for v in xla pallas; do
         JSPEC_ROPE_KV=$v small_curve curve_small_rope_kv_$v serving_curve_smollm2_rope_kv_$v
       done
-      for v in xla xla_padded; do
+      for v in xla auto; do
         JSPEC_SKINNY_MATMUL=$v step curve_8b_skinny_$v 200 $PY -m benchmarks.serving_curve --server-args "$SHAPE_8B" \
           --input-lens 128 --concurrency 1,16 --min-prompts 8 --output-len 128 --out "$RESULTS" \
           --name serving_curve_8b_skinny_$v

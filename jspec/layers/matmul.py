@@ -1,14 +1,19 @@
 """The dense projections' matmul: XLA's dot, or a Pallas skinny matmul for decode rows.
 
-A batch-1 decode step is bound by reading the weights, and XLA's skinny matmuls read them
-below the HBM bandwidth. `JSPEC_SKINNY_MATMUL=pallas` sends every projection of at most 16
-rows through kernels/skinny_matmul.py (Pallas' Triton backend) instead, `mosaic` every one of
-at most 64 rows whose shape kernels/skinny_matmul_mgpu.py covers (Mosaic GPU; other shapes keep
-XLA's dot), `xla_padded` pads a one-row product to two rows: XLA rewrites a one-row dot of a
-small weight into a multiply and a reduction, and for some shapes writes the float32 product to
-memory between the two, where two rows take its GEMM path. Read when a step is traced, so set
-per process. bf16 weights on one GPU only: under
-a mesh XLA's dot partitions the sharded weights.
+A batch-1 decode step is bound by reading the weights, and at one row XLA's dot is not its
+best: it rewrites a small weight's one-row dot into a multiply and a reduction (for some
+shapes two kernels with the float32 product written to memory between them), and a large
+weight's one-row dot runs slower than the same dot over two rows. `JSPEC_SKINNY_MATMUL` picks,
+read when a step is traced (so set per process), for bf16 weights on one GPU (under a mesh
+XLA's dot partitions the sharded weights):
+- auto (the default): a one-row product of a weight of at least PADDED_MIN_WEIGHT_ELEMENTS
+  runs as a two-row one (two_row_dot), where the dot's gain outweighs the pad and the slice
+  around it; everything else is XLA's dot;
+- xla: XLA's dot always; xla_padded: every one-row product padded to two rows;
+- pallas: every projection of at most 16 rows through kernels/skinny_matmul.py (Pallas'
+  Triton backend); mosaic: every one of at most 64 rows whose shape
+  kernels/skinny_matmul_mgpu.py covers (Mosaic GPU; other shapes keep XLA's dot).
+benchmarks/NOTES.md ("One-row projections") has the measurements behind the default.
 """
 
 from __future__ import annotations
@@ -22,10 +27,13 @@ from jspec.kernels.skinny_matmul_mgpu import mosaic_skinny_unsupported, skinny_m
 from jspec.layers.quant import fp8_dense_f32, is_fp8
 
 SKINNY_MATMUL_ENV = "JSPEC_SKINNY_MATMUL"
+# Between a small model's projections (where the pad and slice kernels cost more than the
+# two-row dot saves) and a large one's (where the two-row dot wins).
+PADDED_MIN_WEIGHT_ELEMENTS = 1 << 23
 
 
 def skinny_backend() -> str:
-    return env_choice(SKINNY_MATMUL_ENV, "xla", ("xla", "pallas", "mosaic", "xla_padded"))
+    return env_choice(SKINNY_MATMUL_ENV, "auto", ("auto", "xla", "xla_padded", "pallas", "mosaic"))
 
 
 def dense_f32(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -38,7 +46,9 @@ def dense_f32(x: jax.Array, w: jax.Array) -> jax.Array:
             return skinny_matmul(x, w)
         if backend == "mosaic" and mosaic_skinny_unsupported(x.shape[0], *w.shape, w.dtype) is None:
             return skinny_matmul_mgpu(x, w)
-        if backend == "xla_padded" and x.shape[0] == 1:
+        if x.shape[0] == 1 and (
+            backend == "xla_padded" or (backend == "auto" and w.size >= PADDED_MIN_WEIGHT_ELEMENTS)
+        ):
             return two_row_dot(x, w)
     return jnp.dot(x, w, preferred_element_type=jnp.float32)
 

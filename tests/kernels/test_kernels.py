@@ -513,13 +513,35 @@ def test_dense_matmul_switch(monkeypatch):
     x = jax.random.normal(jax.random.key(0), (3, 64), jnp.bfloat16)
     w = jax.random.normal(jax.random.key(1), (64, 48), jnp.bfloat16)
     monkeypatch.setenv(matmul.SKINNY_MATMUL_ENV, "cublas")
-    with pytest.raises(ValueError, match="expected 'xla', 'pallas', 'mosaic' or 'xla_padded'"):
+    with pytest.raises(ValueError, match="expected 'auto', 'xla', 'xla_padded', 'pallas' or 'mosaic'"):
         matmul.dense_f32(x, w)
-    for backend in ("pallas", "mosaic", "xla_padded"):
+    for backend in ("auto", "pallas", "mosaic", "xla_padded"):
         monkeypatch.setenv(matmul.SKINNY_MATMUL_ENV, backend)
         np.testing.assert_array_equal(matmul.dense_f32(x, w), jnp.dot(x, w, preferred_element_type=jnp.float32))
     one_row = jnp.dot(x[:1], w, preferred_element_type=jnp.float32)
     np.testing.assert_allclose(matmul.two_row_dot(x[:1], w), one_row, rtol=1e-6)
+
+
+def test_one_row_products_of_large_weights_run_as_two_rows_on_one_gpu(monkeypatch):
+    """auto (the default) pads a one-row product to two rows for a weight of at least
+    PADDED_MIN_WEIGHT_ELEMENTS on one GPU, and leaves smaller weights, more rows and other
+    settings to XLA's dot (read off the lowered programs: a pad is there or not)."""
+    from jspec.layers import matmul
+
+    monkeypatch.setattr(matmul, "one_gpu", lambda: True)
+    monkeypatch.delenv(matmul.SKINNY_MATMUL_ENV, raising=False)
+    n = matmul.PADDED_MIN_WEIGHT_ELEMENTS // 1024
+
+    def padded(rows, out, backend=None):
+        if backend:
+            monkeypatch.setenv(matmul.SKINNY_MATMUL_ENV, backend)
+        x = jax.ShapeDtypeStruct((rows, 1024), jnp.bfloat16)
+        w = jax.ShapeDtypeStruct((1024, out), jnp.bfloat16)
+        traced_afresh = jax.jit(lambda x, w: matmul.dense_f32(x, w))  # a new function: reads the setting
+        return "stablehlo.pad" in traced_afresh.lower(x, w).as_text()
+
+    assert padded(1, n) and not padded(1, n - 64) and not padded(2, n)
+    assert not padded(1, n, "xla") and padded(1, 64, "xla_padded")
 
 
 # Sliding windows: (window, page_size, tree, tuning). A window shorter than a block's tokens
