@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -558,22 +559,32 @@ STEP_COST_SECONDS = 0.05
 
 def measure_step_costs(worker) -> StepCosts:
     """Times every prefill token bucket and greedy decode row bucket on scratch rows (they write
-    only the scratch page and slot): the least of its runs after one that may compile."""
+    only the scratch page and slot): the least of its runs after one that may compile. The runs
+    go round the programs in turn, so that a stretch of slow host time (another thread's work,
+    the clock) falls on every program's rounds alike rather than on a few programs' whole share:
+    what decides the budget is the ratio of two of them."""
     least_runs, most_runs = STEP_COST_RUNS
-
-    def least(launch) -> float:
+    launches = {
+        ("prefill", T): functools.partial(scratch_prefill, worker, T) for T in worker.buckets.prefill_token_buckets()
+    }
+    launches |= {("decode", B): functools.partial(scratch_decode, worker, B) for B in worker.buckets.decode_buckets()}
+    for launch in launches.values():
         jax.block_until_ready(launch())
-        times: list[float] = []
-        while len(times) < least_runs or (sum(times) < STEP_COST_SECONDS and len(times) < most_runs):
+    times: dict[tuple[str, int], list[float]] = {key: [] for key in launches}
+    for _ in range(most_runs):
+        for key, launch in launches.items():
+            runs = times[key]
+            if len(runs) >= least_runs and sum(runs) >= STEP_COST_SECONDS:
+                continue
             t0 = time.perf_counter()
             jax.block_until_ready(launch())
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    prefill = {T: least(lambda T=T: scratch_prefill(worker, T)) for T in worker.buckets.prefill_token_buckets()}
-    decode = {B: least(lambda B=B: scratch_decode(worker, B)) for B in worker.buckets.decode_buckets()}
+            runs.append(time.perf_counter() - t0)
     worker.last_decode = None  # the scratch batch is not the loop's
-    return StepCosts(prefill, decode)
+    least = {key: min(runs) for key, runs in times.items()}
+    return StepCosts(
+        {n: t for (kind, n), t in least.items() if kind == "prefill"},
+        {n: t for (kind, n), t in least.items() if kind == "decode"},
+    )
 
 
 def first_step(worker) -> None:

@@ -130,16 +130,19 @@ def test_step_costs_bound_the_mixed_step_tokens():
 def test_short_steps_are_timed_more_often_and_the_least_run_counts(monkeypatch):
     """measure_step_costs runs a short program until it has run STEP_COST_SECONDS (a dozen runs
     at most) and a long one its three, after one untimed run each, and keeps each one's least:
-    a run slowed by the machine does not move the cost that decides a mixed step's budget."""
+    a run slowed by the machine does not move the cost that decides a mixed step's budget. The
+    timed runs take the programs in turn: every program's first before any one's second."""
     from jspec.worker import programs
 
     runs: dict[tuple[str, int], int] = {}
+    order: list[tuple[str, int]] = []
     clock = [0.0]
     seconds = {("prefill", 16): 0.001, ("prefill", 64): 0.04, ("decode", 1): 0.001}
 
     def fake(kind):
         def run(worker, n):
             key = (kind, n)
+            order.append(key)
             runs[key] = runs.get(key, 0) + 1
             # The second timed run of each program is slow, as if the machine stalled.
             clock[0] += seconds[key] * (10 if runs[key] == 3 else 1)
@@ -162,6 +165,8 @@ def test_short_steps_are_timed_more_often_and_the_least_run_counts(monkeypatch):
     assert runs == {("prefill", 16): 1 + most, ("prefill", 64): 1 + least, ("decode", 1): 1 + most}
     assert costs.prefill == pytest.approx({16: 0.001, 64: 0.04}) and costs.decode == pytest.approx({1: 0.001})
     assert worker.last_decode is None
+    programs_ = list(seconds)
+    assert order[: 2 * len(programs_)] == programs_ + programs_  # the untimed round, then the first timed one
 
 
 def test_decode_rows_take_their_share_of_the_step_first(tiny):
