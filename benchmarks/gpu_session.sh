@@ -54,8 +54,11 @@ small_curve() {  # small_curve STEP NAME [SERVING_CURVE_ARGS...]: the SmolLM2 se
 
 for s in "$@"; do
   case $s in
-    # KERNEL_TESTS: the files to run (default tests/kernels whole, more than 240 s compiled).
-    kernel_tests) step kernel_tests ${KERNEL_TESTS_LIMIT:-120} $PY -m pytest -q -p no:cacheprovider ${KERNEL_TESTS:-tests/kernels} -rf --maxfail=300 ;;
+    # KERNEL_TESTS: the files to run (default tests/kernels whole, ~270 s compiled on an H100);
+    # the counts go to gpu_tests_kernels.json.
+    kernel_tests) step kernel_tests ${KERNEL_TESTS_LIMIT:-300} $PY -m benchmarks.gpu_tests --kernels-only \
+      ${KERNEL_TESTS:+--tests $KERNEL_TESTS} --limit-s $(( ${KERNEL_TESTS_LIMIT:-300} - 20 )) \
+      --name gpu_tests_kernels --out "$RESULTS" ;;
     gpu_tests) step gpu_tests 300 $PY -m benchmarks.gpu_tests --limit-s 255 --out "$RESULTS" ;;
     gpu_tests_engine) step gpu_tests_engine ${ENGINE_TESTS_LIMIT:-540} $PY -m benchmarks.gpu_tests --engine-only \
       ${ENGINE_SHARD:+--shard $ENGINE_SHARD} --limit-s $(( ${ENGINE_TESTS_LIMIT:-540} - 20 )) \
