@@ -240,7 +240,9 @@ for s in "$@"; do
     curve_8b_mosaic)
       # The engine on the Mosaic GPU kernels beside the Triton ones: the default 8B server's curve
       # with and without --attention-backend mosaic (issue: the default is whichever is faster).
-      step curve_8b_mosaic ${MOSAIC_LIMIT:-590} $PY -m benchmarks.serving_curve --server-args "$SHAPE_8B" --input-lens 128 \
+      # Python hides DeprecationWarnings raised outside __main__, so a plain server's log never
+      # shows the Triton backend's; the servers here show them, to count which programs use it.
+      PYTHONWARNINGS=default::DeprecationWarning step curve_8b_mosaic ${MOSAIC_LIMIT:-590} $PY -m benchmarks.serving_curve --server-args "$SHAPE_8B" --input-lens 128 \
         --concurrency ${MOSAIC_C:-1,16,64} --variant default= --variant "mosaic=--attention-backend mosaic" \
         --out "$RESULTS" --name serving_curve_8b_mosaic
       # The Triton backend's deprecation warning, counted in each server's log (none expected
