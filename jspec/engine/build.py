@@ -25,6 +25,7 @@ from jspec.engine.sizing import (
     plan_pool,
     probe_running_requests,
 )
+from jspec.kernels.backend import one_gpu
 from jspec.kernels.mgpu_tiles import GROUP_ROWS
 from jspec.kernels.mla_decode_mgpu import mla_mosaic_unsupported
 from jspec.kernels.paged_decode_mgpu import MosaicUnsupported, mosaic_decode_unsupported
@@ -32,11 +33,14 @@ from jspec.kernels.paged_extend_mgpu import mosaic_extend_unsupported
 from jspec.kvcache.pool import kv_cache_dtype
 from jspec.layers.attention import mosaic_runs_mla
 from jspec.layers.batch import bucket
+from jspec.layers.matmul import PADDED_MIN_WEIGHT_ELEMENTS, skinny_backend
+from jspec.layers.norm import add_rms_norm_backend
 from jspec.layers.quant import has_fp8_weights, quantize_params, with_fp8_gemm
 from jspec.lora.adapter import read_rank
 from jspec.lora.pool import LoraPool
+from jspec.models.llama import rope_kv_runs
 from jspec.speculative.registry import make_method
-from jspec.worker.base import Worker, check_layer_loop, lay_out_layers
+from jspec.worker.base import Worker, check_layer_loop, default_attention_backend, lay_out_layers
 from jspec.worker.dp import DPWorker
 from jspec.worker.plain import PlainWorker
 from jspec.worker.programs import first_step, measure_programs
@@ -66,6 +70,7 @@ def build_worker(model: Model, config: EngineConfig, draft=None, target_path=Non
     check_parallel(config, cfg)
     params = fp8_weights(config, params)
     check_attention_backend(config, cfg, params["embed"].dtype)
+    log_layer_kernels(config, cfg, params["embed"].dtype, fp8_weights=has_fp8_weights(params))
     dp = config.dp_size if config.enable_dp_attention else 1
     spec = config.speculative
     if spec is not None and spec.adaptive and dp > 1:
@@ -140,6 +145,45 @@ def check_pool_allocated(worker, plan: PoolPlan) -> None:
             f"does not fit on the device beside the weights: ask for fewer tokens (max_total_tokens, "
             f"mem_fraction_static). {e}"
         ) from None
+
+
+def layer_kernels(config: EngineConfig, cfg: ModelConfig, dtype, *, fp8_weights: bool = False) -> dict[str, str] | None:
+    """What runs each of a decoder layer's steps on one GPU, by step (attention, add-and-norm,
+    RoPE and K / V write, projections), from the settings and the switches the layers read;
+    None elsewhere (XLA's ops and the jnp attention), and for latent-attention models, whose
+    attention the log names when it is built."""
+    if not one_gpu() or cfg.deepseek is not None:
+        return None
+    attention = config.attention_backend or default_attention_backend()
+    norm = {
+        "pallas": "the Triton-backend kernel",
+        "mosaic": "the Mosaic GPU kernel (the Triton-backend one at widths not a multiple of 64)",
+        "xla": "XLA's ops",
+    }[add_rms_norm_backend(attention)]
+    fp8_pool = jax.numpy.dtype(kv_cache_dtype(config.kv_cache_dtype, dtype)).itemsize == 1
+    rope = rope_kv_runs(cfg, attention, shards=config.tp_size, fp8_pool=fp8_pool, norms_in_dtype=True)
+    projections = {
+        "auto": f"XLA's dot, one-row products of weights of {PADDED_MIN_WEIGHT_ELEMENTS:,} elements or more as two rows",
+        "xla": "XLA's dot",
+        "xla_padded": "XLA's dot, every one-row product as two rows",
+        "pallas": "the Triton-backend GEMV up to 16 rows",
+        "mosaic": "the Mosaic GPU GEMV where it covers the shape",
+    }[skinny_backend()]
+    return {
+        "attention": {"pallas": "the Triton-backend kernels", "mosaic": "the Mosaic GPU kernels"}.get(
+            attention, attention
+        ),
+        "add-and-norm": norm if cfg.norm_layout != "post" else "XLA's add (no norm after it)",
+        "RoPE and K / V write": "one Triton-backend kernel" if rope else "XLA's ops",
+        "projections": "the FP8 weights' path (--fp8-gemm-backend)" if fp8_weights else projections,
+    }
+
+
+def log_layer_kernels(config: EngineConfig, cfg: ModelConfig, dtype, *, fp8_weights: bool) -> None:
+    """Logs layer_kernels once an engine is built on one GPU: which kernel runs each step."""
+    kernels = layer_kernels(config, cfg, dtype, fp8_weights=fp8_weights)
+    if kernels:
+        log.info("layer kernels: %s", "; ".join(f"{step} on {what}" for step, what in kernels.items()))
 
 
 def check_attention_backend(config: EngineConfig, cfg: ModelConfig, dtype) -> None:

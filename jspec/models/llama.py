@@ -203,6 +203,26 @@ def layer_window(cfg: ModelConfig, layer) -> jax.Array | None:
     return jnp.asarray(windows)[layer]
 
 
+def rope_kv_runs(
+    cfg: ModelConfig, attention_backend: str, *, shards: int, fp8_pool: bool, norms_in_dtype: bool
+) -> bool:
+    """Whether a layer's RoPE and K / V write run as the one kernel (kernels/rope_kv.py): on one
+    GPU under the Triton-backend attention, for one shard's full-rotary heads of a width Triton
+    tiles (a power of two), into a 16-bit or float32 pool, with no norm on q and k or a per-head
+    one whose weights are in the activations' dtype."""
+    return (
+        rope_kv_backend() == "pallas"
+        and one_gpu()
+        and attention_backend == "pallas"
+        and shards == 1
+        and not cfg.qk_norm_whole
+        and norms_in_dtype
+        and cfg.rotary_dim == cfg.head_dim
+        and cfg.head_dim & (cfg.head_dim - 1) == 0
+        and not fp8_pool
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class PagedAttend:
     """attend(q, k, v, caches) for the paged pool: write the new K/V, then attend. sinks: the
@@ -257,21 +277,14 @@ class PagedAttend:
         return out, caches
 
     def rotates_and_writes(self, qkv: jax.Array, caches, norms, dtype) -> bool:
-        """Whether rope_and_attend runs for this projection output qkv [T, shards, n]: on one
-        GPU under the Triton-backend attention, for one shard's full-rotary heads of a width
-        Triton tiles (a power of two), into a 16-bit or float32 pool, with no norm on q and k or
-        a per-head one (norms: its weights) in the activations' dtype."""
-        cfg = self.cfg
-        return (
-            rope_kv_backend() == "pallas"
-            and one_gpu()
-            and self.mode.backend == "pallas"
-            and qkv.shape[1] == 1
-            and not cfg.qk_norm_whole
-            and (norms is None or all(w.dtype == dtype for w in norms))
-            and cfg.rotary_dim == cfg.head_dim
-            and cfg.head_dim & (cfg.head_dim - 1) == 0
-            and not is_fp8_cache(caches[0])
+        """Whether rope_and_attend runs for this projection output qkv [T, shards, n] (norms:
+        the per-head q / k norm weights, or None): rope_kv_runs says."""
+        return rope_kv_runs(
+            self.cfg,
+            self.mode.backend,
+            shards=qkv.shape[1],
+            fp8_pool=is_fp8_cache(caches[0]),
+            norms_in_dtype=norms is None or all(w.dtype == dtype for w in norms),
         )
 
     def rope_and_attend(self, qkv: jax.Array, cos, sin, caches, norms, dtype):

@@ -296,6 +296,47 @@ def test_engine_build_refuses_what_the_mosaic_backend_lacks(fields, settings, fe
     check_attention_backend(EngineConfig(attention_backend="pallas", **settings), model(**fields), BF16)
 
 
+def test_the_build_log_names_each_layer_steps_kernel(monkeypatch):
+    """On one GPU the engine logs what runs each layer step, read from the same gates the
+    layers use: the Triton-backend family under the default attention, the Mosaic add-and-norm
+    and XLA's RoPE under the Mosaic one, the environment's switches, an FP8 pool; off one GPU
+    nothing (XLA's ops and the jnp attention run everything)."""
+    import jspec.engine.build as build
+    import jspec.models.llama as llama
+    from jspec.config.engine import EngineConfig
+
+    for env in ("JSPEC_ROPE_KV", "JSPEC_ADD_RMS_NORM", "JSPEC_SKINNY_MATMUL"):
+        monkeypatch.delenv(env, raising=False)
+    assert build.layer_kernels(EngineConfig(attention_backend="pallas"), model(), BF16) is None  # the CPU
+    for module in (build, llama):
+        monkeypatch.setattr(module, "one_gpu", lambda: True)
+    triton = build.layer_kernels(EngineConfig(attention_backend="pallas"), model(), BF16)
+    assert triton["attention"] == "the Triton-backend kernels"
+    assert triton["add-and-norm"] == "the Triton-backend kernel"
+    assert triton["RoPE and K / V write"] == "one Triton-backend kernel"
+    assert triton["projections"].startswith("XLA's dot, one-row products of weights of 8,388,608 elements")
+    mosaic = build.layer_kernels(EngineConfig(attention_backend="mosaic"), model(), BF16)
+    assert mosaic["attention"] == "the Mosaic GPU kernels" and mosaic["add-and-norm"].startswith(
+        "the Mosaic GPU kernel"
+    )
+    assert mosaic["RoPE and K / V write"] == "XLA's ops"
+    fp8_pool = build.layer_kernels(EngineConfig(attention_backend="pallas", kv_cache_dtype="fp8_e4m3"), model(), BF16)
+    assert fp8_pool["RoPE and K / V write"] == "XLA's ops"
+    assert (
+        "FP8"
+        in build.layer_kernels(EngineConfig(attention_backend="pallas"), model(), BF16, fp8_weights=True)["projections"]
+    )
+    monkeypatch.setenv("JSPEC_ROPE_KV", "xla")
+    monkeypatch.setenv("JSPEC_SKINNY_MATMUL", "xla")
+    monkeypatch.setenv("JSPEC_ADD_RMS_NORM", "xla")
+    assert build.layer_kernels(EngineConfig(attention_backend="pallas"), model(), BF16) == {
+        "attention": "the Triton-backend kernels",
+        "add-and-norm": "XLA's ops",
+        "RoPE and K / V write": "XLA's ops",
+        "projections": "XLA's dot",
+    }
+
+
 def test_engine_build_takes_a_plain_bf16_model_and_refuses_a_float32_one():
     from jspec.config.engine import EngineConfig
     from jspec.engine.build import check_attention_backend
