@@ -249,6 +249,7 @@ for s in "$@"; do
       # under the Mosaic attention: its add-and-norm is Mosaic GPU's too, RoPE XLA's).
       for v in default mosaic; do
         echo "$v server log: $(grep -c "Pallas Triton backend is deprecated" "$RESULTS/serving_curve_8b_mosaic_$v.log" 2>/dev/null) deprecation warnings"
+        grep -h -m1 "layer kernels" "$RESULTS/serving_curve_8b_mosaic_$v.log"
       done ;;
     curve_small_variants|curve_8b_variants)
       # Host-side variants of the default server, side by side (names in $HOST_VARIANTS): the
@@ -332,7 +333,9 @@ for s in "$@"; do
         JSPEC_SKINNY_MATMUL=$v step curve_8b_skinny_$v 200 $PY -m benchmarks.serving_curve --server-args "$SHAPE_8B" \
           --input-lens 128 --concurrency 1,16 --min-prompts 8 --output-len 128 --out "$RESULTS" \
           --name serving_curve_8b_skinny_$v
-      done ;;
+      done
+      # Each server's own account of its layers' kernels (engine/build.layer_kernels).
+      grep -h -m1 "layer kernels" "$RESULTS"/serving_curve_*rope_kv_*_default.log "$RESULTS"/serving_curve_8b_skinny_*_default.log ;;
     one_row)
       # One-row projections six ways in a chain of SmolLM2's layers without attention, profiled,
       # then the 8B's (benchmarks/bench_one_row.py).
