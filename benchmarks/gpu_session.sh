@@ -335,7 +335,7 @@ for s in "$@"; do
           --name serving_curve_8b_skinny_$v
       done
       # Each server's own account of its layers' kernels (engine/build.layer_kernels).
-      grep -h -m1 "layer kernels" "$RESULTS"/serving_curve_*rope_kv_*_default.log "$RESULTS"/serving_curve_8b_skinny_*_default.log ;;
+      grep -m1 "layer kernels" "$RESULTS"/serving_curve_*rope_kv_*_default.log "$RESULTS"/serving_curve_8b_skinny_*_default.log ;;
     one_row)
       # One-row projections six ways in a chain of SmolLM2's layers without attention, profiled,
       # then the 8B's (benchmarks/bench_one_row.py).
