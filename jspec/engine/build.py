@@ -30,7 +30,7 @@ from jspec.kernels.mgpu_tiles import GROUP_ROWS
 from jspec.kernels.mla_decode_mgpu import mla_mosaic_unsupported
 from jspec.kernels.paged_decode_mgpu import MosaicUnsupported, mosaic_decode_unsupported
 from jspec.kernels.paged_extend_mgpu import mosaic_extend_unsupported
-from jspec.kvcache.pool import kv_cache_dtype
+from jspec.kvcache.pool import FP8_KV_BYTES, kv_cache_dtype
 from jspec.layers.attention import mosaic_runs_mla
 from jspec.layers.batch import bucket
 from jspec.layers.matmul import PADDED_MIN_WEIGHT_ELEMENTS, skinny_backend
@@ -160,7 +160,9 @@ def layer_kernels(config: EngineConfig, cfg: ModelConfig, dtype, *, fp8_weights:
         "mosaic": "the Mosaic GPU kernel (the Triton-backend one at widths not a multiple of 64)",
         "xla": "XLA's ops",
     }[add_rms_norm_backend(attention)]
-    fp8_pool = jax.numpy.dtype(kv_cache_dtype(config.kv_cache_dtype, dtype)).itemsize == 1
+    fp8_pool = (
+        kv_cache_dtype(config.kv_cache_dtype, dtype) == FP8_KV_BYTES
+    )  # is_fp8_cache's test, before the pool exists
     rope = rope_kv_runs(cfg, attention, shards=config.tp_size, fp8_pool=fp8_pool, norms_in_dtype=True)
     projections = {
         "auto": f"XLA's dot, one-row products of weights of {PADDED_MIN_WEIGHT_ELEMENTS:,} elements or more as two rows",
