@@ -325,8 +325,9 @@ def decoder_layer_deferred(cfg: ModelConfig, lp, x, h, cos, sin, attend, caches)
     kernel on the GPU where the add and the norm would be three (layers/norm.py)."""
     qkv = qkv_projection(cfg, lp, h)
     norms = (lp["q_norm"], lp["k_norm"]) if cfg.qk_norm else None
-    backend = attend.mode.backend if isinstance(attend, PagedAttend) else None
-    if isinstance(attend, PagedAttend) and attend.rotates_and_writes(qkv, caches, norms, h.dtype):
+    paged = isinstance(attend, PagedAttend)
+    backend = attend.mode.backend if paged else None
+    if paged and attend.rotates_and_writes(qkv, caches, norms, h.dtype):
         attn, caches = attend.rope_and_attend(qkv, cos, sin, caches, norms, h.dtype)
     else:
         attn, caches = attend(*qkv_heads(cfg, lp, qkv, cos, sin, h.dtype), caches)
