@@ -28,17 +28,19 @@ the layers.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import Results, shape, timed, tiny
+from benchmarks.common import Results, random_params, shape, timed, tiny
 from benchmarks.device_profile import print_summary, profile_calls
 from jspec.kernels.skinny_matmul import skinny_matmul
 from jspec.kernels.skinny_matmul_mgpu import mosaic_skinny_unsupported, skinny_matmul_mgpu
 from jspec.layers.matmul import two_row_dot
 from jspec.layers.norm import add_rms_norm
+from jspec.models.common import unstack_layers
 
 FORMS = ("xla", "xla_nk", "padded", "pallas", "pallas_n32", "mosaic")
 WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")
@@ -73,25 +75,6 @@ def chain(form: str, cfg, x: jax.Array, layers: list[dict]) -> jax.Array:
     return x + delta.astype(x.dtype)
 
 
-def random_layers(cfg, num_layers: int, key) -> list[dict]:
-    shapes = {
-        "wqkv": (cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size),
-        "wo": (cfg.q_size, cfg.hidden_size),
-        "w_gate_up": (cfg.hidden_size, 2 * cfg.intermediate_size),
-        "w_down": (cfg.intermediate_size, cfg.hidden_size),
-    }
-    layers = []
-    for i in range(num_layers):
-        keys = jax.random.split(jax.random.fold_in(key, i), len(shapes))
-        lp = {
-            n: (0.02 * jax.random.normal(k, s, jnp.float32)).astype(jnp.bfloat16)
-            for k, (n, s) in zip(keys, shapes.items())
-        }
-        lp["attn_norm"] = lp["mlp_norm"] = jnp.ones((cfg.hidden_size,), jnp.bfloat16)
-        layers.append(lp)
-    return layers
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="smollm2-135m")
@@ -110,7 +93,9 @@ def main() -> None:
     on_gpu = jax.default_backend() == "gpu"
     settings = {"shape": args.shape, "tiny": args.tiny, "layers": num_layers, "forms": forms}
     results = Results(args.out, "bench_one_row", settings)
-    layers = random_layers(cfg, num_layers, jax.random.key(0))
+    params = random_params(dataclasses.replace(cfg, num_layers=num_layers), jnp.bfloat16)
+    layers = unstack_layers(params)["layers"]  # per-layer arrays, as the GPU engine holds them
+    del params
     x = jax.random.normal(jax.random.key(1), (1, cfg.hidden_size), jnp.float32).astype(jnp.bfloat16)
     reference = None
     rows = []
