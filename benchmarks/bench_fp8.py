@@ -1,8 +1,8 @@
 """FP8 decode on the GPU: the decode step against its FP8 floor, and tokens/s against bf16.
 
 For each model shape and batch, the plain decode step (per-layer weights, as the GPU runs
-them) in five variants: bf16; FP8 weights per output channel through XLA's dot (the upcast
-inside it); FP8 weights through the Pallas skinny GEMV, the Triton-backend and the Mosaic GPU
+them) in these variants: bf16; FP8 weights per output channel through the default (`auto`),
+XLA's dot (the upcast inside it); FP8 weights through the Pallas skinny GEMV, the Triton-backend and the Mosaic GPU
 one; W8A8 (activations quantized per token, XLA's FP8 GEMM); the GEMV with an FP8 KV cache too;
 and both GEMVs over block scales (the per-channel scales repeated over 128-row blocks, 64 where
 128 does not divide K: the same weights, through the block-scale path DeepSeek-V3's
@@ -40,6 +40,7 @@ from jspec.steps.plain import PlainCarry, PlainState, plain_decode_step
 
 VARIANTS = {  # name: (quantization, FP8 matmul path, KV dtype)
     "bf16": (None, None, jnp.bfloat16),
+    "fp8_auto": ("fp8", "auto", jnp.bfloat16),
     "fp8_xla": ("fp8", "xla", jnp.bfloat16),
     "fp8_pallas": ("fp8", "pallas", jnp.bfloat16),
     "fp8_mosaic": ("fp8", "mosaic", jnp.bfloat16),

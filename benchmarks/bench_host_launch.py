@@ -9,7 +9,11 @@ with a random head:
 - inside the overlap loop: the engine's schedule / launch / process / wait split per iteration;
 - a cProfile of the loop's launches: where the launch's host time goes.
 
-    python -m benchmarks.bench_host_launch [--out benchmarks/results] [--tiny]
+    python -m benchmarks.bench_host_launch [--out benchmarks/results] [--tiny] [--methods none,eagle3]
+        [--attention-backend pallas|mosaic]
+
+The settings record XLA_FLAGS: run it once with `--xla_gpu_enable_command_buffer=` to see what
+XLA's command buffers (CUDA graphs) save the launch, per attention backend.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import time
 
@@ -137,13 +142,15 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="a tiny model: a quick dry run of the script")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--name", default="bench_host_launch", help="the JSON's name (a GPU run: bench_host_launch_gpu)")
+    ap.add_argument("--methods", default="none,eagle3", help="of none, eagle3")
+    ap.add_argument("--attention-backend", default=None, help="the engine's (default: the engine's own default)")
     args = ap.parse_args()
     cfg, dcfg = (TINY, TINY_DRAFT) if args.tiny else (SMALL, SMALL_DRAFT)
     dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
     params = random_params(cfg, dtype)
     dparams = init_random_draft_params(dcfg, jax.random.key(3), dtype)
     rows = []
-    for method in ("none", "eagle3"):
+    for method in args.methods.split(","):
         spec = None if method == "none" else jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=1)
         engine = jspec.Engine(
             (cfg, params),
@@ -152,6 +159,7 @@ def main():
             page_size=16,
             max_running_requests=4,
             disable_radix_cache=True,
+            attention_backend=args.attention_backend,
         )
         split, medians, profile = loop_split(engine, args.tokens)
         row = dict(
@@ -168,9 +176,12 @@ def main():
         "model": "tiny" if args.tiny else "smollm2-135m shape",
         "dtype": str(jnp.dtype(dtype)),
         "batch": 1,
-        "speculative": "EAGLE3 (3,1,4), random head",
+        "methods": args.methods,
+        "speculative": "EAGLE3 (3,1,4), random head" if "eagle3" in args.methods else None,
         "tokens": args.tokens,
         "layer_loop": check_layer_loop("auto"),
+        "attention_backend": args.attention_backend or "default",
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
     path = Results(args.out, args.name, settings).write(rows=rows)
     print(f"wrote {path}\n")

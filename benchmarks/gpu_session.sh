@@ -48,7 +48,7 @@ small_curve() {  # small_curve STEP NAME [SERVING_CURVE_ARGS...]: the SmolLM2 se
   # 8 prompts per unit of concurrency (a c64 run of 128 lasts 2 s), into serving_curve's NAME.json
   local name=$1 result=$2
   shift 2
-  step "$name" ${SMALL_LIMIT:-150} $PY -m benchmarks.serving_curve --server-args "$SHAPE_SMALL" --input-lens 128 \
+  step "$name" ${SMALL_LIMIT:-240} $PY -m benchmarks.serving_curve --server-args "$SHAPE_SMALL" --input-lens 128 \
     --concurrency 1,64 --prompts-per-c 8 --min-prompts 8 "$@" --out "$RESULTS" --name "$result"
 }
 
@@ -149,6 +149,16 @@ for s in "$@"; do
           --batches 1 --profile --verify-tokens 0 --tag small_splits_$v --out "$RESULTS"
         step decode_splits_$v 150 env "${env_splits[@]}" $PY -m benchmarks.bench_decode --quick --no-stacked \
           --batches 1 --profile --verify-tokens 0 --tag splits_$v --out "$RESULTS"
+      done ;;
+    launch_cmdbuf)
+      # The host's launch of SmolLM2's decode step on each attention backend, with XLA's command
+      # buffers (CUDA graphs) on and off: does a Mosaic GPU kernel split the step's graphs?
+      for b in pallas mosaic; do
+        for flags in on off; do
+          XLA_FLAGS="$([ $flags = off ] && echo --xla_gpu_enable_command_buffer=)" step launch_${b}_cmdbuf_$flags 150 \
+            $PY -m benchmarks.bench_host_launch --methods none --attention-backend $b --tokens 128 \
+            --name bench_host_launch_${b}_cmdbuf_$flags --out "$RESULTS/launch_cmdbuf"
+        done
       done ;;
     host_launch) step host_launch 180 $PY -m benchmarks.bench_host_launch --tokens 128 --name bench_host_launch_gpu --out "$RESULTS" ;;
     overlap) step overlap 140 $PY -m benchmarks.bench_overlap --batches 1 --out "$RESULTS" --name bench_overlap_bs1 ;;
@@ -323,10 +333,10 @@ for s in "$@"; do
       done ;;
     served_switches)
       # Kernel switches served side by side, each variant its own cold start (stored programs are
-      # keyed on the JSPEC_ variables): the SmolLM2 server with XLA's RoPE and K / V write, then
-      # the kernel; the 8B server with XLA's one-row dots, then the default (auto: its large
+      # keyed on the JSPEC_ variables): the SmolLM2 server with the RoPE and K / V write kernel,
+      # then XLA's ops (the kernel first: a fresh machine's first server starts slowest); the 8B server with XLA's one-row dots, then the default (auto: its large
       # weights' one-row products padded to two rows), at c 1 and 16.
-      for v in xla pallas; do
+      for v in pallas xla; do
         JSPEC_ROPE_KV=$v small_curve curve_small_rope_kv_$v serving_curve_smollm2_rope_kv_$v
       done
       for v in xla auto; do

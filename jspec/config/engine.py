@@ -100,7 +100,8 @@ class EngineConfig:
         "FP8 weights' matmul: xla (the upcast inside XLA's dot), pallas (the skinny GEMV upcasting in "
         "registers, for decode rows on one GPU; XLA's dot for the others), mosaic (the same on Mosaic GPU, "
         "upcasting in shared memory; per-tensor or per-channel weights), w8a8 (activations quantized "
-        "per token, XLA's FP8 x FP8 GEMM; per-tensor or per-channel weights), auto: xla (measured the fastest)",
+        "per token, XLA's FP8 x FP8 GEMM; per-tensor or per-channel weights), auto: pallas for one row of "
+        "a large weight, xla for the rest (each measured the fastest there)",
         choices=FP8_GEMM_BACKENDS,
         group="kernels",
     )

@@ -24,6 +24,9 @@ FP8_MAX = float(jnp.finfo(FP8).max)  # 448
 # The projections a decoder layer holds as [in, out] weights (an MoE layer's experts are not
 # among them).
 QUANTIZED_LEAVES = ("wqkv", "wo", "w_gate_up", "w_down")
+# Where auto sends a one-row product to the GEMV: an 8B-class projection, where the GEMV beats
+# XLA's dot at one row; a small model's run faster through XLA's dot at any row count.
+FP8_GEMV_MIN_WEIGHT_ELEMENTS = 1 << 23
 
 
 @jax.tree_util.register_dataclass
@@ -35,8 +38,9 @@ class Fp8Weight:
     last, so column operations (fusing, TP blocking, repeating KV heads) map over both alike.
 
     gemm (static) picks the matmul: "xla" (the upcast inside XLA's dot), "pallas" (the
-    skinny GEMV that upcasts in registers, for decode rows on one GPU) or "w8a8" (XLA's
-    FP8 x FP8 GEMM over activations quantized per token)."""
+    skinny GEMV that upcasts in registers, for decode rows on one GPU), "mosaic" (the Mosaic
+    GPU GEMV), "w8a8" (XLA's FP8 x FP8 GEMM over activations quantized per token) or "auto"
+    (the GEMV for one row of a large weight, XLA's dot for the rest)."""
 
     w: jax.Array
     scale: jax.Array
@@ -72,6 +76,9 @@ def is_fp8(w) -> bool:
 
 def fp8_dense_f32(x: jax.Array, w: Fp8Weight) -> jax.Array:
     """x [T, in] @ w ([in, out], or the TP layout [in, tp, n]) -> f32 [T, out...]."""
+    if w.gemm == "auto":
+        large = x.shape[0] == 1 and w.w.size >= FP8_GEMV_MIN_WEIGHT_ELEMENTS
+        w = dataclasses.replace(w, gemm="pallas" if large else "xla")
     if w.gemm == "pallas" and x.shape[0] <= MAX_ROWS and w.ndim == 2 and one_gpu() and gemv_takes(w):
         return skinny_matmul(x, w.w, scale=w.scale)
     if w.gemm == "mosaic" and w.ndim == 2 and one_gpu() and mosaic_gemv_takes(x, w):
@@ -164,13 +171,13 @@ def with_fp8_gemm(params, backend: str):
     """params with every FP8 weight's matmul path set: "xla", "pallas" (the Pallas GEMV, which
     upcasts in registers and reads each byte once, for decode rows on one GPU), "mosaic" (the
     Mosaic GPU GEMV, upcasting in shared memory; one scale row), "w8a8", or
-    "auto": XLA's dot, the fastest on the GPU at 16 rows and on small projections, and within a
-    few percent of the GEMV at one row on large ones (benchmarks/NOTES.md, bench_fp8)."""
+    "auto": the Pallas GEMV for a one-row product of a weight of at least
+    FP8_GEMV_MIN_WEIGHT_ELEMENTS (a few percent faster there), XLA's dot for every other
+    (the fastest at 16 rows and on small projections; benchmarks/NOTES.md, bench_fp8)."""
     if backend not in FP8_GEMM_BACKENDS:
         raise ValueError(f"unknown fp8_gemm_backend {backend!r}; choose one of {FP8_GEMM_BACKENDS}")
-    gemm = "xla" if backend == "auto" else backend
-    if gemm == "w8a8" and any(a.in_blocks > 1 for a in jax.tree.leaves(params, is_leaf=is_fp8) if is_fp8(a)):
+    if backend == "w8a8" and any(a.in_blocks > 1 for a in jax.tree.leaves(params, is_leaf=is_fp8) if is_fp8(a)):
         raise NotImplementedError("fp8_gemm_backend w8a8 takes per-tensor or per-channel FP8 weights, not block scales")
     return jax.tree.map(
-        lambda a: dataclasses.replace(a, gemm=gemm) if is_fp8(a) else a, params, is_leaf=lambda a: is_fp8(a)
+        lambda a: dataclasses.replace(a, gemm=backend) if is_fp8(a) else a, params, is_leaf=lambda a: is_fp8(a)
     )

@@ -256,3 +256,21 @@ def test_the_gemv_takes_power_of_two_scale_blocks_only():
     assert gemv_takes(Fp8Weight(w, jnp.ones((1, 32))))
     assert gemv_takes(Fp8Weight(w, jnp.ones((3, 32))))  # 128-row blocks
     assert not gemv_takes(Fp8Weight(w, jnp.ones((4, 32))))  # 96-row blocks: XLA's dot
+
+
+def test_auto_sends_one_row_of_a_large_weight_to_the_gemv_and_the_rest_to_xla(monkeypatch):
+    """--fp8-gemm-backend auto (the default) on one GPU: the Pallas GEMV for a one-row product of
+    a weight of at least FP8_GEMV_MIN_WEIGHT_ELEMENTS, XLA's dot for a smaller weight or more
+    rows (read off the lowered programs: a Pallas call is there or not)."""
+    from jspec.layers import quant
+
+    monkeypatch.setattr(quant, "one_gpu", lambda: True)
+    n = quant.FP8_GEMV_MIN_WEIGHT_ELEMENTS // 1024
+
+    def gemv(rows, out, backend="auto"):
+        x = jax.ShapeDtypeStruct((rows, 1024), BF16)
+        w = Fp8Weight(jax.ShapeDtypeStruct((1024, out), FP8), jax.ShapeDtypeStruct((1, out), jnp.float32), backend)
+        return "pallas_call" in str(jax.make_jaxpr(quant.fp8_dense_f32)(x, w))
+
+    assert gemv(1, n) and not gemv(1, n - 64) and not gemv(2, n)
+    assert not gemv(1, n, "xla") and gemv(4, 64, "pallas")
