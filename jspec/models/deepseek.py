@@ -213,12 +213,14 @@ def absorbed_attend(attend):
     return mla
 
 
-def decoder_layer(cfg: ModelConfig, lp, x, h, cos, sin, attend, caches):
-    """One DeepSeek layer on residual x with attention input h (normed): (x, caches)."""
+def decoder_layer(cfg: ModelConfig, lp, x, h, cos, sin, attend, caches, attention_backend: str | None = None):
+    """One DeepSeek layer on residual x with attention input h (normed): (x, caches).
+    attention_backend (the step's, where the caller has one) picks the add-and-norm's kernel family."""
     q_nope, q_rope, latent = mla_inputs(cfg, lp, h, cos, sin)
     attn, caches = attend(lp, q_nope, q_rope, latent, caches)
     # The o projection's float32 output is rounded by the add, with the norm in one call (layers/norm.py).
-    x, h2 = add_rms_norm(x, dense_f32(attn.reshape(x.shape[0], -1), lp["wo"]), lp["mlp_norm"], cfg.rms_norm_eps)
+    o = dense_f32(attn.reshape(x.shape[0], -1), lp["wo"])
+    x, h2 = add_rms_norm(x, o, lp["mlp_norm"], cfg.rms_norm_eps, attention_backend)
     return x + mlp(cfg, lp, h2).astype(x.dtype), caches
 
 
@@ -237,7 +239,8 @@ def forward(
         captured = store_capture(captured, capture_layers, layer, x)
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
         layer = jnp.int32(layer) if isinstance(layer, int) else layer
-        x, cache = decoder_layer(cfg, lp, x, h, cos, sin, paged_mla_attend(cfg, mode, batch, layer, mask), cache)
+        attend = paged_mla_attend(cfg, mode, batch, layer, mask)
+        x, cache = decoder_layer(cfg, lp, x, h, cos, sin, attend, cache, mode.backend)
         return x, cache, captured
 
     x, cache, captured = run_layers(params["layers"], body, (x, kv.k, captured))
