@@ -282,3 +282,14 @@ def test_bench_one_row_forms_agree(tmp_path):
     assert [r["form"] for r in rows] == ["xla", "xla_nk", "padded", "pallas_n32"]
     # The same chain each way: on the CPU every form's float32 sums agree to rounding.
     assert all(r["ms"] > 0 and r["max_abs_diff_vs_first"] < 1e-2 for r in rows)
+
+
+def test_bench_call_cost_rows_and_slopes(tmp_path):
+    run_script("bench_call_cost", "--out", str(tmp_path))
+    data = json.load(open(tmp_path / "bench_call_cost.json"))
+    # The Mosaic GPU kernel lowers only for a GPU: the CPU run leaves it out and says so.
+    assert data["settings"]["backends"] == ["xla", "pallas"]
+    for b in data["backends"]:
+        assert [r["calls"] for r in b["rows"]] == [1, 2]
+        assert all(r["dispatch_ms"] > 0 and r["program_ms"] > 0 for r in b["rows"])
+        assert b["host_us_per_call"] is not None and b["device_us_per_call"] is not None

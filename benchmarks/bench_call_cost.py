@@ -1,0 +1,120 @@
+"""What one kernel call costs the host, per Pallas backend: a program of N add-and-norm calls.
+
+The 8B server on the Mosaic GPU kernels spends ~1 ms more of host time launching each step
+than on the Triton-backend ones, with XLA's command buffers on or off (benchmarks/NOTES.md,
+bench_kernels_mgpu). This separates the kernel family from everything else in a step: one
+jitted program chains N calls of the same add-and-norm ([rows, width], bf16) on
+- xla: XLA's ops (kernels/rms_norm.add_rms_norm_ref),
+- pallas: the Triton-backend kernel (kernels/rms_norm.py),
+- mosaic: the Mosaic GPU kernel (kernels/rms_norm_mgpu.py),
+with its state donated as the engine's is, and times, for each N, the host's dispatch (the
+call's return, the device idle before it) and the device's time per program (back-to-back
+calls). The slope of dispatch time over N is the host's cost of one call of that family.
+
+    python -m benchmarks.bench_call_cost [--calls 1,16,64,128] [--width 4096] [--rows 1]
+        [--backends xla,pallas,mosaic] [--out DIR] [--tiny]
+
+--tiny: one and two calls, a 64-wide row (a CPU dry run: Pallas interpreted, Mosaic GPU
+skipped, there being no Mosaic lowering for the CPU outside its interpreter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import RESULTS_DIR, Results, int_list, median_ms, timed
+from jspec.kernels.rms_norm import add_rms_norm, add_rms_norm_ref
+from jspec.kernels.rms_norm_mgpu import add_rms_norm_mgpu
+
+EPS = 1e-6
+KERNELS = {
+    "xla": lambda x, y, w: add_rms_norm_ref(x, y, w, EPS),
+    "pallas": functools.partial(add_rms_norm, eps=EPS),
+    "mosaic": functools.partial(add_rms_norm_mgpu, eps=EPS),
+}
+
+
+def chain(kernel, calls: int):
+    """A donating program of `calls` add-and-norms, each fed the last one's outputs (so none
+    can be dropped or reordered), as a step feeds its layers."""
+
+    def program(x, y, w):
+        for _ in range(calls):
+            x, y = kernel(x, y, w)
+        return x, y
+
+    return jax.jit(program, donate_argnums=(0, 1))
+
+
+def measure(kernel, calls: int, rows: int, width: int) -> dict:
+    key = jax.random.split(jax.random.key(calls), 3)
+    state = {
+        "x": jax.random.normal(key[0], (rows, width), jnp.bfloat16),
+        "y": jax.random.normal(key[1], (rows, width), jnp.bfloat16),
+    }
+    w = jax.random.normal(key[2], (width,), jnp.bfloat16)
+    program = chain(kernel, calls)
+
+    def call():
+        state["x"], state["y"] = program(state["x"], state["y"], w)
+        return state["x"]
+
+    jax.block_until_ready(call())  # compiles
+    dispatch = median_ms(call, 50, lambda: jax.block_until_ready(state["x"]))
+    device = timed(call, 20, 5) * 1e3
+    return dict(calls=calls, dispatch_ms=dispatch, program_ms=device)
+
+
+def slope_us(rows: list[dict], key: str) -> float | None:
+    """Least-squares microseconds per call of `key` over the row counts."""
+    if len(rows) < 2:
+        return None
+    n = np.array([r["calls"] for r in rows], float)
+    t = np.array([r[key] for r in rows], float)
+    return float(np.polyfit(n, t, 1)[0]) * 1e3
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calls", type=int_list, default=[1, 16, 64, 128])
+    ap.add_argument("--width", type=int, default=4096)
+    ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--backends", default="xla,pallas,mosaic")
+    ap.add_argument("--out", default=RESULTS_DIR)
+    ap.add_argument("--tiny", action="store_true", help="a CPU dry run: 1 and 2 calls, 64 wide")
+    args = ap.parse_args()
+    calls, width = ([1, 2], 64) if args.tiny else (args.calls, args.width)
+    backends = args.backends.split(",")
+    if jax.default_backend() != "gpu":
+        backends = [b for b in backends if b != "mosaic"]
+    settings = dict(calls=calls, width=width, rows=args.rows, dtype="bfloat16", backends=backends)
+    results = Results(args.out, "bench_call_cost", settings)
+    table = []
+    for backend in backends:
+        rows = [measure(KERNELS[backend], n, args.rows, width) for n in calls]
+        table.append(
+            dict(
+                backend=backend,
+                rows=rows,
+                host_us_per_call=slope_us(rows, "dispatch_ms"),
+                device_us_per_call=slope_us(rows, "program_ms"),
+            )
+        )
+        path = results.write(backends=table)
+    print(f"\n{'backend':>8} {'calls':>6} {'dispatch ms':>12} {'program ms':>11}")
+    for b in table:
+        for r in b["rows"]:
+            print(f"{b['backend']:>8} {r['calls']:>6} {r['dispatch_ms']:>12.3f} {r['program_ms']:>11.3f}")
+    for b in table:
+        host, device = b["host_us_per_call"], b["device_us_per_call"]
+        print(f"{b['backend']}: host {host:.2f} us a call, device {device:.2f} us a call")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
