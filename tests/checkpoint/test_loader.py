@@ -252,6 +252,26 @@ def test_per_layer_random_params(tiny_dirs):
     assert 0.9 < norm.mean() < 1.1
 
 
+def test_a_large_models_random_weights_compile_one_draw_per_shape(tiny_dirs, monkeypatch):
+    """Past the flat-draw limit each tensor is drawn by a program of its shape alone, so a
+    model's layers share their compiled draws; the values are each tensor's own key's draw."""
+    from jspec.checkpoint import random_weights as rw
+
+    cfg, _ = load_model(tiny_dirs[("llama", False)], dtype=jnp.float32)
+    monkeypatch.setattr(rw, "_FLAT_DRAW_LIMIT", 0)
+    rw._draw_one.clear_cache()
+    shapes = param_shapes(cfg, per_layer=True)
+    params = rw.random_weights(shapes, jax.random.key(3), jnp.float32, std=0.02)
+    flat = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0]
+    distinct = {(shape, "norm" in jax.tree_util.keystr(path)) for path, shape in flat}
+    assert rw._draw_one._cache_size() == len(distinct) < len(flat)
+    keys = jax.random.split(jax.random.key(3), len(flat))
+    for (path, shape), key, got in zip(flat, keys, jax.tree.leaves(params)):
+        noise = np.asarray(jax.random.normal(key, (int(np.prod(shape)),), jnp.float32)).reshape(shape)
+        want = 1.0 + 0.1 * noise if "norm" in jax.tree_util.keystr(path) else 0.02 * noise
+        np.testing.assert_allclose(_np(got), want, rtol=1e-6, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+
+
 def test_init_random_params(tiny_dirs):
     cfg, loaded = load_model(tiny_dirs[("qwen2", False)], dtype=jnp.float32)
     params = init_random_params(cfg, jax.random.key(0), jnp.bfloat16)
