@@ -42,7 +42,9 @@ def random_weights(
         arrays = _draw_flat(leaves, scales, key, dtype)
     else:
         keys = jax.random.split(key, len(leaves))
-        arrays = [_draw_one(shape, std, "norm" in name, dtype, k) for (name, shape), std, k in zip(leaves, scales, keys)]
+        arrays = [
+            _draw_one(shape, std, "norm" in name, dtype, k) for (name, shape), std, k in zip(leaves, scales, keys)
+        ]
     return jax.tree.unflatten(treedef, arrays)
 
 
