@@ -63,7 +63,10 @@ for s in "$@"; do
     gpu_tests_engine) step gpu_tests_engine ${ENGINE_TESTS_LIMIT:-540} $PY -m benchmarks.gpu_tests --engine-only \
       ${ENGINE_SHARD:+--shard $ENGINE_SHARD} --limit-s $(( ${ENGINE_TESTS_LIMIT:-540} - 20 )) \
       --name gpu_tests_engine${ENGINE_SHARD:+_$(echo $ENGINE_SHARD | tr / of)} --out "$RESULTS" ;;
-    fp8) step fp8 ${FP8_LIMIT:-300} $PY -m benchmarks.bench_fp8 --out "$RESULTS" ;;
+    fp8) step fp8 ${FP8_LIMIT:-360} $PY -m benchmarks.bench_fp8 --batches ${FP8_BATCHES:-1,16,64} --out "$RESULTS" ;;
+    fp8_quality)
+      # FP8 quality on the demo SmolLM2's real weights (after `carry_demo_model.sh assemble`).
+      step fp8_quality 300 $PY -m benchmarks.fp8_quality --out "$RESULTS" ;;
     kernels) step kernels 120 $PY -m benchmarks.bench_kernels --quick --out "$RESULTS" ;;
     kernels_mgpu) step kernels_mgpu 300 $PY -m benchmarks.bench_kernels_mgpu --out "$RESULTS" ;;
     gemv)
