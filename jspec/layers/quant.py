@@ -25,7 +25,8 @@ FP8_MAX = float(jnp.finfo(FP8).max)  # 448
 # among them).
 QUANTIZED_LEAVES = ("wqkv", "wo", "w_gate_up", "w_down")
 # Where auto sends a one-row product to the GEMV: an 8B-class projection, where the GEMV beats
-# XLA's dot at one row; a small model's run faster through XLA's dot at any row count.
+# XLA's dot at one row; a small model's projections run faster through XLA's dot at any row
+# count.
 FP8_GEMV_MIN_WEIGHT_ELEMENTS = 1 << 23
 
 
