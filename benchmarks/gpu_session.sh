@@ -255,6 +255,15 @@ for s in "$@"; do
       for v in ${SPEC_VARIANTS:-default eagle3 ngram eagle3_adaptive}; do spec_args+=(--variant "$v=${spec[$v]}"); done
       step curve_8b_spec ${SPEC_LIMIT:-590} $PY -m benchmarks.serving_curve --server-args "$SHAPE_8B" --input-lens 128 \
         "${spec_args[@]}" ${CURVE_ARGS:-} --out "$RESULTS" --name serving_curve_8b_spec ;;
+    curve_8b_mosaic_norm)
+      # The 8B server on the Mosaic attention with its add-and-norm on Mosaic GPU (the default
+      # there) and on XLA's fusions: two Mosaic calls fewer a layer against a few microseconds of
+      # device time (bench_call_cost's question, served), each a cold start under its own key.
+      for v in mosaic xla; do
+        JSPEC_ADD_RMS_NORM=$v step curve_8b_mosaic_norm_$v 300 $PY -m benchmarks.serving_curve \
+          --server-args "$SHAPE_8B --attention-backend mosaic" --input-lens 128 --concurrency 1,64 \
+          --out "$RESULTS" --name serving_curve_8b_mosaic_norm_$v
+      done ;;
     curve_8b_mosaic)
       # The engine on the Mosaic GPU kernels beside the Triton ones: the default 8B server's curve
       # with and without --attention-backend mosaic (issue: the default is whichever is faster).
