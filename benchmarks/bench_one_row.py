@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import Results, random_params, shape, timed, tiny
+from benchmarks.common import RESULTS_DIR, Results, random_params, shape, timed, tiny
 from benchmarks.device_profile import print_summary, profile_calls
 from jspec.kernels.skinny_matmul import skinny_matmul
 from jspec.kernels.skinny_matmul_mgpu import mosaic_skinny_unsupported, skinny_matmul_mgpu
@@ -81,7 +81,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, help="default: the shape's")
     ap.add_argument("--forms", default=",".join(FORMS))
     ap.add_argument("--tiny", action="store_true", help="the CPU dry run: a shrunk shape, two layers")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default=RESULTS_DIR)
     args = ap.parse_args()
 
     cfg = tiny(shape(args.shape), num_layers=2) if args.tiny else shape(args.shape)
@@ -113,9 +113,9 @@ def main() -> None:
             row["profile"] = profile_calls(lambda: step(x, form_layers), calls=5)
             print_summary(form, row["profile"])
         rows.append(row)
-        results.write(rows=rows)
+        path = results.write(rows=rows)
         print({k: v for k, v in row.items() if k != "profile"})
-    print(f"\nwrote {results.write(rows=rows)}\n")
+    print(f"\nwrote {path}\n")
     print(f"{'form':>12} {'ms':>8} {'kernels':>8} {'busy us':>8} {'max diff':>9}")
     for r in rows:
         p = r.get("profile", {})
