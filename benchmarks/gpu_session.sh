@@ -348,6 +348,11 @@ for s in "$@"; do
       for v in xla xla_padded; do
         JSPEC_SKINNY_MATMUL=$v small_curve curve_small_$v serving_curve_smollm2_skinny_$v
       done ;;
+    served_rope_kv)
+      # The SmolLM2 pair of served_switches alone: the RoPE and K / V write kernel, then XLA's ops.
+      for v in pallas xla; do
+        JSPEC_ROPE_KV=$v small_curve curve_small_rope_kv_$v serving_curve_smollm2_rope_kv_$v
+      done ;;
     served_switches)
       # Kernel switches served side by side, each variant its own cold start (stored programs are
       # keyed on the JSPEC_ variables): the SmolLM2 server with the RoPE and K / V write kernel,
