@@ -34,6 +34,7 @@ import urllib.request
 
 from benchmarks.bench_serving import random_requests, run
 from benchmarks.common import Results, pyplot, run_label, save_png
+from jspec.engine.engine import TOKEN_GAP_BIN_MS
 
 LOOP_KEYS = (
     "iterations",
@@ -145,6 +146,34 @@ def loop_split(before: dict, after: dict) -> dict:
         "host_ms": 1e3 * host / n,
         "running_per_iteration": d["running_sum"] / n,
         "waiting_per_iteration": d["waiting_sum"] / n,
+        "token_gaps": token_gap_split(before.get("token_gaps"), after.get("token_gaps")),
+    }
+
+
+def histogram_percentile(counts: list[int], q: float) -> float | None:
+    """The q-th percentile of a TOKEN_GAP_BIN_MS histogram, as its bin's upper edge (ms)."""
+    total = sum(counts)
+    if total == 0:
+        return None
+    seen = 0
+    for i, c in enumerate(counts):
+        seen += c
+        if seen >= q / 100 * total:
+            return (i + 1) * TOKEN_GAP_BIN_MS
+    return len(counts) * TOKEN_GAP_BIN_MS
+
+
+def token_gap_split(before: dict | None, after: dict | None) -> dict | None:
+    """The engine's own inter-token gaps over one run (LoopTimes.token_gaps): count, p50 and p99
+    (ms) over all steps and by the kind of step that gave the later tokens, to set beside the
+    client's ITL (the difference is the stream's path from the loop to the client)."""
+    if before is None or after is None:
+        return None
+    kinds = {k: [a - b for a, b in zip(after[k], before[k])] for k in after}
+    kinds["all"] = [sum(col) for col in zip(*kinds.values())]
+    return {
+        k: {"count": sum(c), "p50_ms": histogram_percentile(c, 50), "p99_ms": histogram_percentile(c, 99)}
+        for k, c in kinds.items()
     }
 
 
@@ -231,6 +260,12 @@ def summary_line(r: dict) -> str:
         + (
             f"; CPU busy: HTTP loop {cpu['http_loop']:.2f}, engine loop {cpu['engine_loop']:.2f}, client {cpu['client']:.2f}"
             if (cpu := r.get("cpu_busy"))
+            else ""
+        )
+        + (
+            f"; engine gaps p50/p99 {g['all']['p50_ms']}/{g['all']['p99_ms']} ms"
+            + (f" (mixed steps' {g['mixed']['p99_ms']} ms, {g['mixed']['count']} gaps)" if g["mixed"]["count"] else "")
+            if (g := lp.get("token_gaps")) and g["all"]["count"]
             else ""
         )
         + (f"  accept {r['mean_accept_length']:.2f}" if r.get("mean_accept_length") else "")

@@ -86,6 +86,15 @@ class RequestOutput:
         )
 
 
+# The engine-side inter-token latency histogram: bins of this width, the last one open-ended.
+TOKEN_GAP_BIN_MS = 0.25
+TOKEN_GAP_BINS = 400
+
+
+def empty_token_gaps() -> dict[str, list[int]]:
+    return {"decode": [0] * TOKEN_GAP_BINS, "mixed": [0] * TOKEN_GAP_BINS}
+
+
 @dataclasses.dataclass
 class LoopTimes:
     """Where the loop's host time goes, summed over iterations (seconds).
@@ -107,6 +116,10 @@ class LoopTimes:
     # short because requests waited (admission) or because none had arrived (the frontend).
     running_sum: int = 0
     waiting_sum: int = 0
+    # Each request's gaps between consecutive token outputs as the loop processed them (its
+    # inter-token latency before the HTTP path), binned by the kind of step that gave the later
+    # tokens: whether a served ITL percentile comes from the steps or from the stream after them.
+    token_gaps: dict[str, list[int]] = dataclasses.field(default_factory=empty_token_gaps)
 
     @property
     def host_s(self) -> float:
@@ -494,12 +507,23 @@ class Engine:
                 now = time.perf_counter()
                 b = launched.batch
                 self.adaptive.observe(b.shape, b.reqs, host.accept_len, now - self._last_processed, b.drafting)
+        self._count_token_gaps(launched.batch, [r for r in touched if len(r.output) > before[id(r)][0]], t1)
         outputs = self.on_processed(launched, [self.output(r, *before[id(r)]) for r in touched])
         self._last_processed = time.perf_counter()
         times = self.loop_times
         times.wait_s += t1 - t0
         times.process_s += time.perf_counter() - t1 + (t0 - t_start)
         return outputs
+
+    def _count_token_gaps(self, batch, gained, now: float) -> None:
+        """Bins each request's time since its last tokens (none before its first token)."""
+        prefill = isinstance(batch, PrefillBatch) or (isinstance(batch, DPBatch) and batch.is_prefill)
+        bins = self.loop_times.token_gaps["mixed" if prefill else "decode"]
+        for r in gained:
+            if r.last_token_time is not None:
+                i = int((now - r.last_token_time) * 1e3 / TOKEN_GAP_BIN_MS)
+                bins[min(i, TOKEN_GAP_BINS - 1)] += 1
+            r.last_token_time = now
 
     @staticmethod
     def output(r, n_out: int, n_text: int, n_lp: int, n_top: int) -> RequestOutput:

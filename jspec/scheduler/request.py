@@ -59,6 +59,7 @@ class Request:
     spec_emitted: int = 0
     accept_alpha: float | None = None  # adaptive speculation's per-depth acceptance estimate
     retractions: int = 0
+    last_token_time: float | None = None  # perf_counter when the engine last gave it tokens
 
     @property
     def finished(self) -> bool:

@@ -78,6 +78,12 @@ def test_mixed_steps_give_the_tokens_of_prefills_alone(tiny, overlap):
     same_tokens(got, ref, len(reqs))
     # The decode rows ride along: fewer launches than prefills and decodes taken one at a time.
     assert mixed.num_steps < alone.num_steps
+    # Each token after a request's first is one gap in the loop's histogram, binned under the
+    # kind of step that gave it: only decode steps without mixing, some mixed steps with it.
+    for engine, outs in ((alone, ref), (mixed, got)):
+        gaps = engine.loop_times.token_gaps
+        assert sum(map(sum, gaps.values())) == sum(len(ids) - 1 for ids, _ in outs.values())
+    assert sum(alone.loop_times.token_gaps["mixed"]) == 0 < sum(mixed.loop_times.token_gaps["mixed"])
     if overlap:
         # Mixed steps cut to a cost bound: the step costs timed at warm-up (this machine's: the
         # bound itself is checked below on fixed costs), then the same tokens.

@@ -293,3 +293,19 @@ def test_bench_call_cost_rows_and_slopes(tmp_path):
         assert [r["calls"] for r in b["rows"]] == [1, 2]
         assert all(r["dispatch_ms"] > 0 and r["program_ms"] > 0 for r in b["rows"])
         assert b["host_us_per_call"] is not None and b["device_us_per_call"] is not None
+
+
+def test_serving_curve_reads_the_engines_token_gaps_over_one_run():
+    from benchmarks.serving_curve import histogram_percentile, token_gap_split
+    from jspec.engine.engine import TOKEN_GAP_BIN_MS, empty_token_gaps
+
+    before, after = empty_token_gaps(), empty_token_gaps()
+    before["decode"][3] = 5  # gaps from an earlier run: not this one's
+    after["decode"][3], after["decode"][30] = 5 + 98, 1
+    after["mixed"][60] = 1
+    gaps = token_gap_split(before, after)
+    assert gaps["decode"] == {"count": 99, "p50_ms": 4 * TOKEN_GAP_BIN_MS, "p99_ms": 31 * TOKEN_GAP_BIN_MS}
+    assert gaps["mixed"]["count"] == 1 and gaps["mixed"]["p99_ms"] == 61 * TOKEN_GAP_BIN_MS
+    # Over all 100 gaps the 99th is still the slow decode one, the mixed step's the 100th.
+    assert gaps["all"]["count"] == 100 and gaps["all"]["p99_ms"] == 31 * TOKEN_GAP_BIN_MS
+    assert histogram_percentile([0, 0], 99) is None and token_gap_split(None, after) is None
