@@ -1,4 +1,5 @@
-"""What one kernel call costs the host, per Pallas backend: a program of N add-and-norm calls.
+"""What one kernel call costs the host, per Pallas backend: a program of N add-and-norm (or
+paged decode) calls.
 
 The 8B server on the Mosaic GPU kernels spends ~1 ms more of host time launching each step
 than on the Triton-backend ones, with XLA's command buffers on or off (benchmarks/NOTES.md,
@@ -11,8 +12,15 @@ with its state donated as the engine's is, and times, for each N, the host's dis
 call's return, the device idle before it) and the device's time per program (back-to-back
 calls). The slope of dispatch time over N is the host's cost of one call of that family.
 
-    python -m benchmarks.bench_call_cost [--calls 1,16,64,128] [--width 4096] [--rows 1]
-        [--backends xla,pallas,mosaic] [--out DIR] [--tiny]
+--kernel paged_decode chains N calls of the paged decode attention instead, call i reading
+layer i of a KV pool of N layers (page 16, the 8B's heads: 32 query and 8 KV heads of 128,
+--rows sequences of --context tokens), each call's output the next one's query, the pool
+donated and returned as a step's is: the attention's calls carry the pool, the page table and
+the lengths, which an add-and-norm's do not (kernels/ref.py, paged_decode.py,
+paged_decode_mgpu.py).
+
+    python -m benchmarks.bench_call_cost [--kernel add_norm|paged_decode] [--calls 1,16,64,128]
+        [--width 4096] [--rows 1] [--context 512] [--backends xla,pallas,mosaic] [--out DIR] [--tiny]
 
 --tiny: one and two calls, a 64-wide row (a CPU dry run: Pallas interpreted, Mosaic GPU
 skipped, there being no Mosaic lowering for the CPU outside its interpreter).
@@ -28,6 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import RESULTS_DIR, Results, int_list, median_ms, timed
+from jspec.kernels.paged_decode import paged_decode
+from jspec.kernels.paged_decode_mgpu import paged_decode_mgpu
+from jspec.kernels.ref import paged_decode_ref
 from jspec.kernels.rms_norm import add_rms_norm, add_rms_norm_ref
 from jspec.kernels.rms_norm_mgpu import add_rms_norm_mgpu
 
@@ -37,6 +48,9 @@ KERNELS = {
     "pallas": functools.partial(add_rms_norm, eps=EPS),
     "mosaic": functools.partial(add_rms_norm_mgpu, eps=EPS),
 }
+
+DECODE_KERNELS = {"xla": paged_decode_ref, "pallas": paged_decode, "mosaic": paged_decode_mgpu}
+PAGE_SIZE, Q_HEADS, KV_HEADS, HEAD_DIM = 16, 32, 8, 128
 
 
 def chain(kernel, calls: int):
@@ -70,6 +84,36 @@ def measure(kernel, calls: int, rows: int, width: int) -> dict:
     return dict(calls=calls, dispatch_ms=dispatch, program_ms=device)
 
 
+def measure_decode(kernel, calls: int, rows: int, context: int) -> dict:
+    """measure's figures for a program of `calls` paged decodes, one a layer of the pool."""
+    pages = -(-context // PAGE_SIZE)
+    key = jax.random.split(jax.random.key(calls), 3)
+    shape = (calls, rows * pages, PAGE_SIZE, KV_HEADS, HEAD_DIM)
+    state = {
+        "q": jax.random.normal(key[0], (rows, Q_HEADS, HEAD_DIM), jnp.bfloat16),
+        "k": jax.random.normal(key[1], shape, jnp.bfloat16),
+        "v": jax.random.normal(key[2], shape, jnp.bfloat16),
+    }
+    seq_lens = jnp.full((rows,), context, jnp.int32)
+    tables = jnp.arange(rows * pages, dtype=jnp.int32).reshape(rows, pages)
+
+    def program(q, k, v, seq_lens, tables):
+        for layer in range(calls):
+            q = kernel(q, k, v, jnp.int32(layer), seq_lens, tables, sm_scale=HEAD_DIM**-0.5)
+        return q, k, v
+
+    step = jax.jit(program, donate_argnums=(0, 1, 2))
+
+    def call():
+        state["q"], state["k"], state["v"] = step(state["q"], state["k"], state["v"], seq_lens, tables)
+        return state["q"]
+
+    jax.block_until_ready(call())  # compiles
+    dispatch = median_ms(call, 50, lambda: jax.block_until_ready(state["q"]))
+    device = timed(call, 20, 5) * 1e3
+    return dict(calls=calls, dispatch_ms=dispatch, program_ms=device)
+
+
 def slope_us(rows: list[dict], key: str) -> float | None:
     """Least-squares microseconds per call of `key` over the row counts."""
     if len(rows) < 2:
@@ -81,22 +125,34 @@ def slope_us(rows: list[dict], key: str) -> float | None:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kernel", choices=["add_norm", "paged_decode"], default="add_norm")
     ap.add_argument("--calls", type=int_list, default=[1, 16, 64, 128])
     ap.add_argument("--width", type=int, default=4096)
     ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--context", type=int, default=512, help="paged_decode: tokens a sequence")
     ap.add_argument("--backends", default="xla,pallas,mosaic")
     ap.add_argument("--out", default=RESULTS_DIR)
     ap.add_argument("--tiny", action="store_true", help="a CPU dry run: 1 and 2 calls, 64 wide")
     args = ap.parse_args()
     calls, width = ([1, 2], 64) if args.tiny else (args.calls, args.width)
+    context = 32 if args.tiny else args.context
     backends = args.backends.split(",")
     if jax.default_backend() != "gpu":
         backends = [b for b in backends if b != "mosaic"]
-    settings = dict(calls=calls, width=width, rows=args.rows, dtype="bfloat16", backends=backends)
-    results = Results(args.out, "bench_call_cost", settings)
+    decode = args.kernel == "paged_decode"
+    settings = dict(kernel=args.kernel, calls=calls, rows=args.rows, dtype="bfloat16", backends=backends)
+    if decode:
+        settings |= dict(context=context, page_size=PAGE_SIZE, heads=[Q_HEADS, KV_HEADS, HEAD_DIM])
+    else:
+        settings |= dict(width=width)
+    name = "bench_call_cost" + ("_paged_decode" if decode else "")
+    results = Results(args.out, name, settings)
     table = []
     for backend in backends:
-        rows = [measure(KERNELS[backend], n, args.rows, width) for n in calls]
+        if decode:
+            rows = [measure_decode(DECODE_KERNELS[backend], n, args.rows, context) for n in calls]
+        else:
+            rows = [measure(KERNELS[backend], n, args.rows, width) for n in calls]
         table.append(
             dict(
                 backend=backend,

@@ -168,6 +168,9 @@ for s in "$@"; do
       # (benchmarks/bench_call_cost.py), 4,096 wide as the 8B's and 576 as SmolLM2's.
       step call_cost 150 $PY -m benchmarks.bench_call_cost --out "$RESULTS"
       step call_cost_small 150 $PY -m benchmarks.bench_call_cost --width 576 --out "$RESULTS/small" ;;
+    call_cost_decode)
+      # The same fit with the paged decode attention as the chained call (a pool of N layers).
+      step call_cost_decode 200 $PY -m benchmarks.bench_call_cost --kernel paged_decode --out "$RESULTS" ;;
     host_launch) step host_launch 180 $PY -m benchmarks.bench_host_launch --tokens 128 --name bench_host_launch_gpu --out "$RESULTS" ;;
     overlap) step overlap 140 $PY -m benchmarks.bench_overlap --batches 1 --out "$RESULTS" --name bench_overlap_bs1 ;;
     adaptive_costs)

@@ -295,6 +295,15 @@ def test_bench_call_cost_rows_and_slopes(tmp_path):
         assert b["host_us_per_call"] is not None and b["device_us_per_call"] is not None
 
 
+def test_bench_call_cost_chains_paged_decodes_over_a_pool_of_their_layers(tmp_path):
+    run_script("bench_call_cost", "--kernel", "paged_decode", "--out", str(tmp_path))
+    data = json.load(open(tmp_path / "bench_call_cost_paged_decode.json"))
+    assert data["settings"]["backends"] == ["xla", "pallas"] and data["settings"]["context"] == 32
+    for b in data["backends"]:
+        assert [r["calls"] for r in b["rows"]] == [1, 2]
+        assert all(r["dispatch_ms"] > 0 and r["program_ms"] > 0 for r in b["rows"])
+
+
 def test_serving_curve_reads_the_engines_token_gaps_over_one_run():
     from benchmarks.serving_curve import histogram_percentile, token_gap_split
     from jspec.engine.engine import TOKEN_GAP_BIN_MS, empty_token_gaps
