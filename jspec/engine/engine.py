@@ -125,6 +125,16 @@ class LoopTimes:
     def host_s(self) -> float:
         return self.schedule_s + self.launch_s + self.process_s
 
+    def count_token_gaps(self, prefill: bool, gained, now: float) -> None:
+        """Bins each request's time since its last tokens (none before its first token) under
+        the kind of step that gave them: a prefill step's are its decode rows' (mixed)."""
+        bins = self.token_gaps["mixed" if prefill else "decode"]
+        for r in gained:
+            if r.last_token_time is not None:
+                i = int((now - r.last_token_time) * 1e3 / TOKEN_GAP_BIN_MS)
+                bins[min(i, TOKEN_GAP_BINS - 1)] += 1
+            r.last_token_time = now
+
     def per_iteration_ms(self) -> dict:
         n = max(self.iterations, 1)
         return {
@@ -145,6 +155,11 @@ class Launched:
 
     batch: PrefillBatch | DecodeBatch | DPBatch
     outputs: object
+
+
+def is_prefill(batch) -> bool:
+    """Whether a launched batch prefills (its decode rows, if any, ride along: a mixed step)."""
+    return isinstance(batch, PrefillBatch) or (isinstance(batch, DPBatch) and batch.is_prefill)
 
 
 def mixed_step_slowdown(config: EngineConfig) -> float:
@@ -459,7 +474,7 @@ class Engine:
         out = self.worker.launch(batch)
         launched = Launched(batch, out)
         self.num_steps += 1
-        if isinstance(batch, PrefillBatch) or (isinstance(batch, DPBatch) and batch.is_prefill):
+        if is_prefill(batch):
             self.loop_times.prefill_steps += 1
             self.loop_times.mixed_steps += isinstance(batch, PrefillBatch) and batch.mixed
         else:
@@ -507,23 +522,14 @@ class Engine:
                 now = time.perf_counter()
                 b = launched.batch
                 self.adaptive.observe(b.shape, b.reqs, host.accept_len, now - self._last_processed, b.drafting)
-        self._count_token_gaps(launched.batch, [r for r in touched if len(r.output) > before[id(r)][0]], t1)
+        gained = [r for r in touched if len(r.output) > before[id(r)][0]]
+        self.loop_times.count_token_gaps(is_prefill(launched.batch), gained, t1)
         outputs = self.on_processed(launched, [self.output(r, *before[id(r)]) for r in touched])
         self._last_processed = time.perf_counter()
         times = self.loop_times
         times.wait_s += t1 - t0
         times.process_s += time.perf_counter() - t1 + (t0 - t_start)
         return outputs
-
-    def _count_token_gaps(self, batch, gained, now: float) -> None:
-        """Bins each request's time since its last tokens (none before its first token)."""
-        prefill = isinstance(batch, PrefillBatch) or (isinstance(batch, DPBatch) and batch.is_prefill)
-        bins = self.loop_times.token_gaps["mixed" if prefill else "decode"]
-        for r in gained:
-            if r.last_token_time is not None:
-                i = int((now - r.last_token_time) * 1e3 / TOKEN_GAP_BIN_MS)
-                bins[min(i, TOKEN_GAP_BINS - 1)] += 1
-            r.last_token_time = now
 
     @staticmethod
     def output(r, n_out: int, n_text: int, n_lp: int, n_top: int) -> RequestOutput:
