@@ -120,13 +120,15 @@ def prefill(dirs):
 @pytest.fixture(scope="module")
 def decode(dirs, spec, prefill):
     """Two request slots, so a third request's transfer has to wait for one; room on the device for
-    about two requests' arrived KV, so later ones wait on the host (both paths run)."""
+    about two requests' arrived KV, so later ones wait on the host (both paths run). A lone row
+    pads to two, as in the reference: one decode program per sampling mode, not two."""
     engine = DecodeEngine(
         dirs[0],
         speculative=spec,
         page_size=8,
         max_total_tokens=760,
         max_running_requests=2,
+        precompile_bs_paddings=[2],
         attention_backend="reference",
         prefill_addrs=[prefill.addr],
         transfer_stage_bytes=60_000,
@@ -143,6 +145,7 @@ def reference(dirs, spec):
         page_size=8,
         max_total_tokens=760,
         max_running_requests=2,
+        precompile_bs_paddings=[2],
         attention_backend="reference",
     )
     return engine.generate

@@ -51,8 +51,10 @@ def test_adaptive_speculation_measures_every_draft_shape(tiny, monkeypatch, capl
     monkeypatch.setattr(build_module, "device_memory_bytes", lambda: 2 * GiB)
     dcfg, draft = eagle_draft(tiny)
     spec = jspec.SpecConfig("EAGLE3", num_steps=3, eagle_topk=1, num_draft_tokens=4, adaptive=True)
+    # Four rows and 64-token chunks: the measured programs are the same kinds, smaller.
+    kw = dict(max_running_requests=4, chunked_prefill_size=64, attention_backend="reference")
     with caplog.at_level("INFO", logger="jspec"):
-        engine = jspec.Engine(tiny, speculative=spec, draft=(dcfg, draft), attention_backend="reference")
+        engine = jspec.Engine(tiny, speculative=spec, draft=(dcfg, draft), **kw)
     measured = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("programs measured"))
     B = engine.plan.max_running_requests
     assert all(f"decode B={B} greedy shape {s}:" in measured for s in range(1, engine.worker.num_shapes))

@@ -64,8 +64,14 @@ def prompts_of_lengths(lengths, seed=0):
 def test_paged_greedy_equals_dense_recompute(tiny_params, page_size, backend):
     prompts = prompts_of_lengths([1, 7, 16, 23])
     n_new = 9
+    # Every decode pads to 4 rows: at page size 1 the pool admits the prompts in waves, which
+    # would compile a 1-row program too.
     engine = jspec.Engine(
-        (TINY, tiny_params), page_size=page_size, max_total_tokens=63 * page_size, attention_backend=backend
+        (TINY, tiny_params),
+        page_size=page_size,
+        max_total_tokens=63 * page_size,
+        precompile_bs_paddings=[4],
+        attention_backend=backend,
     )
     outs = jspec.generate((TINY, tiny_params), prompts, max_new_tokens=n_new, engine=engine, ignore_eos=True)
     engine.check_idle_no_leaks()
@@ -80,7 +86,11 @@ def test_sliding_window_attends_past_the_window(tiny_params, page_size, backend)
     request gets all its tokens, equal to a dense recompute that windows the first layer."""
     m = (TINY_WINDOW, tiny_params)
     prompts = prompts_of_lengths([5, 17], seed=4)
-    engine = jspec.Engine(m, page_size=page_size, chunked_prefill_size=8, attention_backend=backend)
+    # The first request decodes alone while the second prefills chunk by chunk: padding it to two
+    # rows keeps one decode program.
+    engine = jspec.Engine(
+        m, page_size=page_size, chunked_prefill_size=8, precompile_bs_paddings=[2], attention_backend=backend
+    )
     outs = jspec.generate(m, prompts, max_new_tokens=12, engine=engine, ignore_eos=True)
     engine.check_idle_no_leaks()
     for p, o in zip(prompts, outs):

@@ -92,7 +92,9 @@ def test_fp8_kv_cache_uses_the_checkpoint_scales(fp8_checkpoints):
     prompt = [list(range(3, 40))]
     out = {}
     for kv in ("auto", "fp8_e4m3"):
-        engine = jspec.Engine((cfg, params), **ENGINE, kv_cache_dtype=kv)
+        # One 64-token chunk holds the prompt: a request's first prompt logprobs compile the
+        # prompt-logprob prefill of every token bucket, two here instead of four.
+        engine = jspec.Engine((cfg, params), **ENGINE, kv_cache_dtype=kv, chunked_prefill_size=64)
         sp = jspec.SamplingParams(max_new_tokens=4, ignore_eos=True, logprob_start_len=0, return_logprob=True)
         (o,) = engine.generate(prompt, sp)
         out[kv] = (np.array(o.input_logprobs[1:], np.float64), engine.worker.state.target_kv.k)

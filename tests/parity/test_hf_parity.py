@@ -60,10 +60,13 @@ def test_logits_match_transformers(hf_references, variant):
     alloc = PageAllocator(48)
     kv = create_kv_pool(cfg, 48, PAGE_SIZE, jnp.float32)
     pages = [alloc.alloc(-(-(len(p) + DECODE_STEPS + 1) // PAGE_SIZE)) for p in prompts]
+    # Every batch's page table as wide as the longest sequence gets: the decode steps then share
+    # one program instead of compiling another each time the table outgrows a power of two.
+    width = max(map(len, pages))
 
     # Prefill both prompts in one ragged batch, logits at every position.
     batch, mode = build_forward_batch(
-        [SeqChunk(p, 0, pg) for p, pg in zip(prompts, pages)], page_size=PAGE_SIZE, num_pages=48
+        [SeqChunk(p, 0, pg) for p, pg in zip(prompts, pages)], page_size=PAGE_SIZE, num_pages=48, min_pages=width
     )
     T = batch.tokens.shape[0]
     batch = batch._replace(logits_indices=np.arange(T, dtype=np.int32))
@@ -76,7 +79,7 @@ def test_logits_match_transformers(hf_references, variant):
     # Decode HF's own greedy tokens one at a time through the paged cache.
     for step in range(DECODE_STEPS):
         chunks = [SeqChunk([int(ref["generated"][i][step])], len(p) + step, pages[i]) for i, p in enumerate(prompts)]
-        batch, mode = build_forward_batch(chunks, page_size=PAGE_SIZE, num_pages=48)
+        batch, mode = build_forward_batch(chunks, page_size=PAGE_SIZE, num_pages=48, min_pages=width)
         kv, out = forward_logits(params, kv, batch, cfg=cfg, mode=mode._replace(backend=backend))
         for i in range(len(prompts)):
             got = np.asarray(out.logits[i])
