@@ -65,6 +65,15 @@ def chain(kernel, calls: int):
     return jax.jit(program, donate_argnums=(0, 1))
 
 
+def time_chain(calls: int, call, ready) -> dict:
+    """The host's dispatch (the call's return, the device idle before it) and the device's time
+    per program of `call`, a donating chain of `calls` kernel calls; `ready` waits for its output."""
+    jax.block_until_ready(call())  # compiles
+    dispatch = median_ms(call, 50, ready)
+    device = timed(call, 20, 5) * 1e3
+    return dict(calls=calls, dispatch_ms=dispatch, program_ms=device)
+
+
 def measure(kernel, calls: int, rows: int, width: int) -> dict:
     key = jax.random.split(jax.random.key(calls), 3)
     state = {
@@ -78,10 +87,7 @@ def measure(kernel, calls: int, rows: int, width: int) -> dict:
         state["x"], state["y"] = program(state["x"], state["y"], w)
         return state["x"]
 
-    jax.block_until_ready(call())  # compiles
-    dispatch = median_ms(call, 50, lambda: jax.block_until_ready(state["x"]))
-    device = timed(call, 20, 5) * 1e3
-    return dict(calls=calls, dispatch_ms=dispatch, program_ms=device)
+    return time_chain(calls, call, lambda: jax.block_until_ready(state["x"]))
 
 
 def measure_decode(kernel, calls: int, rows: int, context: int) -> dict:
@@ -108,10 +114,7 @@ def measure_decode(kernel, calls: int, rows: int, context: int) -> dict:
         state["q"], state["k"], state["v"] = step(state["q"], state["k"], state["v"], seq_lens, tables)
         return state["q"]
 
-    jax.block_until_ready(call())  # compiles
-    dispatch = median_ms(call, 50, lambda: jax.block_until_ready(state["q"]))
-    device = timed(call, 20, 5) * 1e3
-    return dict(calls=calls, dispatch_ms=dispatch, program_ms=device)
+    return time_chain(calls, call, lambda: jax.block_until_ready(state["q"]))
 
 
 def slope_us(rows: list[dict], key: str) -> float | None:

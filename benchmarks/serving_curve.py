@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
+import itertools
 import json
 import os
 import shlex
@@ -152,15 +154,10 @@ def loop_split(before: dict, after: dict) -> dict:
 
 def histogram_percentile(counts: list[int], q: float) -> float | None:
     """The q-th percentile of a TOKEN_GAP_BIN_MS histogram, as its bin's upper edge (ms)."""
-    total = sum(counts)
-    if total == 0:
+    seen = list(itertools.accumulate(counts))
+    if not seen or seen[-1] == 0:
         return None
-    seen = 0
-    for i, c in enumerate(counts):
-        seen += c
-        if seen >= q / 100 * total:
-            return (i + 1) * TOKEN_GAP_BIN_MS
-    return len(counts) * TOKEN_GAP_BIN_MS
+    return (bisect.bisect_left(seen, q / 100 * seen[-1]) + 1) * TOKEN_GAP_BIN_MS
 
 
 def token_gap_split(before: dict | None, after: dict | None) -> dict | None:
