@@ -98,7 +98,7 @@ for s in "$@"; do
     # no chat answer holds, is the block's mask), then each method on the same held-out prompts.
     eagle_smollm2)
       step eagle_smollm2 590 $PY scripts/train_eagle.py --out .demo_stash/eagle3-smol \
-        --save-examples .demo_stash/answers.npz --sampled-answers 7 --max-new-tokens 192 --steps 6000 \
+        --save-examples .demo_stash/answers.npz --sampled-answers 7 --max-new-tokens 192 --steps ${EAGLE_STEPS:-6000} \
         --batch-size 32 --max-running-requests 256 --eval-spec-prompts 16 --results "$RESULTS/train_eagle3_smollm2.json" ;;
     dflash_smollm2)
       step dflash_smollm2 590 $PY scripts/train_dflash.py --out .demo_stash/dflash-smol --mask-token-id 16 \
