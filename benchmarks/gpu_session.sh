@@ -290,7 +290,7 @@ for s in "$@"; do
       shape=$SHAPE_SMALL; [ $s = curve_8b_variants ] && shape=$SHAPE_8B
       declare -A flags=([default]="" [in_thread]="--engine-in-thread" \
         [unrolled_stack]="--layer-loop unrolled_stack" [chunk256]="--chunked-prefill-size 256" \
-        [unbounded]="--mixed-chunk-slowdown 0" [slowdown1_5]="--mixed-chunk-slowdown 1.5" [slowdown1_75]="--mixed-chunk-slowdown 1.75" [slowdown3]="--mixed-chunk-slowdown 3" \
+        [unbounded]="--mixed-chunk-slowdown 0" [slowdown1_5]="--mixed-chunk-slowdown 1.5" [slowdown1_75]="--mixed-chunk-slowdown 1.75" [slowdown2]="--mixed-chunk-slowdown 2" [slowdown3]="--mixed-chunk-slowdown 3" \
         [stream4]="--stream-interval 4")
       variant_args=()
       for v in ${HOST_VARIANTS:-default in_thread chunk256}; do

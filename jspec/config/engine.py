@@ -69,7 +69,7 @@ class EngineConfig:
         None,
         "a step that prefills while running requests decode may cost at most this many times their decode "
         "step (its prompt tokens are cut to fit, from step costs timed at warm-up): their inter-token latency "
-        "bound; 0: only --chunked-prefill-size bounds it; default: 2 on an accelerator, 0 without one",
+        "bound; 0: only --chunked-prefill-size bounds it; default: 1.8 on an accelerator, 0 without one",
         group="memory",
     )
     disable_radix_cache: bool = setting(False, "no prefix cache", group="memory")

@@ -6,7 +6,8 @@ kernels/rms_norm.py (Pallas over Triton); `JSPEC_ADD_RMS_NORM=xla` keeps XLA's o
 runs kernels/rms_norm_mgpu.py (Pallas over Mosaic GPU) where it covers the width and the
 Triton-backend kernel elsewhere (read when a step is traced, so set per process). Under a mesh
 XLA's ops stay: a Pallas call does not partition. Off the GPU the reference runs (the kernel
-would be interpreted).
+would be interpreted). Pallas cannot differentiate a kernel that reads its program id, so the
+trainers' gradients through a kernel's add-and-norm are the reference's.
 """
 
 from __future__ import annotations
@@ -46,9 +47,27 @@ def add_rms_norm(
     if backend == "mosaic":
         feature = mosaic_add_rms_norm_unsupported(x.shape[1], x.dtype, y.dtype, weight.dtype)
         if feature is None:
-            return add_rms_norm_mgpu(x, y, weight, eps=eps)
+            return with_reference_vjp(add_rms_norm_mgpu, x, y, weight, eps)
         _log_triton_fallback(feature)
-    return add_rms_norm_kernel(x, y, weight, eps=eps)
+    return with_reference_vjp(add_rms_norm_kernel, x, y, weight, eps)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4))
+def with_reference_vjp(kernel, x, y, weight, eps):
+    """kernel(x, y, weight, eps=eps), differentiated as add_rms_norm_ref."""
+    return kernel(x, y, weight, eps=eps)
+
+
+def _kernel_forward(kernel, x, y, weight, eps):
+    return kernel(x, y, weight, eps=eps), (x, y, weight)
+
+
+def _reference_backward(kernel, eps, inputs, cotangents):
+    _, vjp = jax.vjp(lambda x, y, w: add_rms_norm_ref(x, y, w, eps), *inputs)
+    return vjp(cotangents)
+
+
+with_reference_vjp.defvjp(_kernel_forward, _reference_backward)
 
 
 @functools.cache

@@ -111,6 +111,28 @@ def test_unset_the_kernel_follows_the_attention_backend(monkeypatch):
     assert norm.add_rms_norm_backend("mosaic") == "pallas"
 
 
+def test_the_kernel_trains_with_the_references_gradient():
+    """The trainers differentiate the draft layers (vmapped over the batch) through the GPU's
+    kernel: Pallas alone cannot (its JVP rule fails on the program id), so the kernel's
+    gradient is the reference's, here with the kernel interpreted on the CPU."""
+    x, y, weight = operands(3, 96, jnp.float32)
+
+    def loss(add_norm, x, y, w):
+        s, normed = add_norm(x, y, w)
+        return (normed * normed).sum() + 0.5 * s.sum()
+
+    kernel = lambda x, y, w: norm.with_reference_vjp(add_rms_norm, x, y, w, 1e-6)  # noqa: E731
+    reference = lambda x, y, w: add_rms_norm_ref(x, y, w, 1e-6)  # noqa: E731
+    batched = jnp.stack([x, 2 * x])
+    got = jax.vmap(jax.grad(functools.partial(loss, kernel), argnums=(0, 1, 2)), (0, None, None))(batched, y, weight)
+    want = jax.vmap(jax.grad(functools.partial(loss, reference), argnums=(0, 1, 2)), (0, None, None))(
+        batched, y, weight
+    )
+    exact = tolerance(jnp.float32, dots="exact")  # the backward is the reference's: no dots in it
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=exact.rtol, atol=exact.atol)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_the_forward_on_the_kernel_gives_the_references_logits(monkeypatch, dtype):
     """A Llama-family prefill with every add-and-norm on the kernel against the same with XLA's
