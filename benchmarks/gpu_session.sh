@@ -92,6 +92,9 @@ for s in "$@"; do
     mla) step mla ${MLA_LIMIT:-180} $PY -m benchmarks.bench_mla --out "$RESULTS" ;;
     nextn) step nextn 200 $PY -m benchmarks.bench_nextn --layers 4 --out "$RESULTS" ;;
     dflash_cost) step dflash_cost 150 $PY -m benchmarks.bench_dflash --draft-layers 5 --out "$RESULTS" ;;
+    # The SmolLM2 shape (the served drafter's: 2 layers), each block's B=1 step traced: where a
+    # block of 16 costs more than one of 8 on a launch-bound model.
+    dflash_cost_small) step dflash_cost_small 150 $PY -m benchmarks.bench_dflash --small --draft-layers 2 --profile --out "$RESULTS" ;;
     # DFLASH on real weights, one call each on a warm machine after `carry_demo_model.sh assemble`
     # (the demo SmolLM2 here; .demo_stash survives between calls): the retrained EAGLE-3 head and
     # its answers, the DFlash drafter on the same answers (<empty_output>, id 16, a special token
@@ -103,7 +106,7 @@ for s in "$@"; do
     dflash_smollm2)
       step dflash_smollm2 590 $PY scripts/train_dflash.py --out .demo_stash/dflash-smol --mask-token-id 16 \
         --examples .demo_stash/answers.npz --max-new-tokens 192 --seq-len 256 --steps ${DFLASH_STEPS:-4000} \
-        --batch-size 32 --block-size 16 --num-draft-layers 2 --anchors 16 --results "$RESULTS/train_dflash_smollm2.json" ;;
+        --batch-size 32 --block-size 16 --num-draft-layers ${DFLASH_LAYERS:-2} --anchors 16 --results "$RESULTS/train_dflash_smollm2.json" ;;
     spec_real_dflash|spec_real_eagle3|spec_real_ngram)
       case $s in
         spec_real_dflash) alg=(--algorithm DFLASH --draft-model-path .demo_stash/dflash-smol --configs 15/1/16,7/1/8) ;;
@@ -113,11 +116,13 @@ for s in "$@"; do
       step "$s" 590 $PY -m benchmarks.bench_spec_real "${alg[@]}" --batches 1,16,64 --num-prompts 64 \
         --max-new-tokens 128 --name "bench_spec_real_smollm2_${s#spec_real_}" --out "$RESULTS" ;;
     curve_smollm2_spec)
-      # The same three through the server, held-out chat prompts, c 1 / 16 / 64.
+      # The same three through the server (DFLASH with its whole block and with 8), held-out chat
+      # prompts, c 1 / 16 / 64.
       demo=$($PY -c "from jspec.checkpoint.demo import demo_model_path; print(demo_model_path())")
       step curve_smollm2_spec 590 $PY -m benchmarks.serving_curve --server-args "--model-path $demo" --prompts heldout \
         --concurrency 1,16,64 --output-len 128 --min-prompts 32 --variant default= \
         --variant "dflash=--speculative-algorithm DFLASH --speculative-draft-model-path .demo_stash/dflash-smol" \
+        --variant "dflash8=--speculative-algorithm DFLASH --speculative-draft-model-path .demo_stash/dflash-smol --speculative-num-steps 7 --speculative-eagle-topk 1 --speculative-num-draft-tokens 8" \
         --variant "eagle3=--speculative-algorithm EAGLE3 --speculative-draft-model-path .demo_stash/eagle3-smol --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4" \
         --variant "ngram=--speculative-algorithm NGRAM" --run-timeout 120 --out "$RESULTS" --name serving_curve_smollm2_spec ;;
     add_norm)

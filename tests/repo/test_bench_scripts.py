@@ -318,3 +318,23 @@ def test_serving_curve_reads_the_engines_token_gaps_over_one_run():
     # Over all 100 gaps the 99th is still the slow decode one, the mixed step's the 100th.
     assert gaps["all"]["count"] == 100 and gaps["all"]["p99_ms"] == 31 * TOKEN_GAP_BIN_MS
     assert histogram_percentile([0, 0], 99) is None and token_gap_split(None, after) is None
+
+
+def test_bench_dflash_small_writes_every_shape_and_its_b1_profile(tmp_path):
+    """The SmolLM2-shape run of bench_dflash: each block's cost per bucket beside the plain
+    step's, and the B=1 trace of each (empty of kernels off the GPU, but named)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_dflash", "--small", "--dry-run", "--draft-layers", "1"]
+        + ["--repeats", "1", "--profile", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    data = json.load(open(tmp_path / "bench_dflash_small.json"))
+    assert data["settings"]["shape"] == "smollm2-135m"
+    buckets = set(data["plain_s"])
+    assert set(data["dflash_s"]) == {"15 1 16", "7 1 8", "0 1 1"}
+    assert all(set(row) == buckets for row in data["dflash_s"].values())
+    assert set(data["profile_b1"]) == {"plain", "DFLASH 15 1 16", "DFLASH 7 1 8", "DFLASH 0 1 1"}
