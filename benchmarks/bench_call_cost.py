@@ -20,7 +20,13 @@ the lengths, which an add-and-norm's do not (kernels/ref.py, paged_decode.py,
 paged_decode_mgpu.py).
 
     python -m benchmarks.bench_call_cost [--kernel add_norm|paged_decode] [--calls 1,16,64,128]
-        [--width 4096] [--rows 1] [--context 512] [--backends xla,pallas,mosaic] [--out DIR] [--tiny]
+        [--width 4096] [--rows 1] [--context 512] [--backends xla,pallas,mosaic] [--moving] [--out DIR] [--tiny]
+
+--moving: one operand every call reads (the add-and-norm's weight, the decode's lengths) comes
+back from each program as a new buffer and goes into the next, so its address changes every
+call, as a step's carry does between steps. XLA then updates its command buffers before each
+launch: a kernel node has its pointers swapped, a custom call (Mosaic GPU's) is captured again.
+Written to NAME_moving.json.
 
 --tiny: one and two calls, a 64-wide row (a CPU dry run: Pallas interpreted, Mosaic GPU
 skipped, there being no Mosaic lowering for the CPU outside its interpreter).
@@ -55,12 +61,13 @@ PAGE_SIZE, Q_HEADS, KV_HEADS, HEAD_DIM = 16, 32, 8, 128
 
 def chain(kernel, calls: int):
     """A donating program of `calls` add-and-norms, each fed the last one's outputs (so none
-    can be dropped or reordered), as a step feeds its layers."""
+    can be dropped or reordered), as a step feeds its layers; it also returns the weight, as a
+    new buffer (an output never aliases an argument that is not donated)."""
 
     def program(x, y, w):
         for _ in range(calls):
             x, y = kernel(x, y, w)
-        return x, y
+        return x, y, w
 
     return jax.jit(program, donate_argnums=(0, 1))
 
@@ -74,23 +81,25 @@ def time_chain(calls: int, call, ready) -> dict:
     return dict(calls=calls, dispatch_ms=dispatch, program_ms=device)
 
 
-def measure(kernel, calls: int, rows: int, width: int) -> dict:
+def measure(kernel, calls: int, rows: int, width: int, moving: bool) -> dict:
     key = jax.random.split(jax.random.key(calls), 3)
     state = {
         "x": jax.random.normal(key[0], (rows, width), jnp.bfloat16),
         "y": jax.random.normal(key[1], (rows, width), jnp.bfloat16),
     }
-    w = jax.random.normal(key[2], (width,), jnp.bfloat16)
+    state["w"] = jax.random.normal(key[2], (width,), jnp.bfloat16)
     program = chain(kernel, calls)
 
     def call():
-        state["x"], state["y"] = program(state["x"], state["y"], w)
+        state["x"], state["y"], w = program(state["x"], state["y"], state["w"])
+        if moving:
+            state["w"] = w
         return state["x"]
 
     return time_chain(calls, call, lambda: jax.block_until_ready(state["x"]))
 
 
-def measure_decode(kernel, calls: int, rows: int, context: int) -> dict:
+def measure_decode(kernel, calls: int, rows: int, context: int, moving: bool) -> dict:
     """measure's figures for a program of `calls` paged decodes, one a layer of the pool."""
     pages = -(-context // PAGE_SIZE)
     key = jax.random.split(jax.random.key(calls), 3)
@@ -100,18 +109,22 @@ def measure_decode(kernel, calls: int, rows: int, context: int) -> dict:
         "k": jax.random.normal(key[1], shape, jnp.bfloat16),
         "v": jax.random.normal(key[2], shape, jnp.bfloat16),
     }
-    seq_lens = jnp.full((rows,), context, jnp.int32)
+    state["seq_lens"] = jnp.full((rows,), context, jnp.int32)
     tables = jnp.arange(rows * pages, dtype=jnp.int32).reshape(rows, pages)
 
     def program(q, k, v, seq_lens, tables):
         for layer in range(calls):
             q = kernel(q, k, v, jnp.int32(layer), seq_lens, tables, sm_scale=HEAD_DIM**-0.5)
-        return q, k, v
+        return q, k, v, seq_lens
 
     step = jax.jit(program, donate_argnums=(0, 1, 2))
 
     def call():
-        state["q"], state["k"], state["v"] = step(state["q"], state["k"], state["v"], seq_lens, tables)
+        state["q"], state["k"], state["v"], seq_lens = step(
+            state["q"], state["k"], state["v"], state["seq_lens"], tables
+        )
+        if moving:
+            state["seq_lens"] = seq_lens
         return state["q"]
 
     return time_chain(calls, call, lambda: jax.block_until_ready(state["q"]))
@@ -135,6 +148,7 @@ def main():
     ap.add_argument("--context", type=int, default=512, help="paged_decode: tokens a sequence")
     ap.add_argument("--backends", default="xla,pallas,mosaic")
     ap.add_argument("--out", default=RESULTS_DIR)
+    ap.add_argument("--moving", action="store_true", help="an operand of every call at a new address each call")
     ap.add_argument("--tiny", action="store_true", help="a CPU dry run: 1 and 2 calls, 64 wide")
     args = ap.parse_args()
     calls, width = ([1, 2], 64) if args.tiny else (args.calls, args.width)
@@ -143,19 +157,21 @@ def main():
     if jax.default_backend() != "gpu":
         backends = [b for b in backends if b != "mosaic"]
     decode = args.kernel == "paged_decode"
-    settings = dict(kernel=args.kernel, calls=calls, rows=args.rows, dtype="bfloat16", backends=backends)
+    settings = dict(
+        kernel=args.kernel, calls=calls, rows=args.rows, dtype="bfloat16", backends=backends, moving=args.moving
+    )
     if decode:
         settings |= dict(context=context, page_size=PAGE_SIZE, heads=[Q_HEADS, KV_HEADS, HEAD_DIM])
     else:
         settings |= dict(width=width)
-    name = "bench_call_cost" + ("_paged_decode" if decode else "")
+    name = "bench_call_cost" + ("_paged_decode" if decode else "") + ("_moving" if args.moving else "")
     results = Results(args.out, name, settings)
     table = []
     for backend in backends:
         if decode:
-            rows = [measure_decode(DECODE_KERNELS[backend], n, args.rows, context) for n in calls]
+            rows = [measure_decode(DECODE_KERNELS[backend], n, args.rows, context, args.moving) for n in calls]
         else:
-            rows = [measure(KERNELS[backend], n, args.rows, width) for n in calls]
+            rows = [measure(KERNELS[backend], n, args.rows, width, args.moving) for n in calls]
         table.append(
             dict(
                 backend=backend,

@@ -173,6 +173,12 @@ for s in "$@"; do
       # (benchmarks/bench_call_cost.py), 4,096 wide as the 8B's and 576 as SmolLM2's.
       step call_cost 150 $PY -m benchmarks.bench_call_cost --out "$RESULTS"
       step call_cost_small 150 $PY -m benchmarks.bench_call_cost --width 576 --out "$RESULTS/small" ;;
+    call_cost_moving)
+      # Both chains with an operand at a new address every call, as a step's carry moves
+      # between steps: XLA updates its command buffers each launch (a Mosaic call is captured
+      # again, a Triton kernel node has its pointers swapped).
+      step call_cost_moving 200 $PY -m benchmarks.bench_call_cost --moving --out "$RESULTS"
+      step call_cost_decode_moving 200 $PY -m benchmarks.bench_call_cost --kernel paged_decode --moving --out "$RESULTS" ;;
     call_cost_decode)
       # The same fit with the paged decode attention as the chained call (a pool of N layers).
       step call_cost_decode 200 $PY -m benchmarks.bench_call_cost --kernel paged_decode --out "$RESULTS" ;;

@@ -296,9 +296,11 @@ def test_bench_call_cost_rows_and_slopes(tmp_path):
 
 
 def test_bench_call_cost_chains_paged_decodes_over_a_pool_of_their_layers(tmp_path):
-    run_script("bench_call_cost", "--kernel", "paged_decode", "--out", str(tmp_path))
-    data = json.load(open(tmp_path / "bench_call_cost_paged_decode.json"))
+    """With --moving: the lengths every call reads come back as a new buffer each program."""
+    run_script("bench_call_cost", "--kernel", "paged_decode", "--moving", "--out", str(tmp_path))
+    data = json.load(open(tmp_path / "bench_call_cost_paged_decode_moving.json"))
     assert data["settings"]["backends"] == ["xla", "pallas"] and data["settings"]["context"] == 32
+    assert data["settings"]["moving"] is True
     for b in data["backends"]:
         assert [r["calls"] for r in b["rows"]] == [1, 2]
         assert all(r["dispatch_ms"] > 0 and r["program_ms"] > 0 for r in b["rows"])
