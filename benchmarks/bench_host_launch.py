@@ -7,10 +7,13 @@ with a random head:
 - the same dispatch for a trivial program with the step's argument tree (what the call
   mechanism alone costs for these leaves);
 - inside the overlap loop: the engine's schedule / launch / process / wait split per iteration;
-- a cProfile of the loop's launches: where the launch's host time goes.
+- a cProfile of the loop's launches: where the launch's host time goes;
+- --trace: the same loop under JAX's profiler, the host's self time per XLA runtime event (the
+  executable's launch, its thunks, command-buffer updates) and the device's kernels, per
+  iteration: where the launch goes below the Python call (benchmarks/device_profile.py).
 
     python -m benchmarks.bench_host_launch [--out benchmarks/results] [--tiny] [--methods none,eagle3]
-        [--attention-backend pallas|mosaic]
+        [--attention-backend pallas|mosaic] [--trace]
 
 The settings record XLA_FLAGS: run it once with `--xla_gpu_enable_command_buffer=` to see what
 XLA's command buffers (CUDA graphs) save the launch, per attention backend.
@@ -40,6 +43,7 @@ from benchmarks.common import (
     median_ms,
     random_params,
 )
+from benchmarks.device_profile import _device_kernel_events, host_self_times, summarise, trace_calls
 from jspec.checkpoint.eagle import init_random_draft_params
 from jspec.engine.engine import LoopTimes
 from jspec.worker.base import check_layer_loop
@@ -136,6 +140,16 @@ def loop_split(engine, tokens: int) -> tuple[dict, dict, str]:
     return split, medians, out.getvalue()
 
 
+def loop_trace(engine, tokens: int) -> dict:
+    """One request of `tokens` under the overlap loop, traced: host self time per runtime event
+    and the device's kernels, both per iteration."""
+    params = jspec.SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+    trace = trace_calls(lambda: engine.generate([[1, 2, 3, 4]], params), calls=1)
+    if trace is None:
+        return {"error": "no trace written"}
+    return dict(host=host_self_times(trace, tokens), device=summarise(_device_kernel_events(trace), tokens))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=RESULTS_DIR)
@@ -144,6 +158,7 @@ def main():
     ap.add_argument("--name", default="bench_host_launch", help="the JSON's name (a GPU run: bench_host_launch_gpu)")
     ap.add_argument("--methods", default="none,eagle3", help="of none, eagle3")
     ap.add_argument("--attention-backend", default=None, help="the engine's (default: the engine's own default)")
+    ap.add_argument("--trace", action="store_true", help="also trace the loop (host runtime events, device kernels)")
     args = ap.parse_args()
     cfg, dcfg = (TINY, TINY_DRAFT) if args.tiny else (SMALL, SMALL_DRAFT)
     dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
@@ -170,6 +185,12 @@ def main():
             overlap_launch_median_ms=medians,
             launch_profile=profile,
         )
+        if args.trace:
+            row["loop_trace"] = loop_trace(engine, args.tokens)
+            host = row["loop_trace"].get("host", {}).get("self_us_per_call", {})
+            print(f"[{method}] host self time per iteration (us), the largest runtime events:")
+            for name, us in list(host.items())[:12]:
+                print(f"  {us:>9.1f}  {name[:100]}")
         rows.append(row)
         print(profile)
     settings = {

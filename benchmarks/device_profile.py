@@ -103,9 +103,46 @@ def summarise(events: list[dict], calls: int) -> dict:
     }
 
 
-def profile_calls(step: Callable[[], object], calls: int = 5, log_dir: str | None = None) -> dict:
-    """Traces `calls` back-to-back calls of step() (already compiled and warm) and summarises
-    the device kernels per call."""
+def host_self_times(trace: dict, calls: int, top: int = 25) -> dict:
+    """The host's side of a trace: each TraceMe name's self time (its duration less that of the
+    events nested in it on the same thread) and count, per call, largest first. XLA's runtime
+    names its work (the executable's launch, each thunk, command-buffer updates), so this says
+    where a launch's host time goes below the Python call."""
+    names = {
+        e["pid"]: e.get("args", {}).get("name", "")
+        for e in trace["traceEvents"]
+        if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
+    host_pids = {pid for pid, n in names.items() if "/host:" in n}
+    by_thread: dict[tuple, list[dict]] = collections.defaultdict(list)
+    for e in trace["traceEvents"]:
+        # The profiler's own start and stop are in the trace too: not the traced work.
+        if e.get("ph") == "X" and e["pid"] in host_pids and e.get("dur") is not None and "profiler" not in e["name"]:
+            by_thread[(e["pid"], e["tid"])].append(e)
+    self_us: dict[str, float] = collections.Counter()
+    count: dict[str, int] = collections.Counter()
+    for evs in by_thread.values():
+        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+        open_events: list[tuple[float, str]] = []  # (end, name) of the events enclosing this one
+        for e in evs:
+            while open_events and e["ts"] >= open_events[-1][0]:
+                open_events.pop()
+            if open_events:  # nested: its time is not its parent's own
+                self_us[open_events[-1][1]] -= e["dur"]
+            self_us[e["name"]] += e["dur"]
+            count[e["name"]] += 1
+            open_events.append((e["ts"] + e["dur"], e["name"]))
+    rows = sorted(self_us.items(), key=lambda kv: -kv[1])[:top]
+    return {
+        "calls": calls,
+        "self_us_per_call": {n[:160]: round(t / calls, 2) for n, t in rows},
+        "count_per_call": {n[:160]: count[n] / calls for n, _ in rows},
+    }
+
+
+def trace_calls(step: Callable[[], object], calls: int = 5, log_dir: str | None = None) -> dict | None:
+    """The profiler's trace (parsed JSON) of `calls` back-to-back calls of step(), already
+    compiled and warm; None if no trace was written."""
     log_dir = log_dir or tempfile.mkdtemp(prefix="jspec_profile_")
     jax.block_until_ready(step())
     jax.profiler.start_trace(log_dir)
@@ -118,9 +155,17 @@ def profile_calls(step: Callable[[], object], calls: int = 5, log_dir: str | Non
         jax.profiler.stop_trace()
     files = sorted(glob.glob(os.path.join(log_dir, "plugins", "profile", "*", "*.trace.json.gz")), key=os.path.getmtime)
     if not files:
-        return {"error": f"no trace written under {log_dir}"}
+        return None
     with gzip.open(files[-1], "rb") as f:
-        trace = json.load(f)
+        return json.load(f)
+
+
+def profile_calls(step: Callable[[], object], calls: int = 5, log_dir: str | None = None) -> dict:
+    """Traces `calls` back-to-back calls of step() (already compiled and warm) and summarises
+    the device kernels per call."""
+    trace = trace_calls(step, calls, log_dir)
+    if trace is None:
+        return {"error": "no trace written"}
     return summarise(_device_kernel_events(trace), calls)
 
 

@@ -168,6 +168,13 @@ for s in "$@"; do
             --name bench_host_launch_${b}_cmdbuf_$flags --out "$RESULTS/launch_cmdbuf"
         done
       done ;;
+    launch_trace)
+      # SmolLM2's loop at bs 1 traced on each attention backend: the host's self time per XLA
+      # runtime event in a launch (thunks, command-buffer updates) and the kernels per step.
+      for b in pallas mosaic; do
+        step launch_trace_$b 150 $PY -m benchmarks.bench_host_launch --methods none --attention-backend $b \
+          --tokens 128 --trace --name bench_host_launch_trace_$b --out "$RESULTS"
+      done ;;
     call_cost)
       # The host's cost of one kernel call per Pallas backend: N add-and-norms in one program
       # (benchmarks/bench_call_cost.py), 4,096 wide as the 8B's and 576 as SmolLM2's.

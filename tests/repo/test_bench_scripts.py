@@ -340,3 +340,32 @@ def test_bench_dflash_small_writes_every_shape_and_its_b1_profile(tmp_path):
     assert set(data["dflash_s"]) == {"15 1 16", "7 1 8", "0 1 1"}
     assert all(set(row) == buckets for row in data["dflash_s"].values())
     assert set(data["profile_b1"]) == {"plain", "DFLASH 15 1 16", "DFLASH 7 1 8", "DFLASH 0 1 1"}
+
+
+def test_host_self_times_subtract_nested_events_per_thread():
+    """A launch's self time is its span less the runtime events inside it on its own thread;
+    another thread's events never nest in it; the profiler's own stop is left out."""
+    from benchmarks.device_profile import host_self_times
+
+    def meta(pid, name):
+        return {"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}}
+
+    def event(name, ts, dur, tid=1, pid=1):
+        return {"ph": "X", "name": name, "pid": pid, "tid": tid, "ts": ts, "dur": dur}
+
+    trace = {
+        "traceEvents": [
+            meta(1, "/host:CPU"),
+            meta(2, "/device:GPU:0"),
+            event("launch", 0, 10),
+            event("execute", 1, 6),
+            event("update", 2, 3),
+            event("launch", 20, 4),
+            event("other", 0, 5, tid=2),
+            event("kernel", 0, 50, pid=2),
+            event("$profiler.py:271 stop_trace", 30, 100),
+        ]
+    }
+    got = host_self_times(trace, calls=2)
+    assert got["self_us_per_call"] == {"launch": 4.0, "other": 2.5, "execute": 1.5, "update": 1.5}
+    assert got["count_per_call"]["launch"] == 1.0
