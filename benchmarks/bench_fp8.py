@@ -14,7 +14,12 @@ optimized HLO's bf16 arrays of a weight's shape (a dequantised copy written to H
 path reads its weights twice then, and the XLA path is not what it should be).
 
     python -m benchmarks.bench_fp8 [--shapes llama-3.1-8b,smollm2-135m] [--batches 1,16] [--context 1024]
-        [--tiny] [--out DIR]
+        [--gemv] [--tiny] [--out DIR]
+
+--gemv: instead of the steps, each of the shape's projections alone at one row, FP8 per output
+channel (bench_fp8_gemv.json): XLA's dot, the Triton-backend GEMV over FP8_GEMV_SWEEP's tiles
+and the Mosaic GPU one over its configs, each checked against the dequantised product, at its
+FP8 bytes' bandwidth: which tiles read FP8 at bandwidth, where the step's 0.6x line needs them.
 
 --tiny: a 3-layer model of the small shape on whatever backend (a CPU dry run of the script).
 """
@@ -31,9 +36,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import RESULTS_DIR, Results, int_list, random_params, read_bandwidth, shape, timed, tiny
+from jspec.kernels.ref import dequantize_fp8
+from jspec.kernels.skinny_matmul import skinny_matmul, skinny_matmul_plan
+from jspec.kernels.skinny_matmul_mgpu import mosaic_skinny_unsupported, skinny_matmul_mgpu
 from jspec.kvcache.pool import KVPool
 from jspec.layers.penalties import init_penalty_state
-from jspec.layers.quant import QUANTIZED_LEAVES, is_fp8, quantize_params, with_fp8_gemm
+from jspec.layers.quant import (
+    QUANTIZED_LEAVES,
+    fp8_dot_xla,
+    is_fp8,
+    quantize_params,
+    quantize_per_channel,
+    with_fp8_gemm,
+)
 from jspec.layers.sampling import sampling_rows
 from jspec.models.common import unstack_layers
 from jspec.steps.plain import PlainCarry, PlainState, plain_decode_step
@@ -50,6 +65,106 @@ VARIANTS = {  # name: (quantization, FP8 matmul path, KV dtype)
     "fp8_mosaic_block": ("fp8_block", "mosaic", jnp.bfloat16),
 }
 PAGE = 16
+# The Triton-backend GEMV's tiles over FP8 weights: (block_n, block_k, num_stages, num_warps,
+# splits x the plan's). A 128 x 128 FP8 tile is 16 KiB, half a bf16 one, so the default keeps
+# half the bytes in flight that it does for bf16: the wider tiles restore them.
+FP8_GEMV_SWEEP = (
+    (128, 128, 3, 4, 1),  # the default plan
+    (128, 128, 4, 4, 1),
+    (128, 128, 3, 4, 2),
+    (256, 128, 3, 4, 1),
+    (256, 128, 4, 4, 1),
+    (256, 128, 3, 8, 2),
+    (128, 256, 3, 4, 1),
+    (256, 256, 3, 8, 1),
+)
+MOSAIC_FP8_CONFIGS = ({}, {"num_stages": 6}, {"block_n": 256})
+
+
+def projection_shapes(cfg) -> dict[str, tuple[int, int]]:
+    """[in, out] of each decode projection, the LM head included."""
+    q = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    return {
+        "qkv": (cfg.hidden_size, q),
+        "o": (cfg.num_heads * cfg.head_dim, cfg.hidden_size),
+        "gate_up": (cfg.hidden_size, 2 * cfg.intermediate_size),
+        "down": (cfg.intermediate_size, cfg.hidden_size),
+        "lm_head": (cfg.hidden_size, cfg.vocab_size),
+    }
+
+
+def fp8_gemv_configs(k: int, n: int) -> list[dict]:
+    """FP8_GEMV_SWEEP resolved for one shape: blocks no larger than the padded dims, the splits
+    the kernel really runs, duplicates dropped."""
+    configs = []
+    for bn, bk, stages, warps, mult in FP8_GEMV_SWEEP:
+        bn, bk = min(bn, max(16, 1 << (n - 1).bit_length())), min(bk, max(16, 1 << (k - 1).bit_length()))
+        splits = skinny_matmul_plan(1, k, n, block_n=bn, block_k=bk).num_splits * mult
+        splits = skinny_matmul_plan(1, k, n, block_n=bn, block_k=bk, num_splits=splits).num_splits
+        cfg = dict(block_n=bn, block_k=bk, num_splits=splits, num_stages=stages, num_warps=warps)
+        if cfg not in configs:
+            configs.append(cfg)
+    return configs
+
+
+def fp8_gemv_rows(cfg, dtype, bandwidth: float, copies: int = 4) -> list[dict]:
+    """Each projection at one row through every FP8 path and tile: time over `copies` distinct
+    weights (so L2 holds none), bandwidth of the FP8 bytes and scales, error against the
+    dequantised product. A config that does not compile is recorded, not fatal."""
+    key = iter(jax.random.split(jax.random.key(30), 64))
+    gpu = jax.default_backend() == "gpu"
+    rows = []
+    for name, (k, n) in projection_shapes(cfg).items():
+        ws = [quantize_per_channel(jax.random.normal(next(key), (k, n), jnp.float32) * 0.02) for _ in range(copies)]
+        x = jax.random.normal(next(key), (1, k), dtype)
+        ref = jnp.dot(x.astype(jnp.float32), dequantize_fp8(ws[0].w, ws[0].scale))
+        nbytes = ws[0].w.nbytes + ws[0].scale.nbytes
+        paths = [("xla", {}, lambda x, w: fp8_dot_xla(x, w.w, w.scale))]
+        paths += [("pallas", c, lambda x, w, c=c: skinny_matmul(x, w.w, w.scale, **c)) for c in fp8_gemv_configs(k, n)]
+        if gpu:
+            paths += [
+                ("mosaic", c, lambda x, w, c=c: skinny_matmul_mgpu(x, w.w, w.scale, **c))
+                for c in MOSAIC_FP8_CONFIGS
+                if mosaic_skinny_unsupported(1, k, n, ws[0].w.dtype, block_n=c.get("block_n")) is None
+            ]
+        for path, conf, fn in paths:
+            row = dict(projection=name, shape=[k, n], path=path, config=conf)
+            f = jax.jit(lambda x, ws, fn=fn: [fn(x, w) for w in ws])
+            try:
+                out = f(x, ws)[0]
+                t = timed(lambda f=f, ws=ws: f(x, ws), 10, 5) / copies
+                scale = float(jnp.max(jnp.abs(ref))) or 1.0
+                row |= dict(
+                    us=t * 1e6,
+                    TBps=nbytes / t / 1e12,
+                    x_floor=t / (nbytes / bandwidth),
+                    rel_err=float(jnp.max(jnp.abs(out - ref))) / scale,
+                )
+                row["ok"] = row["rel_err"] < 2e-2  # x rounds to the compute dtype: bf16 on the GPU
+            except Exception as e:  # noqa: BLE001 - one config that does not compile must not hide the others
+                row |= dict(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        del ws
+    return rows
+
+
+def print_gemv_best(rows: list[dict]) -> None:
+    """Per projection: XLA's dot, the default tiles and the fastest of each kernel."""
+    print(
+        f"{'projection':>10} {'xla us':>8} {'pallas default':>15} {'pallas best':>12} {'mosaic best':>12}  best pallas tiles"
+    )
+    for name in dict.fromkeys(r["projection"] for r in rows):
+        ok = [r for r in rows if r["projection"] == name and r.get("ok")]
+        xla = next((r["us"] for r in ok if r["path"] == "xla"), float("nan"))
+        pallas = [r for r in ok if r["path"] == "pallas"]
+        default = next((r["us"] for r in pallas if r["config"] == fp8_gemv_configs(*r["shape"])[0]), float("nan"))
+        best = min(pallas, key=lambda r: r["us"], default=None)
+        mosaic = min((r["us"] for r in ok if r["path"] == "mosaic"), default=float("nan"))
+        tiles = best["config"] if best else None
+        print(
+            f"{name:>10} {xla:>8.1f} {default:>15.1f} {best['us'] if best else float('nan'):>12.1f} {mosaic:>12.1f}  {tiles}"
+        )
 
 
 def as_block_scaled(params):
@@ -153,8 +268,9 @@ def main(argv=None):
     ap.add_argument("--batches", type=int_list, default=[1, 16])
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--gemv", action="store_true", help="the projections alone at one row, every FP8 path and tile")
     ap.add_argument("--tiny", action="store_true", help="a tiny model: a CPU dry run of the script")
-    ap.add_argument("--name", default="bench_fp8")
+    ap.add_argument("--name", default=None, help="the JSON's name (default bench_fp8, or bench_fp8_gemv)")
     ap.add_argument("--out", default=RESULTS_DIR)
     args = ap.parse_args(argv)
     gpu = jax.default_backend() == "gpu"
@@ -165,7 +281,16 @@ def main(argv=None):
         shapes, batches, ctx = [("tiny", tiny(shape("smollm2-135m"), num_layers=3))], [1, 4], 64
     bandwidth = read_bandwidth(1 << 31 if gpu else 1 << 22)
     settings = dict(batches=batches, context=ctx, read_bandwidth_gbs=bandwidth / 1e9, tiny=args.tiny)
-    results = Results(args.out, args.name, settings)
+    if args.gemv:
+        settings = dict(shapes=[n for n, _ in shapes], rows=1, read_bandwidth_gbs=bandwidth / 1e9, tiny=args.tiny)
+        results = Results(args.out, args.name or "bench_fp8_gemv", settings)
+        rows = []
+        for name, cfg in shapes:
+            rows += [dict(r, shape_name=name) for r in fp8_gemv_rows(cfg, dtype, bandwidth)]
+            results.write(rows=rows)
+        print_gemv_best(rows)
+        return rows
+    results = Results(args.out, args.name or "bench_fp8", settings)
     rows = []
     for name, cfg in shapes:
         base = random_params(cfg, dtype)

@@ -64,6 +64,8 @@ for s in "$@"; do
       ${ENGINE_SHARD:+--shard $ENGINE_SHARD} --limit-s $(( ${ENGINE_TESTS_LIMIT:-540} - 20 )) \
       --name gpu_tests_engine${ENGINE_SHARD:+_$(echo $ENGINE_SHARD | tr / of)} --out "$RESULTS" ;;
     fp8) step fp8 ${FP8_LIMIT:-360} $PY -m benchmarks.bench_fp8 --batches ${FP8_BATCHES:-1,16,64} --out "$RESULTS" ;;
+    # Each 8B projection alone at one row, FP8: XLA's dot and both GEMVs over their tiles.
+    fp8_gemv) step fp8_gemv 240 $PY -m benchmarks.bench_fp8 --gemv --shapes llama-3.1-8b --out "$RESULTS" ;;
     fp8_quality)
       # FP8 quality on the demo SmolLM2's real weights (after `carry_demo_model.sh assemble`).
       step fp8_quality 300 $PY -m benchmarks.fp8_quality --out "$RESULTS" ;;

@@ -213,6 +213,17 @@ def test_bench_fp8_rows_against_bf16(tmp_path):
     assert fp8kv["weight_mb"] < 0.3 * bf16["weight_mb"] and fp8kv["kv_mb"] == bf16["kv_mb"] / 4
 
 
+def test_bench_fp8_gemv_sweeps_every_projection_and_checks_each_config(tmp_path):
+    run_script("bench_fp8", "--gemv", "--out", str(tmp_path))
+    rows = json.load(open(tmp_path / "bench_fp8_gemv.json"))["rows"]
+    assert list(dict.fromkeys(r["projection"] for r in rows)) == ["qkv", "o", "gate_up", "down", "lm_head"]
+    for name in ("qkv", "lm_head"):
+        paths = [r["path"] for r in rows if r["projection"] == name]
+        assert paths[0] == "xla" and paths.count("pallas") >= 3  # Mosaic only on a GPU
+    # Every config ran and matched the dequantised product (interpreted on the CPU).
+    assert all(r["ok"] and r["us"] > 0 for r in rows)
+
+
 def test_gpu_tests_names_tests_that_exist():
     from benchmarks.gpu_tests import ENGINE_TESTS
 
