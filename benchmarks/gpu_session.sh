@@ -106,8 +106,11 @@ for s in "$@"; do
         --save-examples .demo_stash/answers.npz --sampled-answers 7 --max-new-tokens 192 --steps ${EAGLE_STEPS:-6000} \
         --batch-size 32 --max-running-requests 256 --eval-spec-prompts 16 --results "$RESULTS/train_eagle3_smollm2.json" ;;
     dflash_smollm2)
+      # eagle_smollm2's answers when it ran on this machine, else the same answers generated here.
+      answers=(--sampled-answers 7)
+      [ -f .demo_stash/answers.npz ] && answers=(--examples .demo_stash/answers.npz)
       step dflash_smollm2 590 $PY scripts/train_dflash.py --out .demo_stash/dflash-smol --mask-token-id 16 \
-        --examples .demo_stash/answers.npz --max-new-tokens 192 --seq-len 256 --steps ${DFLASH_STEPS:-4000} \
+        "${answers[@]}" --max-running-requests 256 --max-new-tokens 192 --seq-len 256 --steps ${DFLASH_STEPS:-4000} \
         --batch-size 32 --block-size 16 --num-draft-layers ${DFLASH_LAYERS:-2} --anchors 16 --results "$RESULTS/train_dflash_smollm2.json" ;;
     spec_real_dflash|spec_real_eagle3|spec_real_ngram)
       case $s in
