@@ -128,6 +128,7 @@ for s in "$@"; do
         --concurrency 1,16,64 --output-len 128 --min-prompts 32 --variant default= \
         --variant "dflash=--speculative-algorithm DFLASH --speculative-draft-model-path .demo_stash/dflash-smol" \
         --variant "dflash8=--speculative-algorithm DFLASH --speculative-draft-model-path .demo_stash/dflash-smol --speculative-num-steps 7 --speculative-eagle-topk 1 --speculative-num-draft-tokens 8" \
+        --variant "dflash_adaptive=--speculative-algorithm DFLASH --speculative-draft-model-path .demo_stash/dflash-smol --speculative-adaptive" \
         --variant "eagle3=--speculative-algorithm EAGLE3 --speculative-draft-model-path .demo_stash/eagle3-smol --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4" \
         --variant "ngram=--speculative-algorithm NGRAM" --run-timeout 120 --out "$RESULTS" --name serving_curve_smollm2_spec ;;
     add_norm)

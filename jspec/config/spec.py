@@ -7,6 +7,10 @@ import dataclasses
 from jspec.config.fields import setting
 
 SPEC_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "NGRAM", "NEXTN", "DFLASH")
+# What --speculative-adaptive picks from by default: trees and chains for the step-by-step
+# drafters, shorter blocks for the block drafter (steps,topk,draft_tokens; 0,1,1 is off).
+ADAPTIVE_SHAPES = "5,4,8 3,1,4 1,1,2 0,1,1"
+DFLASH_ADAPTIVE_SHAPES = "7,1,8 3,1,4 0,1,1"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,10 +71,11 @@ class SpecConfig:
         "pick the draft shape per iteration from the batch size and the measured acceptance (0 steps = off)",
         group="speculative",
     )
-    adaptive_shapes: str = setting(
-        "5,4,8 3,1,4 1,1,2 0,1,1",
+    adaptive_shapes: str | None = setting(
+        None,
         "the shapes --speculative-adaptive picks from: steps,topk,draft_tokens each, space-separated; "
-        "0,1,1 verifies the root alone (speculation off)",
+        "0,1,1 verifies the root alone (speculation off); default: shorter chains for DFLASH "
+        f"({DFLASH_ADAPTIVE_SHAPES}), else {ADAPTIVE_SHAPES}",
         group="speculative",
     )
     adaptive_cost_table: str | None = setting(
@@ -83,6 +88,10 @@ class SpecConfig:
     def __post_init__(self):
         if self.algorithm not in SPEC_ALGORITHMS:
             raise ValueError(f"unknown speculative algorithm {self.algorithm!r}; choose one of {SPEC_ALGORITHMS}")
+        if self.adaptive_shapes is None:
+            # A block drafter drafts one chain: its shorter blocks, not trees, are its other shapes.
+            default = DFLASH_ADAPTIVE_SHAPES if self.algorithm == "DFLASH" else ADAPTIVE_SHAPES
+            object.__setattr__(self, "adaptive_shapes", default)
         if self.adaptive:
             self.shapes()  # fails early on a malformed list
         if self.num_draft_tokens == 1 or (self.num_steps == 0 and self.algorithm not in ("NGRAM", "DFLASH")):

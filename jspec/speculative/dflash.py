@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jspec.checkpoint.dflash import load_dflash_model
 from jspec.config.dflash import DFlashConfig
 from jspec.config.model import ModelConfig
-from jspec.config.spec import SpecConfig
+from jspec.config.spec import DFLASH_ADAPTIVE_SHAPES, SpecConfig
 from jspec.kvcache.pool import KVPool, create_kv_pool, kv_bytes_per_page
 from jspec.layers.batch import AttentionMode, ForwardBatch, bucket
 from jspec.models.dflash import block_embeddings, block_layers, draft_logits, inject_context
@@ -134,6 +134,10 @@ def make_dflash_method(spec: SpecConfig, cfg: ModelConfig, draft, dtype, draft_d
         raise ValueError(f"DFlash target_layer_ids {dcfg.target_layer_ids} must be below {cfg.num_layers - 1}")
     if spec.num_draft_tokens is None:
         spec = dataclasses.replace(spec, num_draft_tokens=dcfg.block_size)
+    if spec.adaptive and spec.adaptive_shapes == DFLASH_ADAPTIVE_SHAPES:
+        # The default shorter blocks that this drafter's block holds; shapes given are checked.
+        fits = [item for item in DFLASH_ADAPTIVE_SHAPES.split() if int(item.split(",")[2]) <= dcfg.block_size]
+        spec = dataclasses.replace(spec, adaptive_shapes=" ".join(fits))
     widest = max(n for _, _, n in spec.shapes())
     if widest > dcfg.block_size:
         raise ValueError(

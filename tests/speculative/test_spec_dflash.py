@@ -152,7 +152,14 @@ def test_refusals(models):
     with pytest.raises(ValueError, match="DFLASH drafts one chain per block: eagle_topk"):
         SpecConfig("DFLASH", eagle_topk=2, num_draft_tokens=6)
     with pytest.raises(ValueError, match="each adaptive shape's topk"):
-        SpecConfig("DFLASH", adaptive=True)  # the default shapes hold a tree
+        SpecConfig("DFLASH", adaptive=True, adaptive_shapes="5,4,8 0,1,1")  # a tree
+    # By default the shorter blocks this drafter (block 8) holds, one chain each, and off.
+    adaptive = jspec.Engine((TARGET, target), speculative=SpecConfig("DFLASH", adaptive=True), draft=draft)
+    assert [m.spec.shape for m in adaptive.worker.methods] == [(7, 1, 8), (3, 1, 4), (0, 1, 1)]
+    with pytest.raises(ValueError, match="an adaptive shape"):
+        jspec.Engine(
+            (TARGET, target), speculative=SpecConfig("DFLASH", adaptive=True, adaptive_shapes="15,1,16"), draft=draft
+        )
     with pytest.raises(ValueError, match="at most the drafter's block of 8 tokens"):
         jspec.Engine((TARGET, target), speculative=SpecConfig("DFLASH", num_draft_tokens=16), draft=draft)
     assert SpecConfig("DFLASH", num_draft_tokens=5).shape == (4, 1, 5)
