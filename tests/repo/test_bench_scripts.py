@@ -14,15 +14,20 @@ pytestmark = pytest.mark.slow  # runs the benchmark scripts, which build engines
 ROOT = REPO_ROOT
 
 
-def run_script(name: str, *args: str) -> None:
+def run_module(module: str, *args: str) -> subprocess.CompletedProcess:
     done = subprocess.run(
-        [sys.executable, "-m", f"benchmarks.{name}", "--tiny", *args],
+        [sys.executable, "-m", module, *args],
         capture_output=True,
         text=True,
         timeout=600,
         cwd=ROOT,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done
+
+
+def run_script(name: str, *args: str) -> None:
+    run_module(f"benchmarks.{name}", "--tiny", *args)
 
 
 def test_bench_decode_times_verify_against_decode(tmp_path):
@@ -270,14 +275,7 @@ def test_gpu_tests_counts_every_outcome(tmp_path):
         "tests/kernels/test_kernels.py::test_interpret_mode_follows_backend",
         "tests/kernels/test_kernels.py::test_choose_splits_fills_the_gpu_and_respects_bounds",
     ]
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_tests", "--out", str(tmp_path), "--tests", *nodes],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    done = run_module("benchmarks.gpu_tests", "--out", str(tmp_path), "--tests", *nodes)
     result = json.load(open(tmp_path / "gpu_tests.json"))
     assert result["counts"] == dict(passed=2, failed=0, skipped=0, error=0, interrupted=0)
     assert sorted(result["seconds"]) == sorted(nodes) and result["exit_code"] == 0 and not result["cut_short"]
@@ -336,15 +334,18 @@ def test_serving_curve_reads_the_engines_token_gaps_over_one_run():
 def test_bench_dflash_small_writes_every_shape_and_its_b1_profile(tmp_path):
     """The SmolLM2-shape run of bench_dflash: each block's cost per bucket beside the plain
     step's, and the B=1 trace of each (empty of kernels off the GPU, but named)."""
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_dflash", "--small", "--dry-run", "--draft-layers", "1"]
-        + ["--repeats", "1", "--profile", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
+    run_module(
+        "benchmarks.bench_dflash",
+        "--small",
+        "--dry-run",
+        "--draft-layers",
+        "1",
+        "--repeats",
+        "1",
+        "--profile",
+        "--out",
+        str(tmp_path),
     )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     data = json.load(open(tmp_path / "bench_dflash_small.json"))
     assert data["settings"]["shape"] == "smollm2-135m"
     buckets = set(data["plain_s"])
