@@ -142,10 +142,14 @@ def host_self_times(trace: dict, calls: int, top: int = 25) -> dict:
 
 def trace_calls(step: Callable[[], object], calls: int = 5, log_dir: str | None = None) -> dict | None:
     """The profiler's trace (parsed JSON) of `calls` back-to-back calls of step(), already
-    compiled and warm; None if no trace was written."""
+    compiled and warm; None if no trace was written. Python's own functions are not traced
+    (JAX's default traces them): that tracer slows the host, which would stretch the launch
+    gaps and the host times read here."""
     log_dir = log_dir or tempfile.mkdtemp(prefix="jspec_profile_")
     jax.block_until_ready(step())
-    jax.profiler.start_trace(log_dir)
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    jax.profiler.start_trace(log_dir, profiler_options=options)
     try:
         out = None
         for _ in range(calls):
