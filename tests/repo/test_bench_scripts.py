@@ -381,3 +381,11 @@ def test_host_self_times_subtract_nested_events_per_thread():
     got = host_self_times(trace, calls=2)
     assert got["self_us_per_call"] == {"launch": 4.0, "other": 2.5, "execute": 1.5, "update": 1.5}
     assert got["count_per_call"]["launch"] == 1.0
+
+
+def test_bench_host_launch_idle_kept_and_traced(tmp_path):
+    run_script("bench_host_launch", "--methods", "none", "--tokens", "8", "--trace", "--out", str(tmp_path))
+    (row,) = json.load(open(tmp_path / "bench_host_launch.json"))["rows"]
+    assert row["idle"]["launch_ms"] > 0 and row["idle"]["launch_outputs_kept_ms"] > 0
+    host = row["loop_trace"]["host"]["self_us_per_call"]
+    assert host and all(not name.startswith("$") for name in host)  # no Python frames traced
