@@ -71,22 +71,36 @@ PALLAS_SWEEP = (
 )
 
 
-def pallas_configs(B: int, k: int, n: int) -> list[dict]:
-    """PALLAS_SWEEP resolved for one shape: blocks no larger than the (power-of-two padded) dims, splits
-    from skinny_matmul_plan (x1 or x2), duplicates dropped (a tiny model's shapes collapse several)."""
+def pallas_configs(B: int, k: int, n: int, sweep=PALLAS_SWEEP) -> list[dict]:
+    """A sweep of (block_n, block_k, num_stages, splits x the plan's[, num_warps: 4]) resolved for
+    one shape: blocks no larger than the (power-of-two padded) dims, splits from
+    skinny_matmul_plan, duplicates dropped (a tiny model's shapes collapse several)."""
     from jspec.kernels.paged_tiles import next_pow2
     from jspec.kernels.skinny_matmul import skinny_matmul_plan
 
     configs = []
-    for bn, bk, stages, mult in PALLAS_SWEEP:
+    for bn, bk, stages, mult, *warps in sweep:
         bn, bk = min(bn, max(16, next_pow2(n))), min(bk, max(16, next_pow2(k)))
         plan = skinny_matmul_plan(B, k, n, block_n=bn, block_k=bk)
-        cfg = dict(block_n=bn, block_k=bk, num_splits=plan.num_splits * mult, num_stages=stages, num_warps=4)
+        num_warps = warps[0] if warps else 4
+        cfg = dict(block_n=bn, block_k=bk, num_splits=plan.num_splits * mult, num_stages=stages, num_warps=num_warps)
         # The splits the kernel will really run (the plan clamps and drops empty ones).
         cfg["num_splits"] = skinny_matmul_plan(B, k, n, block_n=bn, block_k=bk, num_splits=cfg["num_splits"]).num_splits
         if cfg not in configs:
             configs.append(cfg)
     return configs
+
+
+def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """[in, out] of each decode projection, the LM head included."""
+    q = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    return {
+        "qkv": (cfg.hidden_size, q),
+        "o": (cfg.num_heads * cfg.head_dim, cfg.hidden_size),
+        "gate_up": (cfg.hidden_size, 2 * cfg.intermediate_size),
+        "down": (cfg.intermediate_size, cfg.hidden_size),
+        "lm_head": (cfg.hidden_size, cfg.vocab_size),
+    }
 
 
 def gemv_rows(cfg: ModelConfig, dtype, bw: float, batches=(1,), copies=4) -> list[dict]:
@@ -101,14 +115,7 @@ def gemv_rows(cfg: ModelConfig, dtype, bw: float, batches=(1,), copies=4) -> lis
     from jspec.kernels.skinny_matmul import MAX_ROWS, skinny_matmul
     from jspec.kernels.skinny_matmul_mgpu import mosaic_skinny_unsupported, skinny_matmul_mgpu
 
-    q = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    shapes = {
-        "qkv": (cfg.hidden_size, q),
-        "o": (cfg.num_heads * cfg.head_dim, cfg.hidden_size),
-        "gate_up": (cfg.hidden_size, 2 * cfg.intermediate_size),
-        "down": (cfg.intermediate_size, cfg.hidden_size),
-        "lm_head": (cfg.hidden_size, cfg.vocab_size),
-    }
+    shapes = projection_shapes(cfg)
     key = iter(jax.random.split(jax.random.key(20), 64))
     rows = []
 

@@ -35,9 +35,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.bench_decode import MOSAIC_CONFIGS, pallas_configs, projection_shapes
 from benchmarks.common import RESULTS_DIR, Results, int_list, random_params, read_bandwidth, shape, timed, tiny
 from jspec.kernels.ref import dequantize_fp8
-from jspec.kernels.skinny_matmul import skinny_matmul, skinny_matmul_plan
+from jspec.kernels.skinny_matmul import skinny_matmul
 from jspec.kernels.skinny_matmul_mgpu import mosaic_skinny_unsupported, skinny_matmul_mgpu
 from jspec.kvcache.pool import KVPool
 from jspec.layers.penalties import init_penalty_state
@@ -65,46 +66,19 @@ VARIANTS = {  # name: (quantization, FP8 matmul path, KV dtype)
     "fp8_mosaic_block": ("fp8_block", "mosaic", jnp.bfloat16),
 }
 PAGE = 16
-# The Triton-backend GEMV's tiles over FP8 weights: (block_n, block_k, num_stages, num_warps,
-# splits x the plan's). A 128 x 128 FP8 tile is 16 KiB, half a bf16 one, so the default keeps
-# half the bytes in flight that it does for bf16: the wider tiles restore them.
+# The Triton-backend GEMV's tiles over FP8 weights: (block_n, block_k, num_stages, splits x the
+# plan's, num_warps), as bench_decode's sweep. A 128 x 128 FP8 tile is 16 KiB, half a bf16 one, so
+# the default keeps half the bytes in flight that it does for bf16: the wider tiles restore them.
 FP8_GEMV_SWEEP = (
-    (128, 128, 3, 4, 1),  # the default plan
-    (128, 128, 4, 4, 1),
-    (128, 128, 3, 4, 2),
-    (256, 128, 3, 4, 1),
-    (256, 128, 4, 4, 1),
-    (256, 128, 3, 8, 2),
-    (128, 256, 3, 4, 1),
-    (256, 256, 3, 8, 1),
+    (128, 128, 3, 1, 4),  # the default plan
+    (128, 128, 4, 1, 4),
+    (128, 128, 3, 2, 4),
+    (256, 128, 3, 1, 4),
+    (256, 128, 4, 1, 4),
+    (256, 128, 3, 2, 8),
+    (128, 256, 3, 1, 4),
+    (256, 256, 3, 1, 8),
 )
-MOSAIC_FP8_CONFIGS = ({}, {"num_stages": 6}, {"block_n": 256})
-
-
-def projection_shapes(cfg) -> dict[str, tuple[int, int]]:
-    """[in, out] of each decode projection, the LM head included."""
-    q = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    return {
-        "qkv": (cfg.hidden_size, q),
-        "o": (cfg.num_heads * cfg.head_dim, cfg.hidden_size),
-        "gate_up": (cfg.hidden_size, 2 * cfg.intermediate_size),
-        "down": (cfg.intermediate_size, cfg.hidden_size),
-        "lm_head": (cfg.hidden_size, cfg.vocab_size),
-    }
-
-
-def fp8_gemv_configs(k: int, n: int) -> list[dict]:
-    """FP8_GEMV_SWEEP resolved for one shape: blocks no larger than the padded dims, the splits
-    the kernel really runs, duplicates dropped."""
-    configs = []
-    for bn, bk, stages, warps, mult in FP8_GEMV_SWEEP:
-        bn, bk = min(bn, max(16, 1 << (n - 1).bit_length())), min(bk, max(16, 1 << (k - 1).bit_length()))
-        splits = skinny_matmul_plan(1, k, n, block_n=bn, block_k=bk).num_splits * mult
-        splits = skinny_matmul_plan(1, k, n, block_n=bn, block_k=bk, num_splits=splits).num_splits
-        cfg = dict(block_n=bn, block_k=bk, num_splits=splits, num_stages=stages, num_warps=warps)
-        if cfg not in configs:
-            configs.append(cfg)
-    return configs
 
 
 def fp8_gemv_rows(cfg, dtype, bandwidth: float, copies: int = 4) -> list[dict]:
@@ -120,11 +94,12 @@ def fp8_gemv_rows(cfg, dtype, bandwidth: float, copies: int = 4) -> list[dict]:
         ref = jnp.dot(x.astype(jnp.float32), dequantize_fp8(ws[0].w, ws[0].scale))
         nbytes = ws[0].w.nbytes + ws[0].scale.nbytes
         paths = [("xla", {}, lambda x, w: fp8_dot_xla(x, w.w, w.scale))]
-        paths += [("pallas", c, lambda x, w, c=c: skinny_matmul(x, w.w, w.scale, **c)) for c in fp8_gemv_configs(k, n)]
+        configs = pallas_configs(1, k, n, FP8_GEMV_SWEEP)
+        paths += [("pallas", c, lambda x, w, c=c: skinny_matmul(x, w.w, w.scale, **c)) for c in configs]
         if gpu:
             paths += [
                 ("mosaic", c, lambda x, w, c=c: skinny_matmul_mgpu(x, w.w, w.scale, **c))
-                for c in MOSAIC_FP8_CONFIGS
+                for c in MOSAIC_CONFIGS
                 if mosaic_skinny_unsupported(1, k, n, ws[0].w.dtype, block_n=c.get("block_n")) is None
             ]
         for path, conf, fn in paths:
@@ -158,7 +133,8 @@ def print_gemv_best(rows: list[dict]) -> None:
         ok = [r for r in rows if r["projection"] == name and r.get("ok")]
         xla = next((r["us"] for r in ok if r["path"] == "xla"), float("nan"))
         pallas = [r for r in ok if r["path"] == "pallas"]
-        default = next((r["us"] for r in pallas if r["config"] == fp8_gemv_configs(*r["shape"])[0]), float("nan"))
+        first = pallas_configs(1, *pallas[0]["shape"], FP8_GEMV_SWEEP)[0] if pallas else None
+        default = next((r["us"] for r in pallas if r["config"] == first), float("nan"))
         best = min(pallas, key=lambda r: r["us"], default=None)
         mosaic = min((r["us"] for r in ok if r["path"] == "mosaic"), default=float("nan"))
         tiles = best["config"] if best else None

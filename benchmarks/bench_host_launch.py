@@ -45,7 +45,7 @@ from benchmarks.common import (
     median_ms,
     random_params,
 )
-from benchmarks.device_profile import _device_kernel_events, host_self_times, summarise, trace_calls
+from benchmarks.device_profile import device_summary, host_self_times, trace_calls
 from jspec.checkpoint.eagle import init_random_draft_params
 from jspec.engine.engine import LoopTimes
 from jspec.worker.base import check_layer_loop
@@ -161,7 +161,7 @@ def loop_trace(engine, tokens: int) -> dict:
     trace = trace_calls(lambda: engine.generate([[1, 2, 3, 4]], params), calls=1)
     if trace is None:
         return {"error": "no trace written"}
-    return dict(host=host_self_times(trace, tokens), device=summarise(_device_kernel_events(trace), tokens))
+    return dict(host=host_self_times(trace, tokens), device=device_summary(trace, tokens))
 
 
 def main():

@@ -170,6 +170,11 @@ def profile_calls(step: Callable[[], object], calls: int = 5, log_dir: str | Non
     trace = trace_calls(step, calls, log_dir)
     if trace is None:
         return {"error": "no trace written"}
+    return device_summary(trace, calls)
+
+
+def device_summary(trace: dict, calls: int) -> dict:
+    """summarise() over a trace's device kernels."""
     return summarise(_device_kernel_events(trace), calls)
 
 

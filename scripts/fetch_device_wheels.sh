@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The wheels the GPU machine's image lacks (the server's, the grammar engine's, the structured-
-# output tests' jsonschema and gguf, which converts the demo model there), downloaded here into .whl for a device call to carry; that machine
-# has no network. benchmarks/gpu_session.sh installs whatever .whl holds.
+# output tests' jsonschema and gguf, which converts the demo model there), downloaded here into
+# .whl for a device call to carry; that machine has no network. benchmarks/gpu_session.sh
+# installs whatever .whl holds.
 #   bash scripts/fetch_device_wheels.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."

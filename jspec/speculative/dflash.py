@@ -136,8 +136,8 @@ def make_dflash_method(spec: SpecConfig, cfg: ModelConfig, draft, dtype, draft_d
         spec = dataclasses.replace(spec, num_draft_tokens=dcfg.block_size)
     if spec.adaptive and spec.adaptive_shapes == DFLASH_ADAPTIVE_SHAPES:
         # The default shorter blocks that this drafter's block holds; shapes given are checked.
-        fits = [item for item in DFLASH_ADAPTIVE_SHAPES.split() if int(item.split(",")[2]) <= dcfg.block_size]
-        spec = dataclasses.replace(spec, adaptive_shapes=" ".join(fits))
+        fits = [shape for shape in spec.shapes()[1:] if shape[2] <= dcfg.block_size]
+        spec = dataclasses.replace(spec, adaptive_shapes=" ".join(",".join(map(str, shape)) for shape in fits))
     widest = max(n for _, _, n in spec.shapes())
     if widest > dcfg.block_size:
         raise ValueError(
