@@ -17,8 +17,10 @@ with a random head:
     python -m benchmarks.bench_host_launch [--out benchmarks/results] [--tiny] [--methods none,eagle3]
         [--attention-backend pallas|mosaic] [--trace]
 
-The settings record XLA_FLAGS: run it once with `--xla_gpu_enable_command_buffer=` to see what
-XLA's command buffers (CUDA graphs) save the launch, per attention backend.
+The settings record XLA_FLAGS and XLA_PYTHON_CLIENT_ALLOCATOR: run it once with
+`--xla_gpu_enable_command_buffer=` to see what XLA's command buffers (CUDA graphs) save the
+launch, per attention backend, or under another allocator or command-buffer update mode; each
+row keeps the tokens it generated, so two runs can be checked for the same output.
 """
 
 from __future__ import annotations
@@ -112,11 +114,14 @@ def idle_launch(engine) -> dict:
     )
 
 
-def loop_split(engine, tokens: int) -> tuple[dict, dict, str]:
+def loop_split(engine, tokens: int) -> tuple[dict, dict, str, list[int]]:
     """One request generating `tokens` under the overlap loop: host time per iteration by phase
-    (mean and median), then the same run again under cProfile for a profile of the launches."""
+    (mean and median), then the same run again under cProfile for a profile of the launches;
+    last, the tokens the request generated."""
     params = jspec.SamplingParams(max_new_tokens=tokens, ignore_eos=True)
-    engine.generate([[1, 2, 3, 4]], params)  # compiles what this workload needs
+    # Compiles what this workload needs; its tokens let runs under other runtime settings
+    # (allocators, command-buffer modes) be checked for the same output.
+    first = engine.generate([[1, 2, 3, 4]], params)[0].token_ids
     engine.loop_times = LoopTimes()
     launches = []
     launch = engine._launch
@@ -151,7 +156,7 @@ def loop_split(engine, tokens: int) -> tuple[dict, dict, str]:
         engine._launch = launch
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(12)
-    return split, medians, out.getvalue()
+    return split, medians, out.getvalue(), list(map(int, first))
 
 
 def loop_trace(engine, tokens: int) -> dict:
@@ -190,7 +195,7 @@ def main():
             disable_radix_cache=True,
             attention_backend=args.attention_backend,
         )
-        split, medians, profile = loop_split(engine, args.tokens)
+        split, medians, profile, generated = loop_split(engine, args.tokens)
         row = dict(
             method=method,
             batch=1,
@@ -198,6 +203,7 @@ def main():
             overlap_loop_ms=split,
             overlap_launch_median_ms=medians,
             launch_profile=profile,
+            generated_tokens=generated,
         )
         if args.trace:
             row["loop_trace"] = loop_trace(engine, args.tokens)
@@ -217,6 +223,7 @@ def main():
         "layer_loop": check_layer_loop("auto"),
         "attention_backend": args.attention_backend or "default",
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "allocator": os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "default"),
     }
     path = Results(args.out, args.name, settings).write(rows=rows)
     print(f"wrote {path}\n")

@@ -106,9 +106,15 @@ for s in "$@"; do
         --save-examples .demo_stash/answers.npz --sampled-answers 7 --max-new-tokens 192 --steps ${EAGLE_STEPS:-6000} \
         --batch-size 32 --max-running-requests 256 --eval-spec-prompts 16 --results "$RESULTS/train_eagle3_smollm2.json" ;;
     dflash_smollm2)
-      # eagle_smollm2's answers when it ran on this machine, else the same answers generated here.
-      answers=(--sampled-answers 7)
-      [ -f .demo_stash/answers.npz ] && answers=(--examples .demo_stash/answers.npz)
+      # eagle_smollm2's answers when it ran on this machine, else the same answers generated here;
+      # DFLASH_SELF_PROMPTS > 0: the target writes that many more prompts and answers them all
+      # (DFLASH_SAMPLED sampled answers each besides greedy).
+      answers=(--sampled-answers ${DFLASH_SAMPLED:-7})
+      if [ "${DFLASH_SELF_PROMPTS:-0}" -gt 0 ]; then
+        answers+=(--self-prompts $DFLASH_SELF_PROMPTS)
+      elif [ -f .demo_stash/answers.npz ]; then
+        answers=(--examples .demo_stash/answers.npz)
+      fi
       step dflash_smollm2 590 $PY scripts/train_dflash.py --out .demo_stash/dflash-smol --mask-token-id 16 \
         "${answers[@]}" --max-running-requests 256 --max-new-tokens 192 --seq-len 256 --steps ${DFLASH_STEPS:-4000} \
         --batch-size 32 --block-size 16 --num-draft-layers ${DFLASH_LAYERS:-2} --anchors 16 --results "$RESULTS/train_dflash_smollm2.json" ;;
@@ -192,6 +198,22 @@ for s in "$@"; do
       # again, a Triton kernel node has its pointers swapped).
       step call_cost_moving 200 $PY -m benchmarks.bench_call_cost --moving --out "$RESULTS"
       step call_cost_decode_moving 200 $PY -m benchmarks.bench_call_cost --kernel paged_decode --moving --out "$RESULTS" ;;
+    launch_va_remap)
+      # XLA's command buffers with their allocations at fixed virtual addresses (the VMM
+      # allocator, VA remapping, an update mode that skips the temporaries' nodes), so that a
+      # launch need not update its graphs: SmolLM2's bs-1 launch and the moving add-and-norm
+      # chain under each setting, the generated tokens checked against the default's.
+      remap="--xla_gpu_enable_command_buffer_va_remapping=true --xla_gpu_command_buffer_update_mode"
+      declare -A va_allocator=([default]=default [vmm]=vmm [vmm_remap]=vmm [vmm_remap_profiled]=vmm)
+      declare -A va_flags=([default]="" [vmm]="" [vmm_remap]="$remap=SKIP_TEMP" [vmm_remap_profiled]="$remap=SKIP_PROFILED")
+      for v in ${VA_VARIANTS:-default vmm vmm_remap vmm_remap_profiled}; do
+        va=(env XLA_PYTHON_CLIENT_ALLOCATOR=${va_allocator[$v]} XLA_FLAGS="${va_flags[$v]}")
+        step launch_va_$v 150 "${va[@]}" $PY -m benchmarks.bench_host_launch --methods none --attention-backend pallas \
+          --tokens 128 --name bench_host_launch_va_$v --out "$RESULTS"
+        step call_cost_va_$v 150 "${va[@]}" $PY -m benchmarks.bench_call_cost --moving --backends xla,pallas \
+          --out "$RESULTS/va_$v"
+      done
+      $PY -m benchmarks.va_remap_table "$RESULTS" ;;
     call_cost_decode)
       # The same fit with the paged decode attention as the chained call (a pool of N layers).
       step call_cost_decode 200 $PY -m benchmarks.bench_call_cost --kernel paged_decode --out "$RESULTS" ;;

@@ -1,10 +1,13 @@
 """Train a DFlash block drafter for a target model (jspec/train/dflash.py explains the objective).
 
-The target answers jspec's own prompt set (jspec/train/prompts.py) through its chat template,
-greedily (plus --sampled-answers seeded samples per prompt); the drafter learns to draft
-blocks of --block-size tokens at random anchors of those answers from the target's states at
-its chosen layers. The result is written in the published DFlash layout (config.json +
-model.safetensors, what z-lab's reference and SGLang read, plus train_meta.json), so that
+The target answers jspec's own prompt set (jspec/train/prompts.py), plus --self-prompts it writes
+itself (jspec/train/self_prompts.py), through its chat template, greedily (plus
+--sampled-answers seeded samples per prompt); the drafter learns to draft blocks of
+--block-size tokens at random anchors of those answers from the target's states at its chosen
+layers. Every --eval-every steps it is scored on --num-validation prompts that neither training
+nor the final report uses, and the best step's weights are kept. The result is written in the
+published DFlash layout (config.json + model.safetensors, what z-lab's reference and SGLang
+read, plus train_meta.json), so that
 
     python scripts/generate.py --model-path MODEL --speculative-algorithm DFLASH \\
         --speculative-draft-model-path OUT
@@ -31,7 +34,8 @@ import jax
 
 import jspec
 from jspec.train import dflash, eagle3
-from jspec.train.prompts import split_prompts
+from jspec.train.prompts import split_prompts, validation_prompts
+from jspec.train.self_prompts import self_prompts
 
 
 def parse_args(argv=None):
@@ -40,6 +44,13 @@ def parse_args(argv=None):
     ap.add_argument("--out", required=True, help="directory to write the drafter into")
     ap.add_argument("--num-prompts", type=int, default=448, help="training prompts (of jspec's 544)")
     ap.add_argument("--num-heldout", type=int, default=64, help="held-out prompts for the final evaluation")
+    ap.add_argument(
+        "--num-validation", type=int, default=32, help="prompts (besides both) that choose the step whose weights are kept"
+    )
+    ap.add_argument("--eval-every", type=int, default=250, help="steps between validation scores (0: keep the last step)")
+    ap.add_argument(
+        "--self-prompts", type=int, default=0, help="more training prompts, written by the target itself (Magpie)"
+    )
     ap.add_argument("--max-new-tokens", type=int, default=256, help="length of the target's answers")
     ap.add_argument("--sampled-answers", type=int, default=0, help="seeded sampled answers per prompt, besides greedy")
     ap.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampled answers")
@@ -80,6 +91,8 @@ def model_path(args) -> str:
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.examples and args.self_prompts:
+        raise SystemExit("--self-prompts writes new training prompts; --examples brings answers already made: pick one")
     log = lambda s: print("[train_dflash] " + s, flush=True)  # noqa: E731
     t_start = time.perf_counter()
     engine_kw = json.loads(args.engine_kw)
@@ -97,6 +110,7 @@ def main(argv=None):
         mask_token_id=args.mask_token_id,
         seed=args.seed,
         log_every=args.log_every,
+        eval_every=args.eval_every if args.num_validation > 0 else 0,
     )
     dcfg = dflash.drafter_config(model, tc)
     log(
@@ -105,8 +119,15 @@ def main(argv=None):
         f"{dcfg.mask_token_id}; {dflash.gamma_note(tc)}"
     )
     train_prompts, heldout_prompts = split_prompts(args.num_prompts, args.num_heldout, seed=args.seed)
+    val_prompts = validation_prompts(args.num_prompts, args.num_validation, args.num_heldout, seed=args.seed)
     t = time.perf_counter()
     engine = jspec.Engine(model, max_running_requests=args.max_running_requests, **engine_kw)
+    if args.self_prompts:
+        written = self_prompts(
+            model, args.self_prompts, engine=engine, seed=args.seed, exclude=[*val_prompts, *heldout_prompts]
+        )
+        log(f"{len(written)} prompts written by the target, e.g. {written[0][:80]!r}")
+        train_prompts = train_prompts + written
     if args.examples:
         train_ex, meta = eagle3.load_examples(args.examples, cfg.vocab_size)
         log(f"{len(train_ex)} training answers from {args.examples} ({meta})")
@@ -121,17 +142,29 @@ def main(argv=None):
             seed=args.seed,
         )
     heldout_ex = eagle3.generate_examples(model, heldout_prompts, args.max_new_tokens, engine=engine)
+    val_ex = eagle3.generate_examples(model, val_prompts, args.max_new_tokens, engine=engine)
     del engine
     generate_s = time.perf_counter() - t
     n_resp = sum(len(e.tokens) - e.prompt_len for e in train_ex)
-    log(f"{len(train_ex)} training answers ({n_resp} tokens), {len(heldout_ex)} held out, in {generate_s:.1f} s")
+    log(
+        f"{len(train_ex)} training answers ({n_resp} tokens), {len(val_ex)} for validation, {len(heldout_ex)} held "
+        f"out, in {generate_s:.1f} s"
+    )
 
     train_data = eagle3.pack_examples(train_ex, args.seq_len)
+    val_data = eagle3.pack_examples(val_ex, args.seq_len) if val_ex else None
     t = time.perf_counter()
-    result = dflash.train_dflash(model, train_data, tc, log=log)
+    result = dflash.train_dflash(model, train_data, tc, log=log, validation=val_data)
     train_s = time.perf_counter() - t
     log(f"trained {args.steps} steps in {train_s:.1f} s")
-    report: dict = {"args": vars(args), "train_s": train_s, "generate_s": generate_s, "answer_tokens": n_resp}
+    report: dict = {
+        "args": vars(args),
+        "train_s": train_s,
+        "generate_s": generate_s,
+        "answer_tokens": n_resp,
+        "training_prompts": len(train_prompts),
+        "kept_step": result.kept_step,
+    }
     if heldout_ex:
         ev = dflash.evaluate_drafter(model, result, tc, eagle3.pack_examples(heldout_ex, args.seq_len))
         report["heldout_teacher_forced"] = ev

@@ -55,6 +55,9 @@ class DFlashTrainConfig:
     mask_token_id: int | None = None  # None: the target's last embedding row (see default_mask_token)
     seed: int = 0
     log_every: int = 50
+    # Every this many steps the drafter is scored on the validation answers and the best
+    # scoring weights are kept (0: no validation; the last step's weights are the result).
+    eval_every: int = 0
 
     @property
     def gamma(self) -> float:
@@ -146,6 +149,7 @@ class TrainResult(NamedTuple):
     dcfg: DFlashConfig
     params: dict[str, Any]
     history: list[dict[str, Any]]
+    kept_step: int | None = None  # the step whose weights these are, where validation chose them
 
 
 def make_steps(dcfg: DFlashConfig, tcfg: ModelConfig, cfg: DFlashTrainConfig, optimizer):
@@ -173,14 +177,26 @@ def drafter_config(model, cfg: DFlashTrainConfig) -> DFlashConfig:
     return dflash_config_for(model.cfg, num_layers=cfg.num_layers, block_size=cfg.block_size, mask_token_id=mask)
 
 
-def train_dflash(model, data: Batch, cfg: DFlashTrainConfig, log: Callable[[str], None] = print) -> TrainResult:
-    """Trains a drafter on packed sequences (eagle3.pack_examples) of `model` (a jspec.Model)."""
+def train_dflash(
+    model,
+    data: Batch,
+    cfg: DFlashTrainConfig,
+    log: Callable[[str], None] = print,
+    validation: Batch | None = None,
+) -> TrainResult:
+    """Trains a drafter on packed sequences (eagle3.pack_examples) of `model` (a jspec.Model).
+
+    With `validation` and cfg.eval_every, the weights returned are those of the step with the
+    best validation accept length: a few hundred prompts' answers are seen many times over,
+    and past some step the drafter memorises them while it drafts worse for new prompts."""
     tcfg, target_params = model.cfg, model.params
     dcfg = drafter_config(model, cfg)
     weights = init_random_dflash_params(dcfg, jax.random.key(cfg.seed), jnp.float32)
     optimizer = make_optimizer(cfg)
     opt_state = optimizer.init(weights)
-    train_step, _ = make_steps(dcfg, tcfg, cfg, optimizer)
+    train_step, eval_step = make_steps(dcfg, tcfg, cfg, optimizer)
+    validate = validation is not None and cfg.eval_every > 0
+    best: tuple[float, int, Any] | None = None  # (accept length, step, weights)
     rng = np.random.default_rng(cfg.seed)
     epoch = np.resize(np.arange(len(data.lengths)), max(len(data.lengths), cfg.batch_size))
     order, pos = rng.permutation(epoch), 0
@@ -193,24 +209,37 @@ def train_dflash(model, data: Batch, cfg: DFlashTrainConfig, log: Callable[[str]
         batch = take(data, rows)
         anchors = sample_anchors(rng, batch, cfg.anchors)
         weights, opt_state, (loss, row_loss, row_acc) = train_step(weights, opt_state, target_params, batch, anchors)
-        if step == 1 or step % cfg.log_every == 0 or step == cfg.steps:
-            rec = {
-                "step": step,
-                "loss": float(loss),
-                "row_loss": np.asarray(row_loss).round(4).tolist(),
-                "row_acc": np.asarray(row_acc).round(4).tolist(),
-                "elapsed_s": time.perf_counter() - t0,
-            }
-            history.append(rec)
-            acc = " ".join(f"{a:.2f}" for a in rec["row_acc"][:4])
-            log(f"step {step:5d}  loss {rec['loss']:.4f}  acc rows 1-4 {acc}  ({rec['elapsed_s']:.1f} s)")
-    return TrainResult(dcfg, weights, history)
+        logged = step == 1 or step % cfg.log_every == 0 or step == cfg.steps
+        scored = validate and (step % cfg.eval_every == 0 or step == cfg.steps)
+        if not (logged or scored):
+            continue
+        rec = {
+            "step": step,
+            "loss": float(loss),
+            "row_loss": np.asarray(row_loss).round(4).tolist(),
+            "row_acc": np.asarray(row_acc).round(4).tolist(),
+            "elapsed_s": time.perf_counter() - t0,
+        }
+        acc = " ".join(f"{a:.2f}" for a in rec["row_acc"][:4])
+        line = f"step {step:5d}  loss {rec['loss']:.4f}  acc rows 1-4 {acc}"
+        if scored:
+            ev = score_blocks(eval_step, weights, target_params, validation, cfg)
+            rec["validation"] = {k: ev[k] for k in ("loss", "accept_length", "row_acc")}
+            line += f"  validation accept {ev['accept_length']:.3f}"
+            if best is None or ev["accept_length"] > best[0]:
+                # train_step donates its weights: keep a copy of the ones worth keeping.
+                best = (ev["accept_length"], step, jax.tree.map(jnp.copy, weights))
+        history.append(rec)
+        log(f"{line}  ({rec['elapsed_s']:.1f} s)")
+    if best is None:
+        return TrainResult(dcfg, weights, history)
+    log(f"kept the weights of step {best[1]} (validation accept length {best[0]:.3f})")
+    return TrainResult(dcfg, best[2], history, kept_step=best[1])
 
 
-def evaluate_drafter(model, result: TrainResult, cfg: DFlashTrainConfig, data: Batch, seed: int = 1) -> dict[str, Any]:
+def score_blocks(eval_step, params, target_params, data: Batch, cfg: DFlashTrainConfig, seed: int = 1) -> dict:
     """Teacher-forced per-row agreement and loss, and the accept length they imply, over every
-    sequence of `data` (anchors drawn with `seed`)."""
-    _, eval_step = make_steps(result.dcfg, model.cfg, cfg, make_optimizer(cfg))
+    sequence of `data` (anchors drawn with `seed`, so that two calls score the same blocks)."""
     rng = np.random.default_rng(seed)
     n = len(data.lengths)
     corrects, valids, losses = [], [], []
@@ -218,7 +247,7 @@ def evaluate_drafter(model, result: TrainResult, cfg: DFlashTrainConfig, data: B
         rows = np.arange(i, i + cfg.batch_size) % n  # the last batch wraps; its repeats are dropped
         keep = np.arange(i, i + cfg.batch_size) < n
         batch = take(data, rows)
-        m = eval_step(result.params, model.params, batch, sample_anchors(rng, batch, cfg.anchors))
+        m = eval_step(params, target_params, batch, sample_anchors(rng, batch, cfg.anchors))
         corrects.append(np.asarray(m.correct)[keep])
         valids.append(np.asarray(m.valid)[keep])
         losses.append(float(m.loss))
@@ -230,6 +259,12 @@ def evaluate_drafter(model, result: TrainResult, cfg: DFlashTrainConfig, data: B
         "accept_length": accept_length_estimate(correct, valid),
         "blocks": int(valid[..., 0].sum()),
     }
+
+
+def evaluate_drafter(model, result: TrainResult, cfg: DFlashTrainConfig, data: Batch, seed: int = 1) -> dict[str, Any]:
+    """score_blocks for a trained drafter, outside training."""
+    _, eval_step = make_steps(result.dcfg, model.cfg, cfg, make_optimizer(cfg))
+    return score_blocks(eval_step, result.params, model.params, data, cfg, seed)
 
 
 def save_drafter(

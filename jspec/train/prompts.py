@@ -118,3 +118,15 @@ def split_prompts(num_train: int, num_heldout: int, seed: int = 0) -> tuple[list
         )
     heldout = prompts[len(prompts) - num_heldout :]
     return prompts[:num_train], heldout
+
+
+def validation_prompts(num_train: int, num_validation: int, num_heldout: int, seed: int = 0) -> list[str]:
+    """The prompts between split_prompts' training and held-out parts: for choosing among a
+    training run's checkpoints, so that the held-out set stays unseen by every choice."""
+    prompts = all_prompts(seed)
+    if min(num_train, num_validation, num_heldout) < 0 or num_train + num_validation + num_heldout > len(prompts):
+        raise ValueError(
+            f"num_train ({num_train}) + num_validation ({num_validation}) + num_heldout ({num_heldout}) must be "
+            f"within the {len(prompts)} prompts of the set"
+        )
+    return prompts[num_train : num_train + num_validation]

@@ -389,3 +389,19 @@ def test_bench_host_launch_idle_kept_and_traced(tmp_path):
     assert row["idle"]["launch_ms"] > 0 and row["idle"]["launch_outputs_kept_ms"] > 0
     host = row["loop_trace"]["host"]["self_us_per_call"]
     assert host and all(not name.startswith("$") for name in host)  # no Python frames traced
+    assert len(row["generated_tokens"]) == 8
+
+
+def test_va_remap_table_flags_a_setting_whose_tokens_differ(tmp_path):
+    """launch_va_remap's table: each setting's launch beside the default's, and a setting that
+    changed the generated tokens marked so (here a copy of a dry run with one token altered)."""
+    run_script("bench_host_launch", "--methods", "none", "--tokens", "4", "--name", "bench_host_launch_va_default",
+               "--out", str(tmp_path))
+    data = json.load(open(tmp_path / "bench_host_launch_va_default.json"))
+    for name, bump in (("same", 0), ("wrong", 1)):
+        data["rows"][0]["generated_tokens"][-1] += bump
+        json.dump(data, open(tmp_path / f"bench_host_launch_va_{name}.json", "w"))
+    run_module("benchmarks.va_remap_table", str(tmp_path))
+    rows = {r["setting"]: r for r in json.load(open(tmp_path / "bench_va_remap.json"))["rows"]}
+    assert {s: r["same_tokens_as_default"] for s, r in rows.items()} == {"default": True, "same": True, "wrong": False}
+    assert rows["default"]["allocator"] == "default" and rows["default"]["loop_launch_ms"] > 0

@@ -1,7 +1,8 @@
 """Training a DFlash drafter (jspec/train/dflash.py) on a tiny target, on the CPU: the anchors
 stay inside the answers, the row weights decay down the block, the loss falls on answers
-that repeat with a short period (what a drafter can learn in a few dozen steps), and the
-drafter is written in the published layout and read back exactly."""
+that repeat with a short period (what a drafter can learn in a few dozen steps), the drafter
+is written in the published layout and read back exactly, validation keeps the best step's
+weights, and the target writes training prompts of its own."""
 
 import jax
 import numpy as np
@@ -10,7 +11,8 @@ import pytest
 import jspec
 from jspec.checkpoint.dflash import load_dflash_model
 from jspec.checkpoint.tiny import make_tiny_model
-from jspec.train import dflash, eagle3
+from jspec.train import dflash, eagle3, self_prompts
+from jspec.train.prompts import split_prompts, validation_prompts
 
 pytestmark = pytest.mark.slow  # builds engines, servers or HF references
 
@@ -64,3 +66,44 @@ def test_loss_falls_and_the_drafter_round_trips(model, tmp_path):
     dcfg, params = load_dflash_model(path, model.cfg)
     assert dcfg == result.dcfg
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, result.params)
+
+
+def test_validation_keeps_the_best_steps_weights(model):
+    """With validation answers, the drafter returned is the best-scoring step's (a copy taken
+    before the next step donates the weights), and its score is reproducible from it."""
+    data = eagle3.pack_examples(periodic_examples(), 48)
+    validation = eagle3.pack_examples(periodic_examples(count=4, seed=1), 48)
+    cfg = dflash.DFlashTrainConfig(
+        steps=30, batch_size=8, seq_len=48, lr=3e-3, warmup_steps=4, block_size=8, num_layers=1, anchors=8,
+        log_every=100, eval_every=10,
+    )
+    result = dflash.train_dflash(model, data, cfg, log=lambda s: None, validation=validation)
+    scored = {r["step"]: r["validation"]["accept_length"] for r in result.history if "validation" in r}
+    assert sorted(scored) == [10, 20, 30]
+    assert result.kept_step == max(scored, key=lambda s: (scored[s], -s))  # the first of equal bests
+    assert dflash.evaluate_drafter(model, result, cfg, validation)["accept_length"] == scored[result.kept_step]
+    plain = dflash.train_dflash(model, data, cfg, log=lambda s: None)
+    assert plain.kept_step is None and all("validation" not in r for r in plain.history)
+
+
+def test_the_target_writes_prompts_of_its_own(model):
+    """Self-prompts (Magpie): sampled after the opening of a user turn, seeded, distinct, none of
+    the excluded (held-out) ones; the opening is what the chat template writes before a message."""
+    opening = self_prompts.user_turn_opening(model.tokenizer)
+    assert opening == "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n"
+    engine = jspec.Engine(model, max_running_requests=4, precompile_bs_paddings=[4], attention_backend="reference")
+    kw = dict(engine=engine, seed=3, max_new_tokens=12)
+    first = self_prompts.self_prompts(model, 5, **kw)
+    assert len(first) == len(set(first)) == 5 and all(p.strip() == p and p for p in first)
+    assert self_prompts.self_prompts(model, 5, **kw) == first
+    rest = self_prompts.self_prompts(model, 4, exclude=first[:2], **kw)
+    assert not set(rest) & set(first[:2]) and rest[:3] == first[2:5]
+    assert self_prompts.self_prompts(model, 5, **{**kw, "seed": 4}) != first
+
+
+def test_validation_prompts_sit_between_training_and_held_out():
+    train, held = split_prompts(448, 64)
+    val = validation_prompts(448, 32, 64)
+    assert len(val) == 32 and not set(val) & (set(train) | set(held))
+    with pytest.raises(ValueError, match="must be within the 544 prompts"):
+        validation_prompts(448, 64, 64)
