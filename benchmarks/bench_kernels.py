@@ -230,10 +230,18 @@ def extend_flops(batch, q_len, ctx, mask, *, window=None, num_q_heads=32, head_d
     return 4 * batch * visible * num_q_heads * head_dim
 
 
-def extend_case(name, batch, q_len, ctx, page_size, variants, *, tree, iters, reps, window=None):
-    """window: a sliding window narrower than ctx (each query reads its last window keys)."""
+def extend_case(name, batch, q_len, ctx, page_size, variants, *, tree, iters, reps, window=None, heads=(32, 8, 128)):
+    """window: a sliding window narrower than ctx (each query reads its last window keys);
+    heads: (query heads, KV heads, head dim), the 8B's unless given."""
+    num_q_heads, num_kv_heads, head_dim = heads
     p = Problem(
-        batch=batch, ctx=ctx, page_size=page_size, num_q_heads=32, num_kv_heads=8, head_dim=128, q_rows=batch * q_len
+        batch=batch,
+        ctx=ctx,
+        page_size=page_size,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        q_rows=batch * q_len,
     )
     layer = jnp.int32(LAYER)
     query_start = jnp.arange(batch + 1, dtype=jnp.int32) * q_len
@@ -242,7 +250,7 @@ def extend_case(name, batch, q_len, ctx, page_size, variants, *, tree, iters, re
     ref = jax.jit(functools.partial(paged_extend_ref, sm_scale=p.sm_scale, max_q_len=q_len))(
         p.q, p.k, p.v, layer, p.seq_lens, p.page_tables[0], query_start, mask=mask, window=win
     )
-    flops = extend_flops(batch, q_len, ctx, mask, window=window)
+    flops = extend_flops(batch, q_len, ctx, mask, window=window, num_q_heads=num_q_heads, head_dim=head_dim)
     case = dict(
         name=name,
         kind="extend_tree" if tree else "extend_causal",
@@ -251,9 +259,9 @@ def extend_case(name, batch, q_len, ctx, page_size, variants, *, tree, iters, re
         q_len=q_len,
         ctx=ctx,
         page_size=page_size,
-        num_q_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
         kv_bytes=p.kv_bytes,
         flops=flops,
         page_table_sets=p.sets,
@@ -274,7 +282,7 @@ def extend_case(name, batch, q_len, ctx, page_size, variants, *, tree, iters, re
             window=win,
             **tuning,
         )
-        plan = extend_plan(batch, 32, p.k.shape, ctx // page_size, q_len, batch * q_len, **tuning)._asdict()
+        plan = extend_plan(batch, num_q_heads, p.k.shape, ctx // page_size, q_len, batch * q_len, **tuning)._asdict()
         extra = {"tuning": tuning, "plan": plan, "kernel": "jspec"}
         case["results"].append(run_variant(vname, call, ref, p, iters, reps, extra))
         print(f"  {name} {vname}: {case['results'][-1].get('median_us', 'FAILED')}", flush=True)
@@ -314,6 +322,16 @@ def tree_variants(quick):
         ("n128", dict(block_n=128)),
         ("n32_stages3", dict(block_n=32, num_stages=3)),
     ]
+
+
+def small_verify_variants():
+    """Query-block heights and splits for a short chain on few sequences, where the default's
+    one block of every token leaves most SMs idle."""
+    return [("default", {})] + [
+        (f"m{m}_splits{n}", dict(block_m=m, num_splits=n, min_split_tokens=64))
+        for m in (16, 32, 64)
+        for n in (1, 4, 8)
+    ] + [("m64_w8", dict(block_m=64, num_warps=8)), ("m32_n64", dict(block_m=32, block_n=64))]
 
 
 def prefill_variants(quick):
@@ -381,6 +399,11 @@ def main():
     parser.add_argument("--out", default=RESULTS_DIR)
     parser.add_argument("--quick", action="store_true", help="default tuning only, fewer repeats")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check this script on a CPU")
+    parser.add_argument(
+        "--verify-small",
+        action="store_true",
+        help="only the SmolLM2 shape's chain verify (9 / 3 heads of 64) at B=1 and 16: its tiles and splits",
+    )
     args = parser.parse_args()
     iters, reps = (3, 3) if args.quick else (5, 4)
     # --smoke divides contexts and batches so interpret mode finishes in minutes.
@@ -490,6 +513,25 @@ def main():
             window=ctx(2048) // 8,
         ),
     ]
+    if args.verify_small:
+        # DFLASH's block of 16 and 8 and EAGLE-3's 4 verified over a SmolLM2-sized context, the
+        # shapes whose B=1 iteration the verify kernel dominates (a random tree mask: the
+        # kernel's cost does not depend on which pairs the mask keeps).
+        plans = [
+            lambda b=b, q=q: extend_case(
+                f"verify_b{b}_q{q}_ctx512_s16_smollm2",
+                b if not args.smoke else 1,
+                q,
+                ctx(512) if not args.smoke else 64,
+                16,
+                small_verify_variants()[: 3 if args.smoke else None],
+                tree=True,
+                iters=iters,
+                reps=reps,
+                heads=(9, 3, 64),
+            )
+            for b, q in ((1, 16), (1, 8), (1, 4), (16, 16))
+        ][: 1 if args.smoke else None]
     # Per-iteration cost of the timing loop itself: a trivial body on a decode-sized q.
     q_small = jnp.ones((32, 32, 128), jnp.bfloat16)
     loop_floor_us, _, _ = time_loop(lambda j, q: q * jnp.bfloat16(0.5) + q, q_small, (), iters, reps)
@@ -497,7 +539,7 @@ def main():
 
     results = Results(
         args.out,
-        "bench_kernels",
+        "bench_kernels_verify_small" if args.verify_small else "bench_kernels",
         {
             "iters_per_loop": iters,
             "repeats": reps,

@@ -198,6 +198,10 @@ for s in "$@"; do
       # again, a Triton kernel node has its pointers swapped).
       step call_cost_moving 200 $PY -m benchmarks.bench_call_cost --moving --out "$RESULTS"
       step call_cost_decode_moving 200 $PY -m benchmarks.bench_call_cost --kernel paged_decode --moving --out "$RESULTS" ;;
+    verify_tiles_small)
+      # The SmolLM2 shape's verify (16, 8 and 4 tokens at B=1, 16 at B=16) over the extend
+      # kernel's query-block heights and splits (bench_kernels --verify-small).
+      step verify_tiles_small 200 $PY -m benchmarks.bench_kernels --verify-small --out "$RESULTS" ;;
     launch_va_remap)
       # XLA's command buffers with their allocations at fixed virtual addresses (the VMM
       # allocator, VA remapping, an update mode that skips the temporaries' nodes), so that a

@@ -405,3 +405,12 @@ def test_va_remap_table_flags_a_setting_whose_tokens_differ(tmp_path):
     rows = {r["setting"]: r for r in json.load(open(tmp_path / "bench_va_remap.json"))["rows"]}
     assert {s: r["same_tokens_as_default"] for s, r in rows.items()} == {"default": True, "same": True, "wrong": False}
     assert rows["default"]["allocator"] == "default" and rows["default"]["loop_launch_ms"] > 0
+
+
+def test_bench_kernels_verify_small_sweeps_the_small_models_verify_tiles(tmp_path):
+    run_module("benchmarks.bench_kernels", "--smoke", "--verify-small", "--out", str(tmp_path))
+    (case,) = json.load(open(tmp_path / "bench_kernels_verify_small.json"))["cases"]
+    assert (case["num_q_heads"], case["num_kv_heads"], case["head_dim"], case["q_len"]) == (9, 3, 64, 16)
+    plans = {r["variant"]: r["plan"] for r in case["results"]}
+    assert plans["default"]["block_m"] == 64 and plans["m16_splits4"]["block_m"] == 16
+    assert all(r["rel_err"] < 1e-2 for r in case["results"])
