@@ -336,12 +336,14 @@ for s in "$@"; do
       # engine loop on a thread of the HTTP process (the old layout); the layers unrolled over
       # their stacked weights (one launch argument per weight kind); smaller prefill chunks (a
       # step that also decodes costs less above a decode step: ITL p99); mixed steps without the
-      # default bound on their cost, or with a looser one; streams sent four tokens a chunk.
+      # default bound on their cost, or with a looser one; streams sent four tokens a chunk; the
+      # command buffers' allocations at fixed addresses (launch_va_remap, served).
       shape=$SHAPE_SMALL; [ $s = curve_8b_variants ] && shape=$SHAPE_8B
       declare -A flags=([default]="" [in_thread]="--engine-in-thread" \
         [unrolled_stack]="--layer-loop unrolled_stack" [chunk256]="--chunked-prefill-size 256" \
         [unbounded]="--mixed-chunk-slowdown 0" [slowdown1_5]="--mixed-chunk-slowdown 1.5" [slowdown1_75]="--mixed-chunk-slowdown 1.75" [slowdown2]="--mixed-chunk-slowdown 2" [slowdown3]="--mixed-chunk-slowdown 3" \
-        [stream4]="--stream-interval 4")
+        [stream4]="--stream-interval 4" \
+        [va_remap]="XLA_PYTHON_CLIENT_ALLOCATOR=vmm 'XLA_FLAGS=--xla_gpu_enable_command_buffer_va_remapping=true --xla_gpu_command_buffer_update_mode=SKIP_TEMP'")
       variant_args=()
       for v in ${HOST_VARIANTS:-default in_thread chunk256}; do
         variant_args+=(--variant "$v=${flags[$v]}")

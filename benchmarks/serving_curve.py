@@ -8,6 +8,9 @@ concurrency, output tok/s and latency against concurrency, the flag sets side by
 with its chat template, answers ending at EOS, up to --output-len), the workload on which the
 speculative methods' acceptance means something; their curve is labelled input length 0.
 
+A variant's leading NAME=value words set its server's environment (`--variant
+vmm="XLA_PYTHON_CLIENT_ALLOCATOR=vmm --flag"`), for runtime settings read only at start-up.
+
 Each variant's server starts once (its time to healthy is recorded, cold or warm as the
 compilation cache is), then for each prompt length and concurrency c: max(min_prompts, c x
 prompts_per_c) random prompts, all sent at once, at most c in flight, greedy, ignore_eos,
@@ -26,6 +29,7 @@ import bisect
 import itertools
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -92,12 +96,28 @@ def get_json(url: str, timeout: float = 10):
     return json.loads(urllib.request.urlopen(url, timeout=timeout).read())
 
 
-def start_server(args_line: str, port: int, log_path: str, timeout: float) -> tuple[subprocess.Popen, float]:
-    """Starts `jspec serve` with these flags; returns it and its seconds to healthy."""
+def split_env(flags: str) -> tuple[dict[str, str], str]:
+    """A variant's leading NAME=value words (as a shell reads them: quote a value with spaces)
+    are its server's environment, the rest its flags: a runtime setting read only at start-up
+    (an allocator, XLA_FLAGS) is a variant like any flag."""
+    words, env = shlex.split(flags), {}
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0], re.DOTALL):
+        name, value = words.pop(0).split("=", 1)
+        env[name] = value
+    return env, shlex.join(words)
+
+
+def start_server(
+    args_line: str, port: int, log_path: str, timeout: float, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, float]:
+    """Starts `jspec serve` with these flags (and environment variables beside the inherited
+    ones); returns it and its seconds to healthy."""
     cmd = [sys.executable, "-m", "jspec", "serve", "--port", str(port), *shlex.split(args_line)]
-    print("$", shlex.join(cmd), flush=True)
+    print("$", " ".join(f"{k}={shlex.quote(v)}" for k, v in (env or {}).items()), shlex.join(cmd), flush=True)
     log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})}
+    )
     _stop_on_sigterm(proc)
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < timeout:
@@ -188,7 +208,8 @@ def gc_split(before: dict | None, after: dict | None) -> dict | None:
 
 def measure_variant(name: str, flags: str, a, port: int, out_dir: str) -> dict:
     log = os.path.join(out_dir, f"{a.name}_{name}.log")
-    proc, healthy_s = start_server(f"{a.server_args} {flags}", port, log, a.timeout)
+    env, flags = split_env(flags)
+    proc, healthy_s = start_server(f"{a.server_args} {flags}", port, log, a.timeout, env)
     url = f"http://127.0.0.1:{port}"
     rows, info = [], None
     try:

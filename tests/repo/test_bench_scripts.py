@@ -414,3 +414,12 @@ def test_bench_kernels_verify_small_sweeps_the_small_models_verify_tiles(tmp_pat
     plans = {r["variant"]: r["plan"] for r in case["results"]}
     assert plans["default"]["block_m"] == 64 and plans["m16_splits4"]["block_m"] == 16
     assert all(r["rel_err"] < 1e-2 for r in case["results"])
+
+
+def test_serving_curve_variants_carry_environment_words():
+    from benchmarks.serving_curve import split_env
+
+    env, flags = split_env("A_B=1 'XLA_FLAGS=--x=1 --y=SKIP_TEMP' --mixed-chunk-slowdown 2 --tag K=V")
+    assert env == {"A_B": "1", "XLA_FLAGS": "--x=1 --y=SKIP_TEMP"}
+    assert flags == "--mixed-chunk-slowdown 2 --tag K=V"  # only leading words are environment
+    assert split_env("") == ({}, "")
