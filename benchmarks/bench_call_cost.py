@@ -159,8 +159,14 @@ def main():
         backends = [b for b in backends if b != "mosaic"]
     decode = args.kernel == "paged_decode"
     settings = dict(
-        kernel=args.kernel, calls=calls, rows=args.rows, dtype="bfloat16", backends=backends, moving=args.moving,
-        xla_flags=os.environ.get("XLA_FLAGS", ""), allocator=os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "default"),
+        kernel=args.kernel,
+        calls=calls,
+        rows=args.rows,
+        dtype="bfloat16",
+        backends=backends,
+        moving=args.moving,
+        xla_flags=os.environ.get("XLA_FLAGS", ""),
+        allocator=os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "default"),
     )
     if decode:
         settings |= dict(context=context, page_size=PAGE_SIZE, heads=[Q_HEADS, KV_HEADS, HEAD_DIM])

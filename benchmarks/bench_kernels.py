@@ -327,11 +327,15 @@ def tree_variants(quick):
 def small_verify_variants():
     """Query-block heights and splits for a short chain on few sequences, where the default's
     one block of every token leaves most SMs idle."""
-    return [("default", {})] + [
-        (f"m{m}_splits{n}", dict(block_m=m, num_splits=n, min_split_tokens=64))
-        for m in (16, 32, 64)
-        for n in (1, 4, 8)
-    ] + [("m64_w8", dict(block_m=64, num_warps=8)), ("m32_n64", dict(block_m=32, block_n=64))]
+    return (
+        [("default", {})]
+        + [
+            (f"m{m}_splits{n}", dict(block_m=m, num_splits=n, min_split_tokens=64))
+            for m in (16, 32, 64)
+            for n in (1, 4, 8)
+        ]
+        + [("m64_w8", dict(block_m=64, num_warps=8)), ("m32_n64", dict(block_m=32, block_n=64))]
+    )
 
 
 def prefill_variants(quick):

@@ -67,7 +67,9 @@ def main():
         rows=rows
     )
     print(f"wrote {path}\n")
-    print(f"{'setting':>20} {'idle launch':>11} {'kept':>6} {'loop launch':>11} {'wait':>6}  chain us/call  same tokens")
+    print(
+        f"{'setting':>20} {'idle launch':>11} {'kept':>6} {'loop launch':>11} {'wait':>6}  chain us/call  same tokens"
+    )
     for r in rows:
         chain = " ".join(f"{b} {us:.2f}" for b, us in r.get("moving_chain_host_us_per_call", {}).items()) or "-"
         if "idle_launch_ms" not in r:

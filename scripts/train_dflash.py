@@ -45,9 +45,14 @@ def parse_args(argv=None):
     ap.add_argument("--num-prompts", type=int, default=448, help="training prompts (of jspec's 544)")
     ap.add_argument("--num-heldout", type=int, default=64, help="held-out prompts for the final evaluation")
     ap.add_argument(
-        "--num-validation", type=int, default=32, help="prompts (besides both) that choose the step whose weights are kept"
+        "--num-validation",
+        type=int,
+        default=32,
+        help="prompts (besides both) that choose the step whose weights are kept",
     )
-    ap.add_argument("--eval-every", type=int, default=250, help="steps between validation scores (0: keep the last step)")
+    ap.add_argument(
+        "--eval-every", type=int, default=250, help="steps between validation scores (0: keep the last step)"
+    )
     ap.add_argument(
         "--self-prompts", type=int, default=0, help="more training prompts, written by the target itself (Magpie)"
     )

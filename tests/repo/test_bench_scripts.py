@@ -395,8 +395,17 @@ def test_bench_host_launch_idle_kept_and_traced(tmp_path):
 def test_va_remap_table_flags_a_setting_whose_tokens_differ(tmp_path):
     """launch_va_remap's table: each setting's launch beside the default's, and a setting that
     changed the generated tokens marked so (here a copy of a dry run with one token altered)."""
-    run_script("bench_host_launch", "--methods", "none", "--tokens", "4", "--name", "bench_host_launch_va_default",
-               "--out", str(tmp_path))
+    run_script(
+        "bench_host_launch",
+        "--methods",
+        "none",
+        "--tokens",
+        "4",
+        "--name",
+        "bench_host_launch_va_default",
+        "--out",
+        str(tmp_path),
+    )
     data = json.load(open(tmp_path / "bench_host_launch_va_default.json"))
     for name, bump in (("same", 0), ("wrong", 1)):
         data["rows"][0]["generated_tokens"][-1] += bump

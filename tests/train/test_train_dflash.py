@@ -74,8 +74,16 @@ def test_validation_keeps_the_best_steps_weights(model):
     data = eagle3.pack_examples(periodic_examples(), 48)
     validation = eagle3.pack_examples(periodic_examples(count=4, seed=1), 48)
     cfg = dflash.DFlashTrainConfig(
-        steps=30, batch_size=8, seq_len=48, lr=3e-3, warmup_steps=4, block_size=8, num_layers=1, anchors=8,
-        log_every=100, eval_every=10,
+        steps=30,
+        batch_size=8,
+        seq_len=48,
+        lr=3e-3,
+        warmup_steps=4,
+        block_size=8,
+        num_layers=1,
+        anchors=8,
+        log_every=100,
+        eval_every=10,
     )
     result = dflash.train_dflash(model, data, cfg, log=lambda s: None, validation=validation)
     scored = {r["step"]: r["validation"]["accept_length"] for r in result.history if "validation" in r}
