@@ -203,14 +203,20 @@ for s in "$@"; do
       # kernel's query-block heights and splits (bench_kernels --verify-small).
       step verify_tiles_small 200 $PY -m benchmarks.bench_kernels --verify-small --out "$RESULTS" ;;
     launch_va_remap)
-      # XLA's command buffers with their allocations at fixed virtual addresses (the VMM
-      # allocator, VA remapping, an update mode that skips the temporaries' nodes), so that a
-      # launch need not update its graphs: SmolLM2's bs-1 launch and the moving add-and-norm
-      # chain under each setting, the generated tokens checked against the default's.
+      # XLA's command buffers with their buffers at fixed addresses, so that a launch need not
+      # update its graphs: the VMM allocator with VA remapping (an update mode that skips the
+      # temporaries' nodes, or the profiled ones), the temporaries in an allocator of their own
+      # (one fixed address), an exclusive lock on the GPU (cheaper update bookkeeping).
+      # SmolLM2's bs-1 launch and the moving add-and-norm chain under each setting, the
+      # generated tokens checked against the default's (VA_VARIANTS: which run).
       remap="--xla_gpu_enable_command_buffer_va_remapping=true --xla_gpu_command_buffer_update_mode"
-      declare -A va_allocator=([default]=default [vmm]=vmm [vmm_remap]=vmm [vmm_remap_profiled]=vmm)
-      declare -A va_flags=([default]="" [vmm]="" [vmm_remap]="$remap=SKIP_TEMP" [vmm_remap_profiled]="$remap=SKIP_PROFILED")
-      for v in ${VA_VARIANTS:-default vmm vmm_remap vmm_remap_profiled}; do
+      declare -A va_allocator=([default]=default [vmm]=vmm [vmm_remap]=vmm [vmm_remap_profiled]=vmm
+        [temp_color]=default [exclusive_lock]=default [temp_color_lock]=default)
+      declare -A va_flags=([default]="" [vmm]="" [vmm_remap]="$remap=SKIP_TEMP"
+        [vmm_remap_profiled]="$remap=SKIP_PROFILED" [temp_color]="--xla_gpu_temp_buffer_use_separate_color=true"
+        [exclusive_lock]="--xla_gpu_require_exclusive_lock=true"
+        [temp_color_lock]="--xla_gpu_temp_buffer_use_separate_color=true --xla_gpu_require_exclusive_lock=true")
+      for v in ${VA_VARIANTS:-default vmm vmm_remap vmm_remap_profiled temp_color exclusive_lock temp_color_lock}; do
         va=(env XLA_PYTHON_CLIENT_ALLOCATOR=${va_allocator[$v]} XLA_FLAGS="${va_flags[$v]}")
         step launch_va_$v 150 "${va[@]}" $PY -m benchmarks.bench_host_launch --methods none --attention-backend pallas \
           --tokens 128 --name bench_host_launch_va_$v --out "$RESULTS"
@@ -343,7 +349,8 @@ for s in "$@"; do
         [unrolled_stack]="--layer-loop unrolled_stack" [chunk256]="--chunked-prefill-size 256" \
         [unbounded]="--mixed-chunk-slowdown 0" [slowdown1_5]="--mixed-chunk-slowdown 1.5" [slowdown1_75]="--mixed-chunk-slowdown 1.75" [slowdown2]="--mixed-chunk-slowdown 2" [slowdown3]="--mixed-chunk-slowdown 3" \
         [stream4]="--stream-interval 4" \
-        [va_remap]="XLA_PYTHON_CLIENT_ALLOCATOR=vmm 'XLA_FLAGS=--xla_gpu_enable_command_buffer_va_remapping=true --xla_gpu_command_buffer_update_mode=SKIP_TEMP'")
+        [va_remap]="XLA_PYTHON_CLIENT_ALLOCATOR=vmm 'XLA_FLAGS=--xla_gpu_enable_command_buffer_va_remapping=true --xla_gpu_command_buffer_update_mode=SKIP_TEMP'" \
+        [temp_color]="XLA_FLAGS=--xla_gpu_temp_buffer_use_separate_color=true")
       variant_args=()
       for v in ${HOST_VARIANTS:-default in_thread chunk256}; do
         variant_args+=(--variant "$v=${flags[$v]}")
