@@ -115,7 +115,7 @@ for s in "$@"; do
       elif [ -f .demo_stash/answers.npz ]; then
         answers=(--examples .demo_stash/answers.npz)
       fi
-      step dflash_smollm2 590 $PY scripts/train_dflash.py --out .demo_stash/dflash-smol --mask-token-id 16 \
+      step dflash_smollm2 ${DFLASH_LIMIT:-590} $PY scripts/train_dflash.py --out .demo_stash/dflash-smol --mask-token-id 16 \
         "${answers[@]}" --max-running-requests 256 --max-new-tokens 192 --seq-len 256 --steps ${DFLASH_STEPS:-4000} \
         --batch-size 32 --block-size 16 --num-draft-layers ${DFLASH_LAYERS:-2} --anchors 16 --results "$RESULTS/train_dflash_smollm2.json" ;;
     spec_real_dflash|spec_real_eagle3|spec_real_ngram)
