@@ -33,7 +33,7 @@ from jspec.checkpoint.dflash import dflash_config_for, init_random_dflash_params
 from jspec.config.dflash import DFlashConfig
 from jspec.config.model import ModelConfig
 from jspec.models.dflash import dense_block_hidden, draft_logits
-from jspec.train.eagle3 import Batch, make_optimizer, take, target_pass
+from jspec.train.eagle3 import Batch, batch_rows, make_optimizer, step_record, take, target_pass
 
 # The decay the reference recipes pair with each block size; others get B / 2 - 1.
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -198,28 +198,18 @@ def train_dflash(
     validate = validation is not None and cfg.eval_every > 0
     best: tuple[float, int, Any] | None = None  # (accept length, step, weights)
     rng = np.random.default_rng(cfg.seed)
-    epoch = np.resize(np.arange(len(data.lengths)), max(len(data.lengths), cfg.batch_size))
-    order, pos = rng.permutation(epoch), 0
+    batches = batch_rows(rng, len(data.lengths), cfg.batch_size)
     history: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     for step in range(1, cfg.steps + 1):
-        if pos + cfg.batch_size > len(order):
-            order, pos = rng.permutation(epoch), 0
-        rows, pos = order[pos : pos + cfg.batch_size], pos + cfg.batch_size
-        batch = take(data, rows)
+        batch = take(data, next(batches))
         anchors = sample_anchors(rng, batch, cfg.anchors)
         weights, opt_state, (loss, row_loss, row_acc) = train_step(weights, opt_state, target_params, batch, anchors)
         logged = step == 1 or step % cfg.log_every == 0 or step == cfg.steps
         scored = validate and (step % cfg.eval_every == 0 or step == cfg.steps)
         if not (logged or scored):
             continue
-        rec = {
-            "step": step,
-            "loss": float(loss),
-            "row_loss": np.asarray(row_loss).round(4).tolist(),
-            "row_acc": np.asarray(row_acc).round(4).tolist(),
-            "elapsed_s": time.perf_counter() - t0,
-        }
+        rec = step_record(step, loss, t0, row_loss=row_loss, row_acc=row_acc)
         acc = " ".join(f"{a:.2f}" for a in rec["row_acc"][:4])
         line = f"step {step:5d}  loss {rec['loss']:.4f}  acc rows 1-4 {acc}"
         if scored:

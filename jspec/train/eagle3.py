@@ -15,7 +15,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -150,6 +150,23 @@ def pack_examples(examples: Sequence[Example], seq_len: int) -> Batch:
         tokens[i, :n] = e.tokens[:n]
         lengths[i] = n
     return Batch(tokens, np.array([e.prompt_len for e in kept], np.int32), lengths)
+
+
+def batch_rows(rng: np.random.Generator, num_rows: int, batch_size: int) -> Iterator[np.ndarray]:
+    """Endless batches of row indices, epoch after shuffled epoch (a set smaller than one batch
+    repeated to fill it); the trainers draw one per step."""
+    epoch = np.resize(np.arange(num_rows), max(num_rows, batch_size))
+    while True:
+        order = rng.permutation(epoch)
+        for pos in range(0, len(order) - batch_size + 1, batch_size):
+            yield order[pos : pos + batch_size]
+
+
+def step_record(step: int, loss, t0: float, **per_row) -> dict[str, Any]:
+    """A training history entry: the step, its loss, its per-row (or per-step) arrays rounded,
+    the seconds since t0."""
+    rounded = {name: np.asarray(v).round(4).tolist() for name, v in per_row.items()}
+    return {"step": step, "loss": float(loss), **rounded, "elapsed_s": time.perf_counter() - t0}
 
 
 def take(batch: Batch, rows: np.ndarray) -> Batch:
@@ -510,25 +527,15 @@ def train_eagle3(model, data: Batch, cfg: TrainConfig, log: Callable[[str], None
 
     rng = np.random.default_rng(cfg.seed)
     # Epochs of shuffled rows; data smaller than a batch is repeated to fill one.
-    epoch = np.resize(np.arange(len(data.lengths)), max(len(data.lengths), cfg.batch_size))
-    order, pos = rng.permutation(epoch), 0
+    batches = batch_rows(rng, len(data.lengths), cfg.batch_size)
     history: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     for step in range(1, cfg.steps + 1):
-        if pos + cfg.batch_size > len(order):
-            order, pos = rng.permutation(epoch), 0
-        rows, pos = order[pos : pos + cfg.batch_size], pos + cfg.batch_size
         weights, opt_state, (loss, step_loss, step_acc) = train_step(
-            weights, opt_state, d2t, target_params, hot_dev, take(data, rows)
+            weights, opt_state, d2t, target_params, hot_dev, take(data, next(batches))
         )
         if step == 1 or step % cfg.log_every == 0 or step == cfg.steps:
-            rec = {
-                "step": step,
-                "loss": float(loss),
-                "step_loss": np.asarray(step_loss).round(4).tolist(),
-                "step_acc": np.asarray(step_acc).round(4).tolist(),
-                "elapsed_s": time.perf_counter() - t0,
-            }
+            rec = step_record(step, loss, t0, step_loss=step_loss, step_acc=step_acc)
             history.append(rec)
             log(f"step {step:5d}  loss {rec['loss']:.4f}  acc/step {fmt(rec['step_acc'])}  ({rec['elapsed_s']:.1f} s)")
     return TrainResult(dcfg, {**weights, "d2t": d2t}, history)
