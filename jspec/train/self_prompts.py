@@ -46,9 +46,11 @@ def self_prompts(
     opening = model.tokenizer.encode(user_turn_opening(model.tokenizer), add_special_tokens=False)
     seen, prompts = set(exclude), []
     drawn = 0
-    # Duplicates and blanks are redrawn; a model that keeps repeating itself stops the search.
+    # A few more than are missing, since some come out blank or repeated; those are redrawn,
+    # and a model that keeps repeating itself stops the search.
     for _ in range(8):
-        wanted = 2 * (count - len(prompts))
+        missing = count - len(prompts)
+        wanted = missing + missing // 8 + 1
         params = [
             jspec.SamplingParams(
                 max_new_tokens=max_new_tokens, temperature=temperature, seed=(seed * 1_000_003 + drawn + i) % 2**32
