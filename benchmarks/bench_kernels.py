@@ -406,7 +406,7 @@ def main():
     parser.add_argument(
         "--verify-small",
         action="store_true",
-        help="only the SmolLM2 shape's chain verify (9 / 3 heads of 64) at B=1 and 16: its tiles and splits",
+        help="only the SmolLM2 shape's verify (9 / 3 heads of 64; 16, 8, 4 tokens at B=1, 16 at B=16): tiles and splits",
     )
     args = parser.parse_args()
     iters, reps = (3, 3) if args.quick else (5, 4)
