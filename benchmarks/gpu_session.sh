@@ -147,6 +147,16 @@ for s in "$@"; do
         JSPEC_ADD_RMS_NORM=$v step decode_small_add_norm_$v 90 $PY -m benchmarks.bench_decode --small --quick \
           --no-stacked --batches 1 --profile --verify-tokens 0 --tag small_add_norm_$v --out "$RESULTS"
       done ;;
+    out_in)
+      # The small projection weights laid out [out, in] (JSPEC_SKINNY_MATMUL=xla_nk) against the
+      # default: the SmolLM2 step at bs 1 / 16 with its kernel profile, then the server at c 1 / 64.
+      for v in ${OUT_IN_VARIANTS:-auto xla_nk}; do
+        JSPEC_SKINNY_MATMUL=$v step decode_small_$v 120 $PY -m benchmarks.bench_decode --small --quick \
+          --no-stacked --batches 1,16 --profile --verify-tokens 0 --tag small_$v --out "$RESULTS"
+      done
+      step curve_small_out_in 300 $PY -m benchmarks.serving_curve --server-args "$SHAPE_SMALL" --input-lens 128 \
+        --concurrency 1,64 --min-prompts 4 --variant default= --variant xla_nk=JSPEC_SKINNY_MATMUL=xla_nk \
+        --out "$RESULTS" --name serving_curve_small_out_in ;;
     rope_kv)
       # The new tokens' RoPE and K / V write as one kernel (kernels/rope_kv.py) against XLA's four
       # (JSPEC_ROPE_KV): the SmolLM2 step at bs 1 and the 8B step at bs 1 / 16, each profiled
@@ -350,7 +360,8 @@ for s in "$@"; do
         [unbounded]="--mixed-chunk-slowdown 0" [slowdown1_5]="--mixed-chunk-slowdown 1.5" [slowdown1_75]="--mixed-chunk-slowdown 1.75" [slowdown2]="--mixed-chunk-slowdown 2" [slowdown3]="--mixed-chunk-slowdown 3" \
         [stream4]="--stream-interval 4" \
         [va_remap]="XLA_PYTHON_CLIENT_ALLOCATOR=vmm 'XLA_FLAGS=--xla_gpu_enable_command_buffer_va_remapping=true --xla_gpu_command_buffer_update_mode=SKIP_TEMP'" \
-        [temp_color]="XLA_FLAGS=--xla_gpu_temp_buffer_use_separate_color=true")
+        [temp_color]="XLA_FLAGS=--xla_gpu_temp_buffer_use_separate_color=true" \
+        [xla_nk]="JSPEC_SKINNY_MATMUL=xla_nk")
       variant_args=()
       for v in ${HOST_VARIANTS:-default in_thread chunk256}; do
         variant_args+=(--variant "$v=${flags[$v]}")

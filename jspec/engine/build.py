@@ -33,7 +33,12 @@ from jspec.kernels.paged_extend_mgpu import mosaic_extend_unsupported
 from jspec.kvcache.pool import FP8_KV_BYTES, kv_cache_dtype
 from jspec.layers.attention import mosaic_runs_mla
 from jspec.layers.batch import bucket
-from jspec.layers.matmul import PADDED_MIN_WEIGHT_ELEMENTS, skinny_backend
+from jspec.layers.matmul import (
+    PADDED_MIN_WEIGHT_ELEMENTS,
+    SKINNY_MATMUL_ENV,
+    skinny_backend,
+    with_out_in_projections,
+)
 from jspec.layers.norm import add_rms_norm_backend
 from jspec.layers.quant import has_fp8_weights, quantize_params, with_fp8_gemm
 from jspec.lora.adapter import read_rank
@@ -109,7 +114,10 @@ def build_worker(model: Model, config: EngineConfig, draft=None, target_path=Non
     )
     # Laid out here, where the weights are owned, so the loader's stacked copy is gone before any
     # pool exists: a worker laying them out itself creates its pool while the caller holds both.
-    params = lay_out_layers(params, check_layer_loop(config.layer_loop))
+    layer_loop = check_layer_loop(config.layer_loop)
+    params = lay_out_layers(params, layer_loop)
+    if skinny_backend() == "xla_nk":
+        params = out_in_projections(config, params, layer_loop)
     sizing = sizing_arguments(config, cfg, params, method, dp)
     pages, slots = first_pool(config, sizing, dp)
     if method is None:
@@ -170,6 +178,8 @@ def layer_kernels(config: EngineConfig, cfg: ModelConfig, dtype, *, fp8_weights:
         "xla_padded": "XLA's dot, every one-row product as two rows",
         "pallas": "the Triton-backend GEMV up to 16 rows",
         "mosaic": "the Mosaic GPU GEMV where it covers the shape",
+        "xla_nk": f"XLA's dot, weights under {PADDED_MIN_WEIGHT_ELEMENTS:,} elements stored [out, in], one-row products "
+        "of larger ones as two rows",
     }[skinny_backend()]
     return {
         "attention": {"pallas": "the Triton-backend kernels", "mosaic": "the Mosaic GPU kernels"}.get(
@@ -239,6 +249,19 @@ def fp8_weights(config: EngineConfig, params):
     if config.enable_dp_attention:
         raise NotImplementedError("DP attention with FP8 weights is not implemented")
     return with_fp8_gemm(params, config.fp8_gemm_backend)
+
+
+def out_in_projections(config: EngineConfig, params, layer_loop: str):
+    """The small projection weights laid out [out, in] (JSPEC_SKINNY_MATMUL=xla_nk), where the
+    layers take them so; the layouts that reshape or extend those weights are refused by name."""
+    name = f"{SKINNY_MATMUL_ENV}=xla_nk"
+    if config.serves_lora:
+        raise NotImplementedError(f"{name} with LoRA adapters (which extend the projection weights) is not implemented")
+    if config.tp_size > 1 or config.enable_dp_attention:
+        raise NotImplementedError(f"{name} with tensor parallelism or DP attention is not implemented")
+    if layer_loop not in ("unrolled", "scan"):
+        raise NotImplementedError(f"{name} with --layer-loop {layer_loop} is not implemented")
+    return with_out_in_projections(params, per_layer_ndim=2 if layer_loop == "unrolled" else 3)
 
 
 def lora_pool(config: EngineConfig, cfg, dtype, mesh, params) -> LoraPool | None:

@@ -12,11 +12,17 @@ XLA's dot partitions the sharded weights):
 - xla: XLA's dot always; xla_padded: every one-row product padded to two rows;
 - pallas: every projection of at most 16 rows through kernels/skinny_matmul.py (Pallas'
   Triton backend); mosaic: every one of at most 64 rows whose shape
-  kernels/skinny_matmul_mgpu.py covers (Mosaic GPU; other shapes keep XLA's dot).
+  kernels/skinny_matmul_mgpu.py covers (Mosaic GPU; other shapes keep XLA's dot);
+- xla_nk: as auto, with the decoder layers' projection weights below
+  PADDED_MIN_WEIGHT_ELEMENTS stored [out, in] (OutInWeight, laid out when the engine is
+  built, on any one device): a one-row product is then one reduction along memory, where the
+  [in, out] weight gives a multiply and a reduction with a float32 product between them.
 benchmarks/NOTES.md ("One-row projections") has the measurements behind the default.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -30,14 +36,67 @@ SKINNY_MATMUL_ENV = "JSPEC_SKINNY_MATMUL"
 # Between a small model's projections (where the pad and slice kernels cost more than the
 # two-row dot saves) and a large one's (where the two-row dot wins).
 PADDED_MIN_WEIGHT_ELEMENTS = 1 << 23
+# The decoder layers' dense projections (models/llama.py), the weights xla_nk may lay out [out, in].
+LAYER_PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")
 
 
 def skinny_backend() -> str:
-    return env_choice(SKINNY_MATMUL_ENV, "auto", ("auto", "xla", "xla_padded", "pallas", "mosaic"))
+    return env_choice(SKINNY_MATMUL_ENV, "auto", ("auto", "xla", "xla_padded", "pallas", "mosaic", "xla_nk"))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class OutInWeight:
+    """A projection weight stored [..., out, in] (the checkpoint's own nn.Linear layout) that
+    the layers use as [..., in, out]: shape and ndim are the latter's. A stacked one's layer
+    slice (a scan's) is one too."""
+
+    t: jax.Array
+
+    @property
+    def shape(self):
+        return (*self.t.shape[:-2], self.t.shape[-1], self.t.shape[-2])
+
+    @property
+    def ndim(self) -> int:
+        return self.t.ndim
+
+    @property
+    def dtype(self):
+        return self.t.dtype
+
+    @property
+    def size(self) -> int:
+        return self.t.size
+
+
+def with_out_in_projections(params, per_layer_ndim: int):
+    """params with each decoder layer's float projection weights below PADDED_MIN_WEIGHT_ELEMENTS
+    elements a layer as OutInWeight; per_layer_ndim is 2 for per-layer arrays, 3 for stacked
+    ones. Others (FP8, sharded, large) stay as they are."""
+
+    def lay_out(w):
+        if (
+            isinstance(w, jax.Array)
+            and w.ndim == per_layer_ndim
+            and jnp.issubdtype(w.dtype, jnp.floating)
+            and w.shape[-1] * w.shape[-2] < PADDED_MIN_WEIGHT_ELEMENTS
+        ):
+            return OutInWeight(jnp.swapaxes(w, -1, -2))
+        return w
+
+    def layer(lp):
+        return {k: lay_out(v) if k in LAYER_PROJECTIONS else v for k, v in lp.items()}
+
+    layers = params["layers"]
+    return {**params, "layers": [layer(lp) for lp in layers] if isinstance(layers, list) else layer(layers)}
 
 
 def dense_f32(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [T, in] @ w [in, n] -> f32 [T, n]; w may be an Fp8Weight (layers/quant.py picks its path)."""
+    """x [T, in] @ w [in, n] -> f32 [T, n]; w may be an Fp8Weight (layers/quant.py picks its path)
+    or an OutInWeight (contracted on its minor dimension)."""
+    if isinstance(w, OutInWeight):
+        return jax.lax.dot_general(x, w.t, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     if is_fp8(w):
         return fp8_dense_f32(x, w)
     backend = skinny_backend()
@@ -47,7 +106,7 @@ def dense_f32(x: jax.Array, w: jax.Array) -> jax.Array:
         if backend == "mosaic" and mosaic_skinny_unsupported(x.shape[0], *w.shape, w.dtype) is None:
             return skinny_matmul_mgpu(x, w)
         if x.shape[0] == 1 and (
-            backend == "xla_padded" or (backend == "auto" and w.size >= PADDED_MIN_WEIGHT_ELEMENTS)
+            backend == "xla_padded" or (backend in ("auto", "xla_nk") and w.size >= PADDED_MIN_WEIGHT_ELEMENTS)
         ):
             return two_row_dot(x, w)
     return jnp.dot(x, w, preferred_element_type=jnp.float32)

@@ -513,7 +513,7 @@ def test_dense_matmul_switch(monkeypatch):
     x = jax.random.normal(jax.random.key(0), (3, 64), jnp.bfloat16)
     w = jax.random.normal(jax.random.key(1), (64, 48), jnp.bfloat16)
     monkeypatch.setenv(matmul.SKINNY_MATMUL_ENV, "cublas")
-    with pytest.raises(ValueError, match="expected 'auto', 'xla', 'xla_padded', 'pallas' or 'mosaic'"):
+    with pytest.raises(ValueError, match="expected 'auto', 'xla', 'xla_padded', 'pallas', 'mosaic' or 'xla_nk'"):
         matmul.dense_f32(x, w)
     for backend in ("auto", "pallas", "mosaic", "xla_padded"):
         monkeypatch.setenv(matmul.SKINNY_MATMUL_ENV, backend)
