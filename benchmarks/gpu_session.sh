@@ -109,9 +109,14 @@ for s in "$@"; do
       # eagle_smollm2's answers when it ran on this machine, else the same answers generated here;
       # DFLASH_SELF_PROMPTS > 0: the target writes that many more prompts and answers them all
       # (DFLASH_SAMPLED sampled answers each besides greedy).
+      # The self-prompted answers are kept for a second run on the same machine (other steps or
+      # layers), which then skips their generation.
       answers=(--sampled-answers ${DFLASH_SAMPLED:-7})
-      if [ "${DFLASH_SELF_PROMPTS:-0}" -gt 0 ]; then
-        answers+=(--self-prompts $DFLASH_SELF_PROMPTS)
+      self=.demo_stash/answers_self_${DFLASH_SELF_PROMPTS:-0}_${DFLASH_SAMPLED:-7}.npz
+      if [ "${DFLASH_SELF_PROMPTS:-0}" -gt 0 ] && [ -f "$self" ]; then
+        answers=(--examples "$self")
+      elif [ "${DFLASH_SELF_PROMPTS:-0}" -gt 0 ]; then
+        answers+=(--self-prompts $DFLASH_SELF_PROMPTS --save-examples "$self")
       elif [ -f .demo_stash/answers.npz ]; then
         answers=(--examples .demo_stash/answers.npz)
       fi

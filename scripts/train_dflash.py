@@ -59,7 +59,10 @@ def parse_args(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=256, help="length of the target's answers")
     ap.add_argument("--sampled-answers", type=int, default=0, help="seeded sampled answers per prompt, besides greedy")
     ap.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampled answers")
-    ap.add_argument("--examples", metavar="NPZ", help="training answers saved by train_eagle.py --save-examples")
+    ap.add_argument(
+        "--examples", metavar="NPZ", help="training answers saved by --save-examples (here or train_eagle.py's)"
+    )
+    ap.add_argument("--save-examples", metavar="NPZ", help="also write the training answers generated here")
     ap.add_argument("--steps", type=int, default=2000, help="optimizer steps")
     ap.add_argument("--batch-size", type=int, default=16, help="sequences per step")
     ap.add_argument("--seq-len", type=int, default=384, help="sequences are padded or cut to this length")
@@ -146,6 +149,10 @@ def main(argv=None):
             temperature=args.temperature,
             seed=args.seed,
         )
+    if args.save_examples and not args.examples:
+        meta = {"sampled_answers": args.sampled_answers, "self_prompts": args.self_prompts, "seed": args.seed}
+        eagle3.save_examples(args.save_examples, train_ex, cfg.vocab_size, meta=meta)
+        log(f"wrote the {len(train_ex)} training answers to {args.save_examples}")
     heldout_ex = eagle3.generate_examples(model, heldout_prompts, args.max_new_tokens, engine=engine)
     val_ex = eagle3.generate_examples(model, val_prompts, args.max_new_tokens, engine=engine)
     del engine
@@ -167,7 +174,7 @@ def main(argv=None):
         "train_s": train_s,
         "generate_s": generate_s,
         "answer_tokens": n_resp,
-        "training_prompts": len(train_prompts),
+        "training_prompts": None if args.examples else len(train_prompts),
         "kept_step": result.kept_step,
     }
     if heldout_ex:
