@@ -78,7 +78,7 @@ ENGINE_TESTS = [
     # DFLASH's block drafts, with sampling, penalties and logprobs, against plain (reference).
     "tests/speculative/test_spec_dflash.py::test_outputs_equal_plain_and_drafts_equal_the_dense_drafter",
     # JSPEC_SKINNY_MATMUL=xla_nk: the small projection weights laid out [out, in].
-    "tests/engine/test_out_in_projections.py::test_out_in_projections_give_the_default_tokens[unrolled]",
+    "tests/engine/test_generate.py::test_out_in_projections_give_the_default_tokens[unrolled]",
 ]
 
 

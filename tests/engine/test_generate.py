@@ -1,7 +1,9 @@
-"""End-to-end generation over the paged KV pool against a dense no-cache recompute."""
+"""End-to-end generation over the paged KV pool against a dense no-cache recompute, and under
+the [out, in] projection-weight layout (JSPEC_SKINNY_MATMUL=xla_nk) against the default one."""
 
 import dataclasses
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +13,9 @@ import pytest
 import jspec
 from jspec.checkpoint.loader import init_random_params
 from jspec.config.model import ModelConfig
+from jspec.engine.build import out_in_projections
 from jspec.kvcache.allocator import OutOfPagesError
+from jspec.layers import matmul
 from jspec.models.llama import dense_forward
 
 pytestmark = pytest.mark.slow  # builds engines, servers or HF references
@@ -154,3 +158,58 @@ def test_bad_inputs_are_named(tiny_params):
         jspec.generate(m, [[1] * 30], max_new_tokens=4, page_size=4, max_total_tokens=12)
     with pytest.raises(TypeError, match="checkpoint path"):
         jspec.generate(42, [[1]])
+
+
+OUT_IN_PROMPTS = [[5, 6, 7, 8, 9], [11, 3, 40]]
+
+
+def out_in_greedy(params, layer_loop):
+    engine = jspec.Engine(
+        (TINY, params),
+        page_size=16,
+        max_running_requests=2,
+        precompile_bs_paddings=[2],
+        attention_backend="reference",
+        layer_loop=layer_loop,
+    )
+    out = [o.token_ids for o in engine.generate(OUT_IN_PROMPTS, jspec.SamplingParams(max_new_tokens=8))]
+    return out, engine.worker.params["layers"]
+
+
+@pytest.mark.parametrize("layer_loop", ["unrolled", "scan"])
+def test_out_in_projections_give_the_default_tokens(monkeypatch, layer_loop, tiny_params):
+    """JSPEC_SKINNY_MATMUL=xla_nk: the small projection weights laid out [out, in] when the engine
+    is built, used through the same layers, give the default layout's greedy tokens."""
+    params = jax.tree.map(jnp.copy, tiny_params)
+    monkeypatch.delenv(matmul.SKINNY_MATMUL_ENV, raising=False)
+    expected, _ = out_in_greedy(jax.tree.map(jnp.copy, params), layer_loop)
+    monkeypatch.setenv(matmul.SKINNY_MATMUL_ENV, "xla_nk")
+    got, layers = out_in_greedy(params, layer_loop)
+    assert got == expected
+    lp = layers[0] if layer_loop == "unrolled" else layers
+    for name in matmul.LAYER_PROJECTIONS:
+        w = lp[name]
+        assert isinstance(w, matmul.OutInWeight), name
+        assert w.shape[-2:] == w.t.shape[::-1][:2]  # used as [in, out], stored [out, in]
+
+
+def test_out_in_weight_products_and_refusals():
+    """An OutInWeight's product is the [in, out] weight's; the layouts that extend or reshape the
+    projection weights are refused by name."""
+    x = jax.random.normal(jax.random.key(0), (1, 64), jnp.float32)
+    w = jax.random.normal(jax.random.key(1), (64, 48), jnp.float32)
+    np.testing.assert_allclose(
+        matmul.dense_f32(x, matmul.OutInWeight(w.T)), jnp.dot(x, w, preferred_element_type=jnp.float32), atol=1e-5
+    )
+    params = {"layers": [{"wqkv": w, "norm": jnp.ones(64)}]}
+    laid = matmul.with_out_in_projections(params, per_layer_ndim=2)["layers"][0]
+    assert isinstance(laid["wqkv"], matmul.OutInWeight) and laid["norm"] is params["layers"][0]["norm"]
+    base = dict(serves_lora=False, tp_size=1, enable_dp_attention=False)
+    for over, match in [
+        (dict(serves_lora=True), "LoRA"),
+        (dict(tp_size=2), "tensor parallelism"),
+    ]:
+        with pytest.raises(NotImplementedError, match=f"JSPEC_SKINNY_MATMUL=xla_nk with {match}"):
+            out_in_projections(types.SimpleNamespace(**{**base, **over}), params, "unrolled")
+    with pytest.raises(NotImplementedError, match="--layer-loop unrolled_stack"):
+        out_in_projections(types.SimpleNamespace(**base), params, "unrolled_stack")
