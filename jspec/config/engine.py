@@ -21,6 +21,10 @@ QUANTIZATIONS = ("fp8",)
 FP8_GEMM_BACKENDS = ("auto", "xla", "pallas", "mosaic", "w8a8")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 GRAMMAR_BACKENDS = ("llguidance", "none")
+# mixed_chunk_slowdown's value on an accelerator when none is given (engine.mixed_step_slowdown):
+# a little under the twice-the-median inter-token latency it is meant to keep, since the gap a
+# running request sees across a mixed step is that step plus the loop's own time.
+ACCELERATOR_MIXED_CHUNK_SLOWDOWN = 1.8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +73,8 @@ class EngineConfig:
         None,
         "a step that prefills while running requests decode may cost at most this many times their decode "
         "step (its prompt tokens are cut to fit, from step costs timed at warm-up): their inter-token latency "
-        "bound; 0: only --chunked-prefill-size bounds it; default: 1.8 on an accelerator, 0 without one",
+        f"bound; 0: only --chunked-prefill-size bounds it; default: {ACCELERATOR_MIXED_CHUNK_SLOWDOWN:g} on an "
+        "accelerator, 0 without one",
         group="memory",
     )
     disable_radix_cache: bool = setting(False, "no prefix cache", group="memory")

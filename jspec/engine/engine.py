@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from jspec.checkpoint.model import as_model, load_logged, with_context_length
-from jspec.config.engine import EngineConfig
+from jspec.config.engine import ACCELERATOR_MIXED_CHUNK_SLOWDOWN, EngineConfig
 from jspec.config.sampling import SamplingParams
 from jspec.constrained.grammar import GrammarCompiler
 from jspec.engine.build import build_worker, loads_per_layer
@@ -165,14 +165,12 @@ def is_prefill(batch) -> bool:
 def mixed_step_slowdown(config: EngineConfig) -> float:
     """How many times its rows' decode step a plain step that prefills while it decodes may
     cost (0: no bound but the chunk size). Without an accelerator a step's cost grows with its
-    tokens from the first one, so there the chunk size alone bounds it, as before. On one, the
-    gap a running request sees across a mixed step is that step plus the loop's own time, so the
-    default stays a little under the twice-the-median inter-token latency it is meant to keep."""
+    tokens from the first one, so there the chunk size alone bounds it, as before."""
     if config.disable_mixed_chunk:
         return 0.0
     if config.mixed_chunk_slowdown is not None:
         return config.mixed_chunk_slowdown
-    return 1.8 if jax.default_backend() != "cpu" else 0.0
+    return ACCELERATOR_MIXED_CHUNK_SLOWDOWN if jax.default_backend() != "cpu" else 0.0
 
 
 class Engine:
