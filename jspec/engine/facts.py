@@ -23,6 +23,9 @@ class EngineFacts:
     """What does not change while an engine serves."""
 
     model_cfg: ModelConfig  # with the engine's context length
+    # The most prompt + new tokens one request may hold: the context length, or less where the
+    # KV pool holds less (a small pool on the CPU).
+    max_request_tokens: int
     tokenizer: object  # the checkpoint's Tokenizer, or None
     max_top_logprobs: int  # top logprobs every step returns (the worker's top_n)
     dtype: str
@@ -64,6 +67,7 @@ def serving_facts(engine) -> EngineFacts:
         engine.grammar_compiler  # noqa: B018
     return EngineFacts(
         model_cfg=model.cfg,
+        max_request_tokens=min(model.cfg.max_position_embeddings, engine.scheduler.max_request_tokens),
         tokenizer=model.tokenizer,
         max_top_logprobs=worker.top_n,
         dtype=str(worker.dtype),

@@ -58,6 +58,12 @@ class Scheduler:
     def pages_for(self, tokens: int) -> int:
         return self.kv.pages_for(tokens)
 
+    @property
+    def max_request_tokens(self) -> int:
+        """The most prompt + new tokens one request may ask for: what the whole pool holds,
+        less the positions a decode may write past a request's end."""
+        return self.kv.allocator.num_usable * self.page_size - self.worker.kv_margin - self.worker.max_emit
+
     def add(self, req: Request) -> None:
         worst = len(req.prompt) + req.params.max_new_tokens + self.worker.kv_margin + self.worker.max_emit
         if self.pages_for(worst) > self.kv.allocator.num_usable:

@@ -46,6 +46,7 @@ async def server_info(st: Served):
         "jax_version": facts.jax_version,
         "dtype": facts.dtype,
         "context_length": facts.model_cfg.max_position_embeddings,
+        "max_request_tokens": facts.max_request_tokens,
         "page_size": facts.page_size,
         **facts.plan,
         "overlap_schedule": facts.overlap,

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 
 from jspec.server.chat_template import render_chat
 from jspec.server.errors import APIError
-from jspec.server.protocol import ChatCompletionRequest, CompletionRequest, message_text
+from jspec.server.protocol import ChatCompletionRequest, CompletionRequest, check_max_tokens, message_text
 from jspec.server.reasoning import ReasoningSplitter, split_reasoning
 from jspec.server.state import Served, ServerState
 from jspec.server.streaming import (
@@ -59,6 +59,10 @@ def chat_logprobs(st: ServerState, token_ids, logprobs, top) -> dict:
     return {"content": content}
 
 
+# OpenAI's completion length when a /v1/completions body gives none (chat's is all the room left).
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, st: Served):
     adapter = st.check_model(body.model, body.lora_path)
@@ -71,10 +75,13 @@ async def completions(body: CompletionRequest, request: Request, st: Served):
     n_top = body.logprobs or 0
     if n_top > st.max_top:
         raise APIError(f"logprobs={n_top} exceeds this server's --max-top-logprobs={st.max_top}", param="logprobs")
-    params = body.sampling_params(body.max_tokens or 16, body.logprobs is not None, n_top, adapter)
     ids = [st.check_prompt(p) for p in prompts]
-    if body.max_tokens and "max_tokens" in body.model_fields_set:
-        st.check_room(max(len(p) for p in ids), params.max_new_tokens, "max_tokens")
+    longest = max(len(p) for p in ids)
+    if body.max_tokens is None:
+        max_new = min(COMPLETION_DEFAULT_MAX_TOKENS, st.check_room(longest, None, None))
+    else:
+        max_new = st.check_room(longest, check_max_tokens(body.max_tokens, "max_tokens"), "max_tokens")
+    params = body.sampling_params(max_new, body.logprobs is not None, n_top, adapter)
     streams = []
     try:
         for i, p in enumerate(ids):
@@ -136,6 +143,8 @@ async def completions(body: CompletionRequest, request: Request, st: Served):
 async def chat_completions(body: ChatCompletionRequest, request: Request, st: Served):
     adapter = st.check_model(body.model, body.lora_path)
     t0 = time.perf_counter()
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
     n_top = body.top_logprobs or 0
     if n_top > st.max_top:
         raise APIError(
@@ -156,14 +165,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, st: Se
     )
     ids = st.tokenizer.encode(text, add_special_tokens=False)
     ids = st.check_prompt(ids)
-    max_new = body.max_completion_tokens or body.max_tokens or max(1, st.model.cfg.max_position_embeddings - len(ids))
+    asked = (
+        "max_completion_tokens"
+        if body.max_completion_tokens is not None
+        else "max_tokens"
+        if body.max_tokens is not None
+        else None
+    )
+    max_new = st.check_room(len(ids), asked and check_max_tokens(getattr(body, asked), asked), asked, "messages")
     # With a reasoning parser, a grammar (response_format, a forced tool call) holds only the
     # text after the reasoning.
     parser = st.reasoning_parser
     params = body.sampling_params(max_new, body.logprobs, n_top, adapter, grammar, parser)
-    asked = "max_completion_tokens" if body.max_completion_tokens else "max_tokens" if body.max_tokens else None
-    if asked is not None:
-        st.check_room(len(ids), max_new, asked, "messages")
     streams = await start(st.engine, ids, params, 0)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "created": created, "model": st.model_name}
@@ -268,7 +281,7 @@ async def models(st: Served):
                 "created": 0,
                 "owned_by": "jspec",
                 "root": name,
-                "max_model_len": cfg.max_position_embeddings,
+                "max_model_len": st.facts.max_request_tokens,
                 "vocab_size": cfg.vocab_size,
             }
             for m in [name] + [f"{name}:{a}" for a in adapters]

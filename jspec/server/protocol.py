@@ -37,6 +37,14 @@ def check_stop(stop, param: str = "stop") -> list[str]:
     return list(stop)
 
 
+def check_max_tokens(value: int | None, param: str) -> int | None:
+    """A completion length the client set (None: unset)."""
+    if value is not None and value < 1:
+        why = " (a completion of no tokens, for the prompt's logprobs alone, is not implemented)" if value == 0 else ""
+        raise APIError(f"{param} must be at least 1, got {value}{why}", param=param)
+    return value
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = True
 
@@ -68,6 +76,13 @@ class _Sampling(BaseModel):
     json_schema: str | dict[str, Any] | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # OpenAI fields jspec does not implement: refused by name when set (unimplemented()), as a
+    # silently ignored one would change what the client gets.
+    logit_bias: dict[str, float] | None = None
+
+    def unimplemented(self) -> list[str]:
+        """The fields of this body that ask for something jspec does not do."""
+        return ["logit_bias"] if self.logit_bias else []
 
     def grammar(self) -> dict[str, str]:
         """The SamplingParams grammar field this body asks for ({} for free text)."""
@@ -108,6 +123,8 @@ class _Sampling(BaseModel):
         grammar: dict[str, str] | None = None,
         reasoning_format: str | None = None,
     ) -> SamplingParams:
+        for field in self.unimplemented():
+            raise APIError(f"{field} is not implemented by jspec", param=field)
         stop = check_stop(self.stop)
         grammar = self.grammar() if grammar is None else grammar
         try:
@@ -137,9 +154,19 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = None  # None: OpenAI's 16 (server/openai.py), within the room left
     logprobs: int | None = None  # top-n logprobs per token (0: the chosen token's only)
     echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unimplemented(self) -> list[str]:
+        asked = super().unimplemented()
+        if self.suffix:
+            asked.append("suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            asked.append("best_of")
+        return asked
 
 
 class ChatMessage(BaseModel):
@@ -157,6 +184,16 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+
+    def unimplemented(self) -> list[str]:
+        asked = super().unimplemented()
+        asked += [f for f in ("prediction", "audio") if getattr(self, f) is not None]
+        if self.modalities not in (None, ["text"]):
+            asked.append("modalities")
+        return asked
 
 
 class GenerateRequest(BaseModel):

@@ -50,6 +50,8 @@ async def generate(body: GenerateRequest, request: Request, st: Served):
         raise APIError("/generate takes n=1; send the request n times", param="sampling_params.n")
     if asked:
         st.check_room(len(ids), params.max_new_tokens, "sampling_params.max_new_tokens")
+    else:  # SGLang's default length, within the room the prompt leaves
+        params.max_new_tokens = min(params.max_new_tokens, st.check_room(len(ids), None, None))
     streams = await start(st.engine, ids, params, 0)
 
     def meta(c: Choice) -> dict:

@@ -60,20 +60,31 @@ class ServerState:
         except (ValueError, TypeError) as e:
             raise APIError(str(e), param="prompt") from None
 
-    def check_room(self, prompt_tokens: int, max_new_tokens: int, param: str, prompt: str = "prompt") -> None:
-        """Refuses a completion length the client asked for that does not fit in the context after
-        the prompt, as OpenAI does (the engine would clip it silently); a length the client left
-        to its default is clipped."""
+    def check_room(
+        self, prompt_tokens: int, max_new_tokens: int | None, param: str | None, prompt: str = "prompt"
+    ) -> int:
+        """The completion length of a request: the one the client asked for (param names its
+        field), refused as OpenAI does if the prompt and it do not fit one request's room, or,
+        left to its default (param None), all the room the prompt leaves. The room is the
+        model's context, or what the KV pool holds where that is less, so that a request the
+        pool could never hold is refused here, not by the scheduler."""
         context = self.model.cfg.max_position_embeddings
-        if prompt_tokens + max_new_tokens > context:
-            raise APIError(
-                f"This model's maximum context length is {context} tokens. However, you requested "
-                f"{prompt_tokens + max_new_tokens} tokens ({prompt_tokens} in the {prompt}, "
-                f"{max_new_tokens} in the completion). Please reduce the length of the {prompt} or "
-                f"completion.",
-                param=param,
-                code="context_length_exceeded",
-            )
+        limit = self.facts.max_request_tokens
+        if param is None:
+            max_new_tokens = limit - prompt_tokens
+        if prompt_tokens + max(max_new_tokens, 1) <= limit:
+            return max_new_tokens
+        asked = f"{prompt_tokens + max_new_tokens} tokens ({prompt_tokens} in the {prompt}, {max_new_tokens} in the completion)"
+        if param is None:
+            asked = f"{prompt_tokens} tokens in the {prompt}, leaving no room for a completion"
+        where = f"This model's maximum context length is {context} tokens"
+        if limit < context:
+            where = f"This server's KV pool holds at most {limit} tokens per request (the model's context is {context})"
+        raise APIError(
+            f"{where}. However, you requested {asked}. Please reduce the length of the {prompt} or completion.",
+            param=param or prompt,
+            code="context_length_exceeded",
+        )
 
     def token_text(self, t: int) -> str:
         tok = self.tokenizer

@@ -14,6 +14,7 @@ import jspec
 from jspec.checkpoint.loader import init_random_params
 from jspec.config.model import ModelConfig
 from jspec.engine.build import out_in_projections
+from jspec.engine.facts import serving_facts
 from jspec.kvcache.allocator import OutOfPagesError
 from jspec.layers import matmul
 from jspec.models.llama import dense_forward
@@ -158,6 +159,20 @@ def test_bad_inputs_are_named(tiny_params):
         jspec.generate(m, [[1] * 30], max_new_tokens=4, page_size=4, max_total_tokens=12)
     with pytest.raises(TypeError, match="checkpoint path"):
         jspec.generate(42, [[1]])
+
+
+def test_one_requests_room_is_what_the_pool_holds_below_the_context(tiny_params):
+    """A pool smaller than the context bounds one request's prompt + new tokens: the engine's
+    facts say so, and a request of exactly that room is taken where one token more is refused."""
+    engine = jspec.Engine((TINY, tiny_params), page_size=4, max_total_tokens=24, attention_backend="reference")
+    room = engine.scheduler.max_request_tokens
+    assert 0 < room < TINY.max_position_embeddings
+    assert serving_facts(engine).max_request_tokens == room
+    engine.add_request([1] * 4, jspec.SamplingParams(max_new_tokens=room - 4))
+    with pytest.raises(OutOfPagesError, match="needs up to"):
+        engine.add_request([1] * 4, jspec.SamplingParams(max_new_tokens=room - 3))
+    roomy = jspec.Engine((TINY, tiny_params), page_size=4, attention_backend="reference")
+    assert serving_facts(roomy).max_request_tokens == TINY.max_position_embeddings
 
 
 OUT_IN_PROMPTS = [[5, 6, 7, 8, 9], [11, 3, 40]]
