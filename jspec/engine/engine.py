@@ -65,6 +65,10 @@ class RequestOutput:
     spec_verify_ct: int = 0  # speculative iterations so far (0 without speculation)
     matched_stop: int | str | None = None
     error: str | None = None  # why the request failed on the server's side (e.g. its prefill engine died)
+    # With params.wants_prompt_logprobs, on the request's first output (its prompt is scored by
+    # then): GenerationOutput's input_logprobs and input_top_logprobs.
+    input_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     def then(self, later: RequestOutput) -> RequestOutput:
         """This output and a later one of the same request as one (a reader that fell behind
@@ -82,6 +86,8 @@ class RequestOutput:
                 "new_text": self.new_text + later.new_text,
                 "new_logprobs": joined(self.new_logprobs, later.new_logprobs),
                 "new_top_logprobs": joined(self.new_top_logprobs, later.new_top_logprobs),
+                "input_logprobs": self.input_logprobs or later.input_logprobs,
+                "input_top_logprobs": self.input_top_logprobs or later.input_top_logprobs,
             }
         )
 
@@ -535,6 +541,7 @@ class Engine:
     def output(r, n_out: int, n_text: int, n_lp: int, n_top: int) -> RequestOutput:
         """r's RequestOutput: what it produced since its output, text and logprobs had these lengths."""
         lp = r.params.return_logprob
+        first = n_out == 0 and (r.output or r.finished) and r.params.wants_prompt_logprobs
         return RequestOutput(
             r.rid,
             r.output[n_out:],
@@ -549,6 +556,8 @@ class Engine:
             r.verify_ct,
             r.matched_stop,
             r.error,
+            r.input_logprobs if first else None,
+            r.input_top_logprobs if first and r.params.top_logprobs_num else None,
         )
 
     def drain(self) -> None:

@@ -31,13 +31,70 @@ from jspec.server.tools import check_tools, parse_tool_calls, tool_call_schema
 router = APIRouter()
 
 
-def completion_logprobs(st: ServerState, c: Choice, n_top: int) -> dict:
+def completion_logprobs(st: ServerState, token_ids, logprobs, top, n_top: int, offset: int) -> dict:
+    """/v1/completions' logprobs of these tokens, whose text starts at character offset of the
+    choice's text (a special token, such as an echoed prompt's BOS, takes no room in it). A None
+    in top (an echoed prompt's first token) stays None."""
+    tokens = [st.token_text(t) for t in token_ids]
+    offsets = []
+    for t in token_ids:
+        offsets.append(offset)
+        offset += len(st.token_text(t, skip_special_tokens=True))
     return {
-        "tokens": [st.token_text(t) for t in c.token_ids],
-        "token_logprobs": c.logprobs,
-        "top_logprobs": [{st.token_text(t): lp for t, lp in row} for row in c.top_logprobs] if n_top else None,
-        "text_offset": [],
+        "tokens": tokens,
+        "token_logprobs": list(logprobs),
+        "top_logprobs": [None if row is None else {st.token_text(t): lp for t, lp in row} for row in top]
+        if n_top
+        else None,
+        "text_offset": offsets,
     }
+
+
+def joined_logprobs(a: dict | None, b: dict) -> dict:
+    if a is None:
+        return b
+    top = None if a["top_logprobs"] is None else a["top_logprobs"] + b["top_logprobs"]
+    return {k: a[k] + b[k] for k in ("tokens", "token_logprobs", "text_offset")} | {"top_logprobs": top}
+
+
+class CompletionChunks:
+    """Each /v1/completions choice's text and logprobs, chunk by chunk (one chunk when not
+    streamed): with echo, the prompt's text (and, with logprobs, its scores from the first
+    token) opens the choice's first chunk; text_offset counts from the start of the choice."""
+
+    def __init__(self, st: ServerState, prompts, ids, body: CompletionRequest):
+        self.st, self.ids, self.n, self.echo, self.n_top = st, ids, body.n, body.echo, body.logprobs or 0
+        # max_tokens 0: the engine generates one token (it cannot take none), which no chunk shows.
+        self.no_completion = body.max_tokens == 0
+        self.with_logprobs = body.logprobs is not None
+        self.texts = [p if isinstance(p, str) else st.tokenizer.decode(i) for p, i in zip(prompts, ids)]
+        self.sent: dict[int, int] = {}  # choice index -> characters of its text sent so far
+
+    def chunk(self, i: int, c: Choice) -> tuple[str, dict | None]:
+        """Choice i's next text and logprobs; c holds what it produced since its last chunk."""
+        first = i not in self.sent
+        prefix = self.texts[i // self.n] if self.echo and first else ""
+        start = self.sent.get(i, 0) + len(prefix)
+        own_ids, own_text = ([], "") if self.no_completion else (c.token_ids, c.text)
+        logprobs = None
+        if self.with_logprobs:
+            prompt = None
+            if prefix:
+                ids = self.ids[i // self.n]
+                prompt = completion_logprobs(self.st, ids, c.input_logprobs, c.input_top_logprobs, self.n_top, 0)
+            n = len(own_ids)
+            own = completion_logprobs(self.st, own_ids, c.logprobs[:n], c.top_logprobs[:n], self.n_top, start)
+            logprobs = joined_logprobs(prompt, own)
+        self.sent[i] = start + len(own_text)
+        return prefix + own_text, logprobs
+
+    def completion_tokens(self, tokens: int) -> int:
+        return 0 if self.no_completion else tokens
+
+    def finish(self, reason: str | None) -> str | None:
+        """OpenAI's finish_reason: a completion of no tokens ends by its length, whatever ended the
+        one token the engine made."""
+        return "length" if self.no_completion and reason is not None else openai_finish(reason)
 
 
 def chat_logprobs(st: ServerState, token_ids, logprobs, top) -> dict:
@@ -80,8 +137,11 @@ async def completions(body: CompletionRequest, request: Request, st: Served):
     if body.max_tokens is None:
         max_new = min(COMPLETION_DEFAULT_MAX_TOKENS, st.check_room(longest, None, None))
     else:
-        max_new = st.check_room(longest, check_max_tokens(body.max_tokens, "max_tokens"), "max_tokens")
+        max_new = st.check_room(longest, max(check_max_tokens(body.max_tokens, "max_tokens", least=0), 1), "max_tokens")
     params = body.sampling_params(max_new, body.logprobs is not None, n_top, adapter)
+    if body.echo and body.logprobs is not None:
+        params.logprob_start_len = 0  # the echoed prompt's logprobs, scored from its first token
+    texts = CompletionChunks(st, prompts, ids, body)
     streams = []
     try:
         for i, p in enumerate(ids):
@@ -94,44 +154,45 @@ async def completions(body: CompletionRequest, request: Request, st: Served):
     prompt_tokens = sum(len(p) for p in ids) * body.n
     if not body.stream:
         choices = await collect(streams, st.metrics.observer(t0), request)
-        out = [
-            {
-                "index": c.index,
-                "text": c.text,
-                "finish_reason": openai_finish(c.finish_reason),
-                "matched_stop": c.matched_stop,
-                "logprobs": completion_logprobs(st, c, n_top) if body.logprobs is not None else None,
-            }
-            for c in sorted(choices.values(), key=lambda c: c.index)
-        ]
-        completion = sum(c.completion_tokens for c in choices.values())
+        out = []
+        for c in sorted(choices.values(), key=lambda c: c.index):
+            text, logprobs = texts.chunk(c.index, c)
+            out.append(
+                {
+                    "index": c.index,
+                    "text": text,
+                    "finish_reason": texts.finish(c.finish_reason),
+                    "matched_stop": None if texts.no_completion else c.matched_stop,
+                    "logprobs": logprobs,
+                }
+            )
+        completion = texts.completion_tokens(sum(c.completion_tokens for c in choices.values()))
         spec = [(c.completion_tokens, c.verify_ct) for c in choices.values()]
         return {**head, "choices": out, "usage": usage(prompt_tokens, completion, spec)}
 
     async def events():
         completion, verify = {}, {}
         chunks = ChunkEvents(head)
-        with_logprobs = body.logprobs is not None
+        plain = body.logprobs is None and not body.echo and not texts.no_completion  # text-only chunks: the fast path
         async with aclosing(merged(streams, st.metrics.observer(t0))) as outputs:
             async for i, out in outputs:
                 completion[i], verify[i] = out.completion_tokens, out.spec_verify_ct
-                if not out.finished and not with_logprobs:
+                if not out.finished and plain:
                     if out.new_text:
                         yield chunks.text(i, out.new_text)
                     continue
-                choice = {
-                    "index": i,
-                    "text": out.new_text,
-                    "finish_reason": openai_finish(out.finish_reason) if out.finished else None,
-                    "logprobs": None,
-                }
-                if with_logprobs and out.new_token_ids:
-                    c = Choice(i)
-                    c.add(out)
-                    choice["logprobs"] = completion_logprobs(st, c, n_top)
-                if out.new_text or out.finished or choice["logprobs"]:
+                c = Choice(i)
+                c.add(out)
+                text, logprobs = texts.chunk(i, c)
+                if text or out.finished or (logprobs and logprobs["tokens"]):
+                    choice = {
+                        "index": i,
+                        "text": text,
+                        "finish_reason": texts.finish(out.finish_reason) if out.finished else None,
+                        "logprobs": logprobs,
+                    }
                     yield chunks.choice(choice)
-        total = sum(completion.values())
+        total = texts.completion_tokens(sum(completion.values()))
         spec = [(completion[i], verify[i]) for i in completion]
         yield sse({**head, "choices": [], "usage": usage(prompt_tokens, total, spec)})
         yield "data: [DONE]\n\n"

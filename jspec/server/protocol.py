@@ -37,11 +37,11 @@ def check_stop(stop, param: str = "stop") -> list[str]:
     return list(stop)
 
 
-def check_max_tokens(value: int | None, param: str) -> int | None:
-    """A completion length the client set (None: unset)."""
-    if value is not None and value < 1:
-        why = " (a completion of no tokens, for the prompt's logprobs alone, is not implemented)" if value == 0 else ""
-        raise APIError(f"{param} must be at least 1, got {value}{why}", param=param)
+def check_max_tokens(value: int | None, param: str, least: int = 1) -> int | None:
+    """A completion length the client set (None: unset); least is 0 where a completion of no
+    tokens means something (/v1/completions: the echoed prompt's logprobs alone)."""
+    if value is not None and value < least:
+        raise APIError(f"{param} must be at least {least}, got {value}", param=param)
     return value
 
 

@@ -67,6 +67,15 @@ async def generate(body: GenerateRequest, request: Request, st: Served):
             m["spec_accept_length"] = max(c.completion_tokens - 1, 0) / c.verify_ct
         if body.return_logprob:
             m["output_token_logprobs"] = [[lp, t] for lp, t in zip(c.logprobs, c.token_ids)]
+            if body.top_logprobs_num:
+                m["output_top_logprobs"] = [[[lp, t] for t, lp in row] for row in c.top_logprobs]
+            if body.logprob_start_len >= 0:  # the prompt's, from that position (None at the first token)
+                prompt = ids[body.logprob_start_len :]
+                m["input_token_logprobs"] = [[lp, t] for lp, t in zip(c.input_logprobs, prompt)]
+                if body.top_logprobs_num:
+                    m["input_top_logprobs"] = [
+                        None if row is None else [[lp, t] for t, lp in row] for row in c.input_top_logprobs
+                    ]
         return m
 
     if not body.stream:

@@ -86,9 +86,9 @@ class ServerState:
             code="context_length_exceeded",
         )
 
-    def token_text(self, t: int) -> str:
+    def token_text(self, t: int, skip_special_tokens: bool = False) -> str:
         tok = self.tokenizer
-        return tok.decode([t], skip_special_tokens=False) if tok is not None else str(t)
+        return tok.decode([t], skip_special_tokens=skip_special_tokens) if tok is not None else str(t)
 
 
 # Async, though it awaits nothing: FastAPI runs a plain function dependency on a worker thread,

@@ -35,6 +35,9 @@ class Choice:
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []
+        # The prompt's logprobs, when asked for (None at its first token).
+        self.input_logprobs: list[float | None] = []
+        self.input_top_logprobs: list[list[tuple[int, float]] | None] = []
         self.finish_reason: str | None = None
         self.matched_stop = None
         self.prompt_tokens = self.completion_tokens = self.cached_tokens = self.verify_ct = 0
@@ -44,6 +47,8 @@ class Choice:
         self.token_ids += out.new_token_ids
         self.logprobs += out.new_logprobs or []
         self.top_logprobs += out.new_top_logprobs or []
+        self.input_logprobs = out.input_logprobs or self.input_logprobs
+        self.input_top_logprobs = out.input_top_logprobs or self.input_top_logprobs
         self.prompt_tokens, self.completion_tokens = out.prompt_tokens, out.completion_tokens
         self.cached_tokens, self.verify_ct = out.cached_tokens, out.spec_verify_ct
         if out.finished:

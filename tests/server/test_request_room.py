@@ -80,8 +80,11 @@ def test_unimplemented_openai_fields_are_refused_by_name():
 
 def test_completion_lengths_below_one_and_non_finite_temperatures_are_refused():
     assert check_max_tokens(None, "max_tokens") is None and check_max_tokens(3, "max_tokens") == 3
-    with pytest.raises(APIError, match="max_tokens must be at least 1, got 0 .*not implemented"):
+    with pytest.raises(APIError, match="max_tokens must be at least 1, got 0$"):
         check_max_tokens(0, "max_tokens")
+    assert check_max_tokens(0, "max_tokens", least=0) == 0  # /v1/completions: the echoed prompt alone
+    with pytest.raises(APIError, match="max_tokens must be at least 0, got -1$"):
+        check_max_tokens(-1, "max_tokens", least=0)
     with pytest.raises(APIError, match="max_completion_tokens must be at least 1, got -2$"):
         check_max_tokens(-2, "max_completion_tokens")
     for t in (float("nan"), float("inf")):

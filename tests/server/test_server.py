@@ -16,6 +16,7 @@ import time
 import urllib.error
 import urllib.request
 
+import numpy as np
 import pytest
 from support import REPO_ROOT
 from support.server import Server, assert_idle_without_leaks, free_port, hang_up, streamed_text
@@ -54,6 +55,19 @@ def reference(model_dir, prompts, max_new, spec=None):
         max_running_requests=40,
         attention_backend="reference",
         speculative=spec,
+    )
+
+
+def reference_with(model_dir, prompts, sampling_params):
+    """reference() with full SamplingParams (logprobs among them)."""
+    return jspec.generate(
+        model_dir,
+        prompts,
+        sampling_params=sampling_params,
+        page_size=4,
+        max_total_tokens=4096,
+        max_running_requests=40,
+        attention_backend="reference",
     )
 
 
@@ -290,6 +304,66 @@ def test_logprobs_and_native_generate(server, model_dir):
     assert len(r["meta_info"]["output_token_logprobs"]) == 4
     code, r = server.post_raw("/generate", json.dumps({"text": "abc", "sampling_params": {"bogus": 1}}).encode())
     assert code == 400 and "bogus" in r["error"]["message"]
+
+
+def test_echo_returns_the_prompt_with_its_logprobs(server, model_dir):
+    """/v1/completions with echo: the prompt's text before the completion's, streamed or not,
+    and with logprobs the prompt's tokens scored as the engine scores them (None at the first),
+    text_offset counting from the start of the returned text."""
+    prompt = "Hello there"
+    plain = server.client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+    got = server.client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=2
+    )
+    text, lp = got.choices[0].text, got.choices[0].logprobs
+    assert text == prompt + plain.choices[0].text
+    # The tiny tokenizer opens a prompt with BOS: a token of the prompt's, no text of the echo's.
+    bos = "<|begin_of_text|>"
+    assert lp.tokens[0] == bos and "".join(lp.tokens) == bos + text
+    assert lp.text_offset == [0] + [sum(len(t) for t in lp.tokens[1:k]) for k in range(1, len(lp.tokens))]
+    sp = jspec.SamplingParams(max_new_tokens=4, return_logprob=True, logprob_start_len=0, top_logprobs_num=2)
+    ref = reference_with(model_dir, [prompt], sp)[0]
+    n = len(ref.prompt_token_ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    np.testing.assert_allclose(lp.token_logprobs[1:n], ref.input_logprobs[1:], rtol=1e-5)
+    np.testing.assert_allclose(lp.token_logprobs[n:], ref.logprobs, rtol=1e-5)
+    assert all(len(row) <= 2 for row in lp.top_logprobs[1:])
+    # max_tokens 0 (lm-eval's loglikelihood requests): the prompt and its scores alone.
+    scored = server.client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=0, temperature=0, echo=True, logprobs=2
+    )
+    only = scored.choices[0]
+    assert only.text == prompt and only.finish_reason == "length" and scored.usage.completion_tokens == 0
+    assert only.logprobs.tokens == lp.tokens[:n] and only.logprobs.token_logprobs == lp.token_logprobs[:n]
+    streamed = server.client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=0, temperature=0, echo=True, logprobs=1, stream=True
+    )
+    chunks = [c for chunk in streamed for c in chunk.choices]
+    assert "".join(c.text for c in chunks) == prompt
+    assert [t for c in chunks if c.logprobs for t in c.logprobs.tokens] == lp.tokens[:n]
+    streamed = server.client.completions.create(
+        model="tiny", prompt=[prompt, "jspec"], max_tokens=4, temperature=0, echo=True, stream=True
+    )
+    texts = {}
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts[0] == text and texts[1].startswith("jspec")
+    code, r = server.post_raw(
+        "/generate",
+        json.dumps(
+            {
+                "text": prompt,
+                "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+                "return_logprob": True,
+                "logprob_start_len": 0,
+            }
+        ).encode(),
+    )
+    assert code == 200 and [t for _, t in r["meta_info"]["input_token_logprobs"]] == ref.prompt_token_ids
+    assert [lp for lp, _ in r["meta_info"]["input_token_logprobs"]][1:] == pytest.approx(
+        ref.input_logprobs[1:], rel=1e-5
+    )
 
 
 def test_the_readme_server_comes_up_with_no_flags_and_answers_a_chat(tmp_path):
