@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from jspec.checkpoint.model import Model, as_model, load
@@ -11,6 +12,10 @@ from jspec.engine.engine import Engine
 from jspec.engine.outputs import GenerationOutput, as_prompt_list, tokenize_prompt
 
 __all__ = ["EngineConfig", "GenerationOutput", "Model", "generate", "load"]
+
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+# What Engine takes besides EngineConfig's fields: how to load the weights.
+ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig)) | {"load"}
 
 
 def generate(
@@ -39,14 +44,22 @@ def generate(
     `page_size=16`), `draft=(DraftConfig, draft_params)` giving the draft's weights in memory;
     pass `engine` to reuse one (its compiled programs and KV pool) across calls.
     json_schema (as JSON text), regex or ebnf constrain the output to that grammar.
-    `sampling_params` (a SamplingParams) replaces the sampling keywords above; with n > 1
-    there are n outputs per prompt, prompt by prompt.
+    Any other SamplingParams field is a keyword too (top_p, top_k, n, frequency_penalty, ...).
+    `sampling_params` (a SamplingParams) replaces the sampling keywords; with n > 1 there are n
+    outputs per prompt, prompt by prompt.
     Returns one GenerationOutput per prompt (and completion), in order.
     """
+    sampling = {k: settings.pop(k) for k in list(settings) if k in SAMPLING_FIELDS}
+    if sampling_params is not None and sampling:
+        raise TypeError(f"give sampling_params or sampling keywords, not both (got {sorted(sampling)} too)")
+    unknown = sorted(set(settings) - ENGINE_FIELDS)
+    if unknown:
+        raise TypeError(f"generate() got {unknown}: neither SamplingParams' nor EngineConfig's fields")
     model = as_model(model)
     prompt_list = as_prompt_list(prompts)
     ids = [tokenize_prompt(p, model, i) for i, p in enumerate(prompt_list)]  # all errors before any work
     params = sampling_params or SamplingParams(
+        **sampling,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         seed=seed,

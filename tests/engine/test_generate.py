@@ -159,6 +159,22 @@ def test_bad_inputs_are_named(tiny_params):
         jspec.generate(m, [[1] * 30], max_new_tokens=4, page_size=4, max_total_tokens=12)
     with pytest.raises(TypeError, match="checkpoint path"):
         jspec.generate(42, [[1]])
+    with pytest.raises(TypeError, match=r"\['nucleus'\]: neither SamplingParams' nor EngineConfig's"):
+        jspec.generate(m, [[1]], nucleus=0.9)
+    with pytest.raises(TypeError, match=r"not both \(got \['top_k'\]"):
+        jspec.generate(m, [[1]], top_k=3, sampling_params=jspec.SamplingParams())
+    with pytest.raises(ValueError, match="top_p must be in"):
+        jspec.generate(m, [[1]], top_p=0)
+
+
+def test_every_sampling_field_is_a_generate_keyword(tiny_params):
+    """generate's keywords reach SamplingParams beyond the named ones: n completions, seeded
+    top-k sampling equal to the same SamplingParams given whole."""
+    m = (TINY, tiny_params)
+    kw = dict(temperature=0.8, seed=3, top_k=5, n=2, max_new_tokens=6)
+    by_keyword = jspec.generate(m, [[5, 6, 7]], **kw, attention_backend="reference")
+    whole = jspec.generate(m, [[5, 6, 7]], sampling_params=jspec.SamplingParams(**kw), attention_backend="reference")
+    assert len(by_keyword) == 2 and [o.token_ids for o in by_keyword] == [o.token_ids for o in whole]
 
 
 def test_one_requests_room_is_what_the_pool_holds_below_the_context(tiny_params):
