@@ -222,7 +222,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, st: Se
     text = render_chat(
         st.tokenizer,
         [{**m.model_dump(exclude_none=True), "content": message_text(m)} for m in body.messages],
+        add_generation_prompt=body.add_generation_prompt,
         tools=body.tools if tool_choice is not None else None,
+        template_kwargs=body.chat_template_kwargs,
     )
     ids = st.tokenizer.encode(text, add_special_tokens=False)
     ids = st.check_prompt(ids)

@@ -7,6 +7,7 @@ Bodies are pydantic models (FastAPI's own validation): a known field of the wron
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -37,6 +38,11 @@ def check_stop(stop, param: str = "stop") -> list[str]:
     return list(stop)
 
 
+log = logging.getLogger("jspec.server")
+# Unknown request fields already logged by this process.
+IGNORED_FIELDS_LOGGED: set[str] = set()
+
+
 def check_max_tokens(value: int | None, param: str, least: int = 1) -> int | None:
     """A completion length the client set (None: unset); least is 0 where a completion of no
     tokens means something (/v1/completions: the echoed prompt's logprobs alone)."""
@@ -52,7 +58,8 @@ class StreamOptions(BaseModel):
 class _Sampling(BaseModel):
     """Sampling fields common to completions and chat (OpenAI's names plus SGLang's extensions)."""
 
-    model_config = ConfigDict(extra="ignore")
+    # Fields this schema does not name are kept (model_extra) only to be logged as ignored.
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     temperature: float = 1.0
@@ -79,10 +86,28 @@ class _Sampling(BaseModel):
     # OpenAI fields jspec does not implement: refused by name when set (unimplemented()), as a
     # silently ignored one would change what the client gets.
     logit_bias: dict[str, float] | None = None
+    # vLLM's and SGLang's extensions that change the output, likewise.
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    use_beam_search: bool = False
 
     def unimplemented(self) -> list[str]:
         """The fields of this body that ask for something jspec does not do."""
-        return ["logit_bias"] if self.logit_bias else []
+        asked = ["logit_bias"] if self.logit_bias else []
+        asked += [
+            f
+            for f in ("min_tokens", "include_stop_str_in_output", "no_stop_trim", "use_beam_search")
+            if getattr(self, f)
+        ]
+        asked += [f for f in ("skip_special_tokens", "spaces_between_special_tokens") if not getattr(self, f)]
+        return asked
+
+    def ignored(self) -> list[str]:
+        """Fields of this body that no schema here names (OpenAI's metadata, store, ...): ignored."""
+        return sorted(self.model_extra or ())
 
     def grammar(self) -> dict[str, str]:
         """The SamplingParams grammar field this body asks for ({} for free text)."""
@@ -125,6 +150,10 @@ class _Sampling(BaseModel):
     ) -> SamplingParams:
         for field in self.unimplemented():
             raise APIError(f"{field} is not implemented by jspec", param=field)
+        unseen = [f for f in self.ignored() if f not in IGNORED_FIELDS_LOGGED]
+        if unseen:
+            IGNORED_FIELDS_LOGGED.update(unseen)
+            log.warning("request fields jspec ignores (logged once each): %s", unseen)
         stop = check_stop(self.stop)
         grammar = self.grammar() if grammar is None else grammar
         try:
@@ -187,10 +216,19 @@ class ChatCompletionRequest(_Sampling):
     prediction: dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
     modalities: list[str] | None = None
+    parallel_tool_calls: bool = True
+    # vLLM's and SGLang's chat template controls.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def unimplemented(self) -> list[str]:
         asked = super().unimplemented()
         asked += [f for f in ("prediction", "audio") if getattr(self, f) is not None]
+        if not self.parallel_tool_calls:
+            asked.append("parallel_tool_calls")
+        if self.continue_final_message:
+            asked.append("continue_final_message")
         if self.modalities not in (None, ["text"]):
             asked.append("modalities")
         return asked

@@ -1,7 +1,8 @@
 """What a request may ask for, checked before it reaches the engine: the completion length
 against one request's room (the context, or the KV pool where that holds less), and the
-OpenAI fields jspec does not implement, refused by name. No server: the checks of
-server/state.py and server/protocol.py over a tiny engine's facts."""
+fields jspec does not implement (OpenAI's, vLLM's and SGLang's), refused by name; unknown ones
+logged; chat_template_kwargs. No server: the checks of server/state.py, server/protocol.py and
+server/chat_template.py over a tiny engine's facts."""
 
 import types
 
@@ -13,8 +14,9 @@ from support.models import TARGET
 import jspec
 from jspec.checkpoint.loader import init_random_params
 from jspec.engine.facts import serving_facts
+from jspec.server.chat_template import render_chat
 from jspec.server.errors import APIError
-from jspec.server.protocol import ChatCompletionRequest, CompletionRequest, check_max_tokens
+from jspec.server.protocol import IGNORED_FIELDS_LOGGED, ChatCompletionRequest, CompletionRequest, check_max_tokens
 from jspec.server.state import ServerState
 
 CONTEXT = TARGET.max_position_embeddings
@@ -73,6 +75,24 @@ def test_unimplemented_openai_fields_are_refused_by_name():
         with pytest.raises(APIError, match=f"^{field} is not implemented by jspec$") as e:
             body.sampling_params(4, False, 0)
         assert e.value.param == field
+    chat = [{"role": "user", "content": "x"}]
+    for extension, field in [
+        ({"min_tokens": 4}, "min_tokens"),
+        ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+        ({"no_stop_trim": True}, "no_stop_trim"),
+        ({"skip_special_tokens": False}, "skip_special_tokens"),
+        ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
+        ({"use_beam_search": True}, "use_beam_search"),
+    ]:
+        for body in (CompletionRequest(prompt="x", **extension), ChatCompletionRequest(messages=chat, **extension)):
+            with pytest.raises(APIError, match=f"^{field} is not implemented by jspec$"):
+                body.sampling_params(4, False, 0)
+    for extension, field in [
+        ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+        ({"continue_final_message": True}, "continue_final_message"),
+    ]:
+        with pytest.raises(APIError, match=f"^{field} is not implemented by jspec$"):
+            ChatCompletionRequest(messages=chat, **extension).sampling_params(4, False, 0)
     # What asks for nothing unimplemented passes: best_of equal to n, an empty bias, text only.
     CompletionRequest(prompt="x", best_of=2, n=2, logit_bias={}).sampling_params(4, False, 0)
     ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], modalities=["text"]).sampling_params(4, False, 0)
@@ -90,3 +110,30 @@ def test_completion_lengths_below_one_and_non_finite_temperatures_are_refused():
     for t in (float("nan"), float("inf")):
         with pytest.raises(APIError, match="temperature must be a finite number"):
             CompletionRequest(prompt="x", temperature=t).sampling_params(4, False, 0)
+
+
+def test_fields_no_schema_names_are_ignored_and_logged_once(caplog):
+    body = CompletionRequest(prompt="x", metadata={"k": "v"}, store=False)
+    assert body.ignored() == ["metadata", "store"]
+    IGNORED_FIELDS_LOGGED.difference_update({"metadata", "store"})
+    with caplog.at_level("WARNING", logger="jspec.server"):
+        body.sampling_params(4, False, 0)
+        body.sampling_params(4, False, 0)
+    assert [r.getMessage() for r in caplog.records].count(
+        "request fields jspec ignores (logged once each): ['metadata', 'store']"
+    ) == 1
+
+
+def test_chat_template_kwargs_reach_the_template_and_may_not_replace_its_inputs():
+    tok = types.SimpleNamespace(
+        chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}>{% endif %}{% if enable_thinking is false %}/no_think{% endif %}",
+        bos_token="",
+        eos_token="",
+    )
+    chat = [{"role": "user", "content": "hi"}]
+    assert render_chat(tok, chat) == "hi>"
+    assert render_chat(tok, chat, template_kwargs={"enable_thinking": False}) == "hi>/no_think"
+    assert render_chat(tok, chat, add_generation_prompt=False) == "hi"
+    with pytest.raises(APIError, match=r"may not set \['messages'\]"):
+        render_chat(tok, chat, template_kwargs={"messages": []})
