@@ -56,6 +56,11 @@ class DPScheduler:
         self.prefix_cache = None if disable_radix_cache else RankCaches([s.prefix_cache for s in self.ranks])
         self._next = itertools.cycle(range(len(self.ranks)))
 
+    @property
+    def max_request_tokens(self) -> int:
+        """What one request may hold: a rank's pool's room (a request lives on one rank)."""
+        return min(s.max_request_tokens for s in self.ranks)
+
     def usage(self) -> dict[str, int]:
         per_rank = [s.usage() for s in self.ranks]
         return {k: sum(u[k] for u in per_rank) for k in per_rank[0]}

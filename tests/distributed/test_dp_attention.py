@@ -22,6 +22,7 @@ from support.sync_guard import count_device_reads
 import jspec
 from jspec.distributed.dp_attention import make_dp_mesh, shard_params_dp
 from jspec.distributed.multihost import check_multihost_args, init_distributed
+from jspec.engine.facts import serving_facts
 
 pytestmark = pytest.mark.slow  # builds engines, servers or HF references
 
@@ -117,6 +118,10 @@ def test_round_robin_and_shortest_queue_placement(dense_dp2):
     for rid in rids + [extra]:
         assert dense_dp2.abort(rid)
     dense_dp2.check_idle_no_leaks()
+    # A request lives on one rank: its room is a rank's pool's (or the context), as a server reads it.
+    room = sched.ranks[0].max_request_tokens
+    assert sched.max_request_tokens == room
+    assert serving_facts(dense_dp2).max_request_tokens == min(room, dense_dp2.model.cfg.max_position_embeddings)
 
 
 def test_idle_rank_changes_nothing(dense_dp2, one_device):
