@@ -541,7 +541,7 @@ class Engine:
     def output(r, n_out: int, n_text: int, n_lp: int, n_top: int) -> RequestOutput:
         """r's RequestOutput: what it produced since its output, text and logprobs had these lengths."""
         lp = r.params.return_logprob
-        first = n_out == 0 and (r.output or r.finished) and r.params.wants_prompt_logprobs
+        first = n_out == 0 and (bool(r.output) or r.finished) and r.params.wants_prompt_logprobs
         return RequestOutput(
             r.rid,
             r.output[n_out:],

@@ -67,7 +67,11 @@ class CompletionChunks:
         # max_tokens 0: the engine generates one token (it cannot take none), which no chunk shows.
         self.no_completion = body.max_tokens == 0
         self.with_logprobs = body.logprobs is not None
-        self.texts = [p if isinstance(p, str) else st.tokenizer.decode(i) for p, i in zip(prompts, ids)]
+        self.texts = []  # the prompts as echoed
+        if self.echo:
+            if st.tokenizer is None and not all(isinstance(p, str) for p in prompts):
+                raise APIError("echo of a prompt of token ids needs the model's tokenizer", param="echo")
+            self.texts = [p if isinstance(p, str) else st.tokenizer.decode(i) for p, i in zip(prompts, ids)]
         self.sent: dict[int, int] = {}  # choice index -> characters of its text sent so far
 
     def chunk(self, i: int, c: Choice) -> tuple[str, dict | None]:
