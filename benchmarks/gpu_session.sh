@@ -446,6 +446,10 @@ for s in "$@"; do
       done
       # Each server's own account of its layers' kernels (engine/build.layer_kernels).
       grep -m1 "layer kernels" "$RESULTS"/serving_curve_*rope_kv_*_default.log "$RESULTS"/serving_curve_8b_skinny_*_default.log ;;
+    logit_bias)
+      # The penalties' pass with the sparse logit_bias against the penalties alone and a dense
+      # per-slot bias, at decode rows and over a verify tree (benchmarks/bench_logit_bias.py).
+      step logit_bias 120 $PY -m benchmarks.bench_logit_bias --out "$RESULTS" ;;
     one_row)
       # One-row projections six ways in a chain of SmolLM2's layers without attention, profiled,
       # then the 8B's (benchmarks/bench_one_row.py).

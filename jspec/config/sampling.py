@@ -8,6 +8,11 @@ import math
 from jspec.config.reasoning import REASONING_FORMATS
 
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
+# The most tokens one request may bias (logit_bias): the device keeps that many per request, a
+# fixed width, so that a biased request compiles no program of its own.
+MAX_LOGIT_BIAS_TOKENS = 128
+# OpenAI's range of a logit bias.
+LOGIT_BIAS_LIMIT = 100.0
 
 
 @dataclasses.dataclass
@@ -27,6 +32,9 @@ class SamplingParams:
     n: int = 1  # completions per prompt (jspec.generate and the server fan out; seeds seed, seed+1, ...)
     stop: list[str] = dataclasses.field(default_factory=list)
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    # token id -> a value in [-100, 100] added to its logit before sampling (OpenAI's logit_bias;
+    # after the penalties; -100 bans a token in practice, +100 all but forces it)
+    logit_bias: dict[int, float] | None = None
     ignore_eos: bool = False
     lora_path: str | None = None  # SGLang's name: the LoRA adapter (its loaded name) this request runs with
     # Structured output (SGLang's names; at most one): the output is a sentence of this grammar.
@@ -84,6 +92,8 @@ class SamplingParams:
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if self.logit_bias is not None:
+            self.logit_bias = checked_logit_bias(self.logit_bias)
         if self.lora_path is not None and (not isinstance(self.lora_path, str) or not self.lora_path):
             raise ValueError(f"lora_path must be a loaded adapter's name or None, got {self.lora_path!r}")
         grammars = [k for k in GRAMMAR_FIELDS if getattr(self, k) is not None]
@@ -120,3 +130,20 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
+
+
+def checked_logit_bias(bias) -> dict[int, float] | None:
+    """bias (token ids, or their decimal strings as JSON keys, -> values) as {int: float}; None
+    when empty. ValueError naming what is wrong."""
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must map token ids to values, got {type(bias).__name__}")
+    if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise ValueError(f"logit_bias may bias at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(bias)}")
+    out = {}
+    for k, v in bias.items():
+        if isinstance(k, bool) or not (isinstance(k, int) or (isinstance(k, str) and k.isdigit())):
+            raise ValueError(f"logit_bias keys must be token ids, got {k!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -LOGIT_BIAS_LIMIT <= v <= LOGIT_BIAS_LIMIT:
+            raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {v!r} for token {k}")
+        out[int(k)] = float(v)
+    return out or None

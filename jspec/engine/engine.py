@@ -360,6 +360,10 @@ class Engine:
                 f"top_logprobs_num={params.top_logprobs_num} exceeds this engine's max_top_logprobs="
                 f"{self.config.max_top_logprobs}"
             )
+        vocab = self.model.cfg.vocab_size
+        outside = sorted(t for t in params.logit_bias or {} if not 0 <= t < vocab)
+        if outside:
+            raise ValueError(f"logit_bias names token ids outside the vocabulary [0, {vocab}): {outside[:8]}")
         tok = self.model.tokenizer
         if params.stop and tok is None:
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")

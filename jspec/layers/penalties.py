@@ -4,7 +4,9 @@ Per slot the device keeps each token's emitted count and whether the prompt hold
 host never sends histories. Semantics as SGLang's; they act on the raw logits before
 temperature and filters. Under speculation a tree node is penalised as if its path had been
 emitted one token at a time: the slot's counts plus its drafted ancestors, re-applied per
-node, so no [B, N, V] count tensor is built.
+node, so no [B, N, V] count tensor is built. A request's logit_bias rides along: up to
+MAX_LOGIT_BIAS_TOKENS (token, value) pairs per slot, written when its prefill starts and added
+to its logits after the penalties, every tree node's alike.
 """
 
 from __future__ import annotations
@@ -13,13 +15,18 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from jspec.config.sampling import MAX_LOGIT_BIAS_TOKENS
 from jspec.layers.sampling import FREQUENCY, PRESENCE, REPETITION
 
 
 class PenaltyState(NamedTuple):
     output_counts: jax.Array  # [slots+1, V] int32: times each token was emitted
     prompt_seen: jax.Array  # [slots+1, V] bool: token occurs in the prompt
+    # The request's logit_bias, sparse: tokens (V where none) and the values added to their logits.
+    bias_tokens: jax.Array  # [slots+1, MAX_LOGIT_BIAS_TOKENS] int32
+    bias_values: jax.Array  # [slots+1, MAX_LOGIT_BIAS_TOKENS] float32
 
 
 class PrefillCounts(NamedTuple):
@@ -28,10 +35,43 @@ class PrefillCounts(NamedTuple):
     reset_slots: jax.Array  # [B] int32: slot of each row that starts its request, else the scratch slot
     token_slots: jax.Array  # [T] int32: slot of each token's request (scratch for padding)
     is_output: jax.Array  # [T] bool: the token was generated before (a re-prefill after retraction)
+    bias_tokens: jax.Array  # [B, MAX_LOGIT_BIAS_TOKENS] int32: a starting row's logit_bias (V pads)
+    bias_values: jax.Array  # [B, MAX_LOGIT_BIAS_TOKENS] float32
 
 
 def init_penalty_state(num_slots: int, vocab_size: int) -> PenaltyState:
-    return PenaltyState(jnp.zeros((num_slots + 1, vocab_size), jnp.int32), jnp.zeros((num_slots + 1, vocab_size), bool))
+    rows = num_slots + 1
+    return PenaltyState(
+        jnp.zeros((rows, vocab_size), jnp.int32),
+        jnp.zeros((rows, vocab_size), bool),
+        jnp.full((rows, MAX_LOGIT_BIAS_TOKENS), vocab_size, jnp.int32),
+        jnp.zeros((rows, MAX_LOGIT_BIAS_TOKENS), jnp.float32),
+    )
+
+
+def logit_bias_rows(biases, rows: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Host side: PrefillCounts' bias arrays for `rows` rows from each row's logit_bias (a
+    {token: value} dict or None; rows past the list have none)."""
+    tokens = np.full((rows, MAX_LOGIT_BIAS_TOKENS), vocab_size, np.int32)
+    values = np.zeros((rows, MAX_LOGIT_BIAS_TOKENS), np.float32)
+    for i, bias in enumerate(biases):
+        if bias:
+            tokens[i, : len(bias)] = list(bias)
+            values[i, : len(bias)] = list(bias.values())
+    return tokens, values
+
+
+def add_logit_bias(x: jax.Array, state: PenaltyState, slot_ids: jax.Array) -> jax.Array:
+    """x [B, V] (or [B, N, V]: every node of a row's tree) float32 logits of the rows in
+    slot_ids [B], plus each row's logit_bias."""
+    tokens, values = state.bias_tokens[slot_ids], state.bias_values[slot_ids]  # [B, K]
+    rows = jnp.arange(x.shape[0])[:, None]
+    if x.ndim == 3:
+        N = x.shape[1]
+        return x.at[rows[:, :, None], jnp.arange(N)[None, :, None], tokens[:, None, :]].add(
+            jnp.broadcast_to(values[:, None, :], (x.shape[0], N, values.shape[1])), mode="drop"
+        )
+    return x.at[rows, tokens].add(values, mode="drop")
 
 
 def _penalise(x, count, prompt_seen, params):
@@ -44,9 +84,10 @@ def _penalise(x, count, prompt_seen, params):
 
 def apply_penalties(logits: jax.Array, state: PenaltyState, slot_ids: jax.Array, params: jax.Array) -> jax.Array:
     """logits [B, V] of the rows in slot_ids [B], params [B, 7] -> penalised float32 logits."""
-    return _penalise(
+    x = _penalise(
         logits.astype(jnp.float32), state.output_counts[slot_ids], state.prompt_seen[slot_ids], params[:, None, :]
     )
+    return add_logit_bias(x, state, slot_ids)
 
 
 def apply_tree_penalties(
@@ -80,7 +121,7 @@ def apply_tree_penalties(
     col = jnp.where(on_path, tok_b, V)
     bi = jnp.arange(B)[:, None, None]
     ni = jnp.arange(N)[None, :, None]
-    return out.at[bi, ni, col].set(fixed, mode="drop")
+    return add_logit_bias(out.at[bi, ni, col].set(fixed, mode="drop"), state, slot_ids)
 
 
 def record_emitted(state: PenaltyState, slot_ids: jax.Array, tokens: jax.Array) -> PenaltyState:
@@ -99,4 +140,7 @@ def record_prefill(state: PenaltyState, tokens: jax.Array, pc: PrefillCounts) ->
     seen = state.prompt_seen.at[pc.reset_slots].set(False)
     counts = counts.at[pc.token_slots, tokens].add(pc.is_output.astype(jnp.int32))
     seen = seen.at[pc.token_slots, jnp.where(pc.is_output, seen.shape[1], tokens)].set(True, mode="drop")
-    return PenaltyState(counts, seen)
+    # A row that does not start its request writes the scratch slot: padding over padding.
+    bias_tokens = state.bias_tokens.at[pc.reset_slots].set(pc.bias_tokens)
+    bias_values = state.bias_values.at[pc.reset_slots].set(pc.bias_values)
+    return PenaltyState(counts, seen, bias_tokens, bias_values)

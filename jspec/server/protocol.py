@@ -83,10 +83,10 @@ class _Sampling(BaseModel):
     json_schema: str | dict[str, Any] | None = None
     regex: str | None = None
     ebnf: str | None = None
-    # OpenAI fields jspec does not implement: refused by name when set (unimplemented()), as a
-    # silently ignored one would change what the client gets.
-    logit_bias: dict[str, float] | None = None
-    # vLLM's and SGLang's extensions that change the output, likewise.
+    logit_bias: dict[str, float] | None = None  # token id (as JSON text) -> value in [-100, 100]
+    # vLLM's and SGLang's extensions that change the output, which jspec does not implement:
+    # refused by name when set (unimplemented()), as a silently ignored one would change what
+    # the client gets.
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     no_stop_trim: bool = False
@@ -96,8 +96,7 @@ class _Sampling(BaseModel):
 
     def unimplemented(self) -> list[str]:
         """The fields of this body that ask for something jspec does not do."""
-        asked = ["logit_bias"] if self.logit_bias else []
-        asked += [
+        asked = [
             f
             for f in ("min_tokens", "include_stop_str_in_output", "no_stop_trim", "use_beam_search")
             if getattr(self, f)
@@ -171,6 +170,7 @@ class _Sampling(BaseModel):
                 top_logprobs_num=top_logprobs,
                 stop=stop,
                 stop_token_ids=list(self.stop_token_ids or []),
+                logit_bias=self.logit_bias,
                 ignore_eos=self.ignore_eos,
                 n=self.n,
                 lora_path=lora_path,

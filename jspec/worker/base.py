@@ -276,7 +276,14 @@ class WorkerBase:
         if decode_rows is not None and not self.mixes_decode_rows:
             raise ValueError(f"{type(self).__name__} does not mix decode rows into a prefill")
         batch, mode, next_tokens, finish_rows, slot_ids, counts = prefill_inputs(
-            self, chunks, following, slots, output_starts, first_chunks, decode_rows=decode_rows
+            self,
+            chunks,
+            following,
+            slots,
+            output_starts,
+            first_chunks,
+            decode_rows=decode_rows,
+            logit_biases=[p.logit_bias for p, _ in sampling],
         )
         rows = rows_of(sampling, slot_ids.shape[0])
         lora = lora_batch(self.lora, prefill_lora_slots(batch, chunks, loras))

@@ -19,7 +19,7 @@ from jspec.distributed.mesh import DATA
 from jspec.distributed.tensor_parallel import replicate
 from jspec.layers.batch import AttentionMode, ForwardBatch
 from jspec.layers.lora import LoraBatch
-from jspec.layers.penalties import PrefillCounts
+from jspec.layers.penalties import PrefillCounts, logit_bias_rows
 from jspec.layers.sampling import SAMPLING_MODES, sampling_mode, sampling_rows
 from jspec.worker.base import WorkerBase
 from jspec.worker.batch import DPBatch, PrefillBatch
@@ -124,7 +124,14 @@ class DPWorker:
     def _prefill_inputs(self, b, T: int):
         inner = self.inner
         batch, mode, draft_tokens, finish_rows, slot_ids, counts = prefill_inputs(
-            inner, b.chunks, b.following, b.slots, b.output_starts, b.first_chunks, min_tokens=T
+            inner,
+            b.chunks,
+            b.following,
+            b.slots,
+            b.output_starts,
+            b.first_chunks,
+            min_tokens=T,
+            logit_biases=[p.logit_bias for p, _ in b.sampling],
         )
         assert mode.max_q_len == T, (mode, T)
         rows = sampling_rows([p for p, _ in b.sampling], [s for _, s in b.sampling], slot_ids.shape[0])
@@ -145,7 +152,12 @@ class DPWorker:
             np.zeros(B + 1, np.int32),
             np.zeros(B, np.int32),
         )
-        counts = PrefillCounts(np.full(B, scratch, np.int32), np.full(T, scratch, np.int32), np.zeros(T, bool))
+        counts = PrefillCounts(
+            np.full(B, scratch, np.int32),
+            np.full(T, scratch, np.int32),
+            np.zeros(T, bool),
+            *logit_bias_rows([], B, inner.vocab_size),
+        )
         return (
             batch,
             np.zeros(T, np.int32),

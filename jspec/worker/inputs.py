@@ -16,7 +16,7 @@ from jspec.config.sampling import SamplingParams
 from jspec.constrained.grammar import allow_all
 from jspec.layers.batch import AttentionMode, ForwardBatch, bucket
 from jspec.layers.lora import LoraBatch
-from jspec.layers.penalties import PrefillCounts
+from jspec.layers.penalties import PrefillCounts, logit_bias_rows
 from jspec.layers.sampling import SamplingRows, sampling_rows
 
 
@@ -109,6 +109,7 @@ def prefill_inputs(
     first_chunks: list[bool] | None,
     min_tokens: int = 8,
     decode_rows: list[bool] | None = None,
+    logit_biases: list[dict[int, float] | None] | None = None,
 ):
     """A prefill's arrays on worker's geometry (its buckets, pages, slots and attention backend):
     (batch, mode, the token after each row, finish rows, slot ids, penalty counts).
@@ -118,7 +119,8 @@ def prefill_inputs(
     chunk is its request's first (its penalty counts start afresh). None: prompts only, all first.
     decode_rows: the chunk is a running request's decode row, whose token its penalty counts
     already hold (counted when it was sampled).
-    min_tokens: the smallest token bucket (DP attention gives every rank the largest rank's)."""
+    min_tokens: the smallest token bucket (DP attention gives every rank the largest rank's).
+    logit_biases: per chunk, its request's logit_bias (None: none), written where it starts."""
     T = worker.buckets.prefill_tokens(max(sum(len(c.tokens) for c in chunks), min_tokens))
     batch, mode = build_forward_batch(
         chunks,
@@ -153,7 +155,9 @@ def prefill_inputs(
             slot_ids[i] = slots[i]
         else:
             draft_tokens[start + n - 1] = following[i]
-    return batch, mode, draft_tokens, finish_rows, slot_ids, PrefillCounts(reset_slots, token_slots, is_output)
+    starting = [b if reset_slots[i] != scratch else None for i, b in enumerate(logit_biases or [])]
+    bias = logit_bias_rows(starting, B, worker.vocab_size)
+    return batch, mode, draft_tokens, finish_rows, slot_ids, PrefillCounts(reset_slots, token_slots, is_output, *bias)
 
 
 def decode_inputs(worker, slots: list[int], page_tables: list[list[int]], sampling):

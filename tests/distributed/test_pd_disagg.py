@@ -22,6 +22,7 @@ from support.sync_guard import count_device_reads
 
 import jspec
 from jspec.checkpoint.tiny import make_tiny_model
+from jspec.config.sampling import MAX_LOGIT_BIAS_TOKENS
 from jspec.disaggregation import kv_io
 from jspec.disaggregation.decode import DecodeEngine
 from jspec.disaggregation.prefill import PrefillEngine
@@ -349,7 +350,8 @@ def test_transfer_steps_lower_for_cuda(n):
         sds((slots,), i32),
         (sds((slots, 1), np.float32), sds((slots, 1), i32), sds((slots, 4096), bf16)),
     )
-    state = (target, draft, carry, PenaltyState(sds((slots, vocab), i32), sds((slots, vocab), bool)))
+    bias = (sds((slots, MAX_LOGIT_BIAS_TOKENS), i32), sds((slots, MAX_LOGIT_BIAS_TOKENS), np.float32))
+    state = (target, draft, carry, PenaltyState(sds((slots, vocab), i32), sds((slots, vocab), bool), *bias))
     paged = [sds((a.shape[0], n, 8, 128), bf16) for a in (*target, *draft)]
     rows = [sds(a.shape[1:], a.dtype) for a in jax.tree.leaves(state[2:])]
     with on_h200():

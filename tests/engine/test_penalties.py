@@ -16,7 +16,7 @@ from support.sampling import fixed_tree
 
 import jspec
 from jspec.config.sampling import SamplingParams
-from jspec.layers.penalties import PenaltyState, apply_tree_penalties
+from jspec.layers.penalties import PenaltyState, apply_tree_penalties, init_penalty_state
 from jspec.layers.sampling import sampling_rows
 from jspec.models.llama import dense_forward
 
@@ -49,7 +49,7 @@ def test_tree_penalties_equal_one_token_at_a_time():
     got = np.asarray(
         apply_tree_penalties(
             jnp.asarray(logits),
-            PenaltyState(jnp.asarray(counts), jnp.asarray(seen)),
+            PenaltyState(jnp.asarray(counts), jnp.asarray(seen), *init_penalty_state(B, V)[2:]),
             jnp.asarray(slot_ids),
             jnp.asarray(rows.params),
             tree.tokens,
@@ -110,6 +110,42 @@ def test_penalised_greedy_matches_a_dense_recompute(tiny):
     assert [o.token_ids for o in outs] != [o.token_ids for o in unpenalised]  # the penalties did something
 
 
+def test_logit_bias_after_the_penalties_matches_a_dense_recompute(tiny):
+    """A request's logit_bias is added after its penalties (the logprobs are of that
+    distribution); the unbiased run's first token, banned, never comes; a row without a bias in
+    the same batch is untouched."""
+    prompts = [[5, 9, 2, 7, 5, 5], list(range(30, 50))]
+    engine = jspec.Engine(tiny, page_size=4, max_total_tokens=252, attention_backend="reference")
+    free = engine.generate(prompts[:1], SamplingParams(max_new_tokens=16, ignore_eos=True, frequency_penalty=0.8))
+    banned, favoured = free[0].token_ids[0], 11
+    bias = {banned: -100.0, favoured: 2.5, 40: -3.0}
+    params = [
+        SamplingParams(max_new_tokens=16, ignore_eos=True, frequency_penalty=0.8, logit_bias=bias, return_logprob=True),
+        SamplingParams(max_new_tokens=16, ignore_eos=True, frequency_penalty=0.8, return_logprob=True),
+    ]
+    outs = [engine.generate([p], sp)[0] for p, sp in zip(prompts, params)]
+    together = engine.generate(prompts, params[0])  # both rows biased, one batch
+    dense = jax.jit(lambda toks: dense_forward(tiny.params, tiny.cfg, toks))
+    for prompt, sp, o in zip(prompts, params, outs):
+        seq, V = list(prompt), tiny.cfg.vocab_size
+        add = np.zeros(V)
+        for t, v in (sp.logit_bias or {}).items():
+            add[t] = v
+        counts = np.zeros(V, np.int64)
+        for j in range(16):
+            logits = np.asarray(dense(np.asarray(seq + [0] * (40 - len(seq)), np.int32)))[len(seq) - 1]
+            x = penalise_ref(logits, counts, np.zeros(V, bool), 0.8, 0.0, 1.0) + add
+            tok = int(np.argmax(x))
+            assert o.token_ids[j] == tok, f"token {j}"
+            lsm = x - x.max() - np.log(np.exp(x - x.max()).sum())
+            assert abs(o.logprobs[j] - lsm[tok]) < 1e-4
+            counts[tok] += 1
+            seq.append(tok)
+    assert banned not in outs[0].token_ids and banned not in together[0].token_ids
+    assert together[0].token_ids == outs[0].token_ids
+    engine.check_idle_no_leaks()
+
+
 PERM = [1, 2, 0] + list(range(4, 64)) + [3]  # a 3-cycle 0 -> 1 -> 2 -> 0: drafted paths repeat tokens
 
 
@@ -136,6 +172,8 @@ def test_speculative_penalties_equal_plain(steps, topk, ndt, temperature):
         )
         for s, (fp, pp, rp) in enumerate([(1.1, 0.0, 1.0), (1.3, 0.5, 1.0), (1.1, 0.0, 1.5)])
     ]
+    # A logit_bias on every tree node alike: the cycle's next token pushed down, another up.
+    sampling[2].logit_bias = {1: -1.5, 7: 0.8}
     kw = dict(page_size=4, max_total_tokens=380, max_running_requests=4, attention_backend="reference")
     plain = jspec.Engine((TARGET, target), **kw)
     base = [plain.generate([p], sp)[0] for p, sp in zip(ps, sampling)]
@@ -153,7 +191,9 @@ def test_speculative_penalties_equal_plain(steps, topk, ndt, temperature):
 
 
 def test_penalties_survive_retraction_and_skip_the_prefix_cache(tiny):
-    params = SamplingParams(max_new_tokens=40, ignore_eos=True, frequency_penalty=0.7, repetition_penalty=1.2)
+    params = SamplingParams(
+        max_new_tokens=40, ignore_eos=True, frequency_penalty=0.7, repetition_penalty=1.2, logit_bias={3: 1.5}
+    )
     prompts = [list(range(10 + 7 * i, 40 + 7 * i)) for i in range(6)]
     # test_engine.py's retraction settings and workload: the same programs, compiled once.
     kw = dict(page_size=4, max_running_requests=8, precompile_bs_paddings=[8], attention_backend="reference")

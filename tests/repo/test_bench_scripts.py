@@ -293,6 +293,16 @@ def test_bench_one_row_forms_agree(tmp_path):
     assert all(r["ms"] > 0 and r["max_abs_diff_vs_first"] < 1e-2 for r in rows)
 
 
+def test_bench_logit_bias_checks_every_variant_before_timing(tmp_path):
+    run_script("bench_logit_bias", "--out", str(tmp_path))
+    rows = json.load(open(tmp_path / "bench_logit_bias.json"))["rows"]
+    assert {(r["case"], r["variant"]) for r in rows} >= {
+        ("decode R=4", "sparse_bias"),
+        ("tree 2x3", "tree_penalties_sparse_bias"),
+    }
+    assert all(r["ms"] > 0 for r in rows)
+
+
 def test_bench_call_cost_rows_and_slopes(tmp_path):
     run_script("bench_call_cost", "--out", str(tmp_path))
     data = json.load(open(tmp_path / "bench_call_cost.json"))

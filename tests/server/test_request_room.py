@@ -13,6 +13,7 @@ from support.models import TARGET
 
 import jspec
 from jspec.checkpoint.loader import init_random_params
+from jspec.config.sampling import MAX_LOGIT_BIAS_TOKENS
 from jspec.engine.facts import serving_facts
 from jspec.server.chat_template import render_chat
 from jspec.server.errors import APIError
@@ -60,8 +61,6 @@ def test_unimplemented_openai_fields_are_refused_by_name():
     for body, field in [
         (CompletionRequest(prompt="x", suffix="y"), "suffix"),
         (CompletionRequest(prompt="x", best_of=3), "best_of"),
-        (CompletionRequest(prompt="x", logit_bias={"5": 10}), "logit_bias"),
-        (ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], logit_bias={"5": -100}), "logit_bias"),
         (
             ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], prediction={"type": "content"}),
             "prediction",
@@ -96,6 +95,21 @@ def test_unimplemented_openai_fields_are_refused_by_name():
     # What asks for nothing unimplemented passes: best_of equal to n, an empty bias, text only.
     CompletionRequest(prompt="x", best_of=2, n=2, logit_bias={}).sampling_params(4, False, 0)
     ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], modalities=["text"]).sampling_params(4, False, 0)
+
+
+def test_logit_bias_reaches_the_sampling_params_as_token_ids():
+    sp = CompletionRequest(prompt="x", logit_bias={"5": 10, "7": -100}).sampling_params(4, False, 0)
+    assert sp.logit_bias == {5: 10.0, 7: -100.0}
+    for bias, words in [
+        ({"x": 1}, "keys must be token ids"),
+        ({"5": 101}, r"values must be numbers in \[-100, 100\]"),
+        ({str(i): 1 for i in range(MAX_LOGIT_BIAS_TOKENS + 1)}, f"at most {MAX_LOGIT_BIAS_TOKENS} tokens"),
+    ]:
+        with pytest.raises(APIError, match=words) as e:
+            ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], logit_bias=bias).sampling_params(
+                4, False, 0
+            )
+        assert e.value.param == "logit_bias"
 
 
 def test_completion_lengths_below_one_and_non_finite_temperatures_are_refused():

@@ -366,6 +366,37 @@ def test_echo_returns_the_prompt_with_its_logprobs(server, model_dir):
     )
 
 
+def test_logit_bias_steers_tokens_through_every_route(server, model_dir):
+    """+100 on one token makes it every greedy token (OpenAI's chat route, SGLang's /generate);
+    -100 on the unbiased first token keeps it out; an id outside the vocabulary is a 400."""
+
+    def generate(**sampling):
+        body = {
+            "text": "abc",
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True, **sampling},
+        }
+        code, r = server.post_raw("/generate", json.dumps(body).encode())
+        assert code == 200, r
+        return r["output_ids"]
+
+    free = generate()
+    assert generate(logit_bias={"65": 100}) == [65] * 4
+    assert free[0] not in generate(logit_bias={str(free[0]): -100})
+    forced = server.client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "abc"}],
+        max_tokens=4,
+        temperature=0,
+        logit_bias={"65": 100},
+        extra_body={"ignore_eos": True},
+    )
+    assert forced.choices[0].message.content == jspec.load(model_dir).tokenizer.decode([65] * 4)
+    code, err = server.post_raw(
+        "/v1/completions", json.dumps({"model": "tiny", "prompt": "abc", "logit_bias": {"99999": 5}}).encode()
+    )
+    assert code == 400 and "outside the vocabulary" in err["error"]["message"], err
+
+
 def test_the_readme_server_comes_up_with_no_flags_and_answers_a_chat(tmp_path):
     """scripts/serve.py as the README starts it: the embedded model, warm-up and all. Healthy
     within the start-up budget, in bounded memory, and the openai client gets an answer."""
