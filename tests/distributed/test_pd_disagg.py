@@ -269,8 +269,9 @@ def test_after_the_prefill_engine_is_gone(decode):
 
 
 def test_request_state_round_trip_is_exact(dirs, spec):
-    """A prefilled request's every state leaf (target and draft KV, carry, penalty rows) read out
-    of a page-4 engine, written into a page-8 engine and read out again is unchanged."""
+    """A prefilled request's every state leaf (target and draft KV, carry, penalty rows and
+    logit_bias) read out of a page-4 engine, written into a page-8 engine and read out again is
+    unchanged."""
     src = PrefillEngine(
         dirs[0],
         speculative=spec,
@@ -280,7 +281,7 @@ def test_request_state_round_trip_is_exact(dirs, spec):
         attention_backend="reference",
         disable_overlap_schedule=True,
     )
-    src.add_prefill("a", list(range(3, 40)), jspec.SamplingParams(repetition_penalty=1.2), seed=5)
+    src.add_prefill("a", list(range(3, 40)), jspec.SamplingParams(repetition_penalty=1.2, logit_bias={5: 1.5}), seed=5)
     while src.has_work():
         src.step()
     (h,) = src.handoffs
