@@ -144,6 +144,8 @@ def checked_logit_bias(bias) -> dict[int, float] | None:
         if isinstance(k, bool) or not (isinstance(k, int) or (isinstance(k, str) and k.isdigit())):
             raise ValueError(f"logit_bias keys must be token ids, got {k!r}")
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not -LOGIT_BIAS_LIMIT <= v <= LOGIT_BIAS_LIMIT:
-            raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {v!r} for token {k}")
+            raise ValueError(
+                f"logit_bias values must be numbers in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], got {v!r} for token {k}"
+            )
         out[int(k)] = float(v)
     return out or None

@@ -65,8 +65,8 @@ class Scheduler:
         return self.kv.allocator.num_usable * self.page_size - self.worker.kv_margin - self.worker.max_emit
 
     def add(self, req: Request) -> None:
-        worst = len(req.prompt) + req.params.max_new_tokens + self.worker.kv_margin + self.worker.max_emit
-        if self.pages_for(worst) > self.kv.allocator.num_usable:
+        if len(req.prompt) + req.params.max_new_tokens > self.max_request_tokens:
+            worst = len(req.prompt) + req.params.max_new_tokens + self.worker.kv_margin + self.worker.max_emit
             raise OutOfPagesError(
                 f"request {req.rid} needs up to {self.pages_for(worst)} KV pages ({len(req.prompt)} prompt + "
                 f"{req.params.max_new_tokens} new tokens at page size {self.page_size}); the pool has "

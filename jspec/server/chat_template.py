@@ -38,25 +38,27 @@ def render_chat(
 ) -> str:
     """The chat's prompt text by the tokenizer's template. template_kwargs: more variables for
     the template (vLLM's and SGLang's chat_template_kwargs, such as Qwen3's enable_thinking)."""
-    template_kwargs = dict(template_kwargs or {})
-    taken = sorted(set(template_kwargs) & {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"})
-    if taken:
-        raise APIError(
-            f"chat_template_kwargs may not set {taken}: the request's own fields do", param="chat_template_kwargs"
-        )
     if tokenizer is None or not tokenizer.chat_template:
         raise APIError(
             "this model has no chat template (tokenizer_config.json chat_template); use /v1/completions",
             param="messages",
         )
-    try:
-        return _compile(tokenizer.chat_template).render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=tokenizer.bos_token,
-            eos_token=tokenizer.eos_token,
-            **({"tools": tools} if tools else {}),
-            **template_kwargs,
+    inputs = {
+        "messages": messages,
+        "add_generation_prompt": add_generation_prompt,
+        "bos_token": tokenizer.bos_token,
+        "eos_token": tokenizer.eos_token,
+        "tools": tools,
+    }
+    template_kwargs = dict(template_kwargs or {})
+    taken = sorted(set(template_kwargs) & inputs.keys())
+    if taken:
+        raise APIError(
+            f"chat_template_kwargs may not set {taken}: the request's own fields do", param="chat_template_kwargs"
         )
+    if not tools:
+        del inputs["tools"]
+    try:
+        return _compile(tokenizer.chat_template).render(**inputs, **template_kwargs)
     except TemplateError as e:
         raise APIError(f"chat template: {e}", param="messages") from None

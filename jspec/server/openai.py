@@ -232,13 +232,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, st: Se
     )
     ids = st.tokenizer.encode(text, add_special_tokens=False)
     ids = st.check_prompt(ids)
-    asked = (
-        "max_completion_tokens"
-        if body.max_completion_tokens is not None
-        else "max_tokens"
-        if body.max_tokens is not None
-        else None
-    )
+    # The length field the client set, OpenAI's newer name first (None: neither).
+    asked = next((f for f in ("max_completion_tokens", "max_tokens") if getattr(body, f) is not None), None)
     max_new = st.check_room(len(ids), asked and check_max_tokens(getattr(body, asked), asked), asked, "messages")
     # With a reasoning parser, a grammar (response_format, a forced tool call) holds only the
     # text after the reasoning.

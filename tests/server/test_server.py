@@ -43,32 +43,18 @@ def server(model_dir):
     assert s.stop()
 
 
+# jspec.generate with the Server's settings: its programs are the server's, so one of the two
+# processes loads them from the other's compilation cache.
+SERVER_ENGINE = dict(page_size=4, max_total_tokens=4096, max_running_requests=40, attention_backend="reference")
+
+
 def reference(model_dir, prompts, max_new, spec=None):
-    """jspec.generate with the Server's settings: its programs are the server's, so one of the
-    two processes loads them from the other's compilation cache."""
-    return jspec.generate(
-        model_dir,
-        prompts,
-        max_new_tokens=max_new,
-        page_size=4,
-        max_total_tokens=4096,
-        max_running_requests=40,
-        attention_backend="reference",
-        speculative=spec,
-    )
+    return jspec.generate(model_dir, prompts, max_new_tokens=max_new, speculative=spec, **SERVER_ENGINE)
 
 
 def reference_with(model_dir, prompts, sampling_params):
     """reference() with full SamplingParams (logprobs among them)."""
-    return jspec.generate(
-        model_dir,
-        prompts,
-        sampling_params=sampling_params,
-        page_size=4,
-        max_total_tokens=4096,
-        max_running_requests=40,
-        attention_backend="reference",
-    )
+    return jspec.generate(model_dir, prompts, sampling_params=sampling_params, **SERVER_ENGINE)
 
 
 def chat_prompt_ids(model_dir, messages):
