@@ -46,7 +46,7 @@ from benchmarks.common import (
 from benchmarks.device_profile import print_summary, profile_calls
 from jspec.config.model import ModelConfig
 from jspec.kvcache.pool import KVPool
-from jspec.layers.matmul import skinny_backend, with_out_in_projections
+from jspec.layers.matmul import lays_out_projections_out_in, with_out_in_projections
 from jspec.layers.penalties import init_penalty_state
 from jspec.layers.sampling import sampling_rows
 from jspec.models.common import unstack_layers
@@ -375,7 +375,7 @@ def main():
     # Per-layer weight arrays (what the engine runs) everywhere; the stacked layout under
     # lax.scan at a few points, to show what slicing a stacked weight costs.
     per_layer = unstack_layers(params)
-    if skinny_backend() == "xla_nk":  # as the engine lays the weights out under this setting
+    if lays_out_projections_out_in():  # as the engine's build lays the weights out
         per_layer = with_out_in_projections(per_layer, per_layer_ndim=2)
         params = with_out_in_projections(params, per_layer_ndim=3)
     cases = [("per_layer", ctx, B) for ctx in contexts for B in batches]

@@ -153,14 +153,16 @@ for s in "$@"; do
           --no-stacked --batches 1 --profile --verify-tokens 0 --tag small_add_norm_$v --out "$RESULTS"
       done ;;
     out_in)
-      # The small projection weights laid out [out, in] (JSPEC_SKINNY_MATMUL=xla_nk) against the
-      # default: the SmolLM2 step at bs 1 / 16 with its kernel profile, then the server at c 1 / 64.
-      for v in ${OUT_IN_VARIANTS:-auto xla_nk}; do
+      # The small projection weights laid out [out, in] (the one-GPU default) against [in, out]
+      # (JSPEC_SKINNY_MATMUL=xla, the same products for these widths): the SmolLM2 step at bs 1 / 16
+      # with its kernel profile, then the server at c 1 / 64.
+      # A 4-token verify forward beside each (a chain of EAGLE-3's default shape).
+      for v in ${OUT_IN_VARIANTS:-xla auto}; do
         JSPEC_SKINNY_MATMUL=$v step decode_small_$v 120 $PY -m benchmarks.bench_decode --small --quick \
-          --no-stacked --batches 1,16 --profile --verify-tokens 0 --tag small_$v --out "$RESULTS"
+          --no-stacked --batches 1,16 --profile --verify-tokens 4 --tag small_$v --out "$RESULTS"
       done
       step curve_small_out_in 300 $PY -m benchmarks.serving_curve --server-args "$SHAPE_SMALL" --input-lens 128 \
-        --concurrency 1,64 --min-prompts 4 --variant default= --variant xla_nk=JSPEC_SKINNY_MATMUL=xla_nk \
+        --concurrency 1,64 --min-prompts 4 --variant in_out=JSPEC_SKINNY_MATMUL=xla --variant default= \
         --out "$RESULTS" --name serving_curve_small_out_in ;;
     rope_kv)
       # The new tokens' RoPE and K / V write as one kernel (kernels/rope_kv.py) against XLA's four

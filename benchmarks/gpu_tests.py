@@ -77,8 +77,9 @@ ENGINE_TESTS = [
     "tests/models/test_deepseek.py::test_nextn_greedy_equals_plain_greedy[4-True-2-2-4-pallas]",
     # DFLASH's block drafts, with sampling, penalties and logprobs, against plain (reference).
     "tests/speculative/test_spec_dflash.py::test_outputs_equal_plain_and_drafts_equal_the_dense_drafter",
-    # JSPEC_SKINNY_MATMUL=xla_nk: the small projection weights laid out [out, in].
-    "tests/engine/test_generate.py::test_out_in_projections_give_the_default_tokens[unrolled]",
+    # The small projection weights laid out [out, in] (the one-GPU default), plain and verifying.
+    "tests/engine/test_generate.py::test_out_in_projections_give_the_default_tokens[llama]",
+    "tests/engine/test_generate.py::test_out_in_projections_give_the_default_tokens[llama-ngram]",
 ]
 
 

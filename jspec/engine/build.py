@@ -36,6 +36,8 @@ from jspec.layers.batch import bucket
 from jspec.layers.matmul import (
     PADDED_MIN_WEIGHT_ELEMENTS,
     SKINNY_MATMUL_ENV,
+    lays_out_projections_out_in,
+    out_in_layout_refusal,
     skinny_backend,
     with_out_in_projections,
 )
@@ -116,7 +118,7 @@ def build_worker(model: Model, config: EngineConfig, draft=None, target_path=Non
     # pool exists: a worker laying them out itself creates its pool while the caller holds both.
     layer_loop = check_layer_loop(config.layer_loop)
     params = lay_out_layers(params, layer_loop)
-    if skinny_backend() == "xla_nk":
+    if lays_out_projections_out_in():
         params = out_in_projections(config, params, layer_loop)
     sizing = sizing_arguments(config, cfg, params, method, dp)
     pages, slots = first_pool(config, sizing, dp)
@@ -172,14 +174,24 @@ def layer_kernels(config: EngineConfig, cfg: ModelConfig, dtype, *, fp8_weights:
         kv_cache_dtype(config.kv_cache_dtype, dtype) == FP8_KV_BYTES
     )  # is_fp8_cache's test, before the pool exists
     rope = rope_kv_runs(cfg, attention, shards=config.tp_size, fp8_pool=fp8_pool, norms_in_dtype=True)
+    out_in = (
+        f"XLA's dot, weights under {PADDED_MIN_WEIGHT_ELEMENTS:,} elements stored [out, in], one-row products "
+        "of larger ones as two rows"
+    )
+    refusal = out_in_layout_refusal(
+        check_layer_loop(config.layer_loop),
+        serves_lora=config.serves_lora,
+        sharded=config.tp_size > 1 or config.enable_dp_attention,
+    )
     projections = {
-        "auto": f"XLA's dot, one-row products of weights of {PADDED_MIN_WEIGHT_ELEMENTS:,} elements or more as two rows",
+        "auto": out_in
+        if refusal is None
+        else f"XLA's dot, one-row products of weights of {PADDED_MIN_WEIGHT_ELEMENTS:,} elements or more as two rows",
         "xla": "XLA's dot",
         "xla_padded": "XLA's dot, every one-row product as two rows",
         "pallas": "the Triton-backend GEMV up to 16 rows",
         "mosaic": "the Mosaic GPU GEMV where it covers the shape",
-        "xla_nk": f"XLA's dot, weights under {PADDED_MIN_WEIGHT_ELEMENTS:,} elements stored [out, in], one-row products "
-        "of larger ones as two rows",
+        "xla_nk": out_in,
     }[skinny_backend()]
     return {
         "attention": {"pallas": "the Triton-backend kernels", "mosaic": "the Mosaic GPU kernels"}.get(
@@ -252,16 +264,18 @@ def fp8_weights(config: EngineConfig, params):
 
 
 def out_in_projections(config: EngineConfig, params, layer_loop: str):
-    """The small projection weights laid out [out, in] (JSPEC_SKINNY_MATMUL=xla_nk), where the
-    layers take them so; the layouts that reshape or extend those weights are refused by name."""
-    name = f"{SKINNY_MATMUL_ENV}=xla_nk"
-    if config.serves_lora:
-        raise NotImplementedError(f"{name} with LoRA adapters (which extend the projection weights) is not implemented")
-    if config.tp_size > 1 or config.enable_dp_attention:
-        raise NotImplementedError(f"{name} with tensor parallelism or DP attention is not implemented")
-    if layer_loop not in ("unrolled", "scan"):
-        raise NotImplementedError(f"{name} with --layer-loop {layer_loop} is not implemented")
-    return with_out_in_projections(params, per_layer_ndim=2 if layer_loop == "unrolled" else 3)
+    """The small projection weights laid out [out, in] where the layers take them so. Asked for
+    by name (JSPEC_SKINNY_MATMUL=xla_nk), a configuration the layout does not apply to is
+    refused; as the one-GPU default, such a configuration keeps the [in, out] weights."""
+    refusal = out_in_layout_refusal(
+        layer_loop, serves_lora=config.serves_lora, sharded=config.tp_size > 1 or config.enable_dp_attention
+    )
+    if refusal is None:
+        return with_out_in_projections(params, per_layer_ndim=2 if layer_loop == "unrolled" else 3)
+    if skinny_backend() == "xla_nk":
+        raise NotImplementedError(f"{SKINNY_MATMUL_ENV}=xla_nk with {refusal} is not implemented")
+    log.info("projection weights kept [in, out]: the [out, in] layout does not apply to %s", refusal)
+    return params
 
 
 def lora_pool(config: EngineConfig, cfg, dtype, mesh, params) -> LoraPool | None:

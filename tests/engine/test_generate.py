@@ -1,5 +1,6 @@
 """End-to-end generation over the paged KV pool against a dense no-cache recompute, and under
-the [out, in] projection-weight layout (JSPEC_SKINNY_MATMUL=xla_nk) against the default one."""
+the [out, in] projection-weight layout (the one-GPU default, JSPEC_SKINNY_MATMUL=xla_nk on any
+device) against the [in, out] one."""
 
 import dataclasses
 import functools
@@ -13,6 +14,7 @@ import pytest
 import jspec
 from jspec.checkpoint.loader import init_random_params
 from jspec.config.model import ModelConfig
+from jspec.config.spec import SpecConfig
 from jspec.engine.build import out_in_projections
 from jspec.engine.facts import serving_facts
 from jspec.kvcache.allocator import OutOfPagesError
@@ -192,30 +194,74 @@ def test_one_requests_room_is_what_the_pool_holds_below_the_context(tiny_params)
 
 
 OUT_IN_PROMPTS = [[5, 6, 7, 8, 9], [11, 3, 40]]
+# The families whose layers take projection weights in their own ways: Gemma 2's soft-caps and
+# sandwich norms, Granite's biases beside the weights, a sparse layer beside a dense one (its
+# shared expert's weights are not the dense projections the layout touches).
+OUT_IN_FAMILIES = {
+    "llama": TINY,
+    "gemma2": dataclasses.replace(
+        TINY,
+        family="gemma2",
+        tie_word_embeddings=True,
+        hidden_act="gelu_tanh",
+        embedding_multiplier=8.0,
+        norm_layout="sandwich",
+        attn_logit_softcap=2.0,
+        final_logit_softcap=15.0,
+        sliding_windows=(6, 0),
+    ),
+    "granite": dataclasses.replace(
+        TINY, family="granite", qkv_bias=True, o_bias=True, residual_multiplier=0.5, logits_divisor=3.0
+    ),
+    "qwen3_moe": dataclasses.replace(
+        TINY,
+        family="qwen3_moe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        moe_layers=(1,),
+        shared_expert_intermediate_size=32,
+    ),
+}
 
 
-def out_in_greedy(params, layer_loop):
+def out_in_greedy(cfg, params, layer_loop, speculative=None):
     engine = jspec.Engine(
-        (TINY, params),
+        (cfg, params),
         page_size=16,
         max_running_requests=2,
         precompile_bs_paddings=[2],
         attention_backend="reference",
         layer_loop=layer_loop,
+        speculative=speculative,
     )
     out = [o.token_ids for o in engine.generate(OUT_IN_PROMPTS, jspec.SamplingParams(max_new_tokens=8))]
     return out, engine.worker.params["layers"]
 
 
-@pytest.mark.parametrize("layer_loop", ["unrolled", "scan"])
-def test_out_in_projections_give_the_default_tokens(monkeypatch, layer_loop, tiny_params):
-    """JSPEC_SKINNY_MATMUL=xla_nk: the small projection weights laid out [out, in] when the engine
-    is built, used through the same layers, give the default layout's greedy tokens."""
-    params = jax.tree.map(jnp.copy, tiny_params)
-    monkeypatch.delenv(matmul.SKINNY_MATMUL_ENV, raising=False)
-    expected, _ = out_in_greedy(jax.tree.map(jnp.copy, params), layer_loop)
+@pytest.mark.parametrize(
+    "family, layer_loop, speculative",
+    [
+        ("llama", "unrolled", None),
+        ("llama", "scan", None),
+        ("llama", "unrolled", SpecConfig("NGRAM", num_draft_tokens=5)),
+        ("gemma2", "unrolled", None),
+        ("granite", "unrolled", None),
+        ("qwen3_moe", "unrolled", None),
+    ],
+    ids=["llama", "llama-scan", "llama-ngram", "gemma2", "granite", "qwen3_moe"],
+)
+def test_out_in_projections_give_the_default_tokens(monkeypatch, family, layer_loop, speculative):
+    """The small projection weights laid out [out, in] when the engine is built (asked for by
+    JSPEC_SKINNY_MATMUL=xla_nk; the default on one GPU), used through the same layers, give the
+    default layout's greedy tokens: plain decoding, a multi-row verify, each family's layers."""
+    cfg = OUT_IN_FAMILIES[family]
+    params = init_random_params(cfg, jax.random.key(0), jnp.float32)
+    monkeypatch.setenv(matmul.SKINNY_MATMUL_ENV, "xla")  # [in, out] on every device
+    expected, kept = out_in_greedy(cfg, jax.tree.map(jnp.copy, params), layer_loop, speculative)
+    assert not any(isinstance(w, matmul.OutInWeight) for w in jax.tree.leaves(kept, is_leaf=is_out_in))
     monkeypatch.setenv(matmul.SKINNY_MATMUL_ENV, "xla_nk")
-    got, layers = out_in_greedy(params, layer_loop)
+    got, layers = out_in_greedy(cfg, params, layer_loop, speculative)
     assert got == expected
     lp = layers[0] if layer_loop == "unrolled" else layers
     for name in matmul.LAYER_PROJECTIONS:
@@ -224,9 +270,31 @@ def test_out_in_projections_give_the_default_tokens(monkeypatch, layer_loop, tin
         assert w.shape[-2:] == w.t.shape[::-1][:2]  # used as [in, out], stored [out, in]
 
 
-def test_out_in_weight_products_and_refusals():
-    """An OutInWeight's product is the [in, out] weight's; the layouts that extend or reshape the
-    projection weights are refused by name."""
+def is_out_in(x):
+    return isinstance(x, matmul.OutInWeight)
+
+
+def test_one_gpu_default_lays_out_projections_where_the_layout_applies(monkeypatch, tiny_params):
+    """With no setting, the build lays the weights out [out, in] on one GPU (stood in for here)
+    and not elsewhere; a configuration the layout does not apply to keeps them [in, out] rather
+    than being refused, as it is when xla_nk is asked for by name."""
+    monkeypatch.delenv(matmul.SKINNY_MATMUL_ENV, raising=False)
+    assert not matmul.lays_out_projections_out_in()  # the CPU
+    monkeypatch.setattr(matmul, "one_gpu", lambda: True)
+    assert matmul.lays_out_projections_out_in()
+    _, layers = out_in_greedy(TINY, jax.tree.map(jnp.copy, tiny_params), "unrolled")
+    assert isinstance(layers[0]["wqkv"], matmul.OutInWeight)
+    params = {"layers": [{"wqkv": tiny_params["layers"]["wqkv"][0]}]}
+    lora = types.SimpleNamespace(serves_lora=True, tp_size=1, enable_dp_attention=False)
+    assert out_in_projections(lora, params, "unrolled") is params
+    monkeypatch.setenv(matmul.SKINNY_MATMUL_ENV, "xla")
+    assert not matmul.lays_out_projections_out_in()
+
+
+def test_out_in_weight_products_and_refusals(monkeypatch):
+    """An OutInWeight's product is the [in, out] weight's; asked for by name, the layout is refused
+    where the engine extends or reshapes the projection weights."""
+    monkeypatch.setenv(matmul.SKINNY_MATMUL_ENV, "xla_nk")
     x = jax.random.normal(jax.random.key(0), (1, 64), jnp.float32)
     w = jax.random.normal(jax.random.key(1), (64, 48), jnp.float32)
     np.testing.assert_allclose(
