@@ -325,8 +325,9 @@ def tree_variants(quick):
 
 
 def small_verify_variants():
-    """Query-block heights and splits for a short chain on few sequences, where the default's
-    one block of every token leaves most SMs idle."""
+    """Query-block heights and splits for a short chain on few sequences, where one block of
+    every token leaves most SMs idle (there the default plan shrinks the block and splits the
+    context)."""
     return (
         [("default", {})]
         + [

@@ -43,6 +43,7 @@ from jax.experimental.pallas import triton as pltriton
 from jspec.kernels.backend import resolve_interpret
 from jspec.kernels.paged_tiles import (
     LOG2E,
+    NUM_SMS,
     attend_tile,
     cache_rows,
     check_pow2,
@@ -217,26 +218,44 @@ def extend_plan(
     block_m=None,
     block_n=None,
     num_splits=None,
-    min_split_tokens=256,
+    min_split_tokens=None,
     num_warps=None,
     num_stages=2,
 ) -> ExtendPlan:
-    """Long prefill gets 128-row blocks and 8 warps (the usual Hopper flash-attention
-    shape); short queries (tree verification) the smallest MMA-able block that
-    holds them, so few rows are padding."""
+    """Long prefill (128 rows or more) gets 128-row blocks and 8 warps (the usual Hopper
+    flash-attention shape). Short queries (tree / chain verification) put enough programs
+    first: from the smallest MMA-able block that holds every row, the block halves (down to
+    16 rows, never below the GQA group) while the halved blocks x kv heads still fit one wave
+    of SMs. Within a wave a smaller block only shortens each program (fewer rows per KV tile);
+    past it the extra blocks re-read the KV. A grid that small also lets a context split be
+    one KV tile long (min_split_tokens None), so a short context still spreads over enough
+    splits to fill the GPU; otherwise splits keep at least 256 tokens. Explicit arguments win."""
     _, _, page_size, num_kv_heads, head_dim = cache_shape
     check_pow2("page_size", page_size)
     check_pow2("head_dim", head_dim)
     group = num_q_heads // num_kv_heads
     rows = max_q_len * group
-    auto_m = 128 if rows >= 128 else max(16, next_pow2(rows))
-    block_m = max(block_m or auto_m, next_pow2(group))
+    short = rows < 128
     block_n = block_n or (64 if head_dim >= 128 else 128)
-    check_pow2("block_m", block_m)
     check_pow2("block_n", block_n)
+
+    def items(m):
+        tokens = m // group
+        return query_block_count(batch, -(-max_q_len // tokens), tokens, num_rows)
+
+    smallest = max(16, next_pow2(group))
+    if block_m is None:
+        block_m = max(next_pow2(rows), smallest) if short else 128
+        while short and block_m > smallest and items(block_m // 2) * num_kv_heads <= NUM_SMS:
+            block_m //= 2
+    block_m = max(block_m, next_pow2(group))
+    check_pow2("block_m", block_m)
     tokens_per_block = block_m // group
     num_q_blocks = -(-max_q_len // tokens_per_block)
     num_items = query_block_count(batch, num_q_blocks, tokens_per_block, num_rows)
+    if min_split_tokens is None:
+        one_wave = short and num_items * num_kv_heads <= NUM_SMS
+        min_split_tokens = block_n if one_wave else 256
     splits, _ = choose_splits(max_pages * page_size, num_items * num_kv_heads, block_n, min_split_tokens, num_splits)
     num_warps = num_warps or (8 if block_m >= 128 else 4)
     return ExtendPlan(
@@ -282,7 +301,7 @@ def paged_extend(
     block_m=None,
     block_n=None,
     num_splits=None,
-    min_split_tokens=256,
+    min_split_tokens=None,
     num_warps=None,
     num_stages=2,
     window=None,
@@ -310,7 +329,9 @@ def paged_extend(
     partitions (None: chosen from the grid size, no more than keep a split of
     the table's whole width min_split_tokens long); at run time the longest
     sequence is spread evenly over them, each at least min_split_tokens long
-    unless num_splits is given; num_warps, num_stages for Triton.
+    unless num_splits is given (min_split_tokens None: 256, or one KV tile for a
+    short query whose grid fits one wave, see extend_plan); num_warps,
+    num_stages for Triton.
     """
     num_rows, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[3]

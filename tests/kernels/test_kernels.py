@@ -308,6 +308,56 @@ def test_query_block_table_holds_every_block_of_any_ragged_batch():
         assert (seq[len(need) :] == -1).all()
 
 
+SMOLLM2_CACHE = (1, 64, 16, 3, 64)  # 9 query heads over 3 kv heads of 64, pages of 16
+
+
+def test_extend_plan_puts_enough_programs_first_for_short_queries():
+    """A short verify at small batch: query blocks shrink and splits may be one tile long until
+    the grid fills the GPU (the SmolLM2 shape over a 512-token table); long prefill and a batch
+    whose blocks already fill a wave keep the smallest block that holds every row."""
+    plan = lambda b, q, **kw: extend_plan(b, 9, SMOLLM2_CACHE, 32, q, b * q, **kw)  # noqa: E731
+    tiles = lambda p: (p.block_m, p.num_items, p.num_splits, p.min_split_len)  # noqa: E731
+    # B=1: 16-row blocks (5 tokens x 3 heads), the 512 tokens in four one-tile splits.
+    assert tiles(plan(1, 16)) == (16, 4, 4, 128)
+    assert tiles(plan(1, 8)) == (16, 2, 4, 128)
+    assert tiles(plan(1, 4)) == (16, 1, 4, 128)
+    # B=16: 16-row blocks (64 x 3 programs) would pass a wave of SMs; 32-row ones do not.
+    assert tiles(plan(16, 16)) == (32, 32, 4, 128)
+    # A wave already at 64-row blocks: unchanged, splits of at least 256 tokens.
+    assert tiles(plan(64, 16)) == (64, 64, 2, 256)
+    # Long prefill: 128-row blocks, 8 warps, splits of at least 256 tokens.
+    long = plan(1, 512)
+    assert (long.block_m, long.num_warps, long.num_splits, long.min_split_len) == (128, 8, 2, 256)
+    assert tiles(plan(4, 512)) == (128, 52, 2, 256)
+    # Explicit arguments win.
+    assert plan(1, 16, block_m=64).block_m == 64
+    assert tiles(plan(1, 16, num_splits=2)) == (16, 4, 2, 128)
+    assert tiles(plan(1, 16, min_split_tokens=256)) == (16, 4, 2, 256)
+    # Never below the GQA group: 32 query heads over one kv head.
+    assert extend_plan(1, 32, (1, 64, 16, 1, 64), 32, 2, 2).block_m == 32
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["causal", "tree"])
+def test_paged_extend_small_batch_plan_matches_reference(tree):
+    """The automatic plan for a short ragged verify at small batch (16-row blocks of 5 tokens x 3
+    heads, several one-tile splits of a 300-token context) against the reference."""
+    rng = np.random.default_rng(53 + tree)
+    max_q_len = 8
+    q_lens = np.array([7, 0, 3, 1])
+    seq_lens = (np.array([293, 40, 130, 5]) + q_lens).astype(np.int32)
+    k, v, tables = paged_problem(rng, seq_lens, page_size=16, num_kv_heads=3, head_dim=64, spare_slots=13)
+    q, query_start = ragged_queries(rng, q_lens, 9, 64, pad_rows=5)
+    plan = extend_plan(len(q_lens), 9, k.shape, tables.shape[1], max_q_len, q.shape[0])
+    assert (plan.block_m, plan.num_splits, plan.min_split_len) == (16, 4, 128)
+    mask = random_tree_mask(rng, len(seq_lens), max_q_len) if tree else None
+    args = (q, k, v, jnp.int32(LAYER), seq_lens, tables, query_start)
+    out = np.asarray(paged_extend(*args, sm_scale=SM_SCALE, max_q_len=max_q_len, mask=mask))
+    ref = paged_extend_ref(*args, sm_scale=SM_SCALE, max_q_len=max_q_len, mask=mask)
+    assert not np.isnan(out).any()
+    assert rel_err(out, ref) < tolerance().rel
+    assert not np.any(out[query_start[-1] :])  # padding rows are zeros
+
+
 # Page tables 8x wider than the longest sequence needs (the columns past each
 # sequence's pages poisoned) and lengths from 0 to 300 tokens in one batch: the
 # runtime split length spreads the longest over the splits, and splits past a

@@ -119,6 +119,7 @@ def test_paged_decode_lowers_for_cuda(batch, ctx, page_size, num_q_heads, num_kv
     "batch,q_len,ctx,page_size,num_kv_heads,head_dim,tree,tuning",
     [
         (32, 8, 4096, 16, 8, 128, True, {}),  # tree verification
+        (1, 16, 512, 16, 8, 128, True, {}),  # a short verify at B=1: 16-row blocks, one-tile splits
         (32, 8, 4096, 1, 8, 128, True, dict(num_splits=1)),
         (32, 8, 4096, 64, 8, 128, False, {}),
         (1, 2048, 2048, 16, 8, 128, False, {}),  # long prefill
