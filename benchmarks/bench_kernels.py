@@ -79,12 +79,17 @@ def time_loop(body, carry, consts, iters: int, reps: int) -> tuple[float, float,
 class Problem:
     """Random bf16 paged KV with `sets` disjoint page-table sets of B sequences each."""
 
-    def __init__(self, *, batch, ctx, page_size, num_q_heads, num_kv_heads, head_dim, q_rows, layers=LAYERS, seed=0):
+    def __init__(
+        self, *, batch, ctx, page_size, num_q_heads, num_kv_heads, head_dim, q_rows, layers=LAYERS, seed=0, table=None
+    ):
+        """table: the page tables' width in tokens (ctx unless given), as a server's tables span
+        the context length whatever each sequence holds; the kernels' static split count
+        follows it."""
         self.batch, self.ctx, self.page_size = batch, ctx, page_size
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.kv_bytes = batch * ctx * num_kv_heads * head_dim * 2 * 2  # K and V, bf16
         self.sets = max(2, min(16, math.ceil(4 * L2_BYTES / self.kv_bytes)))
-        max_pages = ctx // page_size
+        max_pages = (table or ctx) // page_size
         num_pages = self.sets * batch * max_pages
         keys = jax.random.split(jax.random.key(seed), 4)
         shape = (layers, num_pages, page_size, num_kv_heads, head_dim)
@@ -230,9 +235,12 @@ def extend_flops(batch, q_len, ctx, mask, *, window=None, num_q_heads=32, head_d
     return 4 * batch * visible * num_q_heads * head_dim
 
 
-def extend_case(name, batch, q_len, ctx, page_size, variants, *, tree, iters, reps, window=None, heads=(32, 8, 128)):
+def extend_case(
+    name, batch, q_len, ctx, page_size, variants, *, tree, iters, reps, window=None, heads=(32, 8, 128), table=None
+):
     """window: a sliding window narrower than ctx (each query reads its last window keys);
-    heads: (query heads, KV heads, head dim), the 8B's unless given."""
+    heads: (query heads, KV heads, head dim), the 8B's unless given; table: the page tables'
+    width in tokens (Problem)."""
     num_q_heads, num_kv_heads, head_dim = heads
     p = Problem(
         batch=batch,
@@ -242,6 +250,7 @@ def extend_case(name, batch, q_len, ctx, page_size, variants, *, tree, iters, re
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         q_rows=batch * q_len,
+        table=table,
     )
     layer = jnp.int32(LAYER)
     query_start = jnp.arange(batch + 1, dtype=jnp.int32) * q_len
@@ -265,6 +274,7 @@ def extend_case(name, batch, q_len, ctx, page_size, variants, *, tree, iters, re
         kv_bytes=p.kv_bytes,
         flops=flops,
         page_table_sets=p.sets,
+        table_tokens=table or ctx,
         results=[],
     )
     for vname, tuning in variants:
@@ -536,6 +546,28 @@ def main():
                 heads=(9, 3, 64),
             )
             for b, q in ((1, 16), (1, 8), (1, 4), (16, 16))
+        ][: 1 if args.smoke else None]
+        # As served: the page tables span the embedded model's context, so the plan's static
+        # split count follows the width while the runtime splits follow the 512 tokens held.
+        # Against the plan before short queries put programs first (64-row block, 256-token
+        # splits) and the measured winner at a 512-token table.
+        served = [("default", {}), ("before", dict(block_m=64, min_split_tokens=256))]
+        served += [("m16_splits4", dict(block_m=16, num_splits=4))]
+        plans += [
+            lambda b=b: extend_case(
+                f"verify_b{b}_q16_ctx512_table8192_s16_smollm2",
+                b if not args.smoke else 1,
+                16,
+                ctx(512) if not args.smoke else 64,
+                16,
+                served[: 2 if args.smoke else None],
+                tree=True,
+                iters=iters,
+                reps=reps,
+                heads=(9, 3, 64),
+                table=ctx(8192) if not args.smoke else 256,
+            )
+            for b in (1, 16)
         ][: 1 if args.smoke else None]
     # Per-iteration cost of the timing loop itself: a trivial body on a decode-sized q.
     q_small = jnp.ones((32, 32, 128), jnp.bfloat16)
