@@ -28,6 +28,7 @@ from jspec.checkpoint.dflash import dflash_config_for, init_random_dflash_params
 from jspec.config.sampling import SamplingParams
 from jspec.config.spec import SpecConfig
 from jspec.engine.engine import Engine
+from jspec.layers.matmul import SKINNY_MATMUL_ENV, skinny_backend
 
 BLOCKS = (16, 8)
 
@@ -63,6 +64,7 @@ def main(argv=None):
     )
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes (the CPU check of the script)")
     ap.add_argument("--out", default=RESULTS_DIR)
+    ap.add_argument("--tag", default="", help="suffix of the results file (a variant of the same run)")
     args = ap.parse_args(argv)
     target = dataclasses.replace(SMALL, max_position_embeddings=2048) if args.small else LLAMA_8B_CTX
     cfg = tiny(target) if args.dry_run else target
@@ -76,9 +78,19 @@ def main(argv=None):
         max_running_requests=args.batch if not args.dry_run else 4,
     )
     shape_name = "smollm2-135m" if args.small else "llama-3.1-8b"
-    settings = {"shape": shape_name, "draft_layers": args.draft_layers, "dry_run": args.dry_run}
+    settings = {
+        "shape": shape_name,
+        "draft_layers": args.draft_layers,
+        "dry_run": args.dry_run,
+        SKINNY_MATMUL_ENV: skinny_backend(),
+    }
     name = "bench_dflash_small" if args.small else "bench_dflash"
-    results = Results(args.out, name, {**settings, "target_layer_ids": list(dcfg.target_layer_ids)})
+    results = Results(
+        args.out,
+        name,
+        {**settings, "target_layer_ids": list(dcfg.target_layer_ids)},
+        file_name=f"{name}_{args.tag}" if args.tag else None,
+    )
     plain_engine = Engine((cfg, params), **kw)
     plain = plain_costs(plain_engine, args.repeats)
     profiles = {"plain": profile_b1(plain_engine.worker)} if args.profile else {}

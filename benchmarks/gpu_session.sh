@@ -96,7 +96,13 @@ for s in "$@"; do
     dflash_cost) step dflash_cost 150 $PY -m benchmarks.bench_dflash --draft-layers 5 --out "$RESULTS" ;;
     # The SmolLM2 shape (the served drafter's: 2 layers), each block's B=1 step traced: where a
     # block of 16 costs more than one of 8 on a launch-bound model.
-    dflash_cost_small) step dflash_cost_small 200 $PY -m benchmarks.bench_dflash --small --draft-layers 2 --batch 16 --profile --out "$RESULTS" ;;
+    dflash_cost_small)
+      # DFLASH_SMALL_VARIANTS: JSPEC_SKINNY_MATMUL settings, each its own run (auto's file untagged).
+      for v in ${DFLASH_SMALL_VARIANTS:-auto}; do
+        tag=(); [ $v = auto ] || tag=(--tag $v)
+        JSPEC_SKINNY_MATMUL=$v step dflash_cost_small_$v 200 $PY -m benchmarks.bench_dflash --small --draft-layers 2 \
+          --batch 16 --profile "${tag[@]}" --out "$RESULTS"
+      done ;;
     # DFLASH on real weights, one call each on a warm machine after `carry_demo_model.sh assemble`
     # (the demo SmolLM2 here; .demo_stash survives between calls): the retrained EAGLE-3 head and
     # its answers, the DFlash drafter on the same answers (<empty_output>, id 16, a special token
