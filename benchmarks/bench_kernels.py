@@ -292,7 +292,9 @@ def extend_case(
             window=win,
             **tuning,
         )
-        plan = extend_plan(batch, num_q_heads, p.k.shape, ctx // page_size, q_len, batch * q_len, **tuning)._asdict()
+        plan = extend_plan(
+            batch, num_q_heads, p.k.shape, p.page_tables.shape[-1], q_len, batch * q_len, **tuning
+        )._asdict()
         extra = {"tuning": tuning, "plan": plan, "kernel": "jspec"}
         case["results"].append(run_variant(vname, call, ref, p, iters, reps, extra))
         print(f"  {name} {vname}: {case['results'][-1].get('median_us', 'FAILED')}", flush=True)

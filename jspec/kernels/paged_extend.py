@@ -44,6 +44,7 @@ from jspec.kernels.backend import resolve_interpret
 from jspec.kernels.paged_tiles import (
     LOG2E,
     NUM_SMS,
+    TARGET_PROGRAMS,
     attend_tile,
     cache_rows,
     check_pow2,
@@ -194,6 +195,11 @@ def _extend_kernel(
             pltriton.store(l_ref.at[split, flat_row[:, 0], head[:, 0]], l, mask=real_row)
 
 
+def largest_pow2_upto(n: int) -> int:
+    """The largest power of two <= n (1 for n < 1)."""
+    return next_pow2(n + 1) // 2 if n >= 1 else 1
+
+
 class ExtendPlan(NamedTuple):
     """Static launch settings, resolved from shapes and the tuning arguments."""
 
@@ -253,10 +259,19 @@ def extend_plan(
     tokens_per_block = block_m // group
     num_q_blocks = -(-max_q_len // tokens_per_block)
     num_items = query_block_count(batch, num_q_blocks, tokens_per_block, num_rows)
+    programs = num_items * num_kv_heads
+    one_wave = short and programs <= NUM_SMS
     if min_split_tokens is None:
-        one_wave = short and num_items * num_kv_heads <= NUM_SMS
         min_split_tokens = block_n if one_wave else 256
-    splits, _ = choose_splits(max_pages * page_size, num_items * num_kv_heads, block_n, min_split_tokens, num_splits)
+    max_kv = max_pages * page_size
+    splits, _ = choose_splits(max_kv, programs, block_n, min_split_tokens, num_splits)
+    if num_splits is None and one_wave and splits * programs > TARGET_PROGRAMS:
+        # The split count is static and follows the page table's width, while a server's
+        # sequences mostly hold far less: every split past the runtime context is a program
+        # that starts only to find no tile, and waves of those cost as much as a short
+        # verify's own work. So a short grid stays under the target rather than rounding past it.
+        capped = largest_pow2_upto(TARGET_PROGRAMS // programs)
+        splits, _ = choose_splits(max_kv, programs, block_n, min_split_tokens, capped)
     num_warps = num_warps or (8 if block_m >= 128 else 4)
     return ExtendPlan(
         block_m,

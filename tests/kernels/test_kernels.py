@@ -28,7 +28,13 @@ from support.precision import EXACT, EXACT_SETTINGS, TF32, emulate_tf32_dots, to
 from jspec.kernels.backend import interpret_mode
 from jspec.kernels.paged_decode import paged_decode
 from jspec.kernels.paged_extend import extend_plan, paged_extend
-from jspec.kernels.paged_tiles import choose_splits, min_split_len, query_block_table, runtime_split_len
+from jspec.kernels.paged_tiles import (
+    TARGET_PROGRAMS,
+    choose_splits,
+    min_split_len,
+    query_block_table,
+    runtime_split_len,
+)
 from jspec.kernels.ref import paged_decode_ref, paged_extend_ref, skinny_matmul_ref
 from jspec.kernels.skinny_matmul import skinny_matmul, skinny_matmul_plan
 
@@ -329,6 +335,12 @@ def test_extend_plan_puts_enough_programs_first_for_short_queries():
     long = plan(1, 512)
     assert (long.block_m, long.num_warps, long.num_splits, long.min_split_len) == (128, 8, 2, 256)
     assert tiles(plan(4, 512)) == (128, 52, 2, 256)
+    # A served table spans the context (8,192 tokens) while sequences hold far less: the static
+    # splits stay under the target grid (rounded down), not one past it per tile of the table.
+    served = lambda b, q: extend_plan(b, 9, SMOLLM2_CACHE, 512, q, b * q)  # noqa: E731
+    assert tiles(served(1, 16)) == (16, 4, 32, 128)  # 12 programs a split: 32 x 12 <= 4 waves
+    assert tiles(served(16, 16)) == (32, 32, 4, 128)
+    assert served(1, 16).num_splits * 4 * 3 <= TARGET_PROGRAMS < 2 * 32 * 4 * 3
     # Explicit arguments win.
     assert plan(1, 16, block_m=64).block_m == 64
     assert tiles(plan(1, 16, num_splits=2)) == (16, 4, 2, 128)
