@@ -57,39 +57,50 @@ def _release_compiled_programs():
     gc.collect()
 
 
-# The slowest files first: with `--dist loadfile` xdist hands out whole files in collection
-# order, so a slow file picked up last would leave the other worker idle at the end.
+# The slowest files first (their seconds in a run with an empty compilation cache, 2026-12-07,
+# commit beec17e): with `--dist loadfile` xdist hands out whole files in queue order, so a slow file
+# picked up last would leave the other worker idle at the end.
 SLOW_FILES_FIRST = (
     "test_hf_parity.py",
-    "test_spec_methods.py",
     "test_bench_scripts.py",
+    "test_spec_methods.py",
     "test_server.py",
-    "test_adaptive.py",
     "test_spec_eagle.py",
-    "test_lora.py",
-    "test_deepseek.py",
-    "test_fp8_engine.py",
-    "test_tensor_parallel.py",
-    "test_engine.py",
-    "test_spec_families.py",
     "test_dp_attention.py",
+    "test_adaptive.py",
+    "test_lora.py",
+    "test_generate.py",
+    "test_spec_families.py",
     "test_kernels.py",
     "test_programs.py",
+    "test_tensor_parallel.py",
+    "test_engine.py",
+    "test_fp8_engine.py",
+    "test_deepseek.py",
     "test_moe.py",
     "test_spec_dflash.py",
-    "test_real_model.py",
-    "test_structured.py",
-    "test_spec_sampling.py",
-    "test_generate.py",
-    "test_pd_disagg.py",
-    "test_logprobs.py",
     "test_penalties.py",
+    "test_paged_decode_mgpu.py",
+    "test_structured.py",
     "test_train_eagle.py",
-    "test_fp8.py",
-    "test_nextn_mimo.py",
-    "test_fp8_kernels.py",
+    "test_real_model.py",
+    "test_device_sizing.py",
+    "test_logprobs.py",
+    "test_paged_extend_mgpu.py",
     "test_sampling.py",
+    "test_pd_disagg.py",
+    "test_engine_process.py",
+    "test_spec_sampling.py",
+    "test_loader.py",
+    "test_rope_kv.py",
 )
+
+
+def pytest_configure(config):
+    """xdist (3.x) reorders loadfile's queue by each file's number of tests unless told not to,
+    which would undo SLOW_FILES_FIRST: a slow file of few tests went out late."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(items):
