@@ -57,9 +57,9 @@ def _release_compiled_programs():
     gc.collect()
 
 
-# The slowest files first (their seconds in a run with an empty compilation cache, 2026-12-07,
-# commit beec17e): with `--dist loadfile` xdist hands out whole files in queue order, so a slow file
-# picked up last would leave the other worker idle at the end.
+# The slowest files first (ordered by their seconds in a run with an empty compilation cache;
+# `--durations=0` refreshes it): with `--dist loadfile` xdist hands out whole files in queue
+# order, so a slow file picked up last would leave the other worker idle at the end.
 SLOW_FILES_FIRST = (
     "test_hf_parity.py",
     "test_bench_scripts.py",
