@@ -318,7 +318,9 @@ def test_the_build_log_names_each_layer_steps_kernel(monkeypatch):
     assert triton["RoPE and K / V write"] == "one Triton-backend kernel"
     assert triton["projections"].startswith("XLA's dot, weights under 8,388,608 elements stored [out, in]")
     # Where the [out, in] layout does not apply, the default keeps the [in, out] weights.
-    unrolled_stack = build.layer_kernels(EngineConfig(attention_backend="pallas", layer_loop="unrolled_stack"), model(), BF16)
+    unrolled_stack = build.layer_kernels(
+        EngineConfig(attention_backend="pallas", layer_loop="unrolled_stack"), model(), BF16
+    )
     assert unrolled_stack["projections"].startswith("XLA's dot, one-row products of weights of 8,388,608 elements")
     mosaic = build.layer_kernels(EngineConfig(attention_backend="mosaic"), model(), BF16)
     assert mosaic["attention"] == "the Mosaic GPU kernels" and mosaic["add-and-norm"].startswith(
