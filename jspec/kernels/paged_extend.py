@@ -235,7 +235,9 @@ def extend_plan(
     of SMs. Within a wave a smaller block only shortens each program (fewer rows per KV tile);
     past it the extra blocks re-read the KV. A grid that small also lets a context split be
     one KV tile long (min_split_tokens None), so a short context still spreads over enough
-    splits to fill the GPU; otherwise splits keep at least 256 tokens. Explicit arguments win."""
+    splits to fill the GPU, though never past the target grid of programs, since the split
+    count follows the table's width and idle splits cost; otherwise splits keep at least 256
+    tokens. Explicit arguments win."""
     _, _, page_size, num_kv_heads, head_dim = cache_shape
     check_pow2("page_size", page_size)
     check_pow2("head_dim", head_dim)
