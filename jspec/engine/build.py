@@ -37,7 +37,6 @@ from jspec.layers.matmul import (
     PADDED_MIN_WEIGHT_ELEMENTS,
     SKINNY_MATMUL_ENV,
     lays_out_projections_out_in,
-    out_in_layout_refusal,
     skinny_backend,
     with_out_in_projections,
 )
@@ -178,11 +177,7 @@ def layer_kernels(config: EngineConfig, cfg: ModelConfig, dtype, *, fp8_weights:
         f"XLA's dot, weights under {PADDED_MIN_WEIGHT_ELEMENTS:,} elements stored [out, in], one-row products "
         "of larger ones as two rows"
     )
-    refusal = out_in_layout_refusal(
-        check_layer_loop(config.layer_loop),
-        serves_lora=config.serves_lora,
-        sharded=config.tp_size > 1 or config.enable_dp_attention,
-    )
+    refusal = out_in_refusal(config, check_layer_loop(config.layer_loop))
     projections = {
         "auto": out_in
         if refusal is None
@@ -263,13 +258,24 @@ def fp8_weights(config: EngineConfig, params):
     return with_fp8_gemm(params, config.fp8_gemm_backend)
 
 
+def out_in_refusal(config: EngineConfig, layer_loop: str) -> str | None:
+    """Why the [out, in] projection layout does not apply to this engine, or None: LoRA extends
+    the projection weights with the pool's columns, tensor parallelism and DP attention reshape
+    them into blocks, and the stacked-and-unrolled loop slices them as [in, out]."""
+    if config.serves_lora:
+        return "LoRA adapters (which extend the projection weights)"
+    if config.tp_size > 1 or config.enable_dp_attention:
+        return "tensor parallelism or DP attention"
+    if layer_loop not in ("unrolled", "scan"):
+        return f"--layer-loop {layer_loop}"
+    return None
+
+
 def out_in_projections(config: EngineConfig, params, layer_loop: str):
     """The small projection weights laid out [out, in] where the layers take them so. Asked for
     by name (JSPEC_SKINNY_MATMUL=xla_nk), a configuration the layout does not apply to is
     refused; as the one-GPU default, such a configuration keeps the [in, out] weights."""
-    refusal = out_in_layout_refusal(
-        layer_loop, serves_lora=config.serves_lora, sharded=config.tp_size > 1 or config.enable_dp_attention
-    )
+    refusal = out_in_refusal(config, layer_loop)
     if refusal is None:
         return with_out_in_projections(params, per_layer_ndim=2 if layer_loop == "unrolled" else 3)
     if skinny_backend() == "xla_nk":

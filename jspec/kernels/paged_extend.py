@@ -52,6 +52,7 @@ from jspec.kernels.paged_tiles import (
     gather_kv_tiles,
     initial_state,
     kv_compute_dtype,
+    largest_pow2_upto,
     merge_splits,
     min_split_len,
     next_pow2,
@@ -195,11 +196,6 @@ def _extend_kernel(
             pltriton.store(l_ref.at[split, flat_row[:, 0], head[:, 0]], l, mask=real_row)
 
 
-def largest_pow2_upto(n: int) -> int:
-    """The largest power of two <= n (1 for n < 1)."""
-    return next_pow2(n + 1) // 2 if n >= 1 else 1
-
-
 class ExtendPlan(NamedTuple):
     """Static launch settings, resolved from shapes and the tuning arguments."""
 
@@ -258,9 +254,8 @@ def extend_plan(
             block_m //= 2
     block_m = max(block_m, next_pow2(group))
     check_pow2("block_m", block_m)
-    tokens_per_block = block_m // group
-    num_q_blocks = -(-max_q_len // tokens_per_block)
-    num_items = query_block_count(batch, num_q_blocks, tokens_per_block, num_rows)
+    num_q_blocks = -(-max_q_len // (block_m // group))
+    num_items = items(block_m)
     programs = num_items * num_kv_heads
     one_wave = short and programs <= NUM_SMS
     if min_split_tokens is None:

@@ -55,6 +55,11 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+def largest_pow2_upto(n: int) -> int:
+    """The largest power of two <= n (1 for n < 1)."""
+    return next_pow2(n + 1) // 2 if n >= 1 else 1
+
+
 def check_pow2(name: str, value: int) -> None:
     if value < 1 or value & (value - 1):
         raise ValueError(f"{name} must be a power of two, got {value}")

@@ -9,7 +9,7 @@ XLA's dot partitions the sharded weights):
 - auto (the default): a one-row product of a weight of at least PADDED_MIN_WEIGHT_ELEMENTS
   runs as a two-row one (two_row_dot), where the dot's gain outweighs the pad and the slice
   around it; everything else is XLA's dot; on one GPU, the smaller weights laid out as xla_nk
-  lays them out wherever that layout applies (out_in_layout_refusal says where it does not);
+  lays them out wherever that layout applies (engine/build.out_in_refusal says where it does not);
 - xla: XLA's dot always; xla_padded: every one-row product padded to two rows;
 - pallas: every projection of at most 16 rows through kernels/skinny_matmul.py (Pallas'
   Triton backend); mosaic: every one of at most 64 rows whose shape
@@ -52,19 +52,6 @@ def lays_out_projections_out_in() -> bool:
     kernel a projection (on the CPU XLA's dot is one kernel either way)."""
     backend = skinny_backend()
     return backend == "xla_nk" or (backend == "auto" and one_gpu())
-
-
-def out_in_layout_refusal(layer_loop: str, *, serves_lora: bool, sharded: bool) -> str | None:
-    """Why the [out, in] layout does not apply to this engine, or None: LoRA extends the
-    projection weights with the pool's columns, tensor parallelism and DP attention reshape
-    them into blocks, and the stacked-and-unrolled loop slices them as [in, out]."""
-    if serves_lora:
-        return "LoRA adapters (which extend the projection weights)"
-    if sharded:
-        return "tensor parallelism or DP attention"
-    if layer_loop not in ("unrolled", "scan"):
-        return f"--layer-loop {layer_loop}"
-    return None
 
 
 @jax.tree_util.register_dataclass
